@@ -1,0 +1,3 @@
+/* SCAFFOLD: replaced by its owner. */
+#include "cli.h"
+int cmd_trace_gen(rp_context *ctx, int argc, char **argv) { (void)ctx; (void)argc; (void)argv; return cli_usage("not built yet"); }

@@ -1,0 +1,101 @@
+/* RoutePack configuration: topology, hardware constants, model shape, limits and the
+ * policy, read from one JSON document. Every key is documented in docs/config.md. */
+#ifndef ROUTEPACK_CONFIG_H
+#define ROUTEPACK_CONFIG_H
+
+#include "routepack/base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The machine. GPUs are numbered node-major (GPU g sits on node g / gpus_per_node);
+ * each GPU is one data-parallel rank, so dp_size == num_gpus. EP groups are contiguous
+ * blocks of ep_size GPUs (they may span nodes). A tensor- or pipeline-parallel group
+ * counts as one GPU: those dimensions are outside the model. */
+typedef struct rp_topology {
+    int32_t num_nodes;
+    int32_t gpus_per_node;
+    int32_t num_gpus;        /* num_nodes * gpus_per_node */
+    int32_t dp_size;         /* == num_gpus */
+    int32_t ep_size;         /* GPUs per EP group; divides num_gpus */
+    int32_t num_ep_groups;   /* num_gpus / ep_size */
+    const int32_t *slots;    /* [num_gpus] expert slots per MoE layer on each GPU */
+    const double *speed;     /* [num_gpus] relative compute speed, 1.0 nominal */
+    double nvlink_bytes_per_s;   /* per GPU, per direction, inside a node */
+    double nvlink_latency_s;
+    double net_bytes_per_s;      /* per GPU, per direction, across nodes */
+    double net_latency_s;
+} rp_topology;
+
+/* One point of the grouped-GEMM efficiency curve: at `tokens` tokens per expert the
+ * GEMM reaches `efficiency` of peak. Linear interpolation between points; flat beyond. */
+typedef struct rp_eff_point {
+    double tokens;
+    double efficiency;
+} rp_eff_point;
+
+/* Hardware constants of one GPU (defaults: H200 SXM, see docs/cost-model.md). */
+typedef struct rp_hardware {
+    double peak_flops;            /* dense BF16 FLOP/s */
+    double hbm_bytes_per_s;
+    double hbm_bytes;             /* memory capacity */
+    double attention_efficiency;  /* fraction of peak that attention reaches */
+    double dense_efficiency;      /* fraction of peak for the attention projections */
+    const rp_eff_point *gemm_efficiency; /* sorted by tokens */
+    int32_t num_gemm_efficiency;
+    double backward_multiplier;   /* backward time / forward time */
+} rp_hardware;
+
+/* The MoE model. Attention shape drives the dense work; expert shape the sparse work. */
+typedef struct rp_model {
+    int32_t num_layers;       /* MoE layers */
+    int32_t num_experts;      /* routed experts per layer */
+    int32_t top_k;
+    int32_t hidden_size;      /* d */
+    int32_t expert_ffn_size;  /* f, one expert's intermediate size */
+    int32_t num_heads;        /* h */
+    int32_t num_kv_heads;     /* h_kv */
+    int32_t head_dim;         /* d_h */
+    int32_t bytes_per_param;          /* weights as trained (2 for BF16) */
+    int32_t bytes_per_optimizer_state;/* optimizer bytes per parameter kept beside it */
+} rp_model;
+
+/* Limits of one microbatch. */
+typedef struct rp_limits {
+    int64_t max_tokens_per_microbatch;  /* token cap; > 0 */
+    int32_t num_microbatches;           /* 0: the plan chooses */
+    double max_activation_bytes;        /* 0: no memory cap */
+    double activation_bytes_per_token;  /* activation memory model: bytes per token */
+} rp_limits;
+
+/* The policy to run and its parameters (checked by the policy engine, not here). */
+typedef struct rp_policy_config {
+    const char *name;          /* a policy name or a path; never NULL */
+    const char *params_json;   /* the "params" object as JSON text; "{}" when absent */
+    const char *const *search_path;  /* directories, NULL-terminated */
+} rp_policy_config;
+
+typedef struct rp_config rp_config;
+
+/* Read and validate a config file. Unknown keys, wrong types and out-of-range values
+ * are errors whose text gives path:line:column and the JSON path of the value. */
+RP_API rp_status rp_config_load(rp_context *ctx, const char *path, rp_config **out, rp_error *err);
+/* Same from memory; `name` is used in messages (e.g. "<inline>"). */
+RP_API rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const char *name,
+                          rp_config **out, rp_error *err);
+RP_API void rp_config_free(rp_config *cfg);
+
+/* Borrowed views, valid until rp_config_free. */
+RP_API const rp_topology *rp_config_topology(const rp_config *cfg);
+RP_API const rp_hardware *rp_config_hardware(const rp_config *cfg);
+RP_API const rp_model *rp_config_model(const rp_config *cfg);
+RP_API const rp_limits *rp_config_limits(const rp_config *cfg);
+RP_API const rp_policy_config *rp_config_policy(const rp_config *cfg);
+/* The file the config came from ("<inline>" when parsed from memory). */
+RP_API const char *rp_config_source(const rp_config *cfg);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,14 @@
+/* RoutePack: joint packing and expert placement for MoE RL training. One include for
+ * the whole public API. */
+#ifndef ROUTEPACK_H
+#define ROUTEPACK_H
+
+#include "routepack/base.h"
+#include "routepack/config.h"
+#include "routepack/batch.h"
+#include "routepack/trace.h"
+#include "routepack/gen.h"
+#include "routepack/stats.h"
+#include "routepack/gpu.h"
+
+#endif

@@ -1,0 +1,74 @@
+/* Private helpers shared by the core: allocation through the context, error reports,
+ * logging and checked size arithmetic. Not installed. */
+#ifndef RP_INTERNAL_H
+#define RP_INTERNAL_H
+
+#include "routepack/base.h"
+
+#include <stdarg.h>
+#include <stdbool.h>
+
+struct rp_context {
+    rp_alloc_fn alloc;
+    void *alloc_ud;
+    rp_log_fn log;
+    void *log_ud;
+    rp_log_level log_min;
+};
+
+#if defined(__GNUC__)
+#define RP_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define RP_PRINTF(f, a)
+#endif
+
+/* Allocation through the context's hook. Blocks carry their size in a small header,
+ * so rp_free needs no size; the hook still sees exact sizes. rp_alloc and rp_calloc
+ * return NULL on failure or on a size that overflows. */
+void *rp_alloc(rp_context *ctx, size_t size);
+void *rp_calloc(rp_context *ctx, size_t count, size_t size);
+void *rp_realloc(rp_context *ctx, void *ptr, size_t size);
+void rp_free(rp_context *ctx, void *ptr);
+char *rp_strdup(rp_context *ctx, const char *s);
+
+/* Fill `err` (may be NULL) and return `status`. Positions are reset to -1; set the
+ * ones that apply after the call. */
+rp_status rp_fail(rp_error *err, rp_status status, const char *fmt, ...) RP_PRINTF(3, 4);
+rp_status rp_failv(rp_error *err, rp_status status, const char *fmt, va_list ap);
+/* Report an allocation failure of `what`. */
+rp_status rp_fail_nomem(rp_error *err, const char *what);
+
+void rp_log(rp_context *ctx, rp_log_level level, const char *fmt, ...) RP_PRINTF(3, 4);
+
+/* Checked arithmetic for sizes read from files or callers: true on overflow. */
+static inline bool rp_mul_overflow(int64_t a, int64_t b, int64_t *out)
+{
+    return __builtin_mul_overflow(a, b, out);
+}
+static inline bool rp_add_overflow(int64_t a, int64_t b, int64_t *out)
+{
+    return __builtin_add_overflow(a, b, out);
+}
+
+/* Read a whole (small) file, NUL-terminated; for configs and settings. */
+rp_status rp_read_file(rp_context *ctx, const char *path, char **text, size_t *len,
+                       rp_error *err);
+
+/* Run `call`; on failure keep its status in `st` and jump to `label`. */
+#define RP_CHECK_GOTO(call, st, label) \
+    do {                               \
+        (st) = (call);                 \
+        if ((st) != RP_OK) goto label; \
+    } while (0)
+
+/* Load one routing id of any width. */
+static inline int32_t rp_id_load(const void *base, rp_id_width width, int64_t index)
+{
+    switch (width) {
+    case RP_ID_U8: return ((const uint8_t *)base)[index];
+    case RP_ID_U16: return ((const uint16_t *)base)[index];
+    default: return ((const int32_t *)base)[index];
+    }
+}
+
+#endif
