@@ -85,6 +85,11 @@ void rp_free(rp_context *ctx, void *ptr)
     ctx->alloc(ctx->alloc_ud, block, old + HEADER, 0);
 }
 
+void rp_text_free(rp_context *ctx, char *text)
+{
+    rp_free(ctx, text);
+}
+
 char *rp_strdup(rp_context *ctx, const char *s)
 {
     size_t n = strlen(s) + 1;

@@ -4,6 +4,7 @@
 #define ROUTEPACK_BASE_H
 
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -84,6 +85,9 @@ RP_API rp_status rp_context_new(rp_alloc_fn alloc, void *alloc_ud, rp_context **
 RP_API void rp_context_free(rp_context *ctx);
 /* Messages below `min_level` are dropped. `fn` NULL disables logging (the default). */
 RP_API void rp_context_set_log(rp_context *ctx, rp_log_fn fn, void *ud, rp_log_level min_level);
+
+/* Free text the library allocated through `ctx` (JSON dumps, reports). NULL is a no-op. */
+RP_API void rp_text_free(rp_context *ctx, char *text);
 
 /* Width of a routing id as it arrives from the trainer. The value is its byte size. */
 typedef enum rp_id_width {

@@ -10,5 +10,8 @@
 #include "routepack/gen.h"
 #include "routepack/stats.h"
 #include "routepack/gpu.h"
+#include "routepack/plan.h"
+#include "routepack/cost.h"
+#include "routepack/primitives.h"
 
 #endif

@@ -1,0 +1,112 @@
+/* The cost model: one judge for dense attention work and sparse expert work of the
+ * same step, its lower bound, a breakdown that names the straggler, and incremental
+ * evaluation for local search. Every formula, unit and default constant is in
+ * docs/cost-model.md. */
+#ifndef ROUTEPACK_COST_H
+#define ROUTEPACK_COST_H
+
+#include "routepack/plan.h"
+#include "routepack/stats.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* How an expert's tokens split over its replicas when the plan sets no shares. */
+typedef enum rp_split_rule {
+    RP_SPLIT_EVEN = 0,     /* each replica takes an equal share of every source's tokens */
+    RP_SPLIT_LOCALITY = 1  /* tokens go to a replica on the same GPU, else the same node,
+                              else evenly over all replicas */
+} rp_split_rule;
+
+/* Which side of a layer decides its straggler. */
+typedef enum rp_side {
+    RP_SIDE_ATTENTION = 0,
+    RP_SIDE_DISPATCH = 1,
+    RP_SIDE_EXPERT = 2,
+    RP_SIDE_COMBINE = 3
+} rp_side;
+
+/* Figures of one evaluated plan. Times in seconds for the whole step (forward and
+ * backward, all microbatches and layers). */
+typedef struct rp_cost_summary {
+    double step_s;           /* predicted step time */
+    double lower_bound_s;    /* see docs/cost-model.md: every term perfectly balanced */
+    double ratio;            /* step_s / lower_bound_s */
+    double attention_s;      /* sum over (mb, layer) of the slowest GPU's attention */
+    double dispatch_s;
+    double expert_s;         /* sum over (mb, layer) of the slowest GPU's expert work */
+    double combine_s;
+    double grad_reduce_s;    /* extra gradient reduction that replicas add */
+    double extra_copy_s;     /* NVLink copies of per-microbatch extra replicas */
+    double attention_imbalance; /* mean over mb of max/mean attention across GPUs */
+    double expert_imbalance;    /* mean over (mb, layer, EP group) of max/mean expert time */
+    int32_t straggler_gpu;   /* the GPU, microbatch and layer whose term is the largest */
+    int32_t straggler_mb;
+    int32_t straggler_layer;
+    rp_side straggler_side;
+} rp_cost_summary;
+
+/* An evaluator bound to one step: config, batch and its routing statistics (all
+ * borrowed; they must outlive it). */
+typedef struct rp_cost rp_cost;
+
+RP_API rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                             const rp_stats *stats, rp_split_rule rule, rp_cost **out,
+                             rp_error *err);
+RP_API void rp_cost_free(rp_cost *cost);
+
+/* Forward time of one layer's attention for a sequence of `seq_len` tokens on a GPU of
+ * relative speed 1 (causal attention plus QKV/O projections). */
+RP_API double rp_cost_attention_s(const rp_cost *cost, int64_t seq_len);
+/* Forward time of one expert slot processing `tokens` tokens at speed 1. */
+RP_API double rp_cost_expert_s(const rp_cost *cost, double tokens);
+/* Time to move one expert (weights and optimizer state) over NVLink (same node) or
+ * the network. */
+RP_API double rp_cost_expert_move_s(const rp_cost *cost, bool same_node);
+
+/* Evaluate a plan fully (packing and placement are both required; the plan must be
+ * valid: run rp_plan_validate first). Keeps the breakdown for the accessors below and
+ * binds the evaluator to the plan for incremental moves. */
+RP_API rp_status rp_cost_evaluate(rp_cost *cost, const rp_plan *plan, rp_cost_summary *out,
+                                  rp_error *err);
+
+/* Breakdown of the last evaluation (seconds, forward, one layer):
+ * attention[gpu * M + mb], expert[(mb * L + layer) * G + gpu],
+ * dispatch[(mb * L + layer) * G + gpu], combine likewise. Borrowed. */
+RP_API const double *rp_cost_attention_breakdown(const rp_cost *cost);
+RP_API const double *rp_cost_expert_breakdown(const rp_cost *cost);
+RP_API const double *rp_cost_dispatch_breakdown(const rp_cost *cost);
+RP_API const double *rp_cost_combine_breakdown(const rp_cost *cost);
+/* The breakdown and summary as JSON (rp_text_free). */
+RP_API rp_status rp_cost_breakdown_json(const rp_cost *cost, char **text, size_t *len,
+                                        rp_error *err);
+
+/* Incremental evaluation against the bound plan: the step time the plan would have
+ * after the change, without changing anything. Exact: equal to a full evaluation of
+ * the changed plan (up to floating-point rounding). */
+RP_API double rp_cost_try_move(rp_cost *cost, int32_t seq, int32_t rank, int32_t mb);
+RP_API double rp_cost_try_swap(rp_cost *cost, int32_t seq_a, int32_t seq_b);
+/* Replace the expert in one physical slot of a layer (the old expert must keep a
+ * replica). Returns INFINITY when the change is invalid. */
+RP_API double rp_cost_try_slot(rp_cost *cost, int32_t layer, int32_t slot, int32_t expert);
+/* Apply a change to the bound state and to `plan` (the plan the evaluator is bound to). */
+RP_API rp_status rp_cost_apply_move(rp_cost *cost, rp_plan *plan, int32_t seq, int32_t rank,
+                                    int32_t mb, rp_error *err);
+RP_API rp_status rp_cost_apply_swap(rp_cost *cost, rp_plan *plan, int32_t seq_a, int32_t seq_b,
+                                    rp_error *err);
+RP_API rp_status rp_cost_apply_slot(rp_cost *cost, rp_plan *plan, int32_t layer, int32_t slot,
+                                    int32_t expert, rp_error *err);
+/* Step time of the bound state. */
+RP_API double rp_cost_current_s(const rp_cost *cost);
+
+/* Predicted time of moving from placement `from` to placement `to` (minimum moves:
+ * experts already resident stay; the rest come from the nearest replica), with the
+ * bytes moved. Migration overlaps nothing in this first model. */
+RP_API rp_status rp_cost_migration(const rp_cost *cost, const rp_plan *from, const rp_plan *to,
+                                   double *seconds, double *bytes, rp_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
