@@ -59,6 +59,15 @@ rp_status rp_jdoc_obj(const rp_jdoc *doc, json_t *obj, const char *path, const c
 rp_status rp_jdoc_arr(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,
                       bool required, json_t **out, rp_error *err);
 
+/* The same checks for a value already in hand, e.g. an array element at `path`
+ * ("topology.slots_per_gpu[3]"). */
+rp_status rp_jdoc_int_value(const rp_jdoc *doc, json_t *value, const char *path, int64_t min,
+                            int64_t max, int64_t *out, rp_error *err);
+rp_status rp_jdoc_num_value(const rp_jdoc *doc, json_t *value, const char *path, double min,
+                            double max, double *out, rp_error *err);
+/* Words for a value's type in messages: "an object", "a string", "null", ... */
+const char *rp_jdoc_type_name(const json_t *value);
+
 /* Join a path and a key ("a.b" + "c" -> "a.b.c"; "" + "c" -> "c") or an index
  * ("a" + 3 -> "a[3]") into buf. */
 const char *rp_jpath_key(char *buf, size_t size, const char *path, const char *key);

@@ -1,0 +1,581 @@
+/* The configuration: one JSON document read with jansson, validated key by key into
+ * the topology, hardware, model, limits and policy structs (docs/config.md). */
+#include "internal.h"
+#include "jsonx.h"
+#include "routepack/config.h"
+
+#include <float.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Hard limits that keep every later size product inside int64 and memory sane. */
+#define MAX_GPUS (1 << 20)
+#define MAX_EXPERTS 65536
+#define MAX_LAYERS 65536
+#define MAX_SLOTS_PER_GPU (1 << 20)
+#define MAX_DIM (1 << 24)
+#define MAX_HEADS 65536
+#define MAX_GEMM_POINTS 4096
+#define MAX_SEARCH_PATH 1024
+
+struct rp_config {
+    rp_context *ctx;
+    char *source;
+    rp_topology topology;
+    rp_hardware hardware;
+    rp_model model;
+    rp_limits limits;
+    rp_policy_config policy;
+    /* owned storage behind the const views above */
+    int32_t *slots;
+    double *speed;
+    rp_eff_point *gemm;
+    char *policy_name;
+    char *params_json;
+    char **search_path; /* NULL-terminated */
+};
+
+/* Placeholder curve until the device check calibrates it: grouped-GEMM efficiency of
+ * one expert at a given number of tokens (see docs/config.md). */
+static const rp_eff_point default_gemm_efficiency[] = {
+    {1, 0.02}, {16, 0.1}, {64, 0.3}, {256, 0.6}, {1024, 0.8}, {4096, 0.85},
+};
+
+typedef struct loader {
+    rp_context *ctx;
+    rp_jdoc doc;
+    rp_config *cfg;
+    const char *dir; /* directory part of the source name, for search_path */
+    size_t dir_len;
+    rp_error *err;
+} loader;
+
+static rp_status get_i32(loader *ld, json_t *obj, const char *path, const char *key, bool required,
+                         int64_t dflt, int64_t min, int64_t max, int32_t *out)
+{
+    int64_t v;
+    rp_status st = rp_jdoc_int(&ld->doc, obj, path, key, required, dflt, min, max, &v, ld->err);
+    if (st == RP_OK) *out = (int32_t)v;
+    return st;
+}
+
+/* A number > 0 (JSON cannot say "exclusive" in a min; this can). */
+static rp_status check_positive(loader *ld, const char *path, double value)
+{
+    if (value > 0) return RP_OK;
+    return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, path, "must be > 0, got %g", value);
+}
+
+static rp_status get_positive(loader *ld, json_t *obj, const char *path, const char *key,
+                              double dflt, double max, double *out)
+{
+    char kp[256];
+    rp_status st = rp_jdoc_num(&ld->doc, obj, path, key, false, dflt, -DBL_MAX, max, out, ld->err);
+    if (st != RP_OK) return st;
+    return check_positive(ld, rp_jpath_key(kp, sizeof kp, path, key), *out);
+}
+
+/* An efficiency: a fraction of peak in (0, 1]. */
+static rp_status get_fraction(loader *ld, json_t *obj, const char *path, const char *key,
+                              double dflt, double *out)
+{
+    return get_positive(ld, obj, path, key, dflt, 1.0, out);
+}
+
+/* The optional free-text "comment" key, allowed in every section. */
+static rp_status check_comment(loader *ld, json_t *obj, const char *path)
+{
+    const char *s;
+    return rp_jdoc_str(&ld->doc, obj, path, "comment", false, NULL, &s, ld->err);
+}
+
+/* ---- topology ------------------------------------------------------------------------ */
+
+static const char *const topology_keys[] = {
+    "num_nodes", "gpus_per_node", "ep_size", "dp_size", "slots_per_gpu", "gpu_speed",
+    "nvlink_bytes_per_s", "nvlink_latency_us", "net_bytes_per_s", "net_latency_us",
+    "comment", NULL,
+};
+
+/* Parts of the topology that do not depend on the model. */
+static rp_status load_topology(loader *ld, json_t *obj)
+{
+    const char *P = "topology";
+    rp_topology *t = &ld->cfg->topology;
+    rp_context *ctx = ld->ctx;
+    rp_status st;
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld->doc, obj, P, topology_keys, ld->err), st, out);
+    RP_CHECK_GOTO(check_comment(ld, obj, P), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "num_nodes", true, 0, 1, MAX_GPUS, &t->num_nodes), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "gpus_per_node", true, 0, 1, MAX_GPUS, &t->gpus_per_node), st, out);
+    int64_t num_gpus;
+    if (rp_mul_overflow(t->num_nodes, t->gpus_per_node, &num_gpus) || num_gpus > MAX_GPUS)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, P,
+                            "has %lld GPUs (num_nodes %d x gpus_per_node %d), more than the %d supported",
+                            (long long)t->num_nodes * t->gpus_per_node, t->num_nodes, t->gpus_per_node,
+                            MAX_GPUS);
+    t->num_gpus = (int32_t)num_gpus;
+
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "ep_size", false, t->gpus_per_node, 1, t->num_gpus, &t->ep_size),
+                  st, out);
+    if (t->num_gpus % t->ep_size != 0)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
+                            "must divide the number of GPUs, %d (num_nodes %d x gpus_per_node %d), got %d",
+                            t->num_gpus, t->num_nodes, t->gpus_per_node, t->ep_size);
+    t->num_ep_groups = t->num_gpus / t->ep_size;
+
+    int64_t dp;
+    RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "dp_size", false, t->num_gpus, 1, INT32_MAX, &dp, ld->err),
+                  st, out);
+    if (dp != t->num_gpus)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.dp_size",
+                            "must equal the number of GPUs, %d, got %lld: each GPU is one data-parallel "
+                            "rank, and a tensor- or pipeline-parallel group counts as one GPU (omit dp_size)",
+                            t->num_gpus, (long long)dp);
+    t->dp_size = t->num_gpus;
+
+    size_t n = (size_t)t->num_gpus;
+    ld->cfg->slots = rp_calloc(ctx, n, sizeof(int32_t));
+    ld->cfg->speed = rp_calloc(ctx, n, sizeof(double));
+    if (!ld->cfg->slots || !ld->cfg->speed) return rp_fail_nomem(ld->err, "the topology");
+    t->slots = ld->cfg->slots;
+    t->speed = ld->cfg->speed;
+
+    /* gpu_speed: one number for all GPUs, or one per GPU. */
+    json_t *speed = json_object_get(obj, "gpu_speed");
+    if (json_is_array(speed)) {
+        if (json_array_size(speed) != n)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.gpu_speed",
+                                "has %zu entries, but the topology has %d GPUs", json_array_size(speed),
+                                t->num_gpus);
+        for (size_t g = 0; g < n; g++) {
+            char ip[64];
+            rp_jpath_index(ip, sizeof ip, "topology.gpu_speed", g);
+            double v;
+            RP_CHECK_GOTO(rp_jdoc_num_value(&ld->doc, json_array_get(speed, g), ip, -DBL_MAX, DBL_MAX, &v,
+                                            ld->err),
+                          st, out);
+            RP_CHECK_GOTO(check_positive(ld, ip, v), st, out);
+            ld->cfg->speed[g] = v;
+        }
+    } else {
+        double s;
+        if (speed && !json_is_number(speed))
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.gpu_speed",
+                                "must be a number or an array of %d numbers, got %s", t->num_gpus,
+                                rp_jdoc_type_name(speed));
+        RP_CHECK_GOTO(get_positive(ld, obj, P, "gpu_speed", 1.0, DBL_MAX, &s), st, out);
+        for (size_t g = 0; g < n; g++) ld->cfg->speed[g] = s;
+    }
+
+    double us;
+    RP_CHECK_GOTO(get_positive(ld, obj, P, "nvlink_bytes_per_s", 450e9, DBL_MAX, &t->nvlink_bytes_per_s),
+                  st, out);
+    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "nvlink_latency_us", false, 3.0, 0, 1e9, &us, ld->err),
+                  st, out);
+    t->nvlink_latency_s = us * 1e-6;
+    RP_CHECK_GOTO(get_positive(ld, obj, P, "net_bytes_per_s", 50e9, DBL_MAX, &t->net_bytes_per_s), st, out);
+    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "net_latency_us", false, 10.0, 0, 1e9, &us, ld->err),
+                  st, out);
+    t->net_latency_s = us * 1e-6;
+out:
+    return st;
+}
+
+/* slots_per_gpu needs the expert count: read after the model. */
+static rp_status load_slots(loader *ld, json_t *obj)
+{
+    rp_topology *t = &ld->cfg->topology;
+    const rp_model *m = &ld->cfg->model;
+    const char *path = "topology.slots_per_gpu";
+    size_t n = (size_t)t->num_gpus;
+    int32_t *slots = ld->cfg->slots;
+    rp_status st = RP_OK;
+    json_t *v = json_object_get(obj, "slots_per_gpu");
+    if (json_is_array(v)) {
+        if (json_array_size(v) != n)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path,
+                                "has %zu entries, but the topology has %d GPUs (num_nodes %d x gpus_per_node %d)",
+                                json_array_size(v), t->num_gpus, t->num_nodes, t->gpus_per_node);
+        for (size_t g = 0; g < n; g++) {
+            char ip[64];
+            int64_t s;
+            rp_jpath_index(ip, sizeof ip, path, g);
+            RP_CHECK_GOTO(rp_jdoc_int_value(&ld->doc, json_array_get(v, g), ip, 1, MAX_SLOTS_PER_GPU, &s,
+                                            ld->err),
+                          st, out);
+            slots[g] = (int32_t)s;
+        }
+    } else {
+        if (v && !json_is_number(v))
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path,
+                                "must be an integer or an array of %d integers, got %s", t->num_gpus,
+                                rp_jdoc_type_name(v));
+        /* Default: exactly enough slots to hold every expert once, no spare. */
+        int64_t dflt = (m->num_experts + t->ep_size - 1) / t->ep_size;
+        if (dflt > MAX_SLOTS_PER_GPU) dflt = MAX_SLOTS_PER_GPU;
+        int32_t s;
+        RP_CHECK_GOTO(get_i32(ld, obj, "topology", "slots_per_gpu", false, dflt, 1, MAX_SLOTS_PER_GPU, &s),
+                      st, out);
+        for (size_t g = 0; g < n; g++) slots[g] = s;
+    }
+    /* One placement is shared by every EP group (the expert gradient reduction pairs the
+     * same slot across groups), so EP rank j must have the same slot count in each. */
+    for (int32_t g = t->ep_size; g < t->num_gpus; g++)
+        if (slots[g] != slots[g % t->ep_size]) {
+            char ip[64];
+            rp_jpath_index(ip, sizeof ip, path, (size_t)g);
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, ip,
+                                "is %d, but GPU %d (the same EP rank %d in EP group 0) has %d: every EP "
+                                "group shares one placement, so slot counts must repeat per EP group",
+                                slots[g], g % t->ep_size, g % t->ep_size, slots[g % t->ep_size]);
+        }
+    /* Every EP group must hold each expert at least once (all groups have group 0's slots). */
+    int64_t total = 0;
+    for (int32_t g = 0; g < t->ep_size; g++) total += slots[g];
+    if (total < m->num_experts)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path,
+                            "gives each EP group %lld expert slots per layer, fewer than the model's %d "
+                            "experts", (long long)total, m->num_experts);
+out:
+    return st;
+}
+
+/* ---- hardware ------------------------------------------------------------------------ */
+
+static const char *const hardware_keys[] = {
+    "peak_flops", "hbm_bytes_per_s", "hbm_bytes", "attention_efficiency", "dense_efficiency",
+    "gemm_efficiency", "backward_multiplier", "comment", NULL,
+};
+
+static rp_status load_gemm_efficiency(loader *ld, json_t *arr)
+{
+    rp_hardware *h = &ld->cfg->hardware;
+    const char *path = "hardware.gemm_efficiency";
+    size_t n = arr ? json_array_size(arr) : sizeof default_gemm_efficiency / sizeof default_gemm_efficiency[0];
+    if (arr && n == 0)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path, "must have at least one [tokens, efficiency] point");
+    if (n > MAX_GEMM_POINTS)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, path, "has %zu points, more than the %d supported",
+                            n, MAX_GEMM_POINTS);
+    ld->cfg->gemm = rp_calloc(ld->ctx, n, sizeof(rp_eff_point));
+    if (!ld->cfg->gemm) return rp_fail_nomem(ld->err, "the GEMM efficiency curve");
+    h->gemm_efficiency = ld->cfg->gemm;
+    h->num_gemm_efficiency = (int32_t)n;
+    if (!arr) {
+        memcpy(ld->cfg->gemm, default_gemm_efficiency, sizeof default_gemm_efficiency);
+        return RP_OK;
+    }
+    for (size_t i = 0; i < n; i++) {
+        char ip[96], tp[96], ep[96];
+        rp_jpath_index(ip, sizeof ip, path, i);
+        rp_jpath_index(tp, sizeof tp, ip, 0);
+        rp_jpath_index(ep, sizeof ep, ip, 1);
+        json_t *point = json_array_get(arr, i);
+        if (!json_is_array(point) || json_array_size(point) != 2 ||
+            !json_is_number(json_array_get(point, 0)) || !json_is_number(json_array_get(point, 1)))
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, ip,
+                                "must be a [tokens, efficiency] pair of numbers");
+        double tokens = json_number_value(json_array_get(point, 0));
+        double eff = json_number_value(json_array_get(point, 1));
+        if (!(tokens > 0))
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, tp, "(tokens) must be > 0, got %g", tokens);
+        if (i > 0 && !(tokens > ld->cfg->gemm[i - 1].tokens))
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, tp,
+                                "(tokens) must be greater than the previous point's %g, got %g: points "
+                                "are sorted by tokens, strictly increasing",
+                                ld->cfg->gemm[i - 1].tokens, tokens);
+        if (!(eff > 0 && eff <= 1))
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, ep,
+                                "(efficiency) must be in (0, 1], got %g", eff);
+        ld->cfg->gemm[i].tokens = tokens;
+        ld->cfg->gemm[i].efficiency = eff;
+    }
+    return RP_OK;
+}
+
+static rp_status load_hardware(loader *ld, json_t *obj)
+{
+    const char *P = "hardware";
+    rp_hardware *h = &ld->cfg->hardware;
+    rp_status st;
+    json_t *empty = NULL;
+    if (!obj) obj = empty = json_object(); /* every key has a default */
+    if (!obj) return rp_fail_nomem(ld->err, "the hardware section");
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld->doc, obj, P, hardware_keys, ld->err), st, out);
+    RP_CHECK_GOTO(check_comment(ld, obj, P), st, out);
+    RP_CHECK_GOTO(get_positive(ld, obj, P, "peak_flops", 989e12, DBL_MAX, &h->peak_flops), st, out);
+    RP_CHECK_GOTO(get_positive(ld, obj, P, "hbm_bytes_per_s", 4.8e12, DBL_MAX, &h->hbm_bytes_per_s), st, out);
+    RP_CHECK_GOTO(get_positive(ld, obj, P, "hbm_bytes", 141e9, DBL_MAX, &h->hbm_bytes), st, out);
+    RP_CHECK_GOTO(get_fraction(ld, obj, P, "attention_efficiency", 0.5, &h->attention_efficiency), st, out);
+    RP_CHECK_GOTO(get_fraction(ld, obj, P, "dense_efficiency", 0.7, &h->dense_efficiency), st, out);
+    json_t *gemm;
+    RP_CHECK_GOTO(rp_jdoc_arr(&ld->doc, obj, P, "gemm_efficiency", false, &gemm, ld->err), st, out);
+    RP_CHECK_GOTO(load_gemm_efficiency(ld, gemm), st, out);
+    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "backward_multiplier", false, 2.0, 1.0, 1e3,
+                              &h->backward_multiplier, ld->err),
+                  st, out);
+out:
+    json_decref(empty);
+    return st;
+}
+
+/* ---- model --------------------------------------------------------------------------- */
+
+static const char *const model_keys[] = {
+    "num_layers", "num_experts", "top_k", "hidden_size", "expert_ffn_size", "num_heads",
+    "num_kv_heads", "head_dim", "bytes_per_param", "bytes_per_optimizer_state", "comment", NULL,
+};
+
+static rp_status load_model(loader *ld, json_t *obj)
+{
+    const char *P = "model";
+    rp_model *m = &ld->cfg->model;
+    rp_status st;
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld->doc, obj, P, model_keys, ld->err), st, out);
+    RP_CHECK_GOTO(check_comment(ld, obj, P), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "num_layers", true, 0, 1, MAX_LAYERS, &m->num_layers), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "num_experts", true, 0, 1, MAX_EXPERTS, &m->num_experts), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "top_k", true, 0, 1, MAX_EXPERTS, &m->top_k), st, out);
+    if (m->top_k > m->num_experts)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, "model.top_k",
+                            "must be <= num_experts (%d), got %d", m->num_experts, m->top_k);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "hidden_size", true, 0, 1, MAX_DIM, &m->hidden_size), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "expert_ffn_size", true, 0, 1, MAX_DIM, &m->expert_ffn_size), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "num_heads", true, 0, 1, MAX_HEADS, &m->num_heads), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "num_kv_heads", false, m->num_heads, 1, MAX_HEADS, &m->num_kv_heads),
+                  st, out);
+    if (m->num_kv_heads > m->num_heads || m->num_heads % m->num_kv_heads != 0)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "model.num_kv_heads",
+                            "must divide num_heads (%d), got %d", m->num_heads, m->num_kv_heads);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "head_dim", true, 0, 1, MAX_HEADS, &m->head_dim), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "bytes_per_param", false, 2, 1, 16, &m->bytes_per_param), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "bytes_per_optimizer_state", false, 12, 0, 256,
+                          &m->bytes_per_optimizer_state),
+                  st, out);
+out:
+    return st;
+}
+
+/* ---- limits -------------------------------------------------------------------------- */
+
+static const char *const limits_keys[] = {
+    "max_tokens_per_microbatch", "num_microbatches", "max_activation_bytes",
+    "activation_bytes_per_token", "comment", NULL,
+};
+
+static rp_status load_limits(loader *ld, json_t *obj)
+{
+    const char *P = "limits";
+    rp_limits *l = &ld->cfg->limits;
+    const rp_model *m = &ld->cfg->model;
+    rp_status st;
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld->doc, obj, P, limits_keys, ld->err), st, out);
+    RP_CHECK_GOTO(check_comment(ld, obj, P), st, out);
+    RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "max_tokens_per_microbatch", true, 0, 1, (int64_t)1 << 40,
+                              &l->max_tokens_per_microbatch, ld->err),
+                  st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "num_microbatches", false, 0, 0, 1 << 20, &l->num_microbatches), st, out);
+    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "max_activation_bytes", false, 0.0, 0.0, DBL_MAX,
+                              &l->max_activation_bytes, ld->err),
+                  st, out);
+    /* Rough default (docs/config.md): Korthikanti et al. 2022 count 34*d bytes per token
+     * per layer at 16-bit activations without the attention-score term, i.e. 17*d per
+     * byte of activation width, over all MoE layers. */
+    double dflt = 17.0 * m->hidden_size * m->bytes_per_param * m->num_layers;
+    RP_CHECK_GOTO(get_positive(ld, obj, P, "activation_bytes_per_token", dflt, DBL_MAX,
+                               &l->activation_bytes_per_token),
+                  st, out);
+out:
+    return st;
+}
+
+/* ---- policy -------------------------------------------------------------------------- */
+
+static const char *const policy_keys[] = {"name", "params", "search_path", "comment", NULL};
+
+/* Copy jansson's malloc'd text into context memory. */
+static char *dup_json(loader *ld, json_t *value)
+{
+    char *text = json_dumps(value, JSON_COMPACT | JSON_ENCODE_ANY);
+    if (!text) return NULL;
+    char *copy = rp_strdup(ld->ctx, text);
+    free(text);
+    return copy;
+}
+
+static rp_status load_policy(loader *ld, json_t *obj)
+{
+    const char *P = "policy";
+    rp_config *cfg = ld->cfg;
+    rp_policy_config *p = &cfg->policy;
+    rp_context *ctx = ld->ctx;
+    rp_status st;
+    json_t *empty = NULL;
+    if (!obj) obj = empty = json_object();
+    if (!obj) return rp_fail_nomem(ld->err, "the policy section");
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld->doc, obj, P, policy_keys, ld->err), st, out);
+    RP_CHECK_GOTO(check_comment(ld, obj, P), st, out);
+
+    const char *name;
+    RP_CHECK_GOTO(rp_jdoc_str(&ld->doc, obj, P, "name", false, "routepack", &name, ld->err), st, out);
+    if (!*name) {
+        st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "policy.name", "must not be empty");
+        goto out;
+    }
+    cfg->policy_name = rp_strdup(ctx, name);
+    if (!cfg->policy_name) {
+        st = rp_fail_nomem(ld->err, "the policy name");
+        goto out;
+    }
+    p->name = cfg->policy_name;
+
+    json_t *params;
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld->doc, obj, P, "params", false, &params, ld->err), st, out);
+    cfg->params_json = params ? dup_json(ld, params) : rp_strdup(ctx, "{}");
+    if (!cfg->params_json) {
+        st = rp_fail_nomem(ld->err, "the policy parameters");
+        goto out;
+    }
+    p->params_json = cfg->params_json;
+
+    json_t *dirs;
+    RP_CHECK_GOTO(rp_jdoc_arr(&ld->doc, obj, P, "search_path", false, &dirs, ld->err), st, out);
+    size_t n = dirs ? json_array_size(dirs) : 0;
+    if (n > MAX_SEARCH_PATH) {
+        st = rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, "policy.search_path",
+                          "has %zu entries, more than the %d supported", n, MAX_SEARCH_PATH);
+        goto out;
+    }
+    cfg->search_path = rp_calloc(ctx, n + 1, sizeof(char *));
+    if (!cfg->search_path) {
+        st = rp_fail_nomem(ld->err, "the policy search path");
+        goto out;
+    }
+    p->search_path = (const char *const *)cfg->search_path;
+    for (size_t i = 0; i < n; i++) {
+        char ip[64];
+        rp_jpath_index(ip, sizeof ip, "policy.search_path", i);
+        json_t *e = json_array_get(dirs, i);
+        if (!json_is_string(e) || json_string_length(e) == 0) {
+            st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, ip, "must be a non-empty directory name");
+            goto out;
+        }
+        const char *dir = json_string_value(e);
+        if (strlen(dir) != json_string_length(e)) {
+            st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, ip, "must not contain a NUL character");
+            goto out;
+        }
+        /* Relative entries are relative to the config file, not the working directory. */
+        size_t prefix = dir[0] == '/' ? 0 : ld->dir_len;
+        size_t len = strlen(dir);
+        char *full = rp_alloc(ctx, prefix + len + 1);
+        if (!full) {
+            st = rp_fail_nomem(ld->err, "the policy search path");
+            goto out;
+        }
+        memcpy(full, ld->dir, prefix);
+        memcpy(full + prefix, dir, len + 1);
+        cfg->search_path[i] = full;
+    }
+    st = RP_OK;
+out:
+    json_decref(empty);
+    return st;
+}
+
+/* ---- the document -------------------------------------------------------------------- */
+
+static const char *const top_keys[] = {
+    "topology", "hardware", "model", "limits", "policy", "comment", "$schema", NULL,
+};
+
+void rp_config_free(rp_config *cfg)
+{
+    if (!cfg) return;
+    rp_context *ctx = cfg->ctx;
+    if (cfg->search_path)
+        for (size_t i = 0; cfg->search_path[i]; i++) rp_free(ctx, cfg->search_path[i]);
+    rp_free(ctx, cfg->search_path);
+    rp_free(ctx, cfg->params_json);
+    rp_free(ctx, cfg->policy_name);
+    rp_free(ctx, cfg->gemm);
+    rp_free(ctx, cfg->speed);
+    rp_free(ctx, cfg->slots);
+    rp_free(ctx, cfg->source);
+    rp_free(ctx, cfg);
+}
+
+rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const char *name,
+                          rp_config **out, rp_error *err)
+{
+    if (!name) name = "<inline>";
+    if (!ctx || !out || (!text && len))
+        return rp_fail(err, RP_EINVAL, "%s: rp_config_parse needs a context, text and an output", name);
+    loader ld = {.ctx = ctx, .err = err};
+    const char *slash = strrchr(name, '/');
+    ld.dir = name;
+    ld.dir_len = slash ? (size_t)(slash - name) + 1 : 0;
+
+    rp_status st = rp_jdoc_parse(&ld.doc, text ? text : "", len, name, err);
+    if (st != RP_OK) return st;
+    rp_config *cfg = rp_calloc(ctx, 1, sizeof *cfg);
+    if (!cfg) {
+        st = rp_fail_nomem(err, "a config");
+        goto out;
+    }
+    cfg->ctx = ctx;
+    ld.cfg = cfg;
+    cfg->source = rp_strdup(ctx, name);
+    if (!cfg->source) {
+        st = rp_fail_nomem(err, "a config");
+        goto out;
+    }
+    ld.doc.name = cfg->source;
+
+    json_t *root = ld.doc.root, *topology, *hardware, *model, *limits, *policy;
+    const char *s;
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld.doc, root, "", top_keys, err), st, out);
+    RP_CHECK_GOTO(check_comment(&ld, root, ""), st, out);
+    RP_CHECK_GOTO(rp_jdoc_str(&ld.doc, root, "", "$schema", false, NULL, &s, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "topology", true, &topology, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "hardware", false, &hardware, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "model", true, &model, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "limits", true, &limits, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "policy", false, &policy, err), st, out);
+
+    /* Document order; slots_per_gpu is checked once the expert count is known. */
+    RP_CHECK_GOTO(load_topology(&ld, topology), st, out);
+    RP_CHECK_GOTO(load_hardware(&ld, hardware), st, out);
+    RP_CHECK_GOTO(load_model(&ld, model), st, out);
+    RP_CHECK_GOTO(load_slots(&ld, topology), st, out);
+    RP_CHECK_GOTO(load_limits(&ld, limits), st, out);
+    RP_CHECK_GOTO(load_policy(&ld, policy), st, out);
+
+    *out = cfg;
+    cfg = NULL;
+out:
+    rp_config_free(cfg);
+    rp_jdoc_free(&ld.doc);
+    return st;
+}
+
+rp_status rp_config_load(rp_context *ctx, const char *path, rp_config **out, rp_error *err)
+{
+    if (!ctx || !path || !out) return rp_fail(err, RP_EINVAL, "rp_config_load needs a context, a path and an output");
+    char *text;
+    size_t len;
+    rp_status st = rp_read_file(ctx, path, &text, &len, err);
+    if (st != RP_OK) return st;
+    st = rp_config_parse(ctx, text, len, path, out, err);
+    rp_free(ctx, text);
+    return st;
+}
+
+const rp_topology *rp_config_topology(const rp_config *cfg) { return &cfg->topology; }
+const rp_hardware *rp_config_hardware(const rp_config *cfg) { return &cfg->hardware; }
+const rp_model *rp_config_model(const rp_config *cfg) { return &cfg->model; }
+const rp_limits *rp_config_limits(const rp_config *cfg) { return &cfg->limits; }
+const rp_policy_config *rp_config_policy(const rp_config *cfg) { return &cfg->policy; }
+const char *rp_config_source(const rp_config *cfg) { return cfg->source; }
