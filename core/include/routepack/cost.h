@@ -48,7 +48,10 @@ typedef struct rp_cost_summary {
 } rp_cost_summary;
 
 /* An evaluator bound to one step: config, batch and its routing statistics (all
- * borrowed; they must outlive it). */
+ * borrowed; they must outlive it). Not thread-safe: one thread at a time per
+ * evaluator (try_* use its scratch space). Errors of rp_cost_new: NaN, infinite or
+ * non-positive constants it uses (named in the message), an empty batch, statistics
+ * of another batch or model shape, a batch too large for its int32 counts. */
 typedef struct rp_cost rp_cost;
 
 RP_API rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
@@ -65,15 +68,22 @@ RP_API double rp_cost_expert_s(const rp_cost *cost, double tokens);
  * the network. */
 RP_API double rp_cost_expert_move_s(const rp_cost *cost, bool same_node);
 
-/* Evaluate a plan fully (packing and placement are both required; the plan must be
- * valid: run rp_plan_validate first). Keeps the breakdown for the accessors below and
- * binds the evaluator to the plan for incremental moves. */
+/* Evaluate a plan fully (packing and placement are both required; the plan should be
+ * valid: run rp_plan_validate first; evaluate itself rejects, with RP_EINVAL, a plan of
+ * the wrong shape, without packing or placement, with a sequence missing or packed
+ * twice, an expert without a replica, or shares that do not sum to 1; it does not
+ * check caps). Keeps the breakdown for the accessors below and binds the evaluator
+ * to the plan for incremental moves: the plan must then change only through
+ * rp_cost_apply_* until the next evaluation. On error the previous binding stays.
+ * `out` may be NULL. */
 RP_API rp_status rp_cost_evaluate(rp_cost *cost, const rp_plan *plan, rp_cost_summary *out,
                                   rp_error *err);
 
-/* Breakdown of the last evaluation (seconds, forward, one layer):
+/* Breakdown of the bound state (seconds, forward, one layer):
  * attention[gpu * M + mb], expert[(mb * L + layer) * G + gpu],
- * dispatch[(mb * L + layer) * G + gpu], combine likewise. Borrowed. */
+ * dispatch[(mb * L + layer) * G + gpu], combine likewise (in this model combine moves
+ * the dispatch volume back, so it equals dispatch). Borrowed until the next evaluate,
+ * apply_* or free; NULL before the first successful evaluation. */
 RP_API const double *rp_cost_attention_breakdown(const rp_cost *cost);
 RP_API const double *rp_cost_expert_breakdown(const rp_cost *cost);
 RP_API const double *rp_cost_dispatch_breakdown(const rp_cost *cost);
@@ -84,25 +94,49 @@ RP_API rp_status rp_cost_breakdown_json(const rp_cost *cost, char **text, size_t
 
 /* Incremental evaluation against the bound plan: the step time the plan would have
  * after the change, without changing anything. Exact: equal to a full evaluation of
- * the changed plan (up to floating-point rounding). */
+ * the changed plan (they run the same arithmetic on the same integer counts).
+ * Returns INFINITY when the change is invalid: no bound plan, ids out of range, or a
+ * microbatch that grows beyond the config's token cap or activation memory cap.
+ * Moving a sequence to where it is, or swapping two of the same microbatch, returns
+ * the current step time. */
 RP_API double rp_cost_try_move(rp_cost *cost, int32_t seq, int32_t rank, int32_t mb);
 RP_API double rp_cost_try_swap(rp_cost *cost, int32_t seq_a, int32_t seq_b);
-/* Replace the expert in one physical slot of a layer (the old expert must keep a
- * replica). Returns INFINITY when the change is invalid. */
+/* Replace the expert in one physical slot of a layer; `expert` -1 empties the slot.
+ * Invalid (INFINITY) also when the old expert would lose its last replica, or when
+ * the old or new expert has explicit shares at that layer in some microbatch (shares
+ * are tied to a replica set). */
 RP_API double rp_cost_try_slot(rp_cost *cost, int32_t layer, int32_t slot, int32_t expert);
-/* Apply a change to the bound state and to `plan` (the plan the evaluator is bound to). */
+/* Apply a change to the bound state and to `plan` (the plan the evaluator is bound to;
+ * RP_EINVAL for another). Errors as for try_*, with a message; on error nothing
+ * changes. A moved sequence goes to the end of its new microbatch's list (as
+ * rp_plan_move_sequence does); a swap moves each to the end of the other's list. */
 RP_API rp_status rp_cost_apply_move(rp_cost *cost, rp_plan *plan, int32_t seq, int32_t rank,
                                     int32_t mb, rp_error *err);
 RP_API rp_status rp_cost_apply_swap(rp_cost *cost, rp_plan *plan, int32_t seq_a, int32_t seq_b,
                                     rp_error *err);
 RP_API rp_status rp_cost_apply_slot(rp_cost *cost, rp_plan *plan, int32_t layer, int32_t slot,
                                     int32_t expert, rp_error *err);
-/* Step time of the bound state. */
+/* Step time of the bound state (NAN before the first successful evaluation). */
 RP_API double rp_cost_current_s(const rp_cost *cost);
+/* Summary of the bound state, as rp_cost_evaluate gives it, also after apply_*.
+ * Errors: no plan evaluated yet. */
+RP_API rp_status rp_cost_current_summary(const rp_cost *cost, rp_cost_summary *out, rp_error *err);
+/* Forward time T(mb, layer) of the bound state (NAN when out of range or unbound). */
+RP_API double rp_cost_layer_s(const rp_cost *cost, int32_t mb, int32_t layer);
+/* The side that decides layer (mb, layer) (the largest of its max-over-GPU attention,
+ * dispatch and expert terms; combine equals dispatch) and the GPU that sets it
+ * (*gpu -1 when out of range or unbound). */
+RP_API rp_side rp_cost_layer_straggler(const rp_cost *cost, int32_t mb, int32_t layer,
+                                       int32_t *gpu);
+/* Bytes the evaluator holds (its state for the bound plan included). */
+RP_API size_t rp_cost_bytes(const rp_cost *cost);
 
 /* Predicted time of moving from placement `from` to placement `to` (minimum moves:
- * experts already resident stay; the rest come from the nearest replica), with the
- * bytes moved. Migration overlaps nothing in this first model. */
+ * experts already resident on an EP rank stay; the rest come from the nearest rank
+ * holding them in `from`, NVLink inside a node, else the network, in every EP group),
+ * with the bytes moved (weights and optimizer state, all groups). Only placements are
+ * read. Migration overlaps nothing in this first model, and rp_cost_evaluate's step
+ * time does not include it. */
 RP_API rp_status rp_cost_migration(const rp_cost *cost, const rp_plan *from, const rp_plan *to,
                                    double *seconds, double *bytes, rp_error *err);
 

@@ -31,6 +31,8 @@ RP_API int32_t rp_plan_num_microbatches(const rp_plan *plan);
 RP_API int32_t rp_plan_ep_size(const rp_plan *plan);
 RP_API int32_t rp_plan_num_layers(const rp_plan *plan);
 RP_API int32_t rp_plan_num_experts(const rp_plan *plan);
+/* The context the plan was created in (allocates what rp_plan_to_json returns). */
+RP_API rp_context *rp_plan_context(const rp_plan *plan);
 
 /* ---- packing ---- */
 
@@ -45,6 +47,11 @@ RP_API rp_status rp_plan_set_packing(rp_plan *plan, int32_t num_seqs, const int3
 RP_API rp_status rp_plan_set_microbatches(rp_plan *plan, int32_t num_seqs,
                                           const int32_t *const *lists, const int32_t *counts,
                                           rp_error *err);
+/* Move sequence `seq` (its first occurrence; or pack it if it is not packed) to the end
+ * of microbatch `mb` of DP rank `rank`: one step of a local search. Errors: no
+ * packing, ids out of range (the plan is unchanged). */
+RP_API rp_status rp_plan_move_sequence(rp_plan *plan, int32_t seq, int32_t rank, int32_t mb,
+                                       rp_error *err);
 RP_API bool rp_plan_has_packing(const rp_plan *plan);
 RP_API int32_t rp_plan_num_seqs(const rp_plan *plan);
 /* The ordered sequence ids of (rank, mb); borrowed until the packing changes. */
@@ -73,20 +80,27 @@ RP_API rp_status rp_plan_set_gpu_experts(rp_plan *plan, int32_t layer, int32_t e
                                          const int32_t *experts, int32_t count, rp_error *err);
 /* Renumber slots inside each EP rank so that every expert that `previous` already had
  * on that rank keeps its slot index (so it need not move); others fill the free slots
- * in ascending expert order. A no-op for ranks whose experts did not change. */
+ * in ascending expert order, empty slots last. For the given per-rank expert sets no
+ * other slot order moves fewer experts; a rank whose experts did not change ends up
+ * exactly as in `previous`. `previous` without a placement: ascending order. Errors:
+ * no placement, `previous` of another shape (the plan is unchanged). */
 RP_API rp_status rp_plan_stabilize_slots(rp_plan *plan, const rp_plan *previous, rp_error *err);
 /* Lay experts out contiguously, one replica each, as trainers start (Megatron's
- * layout): expert e on EP rank floor(e * ep_size / E), in ascending order; where a
- * rank has fewer slots than its block, the overflow goes to the next rank with a free
- * slot. Spare slots stay empty. */
+ * layout), the same at every layer: expert e on EP rank floor(e * ep_size / E), in
+ * ascending order; where a rank has fewer slots than its block, the overflow goes to
+ * the next rank with a free slot (wrapping around to rank 0). Spare slots stay empty.
+ * Errors: fewer slots than experts. */
 RP_API rp_status rp_plan_set_contiguous(rp_plan *plan, rp_error *err);
 
-/* Replica count of each expert of a layer into logcnt[num_experts]; returns the
- * largest count. */
+/* Replica count of each expert of a layer into logcnt[num_experts] (NULL: only the
+ * largest); returns the largest count, -1 for a layer out of range. */
 RP_API int32_t rp_plan_logcnt(const rp_plan *plan, int32_t layer, int32_t *logcnt);
 /* The arrays EP dispatchers consume, as DeepSeek's EPLB defines them, for all layers:
  * phy2log[L][S], logcnt[L][E] and log2phy[L][E][max_replicas] (replica slots in
- * ascending slot order, padded with -1). max_replicas must be >= the largest count. */
+ * ascending slot order, padded with -1). A physical expert index is a slot:
+ * slot_begin[j] + local slot (docs/plan-format.md). Errors (nothing written): no
+ * placement, max_replicas below the largest count (RP_EINVAL), an expert without a
+ * replica (RP_EPLAN). */
 RP_API rp_status rp_plan_eplb_arrays(const rp_plan *plan, int32_t max_replicas, int32_t *phy2log,
                                      int32_t *log2phy, int32_t *logcnt, rp_error *err);
 
@@ -104,35 +118,50 @@ RP_API rp_status rp_plan_set_shares(rp_plan *plan, int32_t mb, int32_t layer, in
 /* Drop all extra replicas and explicit shares. */
 RP_API void rp_plan_clear_levers(rp_plan *plan);
 /* The replicas of `expert` in (mb, layer): their EP ranks and shares (-1 each when no
- * explicit shares are set). Writes at most `cap` entries; returns the count. */
+ * explicit shares are set). Writes at most `cap` entries (either array may be NULL);
+ * returns the count, which may exceed `cap`. */
 RP_API int32_t rp_plan_replicas(const rp_plan *plan, int32_t mb, int32_t layer, int32_t expert,
                                 int32_t *ep_ranks, double *shares, int32_t cap);
-/* Number of extra replicas in the plan, and the i-th one. */
+/* Number of extra replicas in the plan, and the i-th one. They are kept sorted by
+ * (mb, layer, expert), in insertion order within one (mb, layer, expert). */
 RP_API int32_t rp_plan_num_extra_replicas(const rp_plan *plan);
 RP_API void rp_plan_extra_replica(const rp_plan *plan, int32_t i, int32_t *mb, int32_t *layer,
                                   int32_t *expert, int32_t *ep_rank);
+/* Number of explicit share sets, and the i-th one (sorted by (mb, layer, expert)): its
+ * key, and its shares as set (borrowed until the levers change; *count entries). */
+RP_API int32_t rp_plan_num_share_sets(const rp_plan *plan);
+RP_API const double *rp_plan_share_set(const rp_plan *plan, int32_t i, int32_t *mb,
+                                       int32_t *layer, int32_t *expert, int32_t *count);
 
 /* ---- validation ---- */
 
 /* Check the plan against the config and a batch, calling `report` once per violation
  * with a precise message ("plan: layer 12 expert 97 has no replica", "plan: sequence
  * 811 is packed twice (rank 3 mb 1, rank 9 mb 0)", "plan: rank 2 mb 0 holds 40000
- * tokens, over the cap of 32768"). Returns the number of violations (0: valid). Checks
- * only the parts the plan has (packing, placement). `report` may be NULL. */
+ * tokens, over the cap of 32768"; all listed in docs/plan-format.md). Returns the
+ * number of violations (0: valid). Checks only the parts the plan has (packing,
+ * placement, levers). `report` may be NULL. `batch` NULL skips the token and memory
+ * caps and the sequence count. If memory runs out, that is reported and counted as a
+ * violation (a plan that could not be checked is not known to be valid). */
 RP_API int32_t rp_plan_check(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch,
                              void (*report)(void *ud, const char *message), void *ud);
 /* rp_plan_check as a status: RP_EPLAN with the first violation and the count in `err`
- * ("plan: 3 problems; first: ..."). Changes nothing. */
+ * ("plan: 3 problems; first: ..."; just the message when there is one; err->sequence
+ * and err->expert name the first violation's ids where it has them); RP_ENOMEM if
+ * memory ran out while checking. Changes nothing. */
 RP_API rp_status rp_plan_validate(const rp_plan *plan, const rp_config *cfg,
                                   const rp_batch *batch, rp_error *err);
 
 /* ---- JSON and hashing ---- */
 
-/* Serialise to the plan JSON schema. *text is allocated through the plan's context;
- * free it with rp_text_free. */
+/* Serialise to the plan JSON schema (docs/plan-format.md gives the exact layout).
+ * *text is NUL-terminated, allocated through the plan's context; free it with
+ * rp_text_free. Reading it back gives a plan with the same hash. Errors: a NaN or
+ * infinite share (JSON cannot hold it). */
 RP_API rp_status rp_plan_to_json(const rp_plan *plan, char **text, size_t *len, rp_error *err);
 /* Parse the plan JSON schema against a config (shape must match). Errors give
- * name:line:column and the JSON path. Packing and placement are each optional. */
+ * name:line:column and the JSON path. Packing and placement are each optional; the
+ * lists are kept verbatim (missing or repeated sequences are for rp_plan_check). */
 RP_API rp_status rp_plan_parse(rp_context *ctx, const rp_config *cfg, const char *text,
                                size_t len, const char *name, rp_plan **out, rp_error *err);
 RP_API rp_status rp_plan_load(rp_context *ctx, const rp_config *cfg, const char *path,

@@ -1,0 +1,127 @@
+/* The scheduler: every step it computes the routing statistics, runs the policy (one
+ * joint Lua policy, or a packing policy plus a placement policy, "token_kk+eplb") in
+ * the sandbox, validates the plan it returns, keeps the last good plan, and applies a
+ * staged policy at a step boundary. Policy authoring: docs/policies.md.
+ *
+ * Thread-safety: a scheduler is used from one thread at a time (the trainer may plan
+ * step t+1 on its own thread while step t runs); separate schedulers share nothing and
+ * run on separate threads at once. The library has no global state. */
+#ifndef ROUTEPACK_SCHED_H
+#define ROUTEPACK_SCHED_H
+
+#include "routepack/cost.h"
+#include "routepack/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The policy API version this build serves (policies declare `api = 1`). */
+#define RP_POLICY_API 1
+
+/* Collective operations between the ranks of a multi-rank job, supplied by the caller
+ * (rp_comm_mpi() wraps an MPI communicator). Each returns RP_OK or an error status. */
+typedef struct rp_comm {
+    int32_t rank, size;
+    void *ud;
+    /* Every rank contributes `bytes` at `in`; `out` receives size * bytes, rank-major. */
+    rp_status (*allgather)(void *ud, const void *in, size_t bytes, void *out);
+    /* `bytes` at `buf` on rank `root` are copied to `buf` on every rank. */
+    rp_status (*bcast)(void *ud, void *buf, size_t bytes, int32_t root);
+} rp_comm;
+
+typedef struct rp_sched_options {
+    const char *policy;        /* name, path or "PACKING+PLACEMENT"; NULL: the config's */
+    rp_split_rule split;       /* the cost model's replica split rule */
+    int32_t num_threads;       /* statistics threads; 0: all CPUs */
+    int32_t history;           /* past steps whose expert loads the policy sees (default 8) */
+    int64_t max_instructions;  /* sandbox limits; 0: the defaults (docs/policies.md) */
+    double max_wall_s;
+    size_t max_memory_bytes;
+    int32_t max_depth;
+    const rp_comm *comm;       /* NULL: a single rank */
+} rp_sched_options;
+
+/* Fill `opts` with the defaults. */
+RP_API void rp_sched_options_default(rp_sched_options *opts);
+
+typedef struct rp_sched rp_sched;
+
+/* Create a scheduler (config borrowed: it must outlive the scheduler). Loads and checks
+ * the policy (metadata, params against the config's policy.params) in a fresh sandbox
+ * and runs its init. */
+RP_API rp_status rp_sched_new(rp_context *ctx, const rp_config *cfg, const rp_sched_options *opts,
+                              rp_sched **out, rp_error *err);
+RP_API void rp_sched_free(rp_sched *sched);
+/* The message of the last failed call on this scheduler ("" if none); valid until the
+ * next call on it. */
+RP_API const char *rp_sched_errmsg(const rp_sched *sched);
+
+/* What happened in one step. Borrowed from the scheduler until its next step. */
+typedef struct rp_step_report {
+    int64_t step;
+    rp_cost_summary cost;          /* of the plan in use */
+    double plan_wall_s;            /* statistics + policy + validation, informational */
+    int64_t policy_work;           /* work units (instructions) the policy used */
+    bool fallback;                 /* the policy failed: the last good plan is in use */
+    char fallback_reason[RP_ERROR_TEXT];
+    bool swapped;                  /* a staged policy took effect at this step */
+    char swap_error[RP_ERROR_TEXT];/* a staged policy was refused ("" if none) */
+    char policy_name[64];
+    char policy_version[32];
+    uint64_t policy_hash;          /* XXH64 of the running policy's source text */
+    uint64_t plan_hash;
+    int32_t plan_from_rank;        /* multi-rank: whose plan every rank uses */
+    bool ranks_disagreed;          /* multi-rank: plan hashes differed this step */
+    int32_t experts_moved;         /* placement change against the previous step */
+    double migration_bytes;
+    double migration_s;
+} rp_step_report;
+
+/* Plan step `step` for `batch` and its routing replay (host memory). On success *plan
+ * and *report point at the plan to run and its report, valid until the next step or
+ * rp_sched_free. A failing policy is not an error of this call: the step falls back
+ * (report->fallback) and still returns a valid plan. Errors (bad batch or routing,
+ * out of memory) leave the scheduler as it was. */
+RP_API rp_status rp_sched_step(rp_sched *sched, int64_t step, const rp_batch *batch,
+                               const rp_routing *routing, const rp_plan **plan,
+                               const rp_step_report **report, rp_error *err);
+
+/* Stage a new policy for hot swap: `source` is its text (NULL: read `name_or_path`
+ * as a policy name on the search path or a file). At the first step >= at_step (-1:
+ * the next step) it is compiled in a fresh sandbox, dry-run on the previous step's
+ * inputs, its plan validated, and only then swapped in; on failure the running
+ * policy stays and the step report carries the reason. Syntax and metadata errors are
+ * reported here at once. */
+RP_API rp_status rp_sched_stage_policy(rp_sched *sched, const char *name_or_path,
+                                       const char *source, int64_t at_step, rp_error *err);
+
+/* The plan in use (the last good one), or NULL before the first step. */
+RP_API const rp_plan *rp_sched_plan(const rp_sched *sched);
+
+/* The report of the last step as JSON (rp_text_free). */
+RP_API rp_status rp_sched_report_json(const rp_sched *sched, char **text, size_t *len,
+                                      rp_error *err);
+
+/* ---- finding policies ---- */
+
+typedef struct rp_policy_info {
+    char name[64];
+    char version[32];
+    int32_t api;
+    char description[256];
+    char path[1024];
+    uint64_t hash;
+} rp_policy_info;
+
+/* Every policy found on the search path (the config's policy.search_path, then
+ * RP_POLICY_PATH (colon-separated), then the shipped policies directory), each loaded
+ * in a sandbox to read its metadata. Files that fail to load are reported through
+ * the context's log and skipped. *infos is allocated through ctx (rp_text_free). */
+RP_API rp_status rp_policy_list(rp_context *ctx, const rp_config *cfg, rp_policy_info **infos,
+                                int32_t *count, rp_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,365 @@
+/* Plan validation: every violation of the packing, the placement and the levers against
+ * a config and a batch, each reported with its own precise message. */
+#include "internal.h"
+#include "routepack/plan.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#define SHARE_TOLERANCE 1e-9
+/* A sequence packed many times lists this many places, then "...". */
+#define MAX_LISTED_PLACES 8
+
+typedef struct reporter {
+    void (*fn)(void *ud, const char *message);
+    void *ud;
+    int32_t count;
+    bool nomem;
+    char first[RP_ERROR_TEXT];
+    int64_t first_seq, first_expert;
+} reporter;
+
+static void report(reporter *r, int64_t seq, int64_t expert, const char *fmt, ...) RP_PRINTF(4, 5);
+static void report(reporter *r, int64_t seq, int64_t expert, const char *fmt, ...)
+{
+    char msg[RP_ERROR_TEXT];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (r->count == 0) {
+        memcpy(r->first, msg, sizeof msg);
+        r->first_seq = seq;
+        r->first_expert = expert;
+    }
+    if (r->count < INT32_MAX) r->count++;
+    if (r->fn) r->fn(r->ud, msg);
+}
+
+/* A plan that cannot be checked is not known to be valid: count it as a violation. */
+static void report_nomem(reporter *r, const char *what)
+{
+    r->nomem = true;
+    report(r, -1, -1, "plan: out of memory while checking the %s", what);
+}
+
+/* The plan's shape against the config. Returns false when GPUs, EP size, layers or
+ * slots differ: the other checks index by them. A different expert count is reported
+ * and the checks go on, judging expert ids against the config's count. */
+static bool check_shape(const rp_plan *plan, const rp_config *cfg, reporter *r)
+{
+    const rp_topology *topo = rp_config_topology(cfg);
+    const rp_model *model = rp_config_model(cfg);
+    int32_t before = r->count;
+    if (rp_plan_num_gpus(plan) != topo->num_gpus)
+        report(r, -1, -1, "plan: the plan has %d GPUs, but the config has %d", rp_plan_num_gpus(plan),
+               topo->num_gpus);
+    if (rp_plan_ep_size(plan) != topo->ep_size)
+        report(r, -1, -1, "plan: the plan has EP size %d, but the config has %d", rp_plan_ep_size(plan),
+               topo->ep_size);
+    if (rp_plan_num_layers(plan) != model->num_layers)
+        report(r, -1, -1, "plan: the plan has %d layers, but the model has %d", rp_plan_num_layers(plan),
+               model->num_layers);
+    if (r->count != before) return false;
+    const int32_t *slot_begin = rp_plan_slot_begin(plan);
+    for (int32_t g = 0; g < topo->num_gpus; g++) {
+        int32_t j = g % topo->ep_size;
+        int32_t slots = slot_begin[j + 1] - slot_begin[j];
+        if (topo->slots[g] == slots) continue;
+        if (g < topo->ep_size)
+            report(r, -1, -1, "plan: EP rank %d has %d slots in the plan, but %d in the config", j, slots,
+                   topo->slots[g]);
+        else
+            report(r, -1, -1,
+                   "plan: GPU %d (EP rank %d of group %d) has %d slots in the config, but the placement "
+                   "shared by every EP group gives EP rank %d %d slots",
+                   g, j, g / topo->ep_size, topo->slots[g], j, slots);
+    }
+    if (r->count != before) return false;
+    if (rp_plan_num_experts(plan) != model->num_experts)
+        report(r, -1, -1, "plan: the plan has %d experts per layer, but the model has %d",
+               rp_plan_num_experts(plan), model->num_experts);
+    return true;
+}
+
+static void describe_place(char *buf, size_t size, size_t *used, int32_t list, int32_t M)
+{
+    if (*used >= size) return;
+    int w = snprintf(buf + *used, size - *used, "%srank %d mb %d", *used ? ", " : "", list / M, list % M);
+    if (w > 0) *used += (size_t)w;
+}
+
+static void check_packing(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch,
+                          reporter *r)
+{
+    const rp_limits *lim = rp_config_limits(cfg);
+    rp_context *ctx = rp_plan_context(plan);
+    int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan);
+    int32_t n = rp_plan_num_seqs(plan);
+    int32_t lists = G * M; /* < 2^31: checked by rp_plan_new */
+
+    if (lim->num_microbatches > 0 && M != lim->num_microbatches)
+        report(r, -1, -1,
+               "plan: the plan runs %d microbatches per rank, but the config fixes %d (limits.num_microbatches)",
+               M, lim->num_microbatches);
+
+    int32_t batch_n = batch ? rp_batch_num_seqs(batch) : 0;
+    const int64_t cap = lim->max_tokens_per_microbatch;
+    const double mem_cap = lim->max_activation_bytes;
+    const double per_token = lim->activation_bytes_per_token;
+    if (batch) {
+        if (n != batch_n)
+            report(r, -1, -1, "plan: the packing has %d sequences, but the batch has %d", n, batch_n);
+        for (int32_t s = 0; s < batch_n; s++) {
+            int64_t len = rp_batch_seq_len(batch, s);
+            if (cap > 0 && len > cap)
+                report(r, s, -1,
+                       "plan: sequence %d has %lld tokens, longer than the microbatch cap of %lld: no packing can hold it",
+                       s, (long long)len, (long long)cap);
+            if (mem_cap > 0 && (double)len * per_token > mem_cap)
+                report(r, s, -1,
+                       "plan: sequence %d needs %.0f bytes of activations (%lld tokens), more than the microbatch "
+                       "memory cap of %.0f bytes: no packing can hold it",
+                       s, (double)len * per_token, (long long)len, mem_cap);
+        }
+        /* A microbatch of one sequence over a cap is that sequence's fault, reported above. */
+        for (int32_t i = 0; i < lists; i++) {
+            int32_t count;
+            const int32_t *seqs = rp_plan_microbatch(plan, i / M, i % M, &count);
+            int64_t tokens = 0;
+            for (int32_t k = 0; k < count; k++)
+                if (seqs[k] < batch_n) tokens += rp_batch_seq_len(batch, seqs[k]);
+            if (count < 2) continue;
+            if (cap > 0 && tokens > cap)
+                report(r, -1, -1, "plan: rank %d mb %d holds %lld tokens, over the cap of %lld", i / M, i % M,
+                       (long long)tokens, (long long)cap);
+            if (mem_cap > 0 && (double)tokens * per_token > mem_cap)
+                report(r, -1, -1,
+                       "plan: rank %d mb %d needs %.0f bytes of activations (%lld tokens), over the memory cap of "
+                       "%.0f bytes",
+                       i / M, i % M, (double)tokens * per_token, (long long)tokens, mem_cap);
+        }
+    }
+
+    /* Occurrences of each sequence; places listed only for repeated ones. */
+    int32_t *times = rp_calloc(ctx, (size_t)n + 1, sizeof *times);
+    int64_t *place_begin = NULL;
+    int32_t *places = NULL;
+    if (!times) {
+        report_nomem(r, "packing");
+        return;
+    }
+    bool repeated = false;
+    for (int32_t i = 0; i < lists; i++) {
+        int32_t count;
+        const int32_t *seqs = rp_plan_microbatch(plan, i / M, i % M, &count);
+        for (int32_t k = 0; k < count; k++)
+            if (++times[seqs[k]] > 1) repeated = true;
+    }
+    if (repeated) {
+        place_begin = rp_calloc(ctx, (size_t)n + 1, sizeof *place_begin);
+        int64_t total = 0;
+        for (int32_t s = 0; s < n; s++) total += times[s];
+        places = rp_alloc(ctx, (size_t)total * sizeof *places + 1);
+        if (!place_begin || !places) {
+            report_nomem(r, "packing");
+            goto out;
+        }
+        for (int32_t s = 0; s < n; s++) place_begin[s + 1] = place_begin[s] + times[s];
+        for (int32_t i = 0; i < lists; i++) {
+            int32_t count;
+            const int32_t *seqs = rp_plan_microbatch(plan, i / M, i % M, &count);
+            for (int32_t k = 0; k < count; k++) places[place_begin[seqs[k]]++] = i;
+        }
+        for (int32_t s = n; s > 0; s--) place_begin[s] = place_begin[s - 1];
+        place_begin[0] = 0;
+    }
+    for (int32_t s = 0; s < n; s++) {
+        if (times[s] == 0) {
+            report(r, s, -1, "plan: sequence %d is not packed", s);
+        } else if (times[s] > 1) {
+            char where[RP_ERROR_TEXT / 2];
+            size_t used = 0;
+            where[0] = '\0';
+            for (int32_t k = 0; k < times[s] && k < MAX_LISTED_PLACES; k++)
+                describe_place(where, sizeof where, &used, places[place_begin[s] + k], M);
+            const char *more = times[s] > MAX_LISTED_PLACES ? ", ..." : "";
+            if (times[s] == 2)
+                report(r, s, -1, "plan: sequence %d is packed twice (%s)", s, where);
+            else
+                report(r, s, -1, "plan: sequence %d is packed %d times (%s%s)", s, times[s], where, more);
+        }
+    }
+out:
+    rp_free(ctx, times);
+    rp_free(ctx, place_begin);
+    rp_free(ctx, places);
+}
+
+static void check_placement(const rp_plan *plan, const rp_config *cfg, reporter *r)
+{
+    rp_context *ctx = rp_plan_context(plan);
+    int32_t E = rp_config_model(cfg)->num_experts, ep = rp_plan_ep_size(plan), L = rp_plan_num_layers(plan);
+    const int32_t *slot_begin = rp_plan_slot_begin(plan);
+    int32_t *replicas = rp_alloc(ctx, (size_t)E * sizeof *replicas);
+    int32_t *seen_rank = rp_alloc(ctx, (size_t)E * sizeof *seen_rank);
+    int32_t *seen_slot = rp_alloc(ctx, (size_t)E * sizeof *seen_slot);
+    if (!replicas || !seen_rank || !seen_slot) {
+        report_nomem(r, "placement");
+        goto out;
+    }
+    for (int32_t l = 0; l < L; l++) {
+        const int32_t *p2l = rp_plan_phy2log(plan, l);
+        for (int32_t e = 0; e < E; e++) replicas[e] = 0, seen_rank[e] = -1;
+        for (int32_t j = 0; j < ep; j++) {
+            for (int32_t s = slot_begin[j]; s < slot_begin[j + 1]; s++) {
+                int32_t e = p2l[s];
+                if (e == -1) continue;
+                if (e < -1 || e >= E) {
+                    report(r, -1, e, "plan: layer %d slot %d holds expert %d, but the model has %d experts", l, s,
+                           e, E);
+                    continue;
+                }
+                replicas[e]++;
+                if (seen_rank[e] == j)
+                    report(r, -1, e, "plan: layer %d EP rank %d holds expert %d twice (slots %d and %d)", l, j, e,
+                           seen_slot[e], s);
+                else
+                    seen_rank[e] = j, seen_slot[e] = s;
+            }
+        }
+        for (int32_t e = 0; e < E; e++)
+            if (replicas[e] == 0) report(r, -1, e, "plan: layer %d expert %d has no replica", l, e);
+    }
+out:
+    rp_free(ctx, replicas);
+    rp_free(ctx, seen_rank);
+    rp_free(ctx, seen_slot);
+}
+
+/* Does EP rank j hold expert e at layer l in the placement (not counting extras)? */
+static bool rank_holds(const rp_plan *plan, int32_t l, int32_t j, int32_t e)
+{
+    const int32_t *p2l = rp_plan_phy2log(plan, l);
+    const int32_t *slot_begin = rp_plan_slot_begin(plan);
+    for (int32_t s = slot_begin[j]; s < slot_begin[j + 1]; s++)
+        if (p2l[s] == e) return true;
+    return false;
+}
+
+static void check_levers(const rp_plan *plan, const rp_config *cfg, reporter *r)
+{
+    int32_t num_extras = rp_plan_num_extra_replicas(plan), num_sets = rp_plan_num_share_sets(plan);
+    if (num_extras == 0 && num_sets == 0) return;
+    if (!rp_plan_has_placement(plan)) {
+        report(r, -1, -1, "plan: the plan has extra replicas or shares (%d and %d), but no placement for them to "
+               "refer to", num_extras, num_sets);
+        return;
+    }
+    /* EP rank j is GPU j of group 0 for the node map; see docs/plan-format.md. */
+    int32_t gpus_per_node = rp_config_topology(cfg)->gpus_per_node;
+    int32_t ep = rp_plan_ep_size(plan), E = rp_config_model(cfg)->num_experts;
+    for (int32_t i = 0; i < num_extras; i++) {
+        int32_t mb, l, e, j;
+        rp_plan_extra_replica(plan, i, &mb, &l, &e, &j);
+        if (e >= E) {
+            report(r, -1, e, "plan: mb %d layer %d: extra replica of expert %d, but the model has %d experts", mb, l,
+                   e, E);
+            continue;
+        }
+        bool held = rank_holds(plan, l, j, e);
+        /* extras are sorted by key: earlier ones of the same key sit just before */
+        for (int32_t k = i - 1; k >= 0 && !held; k--) {
+            int32_t mb2, l2, e2, j2;
+            rp_plan_extra_replica(plan, k, &mb2, &l2, &e2, &j2);
+            if (mb2 != mb || l2 != l || e2 != e) break;
+            held = j2 == j;
+        }
+        if (held) {
+            report(r, -1, e, "plan: mb %d layer %d: extra replica of expert %d on EP rank %d, which already holds it",
+                   mb, l, e, j);
+            continue;
+        }
+        int32_t node = j / gpus_per_node;
+        bool source = false;
+        for (int32_t j2 = node * gpus_per_node; j2 < (node + 1) * gpus_per_node && j2 < ep && !source; j2++)
+            source = rank_holds(plan, l, j2, e);
+        if (!source)
+            report(r, -1, e,
+                   "plan: mb %d layer %d: extra replica of expert %d on EP rank %d has no replica of the expert in "
+                   "its node (node %d) to copy from over NVLink",
+                   mb, l, e, j, node);
+    }
+    for (int32_t i = 0; i < num_sets; i++) {
+        int32_t mb, l, e, count;
+        const double *shares = rp_plan_share_set(plan, i, &mb, &l, &e, &count);
+        if (e >= E) {
+            report(r, -1, e, "plan: mb %d layer %d: shares of expert %d, but the model has %d experts", mb, l, e, E);
+            continue;
+        }
+        int32_t num_replicas = rp_plan_replicas(plan, mb, l, e, NULL, NULL, 0);
+        if (count != num_replicas)
+            report(r, -1, e, "plan: mb %d layer %d expert %d has %d share%s for %d replica%s", mb, l, e, count,
+                   count == 1 ? "" : "s", num_replicas, num_replicas == 1 ? "" : "s");
+        bool valid = count > 0;
+        double sum = 0;
+        for (int32_t k = 0; k < count; k++) {
+            double x = shares[k];
+            if (isnan(x)) {
+                report(r, -1, e, "plan: mb %d layer %d expert %d share %d is NaN", mb, l, e, k);
+                valid = false;
+            } else if (x < 0) {
+                report(r, -1, e, "plan: mb %d layer %d expert %d share %d is negative (%g)", mb, l, e, k, x);
+                valid = false;
+            } else if (isinf(x)) {
+                report(r, -1, e, "plan: mb %d layer %d expert %d share %d is infinite", mb, l, e, k);
+                valid = false;
+            } else {
+                sum += x;
+            }
+        }
+        if (valid && fabs(sum - 1.0) > SHARE_TOLERANCE)
+            report(r, -1, e, "plan: mb %d layer %d expert %d shares sum to %.12g, not 1", mb, l, e, sum);
+    }
+}
+
+static int32_t check(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch, reporter *r)
+{
+    if (!check_shape(plan, cfg, r)) return r->count;
+    if (rp_plan_has_packing(plan)) check_packing(plan, cfg, batch, r);
+    if (rp_plan_has_placement(plan)) check_placement(plan, cfg, r);
+    check_levers(plan, cfg, r);
+    return r->count;
+}
+
+int32_t rp_plan_check(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch,
+                      void (*fn)(void *ud, const char *message), void *ud)
+{
+    reporter r = {fn, ud, 0, false, "", -1, -1};
+    return check(plan, cfg, batch, &r);
+}
+
+rp_status rp_plan_validate(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch,
+                           rp_error *err)
+{
+    reporter r = {NULL, NULL, 0, false, "", -1, -1};
+    check(plan, cfg, batch, &r);
+    if (r.nomem) return rp_fail_nomem(err, "a plan check");
+    if (r.count == 0) {
+        rp_error_clear(err);
+        return RP_OK;
+    }
+    if (r.count == 1) {
+        rp_fail(err, RP_EPLAN, "%s", r.first);
+    } else {
+        const char *first = r.first;
+        if (strncmp(first, "plan: ", 6) == 0) first += 6;
+        rp_fail(err, RP_EPLAN, "plan: %d problems; first: %s", r.count, first);
+    }
+    if (err) {
+        err->sequence = r.first_seq;
+        err->expert = r.first_expert;
+    }
+    return RP_EPLAN;
+}
