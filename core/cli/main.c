@@ -14,7 +14,7 @@ static const cli_command commands[] = {
      "check checksums, lengths and every expert id"},
     {"trace", "import", cmd_trace_import,
      "--routing R.npy (--lens L.npy | --prompt-lens P.npy --response-lens Q.npy) "
-     "[--group-ids G.npy] --experts E [--step K] --out TRACE.rpt",
+     "[--group-ids G.npy] --experts E [--step K] [--append] --out TRACE.rpt",
      "convert .npy arrays dumped from Python into a trace"},
     {"stats", NULL, cmd_stats, "TRACE.rpt [--step K] [--json] [--threads N]",
      "routing statistics: expert loads, skew, per-sequence histograms"},

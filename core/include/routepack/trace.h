@@ -59,8 +59,15 @@ typedef struct rp_trace_writer rp_trace_writer;
 /* Create (truncate) a trace file for a model with num_experts experts. */
 RP_API rp_status rp_trace_writer_open(rp_context *ctx, const char *path, int32_t num_experts,
                                rp_trace_writer **out, rp_error *err);
+/* Open an existing trace to append steps to it. Its headers and sizes are checked as
+ * by rp_trace_open with RP_TRACE_NO_VERIFY (payloads are not read); num_experts must
+ * be the trace's, and appended steps must have its layers, top-k and id width. */
+RP_API rp_status rp_trace_writer_open_append(rp_context *ctx, const char *path, int32_t num_experts,
+                                      rp_trace_writer **out, rp_error *err);
 /* Append one step. Ids are written in the routing view's width, in packed
- * [tokens, layers, k] order whatever the view's layout; every id is checked. */
+ * [tokens, layers, k] order whatever the view's layout; every id is checked. Steps of
+ * one trace share layers, top-k and id width. On error the file is truncated back to
+ * where the step began, so it holds exactly the steps appended before. */
 RP_API rp_status rp_trace_writer_append(rp_trace_writer *w, int64_t step, const rp_batch *batch,
                                  const rp_routing *routing, rp_error *err);
 /* Flush and close; frees the writer whatever the result. */
