@@ -188,6 +188,12 @@ out:
     return RP_OK;
 }
 
+/* memcpy that accepts NULL pointers for empty ranges (memcpy itself does not). */
+static void copy_bytes(void *dst, const void *src, size_t bytes)
+{
+    if (bytes) memcpy(dst, src, bytes);
+}
+
 rp_status rp_plan_copy(const rp_plan *src, rp_plan **out, rp_error *err)
 {
     if (!src || !out) return rp_fail(err, RP_EINVAL, "plan: nothing to copy");
@@ -221,14 +227,14 @@ rp_status rp_plan_copy(const rp_plan *src, rp_plan **out, rp_error *err)
     p->cap_shares = src->num_shares + 1;
     RP_CHECK_GOTO(packing_alloc(p, src->pack.num_seqs, (int64_t)total, &p->pack, err), st, out);
     memcpy(p->pack.begin, src->pack.begin, (lists + 1) * sizeof *p->pack.begin);
-    memcpy(p->pack.seqs, src->pack.seqs, total * sizeof *p->pack.seqs);
-    memcpy(p->pack.seq_rank, src->pack.seq_rank, n * sizeof *p->pack.seq_rank);
-    memcpy(p->pack.seq_mb, src->pack.seq_mb, n * sizeof *p->pack.seq_mb);
+    copy_bytes(p->pack.seqs, src->pack.seqs, total * sizeof *p->pack.seqs);
+    copy_bytes(p->pack.seq_rank, src->pack.seq_rank, n * sizeof *p->pack.seq_rank);
+    copy_bytes(p->pack.seq_mb, src->pack.seq_mb, n * sizeof *p->pack.seq_mb);
     memcpy(p->slot_begin, src->slot_begin, ((size_t)src->ep_size + 1) * sizeof(int32_t));
     memcpy(p->phy2log, src->phy2log, cells * sizeof(int32_t));
     memcpy(p->rep_begin, src->rep_begin, index * sizeof(int32_t));
     memcpy(p->rep_slots, src->rep_slots, cells * sizeof(int32_t));
-    memcpy(p->extras, src->extras, (size_t)src->num_extras * sizeof *p->extras);
+    copy_bytes(p->extras, src->extras, (size_t)src->num_extras * sizeof *p->extras);
     for (int32_t i = 0; i < src->num_shares; i++) {
         const share_set *s = &src->shares[i];
         double *values = rp_alloc(p->ctx, (size_t)s->count * sizeof(double));

@@ -1,6 +1,5 @@
-/* C primitives that packing and placement policies compose: sorting and top-k, LPT,
- * Karmarkar-Karp and two-criteria partitioning, replica apportionment and
- * replica-to-GPU assignment. Pure functions on arrays: no plans, no cost model. */
+/* C primitives that packing and placement policies compose: sorting, LPT, Karmarkar-Karp,
+ * two-criteria partitioning, replica apportionment and placement. Pure, on arrays. */
 #ifndef ROUTEPACK_PRIMITIVES_H
 #define ROUTEPACK_PRIMITIVES_H
 

@@ -13,5 +13,6 @@
 #include "routepack/plan.h"
 #include "routepack/cost.h"
 #include "routepack/primitives.h"
+#include "routepack/baseline.h"
 
 #endif
