@@ -1,0 +1,1280 @@
+/* The cost model: per-sequence attention, per-slot expert time, dispatch and combine
+ * traffic, and the full evaluation of a plan with its breakdown (docs/cost-model.md). */
+#include "cost_internal.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#define SLOT_TABLE_MAX 16384
+
+/* ---- constants and checks -------------------------------------------------------- */
+
+static rp_status check_positive(rp_error *err, const char *name, double v)
+{
+    if (isfinite(v) && v > 0) return RP_OK;
+    return rp_fail(err, RP_EINVAL, "cost: %s is %g; it must be a positive finite number", name, v);
+}
+
+static rp_status check_nonnegative(rp_error *err, const char *name, double v)
+{
+    if (isfinite(v) && v >= 0) return RP_OK;
+    return rp_fail(err, RP_EINVAL, "cost: %s is %g; it must be a finite number >= 0", name, v);
+}
+
+static rp_status check_fraction(rp_error *err, const char *name, double v)
+{
+    if (isfinite(v) && v > 0 && v <= 1) return RP_OK;
+    return rp_fail(err, RP_EINVAL, "cost: %s is %g; it must be in (0, 1]", name, v);
+}
+
+/* Every constant the model divides by or multiplies with: the config reader checks
+ * them too, but the evaluator is a public API and a config's views are writable by
+ * whoever holds the pointer. */
+static rp_status check_config(const rp_config *cfg, rp_error *err)
+{
+    const rp_topology *t = rp_config_topology(cfg);
+    const rp_hardware *h = rp_config_hardware(cfg);
+    const rp_model *md = rp_config_model(cfg);
+    const rp_limits *lim = rp_config_limits(cfg);
+    rp_status st;
+    char name[96];
+    if (t->num_gpus < 1 || t->gpus_per_node < 1 || t->ep_size < 1 || t->num_gpus % t->ep_size != 0)
+        return rp_fail(err, RP_EINVAL, "cost: %d GPUs, %d per node, in EP groups of %d is not a valid topology",
+                       t->num_gpus, t->gpus_per_node, t->ep_size);
+    for (int32_t g = 0; g < t->num_gpus; g++) {
+        snprintf(name, sizeof name, "topology.gpu_speed[%d]", g);
+        if ((st = check_positive(err, name, t->speed[g])) != RP_OK) return st;
+        if (t->slots[g] < 0)
+            return rp_fail(err, RP_EINVAL, "cost: topology.slots_per_gpu[%d] is %d; it must be >= 0", g,
+                           t->slots[g]);
+    }
+    if ((st = check_positive(err, "topology.nvlink_bytes_per_s", t->nvlink_bytes_per_s)) ||
+        (st = check_positive(err, "topology.net_bytes_per_s", t->net_bytes_per_s)) ||
+        (st = check_nonnegative(err, "topology.nvlink_latency_s", t->nvlink_latency_s)) ||
+        (st = check_nonnegative(err, "topology.net_latency_s", t->net_latency_s)) ||
+        (st = check_positive(err, "hardware.peak_flops", h->peak_flops)) ||
+        (st = check_positive(err, "hardware.hbm_bytes_per_s", h->hbm_bytes_per_s)) ||
+        (st = check_fraction(err, "hardware.attention_efficiency", h->attention_efficiency)) ||
+        (st = check_fraction(err, "hardware.dense_efficiency", h->dense_efficiency)) ||
+        (st = check_nonnegative(err, "hardware.backward_multiplier", h->backward_multiplier)))
+        return st;
+    if (h->num_gemm_efficiency < 1 || !h->gemm_efficiency)
+        return rp_fail(err, RP_EINVAL, "cost: hardware.gemm_efficiency has no points");
+    for (int32_t i = 0; i < h->num_gemm_efficiency; i++) {
+        const rp_eff_point *p = &h->gemm_efficiency[i];
+        snprintf(name, sizeof name, "hardware.gemm_efficiency[%d] tokens", i);
+        if ((st = check_positive(err, name, p->tokens)) != RP_OK) return st;
+        snprintf(name, sizeof name, "hardware.gemm_efficiency[%d] efficiency", i);
+        if ((st = check_fraction(err, name, p->efficiency)) != RP_OK) return st;
+        if (i > 0 && !(p->tokens > h->gemm_efficiency[i - 1].tokens))
+            return rp_fail(err, RP_EINVAL,
+                           "cost: hardware.gemm_efficiency[%d] tokens %g is not above the previous point's %g",
+                           i, p->tokens, h->gemm_efficiency[i - 1].tokens);
+    }
+    if (md->num_layers < 1 || md->num_experts < 1 || md->top_k < 1 || md->hidden_size < 1 ||
+        md->expert_ffn_size < 1 || md->num_heads < 1 || md->num_kv_heads < 1 || md->head_dim < 1 ||
+        md->bytes_per_param < 1 || md->bytes_per_optimizer_state < 0)
+        return rp_fail(err, RP_EINVAL,
+                       "cost: model shape is invalid (layers %d, experts %d, top_k %d, hidden %d, ffn %d, "
+                       "heads %d, kv heads %d, head dim %d, bytes/param %d, optimizer bytes/param %d)",
+                       md->num_layers, md->num_experts, md->top_k, md->hidden_size, md->expert_ffn_size,
+                       md->num_heads, md->num_kv_heads, md->head_dim, md->bytes_per_param,
+                       md->bytes_per_optimizer_state);
+    if (lim->max_tokens_per_microbatch < 1)
+        return rp_fail(err, RP_EINVAL, "cost: limits.max_tokens_per_microbatch is %lld; it must be >= 1",
+                       (long long)lim->max_tokens_per_microbatch);
+    if ((st = check_nonnegative(err, "limits.max_activation_bytes", lim->max_activation_bytes)) ||
+        (st = check_nonnegative(err, "limits.activation_bytes_per_token", lim->activation_bytes_per_token)))
+        return st;
+    return RP_OK;
+}
+
+rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                      const rp_stats *stats, rp_split_rule rule, rp_cost **out, rp_error *err)
+{
+    if (!ctx || !cfg || !batch || !stats || !out)
+        return rp_fail(err, RP_EINVAL, "cost: context, config, batch, statistics and output are required");
+    if (rule != RP_SPLIT_EVEN && rule != RP_SPLIT_LOCALITY)
+        return rp_fail(err, RP_EINVAL, "cost: split rule %d is neither RP_SPLIT_EVEN nor RP_SPLIT_LOCALITY",
+                       (int)rule);
+    rp_status st = check_config(cfg, err);
+    if (st != RP_OK) return st;
+    const rp_topology *t = rp_config_topology(cfg);
+    const rp_hardware *h = rp_config_hardware(cfg);
+    const rp_model *md = rp_config_model(cfg);
+    const rp_limits *lim = rp_config_limits(cfg);
+
+    int32_t n = rp_batch_num_seqs(batch);
+    if (n < 1) return rp_fail(err, RP_EINVAL, "cost: the batch is empty (no sequences to plan)");
+    if (rp_stats_num_seqs(stats) != n)
+        return rp_fail(err, RP_EINVAL, "cost: the statistics cover %d sequences, but the batch has %d",
+                       rp_stats_num_seqs(stats), n);
+    if (rp_stats_num_layers(stats) != md->num_layers)
+        return rp_fail(err, RP_EINVAL, "cost: the statistics have %d layers, but the model has %d",
+                       rp_stats_num_layers(stats), md->num_layers);
+    if (rp_stats_num_experts(stats) != md->num_experts)
+        return rp_fail(err, RP_EINVAL, "cost: the statistics have %d experts, but the model has %d",
+                       rp_stats_num_experts(stats), md->num_experts);
+    /* Token-choice counts per (GPU, mb, layer, expert) are int32: bounded by the batch's
+     * tokens times top_k. Sums of L^2 per cell are int64: bounded by tokens * max L. */
+    int64_t tokens = rp_batch_num_tokens(batch), choices, sq;
+    if (rp_mul_overflow(tokens, md->top_k, &choices) || choices > INT32_MAX)
+        return rp_fail(err, RP_ERANGE,
+                       "cost: the batch has %lld tokens x top-%d token-choices per layer, over the "
+                       "evaluator's limit of 2^31-1", (long long)tokens, md->top_k);
+    if (rp_mul_overflow(tokens, rp_batch_max_seq_len(batch), &sq))
+        return rp_fail(err, RP_ERANGE, "cost: the batch's sum of squared lengths overflows 64 bits");
+
+    rp_cost *c = rp_calloc(ctx, 1, sizeof *c);
+    if (!c) return rp_fail_nomem(err, "a cost evaluator");
+    c->ctx = ctx;
+    c->cfg = cfg;
+    c->batch = batch;
+    c->stats = stats;
+    c->rule = rule;
+    c->G = t->num_gpus;
+    c->ep = t->ep_size;
+    c->Q = t->num_gpus / t->ep_size;
+    c->gpn = t->gpus_per_node;
+    c->N = n;
+    c->L = md->num_layers;
+    c->E = md->num_experts;
+    c->top_k = md->top_k;
+    c->speed = t->speed;
+    c->gpu_node = rp_alloc(ctx, (size_t)c->G * sizeof *c->gpu_node);
+    if (!c->gpu_node) {
+        rp_free(ctx, c);
+        return rp_fail_nomem(err, "a cost evaluator");
+    }
+    for (int32_t g = 0; g < c->G; g++) {
+        c->gpu_node[g] = g / c->gpn;
+        c->speed_sum += t->speed[g];
+        if (t->speed[g] > c->speed_max) c->speed_max = t->speed[g];
+    }
+    c->cu_seqlens = rp_batch_cu_seqlens(batch);
+
+    double d = md->hidden_size, f = md->expert_ffn_size, hd = md->num_heads, hkv = md->num_kv_heads,
+           dh = md->head_dim, bpp = md->bytes_per_param;
+    c->attn_sq_s = 2.0 * hd * dh / (h->peak_flops * h->attention_efficiency);
+    c->attn_lin_s = 2.0 * d * (2.0 * hd * dh + 2.0 * hkv * dh) / (h->peak_flops * h->dense_efficiency);
+    c->expert_token_s = 6.0 * d * f / h->peak_flops;
+    c->expert_bytes = 3.0 * d * f * bpp;
+    c->expert_mem_s = c->expert_bytes / h->hbm_bytes_per_s;
+    c->expert_move_bytes = 3.0 * d * f * (bpp + md->bytes_per_optimizer_state);
+    c->token_bytes = d * bpp;
+    c->eff = h->gemm_efficiency;
+    c->num_eff = h->num_gemm_efficiency;
+    for (int32_t i = 0; i < c->num_eff; i++)
+        if (c->eff[i].efficiency > c->eff_max) c->eff_max = c->eff[i].efficiency;
+    c->nv_bw = t->nvlink_bytes_per_s;
+    c->nv_lat = t->nvlink_latency_s;
+    c->net_bw = t->net_bytes_per_s;
+    c->net_lat = t->net_latency_s;
+    c->fwd_bwd = 1.0 + h->backward_multiplier;
+    c->token_cap = lim->max_tokens_per_microbatch;
+    c->act_cap = lim->max_activation_bytes;
+    c->act_per_token = lim->activation_bytes_per_token;
+    c->nonlocal_slots = -1;
+    /* integer loads below the curve's last point (at most SLOT_TABLE_MAX) */
+    double last = c->eff[c->num_eff - 1].tokens;
+    c->slot_table_n = last < SLOT_TABLE_MAX ? (int32_t)ceil(last) + 1 : SLOT_TABLE_MAX;
+    c->slot_table = rp_alloc(ctx, (size_t)c->slot_table_n * sizeof *c->slot_table);
+    if (!c->slot_table) {
+        rp_cost_free(c);
+        return rp_fail_nomem(err, "a cost evaluator");
+    }
+    for (int32_t i = 0; i < c->slot_table_n; i++) c->slot_table[i] = cost_slot_time(c, (double)i);
+    *out = c;
+    return RP_OK;
+}
+
+static void state_free(rp_context *ctx, cost_state *s);
+static void scratch_free(rp_context *ctx, cost_scratch *sc);
+
+void rp_cost_free(rp_cost *c)
+{
+    if (!c) return;
+    rp_context *ctx = c->ctx;
+    state_free(ctx, c->st);
+    scratch_free(ctx, &c->sc);
+    rp_free(ctx, c->seq_nonlocal);
+    rp_free(ctx, c->gpu_node);
+    rp_free(ctx, c->slot_table);
+    rp_free(ctx, c);
+}
+
+/* ---- unit costs ------------------------------------------------------------------ */
+
+double rp_cost_attention_s(const rp_cost *c, int64_t seq_len)
+{
+    if (!c || seq_len <= 0) return 0.0;
+    double len = (double)seq_len;
+    return len * len * c->attn_sq_s + len * c->attn_lin_s;
+}
+
+/* Grouped-GEMM efficiency at n tokens: linear between points, flat beyond the ends. */
+static double eff_at(const rp_cost *c, double n)
+{
+    const rp_eff_point *p = c->eff;
+    int32_t k = c->num_eff;
+    if (n <= p[0].tokens) return p[0].efficiency;
+    if (n >= p[k - 1].tokens) return p[k - 1].efficiency;
+    int32_t lo = 0, hi = k - 1; /* p[lo].tokens < n < p[hi].tokens */
+    while (hi - lo > 1) {
+        int32_t mid = (lo + hi) / 2;
+        if (p[mid].tokens <= n) lo = mid;
+        else hi = mid;
+    }
+    double frac = (n - p[lo].tokens) / (p[hi].tokens - p[lo].tokens);
+    return p[lo].efficiency + (p[hi].efficiency - p[lo].efficiency) * frac;
+}
+
+double cost_slot_time(const rp_cost *c, double n)
+{
+    if (!(n > 0)) return 0.0;
+    double t = n * c->expert_token_s / eff_at(c, n);
+    return t > c->expert_mem_s ? t : c->expert_mem_s;
+}
+
+double rp_cost_expert_s(const rp_cost *c, double tokens)
+{
+    return c ? cost_slot_time(c, tokens) : 0.0;
+}
+
+double rp_cost_expert_move_s(const rp_cost *c, bool same_node)
+{
+    if (!c) return 0.0;
+    return same_node ? c->expert_move_bytes / c->nv_bw + c->nv_lat
+                     : c->expert_move_bytes / c->net_bw + c->net_lat;
+}
+
+double cost_cell_attention(const rp_cost *c, int64_t sum_sq, int64_t sum_len, int32_t gpu)
+{
+    return ((double)sum_sq * c->attn_sq_s + (double)sum_len * c->attn_lin_s) / c->speed[gpu];
+}
+
+/* ---- one (microbatch, layer, EP group) ------------------------------------------ */
+
+/* Slot time of an integer token count: a table below the curve's last point, where
+ * the efficiency interpolation costs a search. The table holds cost_slot_time's own
+ * results, so both paths give the same bits. */
+static inline double slot_time_int(const rp_cost *c, int64_t n)
+{
+    return n < c->slot_table_n ? c->slot_table[n] : cost_slot_time(c, (double)n);
+}
+
+/* Group a destination map's experts by destination: ord lists the experts of
+ * destination d at ord[seg[d] .. seg[d + 1]) (d = ep: split experts). */
+static void map_segments(int32_t E, int32_t ep, const int32_t *dst, int32_t *seg, int32_t *ord)
+{
+    for (int32_t r = 0; r <= ep + 1; r++) seg[r] = 0;
+    for (int32_t e = 0; e < E; e++) seg[dst[e] + 1]++;
+    for (int32_t r = 0; r <= ep; r++) seg[r + 1] += seg[r];
+    for (int32_t e = 0; e < E; e++) ord[seg[dst[e]]++] = e;
+    for (int32_t r = ep; r > 0; r--) seg[r] = seg[r - 1];
+    seg[0] = 0;
+}
+
+/* Where each expert's token-choices go at (m, l): the EP rank of its only replica, or
+ * ep when it has several (then they are split, source by source). The base placement's
+ * map is cached per layer; (m, l) with levers, and placements under trial, get theirs
+ * built in the scratch space. */
+cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, const int32_t *rep_off,
+                      const int32_t *rep_rank, bool base, cost_scratch *sc)
+{
+    const int32_t ml = m * c->L + l;
+    const cost_override *ov = st->ov + st->ov_begin[ml], *ov_end = st->ov + st->ov_begin[ml + 1];
+    if (base && ov == ov_end)
+        return (cost_map){st->lay_dst + (size_t)l * c->E, st->lay_seg + (size_t)l * (c->ep + 2),
+                          st->lay_ord + (size_t)l * c->E};
+    for (int32_t e = 0; e < c->E; e++) {
+        const cost_override *o = (ov < ov_end && ov->expert == e) ? ov++ : NULL;
+        int32_t R = rep_off[e + 1] - rep_off[e] + (o ? o->num_extra : 0);
+        sc->dst[e] = R == 1 ? rep_rank[rep_off[e]] : c->ep;
+    }
+    map_segments(c->E, c->ep, sc->dst, sc->seg, sc->ord);
+    return (cost_map){sc->dst, sc->seg, sc->ord};
+}
+
+/* The integer aggregates of group q at (m, l), from the per-GPU counts: each expert's
+ * token-choices over the group, and the token-choices of single-replica experts each
+ * GPU sends and receives inside its node and across nodes (link[4 * ep]: send intra,
+ * send inter, receive intra, receive inter). Integers, so a move can update them by
+ * its own histogram and land on exactly these values. */
+void cost_group_rebuild(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
+                        cost_map map, int32_t *total, int64_t *link)
+{
+    const int32_t ep = c->ep, E = c->E, g0 = q * ep;
+    const int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + g0) * (size_t)E;
+    memset(total, 0, (size_t)E * sizeof *total);
+    memset(link, 0, (size_t)4 * ep * sizeof *link);
+    for (int32_t src = 0; src < ep; src++) {
+        const int32_t *row = cnt + (size_t)src * E;
+        for (int32_t e = 0; e < E; e++) total[e] += row[e];
+        for (int32_t d = 0; d < ep; d++) {
+            if (d == src) continue;
+            int64_t sum = 0;
+            for (int32_t i = map.seg[d]; i < map.seg[d + 1]; i++) sum += row[map.ord[i]];
+            if (c->gpu_node[g0 + src] == c->gpu_node[g0 + d]) {
+                link[src] += sum;
+                link[2 * ep + d] += sum;
+            } else {
+                link[ep + src] += sum;
+                link[3 * ep + d] += sum;
+            }
+        }
+    }
+}
+
+/* The change of a group's totals and links when EP rank `src` of the group (first GPU
+ * g0) gains sign x hist. Integers: undone exactly by the opposite sign. */
+void cost_delta_aggregates(const rp_cost *c, int32_t g0, int32_t src, const int32_t *restrict h, int32_t sign,
+                           cost_map map, int32_t *restrict total, int64_t *restrict link)
+{
+    const int32_t ep = c->ep, E = c->E;
+    if (sign > 0)
+        for (int32_t e = 0; e < E; e++) total[e] += h[e];
+    else
+        for (int32_t e = 0; e < E; e++) total[e] -= h[e];
+    for (int32_t d = 0; d < ep; d++) {
+        if (d == src) continue;
+        int64_t sum = 0;
+        for (int32_t i = map.seg[d]; i < map.seg[d + 1]; i++) sum += h[map.ord[i]];
+        if (!sum) continue;
+        sum *= sign;
+        if (c->gpu_node[g0 + src] == c->gpu_node[g0 + d]) {
+            link[src] += sum;
+            link[2 * ep + d] += sum;
+        } else {
+            link[ep + src] += sum;
+            link[3 * ep + d] += sum;
+        }
+    }
+}
+
+/* The same change in the state: the GPU's counts and its group's aggregates. */
+void cost_group_delta(const rp_cost *c, cost_state *st, int32_t m, int32_t l, int32_t gpu,
+                      const uint32_t *hist, int32_t sign, cost_map map)
+{
+    const int32_t ep = c->ep, E = c->E, q = gpu / ep;
+    const size_t gq = ((size_t)m * c->L + l) * c->Q + q;
+    int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + gpu) * (size_t)E;
+    const int32_t *h = (const int32_t *)hist; /* a sequence's counts fit int32 (see rp_cost_new) */
+    if (sign > 0)
+        for (int32_t e = 0; e < E; e++) cnt[e] += h[e];
+    else
+        for (int32_t e = 0; e < E; e++) cnt[e] -= h[e];
+    cost_delta_aggregates(c, q * ep, gpu % ep, h, sign, map, st->gtotal + gq * E, st->glink + gq * 4 * ep);
+}
+
+/* Expert and dispatch time of every GPU of group q at (m, l), from the group's integer
+ * aggregates (and the per-GPU counts for experts split over several replicas), in a
+ * fixed order: a full evaluation and every incremental one call this same function on
+ * the same integers, so their results agree bit for bit. */
+void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
+                     const int32_t *rep_off, const int32_t *rep_rank, cost_map map,
+                     const int32_t *total, const int64_t *link, double *x_out, double *d_out,
+                     group_result *res, cost_scratch *sc)
+{
+    const int32_t *dst = map.dst;
+    const int32_t ep = c->ep, E = c->E, g0 = q * ep;
+    const int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + g0) * (size_t)E;
+    double *xa = sc->xacc, *si = sc->si, *ri = sc->ri, *se = sc->se, *re = sc->re;
+    const cost_override *ov = st->ov + st->ov_begin[m * c->L + l];
+    const cost_override *ov_end = st->ov + st->ov_begin[m * c->L + l + 1];
+    for (int32_t r = 0; r < ep; r++) xa[r] = si[r] = ri[r] = se[r] = re[r] = 0.0;
+
+    for (int32_t e = 0; e < E; e++) {
+        if (dst[e] < ep) {
+            xa[dst[e]] += slot_time_int(c, total[e]);
+            continue;
+        }
+        while (ov < ov_end && ov->expert < e) ov++;
+        const cost_override *o = (ov < ov_end && ov->expert == e) ? ov : NULL;
+        const int32_t nb = rep_off[e + 1] - rep_off[e], R = nb + (o ? o->num_extra : 0);
+        const int32_t *base = rep_rank + rep_off[e];
+        int32_t *rk = sc->rk;
+        double *w = sc->w, *load = sc->load;
+        for (int32_t i = 0; i < nb; i++) rk[i] = base[i];
+        for (int32_t i = nb; i < R; i++) rk[i] = st->extra_rank[o->extra_off + i - nb];
+        for (int32_t i = 0; i < R; i++) load[i] = 0.0;
+        const bool fixed = (o && o->num_shares) || c->rule == RP_SPLIT_EVEN;
+        if (fixed)
+            for (int32_t i = 0; i < R; i++)
+                w[i] = o && o->num_shares ? st->share_val[o->share_off + i] : 1.0 / R;
+        for (int32_t src = 0; src < ep; src++) {
+            int32_t v = cnt[(size_t)src * E + e];
+            if (!v) continue;
+            const int32_t node = c->gpu_node[g0 + src];
+            int32_t tier = 2, k = R;
+            if (!fixed) {
+                /* locality: own GPU, else own node, else everyone, evenly inside the tier */
+                int32_t own = 0, near = 0;
+                for (int32_t i = 0; i < R; i++) {
+                    own += rk[i] == src;
+                    near += c->gpu_node[g0 + rk[i]] == node;
+                }
+                tier = own ? 0 : near ? 1 : 2;
+                k = own ? own : near ? near : R;
+            }
+            for (int32_t i = 0; i < R; i++) {
+                double part;
+                if (fixed) part = (double)v * w[i];
+                else if (tier == 2 || (tier == 1 && c->gpu_node[g0 + rk[i]] == node) || rk[i] == src)
+                    part = (double)v / k;
+                else continue;
+                if (!fixed) load[i] += part;
+                if (rk[i] == src || part == 0.0) continue;
+                if (c->gpu_node[g0 + rk[i]] == node) {
+                    si[src] += part;
+                    ri[rk[i]] += part;
+                } else {
+                    se[src] += part;
+                    re[rk[i]] += part;
+                }
+            }
+        }
+        if (fixed)
+            for (int32_t i = 0; i < R; i++) load[i] = (double)total[e] * w[i];
+        for (int32_t i = 0; i < R; i++) xa[rk[i]] += cost_slot_time(c, load[i]);
+    }
+
+    res->xmax = res->dmax = -1.0;
+    res->xarg = res->darg = g0;
+    const double base_lat = ep > 1 ? c->nv_lat : 0.0;
+    for (int32_t r = 0; r < ep; r++) {
+        double x = xa[r] / c->speed[g0 + r];
+        double send_in = (double)link[r] + si[r], send_out = (double)link[ep + r] + se[r];
+        double recv_in = (double)link[2 * ep + r] + ri[r], recv_out = (double)link[3 * ep + r] + re[r];
+        double intra = send_in > recv_in ? send_in : recv_in;
+        double inter = send_out > recv_out ? send_out : recv_out;
+        double d = intra * c->token_bytes / c->nv_bw + inter * c->token_bytes / c->net_bw + base_lat +
+                   (inter > 0 ? c->net_lat : 0.0);
+        x_out[r] = x;
+        d_out[r] = d;
+        if (x > res->xmax) {
+            res->xmax = x;
+            res->xarg = g0 + r;
+        }
+        if (d > res->dmax) {
+            res->dmax = d;
+            res->darg = g0 + r;
+        }
+    }
+}
+
+/* T(m, l) = max_g A + dispatch + max_g X + combine; combine moves the dispatch volume
+ * back, so it equals dispatch. One expression for every caller. */
+double cost_layer_time(double amax, double dmax, double xmax)
+{
+    return amax + dmax + xmax + dmax;
+}
+
+double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t, double grad_s)
+{
+    double sum = 0.0;
+    size_t cells = (size_t)st->M * (size_t)c->L;
+    for (size_t i = 0; i < cells; i++) sum += layer_t[i];
+    return c->fwd_bwd * sum + grad_s + st->extra_s;
+}
+
+/* Replicas of every expert of one layer: EP rank of each, in ascending slot order. */
+void cost_index_layer(int32_t E, int32_t S, const int32_t *slot_rank_of, const int32_t *phy2log,
+                      int32_t *rep_off, int32_t *rep_rank)
+{
+    memset(rep_off, 0, (size_t)(E + 1) * sizeof *rep_off);
+    for (int32_t s = 0; s < S; s++)
+        if (phy2log[s] >= 0) rep_off[phy2log[s] + 1]++;
+    for (int32_t e = 0; e < E; e++) rep_off[e + 1] += rep_off[e];
+    for (int32_t s = 0; s < S; s++)
+        if (phy2log[s] >= 0) rep_rank[rep_off[phy2log[s]]++] = slot_rank_of[s];
+    for (int32_t e = E; e > 0; e--) rep_off[e] = rep_off[e - 1];
+    rep_off[0] = 0;
+}
+
+/* Destination map of a layer's base placement (no levers), into the state's cache. */
+void cost_layer_dst(const rp_cost *c, cost_state *st, int32_t l, const int32_t *rep_off,
+                    const int32_t *rep_rank)
+{
+    int32_t *dst = st->lay_dst + (size_t)l * c->E;
+    for (int32_t e = 0; e < c->E; e++)
+        dst[e] = rep_off[e + 1] - rep_off[e] == 1 ? rep_rank[rep_off[e]] : c->ep;
+    map_segments(c->E, c->ep, dst, st->lay_seg + (size_t)l * (c->ep + 2), st->lay_ord + (size_t)l * c->E);
+}
+
+/* Gradient reduction that replicas add, per GPU, for one layer: every replica beyond
+ * the first (lowest slot) of an expert runs one two-party all-reduce of the expert's
+ * weight gradient with the first replica's GPU, in every EP group; each of the two
+ * GPUs sends and receives the gradient's bytes once, over NVLink inside a node and
+ * the network across nodes, plus that link's latency. Replicas on the same GPU add
+ * nothing (a local sum). */
+void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_off,
+                     const int32_t *rep_rank, double *row)
+{
+    (void)st;
+    for (int32_t g = 0; g < c->G; g++) row[g] = 0.0;
+    const double nv = c->expert_bytes / c->nv_bw + c->nv_lat;
+    const double net = c->expert_bytes / c->net_bw + c->net_lat;
+    for (int32_t e = 0; e < c->E; e++) {
+        if (rep_off[e + 1] - rep_off[e] < 2) continue;
+        int32_t first = rep_rank[rep_off[e]];
+        for (int32_t i = rep_off[e] + 1; i < rep_off[e + 1]; i++) {
+            int32_t r = rep_rank[i];
+            if (r == first) continue;
+            for (int32_t q = 0; q < c->Q; q++) {
+                int32_t a = q * c->ep + first, b = q * c->ep + r;
+                double t = c->gpu_node[a] == c->gpu_node[b] ? nv : net;
+                row[a] += t;
+                row[b] += t;
+            }
+        }
+    }
+}
+
+/* max over GPUs of the per-layer rows summed in layer order; `row` replaces layer
+ * `layer` when given (a trial), else the state's rows are used as they are. */
+double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row)
+{
+    double worst = 0.0;
+    for (int32_t g = 0; g < c->G; g++) {
+        double sum = 0.0;
+        for (int32_t l = 0; l < c->L; l++)
+            sum += (row && l == layer) ? row[g] : st->grad_gpu[(size_t)l * c->G + g];
+        if (sum > worst) worst = sum;
+    }
+    return worst;
+}
+
+/* ---- state ----------------------------------------------------------------------- */
+
+static void state_free(rp_context *ctx, cost_state *s)
+{
+    if (!s) return;
+    void *arrays[] = {s->slot_begin, s->phy2log, s->rep_off, s->rep_rank, s->ov_begin, s->ov,
+                      s->extra_rank, s->share_val, s->extra_count, s->seq_rank, s->seq_mb,
+                      s->cell_tokens, s->cell_sq, s->counts, s->mb_load, s->mb_nonlocal, s->attn,
+                      s->amax, s->aarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
+                      s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_max, s->gtotal,
+                      s->glink, s->lay_dst, s->lay_seg, s->lay_ord, s->lb_layer};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
+    rp_free(ctx, s);
+}
+
+static void scratch_free(rp_context *ctx, cost_scratch *sc)
+{
+    void *arrays[] = {sc->hist, sc->x, sc->d, sc->si, sc->ri, sc->se, sc->re, sc->xacc, sc->rk,
+                      sc->w, sc->load, sc->layer_t, sc->rep_off, sc->rep_rank, sc->row,
+                      sc->grad_row, sc->sel, sc->total, sc->link, sc->dst, sc->seg, sc->ord};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
+    memset(sc, 0, sizeof *sc);
+}
+
+/* count * size in bytes, or 0 with *bad set when it overflows. */
+static size_t bytes_of(int64_t count, size_t size, bool *bad)
+{
+    int64_t total;
+    if (count < 0 || rp_mul_overflow(count, (int64_t)size, &total) || (uint64_t)total > SIZE_MAX / 2) {
+        *bad = true;
+        return 0;
+    }
+    return (size_t)total + 1; /* never a zero-byte request */
+}
+
+/* One array of `count` elements, its bytes added to *total. */
+static void *take(rp_context *ctx, int64_t count, size_t size, bool zero, bool *bad, size_t *total)
+{
+    size_t n = bytes_of(count, size, bad);
+    if (*bad) return NULL;
+    void *p = zero ? rp_calloc(ctx, n, 1) : rp_alloc(ctx, n);
+    if (p) *total += n;
+    return p;
+}
+
+static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc, rp_error *err)
+{
+    bool bad = false;
+    rp_context *ctx = c->ctx;
+    size_t *total = &sc->bytes;
+    int64_t LE = (int64_t)c->L * c->E, ML = (int64_t)s->M * c->L;
+    memset(sc, 0, sizeof *sc);
+    sc->bytes = 0;
+    sc->hist = take(ctx, 2 * LE, sizeof(uint32_t), false, &bad, total);
+    sc->x = take(ctx, c->ep, sizeof(double), false, &bad, total);
+    sc->d = take(ctx, c->ep, sizeof(double), false, &bad, total);
+    sc->si = take(ctx, c->ep, sizeof(double), false, &bad, total);
+    sc->ri = take(ctx, c->ep, sizeof(double), false, &bad, total);
+    sc->se = take(ctx, c->ep, sizeof(double), false, &bad, total);
+    sc->re = take(ctx, c->ep, sizeof(double), false, &bad, total);
+    sc->xacc = take(ctx, c->ep, sizeof(double), false, &bad, total);
+    sc->rk = take(ctx, s->max_replicas, sizeof(int32_t), false, &bad, total);
+    sc->w = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
+    sc->load = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
+    sc->layer_t = take(ctx, ML, sizeof(double), false, &bad, total);
+    sc->rep_off = take(ctx, (int64_t)c->E + 1, sizeof(int32_t), false, &bad, total);
+    sc->rep_rank = take(ctx, s->S, sizeof(int32_t), false, &bad, total);
+    sc->row = take(ctx, s->S, sizeof(int32_t), false, &bad, total);
+    sc->grad_row = take(ctx, c->G, sizeof(double), false, &bad, total);
+    sc->sel = take(ctx, c->E > COST_TOP_BUCKETS ? c->E : COST_TOP_BUCKETS + 1, sizeof(uint32_t), false, &bad, total);
+    sc->total = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
+    sc->link = take(ctx, 4 * (int64_t)c->ep, sizeof(int64_t), false, &bad, total);
+    sc->dst = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
+    sc->seg = take(ctx, (int64_t)c->ep + 2, sizeof(int32_t), false, &bad, total);
+    sc->ord = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
+    if (bad || !sc->total || !sc->link || !sc->dst || !sc->seg || !sc->ord || !sc->hist || !sc->x || !sc->d || !sc->si || !sc->ri || !sc->se || !sc->re ||
+        !sc->xacc || !sc->rk || !sc->w || !sc->load || !sc->layer_t || !sc->rep_off ||
+        !sc->rep_rank || !sc->row || !sc->grad_row || !sc->sel) {
+        scratch_free(ctx, sc);
+        return bad ? rp_fail(err, RP_ERANGE, "cost: the plan is too large to evaluate")
+                   : rp_fail_nomem(err, "the cost evaluator's scratch space");
+    }
+    return RP_OK;
+}
+
+static rp_status fail_seq(rp_error *err, int32_t seq, const char *fmt, ...) RP_PRINTF(3, 4);
+static rp_status fail_seq(rp_error *err, int32_t seq, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    rp_failv(err, RP_EINVAL, fmt, ap);
+    va_end(ap);
+    if (err) err->sequence = seq;
+    return RP_EINVAL;
+}
+
+static rp_status fail_expert(rp_error *err, int32_t expert, const char *fmt, ...) RP_PRINTF(3, 4);
+static rp_status fail_expert(rp_error *err, int32_t expert, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    rp_failv(err, RP_EINVAL, fmt, ap);
+    va_end(ap);
+    if (err) err->expert = expert;
+    return RP_EINVAL;
+}
+
+/* Shape of the plan against the evaluator's config and batch. */
+static rp_status check_plan_shape(const rp_cost *c, const rp_plan *plan, rp_error *err)
+{
+    if (!plan) return rp_fail(err, RP_EINVAL, "cost: no plan to evaluate");
+    if (!rp_plan_has_packing(plan)) return rp_fail(err, RP_EINVAL, "cost: the plan has no packing");
+    if (!rp_plan_has_placement(plan)) return rp_fail(err, RP_EINVAL, "cost: the plan has no placement");
+    if (rp_plan_num_gpus(plan) != c->G)
+        return rp_fail(err, RP_EINVAL, "cost: the plan has %d GPUs, but the config has %d", rp_plan_num_gpus(plan),
+                       c->G);
+    if (rp_plan_ep_size(plan) != c->ep)
+        return rp_fail(err, RP_EINVAL, "cost: the plan has EP groups of %d GPUs, but the config has %d",
+                       rp_plan_ep_size(plan), c->ep);
+    if (rp_plan_num_layers(plan) != c->L)
+        return rp_fail(err, RP_EINVAL, "cost: the plan has %d layers, but the model has %d",
+                       rp_plan_num_layers(plan), c->L);
+    if (rp_plan_num_experts(plan) != c->E)
+        return rp_fail(err, RP_EINVAL, "cost: the plan has %d experts, but the model has %d",
+                       rp_plan_num_experts(plan), c->E);
+    if (rp_plan_num_microbatches(plan) < 1)
+        return rp_fail(err, RP_EINVAL, "cost: the plan has %d microbatches", rp_plan_num_microbatches(plan));
+    const int32_t *sb = rp_plan_slot_begin(plan);
+    if (!sb || sb[0] != 0 || sb[c->ep] != rp_plan_total_slots(plan))
+        return rp_fail(err, RP_EINVAL, "cost: the plan's slot offsets are inconsistent");
+    for (int32_t j = 0; j < c->ep; j++)
+        if (sb[j + 1] < sb[j])
+            return rp_fail(err, RP_EINVAL, "cost: the plan's EP rank %d has a negative slot count", j);
+    return RP_OK;
+}
+
+/* Read the packing into seq_rank/seq_mb; every sequence exactly once. */
+static rp_status read_packing(const rp_cost *c, const rp_plan *plan, cost_state *s, rp_error *err)
+{
+    if (rp_plan_num_seqs(plan) != c->N)
+        return rp_fail(err, RP_EINVAL, "cost: the plan packs %d sequences, but the batch has %d",
+                       rp_plan_num_seqs(plan), c->N);
+    for (int32_t i = 0; i < c->N; i++) s->seq_rank[i] = -1;
+    for (int32_t g = 0; g < c->G; g++)
+        for (int32_t m = 0; m < s->M; m++) {
+            int32_t count = 0;
+            const int32_t *list = rp_plan_microbatch(plan, g, m, &count);
+            for (int32_t k = 0; k < count; k++) {
+                int32_t q = list[k];
+                if (q < 0 || q >= c->N)
+                    return fail_seq(err, q, "cost: rank %d mb %d holds sequence %d, but the batch has %d",
+                                    g, m, q, c->N);
+                if (s->seq_rank[q] >= 0)
+                    return fail_seq(err, q, "cost: sequence %d is packed twice (rank %d mb %d, rank %d mb %d)",
+                                    q, s->seq_rank[q], s->seq_mb[q], g, m);
+                s->seq_rank[q] = g;
+                s->seq_mb[q] = m;
+            }
+        }
+    for (int32_t i = 0; i < c->N; i++)
+        if (s->seq_rank[i] < 0) return fail_seq(err, i, "cost: sequence %d is not packed", i);
+    return RP_OK;
+}
+
+/* Extra replicas and share sets of the plan, merged per (mb, layer) by expert. */
+typedef struct lever_counts {
+    int32_t entries, extras, shares;
+} lever_counts;
+
+static lever_counts count_levers(const rp_plan *plan)
+{
+    lever_counts n = {0, 0, 0};
+    n.extras = rp_plan_num_extra_replicas(plan);
+    int32_t sets = rp_plan_num_share_sets(plan);
+    for (int32_t i = 0; i < sets; i++) {
+        int32_t count = 0;
+        rp_plan_share_set(plan, i, NULL, NULL, NULL, &count);
+        if (count > 0) n.shares += count;
+    }
+    n.entries = n.extras + sets;
+    return n;
+}
+
+static int key_cmp(int32_t m1, int32_t l1, int32_t e1, int32_t m2, int32_t l2, int32_t e2)
+{
+    if (m1 != m2) return m1 < m2 ? -1 : 1;
+    if (l1 != l2) return l1 < l2 ? -1 : 1;
+    if (e1 != e2) return e1 < e2 ? -1 : 1;
+    return 0;
+}
+
+static rp_status read_levers(const rp_cost *c, const rp_plan *plan, cost_state *s, rp_error *err)
+{
+    const int32_t L = c->L, ML = s->M * L;
+    int32_t nx = rp_plan_num_extra_replicas(plan), ns = rp_plan_num_share_sets(plan);
+    int32_t ix = 0, is = 0, n_ov = 0, n_extra = 0, n_share = 0;
+    memset(s->ov_begin, 0, ((size_t)ML + 1) * sizeof *s->ov_begin);
+    memset(s->extra_count, 0, (size_t)ML * c->ep * sizeof *s->extra_count);
+    int32_t most_extras = 0; /* of one key: with S, bounds every replica set, also after slot moves */
+    while (ix < nx || is < ns) {
+        int32_t xm, xl, xe, xr, sm = 0, sl = 0, se = 0, scount = 0;
+        const double *vals = NULL;
+        rp_plan_extra_replica(plan, ix, &xm, &xl, &xe, &xr);
+        if (is < ns) vals = rp_plan_share_set(plan, is, &sm, &sl, &se, &scount);
+        int cmp = ix >= nx ? 1 : is >= ns ? -1 : key_cmp(xm, xl, xe, sm, sl, se);
+        int32_t m = cmp <= 0 ? xm : sm, l = cmp <= 0 ? xl : sl, e = cmp <= 0 ? xe : se;
+        if (m < 0 || m >= s->M || l < 0 || l >= L || e < 0 || e >= c->E)
+            return fail_expert(err, e, "cost: a lever names mb %d layer %d expert %d, outside the plan", m, l, e);
+        cost_override *o = &s->ov[n_ov++];
+        o->expert = e;
+        o->num_extra = 0;
+        o->extra_off = n_extra;
+        o->num_shares = 0;
+        o->share_off = 0;
+        /* every extra replica of this key (they are contiguous and keep insertion order) */
+        while (ix < nx) {
+            rp_plan_extra_replica(plan, ix, &xm, &xl, &xe, &xr);
+            if (key_cmp(xm, xl, xe, m, l, e) != 0) break;
+            if (xr < 0 || xr >= c->ep)
+                return fail_expert(err, e, "cost: mb %d layer %d expert %d has an extra replica on EP rank %d, "
+                                   "but EP groups have %d ranks", m, l, e, xr, c->ep);
+            s->extra_rank[n_extra++] = xr;
+            s->extra_count[((size_t)m * L + l) * c->ep + xr]++;
+            o->num_extra++;
+            ix++;
+        }
+        int32_t nb = s->rep_off[(size_t)l * (c->E + 1) + e + 1] - s->rep_off[(size_t)l * (c->E + 1) + e];
+        int32_t R = nb + o->num_extra;
+        if (o->num_extra > most_extras) most_extras = o->num_extra;
+        if (is < ns && key_cmp(sm, sl, se, m, l, e) == 0) {
+            is++;
+            if (scount > 0) {
+                if (scount != R)
+                    return fail_expert(err, e, "cost: mb %d layer %d expert %d has %d shares for %d replicas",
+                                       m, l, e, scount, R);
+                double sum = 0.0;
+                for (int32_t i = 0; i < R; i++) {
+                    if (!isfinite(vals[i]) || vals[i] < 0)
+                        return fail_expert(err, e, "cost: mb %d layer %d expert %d has share %g for replica %d; "
+                                           "shares must be finite and >= 0", m, l, e, vals[i], i);
+                    sum += vals[i];
+                }
+                if (!(fabs(sum - 1.0) <= 1e-6))
+                    return fail_expert(err, e, "cost: mb %d layer %d expert %d has shares summing to %.9g, not 1",
+                                       m, l, e, sum);
+                o->num_shares = R;
+                o->share_off = n_share;
+                for (int32_t i = 0; i < R; i++) s->share_val[n_share++] = vals[i] / sum;
+            }
+        }
+        s->ov_begin[m * L + l + 1]++;
+    }
+    for (int32_t i = 0; i < ML; i++) s->ov_begin[i + 1] += s->ov_begin[i];
+    if ((int64_t)s->S + most_extras > INT32_MAX / 8)
+        return rp_fail(err, RP_ERANGE, "cost: %d slots and %d extra replicas of one expert are too many",
+                       s->S, most_extras);
+    s->max_replicas = s->S + most_extras;
+    return RP_OK;
+}
+
+static rp_status read_placement(const rp_cost *c, const rp_plan *plan, cost_state *s, rp_error *err)
+{
+    const int32_t S = s->S, E = c->E;
+    for (int32_t l = 0; l < c->L; l++) {
+        const int32_t *row = rp_plan_phy2log(plan, l);
+        int32_t *dst = s->phy2log + (size_t)l * S;
+        for (int32_t k = 0; k < S; k++) {
+            if (row[k] < -1 || row[k] >= E)
+                return fail_expert(err, row[k], "cost: layer %d slot %d holds expert %d, but the model has %d",
+                                   l, k, row[k], E);
+            dst[k] = row[k];
+        }
+        int32_t *off = s->rep_off + (size_t)l * (E + 1);
+        cost_index_layer(E, S, s->slot_rank, dst, off, s->rep_rank + (size_t)l * S);
+        for (int32_t e = 0; e < E; e++)
+            if (off[e + 1] == off[e])
+                return fail_expert(err, e, "cost: layer %d expert %d has no replica", l, e);
+    }
+    return RP_OK;
+}
+
+static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, rp_error *err)
+{
+    rp_context *ctx = c->ctx;
+    bool bad = false;
+    const int64_t M = rp_plan_num_microbatches(plan), S = rp_plan_total_slots(plan);
+    const int64_t G = c->G, L = c->L, E = c->E, ep = c->ep, Q = c->Q;
+    int64_t ML = M * L, cells = 0; /* M, L < 2^31: no overflow */
+    /* every other array is at most a few times `cells`, or L x S < 2^47 */
+    if (rp_mul_overflow(ML, G, &cells) || rp_mul_overflow(cells, E, &cells) || cells > ((int64_t)1 << 56))
+        return rp_fail(err, RP_ERANGE, "cost: %lld microbatches x %lld layers x %lld GPUs x %lld experts is too "
+                       "large to evaluate", (long long)M, (long long)L, (long long)G, (long long)E);
+    cost_state *s = rp_calloc(ctx, 1, sizeof *s);
+    if (!s) return rp_fail_nomem(err, "a cost evaluation");
+    lever_counts lv = count_levers(plan);
+    s->bytes = sizeof *s;
+    s->plan = plan;
+    s->M = (int32_t)M;
+    s->S = (int32_t)S;
+    s->slot_begin = take(ctx, ep + 1, sizeof(int32_t), false, &bad, &s->bytes);
+    s->slot_rank = take(ctx, S, sizeof(int32_t), false, &bad, &s->bytes);
+    s->phy2log = take(ctx, L * S, sizeof(int32_t), false, &bad, &s->bytes);
+    s->rep_off = take(ctx, L * (E + 1), sizeof(int32_t), false, &bad, &s->bytes);
+    s->rep_rank = take(ctx, L * S, sizeof(int32_t), false, &bad, &s->bytes);
+    s->ov_begin = take(ctx, ML + 1, sizeof(int32_t), false, &bad, &s->bytes);
+    s->ov = take(ctx, lv.entries, sizeof(cost_override), false, &bad, &s->bytes);
+    s->extra_rank = take(ctx, lv.extras, sizeof(int32_t), false, &bad, &s->bytes);
+    s->share_val = take(ctx, lv.shares, sizeof(double), false, &bad, &s->bytes);
+    s->extra_count = take(ctx, ML * ep, sizeof(int32_t), false, &bad, &s->bytes);
+    s->seq_rank = take(ctx, c->N, sizeof(int32_t), false, &bad, &s->bytes);
+    s->seq_mb = take(ctx, c->N, sizeof(int32_t), false, &bad, &s->bytes);
+    s->cell_tokens = take(ctx, G * M, sizeof(int64_t), true, &bad, &s->bytes);
+    s->cell_sq = take(ctx, G * M, sizeof(int64_t), true, &bad, &s->bytes);
+    s->cell_max = take(ctx, G * M, sizeof(int32_t), true, &bad, &s->bytes);
+    s->counts = take(ctx, cells, sizeof(int32_t), true, &bad, &s->bytes);
+    s->gtotal = take(ctx, ML * Q * E, sizeof(int32_t), false, &bad, &s->bytes);
+    s->glink = take(ctx, ML * Q * 4 * ep, sizeof(int64_t), false, &bad, &s->bytes);
+    s->lay_dst = take(ctx, L * E, sizeof(int32_t), false, &bad, &s->bytes);
+    s->lay_seg = take(ctx, L * (ep + 2), sizeof(int32_t), false, &bad, &s->bytes);
+    s->lay_ord = take(ctx, L * E, sizeof(int32_t), false, &bad, &s->bytes);
+    s->mb_load = take(ctx, ML * E, sizeof(int64_t), true, &bad, &s->bytes);
+    s->mb_nonlocal = take(ctx, ML, sizeof(int64_t), true, &bad, &s->bytes);
+    s->attn = take(ctx, G * M, sizeof(double), false, &bad, &s->bytes);
+    s->amax = take(ctx, M, sizeof(double), false, &bad, &s->bytes);
+    s->aarg = take(ctx, M, sizeof(int32_t), false, &bad, &s->bytes);
+    s->expert = take(ctx, ML * G, sizeof(double), false, &bad, &s->bytes);
+    s->dispatch = take(ctx, ML * G, sizeof(double), false, &bad, &s->bytes);
+    s->xmax = take(ctx, ML * Q, sizeof(double), false, &bad, &s->bytes);
+    s->dmax = take(ctx, ML * Q, sizeof(double), false, &bad, &s->bytes);
+    s->xarg = take(ctx, ML * Q, sizeof(int32_t), false, &bad, &s->bytes);
+    s->darg = take(ctx, ML * Q, sizeof(int32_t), false, &bad, &s->bytes);
+    s->layer_t = take(ctx, ML, sizeof(double), false, &bad, &s->bytes);
+    s->lb_layer = take(ctx, ML, sizeof(double), false, &bad, &s->bytes);
+    s->grad_gpu = take(ctx, L * G, sizeof(double), false, &bad, &s->bytes);
+    if (bad || !s->slot_begin || !s->slot_rank || !s->phy2log || !s->rep_off || !s->rep_rank ||
+        !s->ov_begin || !s->ov || !s->extra_rank || !s->share_val || !s->extra_count ||
+        !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_sq || !s->cell_max ||
+        !s->counts || !s->gtotal || !s->glink || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->mb_load || !s->mb_nonlocal || !s->attn || !s->amax || !s->aarg ||
+        !s->expert || !s->dispatch || !s->xmax || !s->dmax || !s->xarg || !s->darg ||
+        !s->layer_t || !s->lb_layer || !s->grad_gpu) {
+        state_free(ctx, s);
+        return bad ? rp_fail(err, RP_ERANGE, "cost: a plan of %lld microbatches is too large to evaluate",
+                             (long long)M)
+                   : rp_fail_nomem(err, "a cost evaluation");
+    }
+    *out = s;
+    return RP_OK;
+}
+
+/* Attention of every cell and the per-microbatch maxima. */
+static void eval_attention(const rp_cost *c, cost_state *s)
+{
+    for (int32_t m = 0; m < s->M; m++) {
+        s->amax[m] = -1.0;
+        s->aarg[m] = 0;
+        for (int32_t g = 0; g < c->G; g++) {
+            size_t i = (size_t)g * s->M + m;
+            double a = cost_cell_attention(c, s->cell_sq[i], s->cell_tokens[i], g);
+            s->attn[i] = a;
+            if (a > s->amax[m]) {
+                s->amax[m] = a;
+                s->aarg[m] = g;
+            }
+        }
+    }
+}
+
+/* Largest of the group maxima of (m, l). */
+static void layer_maxima(const rp_cost *c, const double *xmax, const double *dmax, double *xm,
+                         double *dm)
+{
+    *xm = xmax[0];
+    *dm = dmax[0];
+    for (int32_t q = 1; q < c->Q; q++) {
+        if (xmax[q] > *xm) *xm = xmax[q];
+        if (dmax[q] > *dm) *dm = dmax[q];
+    }
+}
+
+rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, rp_error *err)
+{
+    if (!c) return rp_fail(err, RP_EINVAL, "cost: no evaluator");
+    rp_status st = check_plan_shape(c, plan, err);
+    if (st != RP_OK) return st;
+    cost_state *s = NULL;
+    cost_scratch sc;
+    memset(&sc, 0, sizeof sc);
+    RP_CHECK_GOTO(state_alloc(c, plan, &s, err), st, out);
+    const int32_t G = c->G, L = c->L, E = c->E, M = s->M, ep = c->ep;
+    memcpy(s->slot_begin, rp_plan_slot_begin(plan), ((size_t)ep + 1) * sizeof(int32_t));
+    s->slots_max = 0;
+    for (int32_t j = 0; j < ep; j++) {
+        int32_t n = s->slot_begin[j + 1] - s->slot_begin[j];
+        if (n > s->slots_max) s->slots_max = n;
+        for (int32_t k = s->slot_begin[j]; k < s->slot_begin[j + 1]; k++) s->slot_rank[k] = j;
+    }
+    RP_CHECK_GOTO(read_packing(c, plan, s, err), st, out);
+    RP_CHECK_GOTO(read_placement(c, plan, s, err), st, out);
+    RP_CHECK_GOTO(read_levers(c, plan, s, err), st, out);
+    RP_CHECK_GOTO(scratch_alloc(c, s, &sc, err), st, out);
+    RP_CHECK_GOTO(cost_bound_prepare(c, s->slots_max, err), st, out);
+
+    /* Counts per (mb, layer, GPU, expert) from the per-sequence histograms, and the
+     * per-sequence non-local volume of the bound when its cache is cold. */
+    {
+        const bool fill = c->nonlocal_slots != s->slots_max;
+        uint32_t *h = sc.hist;
+        for (int32_t q = 0; q < c->N; q++) {
+            int32_t g = s->seq_rank[q], m = s->seq_mb[q];
+            int64_t len = c->cu_seqlens[q + 1] - c->cu_seqlens[q];
+            size_t cell = (size_t)g * M + m;
+            s->cell_tokens[cell] += len;
+            s->cell_sq[cell] += len * len;
+            if (len > s->cell_max[cell]) s->cell_max[cell] = (int32_t)len;
+            for (int32_t l = 0; l < L; l++) {
+                rp_stats_seq_hist(c->stats, q, l, h);
+                int32_t *cnt = s->counts + ((size_t)(m * L + l) * G + g) * E;
+                for (int32_t e = 0; e < E; e++) cnt[e] += (int32_t)h[e];
+                if (fill) {
+                    uint64_t total = 0;
+                    for (int32_t e = 0; e < E; e++) total += h[e];
+                    c->seq_nonlocal[(size_t)q * L + l] = (uint32_t)(total - cost_top_sum(h, E, s->slots_max, sc.sel));
+                }
+            }
+        }
+        if (fill) c->nonlocal_slots = s->slots_max;
+        for (int32_t m = 0; m < M; m++)
+            for (int32_t l = 0; l < L; l++) {
+                int64_t *load = s->mb_load + ((size_t)m * L + l) * E;
+                for (int32_t g = 0; g < G; g++) {
+                    const int32_t *cnt = s->counts + ((size_t)(m * L + l) * G + g) * E;
+                    for (int32_t e = 0; e < E; e++) load[e] += cnt[e];
+                }
+            }
+        for (int32_t q = 0; q < c->N; q++)
+            for (int32_t l = 0; l < L; l++)
+                s->mb_nonlocal[(size_t)s->seq_mb[q] * L + l] += c->seq_nonlocal[(size_t)q * L + l];
+    }
+
+    eval_attention(c, s);
+    for (int32_t l = 0; l < L; l++)
+        cost_layer_dst(c, s, l, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S);
+    for (int32_t m = 0; m < M; m++)
+        for (int32_t l = 0; l < L; l++) {
+            size_t ml = (size_t)m * L + l;
+            const int32_t *off = s->rep_off + (size_t)l * (E + 1), *rank = s->rep_rank + (size_t)l * s->S;
+            cost_map map = cost_dst_map(c, s, m, l, off, rank, true, &sc);
+            for (int32_t q = 0; q < c->Q; q++) {
+                group_result r;
+                size_t gq = ml * c->Q + q;
+                int32_t *total = s->gtotal + gq * E;
+                int64_t *link = s->glink + gq * 4 * ep;
+                cost_group_rebuild(c, s, m, l, q, map, total, link);
+                cost_group_eval(c, s, m, l, q, off, rank, map, total, link, s->expert + ml * G + (size_t)q * ep,
+                                s->dispatch + ml * G + (size_t)q * ep, &r, &sc);
+                s->xmax[gq] = r.xmax;
+                s->dmax[gq] = r.dmax;
+                s->xarg[gq] = r.xarg;
+                s->darg[gq] = r.darg;
+            }
+            double xm, dm;
+            layer_maxima(c, s->xmax + ml * c->Q, s->dmax + ml * c->Q, &xm, &dm);
+            s->layer_t[ml] = cost_layer_time(s->amax[m], dm, xm);
+        }
+    for (int32_t l = 0; l < L; l++)
+        cost_grad_layer(c, s, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S,
+                        s->grad_gpu + (size_t)l * G);
+    s->grad_s = cost_grad_total(c, s, -1, NULL);
+    /* Extra replicas: a weight copy over NVLink before the microbatch's layer and its
+     * gradient back after it; copies to different GPUs run in parallel. */
+    s->extra_s = 0.0;
+    for (int32_t i = 0; i < M * L; i++) {
+        int32_t most = 0;
+        for (int32_t j = 0; j < ep; j++)
+            if (s->extra_count[(size_t)i * ep + j] > most) most = s->extra_count[(size_t)i * ep + j];
+        if (most > 0) s->extra_s += 2.0 * (most * c->expert_bytes / c->nv_bw + c->nv_lat);
+    }
+    s->step_s = cost_step_from(c, s, s->layer_t, s->grad_s);
+
+    /* commit (nothing below can fail) */
+    state_free(c->ctx, c->st);
+    scratch_free(c->ctx, &c->sc);
+    c->st = s;
+    c->sc = sc;
+    s = NULL;
+    memset(&sc, 0, sizeof sc);
+    for (int32_t m = 0; m < M; m++) cost_bound_microbatch(c, c->st, m); /* uses c->sc */
+    if (out) cost_summary(c, c->st, out);
+out:
+    state_free(c->ctx, s);
+    scratch_free(c->ctx, &sc);
+    return st;
+}
+
+/* ---- summary and breakdown ------------------------------------------------------- */
+
+static rp_side layer_straggler(const rp_cost *c, const cost_state *s, int32_t m, int32_t l,
+                               int32_t *gpu, double *value)
+{
+    size_t ml = (size_t)m * c->L + l;
+    int32_t xq = 0, dq = 0;
+    for (int32_t q = 1; q < c->Q; q++) {
+        if (s->xmax[ml * c->Q + q] > s->xmax[ml * c->Q + xq]) xq = q;
+        if (s->dmax[ml * c->Q + q] > s->dmax[ml * c->Q + dq]) dq = q;
+    }
+    double a = s->amax[m], d = s->dmax[ml * c->Q + dq], x = s->xmax[ml * c->Q + xq];
+    rp_side side = RP_SIDE_ATTENTION;
+    double best = a;
+    *gpu = s->aarg[m];
+    if (d > best) {
+        best = d;
+        side = RP_SIDE_DISPATCH;
+        *gpu = s->darg[ml * c->Q + dq];
+    }
+    if (x > best) {
+        best = x;
+        side = RP_SIDE_EXPERT;
+        *gpu = s->xarg[ml * c->Q + xq];
+    }
+    if (value) *value = best;
+    return side;
+}
+
+void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
+{
+    const int32_t M = s->M, L = c->L, G = c->G, ep = c->ep;
+    memset(out, 0, sizeof *out);
+    double attn = 0, disp = 0, expert = 0, bound = 0, a_imb = 0, x_imb = 0, best = -1;
+    for (int32_t m = 0; m < M; m++) {
+        double sum = 0;
+        for (int32_t g = 0; g < G; g++) sum += s->attn[(size_t)g * M + m];
+        double mean = sum / G;
+        a_imb += mean > 0 ? s->amax[m] / mean : 1.0;
+        for (int32_t l = 0; l < L; l++) {
+            size_t ml = (size_t)m * L + l;
+            double xm, dm;
+            layer_maxima(c, s->xmax + ml * c->Q, s->dmax + ml * c->Q, &xm, &dm);
+            attn += s->amax[m];
+            disp += dm;
+            expert += xm;
+            bound += s->lb_layer[ml];
+            for (int32_t q = 0; q < c->Q; q++) {
+                double gsum = 0;
+                for (int32_t r = 0; r < ep; r++) gsum += s->expert[ml * G + (size_t)q * ep + r];
+                double gmean = gsum / ep;
+                x_imb += gmean > 0 ? s->xmax[ml * c->Q + q] / gmean : 1.0;
+            }
+            int32_t gpu;
+            double value;
+            rp_side side = layer_straggler(c, s, m, l, &gpu, &value);
+            if (value > best) {
+                best = value;
+                out->straggler_gpu = gpu;
+                out->straggler_mb = m;
+                out->straggler_layer = l;
+                out->straggler_side = side;
+            }
+        }
+    }
+    out->step_s = s->step_s;
+    out->attention_s = c->fwd_bwd * attn;
+    out->dispatch_s = c->fwd_bwd * disp;
+    out->expert_s = c->fwd_bwd * expert;
+    out->combine_s = c->fwd_bwd * disp;
+    out->grad_reduce_s = s->grad_s;
+    out->extra_copy_s = s->extra_s;
+    out->lower_bound_s = c->fwd_bwd * bound;
+    out->ratio = out->lower_bound_s > 0 ? out->step_s / out->lower_bound_s : 1.0;
+    out->attention_imbalance = a_imb / M;
+    out->expert_imbalance = x_imb / ((double)M * L * c->Q);
+}
+
+const double *rp_cost_attention_breakdown(const rp_cost *c) { return c && c->st ? c->st->attn : NULL; }
+const double *rp_cost_expert_breakdown(const rp_cost *c) { return c && c->st ? c->st->expert : NULL; }
+const double *rp_cost_dispatch_breakdown(const rp_cost *c) { return c && c->st ? c->st->dispatch : NULL; }
+const double *rp_cost_combine_breakdown(const rp_cost *c) { return c && c->st ? c->st->dispatch : NULL; }
+
+double rp_cost_current_s(const rp_cost *c) { return c && c->st ? c->st->step_s : NAN; }
+
+rp_status rp_cost_current_summary(const rp_cost *c, rp_cost_summary *out, rp_error *err)
+{
+    if (!c || !out) return rp_fail(err, RP_EINVAL, "cost: evaluator and output are required");
+    if (!c->st) return rp_fail(err, RP_EINVAL, "cost: no plan has been evaluated yet");
+    cost_summary(c, c->st, out);
+    return RP_OK;
+}
+
+double rp_cost_layer_s(const rp_cost *c, int32_t mb, int32_t layer)
+{
+    if (!c || !c->st || mb < 0 || mb >= c->st->M || layer < 0 || layer >= c->L) return NAN;
+    return c->st->layer_t[(size_t)mb * c->L + layer];
+}
+
+rp_side rp_cost_layer_straggler(const rp_cost *c, int32_t mb, int32_t layer, int32_t *gpu)
+{
+    int32_t g = -1;
+    rp_side side = RP_SIDE_ATTENTION;
+    if (c && c->st && mb >= 0 && mb < c->st->M && layer >= 0 && layer < c->L)
+        side = layer_straggler(c, c->st, mb, layer, &g, NULL);
+    if (gpu) *gpu = g;
+    return side;
+}
+
+size_t rp_cost_bytes(const rp_cost *c)
+{
+    if (!c) return 0;
+    size_t total = sizeof *c + (size_t)c->G * sizeof *c->gpu_node + (size_t)c->slot_table_n * sizeof(double);
+    if (c->seq_nonlocal) total += (size_t)c->N * c->L * sizeof *c->seq_nonlocal;
+    if (c->st) total += c->st->bytes + c->sc.bytes;
+    return total;
+}
+
+/* ---- JSON ------------------------------------------------------------------------ */
+
+typedef struct strbuf {
+    rp_context *ctx;
+    char *data;
+    size_t len, cap;
+    bool failed;
+} strbuf;
+
+static void sb_printf(strbuf *b, const char *fmt, ...) RP_PRINTF(2, 3);
+static void sb_printf(strbuf *b, const char *fmt, ...)
+{
+    if (b->failed) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->data ? b->data + b->len : NULL, b->data ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->failed = true;
+            return;
+        }
+        if (b->data && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap - b->len <= (size_t)n) cap *= 2;
+        char *grown = rp_realloc(b->ctx, b->data, cap);
+        if (!grown) {
+            b->failed = true;
+            return;
+        }
+        b->data = grown;
+        b->cap = cap;
+    }
+}
+
+static const char *side_name(rp_side side)
+{
+    switch (side) {
+    case RP_SIDE_ATTENTION: return "attention";
+    case RP_SIDE_DISPATCH: return "dispatch";
+    case RP_SIDE_EXPERT: return "expert";
+    case RP_SIDE_COMBINE: return "combine";
+    }
+    return "unknown";
+}
+
+static void sb_array(strbuf *b, const double *v, size_t n, size_t stride)
+{
+    sb_printf(b, "[");
+    for (size_t i = 0; i < n; i++) sb_printf(b, "%s%.17g", i ? "," : "", v[i * stride]);
+    sb_printf(b, "]");
+}
+
+rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_error *err)
+{
+    if (!c || !text) return rp_fail(err, RP_EINVAL, "cost: evaluator and output are required");
+    const cost_state *s = c->st;
+    if (!s) return rp_fail(err, RP_EINVAL, "cost: no plan has been evaluated yet");
+    const int32_t M = s->M, L = c->L, G = c->G;
+    rp_cost_summary sum;
+    cost_summary(c, s, &sum);
+    strbuf b = {c->ctx, NULL, 0, 0, false};
+    sb_printf(&b, "{\n\"summary\": {\"step_s\": %.17g, \"lower_bound_s\": %.17g, \"ratio\": %.17g, "
+              "\"attention_s\": %.17g, \"dispatch_s\": %.17g, \"expert_s\": %.17g, \"combine_s\": %.17g, "
+              "\"grad_reduce_s\": %.17g, \"extra_copy_s\": %.17g, \"attention_imbalance\": %.17g, "
+              "\"expert_imbalance\": %.17g, \"straggler\": {\"gpu\": %d, \"microbatch\": %d, "
+              "\"layer\": %d, \"side\": \"%s\"}},\n",
+              sum.step_s, sum.lower_bound_s, sum.ratio, sum.attention_s, sum.dispatch_s, sum.expert_s,
+              sum.combine_s, sum.grad_reduce_s, sum.extra_copy_s, sum.attention_imbalance,
+              sum.expert_imbalance, sum.straggler_gpu, sum.straggler_mb, sum.straggler_layer,
+              side_name(sum.straggler_side));
+    sb_printf(&b, "\"shape\": {\"num_gpus\": %d, \"num_microbatches\": %d, \"num_layers\": %d, "
+              "\"num_experts\": %d, \"ep_size\": %d, \"backward_multiplier\": %.17g, \"split_rule\": \"%s\"},\n",
+              G, M, L, c->E, c->ep, rp_config_hardware(c->cfg)->backward_multiplier, c->rule == RP_SPLIT_EVEN ? "even" : "locality");
+    sb_printf(&b, "\"layers\": [");
+    for (int32_t m = 0; m < M; m++) {
+        for (int32_t l = 0; l < L; l++) {
+            size_t ml = (size_t)m * L + l;
+            double xm, dm;
+            layer_maxima(c, s->xmax + ml * c->Q, s->dmax + ml * c->Q, &xm, &dm);
+            int32_t gpu;
+            rp_side side = layer_straggler(c, s, m, l, &gpu, NULL);
+            sb_printf(&b, "%s\n {\"microbatch\": %d, \"layer\": %d, \"time_s\": %.17g, \"attention_s\": %.17g, "
+                      "\"dispatch_s\": %.17g, \"expert_s\": %.17g, \"combine_s\": %.17g, "
+                      "\"lower_bound_s\": %.17g, \"straggler_gpu\": %d, \"straggler_side\": \"%s\"}",
+                      ml ? "," : "", m, l, s->layer_t[ml], s->amax[m], dm, xm, dm,
+                      s->lb_layer[ml], gpu, side_name(side));
+        }
+    }
+    sb_printf(&b, "],\n\"attention\": [");
+    for (int32_t g = 0; g < G; g++) {
+        sb_printf(&b, "%s\n ", g ? "," : "");
+        sb_array(&b, s->attn + (size_t)g * M, (size_t)M, 1);
+    }
+    const char *names[3] = {"expert", "dispatch", "combine"};
+    const double *arrays[3] = {s->expert, s->dispatch, s->dispatch};
+    for (int k = 0; k < 3; k++) {
+        sb_printf(&b, "],\n\"%s\": [", names[k]);
+        for (int32_t m = 0; m < M; m++) {
+            sb_printf(&b, "%s\n [", m ? "," : "");
+            for (int32_t l = 0; l < L; l++) {
+                sb_printf(&b, "%s\n  ", l ? "," : "");
+                sb_array(&b, arrays[k] + ((size_t)m * L + l) * G, (size_t)G, 1);
+            }
+            sb_printf(&b, "]");
+        }
+    }
+    sb_printf(&b, "]\n}\n");
+    if (b.failed) {
+        rp_free(c->ctx, b.data);
+        return rp_fail_nomem(err, "the cost breakdown JSON");
+    }
+    *text = b.data;
+    if (len) *len = b.len;
+    return RP_OK;
+}

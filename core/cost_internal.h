@@ -1,0 +1,175 @@
+/* Private state of the cost model, shared by cost.c (full evaluation), cost_incr.c
+ * (incremental moves), cost_bound.c (lower bound) and cost_migrate.c. Not installed. */
+#ifndef RP_COST_INTERNAL_H
+#define RP_COST_INTERNAL_H
+
+#include "internal.h"
+#include "routepack/cost.h"
+
+/* Extra replicas and explicit shares of one (mb, layer, expert): the levers that change
+ * an expert's replica set or split for one microbatch. Entries of one (mb, layer) are
+ * sorted by expert. */
+typedef struct cost_override {
+    int32_t expert;
+    int32_t num_extra, extra_off;   /* EP ranks in cost_state.extra_rank */
+    int32_t num_shares, share_off;  /* normalised shares in cost_state.share_val; 0: rule */
+} cost_override;
+
+/* Everything bound to one evaluated plan. Built whole by rp_cost_evaluate and swapped
+ * in only on success, so a failed evaluation leaves the previous binding intact.
+ * Index conventions: cell (g, m) = g * M + m; layer cell (m, l) = m * L + l;
+ * group cell (m, l, q) = (m * L + l) * Q + q; GPU cell (m, l, g) = (m * L + l) * G + g;
+ * counts (m, l, g, e) = ((m * L + l) * G + g) * E + e. */
+typedef struct cost_state {
+    const rp_plan *plan;
+    int32_t M;          /* microbatches */
+    int32_t S;          /* physical slots of one EP group */
+    int32_t slots_max;  /* largest slot count of one EP rank */
+    int32_t *slot_begin;  /* [ep + 1] */
+    int32_t *slot_rank;   /* [S] EP rank of each slot */
+    int32_t *phy2log;     /* [L * S] */
+    int32_t *rep_off;     /* [L * (E + 1)]: replicas of (l, e) in rep_rank[l * S + ...] */
+    int32_t *rep_rank;    /* [L * S]: EP rank of each replica, ascending slot order */
+
+    int32_t *ov_begin;    /* [M * L + 1] ranges into ov */
+    cost_override *ov;
+    int32_t *extra_rank;
+    double *share_val;
+    int32_t max_replicas; /* bound on any replica set: S + most extras of one key */
+    int32_t *extra_count; /* [M * L * ep]: extra replicas on each EP rank */
+
+    int32_t *seq_rank, *seq_mb;    /* [N] */
+    int64_t *cell_tokens;          /* [G * M]: sum of L over the cell's sequences */
+    int64_t *cell_sq;              /* [G * M]: sum of L^2 */
+    int32_t *cell_max;             /* [G * M]: longest sequence of the cell */
+    int32_t *counts;               /* [M * L * G * E] token-choices */
+    int32_t *gtotal;               /* [M * L * Q * E] counts summed over each EP group */
+    int64_t *glink;                /* [M * L * Q * 4 * ep] single-replica token-choices sent
+                                      and received per GPU: intra, inter, intra, inter */
+    int32_t *lay_dst;              /* [L * E] base destination map (cost_dst_map) */
+    int32_t *lay_seg, *lay_ord;    /* [L * (ep + 2)], [L * E]: its experts by destination */
+    int64_t *mb_load;              /* [M * L * E]: counts summed over GPUs */
+    int64_t *mb_nonlocal;          /* [M * L]: lower-bound non-local volume (cost_bound.c) */
+
+    double *attn;                  /* [G * M] A(g, m), seconds */
+    double *amax;                  /* [M] */
+    int32_t *aarg;                 /* [M] GPU with the largest A */
+    double *expert;                /* [M * L * G] X(g, m, l), seconds */
+    double *dispatch;              /* [M * L * G]; combine is the same volume reversed */
+    double *xmax, *dmax;           /* [M * L * Q] */
+    int32_t *xarg, *darg;          /* [M * L * Q] GPU that sets the maximum */
+    double *layer_t;               /* [M * L] T(m, l), forward seconds */
+    double *lb_layer;              /* [M * L] its lower bound (cost_bound.c) */
+    double *grad_gpu;              /* [L * G] replica gradient reduction per layer and GPU */
+    double grad_s, extra_s, step_s;
+    size_t bytes;                  /* allocated for this state */
+} cost_state;
+
+/* Scratch buffers, sized for the bound state (reallocated with it). */
+typedef struct cost_scratch {
+    uint32_t *hist;      /* [2 * L * E] histograms of the moved sequences */
+    double *x, *d;       /* [ep] per-GPU results of a group under trial */
+    double *si, *ri, *se, *re; /* [ep] bytes sent/received, intra/inter node */
+    double *xacc;        /* [ep] */
+    int32_t *rk;         /* [max_replicas] */
+    double *w, *load;    /* [max_replicas] */
+    double *layer_t;     /* [M * L] */
+    int32_t *rep_off;    /* [E + 1] a layer's replicas under trial */
+    int32_t *rep_rank;   /* [S] */
+    int32_t *row;        /* [S] a layer's phy2log under trial */
+    double *grad_row;    /* [G] */
+    uint32_t *sel;       /* [max(E, COST_TOP_BUCKETS + 1)] selection buffer for the bound */
+    size_t bytes;        /* allocated for the scratch space */
+    int32_t *total;      /* [E] a group's totals under trial */
+    int64_t *link;       /* [4 * ep] a group's links under trial */
+    int32_t *dst;        /* [E] a destination map built on the fly */
+    int32_t *seg, *ord;  /* [ep + 2], [E]: experts grouped by destination */
+} cost_scratch;
+
+struct rp_cost {
+    rp_context *ctx;
+    const rp_config *cfg;
+    const rp_batch *batch;
+    const rp_stats *stats;
+    rp_split_rule rule;
+
+    int32_t G, ep, Q, gpn, N, L, E, top_k;
+    const double *speed;
+    double speed_sum, speed_max;
+    int32_t *gpu_node;         /* [G] */
+    const int64_t *cu_seqlens;
+
+    /* constants, seconds at speed 1 unless said */
+    double attn_sq_s;          /* per L^2: 2 h d_h / (peak * attention_efficiency) */
+    double attn_lin_s;         /* per L: 2 d (2 h d_h + 2 h_kv d_h) / (peak * dense_efficiency) */
+    double expert_token_s;     /* per token at efficiency 1: 6 d f / peak */
+    double expert_mem_s;       /* weight read floor: 3 d f bytes_per_param / hbm */
+    double eff_max;
+    const rp_eff_point *eff;
+    int32_t num_eff;
+    double *slot_table;        /* [slot_table_n] cost_slot_time of 0, 1, 2, ... tokens */
+    int32_t slot_table_n;
+    double token_bytes;        /* d * bytes_per_param: one token-choice on the wire */
+    double expert_bytes;       /* 3 d f bytes_per_param: one expert's weights */
+    double expert_move_bytes;  /* 3 d f (bytes_per_param + bytes_per_optimizer_state) */
+    double nv_bw, nv_lat, net_bw, net_lat;
+    double fwd_bwd;            /* 1 + backward_multiplier */
+    int64_t token_cap;
+    double act_cap, act_per_token;
+
+    /* lower-bound cache: per (seq, layer) token-choices that cannot stay on the
+     * sequence's GPU when a GPU holds at most nonlocal_slots experts */
+    uint32_t *seq_nonlocal;    /* [N * L], NULL until first needed */
+    int32_t nonlocal_slots;
+
+    cost_state *st;            /* NULL until an evaluation succeeds */
+    cost_scratch sc;
+};
+
+/* A destination map: dst[e] is the EP rank of expert e's only replica or ep when it is
+ * split; ord[seg[d] .. seg[d + 1]) lists the experts of destination d. */
+typedef struct cost_map {
+    const int32_t *dst, *seg, *ord;
+} cost_map;
+
+typedef struct group_result {
+    double xmax, dmax;
+    int32_t xarg, darg;
+} group_result;
+
+/* cost.c */
+double cost_slot_time(const rp_cost *c, double tokens);
+double cost_cell_attention(const rp_cost *c, int64_t sum_sq, int64_t sum_len, int32_t gpu);
+cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, const int32_t *rep_off,
+                      const int32_t *rep_rank, bool base, cost_scratch *sc);
+void cost_layer_dst(const rp_cost *c, cost_state *st, int32_t l, const int32_t *rep_off,
+                    const int32_t *rep_rank);
+void cost_group_rebuild(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
+                        cost_map map, int32_t *total, int64_t *link);
+void cost_delta_aggregates(const rp_cost *c, int32_t g0, int32_t src, const int32_t *restrict h, int32_t sign,
+                           cost_map map, int32_t *restrict total, int64_t *restrict link);
+void cost_group_delta(const rp_cost *c, cost_state *st, int32_t m, int32_t l, int32_t gpu,
+                      const uint32_t *hist, int32_t sign, cost_map map);
+void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
+                     const int32_t *rep_off, const int32_t *rep_rank, cost_map map,
+                     const int32_t *total, const int64_t *link, double *x_out, double *d_out,
+                     group_result *res, cost_scratch *sc);
+double cost_layer_time(double amax, double dmax, double xmax);
+double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t,
+                      double grad_s);
+void cost_index_layer(int32_t E, int32_t S, const int32_t *slot_rank_of, const int32_t *phy2log,
+                      int32_t *rep_off, int32_t *rep_rank);
+void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_off,
+                     const int32_t *rep_rank, double *row);
+double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row);
+void cost_summary(const rp_cost *c, const cost_state *st, rp_cost_summary *out);
+
+/* cost_bound.c */
+#define COST_TOP_BUCKETS 1024
+rp_status cost_bound_prepare(rp_cost *c, int32_t slots_max, rp_error *err);
+uint64_t cost_top_sum(const uint32_t *values, int32_t n, int32_t k, uint32_t *heap);
+double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l,
+                        int32_t max_len_m);
+void cost_bound_microbatch(const rp_cost *c, cost_state *st, int32_t m);
+
+#endif

@@ -1,0 +1,1214 @@
+/* Cost model: hand-computed tiny cases to the last digit, the efficiency curve, split
+ * rules, straggler naming, the lower bound against random plans, incremental against
+ * full evaluation, migration, the JSON breakdown, and bad input. */
+#include "cost_internal.h"
+#include "internal.h"
+#include "routepack/routepack.h"
+#include "tap.h"
+
+#include <jansson.h>
+#include <stdlib.h>
+
+#define REL(x, want) (fabs(want) * 1e-12 + 1e-300)
+
+static rp_context *ctx;
+
+/* ---- fixtures -------------------------------------------------------------------- */
+
+typedef struct fixture {
+    rp_config *cfg;
+    rp_batch *batch;
+    uint8_t *ids;
+    rp_stats *stats;
+} fixture;
+
+static rp_config *config_of(const char *json)
+{
+    rp_config *cfg = NULL;
+    rp_error err;
+    if (rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, &err) != RP_OK) {
+        diag("config: %s", err.text);
+        return NULL;
+    }
+    return cfg;
+}
+
+/* Batch of prompt-only sequences and stats of a packed [tokens][L][k] uint8 routing. */
+static bool fixture_make(fixture *f, const char *cfg_json, int32_t n, const int32_t *lens, const uint8_t *ids,
+                         int32_t layers, int32_t k, int32_t experts)
+{
+    rp_error err;
+    memset(f, 0, sizeof *f);
+    f->cfg = config_of(cfg_json);
+    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
+    int64_t tokens = 0;
+    for (int32_t i = 0; i < n; i++) tokens += lens[i];
+    bool okay = f->cfg && rp_batch_new(ctx, n, lens, zero, NULL, &f->batch, &err) == RP_OK;
+    free(zero);
+    if (!okay) return false;
+    size_t bytes = (size_t)tokens * layers * k + 1;
+    f->ids = malloc(bytes);
+    memcpy(f->ids, ids, bytes - 1);
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, layers, k, f->ids);
+    if (rp_stats_compute(ctx, f->batch, &r, experts, 1, &f->stats, &err) != RP_OK) {
+        diag("stats: %s", err.text);
+        return false;
+    }
+    return true;
+}
+
+static void fixture_free(fixture *f)
+{
+    rp_stats_free(f->stats);
+    free(f->ids);
+    rp_batch_free(f->batch);
+    rp_config_free(f->cfg);
+    memset(f, 0, sizeof *f);
+}
+
+/* The hand case's machine and model, with round constants:
+ *   attention a(L) = 2 L^2 h d_h / (peak 0.5) + 2 L d (2 h d_h + 2 h_kv d_h) / peak
+ *                  = 4 L^2 / 32 + 64 L / 64 = L^2 / 8 + L    (h = h_kv = 1, d_h = 2, d = 4, peak 64)
+ *   expert t(n) = max(6 n d f / (peak eff(n)), 3 d f bpp / hbm) = max(0.75 n / eff(n), 1)
+ *                 with eff = 0.5 up to 1 token, 1.0 from 4 tokens, linear between
+ *   a token-choice is d bpp = 8 bytes: 1 s over NVLink (8 B/s), 2 s over the network (4 B/s);
+ *   latencies 0.5 s (NVLink) and 1 s (network); backward = 2 x forward, so step = 3 x forward. */
+static const char *HAND_CFG =
+    "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": 2, \"slots_per_gpu\": %d,"
+    "  \"gpu_speed\": %s, \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000,"
+    "  \"net_bytes_per_s\": 4, \"net_latency_us\": 1000000},"
+    " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48, \"attention_efficiency\": 0.5,"
+    "  \"dense_efficiency\": 1, \"gemm_efficiency\": [[1, 0.5], [4, 1]], \"backward_multiplier\": 2},"
+    " \"model\": {\"num_layers\": 2, \"num_experts\": 4, \"top_k\": 2, \"hidden_size\": 4,"
+    "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"num_kv_heads\": 1, \"head_dim\": 2,"
+    "  \"bytes_per_param\": 2, \"bytes_per_optimizer_state\": 12},"
+    " \"limits\": {\"max_tokens_per_microbatch\": 100}}";
+
+/* Three sequences (4, 2 and 3 tokens), top-2 over 4 experts at 2 layers; per token:
+ * layer 0 pair, layer 1 pair. Histograms:
+ *   s0  L0 [3,2,2,1]  L1 [1,1,3,3]
+ *   s1  L0 [1,0,2,1]  L1 [2,2,0,0]
+ *   s2  L0 [1,1,1,3]  L1 [1,3,1,1] */
+static const int32_t HAND_LENS[3] = {4, 2, 3};
+static const uint8_t HAND_IDS[] = {
+    0, 1, 2, 3,  0, 2, 2, 3,  0, 3, 0, 2,  1, 2, 1, 3, /* s0 */
+    2, 3, 0, 1,  0, 2, 0, 1,                           /* s1 */
+    3, 1, 1, 2,  2, 3, 1, 3,  0, 3, 0, 1,              /* s2 */
+};
+
+static bool hand_fixture(fixture *f, int nodes, int per_node, int slots, const char *speed)
+{
+    char json[2048];
+    snprintf(json, sizeof json, HAND_CFG, nodes, per_node, slots, speed);
+    return fixture_make(f, json, 3, HAND_LENS, HAND_IDS, 2, 2, 4);
+}
+
+static rp_plan *plan_of(const fixture *f, int32_t M, const int32_t *rank, const int32_t *mb,
+                        const int32_t *phy2log /* [L][S] or NULL */)
+{
+    rp_plan *p = NULL;
+    rp_error err;
+    if (rp_plan_new(ctx, f->cfg, M, &p, &err) != RP_OK) {
+        diag("plan: %s", err.text);
+        return NULL;
+    }
+    int32_t n = rp_batch_num_seqs(f->batch);
+    if (rank && rp_plan_set_packing(p, n, rank, mb, &err) != RP_OK) diag("packing: %s", err.text);
+    if (phy2log) {
+        int32_t S = rp_plan_total_slots(p);
+        for (int32_t l = 0; l < rp_plan_num_layers(p); l++)
+            if (rp_plan_set_phy2log(p, l, phy2log + (size_t)l * S, &err) != RP_OK) diag("placement: %s", err.text);
+    }
+    return p;
+}
+
+static const int32_t HAND_RANK[3] = {0, 1, 1}, HAND_MB[3] = {0, 0, 0};
+static const int32_t CONTIG4[2 * 4] = {0, 1, 2, 3, 0, 1, 2, 3};
+
+/* ---- hand-computed cases --------------------------------------------------------- */
+
+static void test_hand_one_node(void)
+{
+    fixture f;
+    ok(hand_fixture(&f, 1, 2, 2, "1"), "hand case: 2 GPUs on 1 node");
+    rp_cost *c = NULL;
+    rp_error err;
+    is_int(rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err), RP_OK, "evaluator created");
+    is_double(rp_cost_attention_s(c, 4), 6.0, 1e-15, "a(4) = 16/8 + 4 = 6");
+    is_double(rp_cost_attention_s(c, 3), 4.125, 1e-15, "a(3) = 9/8 + 3");
+    ok(isnan(rp_cost_current_s(c)) && !rp_cost_attention_breakdown(c), "nothing bound before evaluation");
+
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_summary s;
+    is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "hand plan evaluates");
+    /* A(0) = a(4) = 6; A(1) = a(2) + a(3) = 2.5 + 4.125 = 6.625.
+     * Counts L0: GPU0 [3,2,2,1], GPU1 [2,1,3,4]; experts 0,1 on GPU0, 2,3 on GPU1.
+     *  loads [5,3,5,5]: X0 = t(5) + t(3) = 3.75 + 2.7 = 6.45; X1 = 3.75 + 3.75 = 7.5
+     *  GPU0 sends 2+1 = 3 and receives 2+1 = 3: 3 s + 0.5 = 3.5 on both
+     *  T(0,0) = 6.625 + 3.5 + 7.5 + 3.5 = 21.125
+     * Counts L1: GPU0 [1,1,3,3], GPU1 [3,5,1,1]: loads [4,6,4,4]
+     *  X0 = t(4) + t(6) = 3 + 4.5 = 7.5; X1 = 3 + 3 = 6
+     *  GPU0 sends 6, receives 8: 8.5 on both.  T(0,1) = 6.625 + 8.5 + 7.5 + 8.5 = 31.125
+     * step = 3 (21.125 + 31.125) = 156.75 */
+    is_double(s.step_s, 156.75, REL(0, 156.75), "step time");
+    is_double(rp_cost_layer_s(c, 0, 0), 21.125, REL(0, 21.125), "T(0,0)");
+    is_double(rp_cost_layer_s(c, 0, 1), 31.125, REL(0, 31.125), "T(0,1)");
+    is_double(s.attention_s, 39.75, REL(0, 39.75), "attention term 3 x 2 x 6.625");
+    is_double(s.dispatch_s, 36.0, REL(0, 36.0), "dispatch term 3 x (3.5 + 8.5)");
+    is_double(s.combine_s, 36.0, REL(0, 36.0), "combine term equals dispatch");
+    is_double(s.expert_s, 45.0, REL(0, 45.0), "expert term 3 x (7.5 + 7.5)");
+    is_double(s.grad_reduce_s, 0.0, 0.0, "no replicas, no gradient reduction");
+    is_double(s.extra_copy_s, 0.0, 0.0, "no extra replicas");
+    /* Lower bound. attention: max((6 + 6.625) / 2, a(4) / 1) = 6.3125.
+     * experts L0: (3.75 + 2.25 + 3.75 + 3.75) / 2 = 6.75; L1: (3 + 4.5 + 3 + 3) / 2 = 6.75.
+     * dispatch: non-local beyond each sequence's top 2 experts: L0 3 + 1 + 2 = 6, /2 GPUs
+     *  = 3 choices, 3 s at the best link + 0.5 = 3.5; L1 2 + 0 + 2 = 4 -> 2 + 0.5 = 2.5.
+     * bound = 3 ((6.3125 + 3.5 + 6.75 + 3.5) + (6.3125 + 2.5 + 6.75 + 2.5)) = 114.375 */
+    is_double(s.lower_bound_s, 114.375, REL(0, 114.375), "lower bound");
+    is_double(s.ratio, 156.75 / 114.375, 1e-12, "ratio");
+    is_double(s.attention_imbalance, 6.625 / 6.3125, 1e-12, "attention imbalance max/mean");
+    is_double(s.expert_imbalance, (7.5 / 6.975 + 7.5 / 6.75) / 2, 1e-12, "expert imbalance");
+    /* largest term: dispatch 8.5 at layer 1 (GPU 0 and 1 tie: the first) */
+    is_int(s.straggler_side, RP_SIDE_DISPATCH, "straggler side");
+    is_int(s.straggler_layer, 1, "straggler layer");
+    is_int(s.straggler_gpu, 0, "straggler GPU");
+    int32_t g;
+    is_int(rp_cost_layer_straggler(c, 0, 0, &g), RP_SIDE_EXPERT, "layer 0 is decided by experts");
+    is_int(g, 1, "... on GPU 1");
+    const double *A = rp_cost_attention_breakdown(c), *X = rp_cost_expert_breakdown(c),
+                 *D = rp_cost_dispatch_breakdown(c), *C = rp_cost_combine_breakdown(c);
+    ok(A[0] == 6.0 && A[1] == 6.625, "attention breakdown per GPU");
+    is_double(X[0], 6.45, 1e-13, "expert breakdown (mb 0, layer 0, GPU 0)");
+    ok(X[1] == 7.5 && X[2] == 7.5 && X[3] == 6.0, "expert breakdown of the other cells");
+    ok(D[0] == 3.5 && D[1] == 3.5 && D[2] == 8.5 && D[3] == 8.5, "dispatch breakdown");
+    ok(C[2] == 8.5, "combine breakdown");
+    is_double(rp_cost_current_s(c), 156.75, 1e-12, "current step time");
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+static void test_hand_two_nodes(void)
+{
+    fixture f;
+    ok(hand_fixture(&f, 2, 1, 2, "1"), "hand case: 2 GPUs on 2 nodes");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_summary s;
+    is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+    /* Same volumes over the network: L0 3 x 2 s + 0.5 + 1 = 7.5; L1 8 x 2 + 1.5 = 17.5.
+     * T = 6.625 + 7.5 + 7.5 + 7.5 = 29.125 and 6.625 + 17.5 + 7.5 + 17.5 = 49.125;
+     * step = 3 x 78.25 = 234.75. The bound uses the faster link: unchanged. */
+    is_double(s.step_s, 234.75, 1e-12 * 234.75, "step over the network");
+    is_double(s.lower_bound_s, 114.375, 1e-12 * 114.375, "bound unchanged");
+    const double *D = rp_cost_dispatch_breakdown(c);
+    ok(D[0] == 7.5 && D[2] == 17.5, "dispatch pays the network and both latencies");
+    is_double(rp_cost_expert_move_s(c, false), 336.0 / 4 + 1, 1e-12, "expert move over the network");
+    is_double(rp_cost_expert_move_s(c, true), 336.0 / 8 + 0.5, 1e-12, "expert move over NVLink");
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+/* Layer 0 with a spare slot on each GPU: expert 2 on both (slots 2 and 3). */
+static const int32_t SPARE_P2L[2 * 6] = {0, 1, 2, 2, 3, -1, 0, 1, -1, 2, 3, -1};
+
+static void test_hand_replicas(void)
+{
+    fixture f;
+    ok(hand_fixture(&f, 1, 2, 3, "1"), "hand case with a spare slot per GPU");
+    rp_cost *even = NULL, *local = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &even, &err);
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_LOCALITY, &local, &err);
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, SPARE_P2L);
+    rp_cost_summary s;
+    /* Gradient reduction: expert 2 of layer 0 has a second replica on GPU 1; both GPUs
+     * exchange 3 d f bpp = 48 bytes over NVLink: 48/8 + 0.5 = 6.5 s. Layer 1 is as in
+     * the first case: 31.125. */
+    is_int(rp_cost_evaluate(even, p, &s, &err), RP_OK, "even split evaluates");
+    /* Even: expert 2's 5 choices split 2.5 / 2.5; t(2.5) = 0.75 x 2.5 / 0.75 = 2.5.
+     *  X0 = 3.75 + 2.7 + 2.5 = 8.95, X1 = 2.5 + 3.75 = 6.25.
+     *  GPU0 sends 1 (half its expert-2) + 1 (expert 3) = 2; GPU1 sends 2 + 1 + 1.5 = 4.5
+     *  dispatch = 4.5 + 0.5 = 5.  T(0,0) = 6.625 + 5 + 8.95 + 5 = 25.575
+     *  step = 3 (25.575 + 31.125) + 6.5 = 176.6 */
+    is_double(s.grad_reduce_s, 6.5, 1e-12, "gradient reduction of one extra replica");
+    is_double(rp_cost_layer_s(even, 0, 0), 25.575, 1e-12 * 25.575, "T(0,0), even split");
+    is_double(s.step_s, 176.6, 1e-12 * 176.6, "step, even split");
+    /* Locality: each source keeps its expert-2 choices on its own replica: loads 2 / 3.
+     *  X0 = 3.75 + 2.7 + t(2) = 2.25 -> 8.7; X1 = t(3) + 3.75 = 6.45; sends 1 and 3:
+     *  dispatch 3.5.  T(0,0) = 6.625 + 3.5 + 8.7 + 3.5 = 22.325; step = 3 x 53.45 + 6.5 */
+    is_int(rp_cost_evaluate(local, p, &s, &err), RP_OK, "locality split evaluates");
+    is_double(rp_cost_layer_s(local, 0, 0), 22.325, 1e-12 * 22.325, "T(0,0), locality split");
+    is_double(s.step_s, 166.85, 1e-12 * 166.85, "step, locality split");
+
+    /* Explicit shares 1/4, 3/4 override either rule: loads 1.25 and 3.75.
+     *  eff(1.25) = 0.5 + 0.5 (0.25 / 3) = 13/24: t = 0.9375 x 24/13 = 22.5/13
+     *  eff(3.75) = 0.5 + 0.5 (2.75 / 3) = 5.75/6: t = 2.8125 x 6/5.75 = 16.875/5.75
+     *  X0 = 6.45 + 22.5/13 (the larger), X1 = 16.875/5.75 + 3.75
+     *  GPU0 sends 1.5 + 1 = 2.5, GPU1 sends 2 + 1 + 0.75 = 3.75: dispatch 4.25 */
+    double shares[2] = {0.25, 0.75};
+    is_int(rp_plan_set_shares(p, 0, 0, 2, shares, 2, &err), RP_OK, "shares set");
+    double t00 = 6.625 + 4.25 + (6.45 + 22.5 / 13) + 4.25;
+    is_int(rp_cost_evaluate(local, p, &s, &err), RP_OK, "explicit shares evaluate");
+    is_double(rp_cost_layer_s(local, 0, 0), t00, 1e-12 * t00, "T(0,0) with explicit shares (locality rule)");
+    rp_cost_evaluate(even, p, &s, &err);
+    is_double(rp_cost_layer_s(even, 0, 0), t00, 1e-12 * t00, "... and the same under the even rule");
+    is_double(rp_cost_expert_breakdown(even)[1], 16.875 / 5.75 + 3.75, 1e-12 * 7, "X1 with shares");
+    rp_plan_free(p);
+    rp_cost_free(even);
+    rp_cost_free(local);
+    fixture_free(&f);
+}
+
+static void test_hand_extra_replica(void)
+{
+    fixture f;
+    ok(hand_fixture(&f, 1, 2, 2, "1"), "hand case for an extra replica");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    is_int(rp_plan_add_extra_replica(p, 0, 1, 1, 1, &err), RP_OK, "extra replica of expert 1 on EP rank 1");
+    rp_cost_summary s;
+    is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+    /* L1: expert 1's 6 choices split 3 / 3 (GPU0 sends 0.5 of its 1, GPU1 keeps 2.5 of 5).
+     *  X0 = t(4) + t(3) = 5.7; X1 = t(4) + t(4) + t(3) = 8.7
+     *  GPU0 sends 0.5 + 3 + 3 = 6.5, GPU1 sends 3 + 2.5 = 5.5: dispatch 7
+     *  T(0,1) = 6.625 + 7 + 8.7 + 7 = 29.325; copy 2 (48/8 + 0.5) = 13
+     *  step = 3 (21.125 + 29.325) + 13 = 164.35
+     * Bound: at L1 a GPU may hold 3 experts: non-local 1 + 0 + 1 = 2 -> 1 s + 0.5;
+     *  bound = 3 (20.0625 + 6.3125 + 1.5 + 6.75 + 1.5) = 108.375 */
+    is_double(s.extra_copy_s, 13.0, 1e-12, "extra copy: weights over and gradient back");
+    is_double(rp_cost_layer_s(c, 0, 1), 29.325, 1e-12 * 29.325, "T(0,1) with the extra replica");
+    is_double(s.step_s, 164.35, 1e-12 * 164.35, "step with an extra replica");
+    is_double(s.lower_bound_s, 108.375, 1e-12 * 108.375, "bound counts the extra slot");
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+/* Locality's node tier: 2 nodes x 2 GPUs in one EP group; expert 3 on rank 1 (node 0)
+ * and rank 3 (node 1); one single-token sequence per GPU, all to expert 3 (top-1). */
+static void test_locality_nodes(void)
+{
+    static const char *cfg =
+        "{\"topology\": {\"num_nodes\": 2, \"gpus_per_node\": 2, \"ep_size\": 4, \"slots_per_gpu\": 2,"
+        "  \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000, \"net_bytes_per_s\": 4,"
+        "  \"net_latency_us\": 1000000},"
+        " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48, \"attention_efficiency\": 0.5,"
+        "  \"dense_efficiency\": 1, \"gemm_efficiency\": [[1, 0.5], [4, 1]], \"backward_multiplier\": 2},"
+        " \"model\": {\"num_layers\": 1, \"num_experts\": 4, \"top_k\": 1, \"hidden_size\": 4,"
+        "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"head_dim\": 2},"
+        " \"limits\": {\"max_tokens_per_microbatch\": 100}}";
+    int32_t lens[4] = {1, 1, 1, 1}, rank[4] = {0, 1, 2, 3}, mb[4] = {0, 0, 0, 0};
+    uint8_t ids[4] = {3, 3, 3, 3};
+    int32_t p2l[8] = {0, -1, 1, 3, 2, -1, 3, -1};
+    fixture f;
+    ok(fixture_make(&f, cfg, 4, lens, ids, 1, 1, 4), "node-tier fixture");
+    rp_cost *local = NULL, *even = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_LOCALITY, &local, &err);
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &even, &err);
+    rp_plan *p = plan_of(&f, 1, rank, mb, p2l);
+    rp_cost_evaluate(local, p, NULL, &err);
+    rp_cost_evaluate(even, p, NULL, &err);
+    const double *D = rp_cost_dispatch_breakdown(local), *X = rp_cost_expert_breakdown(local);
+    /* Locality: GPU0 sends its choice to rank 1 (same node), GPU2 to rank 3: one
+     * choice over NVLink each, no network: 1 + 0.5 = 1.5 everywhere. Loads 2 and 2. */
+    ok(D[0] == 1.5 && D[1] == 1.5 && D[2] == 1.5 && D[3] == 1.5, "locality stays inside each node");
+    ok(X[0] == 0 && X[1] == 2.25 && X[2] == 0 && X[3] == 2.25, "locality loads: two choices per replica");
+    /* Even: every source sends half to each replica.
+     *  GPU0: 0.5 NVLink + 0.5 network: 0.5 + 1 + 0.5 + 1 = 3
+     *  GPU1: receives 0.5 over NVLink, sends 0.5 and receives 1 over the network: 0.5 + 2 + 1.5 = 4 */
+    D = rp_cost_dispatch_breakdown(even);
+    ok(D[0] == 3.0 && D[1] == 4.0 && D[2] == 3.0 && D[3] == 4.0, "even split crosses nodes");
+    rp_plan_free(p);
+    rp_cost_free(local);
+    rp_cost_free(even);
+    fixture_free(&f);
+}
+
+static void test_units(void)
+{
+    fixture f;
+    hand_fixture(&f, 1, 2, 2, "1");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    /* t(n) = max(0.75 n / eff(n), 1) */
+    is_double(rp_cost_expert_s(c, 0), 0.0, 0.0, "an empty slot costs nothing");
+    is_double(rp_cost_expert_s(c, -3), 0.0, 0.0, "negative tokens cost nothing");
+    is_double(rp_cost_expert_s(c, 0.5), 1.0, 0.0, "half a token: the weight-read floor");
+    is_double(rp_cost_expert_s(c, 1), 1.5, 1e-15, "1 token at eff 0.5");
+    is_double(rp_cost_expert_s(c, 2), 2.25, 1e-15, "2 tokens at eff 2/3 (interpolated)");
+    is_double(rp_cost_expert_s(c, 2.5), 2.5, 1e-15, "2.5 tokens at eff 0.75");
+    is_double(rp_cost_expert_s(c, 4), 3.0, 1e-15, "4 tokens at eff 1");
+    is_double(rp_cost_expert_s(c, 100), 75.0, 1e-13, "flat beyond the last point");
+    /* attention grows with L^2: the second difference of a(L) = a L^2 + b L */
+    double a1 = rp_cost_attention_s(c, 1000), a2 = rp_cost_attention_s(c, 2000), a4 = rp_cost_attention_s(c, 4000);
+    is_double((a4 - 2 * a2) / (a2 - 2 * a1), 4.0, 1e-9, "quadratic part scales as L^2");
+    is_double(rp_cost_attention_s(c, 0), 0.0, 0.0, "empty sequence");
+    rp_cost_free(c);
+    fixture_free(&f);
+
+    /* The reference config's constants, formula by formula. */
+    rp_config *cfg = NULL;
+    char path[512];
+    snprintf(path, sizeof path, "%s/examples/config-reference.json", RP_SOURCE_DIR);
+    if (rp_config_load(ctx, path, &cfg, &err) != RP_OK) {
+        skip(2, "reference config not loadable");
+        return;
+    }
+    int32_t lens[1] = {1};
+    uint8_t ids[48 * 8];
+    for (int i = 0; i < 48 * 8; i++) ids[i] = (uint8_t)(i % 8);
+    rp_batch *b = NULL;
+    int32_t zero[1] = {0};
+    rp_batch_new(ctx, 1, lens, zero, NULL, &b, &err);
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 48, 8, ids);
+    rp_stats *st = NULL;
+    rp_stats_compute(ctx, b, &r, 128, 1, &st, &err);
+    rp_cost_new(ctx, cfg, b, st, RP_SPLIT_EVEN, &c, &err);
+    double L = 4096, want = 2 * L * L * 32 * 128 / (989e12 * 0.5) + 2 * L * 2048 * (2 * 32 * 128 + 2 * 4 * 128) / (989e12 * 0.7);
+    is_double(rp_cost_attention_s(c, 4096), want, 1e-12 * want, "reference attention of 4096 tokens");
+    want = 6.0 * 1000 * 2048 * 768 / (989e12 * (0.6 + 0.2 * (1000.0 - 256) / 768));
+    is_double(rp_cost_expert_s(c, 1000), want, 1e-12 * want, "reference expert of 1000 tokens");
+    rp_cost_free(c);
+    rp_stats_free(st);
+    rp_batch_free(b);
+    rp_config_free(cfg);
+}
+
+static void test_straggler(void)
+{
+    const char *speeds[2] = {"[1, 0.25]", "[0.25, 1]"};
+    /* GPU 1 at quarter speed: its L0 experts take 4 x 7.5 = 30, the largest term.
+     * GPU 0 at quarter speed: its L1 experts take 4 x 7.5 = 30. */
+    int32_t want_gpu[2] = {1, 0}, want_layer[2] = {0, 1};
+    for (int i = 0; i < 2; i++) {
+        fixture f;
+        hand_fixture(&f, 1, 2, 2, speeds[i]);
+        rp_cost *c = NULL;
+        rp_error err;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+        rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+        rp_cost_summary s;
+        rp_cost_evaluate(c, p, &s, &err);
+        is_int(s.straggler_gpu, want_gpu[i], "slow GPU %d is named the straggler", want_gpu[i]);
+        is_int(s.straggler_side, RP_SIDE_EXPERT, "... on the expert side");
+        is_int(s.straggler_layer, want_layer[i], "... at layer %d", want_layer[i]);
+        is_double(rp_cost_expert_breakdown(c)[(size_t)want_layer[i] * 2 + want_gpu[i]], 30.0, 1e-12,
+                  "its expert time is divided by its speed");
+        is_double(rp_cost_attention_breakdown(c)[want_gpu[i]], i == 0 ? 26.5 : 24.0, 1e-12,
+                  "its attention is divided by its speed");
+        /* bound: the attention share uses the total speed 1.25 */
+        rp_plan_free(p);
+        rp_cost_free(c);
+        fixture_free(&f);
+    }
+}
+
+/* Two identical sequences on two GPUs, each spreading 8 tokens evenly over the four
+ * experts (4 choices each): every term is balanced, so the bound is reached. */
+static void test_bound_tight(void)
+{
+    fixture f;
+    char json[2048];
+    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1");
+    char *one = strstr(json, "\"num_layers\": 2");
+    one[14] = '1';
+    int32_t lens[2] = {8, 8}, rank[2] = {0, 1}, mb[2] = {0, 0};
+    uint8_t ids[32];
+    for (int t = 0; t < 16; t++) {
+        ids[2 * t] = (uint8_t)(t % 2 ? 2 : 0);
+        ids[2 * t + 1] = (uint8_t)(t % 2 ? 3 : 1);
+    }
+    ok(fixture_make(&f, json, 2, lens, ids, 1, 2, 4), "balanced fixture");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    int32_t p2l[4] = {0, 1, 2, 3};
+    rp_plan *p = plan_of(&f, 1, rank, mb, p2l);
+    rp_cost_summary s;
+    is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+    /* a(8) = 16; experts t(8) = 6, 12 per GPU; dispatch 8 choices each way: 8.5.
+     * step = 3 (16 + 8.5 + 12 + 8.5) = 135 */
+    is_double(s.step_s, 135.0, 1e-12 * 135, "balanced step");
+    is_double(s.lower_bound_s, s.step_s, 1e-12 * s.step_s, "bound equals step when all is balanced");
+    is_double(s.ratio, 1.0, 1e-12, "ratio 1");
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+/* ---- migration ------------------------------------------------------------------- */
+
+static void test_migration(void)
+{
+    static const char *cfg_fmt =
+        "{\"topology\": {\"num_nodes\": 2, \"gpus_per_node\": 2, \"ep_size\": %d, \"slots_per_gpu\": 2,"
+        "  \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000, \"net_bytes_per_s\": 4,"
+        "  \"net_latency_us\": 1000000},"
+        " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48},"
+        " \"model\": {\"num_layers\": 2, \"num_experts\": 4, \"top_k\": 1, \"hidden_size\": 4,"
+        "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"head_dim\": 2, \"bytes_per_param\": 2,"
+        "  \"bytes_per_optimizer_state\": 12},"
+        " \"limits\": {\"max_tokens_per_microbatch\": 100}}";
+    char json[2048];
+    int32_t lens[1] = {1};
+    uint8_t ids[2] = {0, 0};
+    fixture f;
+    rp_error err;
+    /* One EP group over both nodes (ranks 0,1 on node 0; 2,3 on node 1). One expert
+     * is 3 d f (2 + 12) = 336 bytes. */
+    snprintf(json, sizeof json, cfg_fmt, 4);
+    ok(fixture_make(&f, json, 1, lens, ids, 2, 1, 4), "migration fixture, EP 4 over 2 nodes");
+    rp_cost *c = NULL;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    /* L0: ranks 0, 1 keep their experts in another order; rank 2 gains 0 and rank 3
+     *     gains 1, both only on node 0: network.
+     * L1: experts 0 and 2 swap between ranks 0 and 1 (NVLink both ways); rank 2 keeps
+     *     0; rank 3 gains 3 from rank 1 on the other node: network. */
+    int32_t from[16] = {0, 1, 2, 3, -1, -1, -1, -1, /**/ 0, 1, 2, 3, 0, -1, -1, -1};
+    int32_t to[16] = {1, 0, 3, 2, 0, -1, 1, -1, /**/ 2, 1, 0, 3, 0, -1, 3, -1};
+    rp_plan *pf = plan_of(&f, 1, NULL, NULL, from), *pt = plan_of(&f, 1, NULL, NULL, to);
+    double secs = -1, bytes = -1;
+    is_int(rp_cost_migration(c, pf, pt, &secs, &bytes, &err), RP_OK, "migration estimate");
+    /* 5 copies x 336 = 1680 bytes. GPU 3 receives 2 x 336 over the network:
+     * 672 / 4 + 1 = 169 s, the slowest (GPU 2: 85, GPUs 0 and 1: 42.5). */
+    is_double(bytes, 1680.0, 0.0, "bytes moved");
+    is_double(secs, 169.0, 1e-12, "time of the busiest receiver");
+    is_int(rp_cost_migration(c, pf, pf, &secs, &bytes, &err), RP_OK, "no change");
+    ok(secs == 0 && bytes == 0, "nothing moves when nothing changes");
+    int32_t bad[16] = {0, 1, 2, 2, -1, -1, -1, -1, /**/ 0, 1, 2, 3, 0, -1, -1, -1};
+    rp_plan *pb = plan_of(&f, 1, NULL, NULL, bad);
+    is_int(rp_cost_migration(c, pb, pt, &secs, &bytes, &err), RP_EINVAL, "a 'from' missing an expert fails");
+    like(err.text, "layer 0 expert 3 is on no EP rank", "... naming it");
+    rp_plan *pe = plan_of(&f, 1, NULL, NULL, NULL);
+    is_int(rp_cost_migration(c, pe, pt, &secs, &bytes, &err), RP_EINVAL, "a plan without placement fails");
+    like(err.text, "'from' plan has no placement", "... with a message");
+    rp_plan_free(pf);
+    rp_plan_free(pt);
+    rp_plan_free(pb);
+    rp_plan_free(pe);
+    rp_cost_free(c);
+    fixture_free(&f);
+
+    /* Two EP groups, one per node: a swap of experts 1 and 2 is copied in each group
+     * over its own NVLink: 4 copies, 1344 bytes, 336/8 + 0.5 = 42.5 s. */
+    snprintf(json, sizeof json, cfg_fmt, 2);
+    fixture_make(&f, json, 1, lens, ids, 2, 1, 4);
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    int32_t from2[8] = {0, 1, 2, 3, 0, 1, 2, 3}, to2[8] = {0, 2, 1, 3, 0, 1, 2, 3};
+    pf = plan_of(&f, 1, NULL, NULL, from2);
+    pt = plan_of(&f, 1, NULL, NULL, to2);
+    is_int(rp_cost_migration(c, pf, pt, &secs, &bytes, &err), RP_OK, "migration in two EP groups");
+    is_double(bytes, 1344.0, 0.0, "every group moves its own copies");
+    is_double(secs, 42.5, 1e-12, "in parallel, over NVLink");
+    rp_plan_free(pf);
+    rp_plan_free(pt);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+/* ---- random plans: bound and incremental ----------------------------------------- */
+
+typedef struct rng { uint64_t s; } rng;
+static uint64_t rnd(rng *r)
+{
+    r->s ^= r->s << 13;
+    r->s ^= r->s >> 7;
+    r->s ^= r->s << 17;
+    return r->s;
+}
+static int32_t rnd_int(rng *r, int32_t n) { return (int32_t)(rnd(r) % (uint64_t)n); }
+
+#define RN 40
+#define RL 3
+#define RE 12
+#define RK 3
+
+static const char *RANDOM_CFG =
+    "{\"topology\": {\"num_nodes\": 2, \"gpus_per_node\": 4, \"ep_size\": %d, \"slots_per_gpu\": %d,"
+    "  \"gpu_speed\": %s},"
+    " \"hardware\": {\"peak_flops\": 1e9, \"hbm_bytes_per_s\": 1e9,"
+    "  \"gemm_efficiency\": [[1, 0.05], [8, 0.3], [32, 0.9]]},"
+    " \"model\": {\"num_layers\": 3, \"num_experts\": 12, \"top_k\": 3, \"hidden_size\": 64,"
+    "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"num_kv_heads\": 2, \"head_dim\": 16},"
+    " \"limits\": {\"max_tokens_per_microbatch\": %d}}";
+
+static bool random_fixture(fixture *f, rng *r, int ep, int slots, const char *speed, int cap)
+{
+    char json[2048];
+    snprintf(json, sizeof json, RANDOM_CFG, ep, slots, speed, cap);
+    int32_t lens[RN];
+    int64_t tokens = 0;
+    for (int i = 0; i < RN; i++) {
+        lens[i] = i % 13 == 5 ? 0 : 1 + rnd_int(r, 40);
+        tokens += lens[i];
+    }
+    uint8_t *ids = malloc((size_t)tokens * RL * RK + 1);
+    int64_t t = 0;
+    for (int i = 0; i < RN; i++) {
+        int32_t pref = rnd_int(r, RE); /* each sequence leans towards a few experts */
+        for (int32_t k = 0; k < lens[i]; k++, t++)
+            for (int l = 0; l < RL; l++) {
+                int32_t first = rnd_int(r, 3) ? (pref + rnd_int(r, 3)) % RE : rnd_int(r, RE);
+                for (int j = 0; j < RK; j++) ids[(t * RL + l) * RK + j] = (uint8_t)((first + j * 5) % RE);
+            }
+    }
+    bool done = fixture_make(f, json, RN, lens, ids, RL, RK, RE);
+    free(ids);
+    return done;
+}
+
+static rp_plan *random_plan(const fixture *f, rng *r, int32_t M, bool levers)
+{
+    int32_t rank[RN], mb[RN];
+    int32_t G = rp_config_topology(f->cfg)->num_gpus, ep = rp_config_topology(f->cfg)->ep_size;
+    for (int i = 0; i < RN; i++) {
+        rank[i] = rnd_int(r, G);
+        mb[i] = rnd_int(r, M);
+    }
+    rp_plan *p = plan_of(f, M, rank, mb, NULL);
+    int32_t S = rp_plan_total_slots(p), row[256];
+    rp_error err;
+    for (int l = 0; l < RL; l++) {
+        for (int s = 0; s < S; s++) row[s] = rnd_int(r, 3) ? rnd_int(r, RE) : -1;
+        for (int e = 0; e < RE; e++) row[rnd_int(r, S)] = -2 - e; /* placeholders: one replica each */
+        for (int e = 0, s = 0; e < RE; e++) {
+            bool found = false;
+            for (s = 0; s < S; s++)
+                if (row[s] == -2 - e) found = true;
+            if (!found) {
+                int32_t free_slot;
+                do free_slot = rnd_int(r, S);
+                while (row[free_slot] <= -2);
+                row[free_slot] = -2 - e;
+            }
+        }
+        for (int s = 0; s < S; s++)
+            if (row[s] <= -2) row[s] = -2 - row[s];
+        rp_plan_set_phy2log(p, l, row, &err);
+    }
+    if (levers) {
+        for (int i = 0; i < 3; i++)
+            rp_plan_add_extra_replica(p, rnd_int(r, M), rnd_int(r, RL), rnd_int(r, RE), rnd_int(r, ep), &err);
+        for (int i = 0; i < 3; i++) {
+            int32_t m = rnd_int(r, M), l = rnd_int(r, RL), e = rnd_int(r, RE);
+            int32_t n = rp_plan_replicas(p, m, l, e, NULL, NULL, 0);
+            double w[64], sum = 0;
+            for (int k = 0; k < n; k++) sum += w[k] = 1 + rnd_int(r, 5);
+            for (int k = 0; k < n; k++) w[k] /= sum;
+            rp_plan_set_shares(p, m, l, e, w, n, &err);
+        }
+    }
+    return p;
+}
+
+static void test_bound_random(void)
+{
+    rng r = {0x9E3779B97F4A7C15ULL};
+    const char *speeds[2] = {"1", "[1, 1, 0.5, 1, 2, 1, 1, 0.7]"};
+    int eps[2] = {4, 8}, fails = 0, runs = 0;
+    double worst = 0;
+    for (int v = 0; v < 4; v++) {
+        fixture f;
+        random_fixture(&f, &r, eps[v % 2], eps[v % 2] == 4 ? 4 : 2, speeds[v / 2], 100000);
+        rp_cost *c[2] = {NULL, NULL};
+        rp_error err;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c[0], &err);
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_LOCALITY, &c[1], &err);
+        for (int i = 0; i < 25; i++) {
+            rp_plan *p = random_plan(&f, &r, 1 + rnd_int(&r, 3), i % 3 == 0);
+            for (int k = 0; k < 2; k++) {
+                rp_cost_summary s;
+                if (rp_cost_evaluate(c[k], p, &s, &err) != RP_OK) {
+                    diag("evaluate: %s", err.text);
+                    fails++;
+                    continue;
+                }
+                runs++;
+                if (!(s.lower_bound_s > 0 && s.lower_bound_s <= s.step_s * (1 + 1e-12))) {
+                    fails++;
+                    diag("bound %.17g > step %.17g", s.lower_bound_s, s.step_s);
+                }
+                if (s.ratio > worst) worst = s.ratio;
+            }
+            rp_plan_free(p);
+        }
+        rp_cost_free(c[0]);
+        rp_cost_free(c[1]);
+        fixture_free(&f);
+    }
+    is_int(runs, 200, "200 random plans evaluated");
+    is_int(fails, 0, "lower bound <= step on every random plan (largest ratio %.2f)", worst);
+}
+
+static int cmp_desc(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* The bound's per-sequence top-k sum against sorting, on small counts (bucket path)
+ * and large ones (heap path). */
+static void test_top_sum(void)
+{
+    rng r = {0xA0761D6478BD642FULL};
+    static uint32_t v[300], sorted[300], buf[2048];
+    const uint32_t scales[4] = {3, 100, 5000, 1u << 30};
+    int bad = 0;
+    for (int t = 0; t < 4000; t++) {
+        int32_t n = 1 + rnd_int(&r, 300), k = rnd_int(&r, n + 2) - (t % 50 == 0);
+        uint32_t scale = scales[t % 4];
+        for (int32_t i = 0; i < n; i++) v[i] = rnd_int(&r, 4) ? (uint32_t)(rnd(&r) % scale) : 0;
+        memcpy(sorted, v, (size_t)n * sizeof *v);
+        qsort(sorted, (size_t)n, sizeof *sorted, cmp_desc);
+        uint64_t want = 0;
+        for (int32_t i = 0; i < k && i < n; i++) want += sorted[i];
+        if (cost_top_sum(v, n, k, buf) != want) bad++;
+    }
+    is_int(bad, 0, "top-k sums agree with sorting on 4000 random vectors");
+}
+
+static bool same_summary(const rp_cost_summary *a, const rp_cost_summary *b)
+{
+    double fields_a[] = {a->step_s, a->lower_bound_s, a->attention_s, a->expert_s, a->dispatch_s,
+                         a->grad_reduce_s, a->extra_copy_s, a->attention_imbalance, a->expert_imbalance};
+    double fields_b[] = {b->step_s, b->lower_bound_s, b->attention_s, b->expert_s, b->dispatch_s,
+                         b->grad_reduce_s, b->extra_copy_s, b->attention_imbalance, b->expert_imbalance};
+    for (size_t i = 0; i < sizeof fields_a / sizeof fields_a[0]; i++)
+        if (fabs(fields_a[i] - fields_b[i]) > 1e-9 * fabs(fields_b[i])) {
+            diag("summary field %zu: %.17g vs %.17g", i, fields_a[i], fields_b[i]);
+            return false;
+        }
+    return a->straggler_gpu == b->straggler_gpu && a->straggler_mb == b->straggler_mb &&
+           a->straggler_layer == b->straggler_layer && a->straggler_side == b->straggler_side;
+}
+
+static int64_t cell_tokens(const rp_plan *p, const rp_batch *b, int32_t g, int32_t m)
+{
+    int32_t count = 0;
+    const int32_t *list = rp_plan_microbatch(p, g, m, &count);
+    int64_t n = 0;
+    for (int32_t k = 0; k < count; k++) n += rp_batch_seq_len(b, list[k]);
+    return n;
+}
+
+static void test_incremental(void)
+{
+    rng r = {0x243F6A8885A308D3ULL};
+    int mismatches = 0, trials = 0, exact = 0, invalid_ok = 0, invalid = 0, apply_bad = 0, applies = 0;
+    rp_error err;
+    for (int v = 0; v < 6; v++) {
+        fixture f;
+        int ep = v % 2 ? 8 : 4;
+        random_fixture(&f, &r, ep, ep == 4 ? 4 : 2, v >= 4 ? "[1, 1, 0.5, 1, 2, 1, 1, 0.7]" : "1", 150);
+        rp_cost *c = NULL, *full = NULL;
+        rp_split_rule rule = v % 3 == 1 ? RP_SPLIT_LOCALITY : RP_SPLIT_EVEN;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, rule, &c, &err);
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, rule, &full, &err);
+        int32_t M = 2 + v % 2, G = 8, S = 0;
+        rp_plan *p = random_plan(&f, &r, M, v >= 2);
+        if (rp_cost_evaluate(c, p, NULL, &err) != RP_OK) diag("evaluate: %s", err.text);
+        S = rp_plan_total_slots(p);
+        for (int i = 0; i < 60; i++) {
+            int kind = rnd_int(&r, 3);
+            double pred;
+            rp_plan *q = NULL;
+            rp_plan_copy(p, &q, &err);
+            bool valid = true;
+            if (kind == 0) {
+                int32_t s = rnd_int(&r, RN), g = rnd_int(&r, G), m = rnd_int(&r, M);
+                bool same = rp_plan_seq_rank(p, s) == g && rp_plan_seq_microbatch(p, s) == m;
+                valid = same || rp_batch_seq_len(f.batch, s) == 0 ||
+                        cell_tokens(p, f.batch, g, m) + rp_batch_seq_len(f.batch, s) <= 150;
+                pred = rp_cost_try_move(c, s, g, m);
+                rp_plan_move_sequence(q, s, g, m, &err);
+            } else if (kind == 1) {
+                int32_t a = rnd_int(&r, RN), b = rnd_int(&r, RN);
+                int32_t ga = rp_plan_seq_rank(p, a), ma = rp_plan_seq_microbatch(p, a);
+                int32_t gb = rp_plan_seq_rank(p, b), mb = rp_plan_seq_microbatch(p, b);
+                int64_t la = rp_batch_seq_len(f.batch, a), lb = rp_batch_seq_len(f.batch, b);
+                bool same = ga == gb && ma == mb;
+                valid = same || ((lb <= la || cell_tokens(p, f.batch, ga, ma) - la + lb <= 150) &&
+                                 (la <= lb || cell_tokens(p, f.batch, gb, mb) - lb + la <= 150));
+                pred = rp_cost_try_swap(c, a, b);
+                if (!same) {
+                    rp_plan_move_sequence(q, a, gb, mb, &err);
+                    rp_plan_move_sequence(q, b, ga, ma, &err);
+                }
+            } else {
+                int32_t l = rnd_int(&r, RL), slot = rnd_int(&r, S), e = rnd_int(&r, RE + 1) - 1;
+                int32_t row[256], logcnt[RE];
+                memcpy(row, rp_plan_phy2log(p, l), (size_t)S * sizeof(int32_t));
+                rp_plan_logcnt(p, l, logcnt);
+                int32_t old = row[slot];
+                bool shares = false;
+                for (int32_t m = 0; m < M; m++) {
+                    double w[64];
+                    int32_t ranks[64];
+                    if (old >= 0 && rp_plan_replicas(p, m, l, old, ranks, w, 64) > 0 && w[0] >= 0) shares = true;
+                    if (e >= 0 && old != e && rp_plan_replicas(p, m, l, e, ranks, w, 64) > 0 && w[0] >= 0) shares = true;
+                }
+                valid = old == e || ((old < 0 || logcnt[old] > 1) && !shares);
+                pred = rp_cost_try_slot(c, l, slot, e);
+                row[slot] = e;
+                rp_plan_set_phy2log(q, l, row, &err);
+            }
+            if (!valid) {
+                invalid++;
+                if (isinf(pred)) invalid_ok++;
+                else diag("kind %d: invalid change predicted %.17g", kind, pred);
+                rp_plan_free(q);
+                continue;
+            }
+            rp_cost_summary s;
+            trials++;
+            if (rp_cost_evaluate(full, q, &s, &err) != RP_OK) {
+                diag("full: %s", err.text);
+                mismatches++;
+            } else if (!(fabs(pred - s.step_s) <= 1e-9 * s.step_s)) {
+                diag("kind %d: incremental %.17g, full %.17g", kind, pred, s.step_s);
+                mismatches++;
+            } else if (pred == s.step_s) {
+                exact++;
+            }
+            rp_plan_free(q);
+            /* every fourth change is applied, then checked against a full evaluation */
+            if (i % 4 == 3) {
+                rp_status st;
+                if (kind == 0) st = rp_cost_apply_move(c, p, rnd_int(&r, RN), rnd_int(&r, G), rnd_int(&r, M), &err);
+                else if (kind == 1) st = rp_cost_apply_swap(c, p, rnd_int(&r, RN), rnd_int(&r, RN), &err);
+                else st = rp_cost_apply_slot(c, p, rnd_int(&r, RL), rnd_int(&r, S), rnd_int(&r, RE), &err);
+                if (st != RP_OK) continue; /* an invalid change: nothing happened */
+                applies++;
+                rp_cost_summary mine, ref;
+                rp_cost_current_summary(c, &mine, &err);
+                if (rp_cost_evaluate(full, p, &ref, &err) != RP_OK || !same_summary(&mine, &ref) ||
+                    rp_cost_current_s(c) != ref.step_s) {
+                    apply_bad++;
+                    continue;
+                }
+                const double *x1 = rp_cost_expert_breakdown(c), *x2 = rp_cost_expert_breakdown(full);
+                const double *d1 = rp_cost_dispatch_breakdown(c), *d2 = rp_cost_dispatch_breakdown(full);
+                const double *a1 = rp_cost_attention_breakdown(c), *a2 = rp_cost_attention_breakdown(full);
+                for (int32_t k = 0; k < M * RL * G; k++)
+                    if (x1[k] != x2[k] || d1[k] != d2[k]) apply_bad++;
+                for (int32_t k = 0; k < M * G; k++)
+                    if (a1[k] != a2[k]) apply_bad++;
+            }
+        }
+        rp_plan_free(p);
+        rp_cost_free(c);
+        rp_cost_free(full);
+        fixture_free(&f);
+    }
+    ok(trials > 200, "%d incremental changes compared with full evaluations", trials);
+    is_int(mismatches, 0, "try_move/swap/slot equal a full evaluation of the changed plan");
+    diag("%d of %d bit-identical", exact, trials);
+    ok(invalid > 0, "%d invalid changes tried (caps, last replicas, shares)", invalid);
+    is_int(invalid_ok, invalid, "each invalid change is predicted as infinite");
+    ok(applies > 10, "%d changes applied", applies);
+    is_int(apply_bad, 0, "after apply_*, state, summary and breakdown equal a full evaluation");
+}
+
+/* ---- JSON breakdown ---------------------------------------------------------------- */
+
+static void test_json(void)
+{
+    fixture f;
+    hand_fixture(&f, 1, 2, 2, "1");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    char *text = NULL;
+    size_t len = 0;
+    is_int(rp_cost_breakdown_json(c, &text, &len, &err), RP_EINVAL, "no breakdown before evaluation");
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_evaluate(c, p, NULL, &err);
+    is_int(rp_cost_breakdown_json(c, &text, &len, &err), RP_OK, "breakdown as JSON");
+    json_error_t jerr;
+    json_t *root = json_loadb(text, len, 0, &jerr);
+    ok(root != NULL, "the breakdown parses as JSON");
+    if (root) {
+        json_t *sum = json_object_get(root, "summary");
+        is_double(json_number_value(json_object_get(sum, "step_s")), 156.75, 1e-12, "summary.step_s");
+        is_str(json_string_value(json_object_get(json_object_get(sum, "straggler"), "side")), "dispatch",
+               "summary.straggler.side");
+        json_t *layers = json_object_get(root, "layers");
+        is_int(json_array_size(layers), 2, "one entry per (mb, layer)");
+        json_t *l0 = json_array_get(layers, 0);
+        is_str(json_string_value(json_object_get(l0, "straggler_side")), "expert", "layer 0 straggler side");
+        is_int(json_integer_value(json_object_get(l0, "straggler_gpu")), 1, "layer 0 straggler GPU");
+        is_double(json_number_value(json_object_get(l0, "lower_bound_s")), 20.0625, 1e-12, "layer 0 bound");
+        is_double(json_number_value(json_array_get(json_array_get(json_object_get(root, "attention"), 1), 0)), 6.625,
+                  1e-12, "attention[gpu 1][mb 0]");
+        json_t *x = json_object_get(root, "expert");
+        is_double(json_number_value(json_array_get(json_array_get(json_array_get(x, 0), 1), 0)), 7.5, 1e-12,
+                  "expert[mb 0][layer 1][gpu 0]");
+        ok(json_object_get(root, "dispatch") && json_object_get(root, "combine"), "dispatch and combine present");
+        json_decref(root);
+    }
+    rp_text_free(ctx, text);
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+/* ---- bad input ------------------------------------------------------------------- */
+
+static void expect_new_fails(const fixture *f, const char *what, const char *needle)
+{
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_status st = rp_cost_new(ctx, f->cfg, f->batch, f->stats, RP_SPLIT_EVEN, &c, &err);
+    is_int(st, RP_EINVAL, "rp_cost_new rejects %s", what);
+    like(st == RP_OK ? "" : err.text, needle, "... naming it");
+    rp_cost_free(c);
+}
+
+static void test_bad_constants(void)
+{
+    fixture f;
+    hand_fixture(&f, 1, 2, 2, "1");
+    /* Configs come validated; poke the views the way a careless embedder could. */
+    rp_hardware *hw = (rp_hardware *)rp_config_hardware(f.cfg);
+    rp_topology *tp = (rp_topology *)rp_config_topology(f.cfg);
+    double saved = hw->peak_flops;
+    hw->peak_flops = NAN;
+    expect_new_fails(&f, "a NaN peak", "hardware.peak_flops is nan");
+    hw->peak_flops = 0;
+    expect_new_fails(&f, "a zero peak", "hardware.peak_flops is 0");
+    hw->peak_flops = saved;
+    saved = tp->nvlink_bytes_per_s;
+    tp->nvlink_bytes_per_s = -1;
+    expect_new_fails(&f, "a negative NVLink bandwidth", "topology.nvlink_bytes_per_s is -1");
+    tp->nvlink_bytes_per_s = saved;
+    saved = tp->net_bytes_per_s;
+    tp->net_bytes_per_s = INFINITY;
+    expect_new_fails(&f, "an infinite network bandwidth", "topology.net_bytes_per_s");
+    tp->net_bytes_per_s = saved;
+    saved = hw->attention_efficiency;
+    hw->attention_efficiency = 0;
+    expect_new_fails(&f, "a zero attention efficiency", "hardware.attention_efficiency");
+    hw->attention_efficiency = saved;
+    saved = hw->hbm_bytes_per_s;
+    hw->hbm_bytes_per_s = NAN;
+    expect_new_fails(&f, "a NaN HBM bandwidth", "hardware.hbm_bytes_per_s");
+    hw->hbm_bytes_per_s = saved;
+    rp_eff_point *pt = (rp_eff_point *)&hw->gemm_efficiency[1];
+    saved = pt->efficiency;
+    pt->efficiency = NAN;
+    expect_new_fails(&f, "a NaN point of the efficiency curve", "hardware.gemm_efficiency[1] efficiency");
+    pt->efficiency = saved;
+    double *speed = (double *)tp->speed;
+    speed[1] = -2;
+    expect_new_fails(&f, "a negative GPU speed", "topology.gpu_speed[1] is -2");
+    speed[1] = 1;
+    saved = tp->nvlink_latency_s;
+    tp->nvlink_latency_s = NAN;
+    expect_new_fails(&f, "a NaN latency", "topology.nvlink_latency_s");
+    tp->nvlink_latency_s = saved;
+    rp_cost *c = NULL;
+    rp_error err;
+    is_int(rp_cost_new(ctx, f.cfg, f.batch, f.stats, (rp_split_rule)7, &c, &err), RP_EINVAL, "unknown split rule");
+    is_int(rp_cost_new(ctx, f.cfg, f.batch, NULL, RP_SPLIT_EVEN, &c, &err), RP_EINVAL, "missing statistics");
+    is_int(rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err), RP_OK, "restored config is accepted");
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+static void test_bad_batch(void)
+{
+    fixture f;
+    hand_fixture(&f, 1, 2, 2, "1");
+    rp_error err;
+    rp_cost *c = NULL;
+    /* statistics of another batch: 2 sequences */
+    rp_batch *b2 = NULL;
+    int32_t lens[2] = {4, 2}, zero[2] = {0, 0};
+    rp_batch_new(ctx, 2, lens, zero, NULL, &b2, &err);
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 2, 2, HAND_IDS);
+    rp_stats *s2 = NULL, *s_layers = NULL, *s_experts = NULL, *s_empty = NULL;
+    rp_stats_compute(ctx, b2, &r, 4, 1, &s2, &err);
+    is_int(rp_cost_new(ctx, f.cfg, f.batch, s2, RP_SPLIT_EVEN, &c, &err), RP_EINVAL, "statistics of another batch");
+    like(err.text, "statistics cover 2 sequences, but the batch has 3", "... message");
+    /* one layer instead of two (same ids read with a layer stride of one pair) */
+    rp_routing r1;
+    rp_routing_packed(&r1, RP_ID_U8, 1, 2, HAND_IDS);
+    r1.token_stride = 4;
+    if (rp_stats_compute(ctx, f.batch, &r1, 4, 1, &s_layers, &err) == RP_OK) {
+        is_int(rp_cost_new(ctx, f.cfg, f.batch, s_layers, RP_SPLIT_EVEN, &c, &err), RP_EINVAL, "statistics of 1 layer");
+        like(err.text, "statistics have 1 layers, but the model has 2", "... message");
+    } else {
+        skip(2, "one-layer statistics not computable");
+    }
+    rp_routing_packed(&r, RP_ID_U8, 2, 2, HAND_IDS);
+    rp_stats_compute(ctx, f.batch, &r, 8, 1, &s_experts, &err);
+    is_int(rp_cost_new(ctx, f.cfg, f.batch, s_experts, RP_SPLIT_EVEN, &c, &err), RP_EINVAL, "statistics of 8 experts");
+    like(err.text, "statistics have 8 experts, but the model has 4", "... message");
+    rp_batch *b0 = NULL;
+    rp_batch_new(ctx, 0, NULL, NULL, NULL, &b0, &err);
+    rp_routing_packed(&r, RP_ID_U8, 2, 2, HAND_IDS);
+    if (rp_stats_compute(ctx, b0, &r, 4, 1, &s_empty, &err) == RP_OK) {
+        is_int(rp_cost_new(ctx, f.cfg, b0, s_empty, RP_SPLIT_EVEN, &c, &err), RP_EINVAL, "an empty batch");
+        like(err.text, "batch is empty", "... message");
+    } else {
+        skip(2, "empty statistics not computable");
+    }
+    rp_stats_free(s2);
+    rp_stats_free(s_layers);
+    rp_stats_free(s_experts);
+    rp_stats_free(s_empty);
+    rp_batch_free(b2);
+    rp_batch_free(b0);
+    fixture_free(&f);
+}
+
+static void test_bad_plans(void)
+{
+    fixture f, other;
+    hand_fixture(&f, 1, 2, 2, "1");
+    hand_fixture(&other, 2, 2, 2, "1");
+    rp_error err;
+    rp_cost *c = NULL;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    rp_plan *good = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_evaluate(c, good, NULL, &err);
+    double before = rp_cost_current_s(c);
+
+    is_int(rp_cost_evaluate(c, NULL, NULL, &err), RP_EINVAL, "no plan");
+    rp_plan *p = plan_of(&f, 1, NULL, NULL, CONTIG4);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "plan without packing");
+    like(err.text, "has no packing", "... message");
+    rp_plan_free(p);
+    p = plan_of(&f, 1, HAND_RANK, HAND_MB, NULL);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "plan without placement");
+    like(err.text, "has no placement", "... message");
+    rp_plan_free(p);
+    int32_t rank4[3] = {0, 3, 2};
+    p = plan_of(&other, 1, rank4, HAND_MB, CONTIG4);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "plan of another shape");
+    like(err.text, "the plan has 4 GPUs, but the config has 2", "... message");
+    rp_plan_free(p);
+    int32_t missing[2] = {0, 1}, twice[3] = {0, 1, 1}, one[1] = {2}, counts[2] = {2, 1};
+    const int32_t *lists[2] = {missing, one};
+    p = plan_of(&f, 1, NULL, NULL, CONTIG4);
+    int32_t counts_missing[2] = {2, 0};
+    rp_plan_set_microbatches(p, 3, lists, counts_missing, &err);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "a sequence not packed");
+    like(err.text, "sequence 2 is not packed", "... message");
+    is_int(err.sequence, 2, "... with its id");
+    lists[0] = twice;
+    counts[0] = 3;
+    rp_plan_set_microbatches(p, 3, lists, counts, &err);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "a sequence packed twice");
+    like(err.text, "sequence 1 is packed twice (rank 0 mb 0, rank 0 mb 0)", "... message");
+    rp_plan_free(p);
+    int32_t holes[8] = {0, 1, 2, -1, 0, 1, 2, 3};
+    p = plan_of(&f, 1, HAND_RANK, HAND_MB, holes);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "an expert without a replica");
+    like(err.text, "layer 0 expert 3 has no replica", "... message");
+    rp_plan_free(p);
+    p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    double bad_shares[2] = {0.5, 0.6};
+    rp_plan_add_extra_replica(p, 0, 0, 0, 1, &err);
+    rp_plan_set_shares(p, 0, 0, 0, bad_shares, 2, &err);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "shares not summing to 1");
+    like(err.text, "mb 0 layer 0 expert 0 has shares summing to 1.1", "... message");
+    bad_shares[1] = NAN;
+    rp_plan_set_shares(p, 0, 0, 0, bad_shares, 2, &err);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "a NaN share");
+    rp_plan_set_shares(p, 0, 0, 0, bad_shares, 1, &err);
+    is_int(rp_cost_evaluate(c, p, NULL, &err), RP_EINVAL, "too few shares");
+    like(err.text, "has 1 shares for 2 replicas", "... message");
+    is_double(rp_cost_current_s(c), before, 0, "failed evaluations keep the previous binding");
+
+    /* incremental calls against the bound plan */
+    ok(isinf(rp_cost_try_move(c, 7, 0, 0)), "try_move of an unknown sequence is infinite");
+    ok(isinf(rp_cost_try_move(c, 0, 2, 0)), "try_move to an unknown rank is infinite");
+    ok(isinf(rp_cost_try_swap(c, 0, -1)), "try_swap of an unknown sequence is infinite");
+    ok(isinf(rp_cost_try_slot(c, 0, 0, 1)), "try_slot removing the last replica is infinite");
+    ok(isinf(rp_cost_try_slot(c, 2, 0, 1)), "try_slot of an unknown layer is infinite");
+    is_double(rp_cost_try_move(c, 0, 0, 0), before, 0, "a move to where it is changes nothing");
+    is_int(rp_cost_apply_move(c, p, 0, 1, 0, &err), RP_EINVAL, "apply to a plan the evaluator is not bound to");
+    like(err.text, "not the one the evaluator is bound to", "... message");
+    uint64_t hash = rp_plan_hash(good);
+    is_int(rp_cost_apply_slot(c, good, 0, 0, 1, &err), RP_EINVAL, "apply_slot removing the last replica");
+    like(err.text, "layer 0 slot 0 holds the only replica of expert 0", "... message");
+    ok(rp_plan_hash(good) == hash && rp_cost_current_s(c) == before, "... and nothing changed");
+    rp_plan_free(p);
+    rp_plan_free(good);
+    rp_cost_free(c);
+
+    /* the token cap: 6 tokens per microbatch; moving s1 (2 tokens) onto s0 (4) fits,
+     * moving s2 (3) does not */
+    char json[2048];
+    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1");
+    char *cap = strstr(json, "\"max_tokens_per_microbatch\": 100");
+    memcpy(cap + 29, "6  ", 3);
+    fixture capped;
+    fixture_make(&capped, json, 3, HAND_LENS, HAND_IDS, 2, 2, 4);
+    rp_cost_new(ctx, capped.cfg, capped.batch, capped.stats, RP_SPLIT_EVEN, &c, &err);
+    good = plan_of(&capped, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_evaluate(c, good, NULL, &err);
+    ok(isfinite(rp_cost_try_move(c, 1, 0, 0)), "a move within the token cap is priced");
+    ok(isinf(rp_cost_try_move(c, 2, 0, 0)), "a move over the token cap is infinite");
+    is_int(rp_cost_apply_move(c, good, 2, 0, 0, &err), RP_EINVAL, "apply_move over the token cap fails");
+    like(err.text, "would give it 7 tokens, over the token cap of 6", "... message");
+    is_int(rp_plan_seq_rank(good, 2), 1, "... and the plan is unchanged");
+    is_int(rp_cost_apply_move(c, good, 1, 0, 0, &err), RP_OK, "apply_move within the cap");
+    is_int(rp_plan_seq_rank(good, 1), 0, "... moves the sequence in the plan");
+    rp_plan_free(good);
+    rp_cost_free(c);
+    fixture_free(&capped);
+
+    /* the activation memory cap: 10 bytes per token, 60 bytes: again 6 tokens */
+    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1");
+    cap = strstr(json, "\"max_tokens_per_microbatch\": 100");
+    const char *act = "\"max_tokens_per_microbatch\": 100, \"max_activation_bytes\": 60, "
+                      "\"activation_bytes_per_token\": 10}}";
+    memcpy(cap, act, strlen(act) + 1);
+    ok(fixture_make(&capped, json, 3, HAND_LENS, HAND_IDS, 2, 2, 4), "config with an activation memory cap");
+    rp_cost_new(ctx, capped.cfg, capped.batch, capped.stats, RP_SPLIT_EVEN, &c, &err);
+    good = plan_of(&capped, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_evaluate(c, good, NULL, &err);
+    ok(isfinite(rp_cost_try_move(c, 1, 0, 0)), "a move within the memory cap is priced");
+    ok(isinf(rp_cost_try_move(c, 2, 0, 0)), "a move over the memory cap is infinite");
+    /* GPU 0 holds s0 (4), GPU 1 s1 + s2 (2 + 3) */
+    ok(isfinite(rp_cost_try_swap(c, 0, 2)), "a swap that keeps both within the cap is priced (3 and 6 tokens)");
+    ok(isinf(rp_cost_try_swap(c, 0, 1)), "a swap that overfills one microbatch is infinite (2 and 7 tokens)");
+    rp_plan_free(good);
+    rp_cost_free(c);
+    fixture_free(&capped);
+    fixture_free(&f);
+    fixture_free(&other);
+}
+
+static void test_unbound(void)
+{
+    fixture f;
+    hand_fixture(&f, 1, 2, 2, "1");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_summary s;
+    size_t before = rp_cost_bytes(c);
+    ok(isinf(rp_cost_try_move(c, 0, 1, 0)) && isinf(rp_cost_try_swap(c, 0, 1)) && isinf(rp_cost_try_slot(c, 0, 0, 1)),
+       "tries before any evaluation are infinite");
+    is_int(rp_cost_apply_move(c, p, 0, 1, 0, &err), RP_EINVAL, "apply before any evaluation fails");
+    like(err.text, "no plan has been evaluated yet", "... message");
+    is_int(rp_cost_current_summary(c, &s, &err), RP_EINVAL, "no summary before any evaluation");
+    ok(isnan(rp_cost_layer_s(c, 0, 0)), "no layer time before any evaluation");
+    rp_cost_evaluate(c, p, NULL, &err);
+    ok(rp_cost_bytes(c) > before, "the evaluator's memory counts its state (%zu bytes)", rp_cost_bytes(c));
+    int32_t g = 7;
+    rp_cost_layer_straggler(c, 0, 5, &g);
+    is_int(g, -1, "straggler of a layer out of range");
+    ok(isnan(rp_cost_layer_s(c, 1, 0)), "layer time of a microbatch out of range");
+    is_int(rp_cost_current_summary(c, &s, &err), RP_OK, "summary of the bound state");
+    is_double(s.step_s, 156.75, 1e-12, "... equals the evaluation's");
+    /* apply a swap and check it moved both sequences in the plan */
+    is_int(rp_cost_apply_swap(c, p, 0, 2, &err), RP_OK, "apply_swap");
+    ok(rp_plan_seq_rank(p, 0) == 1 && rp_plan_seq_rank(p, 2) == 0, "... swaps the sequences' ranks in the plan");
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+/* Fail the N-th allocation of new, evaluate and the JSON dump, for every N. */
+typedef struct counting { long live, calls, fail_at; } counting;
+static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
+{
+    counting *k = ud;
+    if (new_size == 0) {
+        if (ptr) k->live -= (long)old_size;
+        free(ptr);
+        return NULL;
+    }
+    if (++k->calls == k->fail_at) return NULL;
+    void *p = realloc(ptr, new_size);
+    if (p) k->live += (long)new_size - (ptr ? (long)old_size : 0);
+    return p;
+}
+
+static void test_alloc_failures(void)
+{
+    fixture f;
+    hand_fixture(&f, 1, 2, 3, "1");
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, SPARE_P2L);
+    rp_error err;
+    rp_plan_add_extra_replica(p, 0, 1, 1, 1, &err);
+    rp_cost *ref = NULL;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_LOCALITY, &ref, &err);
+    rp_cost_evaluate(ref, p, NULL, &err);
+    const double want = rp_cost_current_s(ref);
+    rp_cost_free(ref);
+    int failures = 0, bad = 0;
+    for (long n = 1; n < 1000; n++) {
+        counting k = {0, 0, 0};
+        rp_context *cx = NULL;
+        rp_context_new(counting_alloc, &k, &cx);
+        k.fail_at = n;
+        k.calls = 0;
+        rp_cost *c = NULL;
+        char *text = NULL;
+        rp_status st = rp_cost_new(cx, f.cfg, f.batch, f.stats, RP_SPLIT_LOCALITY, &c, &err);
+        if (st == RP_OK) st = rp_cost_evaluate(c, p, NULL, &err);
+        if (st == RP_OK) st = rp_cost_breakdown_json(c, &text, NULL, &err);
+        if (st == RP_OK) {
+            double secs, bytes;
+            st = rp_cost_migration(c, p, p, &secs, &bytes, &err);
+        }
+        bool done = st == RP_OK && k.calls < n;
+        if (st != RP_OK) {
+            failures++;
+            if (st != RP_ENOMEM) bad++;
+            k.fail_at = 0; /* the evaluator stays usable */
+            if (c && (rp_cost_evaluate(c, p, NULL, &err) != RP_OK || rp_cost_current_s(c) != want)) bad++;
+        }
+        rp_text_free(cx, text);
+        rp_cost_free(c);
+        rp_context_free(cx);
+        if (k.live != 0) bad++;
+        if (done) break;
+    }
+    ok(failures > 5, "%d allocation failures injected", failures);
+    is_int(bad, 0, "each fails with RP_ENOMEM, leaks nothing and leaves the evaluator usable");
+    rp_plan_free(p);
+    fixture_free(&f);
+}
+
+int main(void)
+{
+    if (rp_context_new(NULL, NULL, &ctx) != RP_OK) return 1;
+    test_hand_one_node();
+    test_hand_two_nodes();
+    test_hand_replicas();
+    test_hand_extra_replica();
+    test_locality_nodes();
+    test_units();
+    test_straggler();
+    test_bound_tight();
+    test_migration();
+    test_top_sum();
+    test_bound_random();
+    test_incremental();
+    test_json();
+    test_bad_constants();
+    test_bad_batch();
+    test_bad_plans();
+    test_unbound();
+    test_alloc_failures();
+    rp_context_free(ctx);
+    return tap_done();
+}
