@@ -19,10 +19,24 @@ RP_API int rp_gpu_built(void);
  * the view's strides; `cu_seqlens_dev` on the device). Writes, on the host,
  * seq_hist[(seq * num_layers + layer) * num_experts + e] and
  * expert_load[layer * num_experts + e]. Ids out of range are counted in none and
- * reported as RP_ERANGE. Synchronises the default stream before returning. */
+ * reported as RP_ERANGE (with the first one's position, as the CPU reports it); the
+ * outputs are still written. cu_seqlens running backwards is RP_EINVAL. Synchronises
+ * the default stream before returning. */
 RP_API rp_status rp_gpu_routing_histograms(const rp_routing *routing_dev, const int64_t *cu_seqlens_dev,
                                     int32_t num_seqs, int32_t num_experts,
                                     uint32_t *seq_hist, int64_t *expert_load, rp_error *err);
+
+/* Per-microbatch per-layer expert loads of a packing, straight from routing ids in
+ * device memory (same view rules as above): loads[(mb * num_layers + layer) *
+ * num_experts + e] on the host, equal to rp_stats_microbatch_loads on the same
+ * routing. seq_microbatch_dev[s] (on the device) is the microbatch of sequence s in
+ * [0, num_microbatches), or -1 if not packed (its ids are not read). A map entry out of
+ * range is RP_EINVAL and writes nothing; ids out of range are counted in none and
+ * reported as RP_ERANGE. Synchronises the default stream before returning. */
+RP_API rp_status rp_gpu_microbatch_loads(const rp_routing *routing_dev, const int64_t *cu_seqlens_dev,
+                                  int32_t num_seqs, int32_t num_experts,
+                                  const int32_t *seq_microbatch_dev, int32_t num_microbatches,
+                                  int64_t *loads, rp_error *err);
 
 #ifdef __cplusplus
 }

@@ -50,7 +50,8 @@ RP_API rp_status rp_loads_per_gpu(const int64_t *expert_load, int32_t num_expert
                            int32_t num_gpus, int64_t *gpu_load, rp_error *err);
 
 /* Skew of a load vector. cv is the population coefficient of variation (0 for an
- * all-zero vector). */
+ * all-zero vector, whose max/mean and min/mean are 1: perfectly even). argmax is the
+ * first index of the largest value; -1 (and every figure 0) for an empty vector. */
 typedef struct rp_skew {
     double mean;
     double cv;

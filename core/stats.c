@@ -1,0 +1,753 @@
+/* Routing statistics: one multi-threaded scan of the routing replay into per-layer
+ * expert loads and compact per-sequence histograms; microbatch and per-GPU loads; skew. */
+#include "internal.h"
+#include "routing_access.h"
+#include "routepack/stats.h"
+
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* Per-sequence histograms are stored densely as [layer][expert] counts, each sequence
+ * in the narrowest of 1, 2 or 4 bytes per count that holds its largest count, or in
+ * no bytes at all when every count is zero (an empty sequence). `offset` gives each
+ * sequence's byte position, so access is O(1). */
+struct rp_stats {
+    rp_context *ctx;
+    int32_t num_seqs, num_layers, num_experts, top_k;
+    int64_t num_tokens;
+    size_t bytes;            /* everything held, struct included */
+    int64_t *expert_load;    /* [num_layers][num_experts] */
+    uint8_t *width;          /* [num_seqs]: bytes per count, 0 when all are zero */
+    uint64_t *offset;        /* [num_seqs + 1]: byte offset of each sequence's block */
+    unsigned char *hist;
+};
+
+/* ---- the scan ---------------------------------------------------------------- */
+
+#define MAX_AUTO_THREADS 64
+#define MAX_THREADS 256
+/* Fewer ids than this per thread and an automatic thread count adds no thread. */
+#define MIN_IDS_PER_THREAD (1 << 20)
+/* Tokens are range-checked in blocks of about this many ids (L1-resident) before
+ * being counted, so a bad id never indexes the count buffer. */
+#define CHECK_BLOCK_IDS 4096
+/* Cache line size: per-worker buffers are padded to it. */
+#define LINE 64
+
+/* What every worker reads. Nothing here is written during the scan but first_bad. */
+typedef struct scan {
+    const rp_routing *routing;
+    const int64_t *cu_seqlens;
+    int32_t num_layers, top_k;
+    uint32_t num_experts;
+    bool dense;          /* each sequence's ids are one contiguous [len, layers, k] run */
+    bool layer_outer;    /* strided views: walk layers outside tokens (per-layer arrays) */
+    bool check;          /* ids of this width can be >= num_experts (or negative) */
+    const uint64_t *stage_offset; /* [num_seqs + 1]: where each sequence's counts go */
+    unsigned char *hist;
+    uint8_t *width;
+    atomic_int first_bad;         /* lowest sequence seen with a bad id; INT_MAX if none */
+} scan;
+
+typedef struct worker {
+    const scan *sc;
+    int32_t seq_begin, seq_end;
+    uint32_t *counts;    /* [layers][experts] of the current sequence */
+    int64_t *load;       /* [layers][experts] partial global loads of this worker */
+    int32_t bad_seq;     /* first sequence of this range with a bad id, or -1 */
+} worker;
+
+/* True when any of n ids is outside [0, limit). Vectorised for the hot path. */
+static bool bad_u8(const uint8_t *ids, int64_t n, uint32_t limit)
+{
+    int64_t i = 0;
+    uint8_t top = (uint8_t)(limit - 1);
+#if defined(__SSE2__)
+    __m128i acc = _mm_setzero_si128(), lim = _mm_set1_epi8((char)top);
+    for (; i + 64 <= n; i += 64) {
+        const __m128i *p = (const __m128i *)(ids + i);
+        __m128i a = _mm_subs_epu8(_mm_loadu_si128(p), lim);
+        __m128i b = _mm_subs_epu8(_mm_loadu_si128(p + 1), lim);
+        __m128i c = _mm_subs_epu8(_mm_loadu_si128(p + 2), lim);
+        __m128i d = _mm_subs_epu8(_mm_loadu_si128(p + 3), lim);
+        acc = _mm_or_si128(acc, _mm_or_si128(_mm_or_si128(a, b), _mm_or_si128(c, d)));
+    }
+    if (_mm_movemask_epi8(_mm_cmpeq_epi8(acc, _mm_setzero_si128())) != 0xFFFF) return true;
+#endif
+    uint8_t m = 0;
+    for (; i < n; i++) m = ids[i] > m ? ids[i] : m;
+    return m > top;
+}
+
+static bool bad_u16(const uint16_t *ids, int64_t n, uint32_t limit)
+{
+    int64_t i = 0;
+    uint16_t top = (uint16_t)(limit - 1);
+#if defined(__SSE2__)
+    __m128i acc = _mm_setzero_si128(), lim = _mm_set1_epi16((short)top);
+    for (; i + 32 <= n; i += 32) {
+        const __m128i *p = (const __m128i *)(ids + i);
+        __m128i a = _mm_subs_epu16(_mm_loadu_si128(p), lim);
+        __m128i b = _mm_subs_epu16(_mm_loadu_si128(p + 1), lim);
+        __m128i c = _mm_subs_epu16(_mm_loadu_si128(p + 2), lim);
+        __m128i d = _mm_subs_epu16(_mm_loadu_si128(p + 3), lim);
+        acc = _mm_or_si128(acc, _mm_or_si128(_mm_or_si128(a, b), _mm_or_si128(c, d)));
+    }
+    if (_mm_movemask_epi8(_mm_cmpeq_epi8(acc, _mm_setzero_si128())) != 0xFFFF) return true;
+#endif
+    uint16_t m = 0;
+    for (; i < n; i++) m = ids[i] > m ? ids[i] : m;
+    return m > top;
+}
+
+static bool bad_i32(const int32_t *ids, int64_t n, uint32_t limit)
+{
+    int64_t i = 0;
+#if defined(__SSE2__)
+    /* unsigned compare through the sign flip: negative ids become huge */
+    const __m128i flip = _mm_set1_epi32(INT32_MIN);
+    const __m128i top = _mm_set1_epi32((int32_t)((limit - 1) ^ 0x80000000u));
+    __m128i acc = _mm_setzero_si128();
+    for (; i + 16 <= n; i += 16) {
+        const __m128i *p = (const __m128i *)(ids + i);
+        __m128i a = _mm_cmpgt_epi32(_mm_xor_si128(_mm_loadu_si128(p), flip), top);
+        __m128i b = _mm_cmpgt_epi32(_mm_xor_si128(_mm_loadu_si128(p + 1), flip), top);
+        __m128i c = _mm_cmpgt_epi32(_mm_xor_si128(_mm_loadu_si128(p + 2), flip), top);
+        __m128i d = _mm_cmpgt_epi32(_mm_xor_si128(_mm_loadu_si128(p + 3), flip), top);
+        acc = _mm_or_si128(acc, _mm_or_si128(_mm_or_si128(a, b), _mm_or_si128(c, d)));
+    }
+    if (_mm_movemask_epi8(acc)) return true;
+#endif
+    uint32_t m = 0;
+    for (; i < n; i++) m |= (uint32_t)ids[i] >= limit;
+    return m != 0;
+}
+
+/* Count one layer's 8 choices. The ids are read as 64-bit words, not one by one: the
+ * loop is bound by memory operations (each count is a load and a store), and this
+ * saves a load per id. */
+static inline void count8_u8(const uint8_t *p, uint32_t *c)
+{
+    uint64_t w;
+    memcpy(&w, p, 8);
+    c[w & 0xFF]++; c[(w >> 8) & 0xFF]++; c[(w >> 16) & 0xFF]++; c[(w >> 24) & 0xFF]++;
+    c[(w >> 32) & 0xFF]++; c[(w >> 40) & 0xFF]++; c[(w >> 48) & 0xFF]++; c[w >> 56]++;
+}
+
+static inline void count8_u16(const uint16_t *p, uint32_t *c)
+{
+    uint64_t w[2];
+    memcpy(w, p, 16);
+    for (int i = 0; i < 2; i++) {
+        c[w[i] & 0xFFFF]++; c[(w[i] >> 16) & 0xFFFF]++;
+        c[(w[i] >> 32) & 0xFFFF]++; c[w[i] >> 48]++;
+    }
+}
+
+static inline void count8_i32(const int32_t *p, uint32_t *c)
+{
+    /* ids are checked before counting, so they are in [0, experts) */
+    for (int i = 0; i < 8; i++) c[(uint32_t)p[i]]++;
+}
+
+/* Count the contiguous ids of `tokens` tokens: token t, layer l, choice j at
+ * ids[(t * layers + l) * k + j]. Blocks of tokens are checked before they are counted
+ * (L1-resident by then). The common top-8 has its own inner loop (count8_*). */
+#define DEFINE_COUNT_DENSE(T, NAME)                                                           \
+    static bool count_dense_##NAME(const T *ids, int64_t tokens, int32_t layers, int32_t k,  \
+                                   uint32_t experts, bool check, uint32_t *counts)            \
+    {                                                                                         \
+        const int64_t rec = (int64_t)layers * k;                                              \
+        int64_t block = CHECK_BLOCK_IDS / rec > 0 ? CHECK_BLOCK_IDS / rec : 1;               \
+        for (int64_t t0 = 0; t0 < tokens; t0 += block) {                                      \
+            int64_t n = tokens - t0 < block ? tokens - t0 : block;                            \
+            const T *p = ids + t0 * rec;                                                      \
+            if (check && bad_##NAME(p, n * rec, experts)) return false;                       \
+            if (k == 8) {                                                                     \
+                for (int64_t t = 0; t < n; t++) {                                             \
+                    uint32_t *c = counts;                                                     \
+                    for (int32_t l = 0; l < layers; l++, p += 8, c += experts) count8_##NAME(p, c); \
+                }                                                                             \
+            } else {                                                                          \
+                for (int64_t t = 0; t < n; t++) {                                             \
+                    uint32_t *c = counts;                                                     \
+                    for (int32_t l = 0; l < layers; l++, p += k, c += experts)                \
+                        for (int32_t j = 0; j < k; j++) c[p[j]]++;                            \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        return true;                                                                          \
+    }
+
+/* Count any strided view: per layer its own start (rp_routing_at), then tokens and
+ * choices by stride. k_stride 1 (choices contiguous, e.g. Megatron's per-layer
+ * [tokens, k] buffers) has its own loop. Each id is checked as it is loaded. */
+#define DEFINE_COUNT_STRIDED(T, NAME)                                                          \
+    static bool count_strided_##NAME(const scan *sc, int32_t seq, int64_t tokens,             \
+                                     uint32_t *counts)                                        \
+    {                                                                                         \
+        const rp_routing *r = sc->routing;                                                    \
+        const int64_t ts = r->token_stride, ks = r->k_stride;                                 \
+        const int32_t k = sc->top_k, layers = sc->num_layers;                                 \
+        const uint32_t experts = sc->num_experts;                                             \
+        const bool check = sc->check;                                                         \
+        if (sc->layer_outer) {                                                                \
+            for (int32_t l = 0; l < layers; l++) {                                            \
+                const T *p = rp_routing_at(r, sc->cu_seqlens, seq, l);                        \
+                uint32_t *c = counts + (size_t)l * experts;                                   \
+                for (int64_t t = 0; t < tokens; t++, p += ts)                                 \
+                    for (int32_t j = 0; j < k; j++) {                                         \
+                        uint32_t id = (uint32_t)p[ks == 1 ? j : j * ks];                      \
+                        if (check && id >= experts) return false;                             \
+                        c[id]++;                                                              \
+                    }                                                                         \
+            }                                                                                 \
+            return true;                                                                      \
+        }                                                                                     \
+        const T *p0 = rp_routing_at(r, sc->cu_seqlens, seq, 0);                               \
+        const int64_t ls = r->layer_stride;                                                   \
+        for (int64_t t = 0; t < tokens; t++, p0 += ts) {                                      \
+            const T *p = p0;                                                                  \
+            uint32_t *c = counts;                                                             \
+            for (int32_t l = 0; l < layers; l++, p += ls, c += experts)                       \
+                for (int32_t j = 0; j < k; j++) {                                             \
+                    uint32_t id = (uint32_t)p[ks == 1 ? j : j * ks];                          \
+                    if (check && id >= experts) return false;                                 \
+                    c[id]++;                                                                  \
+                }                                                                             \
+        }                                                                                     \
+        return true;                                                                          \
+    }
+
+DEFINE_COUNT_DENSE(uint8_t, u8)
+DEFINE_COUNT_DENSE(uint16_t, u16)
+DEFINE_COUNT_DENSE(int32_t, i32)
+DEFINE_COUNT_STRIDED(uint8_t, u8)
+DEFINE_COUNT_STRIDED(uint16_t, u16)
+DEFINE_COUNT_STRIDED(int32_t, i32)
+
+static bool count_seq(const scan *sc, int32_t seq, int64_t tokens, uint32_t *counts)
+{
+    const rp_routing *r = sc->routing;
+    if (sc->dense) {
+        const void *ids = rp_routing_at(r, sc->cu_seqlens, seq, 0);
+        switch (r->width) {
+        case RP_ID_U8:
+            return count_dense_u8(ids, tokens, sc->num_layers, sc->top_k, sc->num_experts,
+                                  sc->check, counts);
+        case RP_ID_U16:
+            return count_dense_u16(ids, tokens, sc->num_layers, sc->top_k, sc->num_experts,
+                                   sc->check, counts);
+        default:
+            return count_dense_i32(ids, tokens, sc->num_layers, sc->top_k, sc->num_experts,
+                                   sc->check, counts);
+        }
+    }
+    switch (r->width) {
+    case RP_ID_U8: return count_strided_u8(sc, seq, tokens, counts);
+    case RP_ID_U16: return count_strided_u16(sc, seq, tokens, counts);
+    default: return count_strided_i32(sc, seq, tokens, counts);
+    }
+}
+
+static int width_for(uint32_t max_count)
+{
+    return max_count == 0 ? 0 : max_count <= UINT8_MAX ? 1 : max_count <= UINT16_MAX ? 2 : 4;
+}
+
+/* Bytes per count reserved for a sequence before its counts are known: enough for
+ * len * k, the most any count can reach. */
+static int stage_width(int64_t len, int32_t top_k)
+{
+    return len == 0 ? 0 : width_for((uint32_t)(len * top_k));
+}
+
+/* Narrow n counts into `width` bytes each. */
+static void store_counts(const uint32_t *counts, size_t n, int width, unsigned char *out)
+{
+    switch (width) {
+    case 1:
+        for (size_t i = 0; i < n; i++) out[i] = (uint8_t)counts[i];
+        break;
+    case 2: {
+        uint16_t *o = (uint16_t *)out;
+        for (size_t i = 0; i < n; i++) o[i] = (uint16_t)counts[i];
+        break;
+    }
+    case 4: memcpy(out, counts, n * sizeof *counts); break;
+    default: break;
+    }
+}
+
+static void *work(void *arg)
+{
+    worker *w = arg;
+    const scan *sc = w->sc;
+    const size_t cells = (size_t)sc->num_layers * sc->num_experts;
+    for (int32_t s = w->seq_begin; s < w->seq_end; s++) {
+        /* a lower sequence already failed: nothing this worker finds can be reported */
+        if (atomic_load_explicit((atomic_int *)&sc->first_bad, memory_order_relaxed) < s) break;
+        int64_t len = sc->cu_seqlens[s + 1] - sc->cu_seqlens[s];
+        if (len == 0) {
+            sc->width[s] = 0;
+            continue;
+        }
+        memset(w->counts, 0, cells * sizeof *w->counts);
+        if (!count_seq(sc, s, len, w->counts)) {
+            w->bad_seq = s;
+            int cur = atomic_load_explicit((atomic_int *)&sc->first_bad, memory_order_relaxed);
+            while (s < cur && !atomic_compare_exchange_weak((atomic_int *)&sc->first_bad, &cur, s)) {
+            }
+            break;
+        }
+        uint32_t max = 0;
+        for (size_t i = 0; i < cells; i++) {
+            max = w->counts[i] > max ? w->counts[i] : max;
+            w->load[i] += w->counts[i];
+        }
+        int width = width_for(max);
+        /* stored at its final width inside the staged slot; compaction moves it down */
+        store_counts(w->counts, cells, width, sc->hist + sc->stage_offset[s]);
+        sc->width[s] = (uint8_t)width;
+    }
+    return NULL;
+}
+
+/* The first bad id of a sequence in rp_routing_check's order (layer, token, choice),
+ * so the report does not depend on the layout or the thread count. */
+static rp_status report_bad(const rp_routing *r, const int64_t *cu, int32_t seq,
+                            int32_t num_experts, rp_error *err)
+{
+    int64_t len = cu[seq + 1] - cu[seq];
+    for (int32_t l = 0; l < r->num_layers; l++) {
+        const void *at = rp_routing_at(r, cu, seq, l);
+        for (int64_t t = 0; t < len; t++)
+            for (int32_t j = 0; j < r->top_k; j++) {
+                int32_t id = rp_id_load(at, r->width, t * r->token_stride + j * r->k_stride);
+                if (id < 0 || id >= num_experts) {
+                    rp_fail(err, RP_ERANGE,
+                            "routing: sequence %d token %lld layer %d choice %d has expert id %d, "
+                            "but the model has %d experts",
+                            seq, (long long)t, l, j, id, num_experts);
+                    if (err) err->sequence = seq, err->expert = id;
+                    return RP_ERANGE;
+                }
+            }
+    }
+    return rp_fail(err, RP_ERANGE, "routing: sequence %d has an expert id out of range", seq);
+}
+
+static int32_t pick_threads(int32_t requested, int32_t num_seqs, int64_t num_ids)
+{
+    int64_t n = requested;
+    if (n <= 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        n = cpus < 1 ? 1 : cpus > MAX_AUTO_THREADS ? MAX_AUTO_THREADS : cpus;
+        int64_t by_work = num_ids / MIN_IDS_PER_THREAD;
+        if (n > by_work) n = by_work;
+    }
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    if (n > num_seqs) n = num_seqs;
+    return n < 1 ? 1 : (int32_t)n;
+}
+
+/* First sequence of worker i's share: sequences are split so that each worker gets an
+ * equal share of ids to count plus a fixed cost per sequence (clearing and storing its
+ * histograms), not an equal number of sequences. */
+static int32_t split_point(const int64_t *cu, int32_t num_seqs, int64_t ids_per_token,
+                           int64_t cells, int64_t i, int64_t parts)
+{
+    __int128 total = (__int128)cu[num_seqs] * ids_per_token + (__int128)num_seqs * cells;
+    __int128 goal = total * i / parts;
+    int32_t lo = 0, hi = num_seqs; /* first s with weight(s) >= goal */
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        __int128 wmid = (__int128)cu[mid] * ids_per_token + (__int128)mid * cells;
+        if (wmid < goal) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+void rp_stats_free(rp_stats *stats)
+{
+    if (!stats) return;
+    rp_context *ctx = stats->ctx;
+    rp_free(ctx, stats->expert_load);
+    rp_free(ctx, stats->width);
+    rp_free(ctx, stats->offset);
+    rp_free(ctx, stats->hist);
+    rp_free(ctx, stats);
+}
+
+rp_status rp_stats_compute(rp_context *ctx, const rp_batch *batch, const rp_routing *routing,
+                           int32_t num_experts, int32_t num_threads, rp_stats **out,
+                           rp_error *err)
+{
+    rp_status st = rp_routing_check_shape(routing, batch, num_experts, err);
+    if (st != RP_OK) return st;
+
+    const int32_t n = rp_batch_num_seqs(batch);
+    const int32_t layers = routing->num_layers, k = routing->top_k;
+    const int64_t *cu = rp_batch_cu_seqlens(batch);
+    const int64_t tokens = rp_batch_num_tokens(batch);
+    const size_t cells = (size_t)layers * (size_t)num_experts;
+
+    /* Sizes: the largest element index the view can reach, and the staged histograms. */
+    int64_t last, tmp;
+    if (tokens > 0 &&
+        (rp_mul_overflow(tokens - 1, routing->token_stride, &last) ||
+         rp_mul_overflow((int64_t)layers - 1, routing->layer_stride, &tmp) ||
+         rp_add_overflow(last, tmp, &last) ||
+         rp_mul_overflow((int64_t)k - 1, routing->k_stride, &tmp) ||
+         rp_add_overflow(last, tmp, &last) || rp_mul_overflow(last, 4, &tmp)))
+        return rp_fail(err, RP_ERANGE, "routing: strides overflow a 64-bit index");
+    int64_t num_ids;
+    if (rp_mul_overflow(tokens, (int64_t)layers * k, &num_ids))
+        return rp_fail(err, RP_ERANGE, "routing: %lld tokens x %d layers x top-%d overflows",
+                       (long long)tokens, layers, k);
+    int64_t stage_bytes = 0;
+    for (int32_t s = 0; s < n; s++) {
+        int64_t len = cu[s + 1] - cu[s], b;
+        if (len * k > (int64_t)UINT32_MAX) {
+            rp_fail(err, RP_ERANGE,
+                    "stats: sequence %d has %lld tokens x top-%d choices, more than a 32-bit count holds",
+                    s, (long long)len, k);
+            if (err) err->sequence = s;
+            return RP_ERANGE;
+        }
+        if (rp_mul_overflow((int64_t)cells, stage_width(len, k), &b) ||
+            rp_add_overflow(stage_bytes, b, &stage_bytes) || (uint64_t)stage_bytes > SIZE_MAX / 2)
+            return rp_fail(err, RP_ERANGE, "stats: the histograms of %d sequences overflow memory", n);
+    }
+
+    if (cells > SIZE_MAX / (16 * (size_t)MAX_THREADS))
+        return rp_fail(err, RP_ERANGE, "stats: %d layers x %d experts overflow memory", layers,
+                       num_experts);
+    const int32_t nthreads = pick_threads(num_threads, n, num_ids);
+    rp_stats *stats = rp_calloc(ctx, 1, sizeof *stats);
+    unsigned char *scratch = NULL;
+    if (!stats) return rp_fail_nomem(err, "routing statistics");
+    stats->ctx = ctx;
+    stats->num_seqs = n;
+    stats->num_layers = layers;
+    stats->num_experts = num_experts;
+    stats->top_k = k;
+    stats->num_tokens = tokens;
+    stats->expert_load = rp_calloc(ctx, cells, sizeof(int64_t));
+    stats->width = rp_alloc(ctx, (size_t)n + 1);
+    stats->offset = rp_alloc(ctx, ((size_t)n + 1) * sizeof(uint64_t));
+    stats->hist = rp_alloc(ctx, (size_t)stage_bytes);
+    /* Per worker: partial loads and counts, each padded to whole cache lines so that
+     * workers never write to a line another one writes; then the worker records and
+     * thread ids. The block is aligned to a line by hand (the hook only promises 16). */
+    size_t loads_stride = (cells * sizeof(int64_t) + 2 * LINE - 1) / LINE * LINE;
+    size_t counts_stride = (cells * sizeof(uint32_t) + 2 * LINE - 1) / LINE * LINE;
+    size_t workers_bytes = ((size_t)nthreads * sizeof(worker) + LINE - 1) / LINE * LINE;
+    size_t per_worker_bytes = loads_stride + counts_stride;
+    scratch = rp_alloc(ctx, LINE + (size_t)nthreads * per_worker_bytes + workers_bytes +
+                                (size_t)nthreads * sizeof(pthread_t));
+    if (!stats->expert_load || !stats->width || !stats->offset || !stats->hist || !scratch) {
+        st = rp_fail_nomem(err, "routing statistics");
+        goto out;
+    }
+
+    stats->offset[0] = 0;
+    for (int32_t s = 0; s < n; s++)
+        stats->offset[s + 1] = stats->offset[s] + cells * (size_t)stage_width(cu[s + 1] - cu[s], k);
+
+    scan sc = {
+        .routing = routing,
+        .cu_seqlens = cu,
+        .num_layers = layers,
+        .top_k = k,
+        .num_experts = (uint32_t)num_experts,
+        .dense = routing->k_stride == 1 && routing->layer_stride == k &&
+                 routing->token_stride == (int64_t)layers * k &&
+                 (routing->layout == RP_ROUTING_PACKED || routing->layout == RP_ROUTING_PER_SEQ),
+        .layer_outer = routing->layout == RP_ROUTING_PER_LAYER ||
+                       routing->layer_stride > routing->token_stride,
+        .check = rp_id_width_capacity(routing->width) > num_experts || routing->width == RP_ID_I32,
+        .stage_offset = stats->offset,
+        .hist = stats->hist,
+        .width = stats->width,
+    };
+    atomic_init(&sc.first_bad, INT_MAX);
+
+    unsigned char *aligned = scratch + (LINE - (uintptr_t)scratch % LINE) % LINE;
+    worker *workers = (worker *)(aligned + (size_t)nthreads * per_worker_bytes);
+    pthread_t *threads = (pthread_t *)((unsigned char *)workers + workers_bytes);
+    bool threads_ok[MAX_THREADS];
+    for (int32_t i = 0; i < nthreads; i++) {
+        memset(aligned + (size_t)i * per_worker_bytes, 0, loads_stride);
+        workers[i] = (worker){
+            .sc = &sc,
+            .seq_begin = split_point(cu, n, (int64_t)layers * k, (int64_t)cells, i, nthreads),
+            .seq_end = split_point(cu, n, (int64_t)layers * k, (int64_t)cells, i + 1, nthreads),
+            .load = (int64_t *)(aligned + (size_t)i * per_worker_bytes),
+            .counts = (uint32_t *)(aligned + (size_t)i * per_worker_bytes + loads_stride),
+            .bad_seq = -1,
+        };
+    }
+    /* Worker 0 runs in the calling thread; a thread that cannot be started has its
+     * share run here too, so the result never depends on how many threads ran. */
+    for (int32_t i = 1; i < nthreads; i++)
+        threads_ok[i] = pthread_create(&threads[i], NULL, work, &workers[i]) == 0;
+    work(&workers[0]);
+    for (int32_t i = 1; i < nthreads; i++) {
+        if (threads_ok[i]) pthread_join(threads[i], NULL);
+        else work(&workers[i]);
+    }
+
+    for (int32_t i = 0; i < nthreads; i++)
+        if (workers[i].bad_seq >= 0) {
+            st = report_bad(routing, cu, workers[i].bad_seq, num_experts, err);
+            goto out;
+        }
+
+    for (int32_t i = 0; i < nthreads; i++) {
+        const int64_t *l = workers[i].load;
+        for (size_t c = 0; c < cells; c++) stats->expert_load[c] += l[c];
+    }
+
+    /* Compact in place: each sequence moves down to its final offset. A sequence's
+     * final block is never larger than its staged one, so moving them in order never
+     * overwrites a block not yet moved. */
+    uint64_t pos = 0;
+    for (int32_t s = 0; s < n; s++) {
+        uint64_t from = stats->offset[s];
+        size_t size = cells * stats->width[s];
+        if (size && pos != from) memmove(stats->hist + pos, stats->hist + from, size);
+        stats->offset[s] = pos;
+        pos += size;
+    }
+    stats->offset[n] = pos;
+    size_t hist_bytes = (size_t)stage_bytes;
+    if (pos < hist_bytes) {
+        /* a failed shrink only costs memory: keep the larger block */
+        unsigned char *shrunk = rp_realloc(ctx, stats->hist, pos);
+        if (shrunk) stats->hist = shrunk, hist_bytes = pos;
+    }
+    stats->bytes = sizeof *stats + cells * sizeof(int64_t) + ((size_t)n + 1) +
+                   ((size_t)n + 1) * sizeof(uint64_t) + hist_bytes;
+    *out = stats;
+    stats = NULL;
+out:
+    rp_free(ctx, scratch);
+    rp_stats_free(stats);
+    return st;
+}
+
+/* ---- access ------------------------------------------------------------------ */
+
+int32_t rp_stats_num_seqs(const rp_stats *stats) { return stats->num_seqs; }
+int32_t rp_stats_num_layers(const rp_stats *stats) { return stats->num_layers; }
+int32_t rp_stats_num_experts(const rp_stats *stats) { return stats->num_experts; }
+size_t rp_stats_bytes(const rp_stats *stats) { return stats->bytes; }
+
+const int64_t *rp_stats_expert_load(const rp_stats *stats, int32_t layer)
+{
+    if (layer < 0 || layer >= stats->num_layers) return NULL;
+    return stats->expert_load + (size_t)layer * stats->num_experts;
+}
+
+/* Start of (seq, layer) and its width; width 0 for all-zero or out-of-range requests. */
+static const unsigned char *seq_row(const rp_stats *stats, int32_t seq, int32_t layer, int *width)
+{
+    *width = 0;
+    if (seq < 0 || seq >= stats->num_seqs || layer < 0 || layer >= stats->num_layers) return NULL;
+    *width = stats->width[seq];
+    return stats->hist + stats->offset[seq] + (size_t)layer * stats->num_experts * *width;
+}
+
+void rp_stats_seq_hist(const rp_stats *stats, int32_t seq, int32_t layer, uint32_t *counts)
+{
+    int width;
+    const unsigned char *row = seq_row(stats, seq, layer, &width);
+    const int32_t e = stats->num_experts;
+    switch (width) {
+    case 1:
+        for (int32_t i = 0; i < e; i++) counts[i] = row[i];
+        break;
+    case 2: {
+        const uint16_t *r = (const uint16_t *)row;
+        for (int32_t i = 0; i < e; i++) counts[i] = r[i];
+        break;
+    }
+    case 4: memcpy(counts, row, (size_t)e * sizeof *counts); break;
+    default: memset(counts, 0, (size_t)e * sizeof *counts); break;
+    }
+}
+
+uint32_t rp_stats_seq_count(const rp_stats *stats, int32_t seq, int32_t layer, int32_t expert)
+{
+    int width;
+    const unsigned char *row = seq_row(stats, seq, layer, &width);
+    if (expert < 0 || expert >= stats->num_experts) return 0;
+    switch (width) {
+    case 1: return row[expert];
+    case 2: return ((const uint16_t *)row)[expert];
+    case 4: return ((const uint32_t *)row)[expert];
+    default: return 0;
+    }
+}
+
+/* ---- loads of a packing and of a placement ----------------------------------- */
+
+rp_status rp_stats_microbatch_loads(const rp_stats *stats, const int32_t *seq_microbatch,
+                                    int32_t num_microbatches, int64_t *loads, rp_error *err)
+{
+    const int32_t n = stats->num_seqs;
+    if (num_microbatches < 0)
+        return rp_fail(err, RP_EINVAL, "microbatch loads: %d microbatches, must be >= 0",
+                       num_microbatches);
+    if ((n > 0 && !seq_microbatch) || (num_microbatches > 0 && !loads))
+        return rp_fail(err, RP_EINVAL, "microbatch loads: missing sequence map or output array");
+    for (int32_t s = 0; s < n; s++) {
+        int32_t mb = seq_microbatch[s];
+        if (mb < -1 || mb >= num_microbatches) {
+            rp_fail(err, RP_EINVAL,
+                    "microbatch loads: sequence %d is in microbatch %d, but there are %d "
+                    "microbatches (-1 means not packed)", s, mb, num_microbatches);
+            if (err) err->sequence = s;
+            return RP_EINVAL;
+        }
+    }
+    const size_t cells = (size_t)stats->num_layers * stats->num_experts;
+    if (num_microbatches > 0) memset(loads, 0, (size_t)num_microbatches * cells * sizeof *loads);
+    for (int32_t s = 0; s < n; s++) {
+        int32_t mb = seq_microbatch[s];
+        if (mb < 0) continue;
+        int64_t *row = loads + (size_t)mb * cells;
+        const unsigned char *h = stats->hist + stats->offset[s];
+        switch (stats->width[s]) {
+        case 1:
+            for (size_t c = 0; c < cells; c++) row[c] += h[c];
+            break;
+        case 2: {
+            const uint16_t *p = (const uint16_t *)h;
+            for (size_t c = 0; c < cells; c++) row[c] += p[c];
+            break;
+        }
+        case 4: {
+            const uint32_t *p = (const uint32_t *)h;
+            for (size_t c = 0; c < cells; c++) row[c] += p[c];
+            break;
+        }
+        default: break;
+        }
+    }
+    return RP_OK;
+}
+
+/* Experts are handled in windows of this many ids, so replica counts fit on the stack
+ * (this function has no context to allocate from) whatever the expert count. */
+#define EXPERT_WINDOW 1024
+
+rp_status rp_loads_per_gpu(const int64_t *expert_load, int32_t num_experts,
+                           const int32_t *phy2log, const int32_t *gpu_slot_begin,
+                           int32_t num_gpus, int64_t *gpu_load, rp_error *err)
+{
+    if (num_experts < 1 || num_gpus < 1)
+        return rp_fail(err, RP_EINVAL, "per-GPU loads: %d experts and %d GPUs, both must be >= 1",
+                       num_experts, num_gpus);
+    if (!expert_load || !phy2log || !gpu_slot_begin || !gpu_load)
+        return rp_fail(err, RP_EINVAL, "per-GPU loads: missing input or output array");
+    if (gpu_slot_begin[0] != 0)
+        return rp_fail(err, RP_EINVAL, "per-GPU loads: gpu_slot_begin[0] is %d, must be 0",
+                       gpu_slot_begin[0]);
+    for (int32_t g = 0; g < num_gpus; g++)
+        if (gpu_slot_begin[g + 1] < gpu_slot_begin[g])
+            return rp_fail(err, RP_EINVAL,
+                           "per-GPU loads: GPU %d has slots [%d, %d), which run backwards", g,
+                           gpu_slot_begin[g], gpu_slot_begin[g + 1]);
+    const int32_t slots = gpu_slot_begin[num_gpus];
+    for (int32_t p = 0; p < slots; p++)
+        if (phy2log[p] < 0 || phy2log[p] >= num_experts) {
+            rp_fail(err, RP_ERANGE, "per-GPU loads: slot %d holds expert id %d, but there are %d experts",
+                    p, phy2log[p], num_experts);
+            if (err) err->expert = phy2log[p];
+            return RP_ERANGE;
+        }
+    for (int32_t e = 0; e < num_experts; e++)
+        if (expert_load[e] < 0) {
+            rp_fail(err, RP_EINVAL, "per-GPU loads: expert %d has a negative load %lld", e,
+                    (long long)expert_load[e]);
+            if (err) err->expert = e;
+            return RP_EINVAL;
+        }
+
+    int32_t replicas[EXPERT_WINDOW], seen[EXPERT_WINDOW];
+    /* validate every window before writing anything */
+    for (int32_t e0 = 0; e0 < num_experts; e0 += EXPERT_WINDOW) {
+        int32_t w = num_experts - e0 < EXPERT_WINDOW ? num_experts - e0 : EXPERT_WINDOW;
+        memset(replicas, 0, (size_t)w * sizeof *replicas);
+        for (int32_t p = 0; p < slots; p++)
+            if (phy2log[p] >= e0 && phy2log[p] < e0 + w) replicas[phy2log[p] - e0]++;
+        for (int32_t i = 0; i < w; i++)
+            if (replicas[i] == 0) {
+                rp_fail(err, RP_EINVAL, "per-GPU loads: expert %d has no replica in the %d slots",
+                        e0 + i, slots);
+                if (err) err->expert = e0 + i;
+                return RP_EINVAL;
+            }
+    }
+    memset(gpu_load, 0, (size_t)num_gpus * sizeof *gpu_load);
+    for (int32_t e0 = 0; e0 < num_experts; e0 += EXPERT_WINDOW) {
+        int32_t w = num_experts - e0 < EXPERT_WINDOW ? num_experts - e0 : EXPERT_WINDOW;
+        memset(replicas, 0, (size_t)w * sizeof *replicas);
+        memset(seen, 0, (size_t)w * sizeof *seen);
+        for (int32_t p = 0; p < slots; p++)
+            if (phy2log[p] >= e0 && phy2log[p] < e0 + w) replicas[phy2log[p] - e0]++;
+        for (int32_t g = 0; g < num_gpus; g++)
+            for (int32_t p = gpu_slot_begin[g]; p < gpu_slot_begin[g + 1]; p++) {
+                int32_t e = phy2log[p];
+                if (e < e0 || e >= e0 + w) continue;
+                int64_t load = expert_load[e], r = replicas[e - e0];
+                /* replica i (in slot order) gets load / r, plus one of the remainder
+                 * if i < load % r */
+                gpu_load[g] += load / r + (seen[e - e0]++ < load % r ? 1 : 0);
+            }
+    }
+    return RP_OK;
+}
+
+/* ---- skew -------------------------------------------------------------------- */
+
+rp_skew rp_skew_of(const int64_t *values, int32_t n)
+{
+    rp_skew k = {0, 0, 0, 0, 0, -1};
+    if (n <= 0 || !values) return k;
+    long double sum = 0;
+    int64_t min = values[0];
+    k.max = values[0];
+    k.argmax = 0;
+    for (int32_t i = 0; i < n; i++) {
+        sum += values[i];
+        if (values[i] > k.max) k.max = values[i], k.argmax = i;
+        if (values[i] < min) min = values[i];
+    }
+    long double mean = sum / n, var = 0;
+    for (int32_t i = 0; i < n; i++) {
+        long double d = values[i] - mean;
+        var += d * d;
+    }
+    k.mean = (double)mean;
+    if (mean == 0) {
+        /* an all-zero vector is perfectly even */
+        k.max_over_mean = k.min_over_mean = k.max == 0 && min == 0 ? 1.0 : 0.0;
+        return k;
+    }
+    k.cv = (double)(sqrtl(var / n) / mean);
+    k.max_over_mean = (double)(k.max / mean);
+    k.min_over_mean = (double)(min / mean);
+    return k;
+}
