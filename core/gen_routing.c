@@ -5,7 +5,6 @@
 
 #include <math.h>
 #include <pthread.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -26,9 +25,6 @@ typedef struct ranked {
 /* Alias-table entries a worker may spend on suffix tables (see pl_draw). */
 #define SUFFIX_BUDGET ((size_t)1 << 22)
 
-#ifdef GEN_COUNT
-long gen_count_draws, gen_count_fallback, gen_count_picks;
-#endif
 
 typedef struct worker {
     const gen_step_job *job;
@@ -63,14 +59,8 @@ static inline int32_t pl_draw(const uint32_t *stamp, uint32_t mark, const uint64
     const uint64_t *tp = table + (size_t)p * ne;
     for (int tries = 0; tries < MAX_REJECTIONS; tries++) {
         uint32_t e = gen_alias_draw(tp, ne - p, gen_next(rng));
-#ifdef GEN_COUNT
-        gen_count_draws++;
-#endif
         if (stamp[e] != mark) return (int32_t)e;
     }
-#ifdef GEN_COUNT
-    gen_count_fallback++;
-#endif
     double rest = 0;
     for (uint32_t e = 0; e < ne; e++)
         if (stamp[e] != mark) rest += weight[e];
@@ -119,11 +109,39 @@ static inline void ids_put(char *at, rp_id_width width, const int32_t *ids, int3
     }
 }
 
-static int by_weight_desc(const void *a, const void *b)
+/* Whether a comes before b: larger weight first, then smaller id (a total order, so
+ * the result does not depend on the sort). */
+static inline bool ranks_before(const ranked *a, const ranked *b)
 {
-    const ranked *x = a, *y = b;
-    if (x->weight != y->weight) return x->weight < y->weight ? 1 : -1;
-    return x->expert < y->expert ? -1 : x->expert > y->expert;
+    return a->weight > b->weight || (a->weight == b->weight && a->expert < b->expert);
+}
+
+/* Heapsort: in place, O(n log n), and no allocation (qsort may call malloc behind the
+ * context's allocator). */
+static void sort_ranked(ranked *a, uint32_t n)
+{
+    for (uint32_t end = n, start = n / 2; end > 1;) {
+        uint32_t root;
+        if (start > 0) {
+            root = --start;
+        } else {
+            ranked t = a[0];
+            a[0] = a[--end];
+            a[end] = t;
+            root = 0;
+        }
+        /* sift down: the heap's top is the element that sorts last */
+        for (;;) {
+            uint32_t child = 2 * root + 1;
+            if (child >= end) break;
+            if (child + 1 < end && ranks_before(&a[child], &a[child + 1])) child++;
+            if (!ranks_before(&a[root], &a[child])) break;
+            ranked t = a[root];
+            a[root] = a[child];
+            a[child] = t;
+            root = child;
+        }
+    }
 }
 
 /* Draw the preferences of one group: per layer, Dirichlet(alpha) by normalized gamma
@@ -152,7 +170,7 @@ static void draw_preferences(worker *w, const double *alpha, gen_rng *rng)
             rank[e].weight = wt[e];
             rank[e].expert = e;
         }
-        qsort(rank, ne, sizeof *rank, by_weight_desc);
+        sort_ranked(rank, ne);
         uint16_t *order = w->order + (size_t)l * ne;
         for (uint32_t e = 0; e < ne; e++) {
             order[e] = (uint16_t)rank[e].expert;
@@ -204,9 +222,26 @@ static void gen_tokens(worker *w, const gen_domain *dom, gen_rng *stream, int64_
             }
             mark = next_mark(stamp, mark, ne);
             uint32_t p = 0;
+            if (!cp) {
+                /* no coupling: the first pick cannot collide */
+                int32_t e = (int32_t)gen_alias_draw(table, ne, gen_next(rng));
+                stamp[e] = mark;
+                ids[0] = e;
+                if (order[0] == (uint32_t)e)
+                    while (p < last_suffix && stamp[order[p]] == mark) p++;
+                for (int32_t j = 1; j < k; j++) {
+                    e = pl_draw(stamp, mark, table, weight, ne, p, rng);
+                    stamp[e] = mark;
+                    ids[j] = e;
+                    if (order[p] == (uint32_t)e)
+                        while (p < last_suffix && stamp[order[p]] == mark) p++;
+                }
+                ids_put(dst, width, ids, k);
+                continue;
+            }
             for (int32_t j = 0; j < k; j++) {
                 int32_t e = -1;
-                if (cp && gen_next(rng) < corr_thr) {
+                if (gen_next(rng) < corr_thr) {
                     /* the j-th choice follows the j-th choice of the layer before */
                     size_t from = (size_t)inv_prev[id_get(dst - k_bytes, width, j)] * ne;
                     for (int tries = 0; tries < COUPLING_TRIES; tries++) {
@@ -215,9 +250,6 @@ static void gen_tokens(worker *w, const gen_domain *dom, gen_rng *stream, int64_
                         e = -1;
                     }
                 }
-#ifdef GEN_COUNT
-                gen_count_picks++;
-#endif
                 if (e < 0) e = pl_draw(stamp, mark, table, weight, ne, p, rng);
                 stamp[e] = mark;
                 ids[j] = e;

@@ -12,7 +12,7 @@
 #define JPATH 256
 
 /* Defaults that are not read from data (each is justified in docs/gen.md). */
-#define DEFAULT_CONCENTRATION 16.0
+#define DEFAULT_CONCENTRATION 8.0
 #define DEFAULT_LOCALITY 0.1
 #define DEFAULT_LAYER_CORRELATION 0.5
 #define DEFAULT_DRIFT 0.02
@@ -245,15 +245,15 @@ static rp_status parse_experts(parser *p, json_t *root, gen_settings *s)
 
 static rp_status parse_root(parser *p, gen_settings *s)
 {
-    static const char *const keys[] = {"description", "seed", "steps", "num_prompts", "group_size", "id_width",
+    static const char *const keys[] = {"comment", "seed", "steps", "num_prompts", "group_size", "id_width",
                                        "threads", "model", "experts", "lengths", NULL};
     static const char *const model_keys[] = {"num_layers", "num_experts", "top_k", NULL};
     json_t *root = p->doc.root, *model;
     rp_status st;
     int64_t seed;
-    const char *description;
+    const char *comment;
     if ((st = rp_jdoc_check_keys(&p->doc, root, "", keys, p->err)) != RP_OK ||
-        (st = rp_jdoc_str(&p->doc, root, "", "description", false, "", &description, p->err)) != RP_OK ||
+        (st = rp_jdoc_str(&p->doc, root, "", "comment", false, "", &comment, p->err)) != RP_OK ||
         (st = rp_jdoc_int(&p->doc, root, "", "seed", false, 0, 0, INT64_MAX, &seed, p->err)) != RP_OK ||
         (st = get_i32(p, root, "", "steps", false, 1, 1, GEN_MAX_STEPS, &s->steps)) != RP_OK ||
         (st = get_i32(p, root, "", "num_prompts", true, 0, 1, GEN_MAX_PROMPTS, &s->num_prompts)) != RP_OK ||

@@ -280,8 +280,6 @@ void rp_sandbox_check_c_stack(lua_State *L)
 
 /* ---- allocator ---------------------------------------------------------------------- */
 
-/* Counts live bytes and refuses growth past the cap; frees and shrinks always pass.
- * A refusal is remembered, so a policy that catches "not enough memory" still fails. */
 static bool in_boot_arena(const rp_sandbox *sb, const void *p)
 {
     return sb->boot_arena && (const char *)p >= sb->boot_arena &&
@@ -297,6 +295,8 @@ static void *boot_arena_take(rp_sandbox *sb, size_t size)
     return sb->boot_arena + at;
 }
 
+/* Counts live bytes and refuses growth past the cap; frees and shrinks always pass.
+ * A refusal is remembered, so a policy that catches "not enough memory" still fails. */
 static void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
 {
     rp_sandbox *sb = ud;
@@ -718,12 +718,29 @@ static int sb_tinsert(lua_State *L)
     return 0;
 }
 
+static int error_at_caller(lua_State *L, const char *message)
+{
+    luaL_where(L, 2); /* level 1 is the prelude wrapper */
+    lua_pushstring(L, message);
+    lua_concat(L, 2);
+    return lua_error(L);
+}
+
+/* "bad argument" for a function the policy called through a prelude wrapper. */
+static int wrapper_argerror(lua_State *L, int arg, const char *fname, const char *expected)
+{
+    lua_pushfstring(L, "bad argument #%d to '%s' (%s expected, got %s)", arg, fname, expected,
+                    luaL_typename(L, arg));
+    return error_at_caller(L, lua_tostring(L, -1));
+}
+
 /* Checks for the prelude's sort before LuaJIT's (C) sort runs: argument types, the C
  * stack (a comparator may sort again) and the n*log2(n) charge for the C work. */
 static int sb_sort_check(lua_State *L)
 {
-    luaL_checktype(L, 1, LUA_TTABLE);
-    if (!lua_isnoneornil(L, 2)) luaL_checktype(L, 2, LUA_TFUNCTION);
+    if (lua_type(L, 1) != LUA_TTABLE) return wrapper_argerror(L, 1, "sort", "table");
+    if (!lua_isnoneornil(L, 2) && lua_type(L, 2) != LUA_TFUNCTION)
+        return wrapper_argerror(L, 2, "sort", "function");
     rp_sandbox_check_c_stack(L);
     int64_t n = (int64_t)lua_objlen(L, 1);
     rp_sandbox_charge(L, n + sort_cost(n));
@@ -745,14 +762,6 @@ static int xpcall_handler(lua_State *L)
     lua_insert(L, 1);
     lua_call(L, 1, 1);
     return 1;
-}
-
-static int error_at_caller(lua_State *L, const char *message)
-{
-    luaL_where(L, 2); /* level 1 is the prelude wrapper */
-    lua_pushstring(L, message);
-    lua_concat(L, 2);
-    return lua_error(L);
 }
 
 static int sb_handler_for(lua_State *L)
