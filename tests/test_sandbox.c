@@ -54,12 +54,14 @@ static const char *status_name(rp_status st)
 /* Run `src` as a policy chunk; "value" for a result, "STATUS: message" for a failure.
  * Converting the result allocates nothing (numbers are formatted in C). */
 static char eval_buf[1024];
-static const char *eval(rp_sandbox *sb, const char *src)
+static rp_status eval_status;
+static const char *eval_n(rp_sandbox *sb, const char *src, size_t len)
 {
     lua_State *L = rp_sandbox_state(sb);
     int top = lua_gettop(L);
     rp_error err;
-    rp_status st = rp_sandbox_load_text(sb, src, strlen(src), "policy.lua", &err);
+    rp_status st = rp_sandbox_load_text(sb, src, len, "policy.lua", &err);
+    eval_status = st;
     if (st != RP_OK) {
         snprintf(eval_buf, sizeof eval_buf, "%s: %s", status_name(st), err.text);
         if (lua_gettop(L) != top) snprintf(eval_buf, sizeof eval_buf, "stack left unbalanced");
@@ -74,6 +76,8 @@ static const char *eval(rp_sandbox *sb, const char *src)
     lua_settop(L, top);
     return eval_buf;
 }
+
+static const char *eval(rp_sandbox *sb, const char *src) { return eval_n(sb, src, strlen(src)); }
 
 /* Limits for a test: 0 keeps the default, except the wall-time limit, which is 60 s so
  * that no test depends on the speed of the machine (or of a sanitizer). */
@@ -402,7 +406,7 @@ static void test_hostile(void)
     hostile(sb, "xpcall handlers in an endless loop",
             "while true do xpcall(function() while true do end end, function(e) while true do end end) end",
             "ELIMIT: policy exceeded the instruction limit");
-    hostile(sb, "a limit error rethrown by a handler", 
+    hostile(sb, "a caught limit error rethrown by the policy",
             "local ok, e = pcall(function() while true do end end) error(e)",
             "ELIMIT: policy exceeded the instruction limit");
     is_str(eval(sb, "local ok, e = xpcall(function() error('first') end, function(m) error('second') end) "
@@ -415,7 +419,7 @@ static void test_hostile(void)
     like(eval(sb, "local ok = xpcall(function() end, 42) return ok"),
          "EPOLICY: policy.lua:1: bad argument #2 to 'xpcall' (function expected, got number)",
          "xpcall checks its handler");
-    hostile(sb, "a loop in a loop-hosting metamethod",
+    hostile(sb, "a loop inside an __index metamethod",
             "local t = setmetatable({}, {__index = function() while true do end end}) return t.x",
             "ELIMIT: policy exceeded the instruction limit");
     hostile(sb, "a loop inside a sort comparator",
@@ -469,7 +473,7 @@ static void test_hostile(void)
             "too many results to unpack");
     hostile(sb, "string.byte of a long slice", "return string.byte(string.rep('x', 1e5), 1, -1)",
             "string slice too long");
-    hostile(sb, "a chunk returning more values than the stack holds",
+    hostile(sb, "deep returns: a recursion returning ever more values",
             "local function many(n) if n == 0 then return end return n, many(n - 1) end return many(1e5)",
             "ELIMIT: policy exceeded the call depth limit of 200");
     rp_sandbox_free(sb);
@@ -940,6 +944,30 @@ static void test_string_functions(void)
         "string.byte('abc', 1, -1)",
         "string.char(72, 105)",
         "#'abc' == string.len('abc')",
+        "(function() local t = {5, 2, 8, 1} table.sort(t) return table.concat(t, ',') end)()",
+        "(function() local t = {5, 2, 8, 1} table.sort(t, function(a, b) return a > b end) "
+        "return table.concat(t, ',') end)()",
+        "(function() local t = {'b', 'a', 'c'} table.sort(t, nil) return table.concat(t) end)()",
+        "table.sort(nil)",
+        "table.sort({}, 5)",
+        "table.sort({1, 'x'})",
+        "table.sort({3, 1, 2}, function(a, b) return true end)",
+        "table.insert(nil, 1)",
+        "table.insert({}, 1, 2, 3)",
+        "table.insert({})",
+        "(function() local t = {1, 2, 3} table.insert(t, 2, 'x') table.insert(t, 'y') "
+        "return table.concat(t, ',') end)()",
+        "(function() local t = {1, 2, 3} return table.remove(t, 1), table.remove(t), #t end)()",
+        "table.concat({1, {}, 3})",
+        "table.maxn({1, 2, [10] = 3})",
+        "select('#', unpack({1, 2, 3}))",
+        "xpcall(function() error('e', 0) end, function(m) return 'handled ' .. m end)",
+        "tostring(nil) .. tostring(true) .. tostring(12.5) .. tostring('s')",
+        "tonumber('0x10') + tonumber('1e2') + tonumber('z', 36)",
+        "math.floor(-3.5) .. ' ' .. math.max(1, 5, 3) .. ' ' .. math.fmod(7, 3)",
+        "select(-1, 1, 2, 3)",
+        "rawequal('a', 'a'), rawget({5}, 1)",
+        "type(setmetatable({}, {__index = function() return 1 end}).x)",
     };
     rp_sandbox *sb = new_sandbox(0, 0, 0, 0);
     lua_State *plain = luaL_newstate();
@@ -952,7 +980,8 @@ static void test_string_functions(void)
                  "local v = select(i, ...) "
                  "out[#out + 1] = type(v) == 'string' and string.format('%%q', v) or tostring(v) end "
                  "return table.concat(out, ', ') end "
-                 "return ser(pcall(function() return %s end))",
+                 "local function pack(...) return {n = select('#', ...), ...} end "
+                 "return ser(pcall(function() local r = pack(%s) return unpack(r, 1, r.n) end))",
                  cases[i]);
         char sandboxed[1024];
         snprintf(sandboxed, sizeof sandboxed, "%s", eval(sb, src));
@@ -1234,6 +1263,33 @@ static void test_memory_accounting(void)
     rp_context_free(cctx);
 }
 
+/* Every ```lua block of docs/sandbox.md runs without error in a fresh sandbox. */
+static void test_doc_examples(void)
+{
+    rp_error err;
+    char *doc = NULL;
+    size_t len = 0;
+    if (rp_read_file(ctx, RP_SOURCE_DIR "/docs/sandbox.md", &doc, &len, &err) != RP_OK) {
+        ok(0, "read docs/sandbox.md: %s", err.text);
+        return;
+    }
+    int examples = 0;
+    for (char *p = strstr(doc, "```lua\n"); p; p = strstr(p, "```lua\n")) {
+        p += 7;
+        char *end = strstr(p, "```");
+        if (!end) break;
+        rp_sandbox *sb = new_sandbox(0, 0, 0, 0);
+        const char *got = eval_n(sb, p, (size_t)(end - p));
+        examples++;
+        if (!tap_ok_at(eval_status == RP_OK, __FILE__, __LINE__, "docs/sandbox.md example %d runs", examples))
+            diag("%s", got);
+        rp_sandbox_free(sb);
+        p = end + 3;
+    }
+    ok(examples >= 2, "docs/sandbox.md has its examples (%d)", examples);
+    rp_free(ctx, doc);
+}
+
 /* A limit that fails to stop a policy would hang the test: bail out instead. */
 static void on_alarm(int sig)
 {
@@ -1264,6 +1320,7 @@ int main(void)
     test_coroutine_premise();
     test_jit_stays_off();
     test_memory_accounting();
+    test_doc_examples();
     rp_context_free(ctx);
     return tap_done();
 }
