@@ -251,7 +251,7 @@ static void check_levers(const rp_plan *plan, const rp_config *cfg, reporter *r)
                "refer to", num_extras, num_sets);
         return;
     }
-    /* EP rank j is GPU j of group 0 for the node map; see docs/plan-format.md. */
+    /* EP rank j is GPU j of group 0 for the node map; see docs/formats.md. */
     int32_t gpus_per_node = rp_config_topology(cfg)->gpus_per_node;
     int32_t ep = rp_plan_ep_size(plan), E = rp_config_model(cfg)->num_experts;
     for (int32_t i = 0; i < num_extras; i++) {

@@ -1,4 +1,4 @@
-/* The plan JSON schema (docs/plan-format.md): strict reading with name:line:column
+/* The plan JSON schema (docs/formats.md): strict reading with name:line:column
  * errors, and writing through jansson, one rank or layer per line. */
 #include "internal.h"
 #include "jsonx.h"

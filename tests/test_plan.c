@@ -656,7 +656,7 @@ static void test_copy_and_hash(rp_context *ctx)
     uint64_t canonical = rp_plan_hash(t);
     diag("canonical plan hash 0x%016llx", (unsigned long long)canonical);
     is_int(canonical, (long long)0x2aa010d9dbb96407ULL, "hash of the canonical tiny plan is stable");
-    /* ... and it is XXH64 of the serialisation that docs/plan-format.md describes */
+    /* ... and it is XXH64 of the serialisation that docs/formats.md describes */
     unsigned char bytes[256];
     size_t nb = 0;
     memcpy(bytes, "rp-plan1", 8);

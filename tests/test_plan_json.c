@@ -275,14 +275,13 @@ static char *doc_block(const char *doc, const char *marker)
     return block;
 }
 
-/* The example in the plan format documentation parses against its config, is valid,
- * and is exactly what the writer produces. The lead may merge docs/plan-format.md
- * into docs/formats.md: look in both. */
+/* The example in the plan format documentation (docs/formats.md) parses against its
+ * config, is valid, and is exactly what the writer produces. */
 static void test_doc_example(rp_context *ctx)
 {
-    const char *docs[2] = {RP_SOURCE_DIR "/docs/plan-format.md", RP_SOURCE_DIR "/docs/formats.md"};
+    const char *docs[1] = {RP_SOURCE_DIR "/docs/formats.md"};
     int found = 0;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 1; i++) {
         char *doc = slurp(docs[i], NULL);
         if (!doc) continue;
         char *cfg_text = doc_block(doc, "<!-- plan example config -->");

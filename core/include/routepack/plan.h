@@ -98,7 +98,7 @@ RP_API int32_t rp_plan_logcnt(const rp_plan *plan, int32_t layer, int32_t *logcn
 /* The arrays EP dispatchers consume, as DeepSeek's EPLB defines them, for all layers:
  * phy2log[L][S], logcnt[L][E] and log2phy[L][E][max_replicas] (replica slots in
  * ascending slot order, padded with -1). A physical expert index is a slot:
- * slot_begin[j] + local slot (docs/plan-format.md). Errors (nothing written): no
+ * slot_begin[j] + local slot (docs/formats.md). Errors (nothing written): no
  * placement, max_replicas below the largest count (RP_EINVAL), an expert without a
  * replica (RP_EPLAN). */
 RP_API rp_status rp_plan_eplb_arrays(const rp_plan *plan, int32_t max_replicas, int32_t *phy2log,
@@ -138,7 +138,7 @@ RP_API const double *rp_plan_share_set(const rp_plan *plan, int32_t i, int32_t *
 /* Check the plan against the config and a batch, calling `report` once per violation
  * with a precise message ("plan: layer 12 expert 97 has no replica", "plan: sequence
  * 811 is packed twice (rank 3 mb 1, rank 9 mb 0)", "plan: rank 2 mb 0 holds 40000
- * tokens, over the cap of 32768"; all listed in docs/plan-format.md). Returns the
+ * tokens, over the cap of 32768"; all listed in docs/formats.md). Returns the
  * number of violations (0: valid). Checks only the parts the plan has (packing,
  * placement, levers). `report` may be NULL. `batch` NULL skips the token and memory
  * caps and the sequence count. If memory runs out, that is reported and counted as a
@@ -154,7 +154,7 @@ RP_API rp_status rp_plan_validate(const rp_plan *plan, const rp_config *cfg,
 
 /* ---- JSON and hashing ---- */
 
-/* Serialise to the plan JSON schema (docs/plan-format.md gives the exact layout).
+/* Serialise to the plan JSON schema (docs/formats.md gives the exact layout).
  * *text is NUL-terminated, allocated through the plan's context; free it with
  * rp_text_free. Reading it back gives a plan with the same hash. Errors: a NaN or
  * infinite share (JSON cannot hold it). */
