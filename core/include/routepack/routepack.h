@@ -14,5 +14,7 @@
 #include "routepack/cost.h"
 #include "routepack/primitives.h"
 #include "routepack/baseline.h"
+#include "routepack/sched.h"
+#include "routepack/migrate.h"
 
 #endif

@@ -1,0 +1,261 @@
+/* Expert migration: the registry of expert buffers a trainer owns, the minimal-move
+ * migration plan between two placements, the transports, and the one executor that
+ * moves the bytes all-or-nothing. The contract (when to call, what a failure leaves
+ * behind, staging memory) is in docs/migration.md. The MPI and NCCL transports are
+ * created through routepack/migrate_mpi.h and routepack/migrate_nccl.h. */
+#ifndef ROUTEPACK_MIGRATE_H
+#define ROUTEPACK_MIGRATE_H
+
+#include "routepack/config.h"
+#include "routepack/plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- registry ----
+ * Per MoE layer and per local expert slot of THIS rank, the buffers that make up the
+ * expert held there: weights, optimizer moments, master weights. RoutePack never owns
+ * them; it reads them to send, and writes them only when a migration commits. */
+
+typedef enum rp_memory {
+    RP_MEMORY_HOST = 0,  /* ordinary host memory (in-process and MPI transports) */
+    RP_MEMORY_CUDA = 1   /* CUDA device memory of the current device (NCCL transport) */
+} rp_memory;
+
+typedef struct rp_tensor {
+    void *data;
+    size_t bytes;
+    rp_memory memory;
+} rp_tensor;
+
+typedef struct rp_registry rp_registry;
+
+/* An empty registry for `num_layers` MoE layers and `num_slots` local slots (this
+ * rank's slot count: slot_begin[j + 1] - slot_begin[j] for EP rank j). Errors: counts
+ * below 1 or so large that the table overflows. */
+RP_API rp_status rp_registry_new(rp_context *ctx, int32_t num_layers, int32_t num_slots,
+                                 rp_registry **out, rp_error *err);
+RP_API void rp_registry_free(rp_registry *reg);
+RP_API int32_t rp_registry_num_layers(const rp_registry *reg);
+RP_API int32_t rp_registry_num_slots(const rp_registry *reg);
+
+/* Register (or re-register) the `count` tensors of one (layer, local slot); the array
+ * is copied, the buffers are borrowed and must stay valid while the registry is used.
+ * Every slot of a layer has the same tensors: the first slot registered at a layer sets
+ * the count, each tensor's byte size and memory kind, and every later one must match
+ * ("registry: layer 3 slot 5 tensor 1 is 4096 bytes, but layer 3's tensor 1 is 8192
+ * bytes (as registered for slot 0)"). Errors (nothing changes): ids out of range, a
+ * count below 1 or above 64, a NULL pointer, an empty tensor, a layout mismatch. */
+RP_API rp_status rp_registry_set(rp_registry *reg, int32_t layer, int32_t slot,
+                                 const rp_tensor *tensors, int32_t count, rp_error *err);
+/* The tensors of (layer, slot) (borrowed until the next rp_registry_set on it), NULL
+ * with *count 0 when it is not registered. */
+RP_API const rp_tensor *rp_registry_tensors(const rp_registry *reg, int32_t layer,
+                                            int32_t slot, int32_t *count);
+/* Bytes of one expert at `layer` (all its tensors); -1 when nothing is registered
+ * there. Pass these to rp_migration_options.expert_bytes. */
+RP_API int64_t rp_registry_expert_bytes(const rp_registry *reg, int32_t layer);
+/* Check that every (layer, slot) is registered and that no two registered tensors
+ * overlap. Errors name the first problem. */
+RP_API rp_status rp_registry_check(const rp_registry *reg, rp_error *err);
+
+/* ---- migration plan ---- */
+
+/* The link a copy uses. */
+typedef enum rp_link {
+    RP_LINK_LOCAL = 0,   /* inside one GPU: a slot-to-slot copy through staging */
+    RP_LINK_NVLINK = 1,  /* another GPU of the same node */
+    RP_LINK_NET = 2      /* a GPU of another node */
+} rp_link;
+#define RP_NUM_LINKS 3
+
+typedef struct rp_migration_options {
+    /* [num_layers] bytes of one expert at each layer (every tensor the registry holds
+     * for it: rp_registry_expert_bytes). NULL: the model's 3 d f (bytes_per_param +
+     * bytes_per_optimizer_state) at every layer. */
+    const int64_t *expert_bytes;
+    /* Staging memory each GPU may use at once, in bytes; 0: no limit (one round, the
+     * whole migration all-or-nothing). A round holds whole layers, so the budget must
+     * be at least the largest staging one layer needs on one GPU (RP_ERANGE). */
+    int64_t staging_budget_bytes;
+} rp_migration_options;
+
+/* One copy of one expert. Copies between GPUs and copies inside one GPU both stage the
+ * bytes at the destination; a staged copy may fill several slots of its GPU. */
+typedef struct rp_migration_transfer {
+    int32_t round;
+    int32_t layer;
+    int32_t expert;
+    int32_t src_gpu, src_slot;   /* local slot index on the source GPU */
+    int32_t dst_gpu;
+    rp_link link;
+    int64_t bytes;
+} rp_migration_transfer;
+
+/* One slot written at commit: local slot `slot` of GPU `gpu` at `layer` receives the
+ * bytes staged by transfer `transfer`. */
+typedef struct rp_migration_write {
+    int32_t layer;
+    int32_t gpu, slot;
+    int64_t transfer;
+} rp_migration_write;
+
+/* Figures of a migration plan. Bytes count every EP group and layer. */
+typedef struct rp_migration_summary {
+    int64_t bytes[RP_NUM_LINKS];  /* bytes copied, by link (RP_LINK_LOCAL: inside a GPU) */
+    int64_t moved_bytes;          /* bytes between GPUs: bytes[NVLINK] + bytes[NET] */
+    int64_t min_bytes;            /* the least bytes between GPUs any migration to the
+                                     target needs (docs/migration.md); moved == min */
+    int64_t transfers;            /* copies between GPUs */
+    int64_t local_copies;         /* copies inside a GPU */
+    int64_t writes;               /* slots written at commit */
+    int32_t num_rounds;
+    int32_t layers_moved;         /* layers with at least one slot written */
+    int64_t max_staging_bytes;    /* the most staging one GPU uses in one round */
+    int64_t min_budget_bytes;     /* the smallest staging budget this migration admits */
+    double predicted_s;           /* docs/migration.md, "Predicted time" */
+} rp_migration_summary;
+
+/* What one GPU sends and receives, by link (RP_LINK_LOCAL counts in both), the staging
+ * it needs (its largest round) and its predicted busy time. */
+typedef struct rp_migration_gpu {
+    int64_t sent[RP_NUM_LINKS];
+    int64_t received[RP_NUM_LINKS];
+    int64_t staging_bytes;
+    double predicted_s;
+} rp_migration_gpu;
+
+typedef struct rp_migration_plan rp_migration_plan;
+
+/* Plan the move from the placement of `current` to that of `target` (packings are not
+ * read) on the machine of `cfg`: every slot whose expert does not change keeps it; a
+ * slot that needs an expert gets it from its own GPU if any slot there holds it, else
+ * from a GPU of the same node, else from the least-loaded GPU of another node (load =
+ * bytes that GPU already sends over that link in the round; ties to the lowest GPU id),
+ * always inside its own EP group; one copy per (GPU, expert) serves every slot of that
+ * GPU that needs it. Transfers are grouped into rounds of whole layers that fit the
+ * staging budget. Deterministic: the same inputs give the same plan (and hash) on every
+ * rank. `opts` NULL: the defaults. Errors (nothing allocated): a plan without placement
+ * or shaped for another config, expert ids out of range (RP_EINVAL); a target expert
+ * held nowhere in the current placement (RP_EPLAN); non-positive expert bytes
+ * (RP_EINVAL); a budget below what one layer needs on one GPU, or sizes that overflow
+ * (RP_ERANGE). */
+RP_API rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg,
+                                       const rp_plan *current, const rp_plan *target,
+                                       const rp_migration_options *opts,
+                                       rp_migration_plan **out, rp_error *err);
+RP_API void rp_migration_plan_free(rp_migration_plan *mp);
+
+/* XXH64 of the plan's whole content; ranks compare it before moving anything. */
+RP_API uint64_t rp_migration_plan_hash(const rp_migration_plan *mp);
+RP_API void rp_migration_plan_summary(const rp_migration_plan *mp, rp_migration_summary *out);
+/* Per-GPU figures. Errors: gpu out of range. */
+RP_API rp_status rp_migration_plan_gpu(const rp_migration_plan *mp, int32_t gpu,
+                                       rp_migration_gpu *out, rp_error *err);
+
+RP_API int32_t rp_migration_plan_num_gpus(const rp_migration_plan *mp);
+RP_API int32_t rp_migration_plan_ep_size(const rp_migration_plan *mp);
+RP_API int32_t rp_migration_plan_num_layers(const rp_migration_plan *mp);
+/* Local slots of EP rank `ep_rank` (0 when out of range). */
+RP_API int32_t rp_migration_plan_num_slots(const rp_migration_plan *mp, int32_t ep_rank);
+RP_API int64_t rp_migration_plan_expert_bytes(const rp_migration_plan *mp, int32_t layer);
+RP_API int32_t rp_migration_plan_num_rounds(const rp_migration_plan *mp);
+/* The round that moves `layer`; -1 when the layer moves nothing (or is out of range).
+ * Layers of one round commit together. */
+RP_API int32_t rp_migration_plan_layer_round(const rp_migration_plan *mp, int32_t layer);
+
+/* Transfers in execution order: by round, then layer, EP group, destination EP rank and
+ * slot. Writes likewise. Index errors: RP_EINVAL. */
+RP_API int64_t rp_migration_plan_num_transfers(const rp_migration_plan *mp);
+RP_API rp_status rp_migration_plan_transfer(const rp_migration_plan *mp, int64_t i,
+                                            rp_migration_transfer *out, rp_error *err);
+RP_API int64_t rp_migration_plan_num_writes(const rp_migration_plan *mp);
+RP_API rp_status rp_migration_plan_write(const rp_migration_plan *mp, int64_t i,
+                                         rp_migration_write *out, rp_error *err);
+
+/* ---- transports ----
+ * A transport connects the ranks that execute a migration: rank r is GPU r (or, for a
+ * transport over one EP group, EP rank r of that group). One transport serves one
+ * executor call at a time. Freeing it does not free what it was created on (a hub, an
+ * MPI communicator, an NCCL communicator). */
+
+typedef struct rp_transport rp_transport;
+
+RP_API void rp_transport_free(rp_transport *t);
+RP_API int32_t rp_transport_rank(const rp_transport *t);
+RP_API int32_t rp_transport_size(const rp_transport *t);
+/* "local", "mpi" or "nccl". */
+RP_API const char *rp_transport_name(const rp_transport *t);
+/* Whether this build has the transport of that name (local always; mpi and nccl when
+ * the library was built with them). */
+RP_API bool rp_transport_built(const char *name);
+/* False after a failure that left the transport unusable (a collective that timed
+ * out, an aborted NCCL communicator); every later call fails. */
+RP_API bool rp_transport_usable(const rp_transport *t);
+
+/* In-process transport: ranks are threads of one process that share a hub. Create one
+ * hub for `size` ranks, then one transport per rank (each used by its own thread). The
+ * hub must outlive its transports. */
+typedef struct rp_local_hub rp_local_hub;
+RP_API rp_status rp_local_hub_new(rp_context *ctx, int32_t size, rp_local_hub **out,
+                                  rp_error *err);
+RP_API void rp_local_hub_free(rp_local_hub *hub);
+RP_API rp_status rp_transport_local_new(rp_local_hub *hub, int32_t rank, rp_transport **out,
+                                        rp_error *err);
+
+/* ---- executor ---- */
+
+typedef struct rp_migration_exec_options {
+    /* Bound on every wait (a round's transfers, each exchange between ranks), seconds;
+     * 0: 60. A deadline passed is RP_ETIMEOUT. */
+    double timeout_s;
+    /* Staging buffer the caller provides (memory of the transport's kind), or NULL to
+     * let the transport allocate it (host: the context's allocator; NCCL: cudaMalloc)
+     * for the duration of the call. Must hold rp_migration_gpu.staging_bytes of this
+     * rank (RP_ERANGE otherwise). */
+    void *staging;
+    size_t staging_bytes;
+    /* For a transport that spans one EP group (its size is ep_size, not num_gpus): that
+     * group. Ignored for a transport over every GPU. */
+    int32_t ep_group;
+} rp_migration_exec_options;
+
+/* Fill the defaults: timeout 60 s, no caller staging, ep_group -1. */
+RP_API void rp_migration_exec_defaults(rp_migration_exec_options *opts);
+
+/* What an execution did on this rank. The failure fields are the same on every rank. */
+typedef struct rp_migration_result {
+    int32_t num_rounds;
+    int32_t rounds_committed;   /* rounds < this are in the target placement */
+    int64_t bytes_sent, bytes_received, bytes_local;  /* this rank, committed rounds */
+    int64_t slots_written;
+    int64_t staging_bytes;      /* staging this rank held */
+    double seconds;             /* wall time of the call */
+    int32_t failed_rank;        /* -1 when it succeeded */
+    int32_t failed_layer, failed_expert, failed_peer;  /* -1 when unknown */
+} rp_migration_result;
+
+/* Execute a migration plan. Call on every rank of the transport with the same plan,
+ * this rank's registry (its local slots, the plan's expert bytes per layer) and the
+ * transport. Steps: (1) the ranks exchange the plan hash, registry layout and call
+ * count, and any mismatch or local problem is an error before anything moves
+ * ("migration: rank 2 has plan hash 0x..., rank 0 has 0x..."); (2) per round, every
+ * expert copy goes into staging, never into a live slot, and carries the XXH64
+ * checksum computed at its source; (3) each destination checks every checksum; (4)
+ * the ranks exchange success; (5) only if every rank succeeded, each writes the staged
+ * bytes into its slots. A failure anywhere in a round (transport error, timeout,
+ * checksum mismatch, no memory for staging) writes nothing of that round on any rank,
+ * and the error, the same on every rank, names the rank, layer and expert
+ * ("migration: rank 1: layer 3 expert 17 from rank 0: checksum mismatch ..."). With
+ * several rounds, rounds before the failed one stay committed (result says how many;
+ * rp_migration_plan_layer_round maps layers to rounds). `opts` NULL: defaults;
+ * `result` may be NULL. Nothing is printed. See docs/migration.md. */
+RP_API rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *reg,
+                                      rp_transport *t, const rp_migration_exec_options *opts,
+                                      rp_migration_result *result, rp_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

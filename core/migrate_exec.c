@@ -1,0 +1,882 @@
+/* The migration executor: agree on the plan, move each round's expert copies into
+ * staging with checksums, agree on success, then commit or roll back on every rank.
+ * Also the transport handle functions every transport shares. */
+#include "transport.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+/* ---- transport handles ----------------------------------------------------------- */
+
+double rp_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void rp_transport_init(rp_transport *t, const rp_transport_vtable *vt, rp_context *ctx, int32_t rank,
+                       int32_t size, rp_memory memory, size_t max_message_bytes)
+{
+    memset(t, 0, sizeof *t);
+    t->vt = vt;
+    t->ctx = ctx;
+    t->rank = rank;
+    t->size = size;
+    t->memory = memory;
+    t->max_message_bytes = max_message_bytes;
+}
+
+void rp_transport_break(rp_transport *t, const char *why)
+{
+    if (t->broken) return;
+    t->broken = true;
+    snprintf(t->broken_why, sizeof t->broken_why, "%s", why);
+}
+
+void rp_transport_set_fault(rp_transport *t, const rp_fault *fault)
+{
+    if (!t) return;
+    memset(&t->fault, 0, sizeof t->fault);
+    if (fault) t->fault = *fault;
+    t->payload_sends = 0;
+}
+
+rp_fault_kind rp_transport_next_send_fault(rp_transport *t, double *delay_s)
+{
+    int64_t n = t->payload_sends++;
+    if (t->fault.kind == RP_FAULT_NONE || n != t->fault.nth) return RP_FAULT_NONE;
+    rp_fault_kind kind = t->fault.kind;
+    if (delay_s) *delay_s = t->fault.delay_s;
+    t->fault.kind = RP_FAULT_NONE; /* once */
+    return kind;
+}
+
+rp_status rp_transport_barrier(rp_transport *t, double deadline, rp_error *err)
+{
+    if (!t) return rp_fail(err, RP_EINVAL, "transport: no transport");
+    if (t->broken) return rp_fail(err, RP_ETRANSPORT, "transport: unusable (%s)", t->broken_why);
+    unsigned char mine = 1, *all = rp_alloc(t->ctx, (size_t)t->size);
+    if (!all) return rp_fail_nomem(err, "a barrier");
+    rp_status st = t->vt->allgather(t, &mine, all, 1, deadline, err);
+    rp_free(t->ctx, all);
+    return st;
+}
+
+void rp_transport_free(rp_transport *t)
+{
+    if (t) t->vt->destroy(t);
+}
+
+int32_t rp_transport_rank(const rp_transport *t) { return t ? t->rank : -1; }
+int32_t rp_transport_size(const rp_transport *t) { return t ? t->size : 0; }
+const char *rp_transport_name(const rp_transport *t) { return t ? t->vt->name : "none"; }
+bool rp_transport_usable(const rp_transport *t) { return t && !t->broken; }
+
+bool rp_transport_built(const char *name)
+{
+    if (!name) return false;
+    if (strcmp(name, "local") == 0) return true;
+#ifdef RP_HAVE_MPI
+    if (strcmp(name, "mpi") == 0) return true;
+#endif
+#ifdef RP_HAVE_NCCL
+    if (strcmp(name, "nccl") == 0) return true;
+#endif
+    return false;
+}
+
+/* ---- executor -------------------------------------------------------------------- */
+
+#define RECORD_MAGIC 0x52504d4947524543ULL /* "RPMIGREC" */
+#define HEADER_MAGIC 0x52504d4947484452ULL /* "RPMIGHDR" */
+#define HEADER_WORDS 7                      /* then one checksum per transfer */
+#define RECORD_TEXT 192
+
+/* What each rank tells the others, before moving (agreement) and after each round
+ * (decision). Fixed layout; all ranks run the same build on the same architecture. */
+typedef struct exec_record {
+    uint64_t magic;
+    uint64_t plan_hash, layout_hash, calls;
+    int32_t rank, status, round, layer, expert, peer;
+    int32_t pad[2];
+    char text[RECORD_TEXT];
+} exec_record;
+_Static_assert(sizeof(exec_record) == 256, "exec_record is exchanged verbatim");
+
+/* One rank's view of the plan: its copies in, out and inside, per round. */
+typedef struct rank_work {
+    int64_t *recv, *send, *local, *writes; /* transfer / write indices, plan order */
+    int64_t num_recv, num_send, num_local, num_writes;
+    int64_t *round_recv, *round_send, *round_local, *round_writes; /* [R + 1] offsets */
+    int64_t *stage_off;   /* [num transfers] staging offset of a transfer this rank receives */
+} rank_work;
+
+typedef struct exec {
+    rp_context *ctx;
+    const rp_migration_plan *mp;
+    const rp_registry *reg;
+    rp_transport *t;
+    double timeout_s;
+    int32_t gpu, base;        /* this rank's GPU; GPU of transport rank 0 */
+    uint64_t call;            /* this call's number, the same on every rank */
+    rp_migration_transfer *tr; /* [num transfers] */
+    rp_migration_write *wr;    /* [num writes] */
+    rank_work w;
+    unsigned char *staging;
+    size_t staging_bytes;
+    bool own_staging;
+    bool buffers_in_use;       /* the transport may still write staging or headers */
+    exec_record mine;
+} exec;
+
+static void note(exec_record *rec, rp_status status, int32_t round, int32_t layer, int32_t expert, int32_t peer,
+                 const char *fmt, ...) RP_PRINTF(7, 8);
+
+/* Record this rank's first failure (later ones are consequences). */
+static void note(exec_record *rec, rp_status status, int32_t round, int32_t layer, int32_t expert, int32_t peer,
+                 const char *fmt, ...)
+{
+    if (rec->status != RP_OK) return;
+    rec->status = status;
+    rec->round = round;
+    rec->layer = layer;
+    rec->expert = expert;
+    rec->peer = peer;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(rec->text, sizeof rec->text, fmt, ap);
+    va_end(ap);
+}
+
+/* The transport's message without its "transport: " prefix, for nesting. */
+static const char *inner(const rp_error *e)
+{
+    const char *s = e->text;
+    return strncmp(s, "transport: ", 11) == 0 ? s + 11 : s;
+}
+
+static uint64_t layout_hash(const rp_registry *reg)
+{
+    rp_hash_state st;
+    rp_hash_init(&st, 0x6c61796f7574ULL); /* "layout" */
+    for (int32_t l = 0; l < rp_registry_num_layers(reg); l++) {
+        int32_t count = 0;
+        const rp_tensor *ts = rp_registry_tensors(reg, l, 0, &count);
+        uint64_t v[2] = {(uint64_t)l, (uint64_t)count};
+        rp_hash_update(&st, v, sizeof v);
+        for (int32_t i = 0; i < count; i++) {
+            uint64_t b[2] = {(uint64_t)ts[i].bytes, (uint64_t)ts[i].memory};
+            rp_hash_update(&st, b, sizeof b);
+        }
+    }
+    return rp_hash_final(&st);
+}
+
+static void work_free(rp_context *ctx, rank_work *w)
+{
+    rp_free(ctx, w->recv);
+    rp_free(ctx, w->send);
+    rp_free(ctx, w->local);
+    rp_free(ctx, w->writes);
+    rp_free(ctx, w->round_recv);
+    rp_free(ctx, w->round_send);
+    rp_free(ctx, w->round_local);
+    rp_free(ctx, w->round_writes);
+    rp_free(ctx, w->stage_off);
+    memset(w, 0, sizeof *w);
+}
+
+/* Split the plan into this GPU's lists and staging offsets. */
+static rp_status build_work(exec *x, rp_error *err)
+{
+    const rp_migration_plan *mp = x->mp;
+    const int64_t T = rp_migration_plan_num_transfers(mp), W = rp_migration_plan_num_writes(mp);
+    const int32_t R = rp_migration_plan_num_rounds(mp);
+    rank_work *w = &x->w;
+    x->tr = rp_alloc(x->ctx, (size_t)(T + 1) * sizeof *x->tr);
+    x->wr = rp_alloc(x->ctx, (size_t)(W + 1) * sizeof *x->wr);
+    w->recv = rp_alloc(x->ctx, (size_t)(T + 1) * sizeof(int64_t));
+    w->send = rp_alloc(x->ctx, (size_t)(T + 1) * sizeof(int64_t));
+    w->local = rp_alloc(x->ctx, (size_t)(T + 1) * sizeof(int64_t));
+    w->writes = rp_alloc(x->ctx, (size_t)(W + 1) * sizeof(int64_t));
+    w->round_recv = rp_calloc(x->ctx, (size_t)R + 1, sizeof(int64_t));
+    w->round_send = rp_calloc(x->ctx, (size_t)R + 1, sizeof(int64_t));
+    w->round_local = rp_calloc(x->ctx, (size_t)R + 1, sizeof(int64_t));
+    w->round_writes = rp_calloc(x->ctx, (size_t)R + 1, sizeof(int64_t));
+    w->stage_off = rp_alloc(x->ctx, (size_t)(T + 1) * sizeof(int64_t));
+    if (!x->tr || !x->wr || !w->recv || !w->send || !w->local || !w->writes || !w->round_recv || !w->round_send ||
+        !w->round_local || !w->round_writes || !w->stage_off)
+        return rp_fail_nomem(err, "the migration's work lists");
+    for (int64_t i = 0; i < T; i++) rp_migration_plan_transfer(mp, i, &x->tr[i], NULL);
+    for (int64_t i = 0; i < W; i++) rp_migration_plan_write(mp, i, &x->wr[i], NULL);
+    /* Transfers and writes come sorted by round, so the lists are too. */
+    int64_t off = 0;
+    int32_t round = -1;
+    for (int64_t i = 0; i < T; i++) {
+        const rp_migration_transfer *tr = &x->tr[i];
+        w->stage_off[i] = -1;
+        if (tr->round != round) {
+            round = tr->round;
+            off = 0;
+        }
+        if (tr->dst_gpu == x->gpu) {
+            w->stage_off[i] = off;
+            off += tr->bytes;
+            if (tr->src_gpu == x->gpu) {
+                w->local[w->num_local++] = i;
+                w->round_local[tr->round + 1]++;
+            } else {
+                w->recv[w->num_recv++] = i;
+                w->round_recv[tr->round + 1]++;
+            }
+        } else if (tr->src_gpu == x->gpu) {
+            w->send[w->num_send++] = i;
+            w->round_send[tr->round + 1]++;
+        }
+    }
+    for (int64_t i = 0; i < W; i++)
+        if (x->wr[i].gpu == x->gpu) {
+            w->writes[w->num_writes++] = i;
+            w->round_writes[x->tr[x->wr[i].transfer].round + 1]++;
+        }
+    for (int32_t r = 0; r < R; r++) {
+        w->round_recv[r + 1] += w->round_recv[r];
+        w->round_send[r + 1] += w->round_send[r];
+        w->round_local[r + 1] += w->round_local[r];
+        w->round_writes[r + 1] += w->round_writes[r];
+    }
+    return RP_OK;
+}
+
+/* Checks before anything moves; the first problem goes into the agreement record
+ * (returns false) so that every rank reports it. */
+static bool local_checks(exec *x, const rp_migration_exec_options *opts)
+{
+    exec_record *me = &x->mine;
+    const rp_migration_plan *mp = x->mp;
+    const rp_registry *reg = x->reg;
+    const rp_transport *t = x->t;
+    if (!mp) {
+        note(me, RP_EINVAL, -1, -1, -1, -1, "no migration plan");
+        return false;
+    }
+    if (!reg) {
+        note(me, RP_EINVAL, -1, -1, -1, -1, "no registry");
+        return false;
+    }
+    const int32_t G = rp_migration_plan_num_gpus(mp), ep = rp_migration_plan_ep_size(mp);
+    if (t->size == G) {
+        x->base = 0;
+    } else if (t->size == ep && opts->ep_group >= 0 && opts->ep_group < G / ep) {
+        x->base = opts->ep_group * ep;
+    } else if (t->size == ep) {
+        note(me, RP_EINVAL, -1, -1, -1, -1,
+             "the transport spans %d ranks (one EP group), but options.ep_group is %d; it must be 0 to %d", t->size,
+             opts->ep_group, G / ep - 1);
+        return false;
+    } else {
+        note(me, RP_EINVAL, -1, -1, -1, -1, "the transport has %d ranks, but the plan has %d GPUs in EP groups of %d",
+             t->size, G, ep);
+        return false;
+    }
+    x->gpu = x->base + t->rank;
+    const int32_t slots = rp_migration_plan_num_slots(mp, x->gpu % ep);
+    if (rp_registry_num_layers(reg) != rp_migration_plan_num_layers(mp) || rp_registry_num_slots(reg) != slots) {
+        note(me, RP_EINVAL, -1, -1, -1, -1,
+             "the registry has %d layers and %d slots, but GPU %d has %d layers and %d slots in the plan",
+             rp_registry_num_layers(reg), rp_registry_num_slots(reg), x->gpu, rp_migration_plan_num_layers(mp), slots);
+        return false;
+    }
+    rp_error e;
+    rp_error_clear(&e);
+    if (rp_registry_check(reg, &e) != RP_OK) {
+        note(me, e.status, -1, -1, -1, -1, "%s", e.text);
+        return false;
+    }
+    for (int32_t l = 0; l < rp_registry_num_layers(reg); l++) {
+        int64_t have = rp_registry_expert_bytes(reg, l), want = rp_migration_plan_expert_bytes(mp, l);
+        if (have != want) {
+            note(me, RP_EINVAL, -1, l, -1, -1,
+                 "the registry's layer %d experts are %lld bytes, but the migration plan was made for %lld (pass "
+                 "rp_registry_expert_bytes to rp_migration_options.expert_bytes)", l, (long long)have,
+                 (long long)want);
+            return false;
+        }
+        int32_t count = 0;
+        const rp_tensor *ts = rp_registry_tensors(reg, l, 0, &count);
+        for (int32_t i = 0; i < count; i++)
+            if (ts[i].memory != t->memory) {
+                note(me, RP_ENOTSUP, -1, l, -1, -1,
+                     "the %s transport moves %s memory, but the registry's layer %d tensor %d is %s memory",
+                     t->vt->name, t->memory == RP_MEMORY_HOST ? "host" : "CUDA", l, i,
+                     ts[i].memory == RP_MEMORY_HOST ? "host" : "CUDA");
+                return false;
+            }
+    }
+    rp_error_clear(&e);
+    if (build_work(x, &e) != RP_OK) {
+        note(me, e.status, -1, -1, -1, -1, "%s", e.text);
+        return false;
+    }
+    rp_migration_gpu gs;
+    rp_migration_plan_gpu(mp, x->gpu, &gs, NULL);
+    if (opts->staging) {
+        if (opts->staging_bytes < (uint64_t)gs.staging_bytes) {
+            note(me, RP_ERANGE, -1, -1, -1, -1, "the staging buffer given holds %zu bytes, but GPU %d needs %lld",
+                 opts->staging_bytes, x->gpu, (long long)gs.staging_bytes);
+            return false;
+        }
+        x->staging = opts->staging;
+        x->staging_bytes = opts->staging_bytes;
+    } else if (gs.staging_bytes > 0) {
+        if ((uint64_t)gs.staging_bytes > SIZE_MAX) {
+            note(me, RP_ERANGE, -1, -1, -1, -1, "%lld bytes of staging do not fit this machine",
+                 (long long)gs.staging_bytes);
+            return false;
+        }
+        x->staging = x->t->vt->alloc(x->t, (size_t)gs.staging_bytes);
+        if (!x->staging) {
+            note(me, RP_ENOMEM, -1, -1, -1, -1, "no memory for %lld bytes of staging", (long long)gs.staging_bytes);
+            return false;
+        }
+        x->staging_bytes = (size_t)gs.staging_bytes;
+        x->own_staging = true;
+    }
+    return true;
+}
+
+/* Hash the bytes of one expert held in a slot (its tensors in order). */
+static rp_status hash_slot(exec *x, int32_t layer, int32_t slot, double deadline, uint64_t *out, rp_error *err)
+{
+    int32_t count = 0;
+    const rp_tensor *ts = rp_registry_tensors(x->reg, layer, slot, &count);
+    rp_hash_state st;
+    rp_hash_init(&st, 0);
+    for (int32_t i = 0; i < count; i++) {
+        rp_status s = x->t->vt->hash(x->t, &st, ts[i].data, ts[i].bytes, deadline, err);
+        if (s != RP_OK) return s;
+    }
+    *out = rp_hash_final(&st);
+    return RP_OK;
+}
+
+static rp_status hash_staged(exec *x, int64_t transfer, double deadline, uint64_t *out, rp_error *err)
+{
+    rp_hash_state st;
+    rp_hash_init(&st, 0);
+    rp_status s = x->t->vt->hash(x->t, &st, x->staging + x->w.stage_off[transfer], (size_t)x->tr[transfer].bytes,
+                                 deadline, err);
+    *out = rp_hash_final(&st);
+    return s;
+}
+
+/* Ops of one round, with what each op carries (for naming a failure). */
+typedef struct round_ops {
+    rp_transport_op *ops;
+    int64_t *op_transfer;   /* transfer index, -1 for a header */
+    int32_t n, cap;
+    uint64_t *send_hdr, *recv_hdr;  /* host copies of the headers, concatenated */
+    unsigned char *hdr_mem;         /* transport memory for all headers of the round */
+    int64_t hdr_words_send, hdr_words_recv;
+} round_ops;
+
+static bool push_op(exec *x, round_ops *ro, rp_transport_op op, int64_t transfer)
+{
+    if (ro->n == ro->cap) {
+        int32_t cap = ro->cap ? ro->cap * 2 : 64;
+        rp_transport_op *o = rp_realloc(x->ctx, ro->ops, (size_t)cap * sizeof *o);
+        if (!o) return false;
+        ro->ops = o;
+        int64_t *ot = rp_realloc(x->ctx, ro->op_transfer, (size_t)cap * sizeof *ot);
+        if (!ot) return false;
+        ro->op_transfer = ot;
+        ro->cap = cap;
+    }
+    ro->ops[ro->n] = op;
+    ro->op_transfer[ro->n] = transfer;
+    ro->n++;
+    return true;
+}
+
+static int32_t msg_tag(const exec *x, int32_t round, int64_t index)
+{
+    return (int32_t)((x->call * 4099u + (uint64_t)round * 257u + (uint64_t)index) & 0x7fff);
+}
+
+/* The data messages of one transfer: each tensor of the expert, split into pieces the
+ * transport can carry; a send reads the tensors of `slot`, a receive writes staging
+ * laid out like them. */
+static bool push_data(exec *x, round_ops *ro, int64_t transfer, int32_t peer_rank, bool send, int32_t slot,
+                      int32_t round, int64_t *index)
+{
+    const rp_migration_transfer *tr = &x->tr[transfer];
+    int32_t count = 0;
+    const rp_tensor *ts = rp_registry_tensors(x->reg, tr->layer, slot, &count);
+    size_t off = 0;
+    for (int32_t i = 0; i < count; i++)
+        for (size_t done = 0; done < ts[i].bytes;) {
+            size_t n = ts[i].bytes - done;
+            if (n > x->t->max_message_bytes) n = x->t->max_message_bytes;
+            void *buf = send ? (unsigned char *)ts[i].data + done
+                             : x->staging + x->w.stage_off[transfer] + off + done;
+            rp_transport_op op = {peer_rank, msg_tag(x, round, (*index)++), send, true, buf, n};
+            if (!push_op(x, ro, op, transfer)) return false;
+            done += n;
+            if (done == ts[i].bytes) off += ts[i].bytes;
+        }
+    return true;
+}
+
+static void round_ops_free(exec *x, round_ops *ro, bool keep_memory)
+{
+    rp_free(x->ctx, ro->ops);
+    rp_free(x->ctx, ro->op_transfer);
+    rp_free(x->ctx, ro->send_hdr);
+    rp_free(x->ctx, ro->recv_hdr);
+    if (ro->hdr_mem && !keep_memory) x->t->vt->free(x->t, ro->hdr_mem);
+    memset(ro, 0, sizeof *ro);
+}
+
+/* Name the transfer behind a failed op in this rank's record. */
+static void note_op(exec *x, round_ops *ro, int32_t round, int32_t failed, rp_status st, const rp_error *e,
+                    const int64_t *first_from, const int64_t *first_to)
+{
+    if (failed < 0 || failed >= ro->n) {
+        note(&x->mine, st, round, -1, -1, -1, "round %d: %s", round, inner(e));
+        return;
+    }
+    const rp_transport_op *op = &ro->ops[failed];
+    int64_t tr_i = ro->op_transfer[failed];
+    int32_t peer_gpu = x->base + op->peer;
+    if (tr_i < 0) tr_i = (op->send ? first_to : first_from)[op->peer]; /* a header: the pair's first copy */
+    const rp_migration_transfer *tr = tr_i >= 0 ? &x->tr[tr_i] : NULL;
+    if (!tr) {
+        note(&x->mine, st, round, -1, -1, peer_gpu, "round %d, %s rank %d: %s", round, op->send ? "to" : "from",
+             op->peer, inner(e));
+        return;
+    }
+    note(&x->mine, st, round, tr->layer, tr->expert, peer_gpu, "layer %d expert %d %s rank %d: %s", tr->layer,
+         tr->expert, op->send ? "to" : "from", op->peer, inner(e));
+}
+
+/* Move one round into staging and check it; failures go into x->mine. */
+static void run_round(exec *x, int32_t round, double deadline)
+{
+    const rank_work *w = &x->w;
+    rp_transport *t = x->t;
+    const int32_t P = t->size;
+    round_ops ro = {0};
+    rp_error e;
+    rp_error_clear(&e);
+    int64_t *send_count = rp_calloc(x->ctx, (size_t)P, sizeof(int64_t));
+    int64_t *recv_count = rp_calloc(x->ctx, (size_t)P, sizeof(int64_t));
+    int64_t *send_first = rp_alloc(x->ctx, (size_t)P * sizeof(int64_t));
+    int64_t *recv_first = rp_alloc(x->ctx, (size_t)P * sizeof(int64_t));
+    int64_t *send_hoff = rp_calloc(x->ctx, (size_t)P + 1, sizeof(int64_t)); /* header word offsets */
+    int64_t *recv_hoff = rp_calloc(x->ctx, (size_t)P + 1, sizeof(int64_t));
+    int64_t *msg_index = rp_calloc(x->ctx, (size_t)P, sizeof(int64_t));
+    if (!send_count || !recv_count || !send_first || !recv_first || !send_hoff || !recv_hoff || !msg_index) {
+        note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's message lists", round);
+        goto out;
+    }
+    for (int32_t p = 0; p < P; p++) send_first[p] = recv_first[p] = -1;
+    for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) {
+        int32_t p = x->tr[w->send[k]].dst_gpu - x->base;
+        if (send_first[p] < 0) send_first[p] = w->send[k];
+        send_count[p]++;
+    }
+    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
+        int32_t p = x->tr[w->recv[k]].src_gpu - x->base;
+        if (recv_first[p] < 0) recv_first[p] = w->recv[k];
+        recv_count[p]++;
+    }
+    for (int32_t p = 0; p < P; p++) {
+        send_hoff[p + 1] = send_hoff[p] + (send_count[p] ? HEADER_WORDS + send_count[p] : 0);
+        recv_hoff[p + 1] = recv_hoff[p] + (recv_count[p] ? HEADER_WORDS + recv_count[p] : 0);
+    }
+    ro.hdr_words_send = send_hoff[P];
+    ro.hdr_words_recv = recv_hoff[P];
+    int64_t hdr_words = ro.hdr_words_send + ro.hdr_words_recv;
+    ro.send_hdr = rp_alloc(x->ctx, (size_t)(ro.hdr_words_send + 1) * 8);
+    ro.recv_hdr = rp_alloc(x->ctx, (size_t)(ro.hdr_words_recv + 1) * 8);
+    if (hdr_words > 0) ro.hdr_mem = t->vt->alloc(t, (size_t)hdr_words * 8);
+    if (!ro.send_hdr || !ro.recv_hdr || (hdr_words > 0 && !ro.hdr_mem)) {
+        note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's headers", round);
+        goto out;
+    }
+
+    /* Checksums at the source, from the live slots, into each peer's header. */
+    for (int32_t p = 0; p < P; p++) {
+        if (!send_count[p]) continue;
+        uint64_t *h = ro.send_hdr + send_hoff[p];
+        h[0] = HEADER_MAGIC;
+        h[1] = rp_migration_plan_hash(x->mp);
+        h[2] = x->call;
+        h[3] = (uint64_t)round;
+        h[4] = (uint64_t)x->gpu;
+        h[5] = (uint64_t)(x->base + p);
+        h[6] = (uint64_t)send_count[p];
+    }
+    {
+        int64_t *fill = msg_index; /* reuse as per-peer checksum cursor, reset below */
+        for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) {
+            const rp_migration_transfer *tr = &x->tr[w->send[k]];
+            int32_t p = tr->dst_gpu - x->base;
+            uint64_t sum;
+            if (hash_slot(x, tr->layer, tr->src_slot, deadline, &sum, &e) != RP_OK) {
+                note(&x->mine, e.status, round, tr->layer, tr->expert, tr->dst_gpu,
+                     "layer %d expert %d: reading it to send failed: %s", tr->layer, tr->expert, inner(&e));
+                goto out;
+            }
+            ro.send_hdr[send_hoff[p] + HEADER_WORDS + fill[p]++] = sum;
+        }
+        memset(msg_index, 0, (size_t)P * sizeof(int64_t));
+    }
+
+    /* Receives first, so that a wait that fails names what was not received. */
+    for (int32_t p = 0; p < P; p++) {
+        if (!recv_count[p]) continue;
+        unsigned char *hbuf = ro.hdr_mem + (size_t)(ro.hdr_words_send + recv_hoff[p]) * 8;
+        rp_transport_op op = {p, msg_tag(x, round, msg_index[p]++), false, false, hbuf,
+                              (size_t)(HEADER_WORDS + recv_count[p]) * 8};
+        if (!push_op(x, &ro, op, -1)) goto nomem;
+        for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
+            const rp_migration_transfer *tr = &x->tr[w->recv[k]];
+            if (tr->src_gpu - x->base != p) continue;
+            /* The receiving side lays the expert out as its own slots do (same layout
+             * on every rank, agreed before moving): use any local slot's tensors. */
+            if (!push_data(x, &ro, w->recv[k], p, false, 0, round, &msg_index[p])) goto nomem;
+        }
+    }
+    memset(msg_index, 0, (size_t)P * sizeof(int64_t));
+    for (int32_t p = 0; p < P; p++) {
+        if (!send_count[p]) continue;
+        unsigned char *hbuf = ro.hdr_mem + (size_t)send_hoff[p] * 8;
+        if (t->vt->from_host(t, hbuf, ro.send_hdr + send_hoff[p], (size_t)(HEADER_WORDS + send_count[p]) * 8,
+                             deadline, &e) != RP_OK) {
+            note(&x->mine, e.status, round, -1, -1, x->base + p, "round %d: preparing the header for rank %d: %s",
+                 round, p, inner(&e));
+            goto out;
+        }
+        rp_transport_op op = {p, msg_tag(x, round, msg_index[p]++), true, false, hbuf,
+                              (size_t)(HEADER_WORDS + send_count[p]) * 8};
+        if (!push_op(x, &ro, op, -1)) goto nomem;
+        for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) {
+            const rp_migration_transfer *tr = &x->tr[w->send[k]];
+            if (tr->dst_gpu - x->base != p) continue;
+            if (!push_data(x, &ro, w->send[k], p, true, tr->src_slot, round, &msg_index[p])) goto nomem;
+        }
+    }
+
+    /* Copies inside this GPU, through staging, before the batch starts (on NCCL a copy
+     * waits for the stream, which would then wait for the batch). */
+    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++) {
+        int64_t i = w->local[k];
+        const rp_migration_transfer *tr = &x->tr[i];
+        int32_t count = 0;
+        const rp_tensor *ts = rp_registry_tensors(x->reg, tr->layer, tr->src_slot, &count);
+        uint64_t before, after;
+        rp_status st = hash_slot(x, tr->layer, tr->src_slot, deadline, &before, &e);
+        size_t off = 0;
+        for (int32_t j = 0; j < count && st == RP_OK; j++) {
+            st = t->vt->copy(t, x->staging + x->w.stage_off[i] + off, ts[j].data, ts[j].bytes, deadline, &e);
+            off += ts[j].bytes;
+        }
+        if (st == RP_OK) st = hash_staged(x, i, deadline, &after, &e);
+        if (st != RP_OK) {
+            note(&x->mine, st, round, tr->layer, tr->expert, x->gpu, "layer %d expert %d: copying it from slot %d "
+                 "into staging failed: %s", tr->layer, tr->expert, tr->src_slot, inner(&e));
+            goto out;
+        }
+        if (before != after) {
+            note(&x->mine, RP_ECHECKSUM, round, tr->layer, tr->expert, x->gpu,
+                 "layer %d expert %d: checksum mismatch after copying it from slot %d (0x%016" PRIx64
+                 " staged, 0x%016" PRIx64 " in the slot)", tr->layer, tr->expert, tr->src_slot, after, before);
+            goto out;
+        }
+    }
+    int32_t failed = -1;
+    bool started = false;
+    if (ro.n > 0) {
+        started = true;
+        rp_status st = t->vt->start(t, ro.ops, ro.n, &failed, &e);
+        if (st != RP_OK) {
+            note_op(x, &ro, round, failed, st, &e, recv_first, send_first);
+            goto finish;
+        }
+    }
+    if (started) {
+        rp_status st = t->vt->wait(t, deadline, &failed, &e);
+        if (st != RP_OK) {
+            note_op(x, &ro, round, failed, st, &e, recv_first, send_first);
+            goto finish;
+        }
+    }
+    /* Check every header, then every received expert against its source checksum. */
+    if (ro.hdr_words_recv > 0 &&
+        t->vt->to_host(t, ro.recv_hdr, ro.hdr_mem + (size_t)ro.hdr_words_send * 8, (size_t)ro.hdr_words_recv * 8,
+                       deadline, &e) != RP_OK) {
+        note(&x->mine, e.status, round, -1, -1, -1, "round %d: reading the received headers: %s", round, inner(&e));
+        goto finish;
+    }
+    for (int32_t p = 0; p < P; p++) {
+        if (!recv_count[p]) continue;
+        const uint64_t *h = ro.recv_hdr + recv_hoff[p];
+        const rp_migration_transfer *first = &x->tr[recv_first[p]];
+        if (h[0] != HEADER_MAGIC || h[1] != rp_migration_plan_hash(x->mp) || h[2] != x->call ||
+            h[3] != (uint64_t)round || h[4] != (uint64_t)(x->base + p) || h[5] != (uint64_t)x->gpu ||
+            h[6] != (uint64_t)recv_count[p]) {
+            note(&x->mine, RP_ETRANSPORT, round, first->layer, first->expert, x->base + p,
+                 "layer %d expert %d from rank %d: the header from rank %d is not for this round (corrupt or stale)",
+                 first->layer, first->expert, p, p);
+            goto finish;
+        }
+    }
+    memset(msg_index, 0, (size_t)P * sizeof(int64_t));
+    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
+        int64_t i = w->recv[k];
+        const rp_migration_transfer *tr = &x->tr[i];
+        int32_t p = tr->src_gpu - x->base;
+        uint64_t want = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + msg_index[p]++], got;
+        if (hash_staged(x, i, deadline, &got, &e) != RP_OK) {
+            note(&x->mine, e.status, round, tr->layer, tr->expert, tr->src_gpu, "layer %d expert %d from rank %d: "
+                 "reading it to check failed: %s", tr->layer, tr->expert, p, inner(&e));
+            goto finish;
+        }
+        if (got != want) {
+            note(&x->mine, RP_ECHECKSUM, round, tr->layer, tr->expert, tr->src_gpu,
+                 "layer %d expert %d from rank %d: checksum mismatch (0x%016" PRIx64 " received, 0x%016" PRIx64
+                 " sent)", tr->layer, tr->expert, p, got, want);
+            goto finish;
+        }
+    }
+finish:
+    if (started && !t->vt->finish(t)) x->buffers_in_use = true;
+    goto out;
+nomem:
+    note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's message lists", round);
+out:
+    round_ops_free(x, &ro, x->buffers_in_use);
+    rp_free(x->ctx, send_count);
+    rp_free(x->ctx, recv_count);
+    rp_free(x->ctx, send_first);
+    rp_free(x->ctx, recv_first);
+    rp_free(x->ctx, send_hoff);
+    rp_free(x->ctx, recv_hoff);
+    rp_free(x->ctx, msg_index);
+}
+
+/* Write a round's staged experts into this rank's slots. */
+static rp_status commit_round(exec *x, int32_t round, double deadline, rp_migration_result *res, rp_error *err)
+{
+    const rank_work *w = &x->w;
+    for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
+        const rp_migration_write *wr = &x->wr[w->writes[k]];
+        int32_t count = 0;
+        const rp_tensor *ts = rp_registry_tensors(x->reg, wr->layer, wr->slot, &count);
+        size_t off = 0;
+        for (int32_t j = 0; j < count; j++) {
+            rp_status st = x->t->vt->copy(x->t, ts[j].data, x->staging + w->stage_off[wr->transfer] + off,
+                                          ts[j].bytes, deadline, err);
+            if (st != RP_OK) {
+                rp_transport_break(x->t, "a commit failed halfway");
+                return rp_fail(err, st, "migration: rank %d: writing layer %d slot %d failed after every rank had "
+                               "agreed to commit (%s); this layer's weights on this rank are inconsistent: end the "
+                               "job", x->t->rank, wr->layer, wr->slot, inner(err));
+            }
+            off += ts[j].bytes;
+        }
+        res->slots_written++;
+    }
+    for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) res->bytes_sent += x->tr[w->send[k]].bytes;
+    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++)
+        res->bytes_received += x->tr[w->recv[k]].bytes;
+    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++)
+        res->bytes_local += x->tr[w->local[k]].bytes;
+    return RP_OK;
+}
+
+/* The failure every rank reports: a cause before its consequences (timeouts usually
+ * follow another rank's failure), then the lowest rank. */
+static const exec_record *pick_failure(const exec_record *all, int32_t n)
+{
+    const exec_record *best = NULL;
+    for (int32_t i = 0; i < n; i++) {
+        if (all[i].status == RP_OK) continue;
+        if (!best || (best->status == RP_ETIMEOUT && all[i].status != RP_ETIMEOUT)) best = &all[i];
+    }
+    return best;
+}
+
+void rp_migration_exec_defaults(rp_migration_exec_options *opts)
+{
+    if (!opts) return;
+    memset(opts, 0, sizeof *opts);
+    opts->timeout_s = 60.0;
+    opts->ep_group = -1;
+}
+
+rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *reg, rp_transport *t,
+                               const rp_migration_exec_options *opts, rp_migration_result *result, rp_error *err)
+{
+    const double t0 = rp_now_s();
+    rp_migration_result res_local, *res = result ? result : &res_local;
+    memset(res, 0, sizeof *res);
+    res->failed_rank = res->failed_layer = res->failed_expert = res->failed_peer = -1;
+    if (!t) return rp_fail(err, RP_EINVAL, "migration: no transport");
+    if (t->broken)
+        return rp_fail(err, RP_ETRANSPORT, "migration: the %s transport is unusable after an earlier failure (%s)",
+                       t->vt->name, t->broken_why);
+    rp_migration_exec_options defaults;
+    rp_migration_exec_defaults(&defaults);
+    if (!opts) opts = &defaults;
+    double timeout = opts->timeout_s > 0 ? opts->timeout_s : 60.0;
+    if (!(timeout < 1e9)) timeout = 1e9;
+
+    exec x;
+    memset(&x, 0, sizeof x);
+    x.ctx = t->ctx;
+    x.mp = mp;
+    x.reg = reg;
+    x.t = t;
+    x.timeout_s = timeout;
+    x.mine.magic = RECORD_MAGIC;
+    x.mine.rank = t->rank;
+    x.mine.round = x.mine.layer = x.mine.expert = x.mine.peer = -1;
+    x.call = t->calls;
+    x.mine.calls = x.call;
+    x.mine.plan_hash = rp_migration_plan_hash(mp);
+    x.mine.layout_hash = reg ? layout_hash(reg) : 0;
+    local_checks(&x, opts);
+    res->num_rounds = mp ? rp_migration_plan_num_rounds(mp) : 0;
+    res->staging_bytes = (int64_t)x.staging_bytes;
+
+    rp_status st = RP_OK;
+    const int32_t P = t->size;
+    exec_record *all = rp_alloc(x.ctx, (size_t)P * sizeof *all);
+    if (!all) {
+        /* Without room for the answers this rank cannot take part; the others time out. */
+        st = rp_fail_nomem(err, "the migration's agreement");
+        goto out;
+    }
+
+    /* (1) Agree: same plan, same tensor layout, same call, nothing wrong locally. */
+    rp_error e;
+    rp_error_clear(&e);
+    st = t->vt->allgather(t, &x.mine, all, sizeof x.mine, rp_now_s() + timeout, &e);
+    if (st != RP_OK) {
+        rp_fail(err, st, "migration: rank %d: the agreement exchange failed (%s); nothing moved", t->rank, inner(&e));
+        goto out;
+    }
+    uint64_t max_calls = 0;
+    for (int32_t i = 0; i < P; i++)
+        if (all[i].calls > max_calls) max_calls = all[i].calls;
+    t->calls = max_calls + 1; /* ranks that fell out of step agree again next call */
+    for (int32_t i = 0; i < P; i++) {
+        all[i].text[RECORD_TEXT - 1] = '\0';
+        if (all[i].magic != RECORD_MAGIC || all[i].rank != i) {
+            st = rp_fail(err, RP_ETRANSPORT, "migration: rank %d sent a malformed agreement record; nothing moved", i);
+            goto out;
+        }
+    }
+    const exec_record *bad = pick_failure(all, P);
+    if (bad) {
+        st = rp_fail(err, (rp_status)bad->status, "migration: rank %d: %s; nothing moved", bad->rank, bad->text);
+        if (err) err->expert = bad->expert;
+        res->failed_rank = bad->rank;
+        res->failed_layer = bad->layer;
+        goto out;
+    }
+    for (int32_t i = 1; i < P; i++) {
+        if (all[i].plan_hash != all[0].plan_hash) {
+            st = rp_fail(err, RP_EPLAN, "migration: rank %d has plan hash 0x%016" PRIx64 ", rank 0 has 0x%016" PRIx64
+                         "; nothing moved", i, all[i].plan_hash, all[0].plan_hash);
+            res->failed_rank = i;
+            goto out;
+        }
+        if (all[i].layout_hash != all[0].layout_hash) {
+            st = rp_fail(err, RP_EPLAN, "migration: rank %d's registry lays out the expert tensors differently from "
+                         "rank 0's (layout hash 0x%016" PRIx64 " against 0x%016" PRIx64 "); nothing moved", i,
+                         all[i].layout_hash, all[0].layout_hash);
+            res->failed_rank = i;
+            goto out;
+        }
+        if (all[i].calls != all[0].calls) {
+            st = rp_fail(err, RP_EPLAN, "migration: rank %d is at migration call %" PRIu64 ", rank 0 at %" PRIu64
+                         " (a rank skipped a call); nothing moved", i, all[i].calls, all[0].calls);
+            res->failed_rank = i;
+            goto out;
+        }
+    }
+    /* From here every rank runs the same rounds under the same call number. */
+
+    const int32_t R = rp_migration_plan_num_rounds(mp);
+    for (int32_t round = 0; round < R; round++) {
+        /* (2)-(3) Move into staging, check checksums. */
+        double deadline = rp_now_s() + timeout;
+        run_round(&x, round, deadline);
+        if (t->broken) {
+            /* This rank cannot take part in the decision, so no rank can complete it
+             * and commit; the others time out there. */
+            st = rp_fail(err, x.mine.status != RP_OK ? (rp_status)x.mine.status : RP_ETRANSPORT,
+                         "migration: rank %d: %s; the %s transport is unusable (%s), so no rank can commit round %d: "
+                         "end the job", t->rank, x.mine.status != RP_OK ? x.mine.text : "failed", t->vt->name,
+                         t->broken_why, round);
+            if (err) err->expert = x.mine.expert;
+            res->failed_rank = t->rank;
+            res->failed_layer = x.mine.layer;
+            res->failed_expert = x.mine.expert;
+            res->failed_peer = x.mine.peer;
+            goto out;
+        }
+        /* (4) Agree on the outcome. Ranks that failed fast wait for slow ones up to one
+         * more timeout, so a rank that timed out still reaches this exchange in time. */
+        rp_error_clear(&e);
+        st = t->vt->allgather(t, &x.mine, all, sizeof x.mine, deadline + timeout, &e);
+        if (st != RP_OK) {
+            rp_transport_break(t, "the decision exchange of a migration failed");
+            st = rp_fail(err, st, "migration: rank %d could not learn whether round %d succeeded on every rank (%s); "
+                         "this rank wrote nothing of it, but others may have: the transport is unusable, end the job",
+                         t->rank, round, inner(&e));
+            res->failed_rank = t->rank;
+            goto out;
+        }
+        for (int32_t i = 0; i < P; i++) all[i].text[RECORD_TEXT - 1] = '\0';
+        bad = pick_failure(all, P);
+        if (bad) {
+            char committed[96] = "nothing was written, every weight is as before";
+            if (res->rounds_committed > 0)
+                snprintf(committed, sizeof committed, "rounds 0 to %d stay committed (their layers are in the target "
+                         "placement)", res->rounds_committed - 1);
+            st = rp_fail(err, (rp_status)bad->status, "migration: rank %d: %s; round %d was rolled back on every rank "
+                         "(no slot of it was written); %s", bad->rank, bad->text, round, committed);
+            if (err) err->expert = bad->expert;
+            res->failed_rank = bad->rank;
+            res->failed_layer = bad->layer;
+            res->failed_expert = bad->expert;
+            res->failed_peer = bad->peer;
+            goto out;
+        }
+        /* (5) Every rank succeeded: commit. */
+        st = commit_round(&x, round, deadline + timeout, res, err);
+        if (st != RP_OK) {
+            res->failed_rank = t->rank;
+            goto out;
+        }
+        res->rounds_committed++;
+    }
+    st = RP_OK;
+out:
+    if (x.own_staging && !x.buffers_in_use) t->vt->free(t, x.staging);
+    if (x.buffers_in_use)
+        rp_transport_break(t, "a receive could not be cancelled; its staging memory was left to it");
+    rp_free(x.ctx, all);
+    rp_free(x.ctx, x.tr);
+    rp_free(x.ctx, x.wr);
+    work_free(x.ctx, &x.w);
+    res->seconds = rp_now_s() - t0;
+    return st;
+}

@@ -1,0 +1,206 @@
+/* The migration executor over the MPI transport, one process per rank (run by
+ * tests/test_migrate_mpi.c under mpirun -np 4): the property test over random
+ * placements and weights, rollback under every injected fault on every rank, a plan
+ * mismatch refused. Rank 0 prints TAP; every check is agreed over all ranks. */
+#include "routepack/routepack.h"
+#include "routepack/migrate_mpi.h"
+#include "transport.h"
+#include "tap.h"
+#include "mpi/migrate_world.h"
+
+static int my_rank, num_ranks;
+
+/* A check passes when it passes on every rank; rank 0 reports it. */
+static void check(bool mine, const char *fmt, ...) RP_PRINTF(2, 3);
+static void check(bool mine, const char *fmt, ...)
+{
+    int v = mine, all = 0;
+    MPI_Allreduce(&v, &all, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD);
+    if (my_rank != 0) {
+        tap_count++;
+        return;
+    }
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    ok(all, "%s", text);
+}
+
+typedef struct mscene {
+    rp_config *cfg;
+    rp_plan *cur, *tgt;
+    w_layout lay;
+    w_gpu gpu;
+    rp_migration_plan *mp;
+} mscene;
+
+static int mscene_init(mscene *s, rp_context *ctx, int nodes, int gpn, int ep, int slots, int L, int E,
+                       const int32_t *cur, const int32_t *tgt, size_t max_tensor, int64_t budget)
+{
+    memset(s, 0, sizeof *s);
+    s->cfg = w_config(ctx, nodes, gpn, ep, slots, L, E);
+    if (!s->cfg) return -1;
+    s->cur = w_plan(ctx, s->cfg, cur);
+    s->tgt = w_plan(ctx, s->cfg, tgt);
+    w_random_layout(&s->lay, L, max_tensor); /* same draws on every rank */
+    if (!s->cur || !s->tgt || w_gpu_init(&s->gpu, ctx, &s->lay, s->cur, my_rank) != 0) return -1;
+    rp_migration_options o = {s->lay.bytes, budget};
+    return rp_migration_plan_new(ctx, s->cfg, s->cur, s->tgt, &o, &s->mp, NULL) == RP_OK ? 0 : -1;
+}
+
+static void mscene_free(mscene *s)
+{
+    rp_migration_plan_free(s->mp);
+    w_gpu_free(&s->gpu);
+    rp_plan_free(s->cur);
+    rp_plan_free(s->tgt);
+    rp_config_free(s->cfg);
+}
+
+static rp_status run(mscene *s, rp_transport *t, const rp_migration_plan *mp, double timeout, rp_error *err,
+                     rp_migration_result *res)
+{
+    rp_migration_exec_options o;
+    rp_migration_exec_defaults(&o);
+    o.timeout_s = timeout;
+    rp_error_clear(err);
+    return rp_migration_execute(mp ? mp : s->mp, s->gpu.reg, t, &o, res, err);
+}
+
+static void test_property(rp_context *ctx, rp_transport *t)
+{
+    struct { int nodes, gpn, ep, slots, E; } shapes[] = {{2, 2, 4, 3, 9}, {1, 4, 2, 4, 6}};
+    const int L = 3, runs_per_shape = 6;
+    int good = 0, total = 0;
+    for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++) {
+        const int ep = shapes[sh].ep, slots = shapes[sh].slots, E = shapes[sh].E, S = ep * slots;
+        for (int r = 0; r < runs_per_shape; r++) {
+            int32_t cur[3 * 12], tgt[3 * 12];
+            for (int l = 0; l < L; l++) {
+                w_random_layer(cur + l * S, S, E);
+                w_random_layer(tgt + l * S, S, E);
+            }
+            mscene s;
+            bool fine = mscene_init(&s, ctx, shapes[sh].nodes, shapes[sh].gpn, ep, slots, L, E, cur, tgt, 300, 0) == 0;
+            if (fine && r % 2) { /* several rounds */
+                rp_migration_summary sum;
+                rp_migration_plan_summary(s.mp, &sum);
+                rp_migration_plan_free(s.mp);
+                s.mp = NULL;
+                rp_migration_options o = {s.lay.bytes, sum.min_budget_bytes};
+                fine = rp_migration_plan_new(ctx, s.cfg, s.cur, s.tgt, &o, &s.mp, NULL) == RP_OK;
+            }
+            rp_error err;
+            rp_migration_result res;
+            rp_status st = fine ? run(&s, t, NULL, 30.0, &err, &res) : RP_EINVAL;
+            int bad = fine ? w_gpu_bad_slots(&s.gpu, s.tgt, (1u << L) - 1) : -1;
+            if (st != RP_OK || bad != 0) printf("# rank %d: %s (%d slots wrong)\n", my_rank, err.text, bad);
+            int mine = st == RP_OK && bad == 0, all = 0;
+            MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD);
+            good += all;
+            total++;
+            mscene_free(&s);
+        }
+    }
+    check(good == total, "mpi property: after %d random migrations every slot holds exactly its expert's bytes on "
+          "every rank (%d good)", total, good);
+}
+
+static void test_faults(rp_context *ctx, rp_transport *t)
+{
+    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
+    rp_fault_kind kinds[] = {RP_FAULT_DROP, RP_FAULT_CORRUPT, RP_FAULT_DELAY, RP_FAULT_SEND_FAIL};
+    const char *names[] = {"drop", "corrupt", "delay", "send failure"};
+    rp_status want[] = {RP_ETIMEOUT, RP_ECHECKSUM, RP_ETIMEOUT, RP_ETRANSPORT};
+    for (size_t k = 0; k < 4; k++)
+        for (int rank = 0; rank < num_ranks; rank++) {
+            int32_t cur[2 * 12], tgt[2 * 12];
+            for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
+            w_rotate(cur, tgt, L, ep, slots);
+            mscene s;
+            bool fine = mscene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, 200, 0) == 0;
+            int64_t nth = (int64_t)(rank + k) % 3;
+            rp_migration_transfer tr = {0};
+            if (fine) rp_migration_plan_transfer(s.mp, w_fault_transfer(s.mp, &s.lay, rank, nth), &tr, NULL);
+            if (rank == my_rank) {
+                rp_fault f = {kinds[k], nth, 30.0};
+                rp_transport_set_fault(t, &f);
+            }
+            rp_error err;
+            rp_migration_result res;
+            rp_status st = fine ? run(&s, t, NULL, 0.4, &err, &res) : RP_EINVAL;
+            rp_transport_set_fault(t, NULL);
+            char who[32], what[64];
+            snprintf(who, sizeof who, "rank %d", rank);
+            snprintf(what, sizeof what, "layer %d expert %d", tr.layer, tr.expert);
+            if (st != want[k]) printf("# rank %d got %s: %s\n", my_rank, rp_strerror(st), err.text);
+            else if (my_rank == 0 && rank == 1) printf("# %s\n", err.text);
+            check(st == want[k], "mpi %s on rank %d: every rank fails with %s", names[k], rank, rp_strerror(want[k]));
+            check(fine && w_gpu_intact(&s.gpu), "mpi %s on rank %d: every weight byte is intact", names[k], rank);
+            check(strstr(err.text, who) && strstr(err.text, what),
+                  "mpi %s on rank %d: the error names the rank, layer and expert", names[k], rank);
+            check(res.failed_layer == tr.layer && res.failed_expert == tr.expert && res.rounds_committed == 0,
+                  "mpi %s on rank %d: the result names the failure", names[k], rank);
+            st = fine ? run(&s, t, NULL, 30.0, &err, &res) : RP_EINVAL;
+            if (st != RP_OK) printf("# rank %d retry: %s\n", my_rank, err.text);
+            check(st == RP_OK && w_gpu_bad_slots(&s.gpu, s.tgt, 3) == 0,
+                  "mpi %s on rank %d: a retry without the fault completes", names[k], rank);
+            mscene_free(&s);
+        }
+}
+
+static void test_mismatch(rp_context *ctx, rp_transport *t)
+{
+    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
+    int32_t cur[2 * 12], tgt[2 * 12], other[2 * 12];
+    for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
+    w_rotate(cur, tgt, L, ep, slots);
+    w_rotate(tgt, other, L, ep, slots);
+    mscene s;
+    bool fine = mscene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, 100, 0) == 0;
+    rp_plan *p2 = w_plan(ctx, s.cfg, other);
+    rp_migration_plan *mp2 = NULL;
+    rp_migration_options o = {s.lay.bytes, 0};
+    rp_migration_plan_new(ctx, s.cfg, s.cur, p2, &o, &mp2, NULL);
+    rp_error err;
+    rp_migration_result res;
+    rp_status st = fine ? run(&s, t, my_rank == 2 ? mp2 : NULL, 5.0, &err, &res) : RP_EINVAL;
+    check(st == RP_EPLAN && strstr(err.text, "rank 2 has plan hash") != NULL,
+          "mpi plan mismatch: every rank refuses and names rank 2");
+    check(fine && w_gpu_intact(&s.gpu), "mpi plan mismatch: every byte intact");
+    rp_migration_plan_free(mp2);
+    rp_plan_free(p2);
+    mscene_free(&s);
+}
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &my_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &num_ranks);
+    if (num_ranks != 4) {
+        if (my_rank == 0) printf("1..0 # SKIP needs 4 ranks (mpirun -np 4), has %d\n", num_ranks);
+        MPI_Finalize();
+        return 0;
+    }
+    rp_context *ctx;
+    rp_context_new(NULL, NULL, &ctx);
+    rp_transport *t = NULL;
+    rp_error err;
+    rp_status st = rp_transport_mpi_new(ctx, MPI_COMM_WORLD, &t, &err);
+    check(st == RP_OK && rp_transport_rank(t) == my_rank && rp_transport_size(t) == 4 &&
+          strcmp(rp_transport_name(t), "mpi") == 0 && rp_transport_built("mpi"),
+          "mpi transport over MPI_COMM_WORLD");
+    if (st == RP_OK) {
+        test_property(ctx, t);
+        test_faults(ctx, t);
+        test_mismatch(ctx, t);
+        check(rp_transport_usable(t), "mpi transport still usable after every fault");
+    }
+    rp_transport_free(t);
+    rp_context_free(ctx);
+    MPI_Finalize();
+    return my_rank == 0 ? tap_done() : 0;
+}

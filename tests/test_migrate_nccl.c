@@ -1,0 +1,153 @@
+/* The NCCL transport on one GPU: a self send/receive of device buffers through the
+ * transport with host checksums, and the executor swapping registered device buffers
+ * through device staging. Skips without NCCL in the build or without a GPU. */
+#include "routepack/routepack.h"
+#include "tap.h"
+
+#ifdef RP_HAVE_NCCL
+#include "routepack/migrate_nccl.h"
+#include "transport.h"
+
+#include <stdlib.h>
+
+#define CHECKS 13
+
+static void fill(unsigned char *p, size_t n, unsigned seed)
+{
+    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)((i * 2654435761u + seed * 40503u) >> 13);
+}
+
+static void test_self_transfer(rp_transport *t)
+{
+    const size_t n = (3u << 20) + 17; /* more than the pinned bounce buffer, odd size */
+    unsigned char *host = malloc(n), *back = malloc(n);
+    fill(host, n, 7);
+    void *src = NULL, *dst = NULL;
+    cudaMalloc(&src, n);
+    cudaMalloc(&dst, n);
+    cudaMemset(dst, 0, n);
+    rp_error err;
+    double deadline = rp_now_s() + 30.0;
+    ok(t->vt->from_host(t, src, host, n, deadline, &err) == RP_OK, "nccl: host to device");
+    rp_transport_op ops[2] = {{0, 1, false, true, dst, n}, {0, 1, true, true, src, n}};
+    int32_t failed = -1;
+    rp_status st = t->vt->start(t, ops, 2, &failed, &err);
+    if (st == RP_OK) st = t->vt->wait(t, deadline, &failed, &err);
+    if (st != RP_OK) diag("%s", err.text);
+    ok(st == RP_OK && t->vt->finish(t), "nccl: grouped self send and receive of a device buffer");
+    rp_hash_state a, b;
+    rp_hash_init(&a, 0);
+    rp_hash_init(&b, 0);
+    ok(t->vt->hash(t, &a, src, n, deadline, &err) == RP_OK && t->vt->hash(t, &b, dst, n, deadline, &err) == RP_OK,
+       "nccl: host checksums of device memory");
+    is_int(rp_hash_final(&b), rp_hash64(host, n, 0), "nccl: the received bytes have the sent checksum");
+    ok(t->vt->to_host(t, back, dst, n, deadline, &err) == RP_OK && memcmp(back, host, n) == 0,
+       "nccl: the received bytes are the sent bytes");
+    cudaFree(src);
+    cudaFree(dst);
+    free(host);
+    free(back);
+}
+
+static void test_executor(rp_context *ctx, rp_transport *t)
+{
+    const char *json = "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 1, \"ep_size\": 1, \"slots_per_gpu\": 4},"
+                       " \"model\": {\"num_layers\": 2, \"num_experts\": 4, \"top_k\": 1, \"hidden_size\": 8,"
+                       " \"expert_ffn_size\": 4, \"num_heads\": 1, \"head_dim\": 8},"
+                       " \"limits\": {\"max_tokens_per_microbatch\": 1024}}";
+    rp_config *cfg = NULL;
+    rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, NULL);
+    int32_t cur[8] = {0, 1, 2, 3, 0, 1, 2, 3}, tgt[8] = {3, 2, 1, 0, 1, 1, 3, 2};
+    rp_plan *a = NULL, *b = NULL;
+    rp_plan_new(ctx, cfg, 1, &a, NULL);
+    rp_plan_new(ctx, cfg, 1, &b, NULL);
+    for (int l = 0; l < 2; l++) {
+        rp_plan_set_phy2log(a, l, cur + 4 * l, NULL);
+        rp_plan_set_phy2log(b, l, tgt + 4 * l, NULL);
+    }
+    const size_t sizes[2] = {4096, 1000};
+    unsigned char *dev = NULL;
+    cudaMalloc((void **)&dev, 2 * 4 * (sizes[0] + sizes[1]));
+    rp_registry *reg = NULL;
+    rp_registry_new(ctx, 2, 4, &reg, NULL);
+    unsigned char host[4096];
+    size_t off = 0;
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 4; k++) {
+            rp_tensor ts[2];
+            for (int i = 0; i < 2; i++) {
+                ts[i] = (rp_tensor){dev + off, sizes[i], RP_MEMORY_CUDA};
+                fill(host, sizes[i], (unsigned)(l * 100 + cur[4 * l + k] * 10 + i));
+                cudaMemcpy(dev + off, host, sizes[i], cudaMemcpyHostToDevice);
+                off += sizes[i];
+            }
+            rp_registry_set(reg, l, k, ts, 2, NULL);
+        }
+    int64_t bytes[2] = {(int64_t)(sizes[0] + sizes[1]), (int64_t)(sizes[0] + sizes[1])};
+    rp_migration_plan *mp = NULL;
+    rp_migration_options o = {bytes, 0};
+    rp_error err;
+    ok(rp_migration_plan_new(ctx, cfg, a, b, &o, &mp, &err) == RP_OK, "nccl: a one-GPU migration plan");
+    rp_migration_result res;
+    rp_status st = rp_migration_execute(mp, reg, t, NULL, &res, &err);
+    if (st != RP_OK) diag("%s", err.text);
+    ok(st == RP_OK, "nccl: the executor swaps device slots through device staging");
+    int bad = 0;
+    off = 0;
+    unsigned char want[4096];
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 4; k++)
+            for (int i = 0; i < 2; i++) {
+                cudaMemcpy(host, dev + off, sizes[i], cudaMemcpyDeviceToHost);
+                fill(want, sizes[i], (unsigned)(l * 100 + tgt[4 * l + k] * 10 + i));
+                bad += memcmp(host, want, sizes[i]) != 0;
+                off += sizes[i];
+            }
+    is_int(bad, 0, "nccl: every device slot holds its target expert's bytes");
+    ok(res.slots_written == 7 && res.rounds_committed == 1, "nccl: seven slots written in one round");
+    ok(rp_transport_usable(t), "nccl: the transport is still usable");
+    rp_migration_plan_free(mp);
+    rp_registry_free(reg);
+    cudaFree(dev);
+    rp_plan_free(a);
+    rp_plan_free(b);
+    rp_config_free(cfg);
+}
+#endif
+
+int main(void)
+{
+#ifndef RP_HAVE_NCCL
+    ok(!rp_transport_built("nccl"), "the library reports no NCCL transport");
+    skip(1, "NCCL transport not built");
+    return tap_done();
+#else
+    ok(rp_transport_built("nccl"), "the library has the NCCL transport");
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) {
+        skip(CHECKS - 1, "no GPU");
+        return tap_done();
+    }
+    cudaSetDevice(0);
+    rp_context *ctx;
+    rp_context_new(NULL, NULL, &ctx);
+    ncclComm_t comm;
+    int dev = 0;
+    cudaStream_t stream;
+    cudaStreamCreate(&stream);
+    ok(ncclCommInitAll(&comm, 1, &dev) == ncclSuccess, "nccl: a one-rank communicator");
+    rp_transport *t = NULL;
+    rp_error err;
+    ok(rp_transport_nccl_new(ctx, comm, stream, &t, &err) == RP_OK && rp_transport_size(t) == 1 &&
+       strcmp(rp_transport_name(t), "nccl") == 0, "nccl: transport over the communicator and stream");
+    if (t) {
+        test_self_transfer(t);
+        test_executor(ctx, t);
+    }
+    rp_transport_free(t);
+    ncclCommDestroy(comm);
+    cudaStreamDestroy(stream);
+    rp_context_free(ctx);
+    return tap_done();
+#endif
+}
