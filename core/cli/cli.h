@@ -4,6 +4,7 @@
 #define RP_CLI_H
 
 #include "routepack/routepack.h"
+#include "routepack/sched.h"
 
 #include <stdbool.h>
 #include <stdio.h>
@@ -43,5 +44,49 @@ int cmd_trace_info(rp_context *ctx, int argc, char **argv);
 int cmd_trace_validate(rp_context *ctx, int argc, char **argv);
 int cmd_trace_import(rp_context *ctx, int argc, char **argv);
 int cmd_stats(rp_context *ctx, int argc, char **argv);
+int cmd_simulate(rp_context *ctx, int argc, char **argv);
+int cmd_policy_list(rp_context *ctx, int argc, char **argv);
+int cmd_policy_check(rp_context *ctx, int argc, char **argv);
+int cmd_plan_baseline(rp_context *ctx, int argc, char **argv);
+int cmd_plan_eval(rp_context *ctx, int argc, char **argv);
+int cmd_plan_validate(rp_context *ctx, int argc, char **argv);
+
+/* ---- shared by simulate, policy and plan (defined in cmd_simulate.c) ---- */
+
+/* Fill `err` with a formatted message and return `status`. */
+rp_status cli_error(rp_error *err, rp_status status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Load a config; `microbatches` > 0 replaces its limits.num_microbatches (errors in the
+ * file are still reported against the file's own lines). */
+rp_status cli_config_load(rp_context *ctx, const char *path, int64_t microbatches,
+                          rp_config **out, rp_error *err);
+
+/* Where the steps of a run come from: a trace, or generator settings (in memory). */
+typedef struct cli_input {
+    rp_trace *trace;
+    rp_gen *gen;
+    const char *path;
+    int32_t num_steps;       /* steps of the trace, or the settings' step count */
+    int32_t num_layers, num_experts, top_k;
+} cli_input;
+
+/* Open `trace` or, when it is NULL, generator settings `gen`. */
+rp_status cli_input_open(rp_context *ctx, const char *trace, const char *gen, cli_input *in,
+                         rp_error *err);
+/* The input's model shape must be the config's. */
+rp_status cli_input_check(const cli_input *in, const rp_config *cfg, rp_error *err);
+/* Batch (caller frees) and routing view of step i, counted from 0; the view is valid
+ * until the next read or close. *step_index is the step as recorded. */
+rp_status cli_input_read(cli_input *in, int32_t i, rp_batch **batch, rp_routing *routing,
+                         int64_t *step_index, rp_error *err);
+void cli_input_close(cli_input *in);
+/* The bundled example (config-small.json with small.rpt, or with gen-small.json when the
+ * trace is absent): paths in static buffers, false when the example cannot be found. */
+bool cli_default_example(const char **config, const char **trace, const char **gen);
+/* "12.3 MB" into buf. */
+const char *cli_human_bytes(double bytes, char *buf, size_t size);
+/* Name of a cost-model side ("attention", "dispatch", "expert", "combine"). */
+const char *cli_side_name(rp_side side);
 
 #endif

@@ -18,6 +18,21 @@ static const cli_command commands[] = {
      "convert .npy arrays dumped from Python into a trace"},
     {"stats", NULL, cmd_stats, "TRACE.rpt [--step K] [--json] [--threads N]",
      "routing statistics: expert loads, skew, per-sequence histograms"},
+    {"simulate", NULL, cmd_simulate,
+     "[--config C] [--trace T | --gen SETTINGS] [--policies P1,P2,...] [--steps N] [--json] "
+     "[--report OUT.html] [--watch POLICY.lua] [--microbatches M]",
+     "compare policies side by side over the same steps (no arguments: the bundled example)"},
+    {"policy", "list", cmd_policy_list, "[--config C] [--json]",
+     "the policies found on the search path: name, version, API version, description"},
+    {"policy", "check", cmd_policy_check, "POLICY.lua [--config C] [--trace T [--step K]]",
+     "load a policy in the sandbox, show its metadata and what it does on a small batch"},
+    {"plan", "baseline", cmd_plan_baseline,
+     "NAME --config C --trace T [--step K] [--microbatches M] [--out PLAN.json]",
+     "build a baseline plan (token_kk+eplb, verl_kk+contiguous, ...) for one step"},
+    {"plan", "eval", cmd_plan_eval, "--config C --trace T [--step K] --plan PLAN.json [--json]",
+     "cost breakdown of a plan: step time, lower bound, straggler"},
+    {"plan", "validate", cmd_plan_validate, "--config C [--trace T [--step K]] PLAN.json",
+     "check a plan file; print every violation"},
 };
 #define NUM_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -16,5 +16,6 @@
 #include "routepack/baseline.h"
 #include "routepack/sched.h"
 #include "routepack/migrate.h"
+#include "routepack/joint.h"
 
 #endif

@@ -40,6 +40,14 @@ typedef struct rp_sched_options {
     size_t max_memory_bytes;
     int32_t max_depth;
     const rp_comm *comm;       /* NULL: a single rank */
+    /* Added after the first version (append only). */
+    /* The policy's params as a JSON object. NULL: the config's policy.params when the
+     * scheduler runs the config's policy (`policy` NULL or equal to the config's
+     * policy.name), else every param at its default. For PACKING+PLACEMENT the object
+     * has one optional member per component, named by the component's policy name:
+     * {"eplb": {"mode": "global"}}. */
+    const char *params_json;
+    uint64_t seed;             /* mixed with the step into math.random's seed and ctx.seed */
 } rp_sched_options;
 
 /* Fill `opts` with the defaults. */
@@ -71,28 +79,47 @@ typedef struct rp_step_report {
     char policy_version[32];
     uint64_t policy_hash;          /* XXH64 of the running policy's source text */
     uint64_t plan_hash;
-    int32_t plan_from_rank;        /* multi-rank: whose plan every rank uses */
-    bool ranks_disagreed;          /* multi-rank: plan hashes differed this step */
+    int32_t plan_from_rank;        /* multi-rank: whose plan every rank uses (the lowest rank
+                                      whose policy did not fall back; 0 if all did, and 0 for
+                                      a single rank) */
+    bool ranks_disagreed;          /* multi-rank: plan hashes or fallback flags differed this
+                                      step, so rank plan_from_rank's plan was broadcast */
     int32_t experts_moved;         /* placement change against the previous step */
     double migration_bytes;
     double migration_s;
+    /* Added after the first version (append only). */
+    double policy_wall_s;          /* the policy calls alone (plan(ctx) and converting what
+                                      it returned), informational */
 } rp_step_report;
 
 /* Plan step `step` for `batch` and its routing replay (host memory). On success *plan
  * and *report point at the plan to run and its report, valid until the next step or
- * rp_sched_free. A failing policy is not an error of this call: the step falls back
- * (report->fallback) and still returns a valid plan. Errors (bad batch or routing,
- * out of memory) leave the scheduler as it was. */
+ * rp_sched_free. Whatever the policy omits stays as it was: the packing of the safe
+ * default (below) and the placement in use. A failing policy (error, limit, invalid
+ * plan) is not an error of this call: the step falls back (report->fallback, with the
+ * reason) to the safe default: the packing of rp_baseline_plan's "attn_kk" for this
+ * batch (a packing cannot be carried over: it names the previous batch's sequences) and
+ * the last good placement (contiguous on the first step). Errors (bad batch or routing,
+ * a batch no packing can hold, out of memory, a failed collective) leave the scheduler
+ * as it was, except for what the policy wrote into its own ctx.state. With opts->comm
+ * every rank must call this for the same steps: each step runs two allgathers, and a
+ * broadcast when the ranks' plans differ. */
 RP_API rp_status rp_sched_step(rp_sched *sched, int64_t step, const rp_batch *batch,
                                const rp_routing *routing, const rp_plan **plan,
                                const rp_step_report **report, rp_error *err);
 
-/* Stage a new policy for hot swap: `source` is its text (NULL: read `name_or_path`
- * as a policy name on the search path or a file). At the first step >= at_step (-1:
- * the next step) it is compiled in a fresh sandbox, dry-run on the previous step's
- * inputs, its plan validated, and only then swapped in; on failure the running
- * policy stays and the step report carries the reason. Syntax and metadata errors are
- * reported here at once. */
+/* Stage a new policy for hot swap: `source` is its text (`name_or_path` then names it in
+ * messages and may be NULL), else `name_or_path` is a policy name on the search path, a
+ * file, or "PACKING+PLACEMENT". It is compiled at once in a fresh sandbox, its metadata
+ * and params checked and its init run: those errors are returned here (and kept for
+ * rp_sched_errmsg). At the first step >= at_step (-1: the next step) it is dry-run on
+ * the previous step's inputs (this step's if there was none), its plan validated, and
+ * only then swapped in, for that step, with a fresh ctx.state and init run again; on
+ * failure the running policy stays, the staged one is dropped and report->swap_error
+ * says why. A policy staged under the running one's name keeps its params. Staging again
+ * replaces what was staged. Multi-rank: the swap happens at the first step where it is
+ * due on every rank and every rank's dry run passed with the same code; else no rank
+ * swaps. */
 RP_API rp_status rp_sched_stage_policy(rp_sched *sched, const char *name_or_path,
                                        const char *source, int64_t at_step, rp_error *err);
 
@@ -112,14 +139,30 @@ typedef struct rp_policy_info {
     char description[256];
     char path[1024];
     uint64_t hash;
+    /* Added after the first version (append only). */
+    bool shadowed;             /* an earlier directory has a policy of the same name */
 } rp_policy_info;
 
 /* Every policy found on the search path (the config's policy.search_path, then
  * RP_POLICY_PATH (colon-separated), then the shipped policies directory), each loaded
- * in a sandbox to read its metadata. Files that fail to load are reported through
- * the context's log and skipped. *infos is allocated through ctx (rp_text_free). */
+ * in a sandbox to read its metadata. In each directory files are taken in name order;
+ * a name found again in a later directory is listed with `shadowed` set (loading by
+ * name takes the first). A policy for another API version is listed (its `api` says
+ * which); files that fail to load are reported through the context's log (RP_LOG_WARN)
+ * and skipped. *infos is allocated through ctx (rp_text_free((char *)*infos)); NULL
+ * when none is found. */
 RP_API rp_status rp_policy_list(rp_context *ctx, const rp_config *cfg, rp_policy_info **infos,
                                 int32_t *count, rp_error *err);
+
+/* Load a policy (a name on the search path, or a path) in a sandbox, check its metadata
+ * and params (at their defaults) exactly as rp_sched_new does, and describe it as JSON
+ * (rp_text_free): {"name", "version", "api", "description", "path", "hash" (16 hex
+ * digits), "has_init", "params": [{"name", "type", "default", "value", "min", "max",
+ * "values", "doc"}]} ("min", "max", "values" only where declared). Errors: those of
+ * loading (RP_EIO not found, RP_EPOLICY bad metadata naming the field, RP_ENOTSUP
+ * another API version). */
+RP_API rp_status rp_policy_describe(rp_context *ctx, const rp_config *cfg, const char *name_or_path,
+                                    char **json, size_t *len, rp_error *err);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,916 @@
+/* `routepack simulate`: run several policies over the same steps, each in its own
+ * scheduler, and compare them side by side (a table, JSON, or an HTML report). Also the
+ * helpers that the policy and plan commands share: config loading and step input. */
+#include "cli.h"
+#include "report.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* The baseline users run today; speedups are measured against it. */
+#define SIM_BASELINE "token_kk+eplb"
+
+static const char *const default_policies[] = {"token_kk+contiguous", "token_kk+eplb",
+                                               "verl_kk+eplb", "attn_kk+eplb", "routepack", NULL};
+
+/* ---- shared helpers ---- */
+
+rp_status cli_error(rp_error *err, rp_status status, const char *fmt, ...)
+{
+    rp_error_clear(err);
+    err->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->text, sizeof err->text, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+const char *cli_human_bytes(double bytes, char *buf, size_t size)
+{
+    if (bytes >= 1e9) snprintf(buf, size, "%.2f GB", bytes / 1e9);
+    else if (bytes >= 1e6) snprintf(buf, size, "%.1f MB", bytes / 1e6);
+    else if (bytes >= 1e3) snprintf(buf, size, "%.1f KB", bytes / 1e3);
+    else snprintf(buf, size, "%.0f B", bytes);
+    return buf;
+}
+
+const char *cli_side_name(rp_side side)
+{
+    switch (side) {
+    case RP_SIDE_ATTENTION: return "attention";
+    case RP_SIDE_DISPATCH: return "dispatch";
+    case RP_SIDE_EXPERT: return "expert";
+    case RP_SIDE_COMBINE: return "combine";
+    }
+    return "?";
+}
+
+rp_status cli_config_load(rp_context *ctx, const char *path, int64_t microbatches, rp_config **out,
+                          rp_error *err)
+{
+    rp_config *cfg;
+    rp_status st = rp_config_load(ctx, path, &cfg, err);
+    if (st != RP_OK || microbatches <= 0) {
+        if (st == RP_OK) *out = cfg;
+        return st;
+    }
+    rp_config_free(cfg);
+    /* The file is known to be valid: rewrite limits.num_microbatches and parse the
+     * result under the file's name, so relative policy search paths still resolve
+     * against the file's directory. */
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    if (!root) return cli_error(err, RP_EIO, "%s: %s", path, jerr.text);
+    json_t *limits = json_object_get(root, "limits");
+    if (!limits) {
+        limits = json_object();
+        json_object_set_new(root, "limits", limits);
+    }
+    char *text = NULL;
+    if (!limits || json_object_set_new(limits, "num_microbatches", json_integer(microbatches)) != 0 ||
+        !(text = json_dumps(root, JSON_PRESERVE_ORDER))) {
+        json_decref(root);
+        return cli_error(err, RP_ENOMEM, "out of memory rewriting %s", path);
+    }
+    json_decref(root);
+    st = rp_config_parse(ctx, text, strlen(text), path, out, err);
+    free(text);
+    return st;
+}
+
+rp_status cli_input_open(rp_context *ctx, const char *trace, const char *gen, cli_input *in,
+                         rp_error *err)
+{
+    memset(in, 0, sizeof *in);
+    rp_status st;
+    if (trace) {
+        /* payload checksums are verified at open: a simulation on corrupted data is no
+         * simulation */
+        if ((st = rp_trace_open(ctx, trace, 0, &in->trace, err)) != RP_OK) return st;
+        const rp_trace_step_info *s = rp_trace_step(in->trace, 0);
+        in->path = trace;
+        in->num_steps = rp_trace_num_steps(in->trace);
+        in->num_layers = s->num_layers;
+        in->num_experts = s->num_experts;
+        in->top_k = s->top_k;
+        return RP_OK;
+    }
+    if ((st = rp_gen_load(ctx, gen, &in->gen, err)) != RP_OK) return st;
+    const rp_gen_info *info = rp_gen_get_info(in->gen);
+    in->path = gen;
+    in->num_steps = info->num_steps;
+    in->num_layers = info->num_layers;
+    in->num_experts = info->num_experts;
+    in->top_k = info->top_k;
+    return RP_OK;
+}
+
+rp_status cli_input_check(const cli_input *in, const rp_config *cfg, rp_error *err)
+{
+    const rp_model *m = rp_config_model(cfg);
+    if (in->num_layers != m->num_layers || in->num_experts != m->num_experts || in->top_k != m->top_k)
+        return cli_error(err, RP_EINVAL,
+                         "%s has %d MoE layers x %d experts, top-%d, but the config %s describes "
+                         "%d layers x %d experts, top-%d",
+                         in->path, in->num_layers, in->num_experts, in->top_k, rp_config_source(cfg),
+                         m->num_layers, m->num_experts, m->top_k);
+    return RP_OK;
+}
+
+rp_status cli_input_read(cli_input *in, int32_t i, rp_batch **batch, rp_routing *routing,
+                         int64_t *step_index, rp_error *err)
+{
+    if (in->trace) {
+        rp_status st = rp_trace_read_step(in->trace, i, batch, routing, err);
+        if (st == RP_OK) *step_index = rp_trace_step(in->trace, i)->step;
+        return st;
+    }
+    *step_index = i;
+    return rp_gen_step(in->gen, i, batch, routing, err);
+}
+
+void cli_input_close(cli_input *in)
+{
+    rp_trace_close(in->trace);
+    rp_gen_free(in->gen);
+    memset(in, 0, sizeof *in);
+}
+
+bool cli_default_example(const char **config, const char **trace, const char **gen)
+{
+    static char cfg_buf[4096], trace_buf[4096 + 16], gen_buf[4096 + 16];
+    const char *p = cli_example_path("config-small.json");
+    if (!p) return false;
+    snprintf(cfg_buf, sizeof cfg_buf, "%s", p);
+    *config = cfg_buf;
+    *trace = *gen = NULL;
+    /* the batch from the config's own directory, so RP_EXAMPLES_DIR replaces the whole
+     * example and never mixes with the source tree's */
+    const char *slash = strrchr(cfg_buf, '/');
+    int dir_len = slash ? (int)(slash - cfg_buf) : 1;
+    const char *dir = slash ? cfg_buf : ".";
+    snprintf(trace_buf, sizeof trace_buf, "%.*s/small.rpt", dir_len, dir);
+    snprintf(gen_buf, sizeof gen_buf, "%.*s/gen-small.json", dir_len, dir);
+    if (access(trace_buf, R_OK) == 0) *trace = trace_buf;
+    else if (access(gen_buf, R_OK) == 0) *gen = gen_buf;
+    else return false;
+    return true;
+}
+
+/* ---- the simulation ---- */
+
+/* What one policy did in one step (the scheduler's report, copied). */
+typedef struct step_rec {
+    int64_t step;
+    rp_cost_summary cost;
+    int32_t num_microbatches;
+    double plan_s;
+    int64_t policy_work;
+    bool fallback, swapped;
+    char *fallback_reason, *swap_error; /* NULL when empty */
+    char policy_name[64], policy_version[32];
+    uint64_t policy_hash, plan_hash;
+    int32_t experts_moved;
+    double migration_bytes, migration_s;
+} step_rec;
+
+typedef struct sim_policy {
+    const char *spec;
+    rp_sched *sched;
+    char *error;          /* why it stopped (load or step), NULL while fine */
+    step_rec *steps;
+    int32_t num_steps;
+    /* --watch */
+    bool watched;
+    struct stat seen;     /* the file as last loaded or staged */
+    /* the worst step so far (largest ratio) and its per-GPU breakdown, for --report */
+    int32_t worst;        /* index into steps, -1 before the first */
+    int32_t worst_mb, worst_layer, worst_gpu;
+    rp_side worst_side;
+    double *attention, *dispatch, *expert, *combine; /* [G] each */
+    /* forward expert time of each GPU summed over microbatches and layers, per step run
+     * [steps x G], for the expert load chart */
+    double *expert_by_step;
+} sim_policy;
+
+typedef struct sim_opts {
+    const char *config, *trace, *gen, *policies, *report, *watch;
+    int64_t steps, microbatches;
+    bool json;
+} sim_opts;
+
+static char *dup_or_null(const char *s)
+{
+    return s && s[0] ? strdup(s) : NULL;
+}
+
+static bool progress_on;
+
+static void progress_clear(void)
+{
+    if (progress_on) fprintf(stderr, "\r\033[K");
+}
+
+static int parse_sim_opts(int argc, char **argv, sim_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    const char *steps = NULL, *mbs = NULL;
+    bool bad = false;
+    for (int i = 0; i < argc && !bad; i++) {
+        if (cli_opt(argc, argv, &i, "--config", &o->config, &bad) ||
+            cli_opt(argc, argv, &i, "--trace", &o->trace, &bad) ||
+            cli_opt(argc, argv, &i, "--gen", &o->gen, &bad) ||
+            cli_opt(argc, argv, &i, "--policies", &o->policies, &bad) ||
+            cli_opt(argc, argv, &i, "--steps", &steps, &bad) ||
+            cli_opt(argc, argv, &i, "--report", &o->report, &bad) ||
+            cli_opt(argc, argv, &i, "--watch", &o->watch, &bad) ||
+            cli_opt(argc, argv, &i, "--microbatches", &mbs, &bad))
+            continue;
+        if (!strcmp(argv[i], "--json")) {
+            o->json = true;
+            continue;
+        }
+        if (argv[i][0] == '-' && argv[i][1]) return cli_usage("simulate: unknown option '%s'", argv[i]);
+        return cli_usage("simulate takes no positional arguments, got '%s' (use --trace or --config)",
+                         argv[i]);
+    }
+    if (bad) return CLI_USAGE;
+    if (o->trace && o->gen) return cli_usage("simulate: give --trace or --gen, not both");
+    if (steps) {
+        if (!cli_int("--steps", steps, &o->steps)) return CLI_USAGE;
+        if (o->steps < 1 || o->steps > INT32_MAX)
+            return cli_usage("--steps must be >= 1, got %s", steps);
+    }
+    if (mbs) {
+        if (!cli_int("--microbatches", mbs, &o->microbatches)) return CLI_USAGE;
+        if (o->microbatches < 1 || o->microbatches > (1 << 20))
+            return cli_usage("--microbatches must be in [1, 1048576], got %s", mbs);
+    }
+    if (o->policies) {
+        bool any = false;
+        for (const char *p = o->policies; *p; p++) any |= *p != ',' && *p != ' ';
+        if (!any) return cli_usage("--policies is empty");
+    }
+    return CLI_OK;
+}
+
+/* Split "a, b,c" into trimmed, non-empty specs; the watched file joins the list when it
+ * is not in it. Returns the count; -1 when out of memory. */
+static int split_policies(const char *list, const char *watch, char ***out)
+{
+    char *copy = strdup(list ? list : "");
+    int n = 0, cap = 8;
+    char **v = malloc((size_t)cap * sizeof *v);
+    if (!copy || !v) goto oom;
+    if (!list)
+        for (const char *const *d = default_policies; *d; d++) {
+            if (n == cap && !(v = realloc(v, (size_t)(cap *= 2) * sizeof *v))) goto oom;
+            if (!(v[n++] = strdup(*d))) goto oom;
+        }
+    for (char *save = NULL, *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ' || *tok == '\t') tok++;
+        size_t len = strlen(tok);
+        while (len && (tok[len - 1] == ' ' || tok[len - 1] == '\t')) tok[--len] = '\0';
+        if (!len) continue;
+        if (n == cap && !(v = realloc(v, (size_t)(cap *= 2) * sizeof *v))) goto oom;
+        if (!(v[n++] = strdup(tok))) goto oom;
+    }
+    if (watch) {
+        bool found = false;
+        for (int i = 0; i < n; i++) found |= !strcmp(v[i], watch);
+        if (!found) {
+            if (n == cap && !(v = realloc(v, (size_t)(cap + 1) * sizeof *v))) goto oom;
+            if (!(v[n++] = strdup(watch))) goto oom;
+        }
+    }
+    free(copy);
+    *out = v;
+    return n;
+oom:
+    free(copy);
+    if (v)
+        for (int i = 0; i < n; i++) free(v[i]);
+    free(v);
+    return -1;
+}
+
+static char *read_text_file(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        size_t got = fread(buf + n, 1, cap - n - 1, f);
+        n += got;
+        if (n + 1 < cap) break;
+        char *grown = realloc(buf, cap *= 2);
+        if (!grown) {
+            free(buf);
+            buf = NULL;
+        } else {
+            buf = grown;
+        }
+    }
+    bool failed = ferror(f);
+    fclose(f);
+    if (!buf || failed) {
+        free(buf);
+        return NULL;
+    }
+    buf[n] = '\0';
+    *len = n;
+    return buf;
+}
+
+static bool file_changed(const struct stat *a, const struct stat *b)
+{
+    return a->st_mtim.tv_sec != b->st_mtim.tv_sec || a->st_mtim.tv_nsec != b->st_mtim.tv_nsec ||
+           a->st_size != b->st_size || a->st_ino != b->st_ino;
+}
+
+/* --watch: when the file changed since it was last seen, stage its new text. */
+static void watch_check(sim_policy *p, int64_t step)
+{
+    struct stat now;
+    if (stat(p->spec, &now) != 0) {
+        progress_clear();
+        fprintf(stderr, "routepack: watch: %s: %s; the running policy stays\n", p->spec, strerror(errno));
+        return;
+    }
+    if (!file_changed(&now, &p->seen)) return;
+    p->seen = now;
+    size_t len;
+    char *text = read_text_file(p->spec, &len);
+    progress_clear();
+    if (!text) {
+        fprintf(stderr, "routepack: watch: cannot read %s: %s; the running policy stays\n", p->spec,
+                strerror(errno));
+        return;
+    }
+    rp_error err;
+    rp_error_clear(&err);
+    if (rp_sched_stage_policy(p->sched, p->spec, text, -1, &err) != RP_OK)
+        fprintf(stderr, "routepack: watch: %s changed; not staged: %s; the running policy stays\n",
+                p->spec, err.text[0] ? err.text : rp_strerror(err.status));
+    else
+        fprintf(stderr, "routepack: watch: %s changed; staged for step %" PRId64 "\n", p->spec, step);
+    free(text);
+}
+
+static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *plan)
+{
+    memset(r, 0, sizeof *r);
+    r->step = rep->step;
+    r->cost = rep->cost;
+    r->num_microbatches = plan ? rp_plan_num_microbatches(plan) : 0;
+    r->plan_s = rep->plan_wall_s;
+    r->policy_work = rep->policy_work;
+    r->fallback = rep->fallback;
+    r->swapped = rep->swapped;
+    r->fallback_reason = dup_or_null(rep->fallback_reason);
+    r->swap_error = dup_or_null(rep->swap_error);
+    snprintf(r->policy_name, sizeof r->policy_name, "%s", rep->policy_name);
+    snprintf(r->policy_version, sizeof r->policy_version, "%s", rep->policy_version);
+    r->policy_hash = rep->policy_hash;
+    r->plan_hash = rep->plan_hash;
+    r->experts_moved = rep->experts_moved;
+    r->migration_bytes = rep->migration_bytes;
+    r->migration_s = rep->migration_s;
+}
+
+/* Price the step's plan with our own evaluator (built for the step with the scheduler's
+ * split rule, so the arrays are the cost model's own): keep each GPU's expert time, and
+ * the per-GPU breakdown at the straggler (microbatch, layer) if this is the policy's
+ * worst step so far. */
+static rp_status track_step(sim_policy *p, rp_cost *cost, const rp_plan *plan, const rp_config *cfg,
+                            rp_error *err)
+{
+    int32_t last = p->num_steps - 1;
+    rp_cost_summary sum;
+    rp_status st = rp_cost_evaluate(cost, plan, &sum, err);
+    if (st != RP_OK) return st;
+    const int32_t G = rp_config_topology(cfg)->num_gpus, L = rp_config_model(cfg)->num_layers;
+    const int32_t M = rp_plan_num_microbatches(plan);
+    const double *A = rp_cost_attention_breakdown(cost), *D = rp_cost_dispatch_breakdown(cost);
+    const double *X = rp_cost_expert_breakdown(cost), *C = rp_cost_combine_breakdown(cost);
+    double *row = p->expert_by_step + (size_t)last * G;
+    for (int32_t g = 0; g < G; g++) {
+        double total = 0;
+        for (int32_t m = 0; m < M; m++)
+            for (int32_t l = 0; l < L; l++) total += X[((size_t)m * L + l) * G + g];
+        row[g] = total;
+    }
+    if (p->worst >= 0 && !(p->steps[last].cost.ratio > p->steps[p->worst].cost.ratio)) return RP_OK;
+    int32_t mb = sum.straggler_mb, layer = sum.straggler_layer;
+    if (mb < 0 || mb >= M || layer < 0 || layer >= L)
+        return cli_error(err, RP_EINVAL, "the cost model named microbatch %d layer %d as the straggler "
+                         "of a plan with %d microbatches and %d layers", mb, layer, M, L);
+    p->worst = last;
+    p->worst_mb = mb;
+    p->worst_layer = layer;
+    p->worst_gpu = sum.straggler_gpu;
+    p->worst_side = sum.straggler_side;
+    for (int32_t g = 0; g < G; g++) {
+        size_t at = ((size_t)mb * L + layer) * G + g;
+        p->attention[g] = A[(size_t)g * M + mb];
+        p->dispatch[g] = D[at];
+        p->expert[g] = X[at];
+        p->combine[g] = C[at];
+    }
+    return RP_OK;
+}
+
+typedef struct sim_summary {
+    double mean_step_s, mean_lb_s, mean_ratio, speedup, attn_imb, expert_imb, migrated, plan_s;
+    int32_t fallbacks, swaps;
+    int32_t worst; /* index of the step with the largest step / lower bound (the first) */
+} sim_summary;
+
+static void summarize(const sim_policy *p, const sim_policy *base, sim_summary *s)
+{
+    memset(s, 0, sizeof *s);
+    int32_t n = p->num_steps;
+    for (int32_t i = 0; i < n; i++) {
+        const step_rec *r = &p->steps[i];
+        s->mean_step_s += r->cost.step_s;
+        s->mean_lb_s += r->cost.lower_bound_s;
+        s->mean_ratio += r->cost.ratio;
+        s->attn_imb += r->cost.attention_imbalance;
+        s->expert_imb += r->cost.expert_imbalance;
+        s->migrated += r->migration_bytes;
+        s->plan_s += r->plan_s;
+        s->fallbacks += r->fallback;
+        s->swaps += r->swapped;
+        if (r->cost.ratio > p->steps[s->worst].cost.ratio) s->worst = i;
+    }
+    if (n > 0) {
+        s->mean_step_s /= n, s->mean_lb_s /= n, s->mean_ratio /= n, s->attn_imb /= n;
+        s->expert_imb /= n, s->migrated /= n, s->plan_s /= n;
+    }
+    /* over the steps both ran, so a policy that stopped early is compared fairly */
+    s->speedup = NAN;
+    if (base && base->num_steps > 0 && n > 0) {
+        int32_t common = n < base->num_steps ? n : base->num_steps;
+        double mine = 0, theirs = 0;
+        for (int32_t i = 0; i < common; i++) {
+            mine += p->steps[i].cost.step_s;
+            theirs += base->steps[i].cost.step_s;
+        }
+        if (mine > 0) s->speedup = theirs / mine;
+    }
+}
+
+static void print_table(const sim_policy *pol, int np, const sim_policy *base, const char *config,
+                        const cli_input *in, int32_t steps, const rp_config *cfg)
+{
+    const rp_topology *t = rp_config_topology(cfg);
+    const rp_model *m = rp_config_model(cfg);
+    printf("routepack simulate: %s, %s %s, %d step%s\n", config, in->trace ? "trace" : "generated from",
+           in->path, steps, steps == 1 ? "" : "s");
+    printf("  %d GPUs (%d node%s x %d), EP groups of %d; %d MoE layers x %d experts, top-%d\n\n",
+           t->num_gpus, t->num_nodes, t->num_nodes == 1 ? "" : "s", t->gpus_per_node, t->ep_size,
+           m->num_layers, m->num_experts, m->top_k);
+    int w = 6;
+    for (int i = 0; i < np; i++) w = (int)strlen(pol[i].spec) > w ? (int)strlen(pol[i].spec) : w;
+    printf("%-*s  %9s  %8s  %8s  %9s  %10s  %9s  %13s  %8s\n", w, "policy", "step ms", "step/LB", "speedup",
+           "attn imb", "expert imb", "fallbacks", "migrated/step", "plan ms");
+    for (int i = 0; i < np; i++) {
+        const sim_policy *p = &pol[i];
+        if (p->num_steps == 0) {
+            printf("%-*s  did not run: %s\n", w, p->spec, p->error ? p->error : "unknown error");
+            continue;
+        }
+        sim_summary s;
+        summarize(p, base, &s);
+        char speed[32], mig[32];
+        if (isnan(s.speedup)) snprintf(speed, sizeof speed, "-");
+        else snprintf(speed, sizeof speed, "%.3fx", s.speedup);
+        printf("%-*s  %9.3f  %8.3f  %8s  %9.3f  %10.3f  %9d  %13s  %8.2f%s\n", w, p->spec,
+               s.mean_step_s * 1e3, s.mean_ratio, speed, s.attn_imb, s.expert_imb, s.fallbacks,
+               cli_human_bytes(s.migrated, mig, sizeof mig), s.plan_s * 1e3,
+               p->error ? "  (stopped early)" : "");
+    }
+    printf("\nstep ms: mean predicted step time (forward + backward); step/LB: mean of step time /\n"
+           "lower bound; speedup: %s's step time / the policy's, over the steps both ran%s;\n"
+           "imbalance: max/mean over GPUs (attention per microbatch, experts per microbatch, layer\n"
+           "and EP group), mean over steps; plan ms: statistics + policy + validation per step.\n",
+           SIM_BASELINE, base ? "" : " (not run)");
+}
+
+static json_t *step_json(const step_rec *r)
+{
+    char plan_hash[17], policy_hash[17];
+    snprintf(plan_hash, sizeof plan_hash, "%016" PRIx64, r->plan_hash);
+    snprintf(policy_hash, sizeof policy_hash, "%016" PRIx64, r->policy_hash);
+    const rp_cost_summary *c = &r->cost;
+    return json_pack("{s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f,"
+                     " s:{s:i, s:i, s:i, s:s}, s:i, s:f, s:I, s:b, s:s?, s:b, s:s?,"
+                     " s:{s:s, s:s, s:s}, s:s, s:i, s:f, s:f}",
+                     "step", (json_int_t)r->step, "step_ms", c->step_s * 1e3, "lower_bound_ms",
+                     c->lower_bound_s * 1e3, "ratio", c->ratio, "attention_ms", c->attention_s * 1e3,
+                     "dispatch_ms", c->dispatch_s * 1e3, "expert_ms", c->expert_s * 1e3, "combine_ms",
+                     c->combine_s * 1e3, "grad_reduce_ms", c->grad_reduce_s * 1e3, "extra_copy_ms",
+                     c->extra_copy_s * 1e3, "attention_imbalance", c->attention_imbalance,
+                     "expert_imbalance", c->expert_imbalance, "straggler", "gpu", c->straggler_gpu,
+                     "microbatch", c->straggler_mb, "layer", c->straggler_layer, "side",
+                     cli_side_name(c->straggler_side), "num_microbatches", r->num_microbatches,
+                     "plan_ms", r->plan_s * 1e3, "policy_work", (json_int_t)r->policy_work,
+                     "fallback", r->fallback, "fallback_reason", r->fallback_reason, "swapped",
+                     r->swapped, "swap_error", r->swap_error, "policy", "name", r->policy_name,
+                     "version", r->policy_version, "hash", policy_hash, "plan_hash", plan_hash,
+                     "experts_moved", r->experts_moved, "migration_bytes", r->migration_bytes,
+                     "migration_ms", r->migration_s * 1e3);
+}
+
+/* The whole run as one JSON object on stdout (schema: docs/cli.md); false on failure. */
+static bool print_json(const sim_policy *pol, int np, const sim_policy *base, const char *config,
+                       const cli_input *in, int32_t steps, const rp_config *cfg, int64_t microbatches)
+{
+    const rp_topology *t = rp_config_topology(cfg);
+    const rp_model *m = rp_config_model(cfg);
+    json_t *arr = json_array();
+    json_t *root = json_pack("{s:s, s:i, s:s, s:{s:s, s:s, s:i}, s:{s:i, s:i, s:i, s:i, s:i, s:i, s:i},"
+                             " s:o?, s:s, s:o}",
+                             "format", "routepack-simulate", "version", 1, "config", config, "input",
+                             "kind", in->trace ? "trace" : "gen", "path", in->path, "steps", steps,
+                             "shape", "num_gpus", t->num_gpus, "num_nodes", t->num_nodes,
+                             "gpus_per_node", t->gpus_per_node, "ep_size", t->ep_size, "num_layers",
+                             m->num_layers, "num_experts", m->num_experts, "top_k", m->top_k,
+                             "microbatches", microbatches > 0 ? json_integer(microbatches) : NULL,
+                             "baseline", SIM_BASELINE, "policies", arr);
+    if (!root) return false;
+    bool good = true;
+    for (int i = 0; i < np && good; i++) {
+        const sim_policy *p = &pol[i];
+        json_t *steps_arr = json_array();
+        for (int32_t k = 0; steps_arr && k < p->num_steps; k++)
+            if (json_array_append_new(steps_arr, step_json(&p->steps[k])) != 0) good = false;
+        json_t *summary = NULL;
+        if (p->num_steps > 0) {
+            sim_summary s;
+            summarize(p, base, &s);
+            summary = json_pack("{s:i, s:f, s:f, s:f, s:o, s:f, s:f, s:i, s:i, s:f, s:f, s:I, s:f}",
+                                "steps", p->num_steps, "mean_step_ms", s.mean_step_s * 1e3,
+                                "mean_lower_bound_ms", s.mean_lb_s * 1e3, "mean_ratio", s.mean_ratio,
+                                "speedup", isnan(s.speedup) ? json_null() : json_real(s.speedup),
+                                "attention_imbalance", s.attn_imb, "expert_imbalance", s.expert_imb,
+                                "fallbacks", s.fallbacks, "swaps", s.swaps, "migrated_bytes_per_step",
+                                s.migrated, "mean_plan_ms", s.plan_s * 1e3, "worst_step",
+                                (json_int_t)p->steps[s.worst].step, "worst_ratio",
+                                p->steps[s.worst].cost.ratio);
+            if (!summary) good = false;
+        }
+        json_t *o = json_pack("{s:s, s:s, s:s?, s:o, s:o}", "policy", p->spec, "status",
+                              !p->error ? "ok" : p->num_steps ? "stopped" : "failed", "error", p->error,
+                              "summary", summary ? summary : json_null(), "steps",
+                              steps_arr ? steps_arr : json_array());
+        if (!o || json_array_append_new(arr, o) != 0) good = false;
+    }
+    if (good)
+        good = json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(9)) == 0 &&
+               putchar('\n') != EOF;
+    json_decref(root);
+    return good;
+}
+
+static rp_status write_report(rp_context *ctx, const char *path, const sim_policy *pol, int np,
+                              const sim_policy *base, const char *config, const cli_input *in,
+                              int32_t steps, const rp_config *cfg, rp_error *err)
+{
+    const rp_topology *t = rp_config_topology(cfg);
+    const rp_model *m = rp_config_model(cfg);
+    rp_report_policy *rp = calloc((size_t)np, sizeof *rp);
+    int64_t **idx = calloc((size_t)np, sizeof *idx);
+    double **ratio = calloc((size_t)np, sizeof *ratio);
+    bool **fb = calloc((size_t)np, sizeof *fb);
+    char (*running)[128] = calloc((size_t)np, sizeof *running);
+    char *text = NULL;
+    rp_status st = RP_OK;
+    if (!rp || !idx || !ratio || !fb || !running) {
+        st = cli_error(err, RP_ENOMEM, "out of memory building the report");
+        goto out;
+    }
+    for (int i = 0; i < np; i++) {
+        const sim_policy *p = &pol[i];
+        rp_report_policy *r = &rp[i];
+        r->label = p->spec;
+        if (p->num_steps == 0 || p->worst < 0) {
+            r->error = p->error ? p->error : "did not run";
+            continue;
+        }
+        int32_t n = p->num_steps;
+        idx[i] = malloc((size_t)n * sizeof **idx);
+        ratio[i] = malloc((size_t)n * sizeof **ratio);
+        fb[i] = malloc((size_t)n * sizeof **fb);
+        if (!idx[i] || !ratio[i] || !fb[i]) {
+            st = cli_error(err, RP_ENOMEM, "out of memory building the report");
+            goto out;
+        }
+        for (int32_t k = 0; k < n; k++) {
+            idx[i][k] = p->steps[k].step;
+            ratio[i][k] = p->steps[k].cost.ratio;
+            fb[i][k] = p->steps[k].fallback;
+        }
+        sim_summary s;
+        summarize(p, base, &s);
+        const step_rec *last = &p->steps[n - 1];
+        if (!strcmp(last->policy_name, p->spec))
+            snprintf(running[i], sizeof running[i], "%s", last->policy_version);
+        else
+            snprintf(running[i], sizeof running[i], "%s %s", last->policy_name, last->policy_version);
+        r->error = p->error;
+        r->running = running[i];
+        r->num_steps = n;
+        r->steps = idx[i];
+        r->ratio = ratio[i];
+        r->fallback = fb[i];
+        r->mean_step_s = s.mean_step_s;
+        r->mean_ratio = s.mean_ratio;
+        r->speedup = s.speedup;
+        r->attention_imbalance = s.attn_imb;
+        r->expert_imbalance = s.expert_imb;
+        r->fallbacks = s.fallbacks;
+        r->swaps = s.swaps;
+        r->migrated_bytes_per_step = s.migrated;
+        r->mean_plan_s = s.plan_s;
+        r->worst_step = p->steps[p->worst].step;
+        r->worst_ratio = p->steps[p->worst].cost.ratio;
+        r->worst_mb = p->worst_mb;
+        r->worst_layer = p->worst_layer;
+        r->worst_gpu = p->worst_gpu;
+        r->worst_side = p->worst_side;
+        r->attention = p->attention;
+        r->dispatch = p->dispatch;
+        r->expert = p->expert;
+        r->combine = p->combine;
+    }
+    /* the expert load chart compares the policies at one step: the worst overall, the
+     * largest mean step / lower bound over the policies that ran it */
+    int32_t load_at = -1;
+    double load_worst = -1;
+    for (int32_t k = 0; k < steps; k++) {
+        double sum = 0;
+        int ran = 0;
+        for (int i = 0; i < np; i++)
+            if (pol[i].num_steps > k && pol[i].worst >= 0) sum += pol[i].steps[k].cost.ratio, ran++;
+        if (ran && sum / ran > load_worst) load_worst = sum / ran, load_at = k;
+    }
+    int64_t load_step = 0;
+    for (int i = 0; i < np && load_at >= 0; i++) {
+        if (pol[i].num_steps <= load_at || pol[i].worst < 0) continue;
+        load_step = pol[i].steps[load_at].step;
+        rp[i].expert_step = pol[i].expert_by_step + (size_t)load_at * t->num_gpus;
+    }
+    char line1[1200], line2[512];
+    snprintf(line1, sizeof line1, "config %s; %s %s; %d step%s", config,
+             in->trace ? "trace" : "generated from", in->path, steps, steps == 1 ? "" : "s");
+    snprintf(line2, sizeof line2,
+             "%d GPUs (%d node%s x %d), EP groups of %d; %d MoE layers x %d experts, top-%d; "
+             "backward = %.2f x forward",
+             t->num_gpus, t->num_nodes, t->num_nodes == 1 ? "" : "s", t->gpus_per_node, t->ep_size,
+             m->num_layers, m->num_experts, m->top_k, rp_config_hardware(cfg)->backward_multiplier);
+    const char *context[] = {line1, line2, NULL};
+    rp_report report = {"RoutePack simulation", context, base ? SIM_BASELINE : NULL, t->num_gpus,
+                        t->gpus_per_node, np, rp, load_step};
+    size_t len;
+    if ((st = rp_report_html(ctx, &report, &text, &len, err)) != RP_OK) goto out;
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        st = cli_error(err, RP_EIO, "%s: cannot write the report: %s", path, strerror(errno));
+        goto out;
+    }
+    bool ok = fwrite(text, 1, len, f) == len;
+    ok = (fclose(f) == 0) && ok;
+    if (!ok) st = cli_error(err, RP_EIO, "%s: cannot write the report: %s", path, strerror(errno));
+out:
+    rp_text_free(ctx, text);
+    for (int i = 0; i < np && idx && ratio && fb; i++) {
+        free(idx[i]);
+        free(ratio[i]);
+        free(fb[i]);
+    }
+    free(idx);
+    free(ratio);
+    free(fb);
+    free(running);
+    free(rp);
+    return st;
+}
+
+static void free_policies(sim_policy *pol, int np)
+{
+    for (int i = 0; i < np; i++) {
+        sim_policy *p = &pol[i];
+        rp_sched_free(p->sched);
+        for (int32_t k = 0; k < p->num_steps; k++) {
+            free(p->steps[k].fallback_reason);
+            free(p->steps[k].swap_error);
+        }
+        free(p->steps);
+        free(p->error);
+        free(p->attention);
+        free(p->dispatch);
+        free(p->expert);
+        free(p->combine);
+        free(p->expert_by_step);
+    }
+    free(pol);
+}
+
+/* Stop a policy after a failed step: the others go on. */
+static void policy_stop(sim_policy *p, int64_t step, const rp_error *err)
+{
+    char buf[RP_ERROR_TEXT + 64];
+    snprintf(buf, sizeof buf, "step %" PRId64 ": %s", step, err->text[0] ? err->text : rp_strerror(err->status));
+    free(p->error);
+    p->error = strdup(buf);
+    progress_clear();
+    fprintf(stderr, "routepack: policy '%s' stopped at %s\n", p->spec, buf);
+    rp_sched_free(p->sched);
+    p->sched = NULL;
+}
+
+int cmd_simulate(rp_context *ctx, int argc, char **argv)
+{
+    sim_opts o;
+    int rc = parse_sim_opts(argc, argv, &o);
+    if (rc != CLI_OK) return rc;
+
+    const char *ex_config = NULL, *ex_trace = NULL, *ex_gen = NULL;
+    if ((!o.config || (!o.trace && !o.gen)) && !cli_default_example(&ex_config, &ex_trace, &ex_gen)) {
+        fprintf(stderr, "routepack: cannot find the bundled example (examples/config-small.json and "
+                "small.rpt or gen-small.json); set RP_EXAMPLES_DIR or give --config and --trace\n");
+        return CLI_FAIL;
+    }
+    const char *config = o.config ? o.config : ex_config;
+    if (!o.trace && !o.gen) o.trace = ex_trace, o.gen = ex_gen;
+
+    rp_config *cfg = NULL;
+    cli_input in;
+    memset(&in, 0, sizeof in);
+    char **specs = NULL;
+    int np = 0;
+    sim_policy *pol = NULL;
+    rp_batch *batch = NULL;
+    rp_stats *stats = NULL;
+    rp_cost *cost = NULL;
+    rp_error err;
+    rp_error_clear(&err);
+    rc = CLI_FAIL;
+
+    if (cli_config_load(ctx, config, o.microbatches, &cfg, &err) != RP_OK ||
+        cli_input_open(ctx, o.trace, o.gen, &in, &err) != RP_OK || cli_input_check(&in, cfg, &err) != RP_OK) {
+        rc = cli_fail(&err);
+        goto out;
+    }
+    int32_t steps = in.num_steps;
+    if (o.steps) {
+        if (in.trace && o.steps > in.num_steps) {
+            rc = cli_usage("--steps %" PRId64 ", but %s has %d step%s", o.steps, in.path, in.num_steps,
+                           in.num_steps == 1 ? "" : "s");
+            goto out;
+        }
+        steps = (int32_t)o.steps; /* the generator makes any number of steps */
+    }
+    if ((np = split_policies(o.policies, o.watch, &specs)) < 0 ||
+        !(pol = calloc((size_t)(np ? np : 1), sizeof *pol))) {
+        fprintf(stderr, "routepack: out of memory\n");
+        np = np < 0 ? 0 : np;
+        goto out;
+    }
+
+    const int32_t G = rp_config_topology(cfg)->num_gpus;
+    rp_sched_options opts;
+    rp_sched_options_default(&opts);
+    int loaded = 0;
+    for (int i = 0; i < np; i++) {
+        sim_policy *p = &pol[i];
+        p->spec = specs[i];
+        p->worst = -1;
+        p->steps = calloc((size_t)steps, sizeof *p->steps);
+        if (o.report) {
+            p->attention = calloc((size_t)G, sizeof(double));
+            p->dispatch = calloc((size_t)G, sizeof(double));
+            p->expert = calloc((size_t)G, sizeof(double));
+            p->combine = calloc((size_t)G, sizeof(double));
+            p->expert_by_step = calloc((size_t)steps * (size_t)G, sizeof(double));
+        }
+        if (!p->steps || (o.report && (!p->attention || !p->dispatch || !p->expert || !p->combine ||
+                                       !p->expert_by_step))) {
+            fprintf(stderr, "routepack: out of memory\n");
+            goto out;
+        }
+        /* stat before loading: a change made while it loads is seen at the first step */
+        p->watched = o.watch && !strcmp(p->spec, o.watch);
+        if (p->watched && stat(p->spec, &p->seen) != 0) memset(&p->seen, 0, sizeof p->seen);
+        opts.policy = p->spec;
+        rp_error_clear(&err);
+        if (rp_sched_new(ctx, cfg, &opts, &p->sched, &err) != RP_OK) {
+            p->sched = NULL;
+            p->error = strdup(err.text[0] ? err.text : rp_strerror(err.status));
+            fprintf(stderr, "routepack: policy '%s' did not load: %s\n", p->spec, p->error ? p->error : "");
+            continue;
+        }
+        loaded++;
+    }
+    if (loaded == 0) {
+        fprintf(stderr, "routepack: no policy could be loaded\n");
+        goto out;
+    }
+
+    progress_on = isatty(STDERR_FILENO);
+    for (int32_t i = 0; i < steps; i++) {
+        int64_t step_index;
+        rp_routing routing;
+        rp_batch_free(batch);
+        batch = NULL;
+        rp_stats_free(stats);
+        stats = NULL;
+        rp_cost_free(cost);
+        cost = NULL;
+        if (cli_input_read(&in, i, &batch, &routing, &step_index, &err) != RP_OK) {
+            progress_clear();
+            rc = cli_fail(&err);
+            goto out;
+        }
+        if (o.report && (rp_stats_compute(ctx, batch, &routing, in.num_experts, opts.num_threads, &stats,
+                                          &err) != RP_OK ||
+                         rp_cost_new(ctx, cfg, batch, stats, opts.split, &cost, &err) != RP_OK)) {
+            progress_clear();
+            fprintf(stderr, "routepack: %s: step %" PRId64 ": %s\n", in.path, step_index, err.text);
+            goto out;
+        }
+        for (int j = 0; j < np; j++) {
+            sim_policy *p = &pol[j];
+            if (!p->sched) continue;
+            if (progress_on)
+                fprintf(stderr, "\r\033[Ksimulate: step %d/%d  %s", i + 1, steps, p->spec);
+            if (p->watched) watch_check(p, step_index);
+            const rp_plan *plan;
+            const rp_step_report *rep;
+            rp_error_clear(&err);
+            if (rp_sched_step(p->sched, step_index, batch, &routing, &plan, &rep, &err) != RP_OK) {
+                policy_stop(p, step_index, &err);
+                continue;
+            }
+            record_step(&p->steps[p->num_steps++], rep, plan);
+            if (p->watched) {
+                const step_rec *r = &p->steps[p->num_steps - 1];
+                progress_clear();
+                if (r->swapped)
+                    fprintf(stderr, "routepack: watch: step %" PRId64 ": swapped in %s %s (%016" PRIx64 ")\n",
+                            step_index, r->policy_name, r->policy_version, r->policy_hash);
+                if (r->swap_error)
+                    fprintf(stderr, "routepack: watch: step %" PRId64 ": staged policy refused: %s\n",
+                            step_index, r->swap_error);
+                fprintf(stderr, "routepack: watch: step %" PRId64 ": %s %s, step/LB %.3f%s\n", step_index,
+                        r->policy_name, r->policy_version, r->cost.ratio, r->fallback ? " (fallback)" : "");
+                fflush(stderr);
+            }
+            if (cost && track_step(p, cost, plan, cfg, &err) != RP_OK) policy_stop(p, step_index, &err);
+        }
+    }
+    progress_clear();
+
+    const sim_policy *base = NULL;
+    for (int i = 0; i < np; i++)
+        if (!strcmp(pol[i].spec, SIM_BASELINE) && pol[i].num_steps > 0) base = &pol[i];
+    if (o.json) {
+        if (!print_json(pol, np, base, config, &in, steps, cfg, o.microbatches)) {
+            fprintf(stderr, "routepack: could not write the JSON output\n");
+            goto out;
+        }
+    } else {
+        print_table(pol, np, base, config, &in, steps, cfg);
+    }
+    if (o.report) {
+        if (write_report(ctx, o.report, pol, np, base, config, &in, steps, cfg, &err) != RP_OK) {
+            rc = cli_fail(&err);
+            goto out;
+        }
+        if (!o.json) printf("report: %s\n", o.report);
+    }
+    rc = CLI_OK;
+    for (int i = 0; i < np; i++)
+        if (pol[i].error) rc = CLI_FAIL; /* said above; the others' results stand */
+out:
+    if (fflush(stdout) != 0) rc = CLI_FAIL;
+    rp_cost_free(cost);
+    rp_stats_free(stats);
+    rp_batch_free(batch);
+    if (pol) free_policies(pol, np);
+    for (int i = 0; i < np && specs; i++) free(specs[i]);
+    free(specs);
+    cli_input_close(&in);
+    rp_config_free(cfg);
+    return rc;
+}

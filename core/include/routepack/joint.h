@@ -1,0 +1,109 @@
+/* The joint RoutePack planner: packing that balances attention, tokens and expert load
+ * within every microbatch, placement with replicas that pays for its migration, and
+ * per-microbatch replica shares and extra replicas, refined and checked against the
+ * cost model (docs/routepack-policy.md). */
+#ifndef ROUTEPACK_JOINT_H
+#define ROUTEPACK_JOINT_H
+
+#include "routepack/cost.h"
+#include "routepack/plan.h"
+#include "routepack/stats.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct rp_joint_params {
+    /* Microbatches per rank: > 0 fixes the count; 0 takes limits.num_microbatches, and
+     * when that is 0 too, the fewest that the packing fits under the caps (starting
+     * from ceil(tokens / (GPUs x cap)), one more at a time). */
+    int32_t num_microbatches;
+    /* The two halves, for ablations. pack = false packs as the token_kk baseline does;
+     * place = false places as the eplb baseline does, without shares or extra replicas. */
+    bool pack, place;
+    /* Packing: weight of putting a second response of one prompt (same group id, hence
+     * the same routing preferences) into the same (microbatch, EP group), as a fraction
+     * of that sequence's expert work. 0 turns it off. >= 0. */
+    double prompt_spread;
+    /* Packing: candidate sequence trades evaluated (against the surrogate) to mix routing
+     * profiles across EP groups inside each microbatch: a sequence of the group that
+     * overflows the placement trades places with one of about the same length in
+     * another group. Work, not time. 0: none. >= 0. */
+    int64_t balance_evaluations;
+    /* Placement: rounds of replica moves and swaps per layer against the per-microbatch,
+     * per-group loads (0: the EPLB-style greedy alone). >= 0. */
+    int32_t place_rounds;
+    /* Per-microbatch levers: explicit replica shares; and up to this many extra
+     * replicas per EP rank per (microbatch, layer), added only where the surrogate
+     * saving exceeds their copy time (0: none). >= 0. */
+    bool shares;
+    int32_t max_extra_per_rank;
+    /* Migration: the number of steps a placement is expected to serve. A layer is
+     * re-placed only when its predicted saving per step times this exceeds the time to
+     * migrate it (rp_cost_migration's model); otherwise the previous placement stays.
+     * > 0; INFINITY: always re-place. Ignored without a previous plan. */
+    double horizon_steps;
+    /* Exact refinement: rp_search_local on the joint plan with this many candidate
+     * evaluations (rp_cost_try_* calls; work, never time). 0: none. >= 0. */
+    int64_t refine_evaluations;
+    uint64_t seed;
+    /* Baselines (rp_baseline_names) built, evaluated and returned instead of the joint
+     * plan when one of them scores better; NULL-terminated. NULL: the default list
+     * (token_kk+contiguous, token_kk+eplb, verl_kk+eplb, attn_kk+eplb); a list holding
+     * only NULL: none (the joint plan is still evaluated when refinement asks for it). */
+    const char *const *fallbacks;
+} rp_joint_params;
+
+/* Defaults: the full joint planner, prompt_spread 0.5, no balance evaluations,
+ * place_rounds 4,
+ * shares on, one extra replica per EP rank, a horizon of 10 steps, no exact
+ * refinement, seed 0, the default fallbacks. */
+RP_API rp_joint_params rp_joint_defaults(void);
+
+/* What the planner did and how the returned plan scores. Times in seconds for the
+ * whole step (forward and backward), as rp_cost_summary gives them. */
+typedef struct rp_joint_report {
+    char chosen[32];           /* "joint", or the name of the baseline returned instead */
+    bool evaluated;            /* false: nothing was evaluated exactly (no fallbacks, no
+                                  refinement); the figures below are then NAN */
+    double step_s, lower_bound_s, ratio;   /* the returned plan */
+    double joint_step_s;       /* the joint candidate, after refinement */
+    double joint_ratio;
+    double best_fallback_step_s; /* the best fallback; NAN without fallbacks */
+    char best_fallback[32];
+    /* Comparisons use step_s + migration_s / horizon_steps (with a previous plan). */
+    double migration_s, migration_bytes;   /* previous -> returned plan; 0 without previous */
+    int32_t num_microbatches;
+    int32_t layers_replaced;   /* layers whose placement the planner changed (of the
+                                  previous plan's; all of them without previous) */
+    int32_t share_sets, extra_replicas;
+    double surrogate_saving_s; /* predicted per-step saving of the re-placed layers */
+    int64_t refine_evaluations;
+} rp_joint_report;
+
+/* Plan one step jointly (docs/routepack-policy.md gives the algorithm).
+ * - `stats`: this step's routing statistics (required).
+ * - `previous`: the last step's plan or NULL: its placement is kept where moving
+ *   away from it does not pay within the horizon, and experts keep their slots.
+ * - `cost`: an evaluator for this config, batch and statistics, or NULL (one is made
+ *   with the even split rule and freed); passing one shares its lower-bound cache and
+ *   its split rule. Afterwards it is bound to whichever plan it evaluated last:
+ *   evaluate the returned plan before using it incrementally.
+ * - `params`: NULL for the defaults.
+ * The plan is new (caller frees with rp_plan_free) and valid for cfg and batch
+ * (rp_plan_validate). Deterministic: the same inputs give the same plan, bit for bit,
+ * on every machine (no clock, no address-dependent order). With fallbacks, the
+ * returned plan scores no worse under the cost model than any of them.
+ * `report` may be NULL. Errors: missing or mismatched inputs (RP_EINVAL), a sequence
+ * longer than the cap or a fixed microbatch count the caps cannot meet (RP_ERANGE),
+ * bad parameters (RP_EINVAL naming the field), allocation failure; on error nothing
+ * is returned and `previous` is untouched. */
+RP_API rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                               const rp_stats *stats, const rp_plan *previous, rp_cost *cost,
+                               const rp_joint_params *params, rp_plan **out,
+                               rp_joint_report *report, rp_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

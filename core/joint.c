@@ -1,0 +1,477 @@
+/* The joint planner's flow: packing, the statistics pass, migration-aware placement, shares and
+ * extra replicas, exact refinement, and the fallback to the better baseline
+ * (docs/routepack-policy.md). */
+#include "joint_internal.h"
+#include "routepack/baseline.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <stdlib.h> /* TEMP */
+
+static const char *const default_fallbacks[] = {"token_kk+contiguous", "token_kk+eplb", "verl_kk+eplb",
+                                                "attn_kk+eplb", NULL};
+
+rp_joint_params rp_joint_defaults(void)
+{
+    return (rp_joint_params){.num_microbatches = 0, .pack = true, .place = true, .prompt_spread = 0.5,
+                             .balance_evaluations = 0, .place_rounds = 4, .shares = true, .max_extra_per_rank = 1,
+                             .horizon_steps = 10.0, .refine_evaluations = 0, .seed = 0, .fallbacks = NULL};
+}
+
+static bool known_baseline(const char *name)
+{
+    for (const char *const *n = rp_baseline_names(); *n; n++)
+        if (!strcmp(*n, name)) return true;
+    return false;
+}
+
+static rp_status check_params(const rp_joint_params *p, rp_error *err)
+{
+    if (p->num_microbatches < 0)
+        return rp_fail(err, RP_EINVAL, "joint: num_microbatches = %d, must be >= 0", p->num_microbatches);
+    if (!(p->prompt_spread >= 0) || !isfinite(p->prompt_spread))
+        return rp_fail(err, RP_EINVAL, "joint: prompt_spread = %g, must be a finite number >= 0", p->prompt_spread);
+    if (p->balance_evaluations < 0)
+        return rp_fail(err, RP_EINVAL, "joint: balance_evaluations = %lld, must be >= 0",
+                       (long long)p->balance_evaluations);
+    if (p->place_rounds < 0)
+        return rp_fail(err, RP_EINVAL, "joint: place_rounds = %d, must be >= 0", p->place_rounds);
+    if (p->max_extra_per_rank < 0 || p->max_extra_per_rank > 64)
+        return rp_fail(err, RP_EINVAL, "joint: max_extra_per_rank = %d, must be in [0, 64]", p->max_extra_per_rank);
+    if (!(p->horizon_steps > 0))
+        return rp_fail(err, RP_EINVAL, "joint: horizon_steps = %g, must be > 0 (INFINITY: always re-place)",
+                       p->horizon_steps);
+    if (p->refine_evaluations < 0)
+        return rp_fail(err, RP_EINVAL, "joint: refine_evaluations = %lld, must be >= 0",
+                       (long long)p->refine_evaluations);
+    if (p->fallbacks)
+        for (const char *const *n = p->fallbacks; *n; n++)
+            if (!known_baseline(*n))
+                return rp_fail(err, RP_EINVAL, "joint: unknown fallback baseline '%s' (see rp_baseline_names)", *n);
+    return RP_OK;
+}
+
+/* The largest token count of a cell: the token cap, lowered by the memory cap. */
+static int64_t cell_cap(const rp_limits *lim)
+{
+    int64_t cap = lim->max_tokens_per_microbatch;
+    if (lim->max_activation_bytes > 0 && lim->activation_bytes_per_token > 0) {
+        double t = floor(lim->max_activation_bytes / lim->activation_bytes_per_token);
+        int64_t mem = t >= (double)INT64_MAX ? INT64_MAX : (int64_t)t;
+        while (mem > 0 && (double)mem * lim->activation_bytes_per_token > lim->max_activation_bytes) mem--;
+        if (mem < cap) cap = mem;
+    }
+    return cap;
+}
+
+static rp_status setup(joint *jt, rp_error *err)
+{
+    const rp_topology *t = rp_config_topology(jt->cfg);
+    const rp_model *md = rp_config_model(jt->cfg);
+    const rp_hardware *hw = rp_config_hardware(jt->cfg);
+    jt->N = rp_batch_num_seqs(jt->batch);
+    jt->G = t->num_gpus;
+    jt->ep = t->ep_size;
+    jt->Q = t->num_gpus / t->ep_size;
+    jt->gpn = t->gpus_per_node;
+    jt->L = md->num_layers;
+    jt->E = md->num_experts;
+    jt->K = md->top_k;
+    jt->speed = t->speed;
+    jt->uniform_speed = true;
+    jt->rank_speed_min = INFINITY;
+    for (int32_t g = 0; g < jt->G; g++) {
+        if (t->speed[g] != t->speed[0]) jt->uniform_speed = false;
+        if (t->speed[g] < jt->rank_speed_min) jt->rank_speed_min = t->speed[g];
+        if (t->speed[g] > jt->speed_max) jt->speed_max = t->speed[g];
+    }
+    jt->cap = cell_cap(rp_config_limits(jt->cfg));
+    const double token_bytes = (double)md->hidden_size * md->bytes_per_param;
+    const int32_t near = jt->ep < jt->gpn ? jt->ep : jt->gpn; /* GPUs of a group on one node */
+    jt->d_choice = token_bytes * ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
+                                  (double)(jt->ep - near) / jt->ep / t->net_bytes_per_s);
+    jt->fwd_bwd = 1.0 + hw->backward_multiplier;
+    jt->copy_s = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param / t->nvlink_bytes_per_s;
+    jt->nv_lat = t->nvlink_latency_s;
+    const double expert_bytes = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param;
+    jt->grad_nv_s = expert_bytes / t->nvlink_bytes_per_s + t->nvlink_latency_s;
+    jt->grad_net_s = expert_bytes / t->net_bytes_per_s + t->net_latency_s;
+    jt->move_nv_s = rp_cost_expert_move_s(jt->cost, true);
+    jt->move_net_s = rp_cost_expert_move_s(jt->cost, false);
+    double last = hw->gemm_efficiency[hw->num_gemm_efficiency - 1].tokens;
+    jt->t_table_n = last < 16384 ? (int32_t)ceil(last) : 16384;
+    if (jt->t_table_n < 1) jt->t_table_n = 1;
+    jt->t_slope = rp_cost_expert_s(jt->cost, 1e12) / 1e12;
+    jt->t_mem = rp_cost_expert_s(jt->cost, 1e-9);
+    jt->t_choice = jt->t_slope;
+
+    int64_t S = 0;
+    for (int32_t j = 0; j < jt->ep; j++) S += t->slots[j];
+    if (S < jt->E)
+        return rp_fail(err, RP_EINVAL, "joint: an EP group has %lld expert slots for %d experts; every expert needs one",
+                       (long long)S, jt->E);
+    if (S > INT32_MAX / 2) return rp_fail(err, RP_ERANGE, "joint: %lld slots per EP group is too many", (long long)S);
+    jt->S = (int32_t)S;
+    int32_t *sb = rp_alloc(jt->ctx, ((size_t)jt->ep + 1) * sizeof *sb);
+    int32_t *nr = rp_alloc(jt->ctx, (size_t)jt->ep * sizeof *nr);
+    jt->slot_rank = rp_alloc(jt->ctx, (size_t)jt->S * sizeof *jt->slot_rank);
+    jt->t_table = rp_alloc(jt->ctx, ((size_t)jt->t_table_n + 1) * sizeof *jt->t_table);
+    jt->seq_gpu = rp_alloc(jt->ctx, (size_t)jt->N * sizeof *jt->seq_gpu);
+    jt->seq_mb = rp_alloc(jt->ctx, (size_t)jt->N * sizeof *jt->seq_mb);
+    jt->slot_begin = sb;
+    jt->node_of_rank = nr;
+    if (!sb || !nr || !jt->slot_rank || !jt->t_table || !jt->seq_gpu || !jt->seq_mb)
+        return rp_fail_nomem(err, "the joint planner");
+    sb[0] = 0;
+    for (int32_t j = 0; j < jt->ep; j++) {
+        sb[j + 1] = sb[j] + t->slots[j];
+        for (int32_t s = sb[j]; s < sb[j + 1]; s++) jt->slot_rank[s] = j;
+        nr[j] = j / jt->gpn; /* as plan validation reads an EP rank's node */
+    }
+    for (int32_t i = 0; i <= jt->t_table_n; i++) jt->t_table[i] = rp_cost_expert_s(jt->cost, (double)i);
+    return RP_OK;
+}
+
+static void teardown(joint *jt)
+{
+    rp_context *ctx = jt->ctx;
+    if (jt->layers)
+        for (int32_t l = 0; l < jt->L; l++) joint_layer_free(jt, &jt->layers[l]);
+    rp_free(ctx, jt->layers);
+    rp_free(ctx, (void *)jt->slot_begin);
+    rp_free(ctx, (void *)jt->node_of_rank);
+    rp_free(ctx, jt->slot_rank);
+    rp_free(ctx, jt->t_table);
+    rp_free(ctx, jt->seq_gpu);
+    rp_free(ctx, jt->seq_mb);
+    rp_free(ctx, jt->grp_hist);
+    rp_free(ctx, jt->send_max);
+}
+
+/* Shape of `previous` against the config; false (with the reason) when it cannot be
+ * the placement we start from. */
+static rp_status check_previous(const joint *jt, const rp_plan *prev, rp_error *err)
+{
+    if (rp_plan_num_gpus(prev) != jt->G || rp_plan_ep_size(prev) != jt->ep || rp_plan_num_layers(prev) != jt->L ||
+        rp_plan_num_experts(prev) != jt->E || rp_plan_total_slots(prev) != jt->S)
+        return rp_fail(err, RP_EINVAL,
+                       "joint: the previous plan is shaped for %d GPUs, EP %d, %d layers, %d experts, %d slots; the "
+                       "config has %d, %d, %d, %d, %d", rp_plan_num_gpus(prev), rp_plan_ep_size(prev),
+                       rp_plan_num_layers(prev), rp_plan_num_experts(prev), rp_plan_total_slots(prev), jt->G, jt->ep,
+                       jt->L, jt->E, jt->S);
+    const int32_t *sb = rp_plan_slot_begin(prev);
+    for (int32_t j = 0; j <= jt->ep; j++)
+        if (sb[j] != jt->slot_begin[j])
+            return rp_fail(err, RP_EINVAL, "joint: the previous plan's EP rank %d starts at slot %d, the config's at %d",
+                           j, sb[j], jt->slot_begin[j]);
+    return RP_OK;
+}
+
+/* Packing: ours, with as few microbatches as fit (or the fixed count), or token_kk's. */
+static rp_status pack(joint *jt, rp_error *err)
+{
+    int32_t fixed = jt->par->num_microbatches > 0 ? jt->par->num_microbatches
+                                                   : rp_config_limits(jt->cfg)->num_microbatches;
+    if (!jt->par->pack) {
+        rp_plan *base = NULL;
+        rp_status st = rp_baseline_plan(jt->ctx, jt->cfg, jt->batch, jt->stats, NULL, "token_kk+contiguous",
+                                        fixed, &base, err);
+        if (st != RP_OK) return st;
+        jt->M = rp_plan_num_microbatches(base);
+        for (int32_t s = 0; s < jt->N; s++) {
+            jt->seq_gpu[s] = rp_plan_seq_rank(base, s);
+            jt->seq_mb[s] = rp_plan_seq_microbatch(base, s);
+        }
+        rp_plan_free(base);
+        return RP_OK;
+    }
+    if (fixed > 0) return joint_pack(jt, fixed, err);
+    int64_t tokens = rp_batch_num_tokens(jt->batch), per = (int64_t)jt->G * jt->cap;
+    int64_t M = (tokens + per - 1) / per;
+    if (M < 1) M = 1;
+    for (;; M++) {
+        if (M > INT32_MAX / jt->G || M > (int64_t)jt->N + 1)
+            return rp_fail(err, RP_ERANGE, "joint: the batch does not fit under the caps with up to %lld microbatches",
+                           (long long)(M - 1));
+        rp_status st = joint_pack(jt, (int32_t)M, err);
+        if (st != RP_ERANGE) return st;
+    }
+}
+
+/* The busiest GPU's token-choices per microbatch (jt->send_max). */
+static rp_status send_maxima(joint *jt, rp_error *err)
+{
+    int64_t *tok = rp_calloc(jt->ctx, (size_t)jt->G * jt->M, sizeof *tok);
+    if (!jt->send_max) jt->send_max = rp_alloc(jt->ctx, (size_t)jt->M * sizeof *jt->send_max);
+    if (!tok || !jt->send_max) {
+        rp_free(jt->ctx, tok);
+        return rp_fail_nomem(err, "joint: send volumes");
+    }
+    for (int32_t s = 0; s < jt->N; s++) tok[(size_t)jt->seq_gpu[s] * jt->M + jt->seq_mb[s]] += rp_batch_seq_len(jt->batch, s);
+    for (int32_t m = 0; m < jt->M; m++) {
+        int64_t most = 0;
+        for (int32_t g = 0; g < jt->G; g++) most = tok[(size_t)g * jt->M + m] > most ? tok[(size_t)g * jt->M + m] : most;
+        jt->send_max[m] = (double)most * jt->K;
+    }
+    rp_free(jt->ctx, tok);
+    return RP_OK;
+}
+
+static bool same_sets(const joint *jt, const joint_layer *a, const joint_layer *b)
+{
+    for (int32_t e = 0; e < jt->E; e++) {
+        if (a->rep_off[e + 1] - a->rep_off[e] != b->rep_off[e + 1] - b->rep_off[e]) return false;
+        for (int32_t i = 0; i < a->rep_off[e + 1] - a->rep_off[e]; i++)
+            if (a->rep_rank[a->rep_off[e] + i] != b->rep_rank[b->rep_off[e] + i]) return false;
+    }
+    return true;
+}
+
+/* Placement of every layer: a fresh one, and (with a previous plan) the previous one
+ * improved only by the moves that pay within the horizon; the one with the lower
+ * surrogate time per step plus migration time / horizon wins. */
+static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep, rp_error *err)
+{
+    rp_context *ctx = jt->ctx;
+    const double H = jt->par->horizon_steps;
+    rp_status st = RP_OK;
+    double *scratch = rp_alloc(ctx, joint_place_scratch_doubles(jt) * sizeof *scratch);
+    joint_layer kept;
+    memset(&kept, 0, sizeof kept);
+    if (!scratch) return rp_fail_nomem(err, "joint: placement scratch");
+    if (prev) RP_CHECK_GOTO(joint_layer_alloc(jt, &kept, err), st, out);
+    for (int32_t l = 0; l < jt->L; l++) {
+        joint_layer *lay = &jt->layers[l];
+        RP_CHECK_GOTO(joint_place_fresh(jt, l, lay, err), st, out);
+        RP_CHECK_GOTO(joint_place_improve(jt, l, lay, NULL, 0.0, jt->par->place_rounds, scratch, err), st, out);
+        if (!prev) {
+            rep->layers_replaced++;
+            continue;
+        }
+        const joint_layer *old = &prev[l];
+        memcpy(kept.phy2log, old->phy2log, (size_t)jt->S * sizeof *kept.phy2log);
+        joint_layer_index(jt, &kept);
+        double penalty = isinf(H) ? 0.0 : jt->move_nv_s / H;
+        RP_CHECK_GOTO(joint_place_improve(jt, l, &kept, old, penalty, jt->par->place_rounds, scratch, err), st, out);
+        double s_old = joint_place_score(jt, l, old, scratch) + joint_layer_grad_s(jt, old, scratch);
+        double s_fresh = joint_place_score(jt, l, lay, scratch) + joint_layer_grad_s(jt, lay, scratch);
+        double s_kept = joint_place_score(jt, l, &kept, scratch) + joint_layer_grad_s(jt, &kept, scratch);
+        double m_fresh = isinf(H) ? 0.0 : joint_layer_migration_s(jt, old, lay) / H;
+        double m_kept = isinf(H) ? 0.0 : joint_layer_migration_s(jt, old, &kept) / H;
+        if (getenv("JNT_DEBUG")) fprintf(stderr, "layer %d: old %.4g fresh %.4g kept %.4g mig fresh %.4g kept %.4g (per step)\n", l, s_old, s_fresh, s_kept, m_fresh, m_kept); /* TEMP */
+        if (!(s_fresh + m_fresh < s_kept + m_kept)) {
+            memcpy(lay->phy2log, kept.phy2log, (size_t)jt->S * sizeof *lay->phy2log);
+            joint_layer_index(jt, lay);
+        }
+        if (!same_sets(jt, lay, old)) rep->layers_replaced++;
+        rep->surrogate_saving_s += s_old - joint_place_score(jt, l, lay, scratch) - joint_layer_grad_s(jt, lay, scratch);
+    }
+out:
+    joint_layer_free(jt, &kept);
+    rp_free(ctx, scratch);
+    return st;
+}
+
+/* One candidate's score under the cost model: step time, plus the migration from the
+ * previous plan spread over the horizon. */
+typedef struct scored {
+    double step_s, lower_bound_s, ratio, migration_s, migration_bytes, total;
+} scored;
+
+static rp_status score_plan(const joint *jt, const rp_plan *plan, const rp_plan *previous, scored *out,
+                            rp_error *err)
+{
+    rp_cost_summary sum;
+    rp_status st = rp_cost_evaluate(jt->cost, plan, &sum, err);
+    if (st != RP_OK) return st;
+    out->step_s = sum.step_s;
+    out->lower_bound_s = sum.lower_bound_s;
+    out->ratio = sum.ratio;
+    out->migration_s = out->migration_bytes = 0;
+    if (previous && rp_plan_has_placement(previous)) {
+        st = rp_cost_migration(jt->cost, previous, plan, &out->migration_s, &out->migration_bytes, err);
+        if (st != RP_OK) return st;
+    }
+    double H = jt->par->horizon_steps;
+    out->total = out->step_s + (isinf(H) ? 0.0 : out->migration_s / H);
+    return RP_OK;
+}
+
+rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const rp_stats *stats,
+                        const rp_plan *previous, rp_cost *cost, const rp_joint_params *params, rp_plan **out,
+                        rp_joint_report *report, rp_error *err)
+{
+    if (!ctx || !cfg || !batch || !stats || !out)
+        return rp_fail(err, RP_EINVAL, "joint: context, config, batch, statistics and output are required");
+    const rp_model *md = rp_config_model(cfg);
+    if (rp_batch_num_seqs(batch) < 1) return rp_fail(err, RP_EINVAL, "joint: the batch is empty (no sequences to plan)");
+    if (rp_stats_num_seqs(stats) != rp_batch_num_seqs(batch) || rp_stats_num_layers(stats) != md->num_layers ||
+        rp_stats_num_experts(stats) != md->num_experts)
+        return rp_fail(err, RP_EINVAL,
+                       "joint: the statistics cover %d sequences, %d layers and %d experts, but the batch has %d "
+                       "sequences and the model %d layers and %d experts",
+                       rp_stats_num_seqs(stats), rp_stats_num_layers(stats), rp_stats_num_experts(stats),
+                       rp_batch_num_seqs(batch), md->num_layers, md->num_experts);
+    rp_joint_params defaults = rp_joint_defaults();
+    const rp_joint_params *par = params ? params : &defaults;
+    rp_status st = check_params(par, err);
+    if (st != RP_OK) return st;
+
+    joint jt;
+    memset(&jt, 0, sizeof jt);
+    jt.ctx = ctx;
+    jt.cfg = cfg;
+    jt.batch = batch;
+    jt.stats = stats;
+    jt.par = par;
+    rp_cost *own_cost = NULL;
+    rp_plan *plan = NULL, *cand = NULL, *best_fb = NULL;
+    joint_layer *prev = NULL;
+    rp_joint_report rep;
+    memset(&rep, 0, sizeof rep);
+    snprintf(rep.chosen, sizeof rep.chosen, "joint");
+    rep.step_s = rep.lower_bound_s = rep.ratio = rep.joint_step_s = rep.joint_ratio = NAN;
+    rep.best_fallback_step_s = NAN;
+    if (!cost) {
+        RP_CHECK_GOTO(rp_cost_new(ctx, cfg, batch, stats, RP_SPLIT_EVEN, &own_cost, err), st, out);
+        cost = own_cost;
+    }
+    jt.cost = cost;
+    RP_CHECK_GOTO(setup(&jt, err), st, out);
+    const rp_plan *previous_placed = previous && rp_plan_has_placement(previous) ? previous : NULL;
+    if (previous_placed) {
+        RP_CHECK_GOTO(check_previous(&jt, previous_placed, err), st, out);
+        prev = rp_calloc(ctx, (size_t)jt.L, sizeof *prev);
+        if (!prev) {
+            st = rp_fail_nomem(err, "joint: the previous placement");
+            goto out;
+        }
+        for (int32_t l = 0; l < jt.L; l++) {
+            RP_CHECK_GOTO(joint_layer_alloc(&jt, &prev[l], err), st, out);
+            RP_CHECK_GOTO(joint_layer_copy_from_plan(&jt, previous_placed, l, &prev[l], err), st, out);
+        }
+    }
+
+    for (int32_t s = 0; s < jt.N; s++)
+        if (rp_batch_seq_len(batch, s) > jt.cap) {
+            st = rp_fail(err, RP_ERANGE, "joint: sequence %d has %d tokens, longer than the microbatch cap of %lld", s,
+                         rp_batch_seq_len(batch, s), (long long)jt.cap);
+            if (err) err->sequence = s;
+            goto out;
+        }
+
+    /* packing */
+    RP_CHECK_GOTO(pack(&jt, err), st, out);
+    rep.num_microbatches = jt.M;
+    RP_CHECK_GOTO(rp_plan_new(ctx, cfg, jt.M, &plan, err), st, out);
+    RP_CHECK_GOTO(rp_plan_set_packing(plan, jt.N, jt.seq_gpu, jt.seq_mb, err), st, out);
+
+    if (par->place) {
+        jt.layers = rp_calloc(ctx, (size_t)jt.L, sizeof *jt.layers);
+        if (!jt.layers) {
+            st = rp_fail_nomem(err, "joint: placement");
+            goto out;
+        }
+        for (int32_t l = 0; l < jt.L; l++) RP_CHECK_GOTO(joint_layer_alloc(&jt, &jt.layers[l], err), st, out);
+        /* Everything that looks at per-microbatch expert loads needs the one pass over the
+         * histograms; without it the placement comes from the step's loads alone. */
+        const bool balancing = par->pack && par->balance_evaluations > 0;
+        const bool pass = balancing || prev || par->place_rounds > 0 || par->shares || par->max_extra_per_rank > 0;
+        if (balancing && !prev) {
+            /* mix against the placement the step will most likely use */
+            for (int32_t l = 0; l < jt.L; l++) RP_CHECK_GOTO(joint_place_fresh(&jt, l, &jt.layers[l], err), st, out);
+        }
+        if (pass) RP_CHECK_GOTO(joint_group_hist(&jt, err), st, out);
+        RP_CHECK_GOTO(send_maxima(&jt, err), st, out);
+        if (balancing) {
+            int64_t used = 0;
+            RP_CHECK_GOTO(joint_balance(&jt, prev ? prev : jt.layers, par->balance_evaluations, &used, err), st, out);
+            RP_CHECK_GOTO(rp_plan_set_packing(plan, jt.N, jt.seq_gpu, jt.seq_mb, err), st, out);
+        }
+        if (balancing) RP_CHECK_GOTO(send_maxima(&jt, err), st, out);
+        RP_CHECK_GOTO(place(&jt, prev, &rep, err), st, out);
+        for (int32_t l = 0; l < jt.L; l++) RP_CHECK_GOTO(rp_plan_set_phy2log(plan, l, jt.layers[l].phy2log, err), st, out);
+        if (previous_placed) RP_CHECK_GOTO(rp_plan_stabilize_slots(plan, previous_placed, err), st, out);
+        if (par->shares || par->max_extra_per_rank > 0)
+            RP_CHECK_GOTO(joint_levers(&jt, plan, &rep.share_sets, &rep.extra_replicas, err), st, out);
+    } else {
+        /* EPLB's placement (it does not depend on the packing) */
+        rp_plan *eplb = NULL;
+        RP_CHECK_GOTO(rp_baseline_plan(ctx, cfg, batch, stats, previous_placed, "token_kk+eplb", 0, &eplb, err), st, out);
+        for (int32_t l = 0; l < jt.L && st == RP_OK; l++) st = rp_plan_set_phy2log(plan, l, rp_plan_phy2log(eplb, l), err);
+        rp_plan_free(eplb);
+        if (st != RP_OK) goto out;
+        rep.layers_replaced = jt.L;
+    }
+    /* Built to be valid; a violation here is a planner bug, reported as such. */
+    RP_CHECK_GOTO(rp_plan_validate(plan, cfg, batch, err), st, out);
+
+    if (par->refine_evaluations > 0) {
+        rp_search_params sp = rp_search_defaults();
+        sp.max_evaluations = par->refine_evaluations;
+        sp.seed = par->seed;
+        rp_search_result sr;
+        RP_CHECK_GOTO(rp_search_local(cost, plan, &sp, &sr, err), st, out);
+        rep.refine_evaluations = sr.evaluations;
+    }
+
+    const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;
+    if (*fallbacks || par->refine_evaluations > 0) {
+        scored mine, best = {0}, s;
+        RP_CHECK_GOTO(score_plan(&jt, plan, previous_placed, &mine, err), st, out);
+        rep.evaluated = true;
+        rep.joint_step_s = mine.step_s;
+        rep.joint_ratio = mine.ratio;
+        const char *best_name = NULL;
+        for (const char *const *n = fallbacks; *n; n++) {
+            RP_CHECK_GOTO(rp_baseline_plan(ctx, cfg, batch, stats, previous_placed, *n, 0, &cand, err), st, out);
+            RP_CHECK_GOTO(score_plan(&jt, cand, previous_placed, &s, err), st, out);
+            if (!best_name || s.total < best.total) {
+                best = s;
+                best_name = *n;
+                rp_plan_free(best_fb);
+                best_fb = cand;
+            } else {
+                rp_plan_free(cand);
+            }
+            cand = NULL;
+        }
+        scored chosen = mine;
+        if (best_name) {
+            rep.best_fallback_step_s = best.step_s;
+            snprintf(rep.best_fallback, sizeof rep.best_fallback, "%s", best_name);
+            if (best.total < mine.total) {
+                chosen = best;
+                snprintf(rep.chosen, sizeof rep.chosen, "%s", best_name);
+                rp_plan_free(plan);
+                plan = best_fb;
+                best_fb = NULL;
+                rep.layers_replaced = jt.L;
+                rep.share_sets = rep.extra_replicas = 0;
+            }
+        }
+        rep.step_s = chosen.step_s;
+        rep.lower_bound_s = chosen.lower_bound_s;
+        rep.ratio = chosen.ratio;
+        rep.migration_s = chosen.migration_s;
+        rep.migration_bytes = chosen.migration_bytes;
+    } else if (previous_placed) {
+        RP_CHECK_GOTO(rp_cost_migration(cost, previous_placed, plan, &rep.migration_s, &rep.migration_bytes, err), st,
+                      out);
+    }
+    *out = plan;
+    plan = NULL;
+    if (report) *report = rep;
+out:
+    rp_plan_free(plan);
+    rp_plan_free(cand);
+    rp_plan_free(best_fb);
+    if (prev) {
+        for (int32_t l = 0; l < jt.L; l++) joint_layer_free(&jt, &prev[l]);
+        rp_free(ctx, prev);
+    }
+    teardown(&jt);
+    rp_cost_free(own_cost);
+    return st;
+}

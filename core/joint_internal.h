@@ -1,0 +1,124 @@
+/* Private state of the joint planner, shared by joint.c (the flow, migration, fallbacks),
+ * joint_pack.c (packing), joint_hist.c (group histograms), joint_balance.c (sequence
+ * trades between groups), joint_place.c (placement) and joint_levers.c (shares and
+ * extra replicas). Not installed. */
+#ifndef RP_JOINT_INTERNAL_H
+#define RP_JOINT_INTERNAL_H
+
+#include "internal.h"
+#include "routepack/joint.h"
+
+/* One layer's placement in one EP group: EP rank j holds slots [slot_begin[j],
+ * slot_begin[j + 1]) and slot p holds phy2log[p] (-1: empty). The replicas of expert e
+ * are rep_rank[rep_off[e] .. rep_off[e + 1]), ascending EP rank (= ascending slot,
+ * since slots are rank-major): the order the plan's shares refer to. */
+typedef struct joint_layer {
+    int32_t *phy2log;  /* [S] */
+    int32_t *rep_off;  /* [E + 1] */
+    int32_t *rep_rank; /* [S] */
+} joint_layer;
+
+typedef struct joint {
+    rp_context *ctx;
+    const rp_config *cfg;
+    const rp_batch *batch;
+    const rp_stats *stats;
+    rp_cost *cost;
+    const rp_joint_params *par;
+    int32_t N, G, ep, Q, gpn, L, E, K, M, S;
+    const int32_t *slot_begin;  /* [ep + 1] slots of each EP rank (a plan's offsets) */
+    const double *speed;        /* [G] */
+    double rank_speed_min;      /* slowest GPU */
+    double speed_max;           /* fastest GPU */
+    bool uniform_speed;
+    int64_t cap;                /* token cap of one cell, the activation cap included */
+
+    /* Surrogate unit costs, forward, seconds. */
+    double t_choice;            /* expert work of one token-choice at full efficiency */
+    double d_choice;            /* sending one token-choice to another GPU of the group */
+    /* Per microbatch, the token-choices the busiest GPU sends (its tokens x top-k): the
+     * dispatch floor that rank loads compete with (joint_mb_value). [M] */
+    double *send_max;
+    double fwd_bwd;             /* 1 + backward multiplier */
+    double copy_s;              /* weights of one extra replica over NVLink */
+    double nv_lat;
+    double move_nv_s, move_net_s; /* migrating one expert (weights and optimizer state) */
+    double grad_nv_s, grad_net_s; /* one replica's gradient all-reduce, step seconds */
+    /* Expert slot time t(n) from the cost model (joint_slot_time): a table at integer
+     * loads below t_table_n, t_slope per token-choice beyond, never below t_mem. */
+    double *t_table;            /* [t_table_n + 1] */
+    int32_t t_table_n;
+    double t_slope, t_mem;
+
+    /* The packing: cell (g, m) = g * M + m. */
+    int32_t *seq_gpu, *seq_mb;  /* [N] */
+    /* Token-choices per (microbatch, EP group): grp_hist[((m * Q + q) * L + l) * E + e]. */
+    int64_t *grp_hist;
+    /* The placement being built, one per layer. */
+    joint_layer *layers;        /* [L] */
+    int32_t *slot_rank;         /* [S] EP rank of each slot */
+    const int32_t *node_of_rank; /* [ep] node of EP rank j (GPU j of group 0) */
+} joint;
+
+/* Surrogate forward time of one (microbatch, layer) whose busiest rank receives
+ * `load` token-choices (per unit speed): its expert work, and dispatch and combine,
+ * which wait for the busier of the largest send and the largest receive. */
+static inline double joint_mb_value(const joint *jt, int32_t m, double load)
+{
+    double send = jt->send_max ? jt->send_max[m] : 0.0;
+    return jt->t_choice * load + 2.0 * jt->d_choice * (load > send ? load : send);
+}
+
+static inline const int64_t *grp_row(const joint *jt, int32_t m, int32_t q, int32_t l)
+{
+    return jt->grp_hist + (((size_t)m * jt->Q + q) * jt->L + l) * jt->E;
+}
+
+/* joint_pack.c: sequences into (rank, microbatch) cells, M microbatches; RP_ERANGE when
+ * a sequence fits in no cell (the caller may try more microbatches). */
+rp_status joint_pack(joint *jt, int32_t M, rp_error *err);
+
+/* joint_hist.c: the per-(mb, group) histograms of the packing (one pass over every
+ * histogram). */
+rp_status joint_group_hist(joint *jt, rp_error *err);
+
+/* joint_balance.c: sequence trades between EP groups inside each microbatch against
+ * the reference placement, within `budget` candidate evaluations; keeps seq_gpu and
+ * grp_hist exact. */
+rp_status joint_balance(joint *jt, const joint_layer *ref, int64_t budget, int64_t *used, rp_error *err);
+
+/* joint_place.c */
+rp_status joint_layer_alloc(const joint *jt, joint_layer *lay, rp_error *err);
+void joint_layer_free(const joint *jt, joint_layer *lay);
+void joint_layer_index(const joint *jt, joint_layer *lay);
+rp_status joint_layer_copy_from_plan(const joint *jt, const rp_plan *plan, int32_t l, joint_layer *lay,
+                                     rp_error *err);
+/* A fresh placement of layer l from this step's loads (replicas apportioned by load,
+ * placed node-aware), improved against the per-(mb, group) loads. */
+rp_status joint_place_fresh(joint *jt, int32_t l, joint_layer *lay, rp_error *err);
+/* Improve `lay` in place for `rounds` rounds; each replica an EP rank gains that
+ * `anchor` did not have there costs `copy_penalty` (surrogate seconds per step),
+ * so a search from the previous placement moves only what pays. */
+rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const joint_layer *anchor,
+                              double copy_penalty, int32_t rounds, double *scratch, rp_error *err);
+/* Doubles of scratch space joint_place_score and joint_place_improve need. */
+size_t joint_place_scratch_doubles(const joint *jt);
+/* Surrogate expert time of layer l under `lay` (forward seconds summed over
+ * microbatches, max over groups and ranks, even split). */
+double joint_place_score(const joint *jt, int32_t l, const joint_layer *lay, double *scratch);
+/* The same with replicated experts' loads water-filled per (mb, group): the best
+ * shares could do; compares replica counts. */
+double joint_place_score_ideal(const joint *jt, int32_t l, const joint_layer *lay, double *scratch);
+/* Gradient all-reduce time a layer's replicas add (step seconds, mean over ranks);
+ * per_rank is scratch of ep doubles. */
+double joint_layer_grad_s(const joint *jt, const joint_layer *lay, double *per_rank);
+/* Time to migrate layer l from `from` to `to` alone (slowest EP rank). */
+double joint_layer_migration_s(const joint *jt, const joint_layer *from, const joint_layer *to);
+
+/* joint_levers.c: shares and extra replicas of every (mb, layer) into `plan`, whose
+ * placement must equal jt->layers. Counts what it added. */
+rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *extras, rp_error *err);
+/* Expert slot time of n token-choices (forward, speed 1), as the cost model's t(n). */
+double joint_slot_time(const joint *jt, double n);
+
+#endif

@@ -1,0 +1,438 @@
+/* Per-microbatch levers of the joint plan: explicit token shares among an expert's
+ * replicas (free: decided at dispatch time) and extra replicas copied over NVLink for
+ * one (microbatch, layer), each added only where the surrogate saving exceeds its copy
+ * time (docs/routepack-policy.md, "Shares and extra replicas"). */
+#include "joint_internal.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Expert slot time t(n) (forward, speed 1) from the cost model: a table of its values
+ * at integer loads up to the efficiency curve's last point, linear in between, and the
+ * curve's flat tail beyond; never below the weight-read floor. */
+double joint_slot_time(const joint *jt, double n)
+{
+    if (!(n > 0)) return 0.0;
+    double t;
+    if (n < jt->t_table_n) {
+        int32_t i = (int32_t)n;
+        double f = n - i;
+        t = jt->t_table[i] + (jt->t_table[i + 1] - jt->t_table[i]) * f;
+    } else {
+        t = n * jt->t_slope;
+    }
+    return t > jt->t_mem ? t : jt->t_mem;
+}
+
+/* The replicas of every expert at one (mb, layer): base replicas in ascending EP rank,
+ * then extra ones in the order added, with their shares. Loads are token-choices per
+ * unit of GPU speed (linear: at the loads where balance matters the grouped GEMM runs
+ * at its full efficiency); the exact slot times decide at the end whether the levers
+ * of this (mb, layer) are kept. */
+typedef struct lever_state {
+    int32_t *cnt;          /* [E] replicas */
+    int32_t *base;         /* [E] of which base (the rest are extras) */
+    int32_t *rank;         /* [E * ep] */
+    double *w;             /* [E * ep] shares */
+    bool *explicit_shares; /* [E] */
+    double *U;             /* [Q * ep] token-choices / speed */
+    double *tq;            /* [Q] one expert's token-choices per group */
+    double *base_load;     /* [Q * (ep + 1)] trial: loads without the expert */
+    double *wt, *best_w;   /* [ep + 1] trial shares */
+    int32_t *rk;           /* [ep + 1] trial ranks */
+    double *rank_u;        /* [ep] largest U over groups */
+    int32_t *extra_count;  /* [ep] */
+    int32_t *extra_e, *extra_r;
+    int32_t n_extra;
+    int32_t *reps;         /* [E] replicated experts, heaviest first */
+    double *rtot;          /* [E] */
+    double *fill_a, *fill_c; /* [(ep + 1) * Q] minmax_fill's lines */
+} lever_state;
+
+static inline double gspeed(const joint *jt, int32_t q, int32_t j) { return jt->speed[q * jt->ep + j]; }
+
+/* Add (sign +1) or remove (-1) expert e's load at (m, l) to U. */
+static void contribute(const joint *jt, lever_state *ls, int32_t m, int32_t l, int32_t e, double sign)
+{
+    const int32_t ep = jt->ep;
+    const int32_t *rk = ls->rank + (size_t)e * ep;
+    const double *w = ls->w + (size_t)e * ep;
+    for (int32_t q = 0; q < jt->Q; q++) {
+        double v = (double)grp_row(jt, m, q, l)[e];
+        if (!(v > 0)) continue;
+        for (int32_t i = 0; i < ls->cnt[e]; i++) ls->U[(size_t)q * ep + rk[i]] += sign * v * w[i] / gspeed(jt, q, rk[i]);
+    }
+}
+
+static double u_max(const joint *jt, const lever_state *ls)
+{
+    double best = 0;
+    for (int32_t i = 0; i < jt->Q * jt->ep; i++) best = ls->U[i] > best ? ls->U[i] : best;
+    return best;
+}
+
+/* Shares of expert e over the ranks rk[0..R) that minimise the largest load of those
+ * ranks over every group, the other experts' loads fixed (base_load[q * (ep + 1) + i]
+ * is rank rk[i]'s load in group q without e; tq[q] e's token-choices in group q).
+ * At a common level h, rank i can take s_i(h) = min over groups of
+ * (h - base) speed / tq; the h with sum s_i(h) = 1 is found by bisection (the sum is
+ * continuous and increasing in h). Returns the level. */
+static double minmax_fill(const joint *jt, lever_state *ls, const int32_t *rk, int32_t R, double *share)
+{
+    const int32_t Q = jt->Q, stride = jt->ep + 1;
+    /* s_i(h) = min over groups with tq > 0 of slope * h - offset */
+    double *slope = ls->fill_a, *offset = ls->fill_c;
+    double lo = 0, hi = 0;
+    for (int32_t i = 0; i < R; i++)
+        for (int32_t q = 0; q < Q; q++) {
+            double b = ls->base_load[(size_t)q * stride + i], sp = gspeed(jt, q, rk[i]);
+            double all = b + ls->tq[q] / sp;
+            lo = b > lo ? b : lo;
+            hi = all > hi ? all : hi;
+            double k = ls->tq[q] > 0 ? sp / ls->tq[q] : 0.0;
+            slope[(size_t)i * Q + q] = k;
+            offset[(size_t)i * Q + q] = b * k;
+        }
+    if (!(hi > lo)) {
+        for (int32_t i = 0; i < R; i++) share[i] = 1.0 / R;
+        return lo;
+    }
+    for (int it = 0; it < 28; it++) { /* 2^-28 of the range: far below what matters */
+        double h = 0.5 * (lo + hi), sum = 0;
+        for (int32_t i = 0; i < R; i++) {
+            double s = INFINITY;
+            for (int32_t q = 0; q < Q; q++) {
+                double k = slope[(size_t)i * Q + q];
+                if (k == 0) continue;
+                double v = k * h - offset[(size_t)i * Q + q];
+                s = v < s ? v : s;
+            }
+            sum += s > 0 ? (s < 1 ? s : 1) : 0;
+        }
+        if (sum >= 1) hi = h;
+        else lo = h;
+    }
+    double norm = 0;
+    for (int32_t i = 0; i < R; i++) {
+        double s = INFINITY;
+        for (int32_t q = 0; q < Q; q++) {
+            double k = slope[(size_t)i * Q + q];
+            if (k == 0) continue;
+            double v = k * hi - offset[(size_t)i * Q + q];
+            s = v < s ? v : s;
+        }
+        share[i] = s > 0 ? (s < 1 ? s : 1) : 0;
+        norm += share[i];
+    }
+    for (int32_t i = 0; i < R; i++) share[i] = norm > 0 ? share[i] / norm : 1.0 / R;
+    return hi;
+}
+
+/* Load each group's rank would have without expert e: base_load for ranks rk[0..R);
+ * e's current contribution is taken out where it has a replica. */
+static void prepare(const joint *jt, lever_state *ls, int32_t m, int32_t l, int32_t e, const int32_t *rk, int32_t R)
+{
+    const int32_t ep = jt->ep, stride = ep + 1;
+    for (int32_t q = 0; q < jt->Q; q++) {
+        ls->tq[q] = (double)grp_row(jt, m, q, l)[e];
+        for (int32_t i = 0; i < R; i++) {
+            double u = ls->U[(size_t)q * ep + rk[i]];
+            for (int32_t k = 0; k < ls->cnt[e]; k++)
+                if (ls->rank[(size_t)e * ep + k] == rk[i])
+                    u -= ls->tq[q] * ls->w[(size_t)e * ep + k] / gspeed(jt, q, rk[i]);
+            ls->base_load[(size_t)q * stride + i] = u;
+        }
+    }
+}
+
+/* Largest load over all groups and ranks if e's replicas become rk[0..R) with shares
+ * `share` (base_load prepared for rk). */
+static double trial_max(const joint *jt, const lever_state *ls, int32_t e, const int32_t *rk, int32_t R,
+                        const double *share)
+{
+    const int32_t ep = jt->ep, stride = ep + 1;
+    double best = 0;
+    for (int32_t q = 0; q < jt->Q; q++)
+        for (int32_t j = 0; j < ep; j++) {
+            bool touched = false;
+            for (int32_t k = 0; k < ls->cnt[e] && !touched; k++) touched = ls->rank[(size_t)e * ep + k] == j;
+            for (int32_t i = 0; i < R && !touched; i++) touched = rk[i] == j;
+            if (touched) continue;
+            double u = ls->U[(size_t)q * ep + j];
+            best = u > best ? u : best;
+        }
+    for (int32_t q = 0; q < jt->Q; q++)
+        for (int32_t i = 0; i < R; i++) {
+            double u = ls->base_load[(size_t)q * stride + i] + ls->tq[q] * share[i] / gspeed(jt, q, rk[i]);
+            best = u > best ? u : best;
+        }
+    return best;
+}
+
+/* Exact expert time of the slowest GPU at (m, l) under the current replicas and
+ * shares (forward seconds), from the cost model's slot time. */
+static double exact_max(const joint *jt, const lever_state *ls, int32_t m, int32_t l, double *acc)
+{
+    const int32_t ep = jt->ep;
+    double best = 0;
+    for (int32_t q = 0; q < jt->Q; q++) {
+        for (int32_t j = 0; j < ep; j++) acc[j] = 0;
+        const int64_t *h = grp_row(jt, m, q, l);
+        for (int32_t e = 0; e < jt->E; e++) {
+            const int32_t *rk = ls->rank + (size_t)e * ep;
+            const double *w = ls->w + (size_t)e * ep;
+            for (int32_t i = 0; i < ls->cnt[e]; i++) acc[rk[i]] += joint_slot_time(jt, (double)h[e] * w[i]);
+        }
+        for (int32_t j = 0; j < ep; j++) {
+            double x = acc[j] / gspeed(jt, q, j);
+            best = x > best ? x : best;
+        }
+    }
+    return best;
+}
+
+static bool has_rank(const lever_state *ls, int32_t ep, int32_t e, int32_t j)
+{
+    for (int32_t i = 0; i < ls->cnt[e]; i++)
+        if (ls->rank[(size_t)e * ep + i] == j) return true;
+    return false;
+}
+
+static void reset_even(const joint *jt, lever_state *ls, int32_t l)
+{
+    const joint_layer *lay = &jt->layers[l];
+    const int32_t ep = jt->ep;
+    for (int32_t e = 0; e < jt->E; e++) {
+        int32_t R = lay->rep_off[e + 1] - lay->rep_off[e];
+        ls->cnt[e] = ls->base[e] = R;
+        ls->explicit_shares[e] = false;
+        for (int32_t i = 0; i < R; i++) {
+            ls->rank[(size_t)e * ep + i] = lay->rep_rank[lay->rep_off[e] + i];
+            ls->w[(size_t)e * ep + i] = 1.0 / R;
+        }
+    }
+    for (int32_t j = 0; j < ep; j++) ls->extra_count[j] = 0;
+    ls->n_extra = 0;
+}
+
+/* One (mb, layer): shares, then extra replicas while they pay; kept only if the exact
+ * slot times say the slowest GPU got faster by more than the copies cost. */
+static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
+{
+    const int32_t E = jt->E, ep = jt->ep;
+    const rp_joint_params *par = jt->par;
+    reset_even(jt, ls, l);
+    memset(ls->U, 0, (size_t)jt->Q * ep * sizeof *ls->U);
+    for (int32_t e = 0; e < E; e++) contribute(jt, ls, m, l, e, +1);
+    double *acc = ls->rank_u; /* scratch of ep doubles for exact_max */
+    const double even_exact = exact_max(jt, ls, m, l, acc);
+
+    if (par->shares) {
+        /* replicated experts, heaviest first (ties: lower id); two Gauss-Seidel passes */
+        int32_t nrep = 0;
+        for (int32_t e = 0; e < E; e++) {
+            if (ls->cnt[e] < 2) continue;
+            double total = 0;
+            for (int32_t q = 0; q < jt->Q; q++) total += (double)grp_row(jt, m, q, l)[e];
+            if (!(total > 0)) continue;
+            int32_t at = nrep++;
+            while (at > 0 && ls->rtot[at - 1] < total) {
+                ls->reps[at] = ls->reps[at - 1];
+                ls->rtot[at] = ls->rtot[at - 1];
+                at--;
+            }
+            ls->reps[at] = e;
+            ls->rtot[at] = total;
+        }
+        for (int32_t pass = 0; pass < 2; pass++)
+            for (int32_t k = 0; k < nrep; k++) {
+                int32_t e = ls->reps[k], R = ls->cnt[e];
+                const int32_t *rk = ls->rank + (size_t)e * ep;
+                prepare(jt, ls, m, l, e, rk, R);
+                minmax_fill(jt, ls, rk, R, ls->wt);
+                contribute(jt, ls, m, l, e, -1);
+                memcpy(ls->w + (size_t)e * ep, ls->wt, (size_t)R * sizeof *ls->wt);
+                ls->explicit_shares[e] = true;
+                contribute(jt, ls, m, l, e, +1);
+            }
+    }
+
+    if (par->max_extra_per_rank > 0 && ep > 1) {
+        double cur = u_max(jt, ls);
+        for (int32_t iter = 0; iter < par->max_extra_per_rank * ep; iter++) {
+            int32_t hq = 0, hj = 0;
+            for (int32_t i = 0; i < jt->Q * ep; i++)
+                if (ls->U[i] > ls->U[(size_t)hq * ep + hj]) hq = i / ep, hj = i % ep;
+            /* the hot rank's three heaviest experts in the hot group */
+            int32_t cand[3], nc = 0;
+            double cw[3];
+            for (int32_t e = 0; e < E; e++) {
+                if (!has_rank(ls, ep, e, hj) || ls->cnt[e] >= ep) continue;
+                double v = (double)grp_row(jt, m, hq, l)[e];
+                if (!(v > 0)) continue;
+                int32_t at = nc < 3 ? nc++ : 3;
+                while (at > 0 && cw[at - 1] < v) {
+                    if (at < 3) {
+                        cw[at] = cw[at - 1];
+                        cand[at] = cand[at - 1];
+                    }
+                    at--;
+                }
+                if (at < 3) {
+                    cw[at] = v;
+                    cand[at] = e;
+                }
+            }
+            /* targets: the two coolest ranks (largest load over groups) with room */
+            for (int32_t j = 0; j < ep; j++) {
+                ls->rank_u[j] = 0;
+                for (int32_t q = 0; q < jt->Q; q++)
+                    ls->rank_u[j] = ls->U[(size_t)q * ep + j] > ls->rank_u[j] ? ls->U[(size_t)q * ep + j] : ls->rank_u[j];
+            }
+            int32_t cool[2], ncool = 0;
+            for (int32_t j = 0; j < ep; j++) {
+                if (ls->extra_count[j] >= par->max_extra_per_rank) continue;
+                int32_t at = ncool < 2 ? ncool++ : 2;
+                while (at > 0 && ls->rank_u[cool[at - 1]] > ls->rank_u[j]) {
+                    if (at < 2) cool[at] = cool[at - 1];
+                    at--;
+                }
+                if (at < 2) cool[at] = j;
+            }
+            int32_t kmax = 0;
+            for (int32_t j = 0; j < ep; j++) kmax = ls->extra_count[j] > kmax ? ls->extra_count[j] : kmax;
+            double best_gain = 0;
+            int32_t best_e = -1, best_j = -1;
+            for (int32_t c = 0; c < nc; c++) {
+                int32_t e = cand[c], R = ls->cnt[e];
+                for (int32_t t = 0; t < ncool; t++) {
+                    int32_t j2 = cool[t];
+                    if (has_rank(ls, ep, e, j2)) continue;
+                    bool source = false; /* a base replica in the same node to copy from */
+                    for (int32_t i = 0; i < ls->base[e] && !source; i++)
+                        source = jt->node_of_rank[ls->rank[(size_t)e * ep + i]] == jt->node_of_rank[j2];
+                    if (!source) continue;
+                    memcpy(ls->rk, ls->rank + (size_t)e * ep, (size_t)R * sizeof *ls->rk);
+                    ls->rk[R] = j2;
+                    prepare(jt, ls, m, l, e, ls->rk, R + 1);
+                    minmax_fill(jt, ls, ls->rk, R + 1, ls->wt);
+                    double nm = trial_max(jt, ls, e, ls->rk, R + 1, ls->wt);
+                    int32_t k_after = ls->extra_count[j2] + 1 > kmax ? ls->extra_count[j2] + 1 : kmax;
+                    double copy = 2.0 * ((k_after - kmax) * jt->copy_s + (kmax == 0 ? jt->nv_lat : 0.0));
+                    /* net saving, forward seconds */
+                    double gain = joint_mb_value(jt, m, cur) - joint_mb_value(jt, m, nm) - copy / jt->fwd_bwd;
+                    if (gain > best_gain) {
+                        best_gain = gain;
+                        best_e = e;
+                        best_j = j2;
+                        memcpy(ls->best_w, ls->wt, (size_t)(R + 1) * sizeof *ls->wt);
+                    }
+                }
+            }
+            if (best_e < 0) break;
+            contribute(jt, ls, m, l, best_e, -1);
+            int32_t R = ls->cnt[best_e];
+            ls->rank[(size_t)best_e * ep + R] = best_j;
+            ls->cnt[best_e] = R + 1;
+            memcpy(ls->w + (size_t)best_e * ep, ls->best_w, (size_t)(R + 1) * sizeof *ls->best_w);
+            ls->explicit_shares[best_e] = true;
+            contribute(jt, ls, m, l, best_e, +1);
+            ls->extra_count[best_j]++;
+            ls->extra_e[ls->n_extra] = best_e;
+            ls->extra_r[ls->n_extra] = best_j;
+            ls->n_extra++;
+            cur = u_max(jt, ls);
+        }
+    }
+
+    /* keep the levers only if they pay under the exact slot times */
+    int32_t kmax = 0;
+    for (int32_t j = 0; j < ep; j++) kmax = ls->extra_count[j] > kmax ? ls->extra_count[j] : kmax;
+    double copy = kmax > 0 ? 2.0 * (kmax * jt->copy_s + jt->nv_lat) : 0.0;
+    bool any = ls->n_extra > 0;
+    for (int32_t e = 0; e < E && !any; e++) any = ls->explicit_shares[e];
+    if (any && !(exact_max(jt, ls, m, l, acc) + copy / jt->fwd_bwd < even_exact)) reset_even(jt, ls, l);
+}
+
+rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *extras, rp_error *err)
+{
+    rp_context *ctx = jt->ctx;
+    const int32_t E = jt->E, ep = jt->ep, Q = jt->Q;
+    lever_state ls;
+    memset(&ls, 0, sizeof ls);
+    rp_status st = RP_OK;
+    const size_t ee = (size_t)E * ep;
+    const int32_t max_extras = jt->par->max_extra_per_rank > 0 ? jt->par->max_extra_per_rank * ep : 0;
+    ls.cnt = rp_alloc(ctx, (size_t)E * sizeof *ls.cnt);
+    ls.base = rp_alloc(ctx, (size_t)E * sizeof *ls.base);
+    ls.rank = rp_alloc(ctx, ee * sizeof *ls.rank);
+    ls.w = rp_alloc(ctx, ee * sizeof *ls.w);
+    ls.explicit_shares = rp_alloc(ctx, (size_t)E * sizeof *ls.explicit_shares);
+    ls.U = rp_alloc(ctx, (size_t)Q * ep * sizeof *ls.U);
+    ls.tq = rp_alloc(ctx, (size_t)Q * sizeof *ls.tq);
+    ls.base_load = rp_alloc(ctx, (size_t)Q * (ep + 1) * sizeof *ls.base_load);
+    ls.wt = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.wt);
+    ls.best_w = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.best_w);
+    ls.rk = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.rk);
+    ls.rank_u = rp_alloc(ctx, (size_t)ep * sizeof *ls.rank_u);
+    ls.extra_count = rp_alloc(ctx, (size_t)ep * sizeof *ls.extra_count);
+    ls.extra_e = rp_alloc(ctx, ((size_t)max_extras + 1) * sizeof *ls.extra_e);
+    ls.extra_r = rp_alloc(ctx, ((size_t)max_extras + 1) * sizeof *ls.extra_r);
+    ls.reps = rp_alloc(ctx, (size_t)E * sizeof *ls.reps);
+    ls.rtot = rp_alloc(ctx, (size_t)E * sizeof *ls.rtot);
+    ls.fill_a = rp_alloc(ctx, ((size_t)ep + 1) * Q * sizeof *ls.fill_a);
+    ls.fill_c = rp_alloc(ctx, ((size_t)ep + 1) * Q * sizeof *ls.fill_c);
+    int32_t *order = rp_alloc(ctx, ((size_t)max_extras + 1) * sizeof *order);
+    if (!ls.cnt || !ls.base || !ls.rank || !ls.w || !ls.explicit_shares || !ls.U || !ls.tq || !ls.base_load ||
+        !ls.wt || !ls.best_w || !ls.rk || !ls.rank_u || !ls.extra_count || !ls.extra_e || !ls.extra_r || !ls.reps ||
+        !ls.rtot || !ls.fill_a || !ls.fill_c || !order) {
+        st = rp_fail_nomem(err, "joint: shares and extra replicas");
+        goto out;
+    }
+    *share_sets = *extras = 0;
+    for (int32_t m = 0; m < jt->M; m++)
+        for (int32_t l = 0; l < jt->L; l++) {
+            plan_levers(jt, &ls, m, l);
+            /* extras in ascending expert order (insertion order kept per expert), so the
+             * plan appends them; then the shares of every expert that has explicit ones */
+            for (int32_t i = 0; i < ls.n_extra; i++) order[i] = i;
+            for (int32_t i = 1; i < ls.n_extra; i++)
+                for (int32_t k = i; k > 0 && ls.extra_e[order[k - 1]] > ls.extra_e[order[k]]; k--) {
+                    int32_t t = order[k];
+                    order[k] = order[k - 1];
+                    order[k - 1] = t;
+                }
+            for (int32_t i = 0; i < ls.n_extra; i++) {
+                int32_t k = order[i];
+                RP_CHECK_GOTO(rp_plan_add_extra_replica(plan, m, l, ls.extra_e[k], ls.extra_r[k], err), st, out);
+                (*extras)++;
+            }
+            for (int32_t e = 0; e < E; e++) {
+                if (!ls.explicit_shares[e]) continue;
+                RP_CHECK_GOTO(rp_plan_set_shares(plan, m, l, e, ls.w + (size_t)e * ep, ls.cnt[e], err), st, out);
+                (*share_sets)++;
+            }
+        }
+out:
+    rp_free(ctx, ls.cnt);
+    rp_free(ctx, ls.base);
+    rp_free(ctx, ls.rank);
+    rp_free(ctx, ls.w);
+    rp_free(ctx, ls.explicit_shares);
+    rp_free(ctx, ls.U);
+    rp_free(ctx, ls.tq);
+    rp_free(ctx, ls.base_load);
+    rp_free(ctx, ls.wt);
+    rp_free(ctx, ls.best_w);
+    rp_free(ctx, ls.rk);
+    rp_free(ctx, ls.rank_u);
+    rp_free(ctx, ls.extra_count);
+    rp_free(ctx, ls.extra_e);
+    rp_free(ctx, ls.extra_r);
+    rp_free(ctx, ls.reps);
+    rp_free(ctx, ls.rtot);
+    rp_free(ctx, ls.fill_a);
+    rp_free(ctx, ls.fill_c);
+    rp_free(ctx, order);
+    return st;
+}

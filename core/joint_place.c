@@ -1,0 +1,616 @@
+/* Joint placement of one layer: replicas apportioned by this step's load and placed
+ * node-aware, then replica moves, swaps and re-assignments judged by the expert time of
+ * every (microbatch, EP group) rather than the step's aggregate, optionally anchored
+ * to the previous placement so that only moves that pay are made
+ * (docs/routepack-policy.md, "Placement"). */
+#include "joint_internal.h"
+#include "routepack/primitives.h"
+
+#include <math.h>
+#include <string.h>
+
+rp_status joint_layer_alloc(const joint *jt, joint_layer *lay, rp_error *err)
+{
+    lay->phy2log = rp_alloc(jt->ctx, (size_t)jt->S * sizeof *lay->phy2log + 1);
+    lay->rep_off = rp_alloc(jt->ctx, ((size_t)jt->E + 1) * sizeof *lay->rep_off);
+    lay->rep_rank = rp_alloc(jt->ctx, (size_t)jt->S * sizeof *lay->rep_rank + 1);
+    if (!lay->phy2log || !lay->rep_off || !lay->rep_rank) {
+        joint_layer_free(jt, lay);
+        return rp_fail_nomem(err, "joint: a layer's placement");
+    }
+    return RP_OK;
+}
+
+void joint_layer_free(const joint *jt, joint_layer *lay)
+{
+    rp_free(jt->ctx, lay->phy2log);
+    rp_free(jt->ctx, lay->rep_off);
+    rp_free(jt->ctx, lay->rep_rank);
+    memset(lay, 0, sizeof *lay);
+}
+
+void joint_layer_index(const joint *jt, joint_layer *lay)
+{
+    const int32_t E = jt->E, S = jt->S;
+    memset(lay->rep_off, 0, ((size_t)E + 1) * sizeof *lay->rep_off);
+    for (int32_t s = 0; s < S; s++)
+        if (lay->phy2log[s] >= 0) lay->rep_off[lay->phy2log[s] + 1]++;
+    for (int32_t e = 0; e < E; e++) lay->rep_off[e + 1] += lay->rep_off[e];
+    for (int32_t s = 0; s < S; s++)
+        if (lay->phy2log[s] >= 0) lay->rep_rank[lay->rep_off[lay->phy2log[s]]++] = jt->slot_rank[s];
+    for (int32_t e = E; e > 0; e--) lay->rep_off[e] = lay->rep_off[e - 1];
+    lay->rep_off[0] = 0;
+}
+
+rp_status joint_layer_copy_from_plan(const joint *jt, const rp_plan *plan, int32_t l, joint_layer *lay,
+                                     rp_error *err)
+{
+    const int32_t *row = rp_plan_phy2log(plan, l);
+    for (int32_t s = 0; s < jt->S; s++) {
+        if (row[s] < -1 || row[s] >= jt->E)
+            return rp_fail(err, RP_EINVAL, "joint: the previous plan's layer %d slot %d holds expert %d, but the "
+                           "model has %d", l, s, row[s], jt->E);
+        lay->phy2log[s] = row[s];
+    }
+    joint_layer_index(jt, lay);
+    for (int32_t e = 0; e < jt->E; e++)
+        if (lay->rep_off[e + 1] == lay->rep_off[e]) {
+            rp_fail(err, RP_EINVAL, "joint: the previous plan's layer %d has no replica of expert %d", l, e);
+            if (err) err->expert = e;
+            return RP_EINVAL;
+        }
+    return RP_OK;
+}
+
+/* ---- the surrogate: expert load of every (mb, group, rank) ----------------------- */
+
+/* Scratch layout (doubles): U[M * Q * ep] loads in token-choices, rmax[M * ep] the
+ * largest over groups of each rank's load / speed, a row of Q * ep for trials, E for
+ * per-replica loads. */
+size_t joint_place_scratch_doubles(const joint *jt)
+{
+    return (size_t)jt->M * jt->Q * jt->ep + (size_t)jt->M * jt->ep + (size_t)jt->Q * jt->ep + (size_t)jt->E + 16;
+}
+
+/* Loads of every (mb, group, rank) with an even split over replicas. */
+static void layer_loads(const joint *jt, int32_t l, const joint_layer *lay, double *U)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
+    for (int32_t m = 0; m < M; m++)
+        for (int32_t q = 0; q < Q; q++) {
+            double *u = U + ((size_t)m * Q + q) * ep;
+            const int64_t *h = grp_row(jt, m, q, l);
+            for (int32_t j = 0; j < ep; j++) u[j] = 0.0;
+            for (int32_t e = 0; e < E; e++) {
+                if (!h[e]) continue;
+                int32_t a = lay->rep_off[e], b = lay->rep_off[e + 1];
+                double w = (double)h[e] / (b - a);
+                for (int32_t i = a; i < b; i++) u[lay->rep_rank[i]] += w;
+            }
+        }
+}
+
+static inline double gpu_speed(const joint *jt, int32_t q, int32_t j) { return jt->speed[q * jt->ep + j]; }
+
+/* rmax[m * ep + j] = max over groups of U / speed. */
+static void rank_maxima(const joint *jt, const double *U, double *rmax)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    for (int32_t m = 0; m < M; m++)
+        for (int32_t j = 0; j < ep; j++) {
+            double best = 0;
+            for (int32_t q = 0; q < Q; q++) {
+                double x = U[((size_t)m * Q + q) * ep + j] / gpu_speed(jt, q, j);
+                if (x > best) best = x;
+            }
+            rmax[(size_t)m * ep + j] = best;
+        }
+}
+
+static double total_value(const joint *jt, const double *rmax)
+{
+    double sum = 0;
+    for (int32_t m = 0; m < jt->M; m++) {
+        double best = 0;
+        for (int32_t j = 0; j < jt->ep; j++)
+            if (rmax[(size_t)m * jt->ep + j] > best) best = rmax[(size_t)m * jt->ep + j];
+        sum += joint_mb_value(jt, m, best);
+    }
+    return sum;
+}
+
+/* From forward seconds summed over microbatches to step seconds. */
+static double to_seconds(const joint *jt, double forward) { return forward * jt->fwd_bwd; }
+
+double joint_place_score(const joint *jt, int32_t l, const joint_layer *lay, double *scratch)
+{
+    double *U = scratch, *rmax = U + (size_t)jt->M * jt->Q * jt->ep;
+    layer_loads(jt, l, lay, U);
+    rank_maxima(jt, U, rmax);
+    return to_seconds(jt, total_value(jt, rmax));
+}
+
+/* Like joint_place_score, but with every replicated expert's load poured into its
+ * ranks by water-filling in each (mb, group) separately: what shares could reach at
+ * best (shares are common to the groups, so this is optimistic), to compare replica
+ * counts fairly. */
+double joint_place_score_ideal(const joint *jt, int32_t l, const joint_layer *lay, double *scratch)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
+    double *u = scratch, *lv = u + ep;
+    int32_t ord[64];
+    double sum = 0;
+    for (int32_t m = 0; m < M; m++) {
+        double best = 0;
+        for (int32_t q = 0; q < Q; q++) {
+            const int64_t *h = grp_row(jt, m, q, l);
+            for (int32_t j = 0; j < ep; j++) u[j] = 0;
+            for (int32_t e = 0; e < E; e++)
+                if (lay->rep_off[e + 1] - lay->rep_off[e] == 1) u[lay->rep_rank[lay->rep_off[e]]] += (double)h[e];
+            for (int32_t e = 0; e < E; e++) {
+                int32_t a = lay->rep_off[e], R = lay->rep_off[e + 1] - a;
+                if (R < 2 || !h[e]) continue;
+                if (R > 64) { /* spread evenly: bounded work */
+                    for (int32_t i = 0; i < R; i++) u[lay->rep_rank[a + i]] += (double)h[e] / R;
+                    continue;
+                }
+                for (int32_t i = 0; i < R; i++) {
+                    int32_t r = lay->rep_rank[a + i], k = i;
+                    lv[i] = u[r] / gpu_speed(jt, q, r);
+                    while (k > 0 && lv[ord[k - 1]] > lv[i]) {
+                        ord[k] = ord[k - 1];
+                        k--;
+                    }
+                    ord[k] = i;
+                }
+                double left = (double)h[e], sc = 0, sl = 0, level = 0;
+                int32_t k = 0;
+                while (k < R) {
+                    int32_t r = lay->rep_rank[a + ord[k]];
+                    sl += lv[ord[k]] * gpu_speed(jt, q, r);
+                    sc += gpu_speed(jt, q, r);
+                    k++;
+                    level = (left + sl) / sc;
+                    if (k == R || level <= lv[ord[k]]) break;
+                }
+                for (int32_t i = 0; i < k; i++) {
+                    int32_t r = lay->rep_rank[a + ord[i]];
+                    u[r] = level * gpu_speed(jt, q, r);
+                }
+            }
+            for (int32_t j = 0; j < ep; j++) {
+                double x = u[j] / gpu_speed(jt, q, j);
+                best = x > best ? x : best;
+            }
+        }
+        sum += joint_mb_value(jt, m, best);
+    }
+    return to_seconds(jt, sum);
+}
+
+/* The gradient all-reduces a layer's replicas add (docs/cost-model.md): every replica
+ * beyond an expert's first (lowest rank) pairs with the first, each of the two GPUs
+ * paying one gradient transfer. The cost model charges the busiest GPU's sum over
+ * layers, which the per-layer means add up to when the pairs spread over the ranks
+ * (placements spread replicas); the mean is this layer's share, step seconds. */
+double joint_layer_grad_s(const joint *jt, const joint_layer *lay, double *per_rank)
+{
+    for (int32_t j = 0; j < jt->ep; j++) per_rank[j] = 0;
+    for (int32_t e = 0; e < jt->E; e++) {
+        int32_t a = lay->rep_off[e], b = lay->rep_off[e + 1];
+        if (b - a < 2) continue;
+        int32_t first = lay->rep_rank[a];
+        for (int32_t i = a + 1; i < b; i++) {
+            int32_t r = lay->rep_rank[i];
+            double t = jt->node_of_rank[r] == jt->node_of_rank[first] ? jt->grad_nv_s : jt->grad_net_s;
+            per_rank[first] += t;
+            per_rank[r] += t;
+        }
+    }
+    double sum = 0;
+    for (int32_t j = 0; j < jt->ep; j++) sum += per_rank[j];
+    return sum / jt->ep;
+}
+
+/* ---- a fresh placement -------------------------------------------------------------- */
+
+/* EPLB's two steps on this step's loads (apportion, then pack replicas onto ranks),
+ * node-aware: when an EP group spans several nodes, also the hierarchical layout
+ * (experts packed onto nodes first, replicas inside their node, where an extra
+ * replica always finds a same-node source); the one the surrogate prefers is kept. */
+rp_status joint_place_fresh(joint *jt, int32_t l, joint_layer *lay, rp_error *err)
+{
+    rp_context *ctx = jt->ctx;
+    const int32_t E = jt->E, ep = jt->ep, gpn = jt->gpn, S = jt->S;
+    const int64_t *el = rp_stats_expert_load(jt->stats, l);
+    rp_status st = RP_OK;
+    double *load = rp_alloc(ctx, (size_t)E * sizeof *load);
+    double *rank_speed = rp_alloc(ctx, (size_t)ep * sizeof *rank_speed);
+    int32_t *slots = rp_alloc(ctx, (size_t)ep * sizeof *slots);
+    int32_t *begin = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *begin);
+    int32_t *counts = rp_alloc(ctx, (size_t)E * sizeof *counts);
+    int32_t *best = rp_alloc(ctx, (size_t)S * sizeof *best + 1);
+    double *scratch = jt->grp_hist ? rp_alloc(ctx, joint_place_scratch_doubles(jt) * sizeof *scratch) : NULL;
+    if (!load || !rank_speed || !slots || !begin || !counts || !best || (jt->grp_hist && !scratch)) {
+        st = rp_fail_nomem(err, "joint: placement");
+        goto out;
+    }
+    int32_t max_rep = 0;
+    for (int32_t e = 0; e < E; e++) load[e] = (double)el[e];
+    for (int32_t j = 0; j < ep; j++) {
+        slots[j] = jt->slot_begin[j + 1] - jt->slot_begin[j];
+        max_rep += slots[j] > 0;
+        /* one placement serves every group: a rank position is as fast as its slowest GPU */
+        double v = INFINITY;
+        for (int32_t q = 0; q < jt->Q; q++) v = gpu_speed(jt, q, j) < v ? gpu_speed(jt, q, j) : v;
+        rank_speed[j] = v;
+    }
+    /* Candidates: every spare slot used (EPLB), or none (replicas cost a gradient
+     * all-reduce each, which at small expert loads outweighs what they balance; a
+     * middle count is not tried: the shares added later need replicas to work with,
+     * which the even-split surrogate does not see); global packing, and hierarchical
+     * when an EP group
+     * spans nodes (experts packed onto nodes first, replicas inside their node, where
+     * an extra replica always finds a same-node source). Without the per-(mb, group)
+     * loads (the reference for mixing) only EPLB's choice is made. The surrogate's
+     * expert time plus the replicas' gradient time decides. */
+    const int32_t nodes = ep % gpn == 0 ? ep / gpn : 1;
+    const int32_t spare = S - E < E * (max_rep - 1) ? S - E : E * (max_rep - 1);
+    double best_v = INFINITY;
+    int32_t found = 0;
+    for (int32_t variant = 0; variant < 6; variant++) {
+        int32_t budget = variant % 3 == 0 ? spare : 0;
+        bool hier = variant >= 3;
+        if (variant % 3 == 1) continue;
+        if (variant % 3 == 2 && (!scratch || spare == 0)) continue;
+        if (hier && (!scratch || nodes < 2 || E % nodes != 0)) continue;
+        rp_place_input in = {.num_experts = E, .load = load, .num_gpus = ep, .slots = slots,
+                             .speed = jt->uniform_speed ? NULL : rank_speed,
+                             .mode = hier ? RP_PLACE_HIERARCHICAL : RP_PLACE_GLOBAL,
+                             .gpus_per_node = gpn, .num_groups = E, .improve_rounds = 0};
+        if (!hier || budget != spare) {
+            /* explicit counts (hierarchical apportions inside nodes itself) */
+            if (hier) continue;
+            rp_status as = rp_replicas_apportion(ctx, load, E, E + budget, max_rep, counts, err);
+            if (as != RP_OK) {
+                st = as;
+                goto out;
+            }
+            in.replicas = counts;
+        }
+        rp_error perr;
+        rp_status ps = rp_place_replicas(ctx, &in, begin, lay->phy2log, NULL, &perr);
+        if (ps == RP_ENOMEM) {
+            st = rp_fail_nomem(err, "joint: placement");
+            goto out;
+        }
+        if (ps != RP_OK) {
+            if (variant == 0) { /* EPLB's own choice must place */
+                st = ps;
+                if (err) *err = perr;
+                goto out;
+            }
+            continue; /* an infeasible alternative shape: skip it */
+        }
+        joint_layer_index(jt, lay);
+        double v = 0;
+        if (scratch)
+            v = joint_place_score_ideal(jt, l, lay, scratch) + joint_layer_grad_s(jt, lay, scratch);
+        if (!found || v < best_v) {
+            best_v = v;
+            memcpy(best, lay->phy2log, (size_t)S * sizeof *best);
+        }
+        found++;
+    }
+    memcpy(lay->phy2log, best, (size_t)S * sizeof *best);
+    joint_layer_index(jt, lay);
+out:
+    rp_free(ctx, load);
+    rp_free(ctx, rank_speed);
+    rp_free(ctx, slots);
+    rp_free(ctx, begin);
+    rp_free(ctx, counts);
+    rp_free(ctx, best);
+    rp_free(ctx, scratch);
+    return st;
+}
+
+/* ---- improvement ----------------------------------------------------------------- */
+
+static bool rank_has(const joint *jt, const joint_layer *lay, int32_t j, int32_t e)
+{
+    for (int32_t s = jt->slot_begin[j]; s < jt->slot_begin[j + 1]; s++)
+        if (lay->phy2log[s] == e) return true;
+    return false;
+}
+
+/* Per microbatch, the three ranks with the largest rmax (ties: lower rank), so that the
+ * maximum over the ranks a change leaves alone is a lookup. */
+static void top3(const joint *jt, const double *rmax, int32_t *top)
+{
+    const int32_t ep = jt->ep;
+    for (int32_t m = 0; m < jt->M; m++) {
+        const double *r = rmax + (size_t)m * ep;
+        int32_t *t = top + (size_t)m * 3;
+        t[0] = t[1] = t[2] = -1;
+        for (int32_t j = 0; j < ep; j++) {
+            if (t[0] < 0 || r[j] > r[t[0]]) {
+                t[2] = t[1];
+                t[1] = t[0];
+                t[0] = j;
+            } else if (t[1] < 0 || r[j] > r[t[1]]) {
+                t[2] = t[1];
+                t[1] = j;
+            } else if (t[2] < 0 || r[j] > r[t[2]]) {
+                t[2] = j;
+            }
+        }
+    }
+}
+
+/* Value after a move or swap between ranks a and b: `d(m, q)` token-choices leave a for
+ * b (replica counts unchanged, so no other rank changes). */
+static double trial_pair(const joint *jt, int32_t l, const double *U, const double *rmax, const int32_t *top,
+                         int32_t ra, int32_t rb, int32_t e, int32_t Re, int32_t f, int32_t Rf)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    double sum = 0;
+    for (int32_t m = 0; m < M; m++) {
+        double other = 0;
+        const int32_t *t = top + (size_t)m * 3;
+        for (int k = 0; k < 3; k++)
+            if (t[k] >= 0 && t[k] != ra && t[k] != rb) {
+                other = rmax[(size_t)m * ep + t[k]];
+                break;
+            }
+        double na = 0, nb = 0;
+        for (int32_t q = 0; q < Q; q++) {
+            const int64_t *h = grp_row(jt, m, q, l);
+            double d = (e >= 0 ? (double)h[e] / Re : 0.0) - (f >= 0 ? (double)h[f] / Rf : 0.0);
+            const double *u = U + ((size_t)m * Q + q) * ep;
+            double xa = (u[ra] - d) / gpu_speed(jt, q, ra), xb = (u[rb] + d) / gpu_speed(jt, q, rb);
+            na = xa > na ? xa : na;
+            nb = xb > nb ? xb : nb;
+        }
+        double best = other > na ? other : na;
+        sum += joint_mb_value(jt, m, best > nb ? best : nb);
+    }
+    return sum;
+}
+
+/* Value after slot `b` (on rank rb, holding f with several replicas) is given to
+ * another replica of e: every rank holding e or f changes. */
+static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, const double *U,
+                            const double *rmax, int32_t rb, int32_t e, int32_t f, double *row)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    const int32_t Re = lay->rep_off[e + 1] - lay->rep_off[e], Rf = lay->rep_off[f + 1] - lay->rep_off[f];
+    double sum = 0;
+    for (int32_t m = 0; m < M; m++) {
+        /* row: the (q, j) loads of the changed ranks, rebuilt from U */
+        double *u2 = row;
+        memcpy(u2, U + (size_t)m * Q * ep, (size_t)Q * ep * sizeof *u2);
+        for (int32_t q = 0; q < Q; q++) {
+            const int64_t *h = grp_row(jt, m, q, l);
+            double *u = u2 + (size_t)q * ep;
+            double we_old = (double)h[e] / Re, we_new = (double)h[e] / (Re + 1);
+            double wf_old = (double)h[f] / Rf, wf_new = Rf > 1 ? (double)h[f] / (Rf - 1) : 0.0;
+            for (int32_t i = lay->rep_off[e]; i < lay->rep_off[e + 1]; i++) u[lay->rep_rank[i]] += we_new - we_old;
+            for (int32_t i = lay->rep_off[f]; i < lay->rep_off[f + 1]; i++) {
+                int32_t r = lay->rep_rank[i];
+                u[r] += r == rb ? -wf_old : wf_new - wf_old;
+            }
+            u[rb] += we_new;
+        }
+        double best = 0;
+        for (int32_t j = 0; j < ep; j++) {
+            bool changed = j == rb;
+            for (int32_t i = lay->rep_off[e]; i < lay->rep_off[e + 1] && !changed; i++) changed = lay->rep_rank[i] == j;
+            for (int32_t i = lay->rep_off[f]; i < lay->rep_off[f + 1] && !changed; i++) changed = lay->rep_rank[i] == j;
+            double x = 0;
+            if (!changed) x = rmax[(size_t)m * ep + j];
+            else
+                for (int32_t q = 0; q < Q; q++) {
+                    double v = u2[(size_t)q * ep + j] / gpu_speed(jt, q, j);
+                    x = v > x ? v : x;
+                }
+            best = x > best ? x : best;
+        }
+        sum += joint_mb_value(jt, m, best);
+    }
+    return sum;
+}
+
+/* Replicas an EP rank holds that the anchor did not have there. */
+static int32_t new_pairs(const joint *jt, const joint_layer *lay, const unsigned char *held)
+{
+    if (!held) return 0;
+    int32_t n = 0;
+    for (int32_t j = 0; j < jt->ep; j++)
+        for (int32_t s = jt->slot_begin[j]; s < jt->slot_begin[j + 1]; s++)
+            if (lay->phy2log[s] >= 0 && !held[(size_t)j * jt->E + lay->phy2log[s]]) n++;
+    return n;
+}
+
+/* Change in new_pairs when slot on rank j goes from expert y to x. */
+static int32_t pair_delta(const joint *jt, const unsigned char *held, int32_t j, int32_t y, int32_t x)
+{
+    if (!held) return 0;
+    return (x >= 0 && !held[(size_t)j * jt->E + x]) - (y >= 0 && !held[(size_t)j * jt->E + y]);
+}
+
+/* Rounds of best improvement. The hottest rank is the one whose load, summed over
+ * microbatches (its largest over groups), is largest; the cool ranks the two with the
+ * least. Candidates: each replica of the hottest rank moves to a free slot of a cool
+ * rank, or swaps with the cool rank's replica whose aggregate load best halves the
+ * gap; and the two heaviest replicas of the hottest rank each take, as an extra
+ * replica, the slot of the lightest replica of an expert that has several (a change of
+ * replica counts). Each round applies the best candidate if it lowers
+ * value + copy_penalty x (replicas an EP rank holds that the anchor had not). */
+rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const joint_layer *anchor,
+                              double copy_penalty, int32_t rounds, double *scratch, rp_error *err)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
+    if (ep < 2 || rounds <= 0) return RP_OK;
+    double *U = scratch, *rmax = U + (size_t)M * Q * ep;
+    double *row = rmax + (size_t)M * ep, *per_replica = row + (size_t)Q * ep;
+    int32_t top[3 * 64], *topv = top;
+    int32_t *topa = NULL;
+    unsigned char *held = NULL;
+    if (M > 64) {
+        topa = rp_alloc(jt->ctx, (size_t)M * 3 * sizeof *topa);
+        if (!topa) return rp_fail_nomem(err, "joint: placement search");
+        topv = topa;
+    }
+    if (anchor) {
+        held = rp_calloc(jt->ctx, (size_t)ep * E, 1);
+        if (!held) {
+            rp_free(jt->ctx, topa);
+            return rp_fail_nomem(err, "joint: placement search");
+        }
+        for (int32_t j = 0; j < ep; j++)
+            for (int32_t s = jt->slot_begin[j]; s < jt->slot_begin[j + 1]; s++)
+                if (anchor->phy2log[s] >= 0) held[(size_t)j * E + anchor->phy2log[s]] = 1;
+    }
+    const double to_forward = 1.0 / jt->fwd_bwd; /* values are forward seconds */
+    const double pen = copy_penalty * to_forward;
+    for (int32_t round = 0; round < rounds; round++) {
+        layer_loads(jt, l, lay, U);
+        rank_maxima(jt, U, rmax);
+        top3(jt, rmax, topv);
+        const int32_t pairs = new_pairs(jt, lay, held);
+        const double value = total_value(jt, rmax) + pen * pairs;
+        const double grad_now = joint_layer_grad_s(jt, lay, row);
+        for (int32_t e = 0; e < E; e++) {
+            double sum = 0;
+            int32_t R = lay->rep_off[e + 1] - lay->rep_off[e];
+            for (int32_t m = 0; m < M; m++)
+                for (int32_t q = 0; q < Q; q++) sum += grp_row(jt, m, q, l)[e];
+            per_replica[e] = R > 0 ? sum / R : 0.0;
+        }
+        int32_t hot = 0, cool[2] = {-1, -1};
+        double heat_hot = -1, heat_c[2] = {INFINITY, INFINITY};
+        for (int32_t j = 0; j < ep; j++) {
+            double h = 0;
+            for (int32_t m = 0; m < M; m++) h += rmax[(size_t)m * ep + j];
+            if (h > heat_hot) {
+                heat_hot = h;
+                hot = j;
+            }
+            if (h < heat_c[0]) {
+                heat_c[1] = heat_c[0];
+                cool[1] = cool[0];
+                heat_c[0] = h;
+                cool[0] = j;
+            } else if (h < heat_c[1]) {
+                heat_c[1] = h;
+                cool[1] = j;
+            }
+        }
+        int32_t ba = -1, bxa = -1, bb = -1, bxb = -1; /* best: slot a gets xa, slot b gets xb */
+        double best_v = value - 1e-9 * (value > 0 ? value : 1.0);
+        for (int32_t c = 0; c < 2; c++) {
+            int32_t jc = cool[c];
+            if (jc < 0 || jc == hot) continue;
+            /* heat is per group (largest over groups); per_replica sums over groups */
+            double gap = (heat_hot - heat_c[c]) * Q;
+            for (int32_t a = jt->slot_begin[hot]; a < jt->slot_begin[hot + 1]; a++) {
+                int32_t e = lay->phy2log[a];
+                if (e < 0 || rank_has(jt, lay, jc, e)) continue;
+                int32_t Re = lay->rep_off[e + 1] - lay->rep_off[e];
+                /* partner: a free slot, or the replica whose swap moves closest to half the gap */
+                int32_t pb = -1;
+                double pd = INFINITY;
+                for (int32_t b = jt->slot_begin[jc]; b < jt->slot_begin[jc + 1]; b++) {
+                    int32_t f = lay->phy2log[b];
+                    if (f >= 0 && rank_has(jt, lay, hot, f)) continue;
+                    double moved = per_replica[e] - (f >= 0 ? per_replica[f] : 0.0);
+                    if (moved <= 0) continue;
+                    double d = fabs(moved - gap / 2);
+                    if (d < pd) {
+                        pd = d;
+                        pb = b;
+                    }
+                }
+                if (pb < 0) continue;
+                int32_t f = lay->phy2log[pb];
+                int32_t Rf = f >= 0 ? lay->rep_off[f + 1] - lay->rep_off[f] : 1;
+                double v = trial_pair(jt, l, U, rmax, topv, hot, jc, e, Re, f, Rf);
+                v += pen * (pairs + pair_delta(jt, held, hot, e, f) + pair_delta(jt, held, jc, f, e));
+                if (v < best_v) {
+                    best_v = v;
+                    ba = a, bxa = f, bb = pb, bxb = e;
+                }
+            }
+        }
+        /* replica re-assignment: the hottest rank's two heaviest experts */
+        int32_t heavy[2] = {-1, -1};
+        for (int32_t a = jt->slot_begin[hot]; a < jt->slot_begin[hot + 1]; a++) {
+            int32_t e = lay->phy2log[a];
+            if (e < 0) continue;
+            if (heavy[0] < 0 || per_replica[e] > per_replica[heavy[0]]) {
+                heavy[1] = heavy[0];
+                heavy[0] = e;
+            } else if (heavy[1] < 0 || per_replica[e] > per_replica[heavy[1]]) {
+                heavy[1] = e;
+            }
+        }
+        for (int32_t k = 0; k < 2; k++) {
+            int32_t e = heavy[k];
+            if (e < 0) continue;
+            int32_t pb = -1;
+            for (int32_t b = 0; b < jt->S; b++) {
+                int32_t f = lay->phy2log[b];
+                if (f < 0 || f == e || lay->rep_off[f + 1] - lay->rep_off[f] < 2) continue;
+                if (rank_has(jt, lay, jt->slot_rank[b], e)) continue;
+                if (pb < 0 || per_replica[f] < per_replica[lay->phy2log[pb]]) pb = b;
+            }
+            if (pb < 0) continue;
+            int32_t f = lay->phy2log[pb], rb = jt->slot_rank[pb];
+            double v = trial_replace(jt, l, lay, U, rmax, rb, e, f, row);
+            v += pen * (pairs + pair_delta(jt, held, rb, f, e));
+            /* replica counts change: so does the gradient all-reduce they add */
+            lay->phy2log[pb] = e;
+            joint_layer_index(jt, lay);
+            double grad_new = joint_layer_grad_s(jt, lay, row);
+            lay->phy2log[pb] = f;
+            joint_layer_index(jt, lay);
+            v += (grad_new - grad_now) * to_forward;
+            if (v < best_v) {
+                best_v = v;
+                ba = pb, bxa = e, bb = -1, bxb = -1;
+            }
+        }
+        if (ba < 0) break;
+        lay->phy2log[ba] = bxa;
+        if (bb >= 0) lay->phy2log[bb] = bxb;
+        joint_layer_index(jt, lay);
+    }
+    rp_free(jt->ctx, topa);
+    rp_free(jt->ctx, held);
+    return RP_OK;
+}
+
+/* ---- migration of one layer ------------------------------------------------------- */
+
+double joint_layer_migration_s(const joint *jt, const joint_layer *from, const joint_layer *to)
+{
+    double worst = 0;
+    const rp_topology *t = rp_config_topology(jt->cfg);
+    for (int32_t j = 0; j < jt->ep; j++) {
+        int32_t nv = 0, net = 0;
+        for (int32_t s = jt->slot_begin[j]; s < jt->slot_begin[j + 1]; s++) {
+            int32_t e = to->phy2log[s];
+            if (e < 0 || rank_has(jt, from, j, e)) continue;
+            bool near = false;
+            for (int32_t i = from->rep_off[e]; i < from->rep_off[e + 1] && !near; i++)
+                near = jt->node_of_rank[from->rep_rank[i]] == jt->node_of_rank[j];
+            if (near) nv++;
+            else net++;
+        }
+        double time = nv * (jt->move_nv_s - t->nvlink_latency_s) + net * (jt->move_net_s - t->net_latency_s) +
+                      (nv ? t->nvlink_latency_s : 0) + (net ? t->net_latency_s : 0);
+        if (time > worst) worst = time;
+    }
+    return worst;
+}

@@ -1,0 +1,136 @@
+/* The Lua host of the policy engine (private): the `rp` API table, the read-only `ctx`
+ * views and the plan userdata that policies see, built on the sandbox (core/sandbox.h).
+ * The user-facing reference is docs/policies.md. */
+#ifndef RP_LUA_API_H
+#define RP_LUA_API_H
+
+#include "internal.h"
+#include "sandbox.h"
+#include "routepack/cost.h"
+#include "routepack/sched.h"
+
+#include <lua.h>
+
+/* Past steps' expert loads, most recent first (ctx.history). */
+typedef struct rp_lua_history {
+    int32_t count;
+    const int64_t *steps;          /* [count] */
+    const int64_t *const *loads;   /* [count], each [num_layers * num_experts] */
+} rp_lua_history;
+
+/* What one policy call sees. Everything is borrowed for the duration of the call. */
+typedef struct rp_lua_frame {
+    int64_t step;
+    uint64_t seed;
+    const rp_batch *batch;       /* NULL in init */
+    const rp_stats *stats;       /* NULL in init */
+    rp_cost *cost;               /* NULL in init */
+    const rp_plan *placement;    /* the placement in use; NULL on the first step and in init */
+    /* ctx.plan's content, made on first use (the packing so far, else the safe default
+     * packing; the placement in use, else contiguous). NULL with err set on failure. */
+    const rp_plan *(*base)(void *ud, rp_error *err);
+    void *base_ud;
+    const rp_lua_history *history; /* NULL: no history */
+} rp_lua_frame;
+
+/* One per sandbox. Plans and scratch that the policy's C calls allocate go through
+ * plan_ctx, whose live bytes are capped (the sandbox's memory limit), so a policy cannot
+ * exhaust memory through C objects the Lua allocator does not see. */
+typedef struct rp_lua_host {
+    rp_context *ctx;             /* the engine's context */
+    rp_context plan_ctx;
+    size_t plan_live, plan_cap;
+    bool plan_refused;
+    const rp_config *cfg;
+    rp_sandbox *sb;
+    int32_t *slot_begin;         /* [ep_size + 1] per EP rank, from the config */
+    char policy_name[64];        /* for rp.log */
+    int engine_ref;              /* registry: the engine's trampoline (rp_lua_host_init) */
+    uint64_t generation;         /* of the running call; views of other calls are dead */
+    const rp_lua_frame *frame;   /* the running call's; NULL outside calls */
+} rp_lua_host;
+
+/* Prepare `host` for sandbox `sb` and fill its `rp` table (inside a protected call).
+ * `engine` is kept in the registry (host->engine_ref), so that the engine can call it
+ * later without allocating outside a protected call: push it with lua_rawgeti and run
+ * it with rp_sandbox_call. The host must outlive the sandbox (plans the policy holds are
+ * freed by the sandbox's collector through host->plan_ctx). */
+rp_status rp_lua_host_init(rp_lua_host *host, rp_context *ctx, const rp_config *cfg, rp_sandbox *sb,
+                           lua_CFunction engine, rp_error *err);
+/* Free what the host holds (after rp_sandbox_free). */
+void rp_lua_host_release(rp_lua_host *host);
+
+/* Make `frame` the running call's and start a new generation; NULL ends it. */
+void rp_lua_host_bind(rp_lua_host *host, const rp_lua_frame *frame);
+
+/* ---- inside a call (these raise Lua errors) ---- */
+
+/* The host of a state (stored in the registry by rp_lua_host_init). */
+rp_lua_host *rp_lua_host_of(lua_State *L);
+
+/* Push a new ctx table for the bound frame: step, seed, topology, model, limits, and
+ * (when the frame has a batch) batch, stats, history, placement, cost and a lazy plan.
+ * The caller adds params and state. */
+void rp_lua_push_ctx(lua_State *L, rp_lua_host *host);
+
+/* Where a conversion stores the plan it allocates as soon as it exists, so that an
+ * error raised later does not leak it (the owner frees *slot). */
+typedef struct rp_lua_plan_out {
+    rp_plan *plan;
+    bool has_packing, has_placement, has_levers;
+} rp_lua_plan_out;
+
+/* Convert the plan at `idx` (a table in the plan shape, or a plan userdata) into a new
+ * plan allocated in `into`. `what` names it in messages ("plan"). `num_seqs` is the
+ * batch's sequence count (-1: none; the table must then give num_seqs with a packing);
+ * `base_mb` the microbatch count to use for levers when the table has no packing.
+ * Raises an error naming the offending path ("plan.packing[3][2][5]: sequence id 9000
+ * out of range (4096 sequences)"); work is charged to the sandbox. */
+void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, const char *what,
+                    int32_t num_seqs, int32_t base_mb, rp_lua_plan_out *out);
+
+/* Is the value at idx a plan userdata holding a plan? Then its plan, else NULL. */
+const rp_plan *rp_lua_test_plan(lua_State *L, int idx);
+/* The plan of a plan userdata argument, or an error naming the function. */
+rp_plan *rp_lua_check_plan(lua_State *L, int idx, const char *fname);
+/* Push a new, empty plan userdata and return its holder: the caller parks the plan it
+ * makes (allocated in host->plan_ctx) in holder->plan at once; the userdata frees it
+ * when collected, so a plan parked there never leaks, whatever error follows. */
+rp_lua_plan_out *rp_lua_push_plan(lua_State *L);
+/* Push the packing / placement of `plan` as Lua tables in the plan shape (nil if it
+ * has none). */
+void rp_lua_push_packing(lua_State *L, const rp_plan *plan);
+void rp_lua_push_placement(lua_State *L, const rp_plan *plan);
+
+/* Deep copy of `src` made in `into` (rp_plan_copy keeps the source's context). Parts
+ * are taken from the sources given (NULL: none): packing (with its microbatch count),
+ * placement, levers (extra replicas and shares). The microbatch count is the packing
+ * source's, else the levers source's, else `num_microbatches`. */
+rp_status rp_lua_plan_compose(rp_context *into, const rp_config *cfg, const rp_plan *packing,
+                              const rp_plan *placement, const rp_plan *levers,
+                              int32_t num_microbatches, rp_plan **out, rp_error *err);
+
+/* Experts that arrive on an EP rank that did not hold them, over all layers (0 when
+ * either plan has no placement; -1 when memory runs out). */
+int32_t rp_lua_experts_moved(rp_context *ctx, const rp_plan *from, const rp_plan *to);
+
+/* Views: the length of the view at idx (-1 if it is not a view; an error if it is a
+ * view from another call), and its values as doubles. */
+int32_t rp_lua_view_length(lua_State *L, int idx);
+void rp_lua_view_to_doubles(lua_State *L, int idx, double *out);
+
+/* Helpers shared by the C files of the host. */
+void rp_lua_register_plan(lua_State *L, rp_lua_host *host);   /* plan metatable */
+void rp_lua_register_views(lua_State *L, rp_lua_host *host);  /* view metatables */
+/* Raise "fname: message" at the caller's level. */
+int rp_lua_error(lua_State *L, const char *fmt, ...) RP_PRINTF(2, 3);
+/* Raise for a failed rp_* call: a memory refusal of plan_ctx becomes the memory limit. */
+int rp_lua_fail(lua_State *L, rp_lua_host *host, const char *fname, rp_status st, const rp_error *err);
+/* Reject keys of the options table at `idx` outside `known` (NULL-terminated). */
+void rp_lua_check_opts(lua_State *L, int idx, const char *fname, const char *const *known);
+/* An integer argument or table value, checked to be integral and in [lo, hi]. */
+int64_t rp_lua_check_int(lua_State *L, int idx, const char *what, int64_t lo, int64_t hi);
+/* Charge work (raises the limit error when the budget is spent). */
+static inline void rp_lua_charge(lua_State *L, int64_t units) { rp_sandbox_charge(L, units); }
+
+#endif

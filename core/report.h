@@ -1,0 +1,60 @@
+/* The simulation report as one self-contained HTML page (inline CSS and SVG charts, no
+ * scripts, nothing fetched). Private to the core: the CLI and, later, the Python binding
+ * fill an rp_report and get the page back as text. */
+#ifndef RP_REPORT_H
+#define RP_REPORT_H
+
+#include "routepack/cost.h"
+
+/* One policy of a simulation. Every pointer is borrowed for the duration of the call. */
+typedef struct rp_report_policy {
+    const char *label;          /* the policy spec as given ("token_kk+eplb", a path) */
+    const char *error;          /* why it did not run (NULL: it ran); such a policy appears
+                                   in the table only */
+    const char *running;        /* what ran last: "name version" ("version" when the name
+                                   is the label), or NULL */
+    int32_t num_steps;          /* steps it ran (>= 1 unless error) */
+    const int64_t *steps;       /* [num_steps] step indices */
+    const double *ratio;        /* [num_steps] step time / lower bound */
+    const bool *fallback;       /* [num_steps] the step used the last good plan; may be NULL */
+    /* summary over its steps */
+    double mean_step_s;
+    double mean_ratio;
+    double speedup;             /* against the baseline; NAN when there is none */
+    double attention_imbalance, expert_imbalance;
+    int32_t fallbacks, swaps;
+    double migrated_bytes_per_step;
+    double mean_plan_s;
+    /* the worst step: the largest step / lower bound, its straggler (mb, layer) and the
+     * forward time each GPU spends at that microbatch and layer */
+    int64_t worst_step;
+    double worst_ratio;
+    int32_t worst_mb, worst_layer, worst_gpu;
+    rp_side worst_side;
+    const double *attention, *dispatch, *expert, *combine; /* [num_gpus] seconds */
+    /* forward expert time of each GPU summed over the microbatches and layers of step
+     * rp_report.load_step [num_gpus], seconds: the expert load the placement left on it;
+     * NULL when the policy did not run that step */
+    const double *expert_step;
+} rp_report_policy;
+
+typedef struct rp_report {
+    const char *title;          /* page title, e.g. "RoutePack simulation" */
+    const char *const *context; /* lines shown under the title (config, input, shape),
+                                   NULL-terminated; may be NULL */
+    const char *baseline;       /* label the speedups are against; may be NULL */
+    int32_t num_gpus;
+    int32_t gpus_per_node;      /* for node separators on the per-GPU charts */
+    int32_t num_policies;
+    const rp_report_policy *policies;
+    int64_t load_step;          /* the step of the expert load chart (one for all policies,
+                                   so their bars compare: the CLI takes the worst overall) */
+} rp_report;
+
+/* Render the page. *text is NUL-terminated, allocated through ctx (rp_text_free).
+ * Errors: RP_EINVAL for a report without GPUs, policies or a policy's arrays (named),
+ * RP_ENOMEM. Deterministic: the same report gives the same bytes. */
+rp_status rp_report_html(rp_context *ctx, const rp_report *report, char **text, size_t *len,
+                         rp_error *err);
+
+#endif

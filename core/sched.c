@@ -1,0 +1,1016 @@
+/* The scheduler: one step is statistics -> policy (or packing policy then placement
+ * policy) -> merge with what it omitted -> stable slots -> validation -> fallback ->
+ * multi-rank agreement -> evaluation; plus hot swap at a step boundary after a dry run. */
+#include "sched_internal.h"
+
+#include "routepack/baseline.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+/* The safe default (docs/policies.md): verl's two-level Karmarkar-Karp keyed by each
+ * sequence's attention time, token cap enforced; placement contiguous. */
+#define SAFE_DEFAULT "attn_kk+contiguous"
+#define MAX_HISTORY 1024
+
+typedef struct policy_set {
+    rp_policy *pol[2];   /* a joint policy, or packing then placement */
+    int32_t count;
+    char name[64];
+    char version[32];
+    uint64_t hash;
+} policy_set;
+
+struct rp_sched {
+    rp_context *ctx;
+    const rp_config *cfg;
+    rp_sched_options opts;
+    char *spec;              /* the policy as given */
+    char *base_dir;          /* for a config-relative policy path; NULL: the working dir */
+    char *params_json;       /* NULL: defaults */
+    rp_comm comm;
+    bool has_comm;
+    rp_sandbox_limits limits;
+
+    policy_set running;
+    policy_set staged;
+    int64_t staged_at;       /* -1: the next step */
+
+    rp_plan *current;        /* the plan in use */
+    bool has_step;
+    int64_t last_step;
+    rp_batch *prev_batch;    /* the last step's inputs, for dry runs */
+    rp_stats *prev_stats;
+
+    int32_t hist_cap, hist_count, hist_head; /* ring; head = next slot to write */
+    int64_t *hist_steps;
+    int64_t *hist_loads;     /* [cap][L * E] */
+    const int64_t **hist_ptrs;
+    int64_t *hist_view_steps;
+
+    rp_step_report report;
+    bool has_report;
+    char errmsg[RP_ERROR_TEXT];
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t mix64(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+/* math.random's seed for a step: a function of the options' seed, the step and the
+ * policy's position in a pair, never of time. */
+static uint64_t step_seed(const rp_sched *s, int64_t step, int32_t which)
+{
+    return mix64(mix64(s->opts.seed) ^ mix64((uint64_t)step) ^ (uint64_t)which);
+}
+
+/* snprintf that may cut long messages (reasons nest other messages). */
+static void textf(char *dst, size_t n, const char *fmt, ...) RP_PRINTF(3, 4);
+static void textf(char *dst, size_t n, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(dst, n, fmt, ap);
+    va_end(ap);
+}
+
+/* Keep the message of a failed call in the handle (sqlite3_errmsg's contract). */
+static rp_status fail_keep(rp_sched *s, rp_status st, const rp_error *err)
+{
+    textf(s->errmsg, sizeof s->errmsg, "%s", err && err->text[0] ? err->text : rp_strerror(st));
+    return st;
+}
+
+/* ---- options ------------------------------------------------------------------------- */
+
+void rp_sched_options_default(rp_sched_options *opts)
+{
+    memset(opts, 0, sizeof *opts);
+    opts->split = RP_SPLIT_EVEN;
+    opts->history = 8;
+}
+
+static rp_status check_options(const rp_sched_options *o, rp_error *err)
+{
+    if (o->history < 0 || o->history > MAX_HISTORY)
+        return rp_fail(err, RP_EINVAL, "sched: history is %d; it must be within 0..%d", o->history, MAX_HISTORY);
+    if (o->split != RP_SPLIT_EVEN && o->split != RP_SPLIT_LOCALITY)
+        return rp_fail(err, RP_EINVAL, "sched: unknown split rule %d", (int)o->split);
+    if (o->max_instructions < 0 || o->max_depth < 0 || !(o->max_wall_s >= 0) || !isfinite(o->max_wall_s))
+        return rp_fail(err, RP_EINVAL, "sched: sandbox limits must be >= 0 (0: the default)");
+    if (o->comm && (o->comm->size < 1 || o->comm->rank < 0 || o->comm->rank >= o->comm->size ||
+                    !o->comm->allgather || !o->comm->bcast))
+        return rp_fail(err, RP_EINVAL, "sched: comm must have size >= 1, a rank in [0, size) and both operations");
+    return RP_OK;
+}
+
+/* ---- policy sets ---------------------------------------------------------------------- */
+
+static void set_free(policy_set *ps)
+{
+    for (int32_t i = 0; i < ps->count; i++) rp_policy_free(ps->pol[i]);
+    memset(ps, 0, sizeof *ps);
+}
+
+static void set_describe(policy_set *ps)
+{
+    if (ps->count == 1) {
+        const rp_policy_info *a = &ps->pol[0]->info;
+        snprintf(ps->name, sizeof ps->name, "%s", a->name);
+        snprintf(ps->version, sizeof ps->version, "%s", a->version);
+        ps->hash = a->hash;
+    } else {
+        const rp_policy_info *a = &ps->pol[0]->info, *b = &ps->pol[1]->info;
+        snprintf(ps->name, sizeof ps->name, "%.31s+%.31s", a->name, b->name);
+        snprintf(ps->version, sizeof ps->version, "%.15s+%.15s", a->version, b->version);
+        uint64_t both[2] = {a->hash, b->hash};
+        ps->hash = rp_hash64(both, sizeof both, 0);
+    }
+}
+
+/* The params object for component `name` of a pair ({"eplb": {...}}), as JSON text
+ * (malloc'ed by jansson; NULL for none). */
+static rp_status component_params(const char *pair_json, const char *a, const char *b, const char *name,
+                                  char **out, rp_error *err)
+{
+    *out = NULL;
+    if (!pair_json || !*pair_json) return RP_OK;
+    json_error_t je;
+    json_t *root = json_loads(pair_json, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return rp_fail(err, RP_EFORMAT, "policy '%s+%s': params are not valid JSON: %s", a, b, je.text);
+    rp_status st = RP_OK;
+    if (!json_is_object(root)) {
+        st = rp_fail(err, RP_EINVAL, "policy '%s+%s': params must be a JSON object", a, b);
+        goto out;
+    }
+    const char *key;
+    json_t *v;
+    json_object_foreach(root, key, v) {
+        if (strcmp(key, a) != 0 && strcmp(key, b) != 0) {
+            st = rp_fail(err, RP_EINVAL,
+                         "policy '%s+%s': unknown params key '%s'; a pair takes one object per component, named by "
+                         "the policy: {\"%s\": {...}, \"%s\": {...}}",
+                         a, b, key, a, b);
+            goto out;
+        }
+        if (!json_is_object(v)) {
+            st = rp_fail(err, RP_EINVAL, "policy '%s+%s': params.%s must be an object", a, b, key);
+            goto out;
+        }
+    }
+    v = json_object_get(root, name);
+    if (v) {
+        *out = json_dumps(v, JSON_COMPACT | JSON_PRESERVE_ORDER);
+        if (!*out) st = rp_fail_nomem(err, "params");
+    }
+out:
+    json_decref(root);
+    return st;
+}
+
+static rp_status open_one(rp_sched *s, const char *name_or_path, const char *base_dir, const char *params,
+                          rp_policy **out, rp_error *err)
+{
+    return rp_policy_open(s->ctx, s->cfg, name_or_path, base_dir, &s->limits, params, out, err);
+}
+
+static rp_status init_policy(rp_sched *s, rp_policy *pol, int32_t which, rp_error *err)
+{
+    rp_lua_frame frame;
+    memset(&frame, 0, sizeof frame);
+    frame.step = -1;
+    frame.seed = step_seed(s, -1, which);
+    return rp_policy_init(pol, &frame, err);
+}
+
+/* Load "NAME", "PATH" or "PACKING+PLACEMENT" into `ps` with its init run. `same_as`
+ * (may be NULL): policies whose params carry over to a component of the same name. */
+static rp_status load_set(rp_sched *s, const char *spec, const char *base_dir, const char *params_json,
+                          const policy_set *same_as, policy_set *ps, rp_error *err)
+{
+    memset(ps, 0, sizeof *ps);
+    const char *plus = strchr(spec, '+');
+    char *resolved = NULL;
+    bool single = !plus;
+    if (plus) {
+        /* a path may contain '+': an existing file wins */
+        rp_error ignore;
+        if (rp_policy_resolve(s->ctx, s->cfg, spec, base_dir, &resolved, &ignore) == RP_OK) single = true;
+        rp_free(s->ctx, resolved);
+    }
+    rp_status st = RP_OK;
+    char *sub = NULL;
+    if (single) {
+        const char *params = params_json;
+        rp_policy *pol = NULL;
+        RP_CHECK_GOTO(open_one(s, spec, base_dir, params, &pol, err), st, out);
+        ps->pol[ps->count++] = pol;
+        if (!params_json && same_as && same_as->count == 1 && strcmp(same_as->pol[0]->info.name, pol->info.name) == 0)
+            params = same_as->pol[0]->params_json;
+        /* the same policy as before, reloaded: its params carry over (and are checked
+         * against what it declares now) */
+        if (!params_json && params && strcmp(params, "{}") != 0) {
+            set_free(ps);
+            RP_CHECK_GOTO(open_one(s, spec, base_dir, params, &pol, err), st, out);
+            ps->pol[ps->count++] = pol;
+        }
+    } else {
+        size_t alen = (size_t)(plus - spec);
+        const char *b = plus + 1;
+        if (alen == 0 || !*b || strchr(b, '+')) {
+            st = rp_fail(err, RP_EINVAL, "policy '%s': a pair is PACKING+PLACEMENT, two policy names joined by one '+'", spec);
+            goto out;
+        }
+        char a[1024];
+        if (alen >= sizeof a) {
+            st = rp_fail(err, RP_EINVAL, "policy '%s': name too long", spec);
+            goto out;
+        }
+        memcpy(a, spec, alen);
+        a[alen] = '\0';
+        const char *parts[2] = {a, b};
+        for (int i = 0; i < 2; i++) {
+            rp_policy *pol = NULL;
+            RP_CHECK_GOTO(open_one(s, parts[i], base_dir, NULL, &pol, err), st, out);
+            ps->pol[ps->count++] = pol;
+        }
+        if (strcmp(ps->pol[0]->info.name, ps->pol[1]->info.name) == 0) {
+            st = rp_fail(err, RP_EINVAL, "policy '%s': both components are policy '%s'", spec, ps->pol[0]->info.name);
+            goto out;
+        }
+        for (int i = 0; i < 2; i++) {
+            const char *name = ps->pol[i]->info.name;
+            RP_CHECK_GOTO(component_params(params_json, ps->pol[0]->info.name, ps->pol[1]->info.name, name, &sub, err),
+                          st, out);
+            const char *params = sub;
+            if (!params_json && same_as)
+                for (int32_t k = 0; k < same_as->count; k++)
+                    if (strcmp(same_as->pol[k]->info.name, name) == 0) params = same_as->pol[k]->params_json;
+            if (params && strcmp(params, "{}") != 0) {
+                rp_policy *pol = NULL;
+                RP_CHECK_GOTO(open_one(s, parts[i], base_dir, params, &pol, err), st, out);
+                rp_policy_free(ps->pol[i]);
+                ps->pol[i] = pol;
+            }
+            free(sub);
+            sub = NULL;
+        }
+    }
+    for (int32_t i = 0; i < ps->count; i++) RP_CHECK_GOTO(init_policy(s, ps->pol[i], i, err), st, out);
+    set_describe(ps);
+out:
+    free(sub);
+    if (st != RP_OK) set_free(ps);
+    return st;
+}
+
+/* ---- creation ------------------------------------------------------------------------ */
+
+void rp_sched_free(rp_sched *s)
+{
+    if (!s) return;
+    rp_context *ctx = s->ctx;
+    set_free(&s->running);
+    set_free(&s->staged);
+    rp_plan_free(s->current);
+    rp_batch_free(s->prev_batch);
+    rp_stats_free(s->prev_stats);
+    rp_free(ctx, s->hist_steps);
+    rp_free(ctx, s->hist_loads);
+    rp_free(ctx, s->hist_ptrs);
+    rp_free(ctx, s->hist_view_steps);
+    rp_free(ctx, s->spec);
+    rp_free(ctx, s->base_dir);
+    rp_free(ctx, s->params_json);
+    rp_free(ctx, s);
+}
+
+const char *rp_sched_errmsg(const rp_sched *s) { return s ? s->errmsg : "no scheduler"; }
+
+rp_status rp_sched_new(rp_context *ctx, const rp_config *cfg, const rp_sched_options *opts, rp_sched **out,
+                       rp_error *err)
+{
+    if (!ctx || !cfg || !out) return rp_fail(err, RP_EINVAL, "sched: context, config and output are required");
+    rp_sched_options defaults;
+    rp_sched_options_default(&defaults);
+    if (!opts) opts = &defaults;
+    rp_status st = check_options(opts, err);
+    if (st != RP_OK) return st;
+    rp_sched *s = rp_calloc(ctx, 1, sizeof *s);
+    if (!s) return rp_fail_nomem(err, "a scheduler");
+    s->ctx = ctx;
+    s->cfg = cfg;
+    s->opts = *opts;
+    s->opts.policy = NULL;
+    s->opts.params_json = NULL;
+    s->opts.comm = NULL;
+    s->staged_at = -1;
+    s->limits = rp_sandbox_limits_default();
+    if (opts->max_instructions > 0) s->limits.max_instructions = opts->max_instructions;
+    if (opts->max_wall_s > 0) s->limits.max_wall_s = opts->max_wall_s;
+    if (opts->max_memory_bytes > 0) s->limits.max_memory_bytes = opts->max_memory_bytes;
+    if (opts->max_depth > 0) s->limits.max_depth = opts->max_depth;
+    if (opts->comm) {
+        s->comm = *opts->comm;
+        s->has_comm = true;
+    }
+
+    const rp_policy_config *pc = rp_config_policy(cfg);
+    const char *spec = opts->policy ? opts->policy : pc->name;
+    bool config_policy = !opts->policy || strcmp(opts->policy, pc->name) == 0;
+    s->spec = rp_strdup(ctx, spec);
+    const char *params = opts->params_json ? opts->params_json : config_policy ? pc->params_json : NULL;
+    if (params) s->params_json = rp_strdup(ctx, params);
+    if (!s->spec || (params && !s->params_json)) {
+        st = rp_fail_nomem(err, "a scheduler");
+        goto fail;
+    }
+    if (!opts->policy) {
+        /* a relative policy path in the config is relative to the config's directory */
+        const char *src = rp_config_source(cfg);
+        const char *slash = src ? strrchr(src, '/') : NULL;
+        if (slash) {
+            size_t n = (size_t)(slash - src);
+            s->base_dir = rp_alloc(ctx, n + 1);
+            if (!s->base_dir) {
+                st = rp_fail_nomem(err, "a scheduler");
+                goto fail;
+            }
+            memcpy(s->base_dir, src, n);
+            s->base_dir[n] = '\0';
+        }
+    }
+
+    const rp_model *md = rp_config_model(cfg);
+    s->hist_cap = opts->history;
+    size_t cells = (size_t)md->num_layers * (size_t)md->num_experts;
+    if (s->hist_cap > 0) {
+        s->hist_steps = rp_calloc(ctx, (size_t)s->hist_cap, sizeof *s->hist_steps);
+        s->hist_loads = rp_calloc(ctx, (size_t)s->hist_cap * cells, sizeof *s->hist_loads);
+        s->hist_ptrs = rp_calloc(ctx, (size_t)s->hist_cap, sizeof *s->hist_ptrs);
+        s->hist_view_steps = rp_calloc(ctx, (size_t)s->hist_cap, sizeof *s->hist_view_steps);
+        if (!s->hist_steps || !s->hist_loads || !s->hist_ptrs || !s->hist_view_steps) {
+            st = rp_fail_nomem(err, "the scheduler's history");
+            goto fail;
+        }
+    }
+    RP_CHECK_GOTO(load_set(s, s->spec, s->base_dir, s->params_json, NULL, &s->running, err), st, fail);
+    *out = s;
+    return RP_OK;
+fail:
+    rp_sched_free(s);
+    return st;
+}
+
+/* ---- one step's inputs ------------------------------------------------------------------ */
+
+typedef struct step_inputs {
+    rp_sched *s;
+    int64_t step;
+    const rp_batch *batch;
+    const rp_stats *stats;
+    rp_cost *cost;
+    const rp_plan *placement;  /* in use; NULL on the first step */
+    rp_lua_history history;
+    rp_plan *dflt;             /* the safe default for this batch, made on first use */
+    rp_plan *base;             /* dflt's packing + the placement in use */
+    rp_status base_status;
+    rp_error base_err;
+    bool base_tried;
+} step_inputs;
+
+static void inputs_release(step_inputs *in)
+{
+    rp_plan_free(in->dflt);
+    rp_plan_free(in->base);
+    in->dflt = in->base = NULL;
+}
+
+/* What runs when the policy gives nothing: the safe default packing of this batch and
+ * the placement in use (contiguous on the first step). */
+static const rp_plan *inputs_base(step_inputs *in, rp_error *err)
+{
+    if (!in->base_tried) {
+        in->base_tried = true;
+        rp_sched *s = in->s;
+        rp_error_clear(&in->base_err);
+        in->base_status = rp_baseline_plan(s->ctx, s->cfg, in->batch, in->stats, NULL, SAFE_DEFAULT, 0, &in->dflt,
+                                           &in->base_err);
+        if (in->base_status == RP_OK)
+            in->base_status = rp_lua_plan_compose(s->ctx, s->cfg, in->dflt, in->placement ? in->placement : in->dflt,
+                                                  NULL, rp_plan_num_microbatches(in->dflt), &in->base, &in->base_err);
+        if (in->base_status != RP_OK) {
+            char msg[RP_ERROR_TEXT];
+            textf(msg, sizeof msg, "%s", in->base_err.text);
+            rp_fail(&in->base_err, in->base_status, "the safe default packing (%s) cannot pack this batch: %s",
+                    SAFE_DEFAULT, msg);
+        }
+    }
+    if (in->base_status != RP_OK) {
+        if (err) *err = in->base_err;
+        return NULL;
+    }
+    return in->base;
+}
+
+/* ctx.plan's content for the first policy of a step, or for the second (then `fixed`). */
+typedef struct base_src {
+    step_inputs *in;
+    const rp_plan *fixed;
+} base_src;
+
+static const rp_plan *base_of(void *ud, rp_error *err)
+{
+    base_src *b = ud;
+    return b->fixed ? b->fixed : inputs_base(b->in, err);
+}
+
+/* History views, most recent first; `skip` drops the newest entries (a dry run sees
+ * the history as it was before the step it replays). */
+static void fill_history(rp_sched *s, step_inputs *in, int32_t skip)
+{
+    const rp_model *md = rp_config_model(s->cfg);
+    size_t cells = (size_t)md->num_layers * (size_t)md->num_experts;
+    int32_t count = s->hist_count - skip;
+    if (count < 0) count = 0;
+    for (int32_t i = 0; i < count; i++) {
+        int32_t slot = ((s->hist_head - 1 - skip - i) % s->hist_cap + s->hist_cap) % s->hist_cap;
+        s->hist_ptrs[i] = s->hist_loads + (size_t)slot * cells;
+        s->hist_view_steps[i] = s->hist_steps[slot];
+    }
+    in->history.count = count;
+    in->history.steps = s->hist_view_steps;
+    in->history.loads = s->hist_ptrs;
+}
+
+static void push_history(rp_sched *s, int64_t step, const rp_stats *stats)
+{
+    if (s->hist_cap == 0) return;
+    const rp_model *md = rp_config_model(s->cfg);
+    size_t E = (size_t)md->num_experts;
+    int64_t *dst = s->hist_loads + (size_t)s->hist_head * (size_t)md->num_layers * E;
+    for (int32_t l = 0; l < md->num_layers; l++)
+        memcpy(dst + (size_t)l * E, rp_stats_expert_load(stats, l), E * sizeof *dst);
+    s->hist_steps[s->hist_head] = step;
+    s->hist_head = (s->hist_head + 1) % s->hist_cap;
+    if (s->hist_count < s->hist_cap) s->hist_count++;
+}
+
+/* ---- running the policies ------------------------------------------------------------- */
+
+typedef struct run_result {
+    rp_plan *plan;       /* merged, stable, valid; NULL on failure */
+    int64_t work;
+    double wall_s;       /* in the policy calls */
+    rp_call_failure why;
+    rp_status status;
+    char reason[RP_ERROR_TEXT];
+} run_result;
+
+/* Run the set's policies on `in` and return the merged, slot-stabilised, validated plan,
+ * or the reason it failed (a policy error, a limit, an invalid plan). RP_ENOMEM and a
+ * batch the safe default cannot pack are errors of the step (status), not reasons. */
+static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
+{
+    memset(r, 0, sizeof *r);
+    const rp_plan *so_far = NULL; /* owned below as `merged` */
+    rp_plan *merged = NULL;
+    rp_error err;
+    rp_error_clear(&err);
+    int32_t n = rp_batch_num_seqs(in->batch);
+    for (int32_t i = 0; i < ps->count; i++) {
+        base_src src = {in, so_far};
+        rp_lua_frame frame;
+        memset(&frame, 0, sizeof frame);
+        frame.step = in->step;
+        frame.seed = step_seed(s, in->step, i);
+        frame.batch = in->batch;
+        frame.stats = in->stats;
+        frame.cost = in->cost;
+        frame.placement = in->placement;
+        frame.base = base_of;
+        frame.base_ud = &src;
+        frame.history = s->hist_cap > 0 ? &in->history : NULL;
+        rp_lua_plan_out got;
+        int64_t work = 0;
+        double t0 = now_s();
+        rp_status st = rp_policy_plan(ps->pol[i], &frame, n, 0, &got, &r->why, &work, &err);
+        r->wall_s += now_s() - t0;
+        r->work += work;
+        if (st != RP_OK) {
+            if (r->why == RP_CALL_NOMEM) r->status = RP_ENOMEM;
+            textf(r->reason, sizeof r->reason, "%s", err.text);
+            goto fail;
+        }
+        /* what the policy omitted stays as ctx.plan had it */
+        const rp_plan *base = so_far ? so_far : inputs_base(in, &err);
+        if (!base) {
+            rp_plan_free(got.plan);
+            r->status = in->base_status;
+            textf(r->reason, sizeof r->reason, "%s", err.text);
+            goto fail;
+        }
+        rp_plan *next = NULL;
+        const rp_plan *q = got.plan;
+        st = rp_lua_plan_compose(s->ctx, s->cfg, q && got.has_packing ? q : base, q && got.has_placement ? q : base,
+                                 q && (got.has_levers || got.has_packing) ? q : base, rp_plan_num_microbatches(base),
+                                 &next, &err);
+        rp_plan_free(got.plan);
+        if (st != RP_OK) {
+            if (st == RP_ENOMEM) r->status = st;
+            r->why = RP_CALL_BAD_PLAN;
+            textf(r->reason, sizeof r->reason, "policy '%s' returned an invalid plan: %s", ps->pol[i]->info.name,
+                     err.text);
+            goto fail;
+        }
+        rp_plan_free(merged);
+        merged = next;
+        so_far = merged;
+    }
+    /* physical slots: experts that stay on an EP rank keep their slot */
+    rp_status st = RP_OK;
+    if (in->placement) st = rp_plan_stabilize_slots(merged, in->placement, &err);
+    if (st == RP_OK) st = rp_plan_validate(merged, s->cfg, in->batch, &err);
+    if (st != RP_OK) {
+        if (st == RP_ENOMEM) r->status = st;
+        r->why = RP_CALL_BAD_PLAN;
+        textf(r->reason, sizeof r->reason, "policy '%s' returned an invalid plan: %s", ps->name, err.text);
+        goto fail;
+    }
+    r->plan = merged;
+    return;
+fail:
+    rp_plan_free(merged);
+    r->plan = NULL;
+    if (r->why == RP_CALL_OK) r->why = RP_CALL_ERROR;
+}
+
+/* ---- multi-rank agreement -------------------------------------------------------------- */
+
+static void put_u64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint64_t get_u64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+#define RECORD 16
+
+/* Allgather one 16-byte record per rank into *all (rp_alloc'ed). */
+static rp_status gather(rp_sched *s, const unsigned char *mine, unsigned char **all, rp_error *err)
+{
+    *all = rp_alloc(s->ctx, (size_t)s->comm.size * RECORD);
+    if (!*all) return rp_fail_nomem(err, "the ranks' records");
+    rp_status st = s->comm.allgather(s->comm.ud, mine, RECORD, *all);
+    if (st != RP_OK) {
+        rp_free(s->ctx, *all);
+        *all = NULL;
+        return rp_fail(err, RP_ETRANSPORT, "sched: allgather across %d ranks failed: %s", s->comm.size, rp_strerror(st));
+    }
+    return RP_OK;
+}
+
+/* Every rank takes rank `root`'s plan: its JSON, length first, then the bytes. */
+static rp_status take_plan_of(rp_sched *s, int32_t root, rp_plan **plan, rp_error *err)
+{
+    char *text = NULL;
+    size_t len = 0;
+    rp_status st = RP_OK;
+    unsigned char lenbuf[8];
+    if (s->comm.rank == root) {
+        RP_CHECK_GOTO(rp_plan_to_json(*plan, &text, &len, err), st, out);
+        put_u64(lenbuf, (uint64_t)len);
+    }
+    st = s->comm.bcast(s->comm.ud, lenbuf, sizeof lenbuf, root);
+    if (st != RP_OK) {
+        st = rp_fail(err, RP_ETRANSPORT, "sched: broadcasting the plan's length from rank %d failed", root);
+        goto out;
+    }
+    uint64_t n = get_u64(lenbuf);
+    if (n == 0 || n > ((uint64_t)1 << 40)) {
+        st = rp_fail(err, RP_ETRANSPORT, "sched: rank %d sent a plan of %llu bytes", root, (unsigned long long)n);
+        goto out;
+    }
+    if (s->comm.rank != root) {
+        text = rp_alloc(s->ctx, (size_t)n + 1);
+        if (!text) {
+            st = rp_fail_nomem(err, "the broadcast plan");
+            goto out;
+        }
+    }
+    st = s->comm.bcast(s->comm.ud, text, (size_t)n, root);
+    if (st != RP_OK) {
+        st = rp_fail(err, RP_ETRANSPORT, "sched: broadcasting the plan from rank %d failed", root);
+        goto out;
+    }
+    if (s->comm.rank != root) {
+        text[n] = '\0';
+        char name[64];
+        snprintf(name, sizeof name, "<plan of rank %d>", (int)root);
+        rp_plan *theirs = NULL;
+        RP_CHECK_GOTO(rp_plan_parse(s->ctx, s->cfg, text, (size_t)n, name, &theirs, err), st, out);
+        rp_plan_free(*plan);
+        *plan = theirs;
+    }
+out:
+    if (text) {
+        if (s->comm.rank == root) rp_text_free(rp_plan_context(*plan), text);
+        else rp_free(s->ctx, text);
+    }
+    return st;
+}
+
+/* ---- hot swap ------------------------------------------------------------------------- */
+
+typedef enum swap_decision { SWAP_NONE = 0, SWAP_DO, SWAP_REFUSE, SWAP_WAIT } swap_decision;
+
+/* Dry-run the staged set on the previous step's inputs (this step's when there is none). */
+static rp_status dry_run(rp_sched *s, step_inputs *now, bool *ok, char *reason, size_t reason_len, rp_error *err)
+{
+    step_inputs in;
+    memset(&in, 0, sizeof in);
+    rp_cost *cost = NULL;
+    rp_status st = RP_OK;
+    in.s = s;
+    in.placement = s->current;
+    if (s->prev_batch) {
+        RP_CHECK_GOTO(rp_cost_new(s->ctx, s->cfg, s->prev_batch, s->prev_stats, s->opts.split, &cost, err), st, out);
+        in.step = s->last_step;
+        in.batch = s->prev_batch;
+        in.stats = s->prev_stats;
+        in.cost = cost;
+        if (s->hist_cap > 0) fill_history(s, &in, 1);
+    } else {
+        in.step = now->step;
+        in.batch = now->batch;
+        in.stats = now->stats;
+        in.cost = now->cost;
+        in.history = now->history;
+    }
+    run_result r;
+    run_set(s, &s->staged, &in, &r);
+    if (r.status != RP_OK) {
+        st = rp_fail(err, r.status, "%s", r.reason);
+        goto out;
+    }
+    *ok = r.plan != NULL;
+    if (!*ok) textf(reason, reason_len, "the dry run of policy '%s' failed: %s", s->staged.name, r.reason);
+    rp_plan_free(r.plan);
+out:
+    inputs_release(&in);
+    rp_cost_free(cost);
+    return st;
+}
+
+static rp_status decide_swap(rp_sched *s, step_inputs *in, swap_decision *decision, char *reason, size_t reason_len,
+                             rp_error *err)
+{
+    *decision = SWAP_NONE;
+    reason[0] = '\0';
+    bool due = s->staged.count > 0 && (s->staged_at < 0 || in->step >= s->staged_at);
+    bool ok = false;
+    if (due) {
+        rp_status st = dry_run(s, in, &ok, reason, reason_len, err);
+        if (st != RP_OK) return st;
+    }
+    if (!s->has_comm || s->comm.size == 1) {
+        if (due) *decision = ok ? SWAP_DO : SWAP_REFUSE;
+        return RP_OK;
+    }
+    unsigned char mine[RECORD], *all = NULL;
+    memset(mine, 0, sizeof mine);
+    mine[0] = due;
+    mine[1] = ok;
+    put_u64(mine + 8, due ? s->staged.hash : 0);
+    rp_status st = gather(s, mine, &all, err);
+    if (st != RP_OK) return st;
+    bool all_due = true, all_ok = true, same = true;
+    int32_t failed_rank = -1, other_rank = -1;
+    for (int32_t r = 0; r < s->comm.size; r++) {
+        const unsigned char *rec = all + (size_t)r * RECORD;
+        all_due &= rec[0] != 0;
+        if (rec[0] && !rec[1] && failed_rank < 0) failed_rank = r;
+        all_ok &= rec[1] != 0;
+        if (get_u64(rec + 8) != get_u64(all + 8) && other_rank < 0) other_rank = r;
+        same &= get_u64(rec + 8) == get_u64(all + 8);
+    }
+    rp_free(s->ctx, all);
+    if (!due) *decision = SWAP_NONE;
+    else if (!all_due) *decision = SWAP_WAIT;
+    else if (!same) {
+        *decision = SWAP_REFUSE;
+        textf(reason, reason_len, "ranks staged different policies (rank %d's differs from rank 0's); no rank swaps",
+                 (int)other_rank);
+    } else if (!all_ok) {
+        *decision = SWAP_REFUSE;
+        if (ok)
+            textf(reason, reason_len, "the dry run failed on rank %d; no rank swaps", (int)failed_rank);
+    } else {
+        *decision = SWAP_DO;
+    }
+    return RP_OK;
+}
+
+/* ---- the step ------------------------------------------------------------------------- */
+
+static rp_status copy_batch(rp_context *ctx, const rp_batch *b, rp_batch **out, rp_error *err)
+{
+    return rp_batch_new(ctx, rp_batch_num_seqs(b), rp_batch_prompt_lens(b), rp_batch_response_lens(b),
+                        rp_batch_group_ids(b), out, err);
+}
+
+rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const rp_routing *routing,
+                        const rp_plan **plan_out, const rp_step_report **report_out, rp_error *err)
+{
+    if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
+    s->errmsg[0] = '\0';
+    rp_error local;
+    if (!err) err = &local;
+    rp_error_clear(err);
+    if (!batch || !routing || !plan_out || !report_out)
+        return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: batch, routing and outputs are required"), err);
+    if (rp_batch_num_seqs(batch) < 1)
+        return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: step %lld: the batch has no sequences", (long long)step), err);
+    double t0 = now_s();
+    const rp_model *md = rp_config_model(s->cfg);
+    rp_stats *stats = NULL;
+    rp_cost *cost = NULL;
+    rp_batch *copy = NULL;
+    step_inputs in;
+    memset(&in, 0, sizeof in);
+    run_result r;
+    memset(&r, 0, sizeof r);
+    rp_plan *plan = NULL;
+    rp_step_report rep;
+    memset(&rep, 0, sizeof rep);
+    rep.step = step;
+    rp_status st;
+
+    RP_CHECK_GOTO(rp_stats_compute(s->ctx, batch, routing, md->num_experts, s->opts.num_threads, &stats, err), st, out);
+    RP_CHECK_GOTO(rp_cost_new(s->ctx, s->cfg, batch, stats, s->opts.split, &cost, err), st, out);
+    RP_CHECK_GOTO(copy_batch(s->ctx, batch, &copy, err), st, out);
+    in.s = s;
+    in.step = step;
+    in.batch = batch;
+    in.stats = stats;
+    in.cost = cost;
+    in.placement = s->current && rp_plan_has_placement(s->current) ? s->current : NULL;
+    if (s->hist_cap > 0) fill_history(s, &in, 0);
+
+    /* 1. a staged policy takes over at the boundary, after a dry run */
+    swap_decision decision;
+    char swap_reason[RP_ERROR_TEXT];
+    RP_CHECK_GOTO(decide_swap(s, &in, &decision, swap_reason, sizeof swap_reason, err), st, out);
+    policy_set *use = &s->running;
+    if (decision == SWAP_DO) {
+        /* the dry run's effects on ctx.state are dropped: fresh state, init again */
+        rp_error ie;
+        for (int32_t i = 0; i < s->staged.count && decision == SWAP_DO; i++)
+            if (init_policy(s, s->staged.pol[i], i, &ie) != RP_OK) {
+                decision = SWAP_REFUSE;
+                textf(swap_reason, sizeof swap_reason, "policy '%s': %s", s->staged.name, ie.text);
+            }
+        if (decision == SWAP_DO) use = &s->staged;
+    }
+    if (decision == SWAP_REFUSE) textf(rep.swap_error, sizeof rep.swap_error, "%s", swap_reason);
+
+    /* 2. the policy, or the fallback */
+    run_set(s, use, &in, &r);
+    if (r.status != RP_OK) {
+        st = rp_fail(err, r.status, "sched: step %lld: %s", (long long)step, r.reason);
+        goto out;
+    }
+    rep.policy_work = r.work;
+    rep.policy_wall_s = r.wall_s;
+    if (r.plan) {
+        plan = r.plan;
+    } else {
+        rep.fallback = true;
+        textf(rep.fallback_reason, sizeof rep.fallback_reason, "%s", r.reason);
+        const rp_plan *base = inputs_base(&in, err);
+        if (!base) {
+            st = in.base_status;
+            char msg[RP_ERROR_TEXT];
+            textf(msg, sizeof msg, "%s", err->text);
+            rp_fail(err, st, "sched: step %lld: no valid plan: %s (and the policy failed: %s)", (long long)step, msg,
+                    r.reason);
+            goto out;
+        }
+        RP_CHECK_GOTO(rp_lua_plan_compose(s->ctx, s->cfg, base, base, NULL, rp_plan_num_microbatches(base), &plan, err),
+                      st, out);
+        if (in.placement) RP_CHECK_GOTO(rp_plan_stabilize_slots(plan, in.placement, err), st, out);
+        st = rp_plan_validate(plan, s->cfg, batch, err);
+        if (st != RP_OK) {
+            char msg[RP_ERROR_TEXT];
+            textf(msg, sizeof msg, "%s", err->text);
+            rp_fail(err, st, "sched: step %lld: the fallback plan is not valid for this batch: %s", (long long)step, msg);
+            goto out;
+        }
+    }
+
+    /* 3. every rank runs the same plan */
+    rep.plan_from_rank = 0;
+    if (s->has_comm && s->comm.size > 1) {
+        unsigned char mine[RECORD], *all = NULL;
+        memset(mine, 0, sizeof mine);
+        put_u64(mine, rp_plan_hash(plan));
+        mine[8] = rep.fallback;
+        RP_CHECK_GOTO(gather(s, mine, &all, err), st, out);
+        bool disagree = false;
+        int32_t winner = -1;
+        for (int32_t q = 0; q < s->comm.size; q++) {
+            const unsigned char *rec = all + (size_t)q * RECORD;
+            if (get_u64(rec) != get_u64(all) || rec[8] != all[8]) disagree = true;
+            if (!rec[8] && winner < 0) winner = q; /* the lowest rank whose policy succeeded */
+        }
+        rp_free(s->ctx, all);
+        if (winner < 0) winner = 0;
+        rep.plan_from_rank = winner;
+        if (disagree) {
+            rep.ranks_disagreed = true;
+            RP_CHECK_GOTO(take_plan_of(s, winner, &plan, err), st, out);
+        }
+    }
+
+    /* 4. judge it */
+    RP_CHECK_GOTO(rp_cost_evaluate(cost, plan, &rep.cost, err), st, out);
+    if (in.placement) {
+        RP_CHECK_GOTO(rp_cost_migration(cost, in.placement, plan, &rep.migration_s, &rep.migration_bytes, err), st, out);
+        rep.experts_moved = rp_lua_experts_moved(s->ctx, in.placement, plan);
+        if (rep.experts_moved < 0) {
+            st = rp_fail_nomem(err, "counting moved experts");
+            goto out;
+        }
+    }
+    rep.plan_hash = rp_plan_hash(plan);
+
+    /* 5. commit: nothing below can fail */
+    if (decision == SWAP_DO) {
+        set_free(&s->running);
+        s->running = s->staged;
+        memset(&s->staged, 0, sizeof s->staged);
+        s->staged_at = -1;
+        rep.swapped = true;
+    } else if (decision == SWAP_REFUSE) {
+        set_free(&s->staged);
+        s->staged_at = -1;
+    }
+    snprintf(rep.policy_name, sizeof rep.policy_name, "%s", s->running.name);
+    snprintf(rep.policy_version, sizeof rep.policy_version, "%s", s->running.version);
+    rep.policy_hash = s->running.hash;
+    push_history(s, step, stats);
+    rp_plan_free(s->current);
+    s->current = plan;
+    plan = NULL;
+    rp_batch_free(s->prev_batch);
+    rp_stats_free(s->prev_stats);
+    s->prev_batch = copy;
+    s->prev_stats = stats;
+    copy = NULL;
+    stats = NULL;
+    s->has_step = true;
+    s->last_step = step;
+    rep.plan_wall_s = now_s() - t0;
+    s->report = rep;
+    s->has_report = true;
+    *plan_out = s->current;
+    *report_out = &s->report;
+    st = RP_OK;
+out:
+    inputs_release(&in);
+    rp_plan_free(plan);
+    rp_batch_free(copy);
+    rp_stats_free(stats);
+    rp_cost_free(cost);
+    if (st != RP_OK) fail_keep(s, st, err);
+    return st;
+}
+
+/* ---- staging ---------------------------------------------------------------------------- */
+
+rp_status rp_sched_stage_policy(rp_sched *s, const char *name_or_path, const char *source, int64_t at_step,
+                                rp_error *err)
+{
+    if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
+    s->errmsg[0] = '\0';
+    rp_error local;
+    if (!err) err = &local;
+    if ((!name_or_path || !*name_or_path) && !source)
+        return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: stage a policy by name, path or source text"), err);
+    if (at_step < -1)
+        return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: at_step is %lld; give a step >= 0 or -1 for the next step",
+                                    (long long)at_step),
+                         err);
+    policy_set ps;
+    memset(&ps, 0, sizeof ps);
+    rp_status st;
+    if (source) {
+        rp_policy *pol = NULL;
+        size_t len = strlen(source);
+        st = rp_policy_load(s->ctx, s->cfg, source, len, name_or_path, &s->limits, NULL, false, &pol, err);
+        if (st == RP_OK && s->running.count == 1 && strcmp(s->running.pol[0]->info.name, pol->info.name) == 0 &&
+            strcmp(s->running.pol[0]->params_json, "{}") != 0) {
+            /* the same policy, edited: its params carry over */
+            rp_policy_free(pol);
+            pol = NULL;
+            st = rp_policy_load(s->ctx, s->cfg, source, len, name_or_path, &s->limits,
+                                s->running.pol[0]->params_json, false, &pol, err);
+        }
+        if (st == RP_OK) {
+            ps.pol[ps.count++] = pol;
+            st = init_policy(s, pol, 0, err);
+            if (st == RP_OK) set_describe(&ps);
+        }
+    } else {
+        st = load_set(s, name_or_path, NULL, NULL, &s->running, &ps, err);
+    }
+    if (st != RP_OK) {
+        set_free(&ps);
+        return fail_keep(s, st, err);
+    }
+    set_free(&s->staged);
+    s->staged = ps;
+    s->staged_at = at_step;
+    return RP_OK;
+}
+
+const rp_plan *rp_sched_plan(const rp_sched *s) { return s ? s->current : NULL; }
+
+/* ---- the report as JSON ------------------------------------------------------------------ */
+
+static const char *side_words(rp_side side)
+{
+    switch (side) {
+    case RP_SIDE_ATTENTION: return "attention";
+    case RP_SIDE_DISPATCH: return "dispatch";
+    case RP_SIDE_EXPERT: return "expert";
+    default: return "combine";
+    }
+}
+
+static void hex64(char *buf, uint64_t v) { snprintf(buf, 17, "%016llx", (unsigned long long)v); }
+
+rp_status rp_sched_report_json(const rp_sched *s, char **text, size_t *len, rp_error *err)
+{
+    if (!s || !text) return rp_fail(err, RP_EINVAL, "sched: scheduler and output are required");
+    if (!s->has_report) return rp_fail(err, RP_EINVAL, "sched: no step has run yet");
+    const rp_step_report *r = &s->report;
+    char h1[17], h2[17];
+    hex64(h1, r->policy_hash);
+    hex64(h2, r->plan_hash);
+    json_t *cost = json_pack(
+        "{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:{s:i, s:i, s:i, s:s}}", "step_s", r->cost.step_s,
+        "lower_bound_s", r->cost.lower_bound_s, "ratio", r->cost.ratio, "attention_s", r->cost.attention_s,
+        "dispatch_s", r->cost.dispatch_s, "expert_s", r->cost.expert_s, "combine_s", r->cost.combine_s,
+        "grad_reduce_s", r->cost.grad_reduce_s, "extra_copy_s", r->cost.extra_copy_s, "attention_imbalance",
+        r->cost.attention_imbalance, "expert_imbalance", r->cost.expert_imbalance, "straggler", "gpu",
+        (int)r->cost.straggler_gpu, "microbatch", (int)r->cost.straggler_mb, "layer", (int)r->cost.straggler_layer,
+        "side", side_words(r->cost.straggler_side));
+    json_t *root = json_pack("{s:I, s:{s:s, s:s, s:s}, s:s, s:o, s:f, s:I, s:b, s:s?, s:b, s:s?, s:i, s:b, s:i, "
+                             "s:f, s:f, s:f}",
+                             "step", (json_int_t)r->step, "policy", "name", r->policy_name, "version", r->policy_version,
+                             "hash", h1, "plan_hash", h2, "cost", cost, "plan_wall_s", r->plan_wall_s, "policy_work",
+                             (json_int_t)r->policy_work, "fallback", r->fallback, "fallback_reason",
+                             r->fallback ? r->fallback_reason : NULL, "swapped", r->swapped, "swap_error",
+                             r->swap_error[0] ? r->swap_error : NULL, "plan_from_rank", (int)r->plan_from_rank,
+                             "ranks_disagreed", r->ranks_disagreed, "experts_moved", (int)r->experts_moved,
+                             "migration_bytes", r->migration_bytes, "migration_s", r->migration_s, "policy_wall_s",
+                             r->policy_wall_s);
+    if (!root) return rp_fail_nomem(err, "the step report");
+    char *dump = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(root);
+    if (!dump) return rp_fail_nomem(err, "the step report");
+    size_t n = strlen(dump);
+    *text = rp_alloc(s->ctx, n + 2);
+    if (!*text) {
+        free(dump);
+        return rp_fail_nomem(err, "the step report");
+    }
+    memcpy(*text, dump, n);
+    (*text)[n] = '\n';
+    (*text)[n + 1] = '\0';
+    free(dump);
+    if (len) *len = n + 1;
+    return RP_OK;
+}

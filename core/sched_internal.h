@@ -1,0 +1,98 @@
+/* Private interface between the policy loader (core/policy.c) and the scheduler
+ * (core/sched.c): a loaded, checked policy in its own sandbox, and how to call it. */
+#ifndef RP_SCHED_INTERNAL_H
+#define RP_SCHED_INTERNAL_H
+
+#include "lua_api.h"
+#include "routepack/sched.h"
+
+/* At most this many params per policy, and values of a string param's list. */
+#define RP_POLICY_MAX_PARAMS 256
+#define RP_POLICY_MAX_VALUES 64
+
+typedef enum rp_param_type {
+    RP_PARAM_INTEGER = 0,
+    RP_PARAM_NUMBER = 1,
+    RP_PARAM_BOOLEAN = 2,
+    RP_PARAM_STRING = 3
+} rp_param_type;
+
+/* One declared parameter, with the value in effect (its default, or the config's). */
+typedef struct rp_param {
+    char name[64];
+    rp_param_type type;
+    double num, dflt_num;        /* integer and number params */
+    bool boolean, dflt_boolean;
+    char *str, *dflt_str;        /* string params (allocated through the policy's context) */
+    bool has_min, has_max;
+    double min, max;
+    char **values;               /* string params: the allowed values, NULL if any */
+    int32_t num_values;
+    char *doc;
+} rp_param;
+
+typedef struct rp_policy {
+    rp_context *ctx;
+    const rp_config *cfg;
+    rp_sandbox *sb;
+    rp_lua_host host;
+    rp_policy_info info;         /* name, version, api, description, path, hash */
+    rp_param *params;            /* sorted by name */
+    int32_t num_params;
+    char *params_json;           /* the params object applied ("{}" when none) */
+    int plan_ref, init_ref, state_ref, call_ref; /* registry references */
+} rp_policy;
+
+/* Load a policy from source text into a fresh sandbox: run the chunk, check its metadata
+ * (messages name the field: "policy.lua: 'version' must be a string like \"1.2.0\", got
+ * number"), check that it targets RP_POLICY_API (unless `any_api`), read its params and
+ * apply `params_json` (a JSON object; NULL or "{}": defaults; unknown param, wrong type
+ * or out of range is RP_EINVAL naming it). `path` (may be NULL) is recorded and its
+ * base name is the chunk name. Does not run init. */
+rp_status rp_policy_load(rp_context *ctx, const rp_config *cfg, const char *source, size_t len,
+                         const char *path, const rp_sandbox_limits *limits, const char *params_json,
+                         bool any_api, rp_policy **out, rp_error *err);
+
+/* Find a policy file: a name ([a-z0-9_]+) is looked up as NAME.lua in the config's
+ * policy.search_path, then RP_POLICY_PATH (colon-separated), then the shipped policies
+ * directory; anything else is a path, relative to `base_dir` when that is not NULL.
+ * *path is allocated through ctx (rp_free). RP_EIO when nothing is found (the message
+ * lists where it looked). */
+rp_status rp_policy_resolve(rp_context *ctx, const rp_config *cfg, const char *name_or_path,
+                            const char *base_dir, char **path, rp_error *err);
+
+/* Resolve, read and load (rp_policy_load) in one go. */
+rp_status rp_policy_open(rp_context *ctx, const rp_config *cfg, const char *name_or_path,
+                         const char *base_dir, const rp_sandbox_limits *limits,
+                         const char *params_json, rp_policy **out, rp_error *err);
+
+void rp_policy_free(rp_policy *pol);
+
+/* The shipped policies directory (the source tree's policies/ when it exists, else the
+ * install data directory's). Static storage. */
+const char *rp_policy_shipped_dir(void);
+
+/* Run init(ctx) if the policy has one, with a fresh ctx.state. `frame` has no batch. */
+rp_status rp_policy_init(rp_policy *pol, const rp_lua_frame *frame, rp_error *err);
+
+/* Why a call failed, for the step report. */
+typedef enum rp_call_failure {
+    RP_CALL_OK = 0,
+    RP_CALL_ERROR = 1,       /* the policy raised an error */
+    RP_CALL_LIMIT = 2,       /* a sandbox limit tripped */
+    RP_CALL_BAD_PLAN = 3,    /* what it returned is not a plan of the right shape */
+    RP_CALL_NOMEM = 4        /* the engine ran out of memory */
+} rp_call_failure;
+
+/* Run plan(ctx) for `frame` with math.random seeded from frame->seed. On success *out
+ * holds the converted plan (allocated through the policy's context; NULL plan when the
+ * policy returned nil) and the parts it gave. `num_seqs` is the batch's sequence count,
+ * `base_mb` the microbatch count for levers given without a packing. On failure *why
+ * says what kind, err the message; out->plan is NULL. *work receives the work units. */
+rp_status rp_policy_plan(rp_policy *pol, const rp_lua_frame *frame, int32_t num_seqs, int32_t base_mb,
+                         rp_lua_plan_out *out, rp_call_failure *why, int64_t *work, rp_error *err);
+
+/* Metadata and params as JSON (rp_text_free), for rp_policy_describe. */
+rp_status rp_policy_to_json(const rp_policy *pol, char **text, size_t *len, rp_error *err);
+
+#endif

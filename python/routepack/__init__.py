@@ -1,0 +1,35 @@
+"""RoutePack from Python: a thin, faithful layer over libroutepack's C API (ctypes).
+
+    import routepack
+    sched = routepack.Scheduler("config.json")
+    res = sched.step(seq_lens, routing)      # routing: [tokens, layers, k], per sequence or per layer
+    res.microbatches[rank]                   # this rank's microbatches: arrays of sequence indices
+    res.log2phy, res.logcnt, res.phy2log     # the placement, as EP dispatchers take it
+
+docs/python.md has the whole story: install, routing forms, lifetimes, trainer wiring."""
+
+from .errors import (ChecksumError, ConfigError, DeadlineError, Error, FileError, FormatError,
+                     InvalidArgumentError, LibraryError, LimitError, NotSupportedError,
+                     OutOfMemoryError, PlanError, PolicyError, RangeError, RoutingError,
+                     TransportError)
+from .physical import dispatch_ranks, remap
+from .scheduler import (Config, Scheduler, StepResult, can_checkpoint, describe_policy,
+                        list_policies)
+from .trace import TraceReader, TraceStep, TraceWriter
+
+__version__ = "0.1.0"
+
+
+def library_path():
+    """Path of the libroutepack this process loaded (loading it if needed)."""
+    from . import _lib
+    return _lib.path()
+
+
+__all__ = [
+    "Scheduler", "StepResult", "Config", "list_policies", "describe_policy", "can_checkpoint", "TraceReader", "TraceStep",
+    "TraceWriter", "remap", "dispatch_ranks", "library_path",
+    "Error", "ConfigError", "RoutingError", "PolicyError", "LimitError", "PlanError",
+    "InvalidArgumentError", "OutOfMemoryError", "FileError", "FormatError", "RangeError",
+    "NotSupportedError", "TransportError", "ChecksumError", "DeadlineError", "LibraryError",
+]

@@ -1,0 +1,346 @@
+"""Finding and loading libroutepack, and the ctypes declarations of the C API it uses
+(core/include/routepack/*.h are the contract; the structs below mirror them field by field)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from ctypes import (POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_int, c_int32,
+                    c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
+from pathlib import Path
+
+from . import errors
+
+RP_ERROR_TEXT = 512
+
+# ---- structs (field order and types exactly as in the headers) ----
+
+
+class rp_error(Structure):
+    _fields_ = [("status", c_int), ("line", c_int32), ("column", c_int32),
+                ("offset", c_int64), ("sequence", c_int64), ("expert", c_int64),
+                ("text", c_char * RP_ERROR_TEXT)]
+
+
+class rp_routing(Structure):
+    _fields_ = [("layout", c_int), ("width", c_int), ("num_layers", c_int32),
+                ("top_k", c_int32), ("token_stride", c_int64), ("layer_stride", c_int64),
+                ("k_stride", c_int64), ("base", c_void_p), ("bases", POINTER(c_void_p)),
+                ("num_bases", c_int32)]
+
+
+class rp_topology(Structure):
+    _fields_ = [("num_nodes", c_int32), ("gpus_per_node", c_int32), ("num_gpus", c_int32),
+                ("dp_size", c_int32), ("ep_size", c_int32), ("num_ep_groups", c_int32),
+                ("slots", POINTER(c_int32)), ("speed", POINTER(c_double)),
+                ("nvlink_bytes_per_s", c_double), ("nvlink_latency_s", c_double),
+                ("net_bytes_per_s", c_double), ("net_latency_s", c_double)]
+
+
+class rp_model(Structure):
+    _fields_ = [("num_layers", c_int32), ("num_experts", c_int32), ("top_k", c_int32),
+                ("hidden_size", c_int32), ("expert_ffn_size", c_int32),
+                ("num_heads", c_int32), ("num_kv_heads", c_int32), ("head_dim", c_int32),
+                ("bytes_per_param", c_int32), ("bytes_per_optimizer_state", c_int32)]
+
+
+class rp_limits(Structure):
+    _fields_ = [("max_tokens_per_microbatch", c_int64), ("num_microbatches", c_int32),
+                ("max_activation_bytes", c_double), ("activation_bytes_per_token", c_double)]
+
+
+class rp_sched_options(Structure):
+    # Only ever passed by pointer and filled by rp_sched_options_default: the reserved
+    # tail keeps a library with fields appended after these (the header's append-only
+    # rule) from writing past the end.
+    _fields_ = [("policy", c_char_p), ("split", c_int), ("num_threads", c_int32),
+                ("history", c_int32), ("max_instructions", c_int64), ("max_wall_s", c_double),
+                ("max_memory_bytes", c_size_t), ("max_depth", c_int32), ("comm", c_void_p),
+                ("params_json", c_char_p), ("seed", c_uint64),
+                ("_reserved", c_char * 512)]
+
+
+class rp_cost_summary(Structure):
+    _fields_ = [("step_s", c_double), ("lower_bound_s", c_double), ("ratio", c_double),
+                ("attention_s", c_double), ("dispatch_s", c_double), ("expert_s", c_double),
+                ("combine_s", c_double), ("grad_reduce_s", c_double),
+                ("extra_copy_s", c_double), ("attention_imbalance", c_double),
+                ("expert_imbalance", c_double), ("straggler_gpu", c_int32),
+                ("straggler_mb", c_int32), ("straggler_layer", c_int32),
+                ("straggler_side", c_int)]
+
+
+class rp_step_report(Structure):
+    _fields_ = [("step", c_int64), ("cost", rp_cost_summary), ("plan_wall_s", c_double),
+                ("policy_work", c_int64), ("fallback", c_bool),
+                ("fallback_reason", c_char * RP_ERROR_TEXT), ("swapped", c_bool),
+                ("swap_error", c_char * RP_ERROR_TEXT), ("policy_name", c_char * 64),
+                ("policy_version", c_char * 32), ("policy_hash", c_uint64),
+                ("plan_hash", c_uint64), ("plan_from_rank", c_int32),
+                ("ranks_disagreed", c_bool), ("experts_moved", c_int32),
+                ("migration_bytes", c_double), ("migration_s", c_double)]
+
+
+class rp_policy_info(Structure):
+    _fields_ = [("name", c_char * 64), ("version", c_char * 32), ("api", c_int32),
+                ("description", c_char * 256), ("path", c_char * 1024), ("hash", c_uint64),
+                ("shadowed", c_bool)]
+
+
+class rp_trace_step_info(Structure):
+    _fields_ = [("step", c_int64), ("num_seqs", c_int32), ("num_tokens", c_int64),
+                ("num_layers", c_int32), ("num_experts", c_int32), ("top_k", c_int32),
+                ("width", c_int), ("checksum", c_uint64), ("offset", c_int64),
+                ("payload_offset", c_int64), ("payload_bytes", c_int64)]
+
+
+LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_int, c_char_p)
+
+P = c_void_p          # opaque handles
+PI32 = POINTER(c_int32)
+PI64 = POINTER(c_int64)
+PERR = POINTER(rp_error)
+
+# name: (restype, argtypes). Every function the binding calls; a library without one of
+# these is refused at load with the missing names.
+_REQUIRED = {
+    "rp_strerror": (c_char_p, [c_int]),
+    "rp_error_clear": (None, [PERR]),
+    "rp_context_new": (c_int, [c_void_p, c_void_p, POINTER(P)]),
+    "rp_context_free": (None, [P]),
+    "rp_context_set_log": (None, [P, LOG_FN, c_void_p, c_int]),
+    "rp_text_free": (None, [P, c_void_p]),
+    "rp_hash64": (c_uint64, [c_void_p, c_size_t, c_uint64]),
+    "rp_id_width_capacity": (c_int64, [c_int]),
+    # config
+    "rp_config_load": (c_int, [P, c_char_p, POINTER(P), PERR]),
+    "rp_config_parse": (c_int, [P, c_char_p, c_size_t, c_char_p, POINTER(P), PERR]),
+    "rp_config_free": (None, [P]),
+    "rp_config_topology": (POINTER(rp_topology), [P]),
+    "rp_config_model": (POINTER(rp_model), [P]),
+    "rp_config_limits": (POINTER(rp_limits), [P]),
+    # batch
+    "rp_batch_new": (c_int, [P, c_int32, PI32, PI32, PI32, POINTER(P), PERR]),
+    "rp_batch_free": (None, [P]),
+    "rp_batch_num_seqs": (c_int32, [P]),
+    "rp_batch_num_tokens": (c_int64, [P]),
+    "rp_batch_cu_seqlens": (PI64, [P]),
+    "rp_batch_prompt_lens": (PI32, [P]),
+    "rp_batch_response_lens": (PI32, [P]),
+    "rp_batch_group_ids": (PI32, [P]),
+    "rp_routing_check": (c_int, [POINTER(rp_routing), P, c_int32, PERR]),
+    # plan
+    "rp_plan_num_gpus": (c_int32, [P]),
+    "rp_plan_num_microbatches": (c_int32, [P]),
+    "rp_plan_ep_size": (c_int32, [P]),
+    "rp_plan_num_layers": (c_int32, [P]),
+    "rp_plan_num_experts": (c_int32, [P]),
+    "rp_plan_context": (P, [P]),
+    "rp_plan_has_packing": (c_bool, [P]),
+    "rp_plan_num_seqs": (c_int32, [P]),
+    "rp_plan_microbatch": (PI32, [P, c_int32, c_int32, PI32]),
+    "rp_plan_has_placement": (c_bool, [P]),
+    "rp_plan_total_slots": (c_int32, [P]),
+    "rp_plan_slot_begin": (PI32, [P]),
+    "rp_plan_logcnt": (c_int32, [P, c_int32, PI32]),
+    "rp_plan_eplb_arrays": (c_int, [P, c_int32, PI32, PI32, PI32, PERR]),
+    "rp_plan_num_extra_replicas": (c_int32, [P]),
+    "rp_plan_extra_replica": (None, [P, c_int32, PI32, PI32, PI32, PI32]),
+    "rp_plan_num_share_sets": (c_int32, [P]),
+    "rp_plan_share_set": (POINTER(c_double), [P, c_int32, PI32, PI32, PI32, PI32]),
+    "rp_plan_to_json": (c_int, [P, POINTER(c_void_p), POINTER(c_size_t), PERR]),
+    "rp_plan_hash": (c_uint64, [P]),
+}
+
+# The scheduler's functions: required by Scheduler and list_policies (checked there, so
+# that traces can be read with a library built without the scheduler).
+_SCHED = {
+    "rp_sched_options_default": (None, [POINTER(rp_sched_options)]),
+    "rp_sched_new": (c_int, [P, P, POINTER(rp_sched_options), POINTER(P), PERR]),
+    "rp_sched_free": (None, [P]),
+    "rp_sched_errmsg": (c_char_p, [P]),
+    "rp_sched_step": (c_int, [P, c_int64, P, POINTER(rp_routing), POINTER(P),
+                              POINTER(POINTER(rp_step_report)), PERR]),
+    "rp_sched_stage_policy": (c_int, [P, c_char_p, c_char_p, c_int64, PERR]),
+    "rp_sched_plan": (P, [P]),
+    "rp_sched_report_json": (c_int, [P, POINTER(c_void_p), POINTER(c_size_t), PERR]),
+    "rp_policy_list": (c_int, [P, P, POINTER(POINTER(rp_policy_info)), PI32, PERR]),
+}
+
+_REQUIRED_MORE = {
+    # traces
+    "rp_trace_open": (c_int, [P, c_char_p, c_uint32, POINTER(P), PERR]),
+    "rp_trace_close": (None, [P]),
+    "rp_trace_num_steps": (c_int32, [P]),
+    "rp_trace_step": (POINTER(rp_trace_step_info), [P, c_int32]),
+    "rp_trace_read_step": (c_int, [P, c_int32, POINTER(P), POINTER(rp_routing), PERR]),
+    "rp_trace_writer_open": (c_int, [P, c_char_p, c_int32, POINTER(P), PERR]),
+    "rp_trace_writer_open_append": (c_int, [P, c_char_p, c_int32, POINTER(P), PERR]),
+    "rp_trace_writer_append": (c_int, [P, c_int64, P, POINTER(rp_routing), PERR]),
+    "rp_trace_writer_close": (c_int, [P, PERR]),
+}
+
+# Functions used when the library has them (checkpoint/resume of the scheduler state).
+_OPTIONAL = {
+    "rp_policy_describe": (c_int, [P, P, c_char_p, POINTER(c_void_p), POINTER(c_size_t), PERR]),
+    "rp_sched_save_state": (c_int, [P, POINTER(c_void_p), POINTER(c_size_t), PERR]),
+    "rp_sched_load_state": (c_int, [P, c_char_p, c_size_t, PERR]),
+}
+
+_lock = threading.Lock()
+_loaded = None   # (CDLL, path) once loaded
+
+
+def _package_dir():
+    return Path(__file__).resolve().parent
+
+
+def candidates():
+    """The places searched for libroutepack, in order, as (where, path) pairs.
+
+    1. $ROUTEPACK_LIBRARY, a path to the shared library (only it, when set).
+    2. Next to this package: the copy `pip install` puts there from the CMake build.
+    3. The repository's build/core/: found from the package's own location (a source
+       checkout or an editable install) or the repository recorded at install time.
+    4. The system's library path (`cmake --install` puts it in PREFIX/lib).
+    """
+    env = os.environ.get("ROUTEPACK_LIBRARY")
+    if env:
+        return [("$ROUTEPACK_LIBRARY", env)]
+    here = _package_dir()
+    out = []
+    for name in ("libroutepack.so", "libroutepack.so.0"):
+        out.append(("next to the package", str(here / name)))
+    repos = []
+    if (here.parent.parent / "core" / "include" / "routepack").is_dir():
+        repos.append(here.parent.parent)      # a source checkout or an editable install
+    try:
+        from . import _build_info   # written by setup.py at install time
+        if _build_info.SOURCE_DIR:
+            repos.append(Path(_build_info.SOURCE_DIR))
+    except ImportError:
+        pass
+    seen = set()
+    for repo in repos:
+        lib = repo / "build" / "core" / "libroutepack.so"
+        if str(lib) not in seen:
+            seen.add(str(lib))
+            out.append(("the repository's build/core", str(lib)))
+    found = ctypes.util.find_library("routepack")
+    out.append(("the system library path", found or "libroutepack.so.0"))
+    return out
+
+
+def _declare(lib, table, optional):
+    missing = []
+    for name, (restype, argtypes) in table.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            if not optional:
+                missing.append(name)
+            continue
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return missing
+
+
+def load():
+    """The loaded library (a ctypes.CDLL); raises LibraryError naming every place tried."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded[0]
+    with _lock:
+        if _loaded is not None:
+            return _loaded[0]
+        # The first candidate that exists is the one: a library that is there but does
+        # not load (a missing dependency, an undefined symbol, too old) is reported, not
+        # silently replaced by another copy found later.
+        tried = []
+        for where, path in candidates():
+            if "/" in path and not os.path.exists(path):
+                tried.append("%s: %s (not there)" % (where, path))
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                tried.append("%s: %s (%s)" % (where, path, e))
+                break
+            missing = _declare(lib, {**_REQUIRED, **_REQUIRED_MORE}, optional=False)
+            if missing:
+                tried.append("%s: %s (too old or not RoutePack's: lacks %s)"
+                             % (where, path, ", ".join(sorted(missing)[:5])))
+                break
+            _declare(lib, _OPTIONAL, optional=True)
+            _declare(lib, _SCHED, optional=True)
+            _loaded = (lib, path)
+            return lib
+        raise errors.LibraryError(
+            "libroutepack could not be loaded; build it first (cmake -S . -B build && cmake "
+            "--build build) or set ROUTEPACK_LIBRARY to its path. Tried:\n  " + "\n  ".join(tried))
+
+
+def path():
+    """Path of the loaded library."""
+    load()
+    return _loaded[1]
+
+
+def require_scheduler():
+    """Raise LibraryError unless the loaded library has the scheduler."""
+    lib = load()
+    missing = sorted(n for n in _SCHED if getattr(lib, n, None) is None)
+    if missing:
+        raise errors.LibraryError("libroutepack at %s has no scheduler (lacks %s): rebuild it "
+                                  "from a tree with core/sched.c" % (_loaded[1], ", ".join(missing)))
+    return lib
+
+
+def has(name):
+    """Whether the loaded library exports `name`."""
+    return getattr(load(), name, None) is not None
+
+
+def text(buf):
+    """A NUL-terminated char array or pointer from C as str (errors replaced)."""
+    if buf is None:
+        return ""
+    if isinstance(buf, bytes):
+        return buf.decode("utf-8", "replace")
+    return bytes(buf).split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def raise_error(status, err=None, message=None, cls=None):
+    """Raise the exception for a failed call: `cls` if given (it keeps the status),
+    else the class of the status; the text is err.text, else `message`, else
+    rp_strerror(status)."""
+    lib = load()
+    msg = message
+    where = {}
+    if err is not None:
+        if err.text[:1] != b"\0" and err.text:
+            msg = text(err.text)
+        where = dict(sequence=err.sequence if err.sequence >= 0 else None,
+                     expert=err.expert if err.expert >= 0 else None,
+                     line=err.line if err.line >= 0 else None,
+                     column=err.column if err.column >= 0 else None,
+                     offset=err.offset if err.offset >= 0 else None)
+    if not msg:
+        msg = text(lib.rp_strerror(int(status)))
+    cls = cls or errors.class_for_status(status)
+    raise cls(msg, int(status), **where)
+
+
+def new_error():
+    e = rp_error()
+    load().rp_error_clear(ctypes.byref(e))
+    return e
+
+
+def take_text(ctx, ptr, length):
+    """Copy text the library allocated through `ctx`, then free it."""
+    try:
+        return ctypes.string_at(ptr.value, length.value).decode("utf-8")
+    finally:
+        load().rp_text_free(ctx, ptr)

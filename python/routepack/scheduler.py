@@ -1,0 +1,532 @@
+"""routepack.Scheduler: the C scheduler (rp_sched_*) from Python. A step takes the batch's
+lengths and its routing replay as the trainer holds it and returns the plan as numpy
+arrays the caller owns, with the step report."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+
+import numpy as np
+
+from . import _lib, _routing, errors, physical as _remap
+from ._context import Context, Owned
+from .trace import _new_batch
+
+_SPLIT = {"even": 0, "locality": 1}
+_SIDES = {0: "attention", 1: "dispatch", 2: "expert", 3: "combine"}
+STATE_FORMAT = "routepack-scheduler-state"
+
+_OPTION_FIELDS = {
+    "num_threads": int, "history": int, "max_instructions": int, "max_wall_s": float,
+    "max_memory_bytes": int, "max_depth": int,
+}
+
+
+def _i32p(arr):
+    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+
+def _config_bytes(config):
+    """('path', bytes) or ('text', bytes, name) for a config given as a path, a JSON text
+    or a dict."""
+    if isinstance(config, dict):
+        return ("text", json.dumps(config).encode("utf-8"), b"<dict>")
+    if isinstance(config, bytes):
+        config = config.decode("utf-8")
+    if isinstance(config, str) and config.lstrip().startswith("{"):
+        return ("text", config.encode("utf-8"), b"<inline>")
+    if isinstance(config, (str, os.PathLike)):
+        return ("path", os.fsencode(config))
+    raise TypeError("config must be a path, a JSON text or a dict, got %s" % type(config).__name__)
+
+
+class Config:
+    """A loaded and validated config (rp_config). Errors raise ConfigError with the C
+    message (file:line:column and the JSON path)."""
+
+    def __init__(self, config, ctx):
+        self._lib = _lib.load()
+        self._ctx = ctx
+        handle = ctypes.c_void_p()
+        err = _lib.new_error()
+        kind = _config_bytes(config)
+        if kind[0] == "path":
+            st = self._lib.rp_config_load(ctx.handle, kind[1], ctypes.byref(handle),
+                                          ctypes.byref(err))
+        else:
+            st = self._lib.rp_config_parse(ctx.handle, kind[1], len(kind[1]), kind[2],
+                                           ctypes.byref(handle), ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err, cls=errors.ConfigError)
+        self._owned = Owned(handle, self._lib.rp_config_free, [ctx])
+        topo = self._lib.rp_config_topology(handle).contents
+        model = self._lib.rp_config_model(handle).contents
+        self.num_gpus = topo.num_gpus
+        self.gpus_per_node = topo.gpus_per_node
+        self.num_nodes = topo.num_nodes
+        self.ep_size = topo.ep_size
+        self.slots = np.ctypeslib.as_array(topo.slots, (topo.ep_size,)).copy()
+        self.num_layers = model.num_layers
+        self.num_experts = model.num_experts
+        self.top_k = model.top_k
+
+    @property
+    def handle(self):
+        return self._owned.handle
+
+    def free(self):
+        """Drop the config (freed once no scheduler made from it is left)."""
+        self._owned.close()
+
+
+class StepResult:
+    """What one step returns, copied out of the C library: every array here belongs to
+    the caller and stays valid after later steps.
+
+    Packing: ``microbatches[rank][mb]`` is an int32 array of sequence indices (in the
+    order to run them); ``seq_rank[s]``, ``seq_microbatch[s]`` say where sequence s runs.
+    Placement (DeepSeek EPLB's arrays, docs/formats.md): ``phy2log`` [L, S],
+    ``log2phy`` [L, E, R] (-1 padded), ``logcnt`` [L, E], ``slot_begin`` [ep_size + 1].
+    Levers: ``extra_replicas`` [n, 4] rows of (microbatch, layer, expert, ep_rank) and
+    ``shares`` {(microbatch, layer, expert): float64 array}, replicas in ascending slot
+    order then extra replicas in order; without an entry the tokens of that expert split
+    by ``split_rule``. ``physical_routing`` when step(..., physical=True).
+    Report: ``report`` (the dict of rp_sched_report_json) and typed fields from the C
+    report: ``step_time_s``, ``lower_bound_s``, ``fallback``, ``fallback_reason``,
+    ``swapped``, ``swap_error``, ``policy_name``, ``policy_version``, ``plan_hash``."""
+
+    def __init__(self):
+        self.physical_routing = None
+
+    def remap(self, routing, layout=None):
+        """Physical ids [tokens, layers, k] (int32) for this step's routing, in any form
+        step() takes: a slot in [0, S), S + x for extra replica x, -1 for a sequence the
+        plan does not pack. The split rule: routepack.remap."""
+        lay, arrays = _routing.normalize(routing, layout)
+        lens = _routing.Lengths(self._prompt, self._response, None)
+        view = _routing.view(lay, arrays, num_layers=self.num_layers, top_k=self._top_k,
+                             num_experts=self.num_experts, lens=lens)
+        return _remap.remap(view.packed_ids(self.cu_seqlens), self.cu_seqlens, self.seq_rank,
+                            self.seq_microbatch, num_microbatches=self.num_microbatches,
+                            gpus_per_node=self._gpus_per_node, ep_size=self.ep_size,
+                            slot_begin=self.slot_begin, log2phy=self.log2phy,
+                            logcnt=self.logcnt, extra_replicas=self.extra_replicas,
+                            shares=self.shares, split=self.split_rule)
+
+    def dispatch_ranks(self, physical):
+        """EP rank (in the token's own EP group) of each physical id from remap()."""
+        return _remap.dispatch_ranks(physical, self.slot_begin, self.extra_replicas)
+
+    def microbatch_tokens(self, rank):
+        """Token counts of each microbatch of `rank`."""
+        lens = np.diff(self.cu_seqlens)
+        return [int(lens[mb].sum()) for mb in self.microbatches[rank]]
+
+    def __repr__(self):
+        return ("StepResult(step=%d, plan_hash=%016x, policy=%s %s, step_time_s=%.6g%s%s)"
+                % (self.step, self.plan_hash, self.policy_name, self.policy_version,
+                   self.step_time_s, ", fallback" if self.fallback else "",
+                   ", swapped" if self.swapped else ""))
+
+
+class Scheduler:
+    """A RoutePack scheduler.
+
+    ``config``: a path, a JSON text or a dict (docs/config.md). ``policy``: a policy
+    name, a path, or "PACKING+PLACEMENT" (None: the config's). Options (rp_sched_options):
+    ``split`` ('even' or 'locality'), ``params`` (the policy's params, a dict or JSON
+    text; default: the config's policy.params), ``seed``, ``num_threads``, ``history``,
+    ``max_instructions``, ``max_wall_s``, ``max_memory_bytes``, ``max_depth``; and
+    ``log_level`` ('debug' ..
+    'error', None to silence) for the messages the library sends to the `routepack`
+    logger.
+
+    A scheduler is used by one thread at a time (calls are serialised by a lock; the GIL
+    is released while C runs, so planning step t+1 on a thread overlaps the trainer's
+    step t). Free it with close() or a with-block; it is also freed when collected."""
+
+    def __init__(self, config, policy=None, **options):
+        self._lib = _lib.require_scheduler()
+        self._lock = threading.Lock()
+        self._owned = None
+        log_level = options.pop("log_level", "warning")
+        split = options.pop("split", "even")
+        if split not in _SPLIT:
+            raise errors.InvalidArgumentError("split must be 'even' or 'locality', got %r"
+                                              % (split,))
+        unknown = sorted(set(options) - set(_OPTION_FIELDS) - {"params", "seed"})
+        if unknown:
+            raise TypeError("unknown Scheduler option%s: %s (known: split, log_level, params, "
+                            "seed, %s)"
+                            % ("s" if len(unknown) > 1 else "", ", ".join(unknown),
+                               ", ".join(sorted(_OPTION_FIELDS))))
+        self._ctx = Context(log_level)
+        self.config = Config(config, self._ctx)
+        self.split_rule = split
+        opts = _lib.rp_sched_options()
+        self._lib.rp_sched_options_default(ctypes.byref(opts))
+        self._policy_bytes = None
+        if policy is not None:
+            self._policy_bytes = os.fsencode(policy)
+            opts.policy = self._policy_bytes
+        opts.split = _SPLIT[split]
+        params = options.pop("params", None)
+        if params is not None:
+            self._params_bytes = (params if isinstance(params, str)
+                                  else json.dumps(params)).encode("utf-8")
+            opts.params_json = self._params_bytes
+        if "seed" in options:
+            opts.seed = int(options.pop("seed")) & (2**64 - 1)
+        for key, conv in _OPTION_FIELDS.items():
+            if key in options:
+                setattr(opts, key, conv(options[key]))
+        sched = ctypes.c_void_p()
+        err = _lib.new_error()
+        st = self._lib.rp_sched_new(self._ctx.handle, self.config.handle, ctypes.byref(opts),
+                                    ctypes.byref(sched), ctypes.byref(err))
+        if st != errors.OK:
+            self.config.free()
+            _lib.raise_error(st, err)
+        self._owned = Owned(sched, self._lib.rp_sched_free, [self.config._owned, self._ctx])
+        self._next_step = 0
+        self.last = None
+
+    # ---- lifetime ----
+
+    @property
+    def _sched(self):
+        return self._owned.handle if self._owned is not None else None
+
+    def close(self):
+        """Free the scheduler (results already returned stay valid)."""
+        with self._lock:
+            if self._owned is not None:
+                self._owned.close()
+            if getattr(self, "config", None) is not None:
+                self.config.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _handle(self):
+        if not self._sched:
+            raise errors.InvalidArgumentError("the scheduler is closed")
+        return self._sched
+
+    def _fail(self, st, err, cls=None):
+        if not err.text:
+            msg = _lib.text(self._lib.rp_sched_errmsg(self._sched)) if self._sched else ""
+            _lib.raise_error(st, err, message=msg or None, cls=cls)
+        _lib.raise_error(st, err, cls=cls)
+
+    # ---- the step ----
+
+    @property
+    def next_step(self):
+        """The step index step() uses when none is given."""
+        return self._next_step
+
+    def step(self, seq_lens, routing, step=None, group_ids=None, cu_seqlens=None, *,
+             layout=None, physical=False):
+        """Plan one step.
+
+        ``seq_lens``: per-sequence lengths (whole lengths, an [S, 2] array of (prompt,
+        response), or a (prompt_lens, response_lens) pair); may be None when
+        ``cu_seqlens`` is given or the routing is per sequence. ``routing``: one [tokens,
+        layers, k] array (with seq_lens or cu_seqlens), a list of per-sequence
+        (seq_len, layers, k) arrays (vLLM/SGLang R3), or a list of per-layer [tokens, k]
+        arrays (Megatron router replay); numpy arrays, CPU tensors (DLPack) or
+        __array_interface__ objects. uint8/uint16/int32 ids are read in place, other
+        integer dtypes converted once. The C library borrows the routing only during
+        this call. ``step``: the step index (default: one past the previous).
+        ``physical=True`` also fills result.physical_routing (see StepResult.remap).
+        """
+        cfg = self.config
+        lens, view = _routing.prepare(routing, seq_lens, cu_seqlens, group_ids,
+                                      num_layers=cfg.num_layers, top_k=cfg.top_k,
+                                      num_experts=cfg.num_experts, layout=layout)
+        with self._lock:
+            handle = self._handle()
+            idx = self._next_step if step is None else int(step)
+            batch = _new_batch(self._lib, self._ctx.handle, lens)
+            try:
+                plan = ctypes.c_void_p()
+                report = ctypes.POINTER(_lib.rp_step_report)()
+                err = _lib.new_error()
+                st = self._lib.rp_sched_step(handle, idx, batch, view.pointer(),
+                                             ctypes.byref(plan), ctypes.byref(report),
+                                             ctypes.byref(err))
+                if st != errors.OK:
+                    routing_problem = err.sequence >= 0 or _lib.text(err.text).startswith("routing")
+                    self._fail(st, err, errors.RoutingError if routing_problem else None)
+                res = self._result(plan, report.contents, lens)
+            finally:
+                self._lib.rp_batch_free(batch)
+            self._next_step = idx + 1
+        if physical:
+            res.physical_routing = _remap.remap(
+                view.packed_ids(lens.cu_seqlens), lens.cu_seqlens, res.seq_rank,
+                res.seq_microbatch, num_microbatches=res.num_microbatches,
+                gpus_per_node=cfg.gpus_per_node, ep_size=res.ep_size,
+                slot_begin=res.slot_begin, log2phy=res.log2phy, logcnt=res.logcnt,
+                extra_replicas=res.extra_replicas, shares=res.shares, split=self.split_rule)
+        del view   # the C library's borrow of the routing ends with the call
+        self.last = res
+        return res
+
+    def _result(self, plan, rep, lens):
+        lib = self._lib
+        r = StepResult()
+        G = lib.rp_plan_num_gpus(plan)
+        M = lib.rp_plan_num_microbatches(plan)
+        L = lib.rp_plan_num_layers(plan)
+        E = lib.rp_plan_num_experts(plan)
+        S = lens.num_seqs
+        r.num_gpus, r.num_microbatches, r.num_layers, r.num_experts = G, M, L, E
+        r.ep_size = lib.rp_plan_ep_size(plan)
+        r.num_seqs = S
+        r.cu_seqlens = lens.cu_seqlens
+        r._prompt, r._response = lens.prompt, lens.response
+        r._top_k = self.config.top_k
+        r._gpus_per_node = self.config.gpus_per_node
+        r.split_rule = self.split_rule
+
+        # packing
+        r.microbatches = []
+        r.seq_rank = np.full(S, -1, dtype=np.int32)
+        r.seq_microbatch = np.full(S, -1, dtype=np.int32)
+        count = ctypes.c_int32()
+        for g in range(G):
+            row = []
+            for m in range(M):
+                p = lib.rp_plan_microbatch(plan, g, m, ctypes.byref(count))
+                n = count.value
+                ids = np.ctypeslib.as_array(p, (n,)).copy() if n and p else np.zeros(0, np.int32)
+                row.append(ids)
+                if n:
+                    fresh = ids[(ids >= 0) & (ids < S)]
+                    fresh = fresh[r.seq_rank[fresh] < 0]
+                    r.seq_rank[fresh] = g
+                    r.seq_microbatch[fresh] = m
+            r.microbatches.append(row)
+
+        # placement
+        r.total_slots = lib.rp_plan_total_slots(plan)
+        r.slot_begin = np.ctypeslib.as_array(lib.rp_plan_slot_begin(plan),
+                                             (r.ep_size + 1,)).copy()
+        if lib.rp_plan_has_placement(plan):
+            R = max([lib.rp_plan_logcnt(plan, l, None) for l in range(L)] + [1])
+            r.phy2log = np.empty((L, r.total_slots), dtype=np.int32)
+            r.log2phy = np.empty((L, E, R), dtype=np.int32)
+            r.logcnt = np.empty((L, E), dtype=np.int32)
+            err = _lib.new_error()
+            st = lib.rp_plan_eplb_arrays(plan, R, _i32p(r.phy2log), _i32p(r.log2phy),
+                                         _i32p(r.logcnt), ctypes.byref(err))
+            if st != errors.OK:
+                _lib.raise_error(st, err)
+        else:
+            r.phy2log = r.log2phy = r.logcnt = None
+
+        # levers
+        n = lib.rp_plan_num_extra_replicas(plan)
+        r.extra_replicas = np.zeros((n, 4), dtype=np.int32)
+        a, b, c, d = (ctypes.c_int32() for _ in range(4))
+        for i in range(n):
+            lib.rp_plan_extra_replica(plan, i, ctypes.byref(a), ctypes.byref(b), ctypes.byref(c),
+                                      ctypes.byref(d))
+            r.extra_replicas[i] = (a.value, b.value, c.value, d.value)
+        r.shares = {}
+        for i in range(lib.rp_plan_num_share_sets(plan)):
+            p = lib.rp_plan_share_set(plan, i, ctypes.byref(a), ctypes.byref(b), ctypes.byref(c),
+                                      ctypes.byref(d))
+            r.shares[(a.value, b.value, c.value)] = (np.ctypeslib.as_array(p, (d.value,)).copy()
+                                                     if d.value else np.zeros(0))
+        r.plan_hash = int(lib.rp_plan_hash(plan))
+
+        # report
+        r.step = int(rep.step)
+        cost = rep.cost
+        r.step_time_s = cost.step_s
+        r.lower_bound_s = cost.lower_bound_s
+        r.ratio = cost.ratio
+        r.fallback = bool(rep.fallback)
+        r.fallback_reason = _lib.text(rep.fallback_reason)
+        r.swapped = bool(rep.swapped)
+        r.swap_error = _lib.text(rep.swap_error)
+        r.policy_name = _lib.text(rep.policy_name)
+        r.policy_version = _lib.text(rep.policy_version)
+        r.policy_hash = int(rep.policy_hash)
+        r.plan_wall_s = rep.plan_wall_s
+        r.experts_moved = rep.experts_moved
+        r.migration_bytes = rep.migration_bytes
+        r.report = self._report_json()
+        return r
+
+    def _report_json(self):
+        ptr, length = ctypes.c_void_p(), ctypes.c_size_t()
+        err = _lib.new_error()
+        st = self._lib.rp_sched_report_json(self._sched, ctypes.byref(ptr), ctypes.byref(length),
+                                            ctypes.byref(err))
+        if st != errors.OK:
+            self._fail(st, err)
+        return json.loads(_lib.take_text(self._ctx.handle, ptr, length))
+
+    # ---- policies ----
+
+    def stage_policy(self, path=None, source=None, at_step=None):
+        """Stage a policy for hot swap: a name or a file (`path`) or its text (`source`).
+        It takes effect at the first step >= at_step (None: the next step) after a dry
+        run on the previous step's inputs; if that fails, the running policy stays and
+        the step's report says why (result.swap_error). Syntax and metadata errors raise
+        PolicyError here at once."""
+        if path is None and source is None:
+            raise errors.InvalidArgumentError("stage_policy needs a path (or policy name) or a source")
+        with self._lock:
+            handle = self._handle()
+            err = _lib.new_error()
+            st = self._lib.rp_sched_stage_policy(
+                handle, os.fsencode(path) if path is not None else None,
+                source.encode("utf-8") if isinstance(source, str) else source,
+                -1 if at_step is None else int(at_step), ctypes.byref(err))
+            if st != errors.OK:
+                self._fail(st, err)
+
+    def plan_json(self):
+        """The plan in use as plan JSON text (docs/formats.md), or None before the first
+        step."""
+        with self._lock:
+            plan = self._lib.rp_sched_plan(self._handle())
+            if not plan:
+                return None
+            ptr, length = ctypes.c_void_p(), ctypes.c_size_t()
+            err = _lib.new_error()
+            st = self._lib.rp_plan_to_json(plan, ctypes.byref(ptr), ctypes.byref(length),
+                                           ctypes.byref(err))
+            if st != errors.OK:
+                _lib.raise_error(st, err)
+            return _lib.take_text(self._lib.rp_plan_context(plan), ptr, length)
+
+    def report_json(self):
+        """The last step's report (rp_sched_report_json) as a dict."""
+        with self._lock:
+            self._handle()
+            return self._report_json()
+
+    # ---- checkpoint and resume ----
+
+    def state_dict(self):
+        """The scheduler's state (placement in use, policy state, history, next step) as a
+        JSON-serialisable dict, to save beside the trainer's checkpoint. Needs
+        rp_sched_save_state in libroutepack (NotSupportedError otherwise)."""
+        if not _lib.has("rp_sched_save_state"):
+            raise errors.NotSupportedError(
+                "this libroutepack (%s) cannot save scheduler state: it has no "
+                "rp_sched_save_state" % _lib.path())
+        with self._lock:
+            handle = self._handle()
+            ptr, length = ctypes.c_void_p(), ctypes.c_size_t()
+            err = _lib.new_error()
+            st = self._lib.rp_sched_save_state(handle, ctypes.byref(ptr), ctypes.byref(length),
+                                               ctypes.byref(err))
+            if st != errors.OK:
+                self._fail(st, err)
+            state = _lib.take_text(self._ctx.handle, ptr, length)
+            return {"format": STATE_FORMAT, "version": 1, "next_step": self._next_step,
+                    "state": state}
+
+    def load_state_dict(self, state):
+        """Restore what state_dict() returned (into a scheduler made with the same config
+        and policy); the following steps plan exactly as the saved scheduler's would."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise errors.InvalidArgumentError("not a RoutePack scheduler state (format %r)"
+                                              % (state.get("format") if isinstance(state, dict)
+                                                 else type(state).__name__))
+        if state.get("version") != 1:
+            raise errors.NotSupportedError("scheduler state version %r (this binding reads 1)"
+                                           % (state.get("version"),))
+        if not _lib.has("rp_sched_load_state"):
+            raise errors.NotSupportedError(
+                "this libroutepack (%s) cannot restore scheduler state: it has no "
+                "rp_sched_load_state" % _lib.path())
+        text = state["state"].encode("utf-8")
+        with self._lock:
+            handle = self._handle()
+            err = _lib.new_error()
+            st = self._lib.rp_sched_load_state(handle, text, len(text), ctypes.byref(err))
+            if st != errors.OK:
+                self._fail(st, err)
+            self._next_step = int(state["next_step"])
+
+    def save_state(self, path):
+        """Write state_dict() to `path` as JSON (atomically: a temporary file renamed)."""
+        data = json.dumps(self.state_dict())
+        tmp = "%s.tmp%d" % (os.fspath(path), os.getpid())
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def load_state(self, path):
+        """Restore the state save_state() wrote."""
+        with open(path, encoding="utf-8") as f:
+            self.load_state_dict(json.load(f))
+
+
+def can_checkpoint():
+    """Whether the loaded libroutepack can save and restore scheduler state."""
+    return _lib.has("rp_sched_save_state") and _lib.has("rp_sched_load_state")
+
+
+def list_policies(config):
+    """The policies found on the search path (the config's policy.search_path,
+    RP_POLICY_PATH, the shipped ones), each a dict of name, version, api, description,
+    path, hash and shadowed (an earlier directory has one of the same name)."""
+    lib = _lib.require_scheduler()
+    ctx = Context()
+    cfg = Config(config, ctx)
+    infos = ctypes.POINTER(_lib.rp_policy_info)()
+    count = ctypes.c_int32()
+    err = _lib.new_error()
+    st = lib.rp_policy_list(ctx.handle, cfg.handle, ctypes.byref(infos),
+                            ctypes.byref(count), ctypes.byref(err))
+    if st != errors.OK:
+        _lib.raise_error(st, err)
+    try:
+        out = []
+        for i in range(count.value):
+            p = infos[i]
+            out.append({"name": _lib.text(p.name), "version": _lib.text(p.version),
+                        "api": p.api, "description": _lib.text(p.description),
+                        "path": _lib.text(p.path), "hash": "%016x" % p.hash,
+                        "shadowed": bool(p.shadowed)})
+        return out
+    finally:
+        lib.rp_text_free(ctx.handle, ctypes.cast(infos, ctypes.c_void_p))
+        cfg.free()
+
+
+def describe_policy(name_or_path, config):
+    """Load a policy (a name on the search path, or a path), check it as a scheduler
+    would, and describe it: name, version, api, description, path, hash, has_init and
+    its params with types, defaults and ranges."""
+    lib = _lib.require_scheduler()
+    if not _lib.has("rp_policy_describe"):
+        raise errors.NotSupportedError("this libroutepack has no rp_policy_describe")
+    ctx = Context()
+    cfg = Config(config, ctx)
+    try:
+        ptr, length = ctypes.c_void_p(), ctypes.c_size_t()
+        err = _lib.new_error()
+        st = lib.rp_policy_describe(ctx.handle, cfg.handle,
+                                    os.fsencode(name_or_path), ctypes.byref(ptr),
+                                    ctypes.byref(length), ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+        return json.loads(_lib.take_text(ctx.handle, ptr, length))
+    finally:
+        cfg.free()

@@ -1,0 +1,554 @@
+/* `routepack simulate | policy list | policy check | plan baseline | eval | validate`, run
+ * as a user would: the default example, JSON output against the schema of docs/cli.md,
+ * the HTML report, bad policies, plan round trips and corrupted plans; exit status 1
+ * for bad input, 2 for usage errors. */
+#include "routepack/routepack.h"
+#include "tap.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BIN RP_BINARY_DIR "/routepack"
+#define EX RP_SOURCE_DIR "/examples/"
+#define CONFIG EX "config-small.json"
+#define TRACE EX "small.rpt"
+
+static const char *const default_policies[] = {"token_kk+contiguous", "token_kk+eplb", "verl_kk+eplb",
+                                               "attn_kk+eplb", "routepack"};
+
+static char tmpdir[64];
+static char out[1 << 20], err[1 << 16];
+
+static const char *tmp(const char *name)
+{
+    static char bufs[8][512];
+    static int next;
+    char *b = bufs[next++ % 8];
+    snprintf(b, 512, "%s/%s", tmpdir, name);
+    return b;
+}
+
+static void remove_tree(const char *dir)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    char path[1024];
+    while (d && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        struct stat sb;
+        if (lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) remove_tree(path);
+        else unlink(path);
+    }
+    if (d) closedir(d);
+    rmdir(dir);
+}
+
+static void slurp(const char *path, char *buf, size_t size)
+{
+    FILE *f = fopen(path, "rb");
+    size_t got = f ? fread(buf, 1, size - 1, f) : 0;
+    buf[got] = '\0';
+    if (f) fclose(f);
+}
+
+/* Run `[ENV] routepack ARGS`: stdout into `out`, stderr into `err`; its exit status. */
+static int rp_env(const char *env, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int rp_env(const char *env, const char *fmt, ...)
+{
+    char cmd[8192];
+    int n = snprintf(cmd, sizeof cmd, "%s '%s' ", env ? env : "", BIN);
+    va_list ap;
+    va_start(ap, fmt);
+    n += vsnprintf(cmd + n, sizeof cmd - (size_t)n, fmt, ap);
+    va_end(ap);
+    snprintf(cmd + n, sizeof cmd - (size_t)n, " >'%s/stdout' 2>'%s/stderr' </dev/null", tmpdir, tmpdir);
+    int st = system(cmd);
+    slurp(tmp("stdout"), out, sizeof out);
+    slurp(tmp("stderr"), err, sizeof err);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+#define rp(...) rp_env(NULL, __VA_ARGS__)
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "wb");
+    if (f) {
+        fputs(text, f);
+        fclose(f);
+    }
+}
+
+/* The row of a table in `text` for `word`: the line that starts with `word`, then
+ * spaces, then a digit or a letter of "did not run"; or NULL. */
+static const char *line_starting(const char *text, const char *word)
+{
+    size_t n = strlen(word);
+    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
+        if (strncmp(p, word, n) || p[n] != ' ') continue;
+        const char *q = p + n;
+        while (*q == ' ') q++;
+        if ((*q >= '0' && *q <= '9') || !strncmp(q, "did not run", 11)) return p;
+    }
+    return NULL;
+}
+
+static int count_lines_starting(const char *text, const char *prefix)
+{
+    int c = 0;
+    size_t n = strlen(prefix);
+    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+        c += !strncmp(p, prefix, n);
+    return c;
+}
+
+static bool has_keys(json_t *o, const char *const *keys)
+{
+    if (!json_is_object(o)) return false;
+    for (int i = 0; keys[i]; i++)
+        if (!json_object_get(o, keys[i])) {
+            diag("missing key '%s'", keys[i]);
+            return false;
+        }
+    return true;
+}
+
+static void test_default_run(void)
+{
+    int rc = rp("simulate");
+    is_int(rc, 0, "simulate with no arguments succeeds");
+    if (rc) diag("stderr: %s", err);
+    like(out, "small.rpt", "it runs the bundled example trace");
+    for (size_t i = 0; i < sizeof default_policies / sizeof *default_policies; i++) {
+        const char *line = line_starting(out, default_policies[i]);
+        ok(line != NULL, "a row for %s", default_policies[i]);
+        double step_ms = 0, ratio = 0;
+        if (line) sscanf(line + strlen(default_policies[i]), "%lf %lf", &step_ms, &ratio);
+        ok(step_ms > 0 && ratio >= 1 - 1e-9, "%s: step %.3f ms, step / lower bound %.3f >= 1",
+           default_policies[i], step_ms, ratio);
+    }
+    const char *base = line_starting(out, "token_kk+eplb");
+    ok(base && strstr(base, "1.000x"), "the baseline's speedup against itself is 1.000x");
+    ok(strstr(err, "simulate: step") == NULL, "no progress line when stderr is not a terminal");
+}
+
+static void test_json(void)
+{
+    int rc = rp("simulate --steps 2 --json --policies token_kk+eplb,attn_kk+eplb");
+    is_int(rc, 0, "simulate --json succeeds");
+    json_error_t jerr;
+    json_t *root = json_loads(out, 0, &jerr);
+    ok(root != NULL, "--json prints one JSON document (%s)", root ? "ok" : jerr.text);
+    if (!root) return;
+    static const char *const top[] = {"format", "version", "config", "input", "shape", "microbatches",
+                                      "baseline", "policies", NULL};
+    ok(has_keys(root, top), "the top-level keys of docs/cli.md");
+    is_str(json_string_value(json_object_get(root, "format")), "routepack-simulate", "format");
+    is_int(json_integer_value(json_object_get(json_object_get(root, "input"), "steps")), 2, "input.steps");
+    static const char *const shape[] = {"num_gpus", "num_nodes", "gpus_per_node", "ep_size", "num_layers",
+                                        "num_experts", "top_k", NULL};
+    ok(has_keys(json_object_get(root, "shape"), shape), "shape keys");
+    json_t *pols = json_object_get(root, "policies");
+    is_int(json_array_size(pols), 2, "two policies");
+    static const char *const pol_keys[] = {"policy", "status", "error", "summary", "steps", NULL};
+    static const char *const sum_keys[] = {"steps", "mean_step_ms", "mean_lower_bound_ms", "mean_ratio",
+                                           "speedup", "attention_imbalance", "expert_imbalance", "fallbacks",
+                                           "swaps", "migrated_bytes_per_step", "mean_plan_ms", "worst_step",
+                                           "worst_ratio", NULL};
+    static const char *const step_keys[] = {
+        "step", "step_ms", "lower_bound_ms", "ratio", "attention_ms", "dispatch_ms", "expert_ms",
+        "combine_ms", "grad_reduce_ms", "extra_copy_ms", "attention_imbalance", "expert_imbalance",
+        "straggler", "num_microbatches", "plan_ms", "policy_work", "fallback", "fallback_reason", "swapped",
+        "swap_error", "policy", "plan_hash", "experts_moved", "migration_bytes", "migration_ms", NULL};
+    static const char *const straggler_keys[] = {"gpu", "microbatch", "layer", "side", NULL};
+    size_t i;
+    json_t *p;
+    json_array_foreach(pols, i, p) {
+        const char *name = json_string_value(json_object_get(p, "policy"));
+        ok(has_keys(p, pol_keys), "%s: policy keys", name);
+        is_str(json_string_value(json_object_get(p, "status")), "ok", "%s: status ok", name);
+        json_t *s = json_object_get(p, "summary");
+        ok(has_keys(s, sum_keys), "%s: summary keys", name);
+        json_t *steps = json_object_get(p, "steps");
+        is_int(json_array_size(steps), 2, "%s: one record per step", name);
+        json_t *st0 = json_array_get(steps, 0);
+        ok(has_keys(st0, step_keys), "%s: step record keys", name);
+        ok(has_keys(json_object_get(st0, "straggler"), straggler_keys), "%s: straggler keys", name);
+        double mean = 0;
+        size_t k;
+        json_t *st;
+        json_array_foreach(steps, k, st) mean += json_number_value(json_object_get(st, "step_ms")) / 2;
+        is_double(json_number_value(json_object_get(s, "mean_step_ms")), mean, 1e-6 * mean,
+                  "%s: mean_step_ms is the mean of the steps", name);
+        ok(json_number_value(json_object_get(st0, "ratio")) >= 1 - 1e-9, "%s: step / lower bound >= 1", name);
+        if (i == 0)
+            is_double(json_number_value(json_object_get(s, "speedup")), 1.0, 1e-12,
+                      "the baseline's speedup is 1");
+    }
+    json_decref(root);
+
+    rc = rp("simulate --steps 1 --json --microbatches 3 --policies token_kk+eplb");
+    root = json_loads(out, 0, NULL);
+    json_t *st0 = json_array_get(json_object_get(json_array_get(json_object_get(root, "policies"), 0), "steps"), 0);
+    ok(rc == 0 && json_integer_value(json_object_get(st0, "num_microbatches")) == 3,
+       "--microbatches 3 fixes the microbatch count");
+    is_int(json_integer_value(json_object_get(root, "microbatches")), 3, "and the JSON says so");
+    json_decref(root);
+}
+
+static void test_report(void)
+{
+    const char *html = tmp("report.html");
+    int rc = rp("simulate --steps 2 --policies attn_kk+eplb,token_kk+eplb --report '%s'", html);
+    is_int(rc, 0, "simulate --report succeeds");
+    like(out, "report:", "it says where the report went");
+    static char page[1 << 20];
+    slurp(html, page, sizeof page);
+    ok(strlen(page) > 1000, "the report is written (%zu bytes)", strlen(page));
+    ok(!strncmp(page, "<!DOCTYPE html>", 15), "it is an HTML document");
+    like(page, "<svg", "it holds SVG charts");
+    ok(strstr(page, "<script") == NULL, "no scripts");
+    ok(!strstr(page, "src=") && !strstr(page, "href=") && !strstr(page, "url(") && !strstr(page, "@import"),
+       "nothing loaded from elsewhere");
+    like(page, "attn_kk+eplb", "the policies are named");
+    like(page, "lower bound", "the step / lower bound chart");
+    like(page, "Expert load per GPU", "the expert load chart");
+    like(page, "forward time (ms)", "axes carry units");
+
+    rc = rp("simulate --steps 1 --policies token_kk+eplb --report '%s/no/such/dir/r.html'", tmpdir);
+    is_int(rc, 1, "a report that cannot be written is an error");
+    like(err, "cannot write the report", "which says so");
+}
+
+static void test_bad_policies(void)
+{
+    int rc = rp("simulate --steps 1 --policies token_kk+eplb,no_such_policy,attn_kk+eplb");
+    is_int(rc, 1, "a policy that does not load makes the exit status 1");
+    like(err, "no_such_policy", "the error names the bad spec");
+    ok(line_starting(out, "token_kk+eplb") && line_starting(out, "attn_kk+eplb"), "the others still run");
+    const char *bad = line_starting(out, "no_such_policy");
+    ok(bad && strstr(bad, "did not run"), "the table says the bad one did not run");
+
+    /* a policy failure is not an error: the step falls back and the run goes on */
+    const char *flaky = tmp("flaky.lua");
+    write_file(flaky, "return {\n  name = 'flaky', version = '0.1.0', api = 1,\n"
+                      "  description = 'fails at step 1', params = {},\n"
+                      "  plan = function(ctx)\n    if ctx.step == 1 then error('flaky at step 1') end\n"
+                      "    return rp.baseline('attn_kk+eplb')\n  end,\n}\n");
+    rc = rp("simulate --steps 3 --json --policies '%s'", flaky);
+    json_t *root = json_loads(out, 0, NULL);
+    json_t *pol = json_array_get(json_object_get(root, "policies"), 0);
+    json_t *steps = json_object_get(pol, "steps");
+    ok(rc == 0 && json_array_size(steps) == 3, "a policy that fails at one step still runs every step");
+    ok(json_is_true(json_object_get(json_array_get(steps, 1), "fallback")) &&
+       json_is_false(json_object_get(json_array_get(steps, 0), "fallback")) &&
+       json_is_false(json_object_get(json_array_get(steps, 2), "fallback")), "only that step falls back");
+    like(json_string_value(json_object_get(json_array_get(steps, 1), "fallback_reason")), "flaky at step 1",
+         "with the policy's error as the reason");
+    is_int(json_integer_value(json_object_get(json_object_get(pol, "summary"), "fallbacks")), 1,
+           "the summary counts it");
+    json_decref(root);
+
+    rc = rp("simulate --steps 1 --policies no_such_policy");
+    is_int(rc, 1, "no policy loaded: exit 1");
+    like(err, "no policy could be loaded", "and it says so");
+}
+
+static void test_inputs(void)
+{
+    int rc = rp("simulate --gen " EX "gen-small.json --steps 1 --policies token_kk+eplb");
+    is_int(rc, 0, "simulate --gen generates the steps in memory");
+    like(out, "generated from", "and says so");
+
+    /* an example directory without small.rpt: the batch comes from the generator */
+    char dir[600], cmd[2048];
+    snprintf(dir, sizeof dir, "%s/ex", tmpdir);
+    mkdir(dir, 0700);
+    snprintf(cmd, sizeof cmd, "ln -s '" EX "config-small.json' '" EX "gen-small.json' '" EX "data' '%s/'", dir);
+    ok(system(cmd) == 0, "an example directory without the trace");
+    char env[700];
+    snprintf(env, sizeof env, "RP_EXAMPLES_DIR='%s'", dir);
+    rc = rp_env(env, "simulate --steps 1 --policies token_kk+eplb");
+    is_int(rc, 0, "without small.rpt the default run generates its batch");
+    like(out, "gen-small.json", "from gen-small.json");
+
+    rc = rp("simulate --config " EX "config-reference.json --trace " TRACE " --steps 1");
+    is_int(rc, 1, "a trace of another model is bad input");
+    like(err, "layers", "the error gives both shapes");
+    rc = rp("simulate --trace '%s/missing.rpt'", tmpdir);
+    is_int(rc, 1, "a missing trace is bad input");
+    rc = rp("simulate --config '%s/missing.json'", tmpdir);
+    is_int(rc, 1, "a missing config is bad input");
+    rc = rp("simulate --steps 99");
+    is_int(rc, 2, "more steps than the trace has is a usage error");
+    like(err, "4 steps", "naming the trace's step count");
+}
+
+static void test_usage(void)
+{
+    static const char *const cases[][2] = {
+        {"simulate --bogus", "unknown option"},
+        {"simulate extra", "positional"},
+        {"simulate --steps", "needs a value"},
+        {"simulate --steps 0", "--steps"},
+        {"simulate --steps x", "integer"},
+        {"simulate --microbatches 0", "--microbatches"},
+        {"simulate --trace " TRACE " --gen " EX "gen-small.json", "not both"},
+        {"simulate --policies ,", "empty"},
+        {"policy list --bogus", "unknown option"},
+        {"policy check", "usage"},
+        {"policy check a.lua b.lua", "one POLICY"},
+        {"policy check a.lua --step 1", "--trace"},
+        {"plan baseline token_kk+eplb --trace " TRACE, "--config"},
+        {"plan baseline --config " CONFIG " --trace " TRACE, "usage"},
+        {"plan baseline token_kk+eplb --config " CONFIG " --trace " TRACE " --step -1", "--step"},
+        {"plan eval --config " CONFIG " --trace " TRACE, "usage"},
+        {"plan eval --config " CONFIG " --trace " TRACE " --plan p.json --bogus", "unknown option"},
+        {"plan validate --config " CONFIG, "usage"},
+        {"plan validate --config " CONFIG " --step 1 p.json", "--trace"},
+        {"plan validate --config " CONFIG " a.json b.json", "one argument"},
+        {"plan eval --config " CONFIG " --trace " TRACE " --step 7 --plan p.json", "does not exist"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        int rc = rp("%s", cases[i][0]);
+        ok(rc == 2 && strstr(err, cases[i][1]), "usage error (exit 2) for '%s'", cases[i][0]);
+        if (rc != 2 || !strstr(err, cases[i][1])) diag("exit %d, stderr: %s", rc, err);
+    }
+}
+
+static void test_plan_round_trip(void)
+{
+    const char *plan = tmp("plan.json");
+    int rc = rp("plan baseline token_kk+eplb --config " CONFIG " --trace " TRACE " --step 1 --out '%s'", plan);
+    is_int(rc, 0, "plan baseline writes a plan");
+    like(out, "step / lower bound", "and prints its figures");
+    double ratio = 0;
+    const char *at = strstr(out, "step / lower bound ");
+    if (at) sscanf(at + strlen("step / lower bound "), "%lf", &ratio);
+
+    rc = rp("plan eval --config " CONFIG " --trace " TRACE " --step 1 --plan '%s'", plan);
+    is_int(rc, 0, "plan eval prices it");
+    like(out, "straggler", "with the straggler");
+    like(out, "per GPU", "and the per-GPU breakdown");
+    rc = rp("plan eval --config " CONFIG " --trace " TRACE " --step 1 --plan '%s' --json", plan);
+    json_t *root = json_loads(out, 0, NULL);
+    json_t *sum = json_object_get(json_object_get(root, "breakdown"), "summary");
+    ok(rc == 0 && sum, "plan eval --json gives the breakdown");
+    is_double(json_number_value(json_object_get(sum, "ratio")), ratio, 1e-3,
+              "the same step / lower bound as plan baseline printed");
+    static const char *const keys[] = {"format", "version", "config", "input", "step", "plan", "plan_hash",
+                                       "breakdown", NULL};
+    ok(has_keys(root, keys), "plan eval --json keys");
+    json_t *strag = json_object_get(sum, "straggler");
+    ok(json_is_integer(json_object_get(strag, "gpu")) && json_is_string(json_object_get(strag, "side")),
+       "the straggler's GPU and side");
+    json_decref(root);
+
+    rc = rp("plan validate --config " CONFIG " --trace " TRACE " --step 1 '%s'", plan);
+    is_int(rc, 0, "plan validate accepts it");
+    like(out, "valid", "and says so");
+    rc = rp("plan validate --config " CONFIG " --trace " TRACE " --step 0 '%s'", plan);
+    ok(rc == 0 || rc == 1, "against another step of the same size it is judged, not refused (%d)", rc);
+
+    /* stdout without --out is the plan itself */
+    rc = rp("plan baseline verl_kk+contiguous --config " CONFIG " --trace " TRACE " --microbatches 2");
+    json_t *p = json_loads(out, 0, NULL);
+    ok(rc == 0 && p && json_integer_value(json_object_get(p, "num_microbatches")) == 2,
+       "without --out the plan goes to stdout, with --microbatches honoured");
+    like(err, "verl_kk+contiguous", "the summary goes to stderr");
+    json_decref(p);
+
+    rc = rp("plan baseline no_such+eplb --config " CONFIG " --trace " TRACE);
+    is_int(rc, 1, "an unknown baseline is bad input");
+    like(err, "token_kk", "the error lists the names");
+}
+
+static void test_corrupted_plan(void)
+{
+    const char *good = tmp("good.json"), *bad = tmp("bad.json");
+    rp("plan baseline token_kk+eplb --config " CONFIG " --trace " TRACE " --out '%s'", good);
+    json_t *p = json_load_file(good, 0, NULL);
+    ok(p != NULL, "a plan to corrupt");
+    if (!p) return;
+    /* sequence twice, another missing, layer 2 without any replica of one expert */
+    json_t *packing = json_object_get(p, "packing");
+    json_t *r0 = json_array_get(json_array_get(packing, 0), 0), *r1 = json_array_get(json_array_get(packing, 1), 0);
+    json_t *r2 = json_array_get(json_array_get(packing, 2), 0);
+    json_int_t twice = json_integer_value(json_array_get(r1, 0));
+    json_int_t missing = json_integer_value(json_array_get(r2, json_array_size(r2) - 1));
+    json_array_append_new(r0, json_integer(twice));
+    json_array_remove(r2, json_array_size(r2) - 1);
+    json_t *layer = json_array_get(json_object_get(p, "placement"), 2);
+    json_int_t expert = json_integer_value(json_array_get(json_array_get(layer, 0), 0));
+    size_t i, j;
+    json_t *rank, *slot;
+    json_array_foreach(layer, i, rank) json_array_foreach(rank, j, slot) if (json_integer_value(slot) == expert)
+        json_array_set_new(rank, j, json_integer(-1));
+    json_dump_file(p, bad, 0);
+    json_decref(p);
+
+    int rc = rp("plan validate --config " CONFIG " --trace " TRACE " '%s'", bad);
+    is_int(rc, 1, "a corrupted plan fails validation");
+    is_int(count_lines_starting(out, "plan: "), 3, "every violation, one per line");
+    char want[128];
+    snprintf(want, sizeof want, "sequence %lld is packed twice", (long long)twice);
+    like(out, want, "the repeated sequence");
+    snprintf(want, sizeof want, "sequence %lld is not packed", (long long)missing);
+    like(out, want, "the missing sequence");
+    snprintf(want, sizeof want, "layer 2 expert %lld has no replica", (long long)expert);
+    like(out, want, "the expert without a replica");
+    like(err, "3 problems", "the count on stderr");
+
+    rc = rp("plan eval --config " CONFIG " --trace " TRACE " --plan '%s'", bad);
+    is_int(rc, 1, "plan eval refuses an invalid plan");
+    like(err, "cannot evaluate", "saying why");
+
+    write_file(bad, "{\"format\": \"routepack-plan\", \"version\": 1, \"num_gpus\": 3}");
+    rc = rp("plan validate --config " CONFIG " '%s'", bad);
+    is_int(rc, 1, "a plan for another shape is bad input");
+    like(err, "num_gpus", "naming the key");
+    write_file(bad, "{ not json");
+    rc = rp("plan validate --config " CONFIG " '%s'", bad);
+    is_int(rc, 1, "a plan that is not JSON is bad input");
+}
+
+static void test_policy_list(void)
+{
+    int rc = rp("policy list");
+    is_int(rc, 0, "policy list succeeds");
+    static const char *const shipped[] = {"token_kk", "eplb", "attn_kk", "routepack"};
+    for (size_t i = 0; i < 4; i++) ok(line_starting(out, shipped[i]) != NULL, "it lists %s", shipped[i]);
+    rc = rp("policy list --json");
+    json_t *root = json_loads(out, 0, NULL);
+    json_t *first = json_array_get(json_object_get(root, "policies"), 0);
+    static const char *const keys[] = {"name", "version", "api", "description", "path", "hash", NULL};
+    ok(rc == 0 && has_keys(first, keys), "policy list --json: name, version, api, description, path, hash");
+    json_decref(root);
+    rc = rp("policy list --config '%s/missing.json'", tmpdir);
+    is_int(rc, 1, "a missing config is bad input");
+}
+
+static void test_policy_check(void)
+{
+    int rc = rp("policy check " RP_SOURCE_DIR "/policies/token_kk.lua");
+    is_int(rc, 0, "policy check accepts a shipped policy");
+    if (rc) diag("stderr: %s", err);
+    like(out, "step / lower bound", "and shows what it would do");
+    like(out, "rank   0", "rank by rank");
+
+    const char *broken = tmp("broken.lua");
+    write_file(broken, "return {\n  name = 'broken', version = '1.0.0', api = 1,\n"
+                       "  description = 'fails at every step', params = {},\n"
+                       "  plan = function(ctx) error('boom at step') end,\n}\n");
+    rc = rp("policy check '%s'", broken);
+    is_int(rc, 1, "a policy that errors fails the check");
+    like(out, "boom at step", "with the policy's error");
+
+    write_file(broken, "return {\n  name = 'broken', version = '1.0.0'\n  api = 1,\n}\n");
+    rc = rp("policy check '%s'", broken);
+    is_int(rc, 1, "a syntax error fails the check");
+    like(err, "broken.lua", "naming the file");
+
+    rc = rp("policy check '%s/missing.lua'", tmpdir);
+    is_int(rc, 1, "a missing file fails the check");
+}
+
+/* --watch: the file changes while the simulation runs; the new text is staged and
+ * swapped in at a step boundary. The test edits the file as soon as the first step is
+ * reported, so it needs the run to outlast one file write (20 generated steps of a
+ * cheap policy). */
+static const char watched_src[] =
+    "return {\n"
+    "  name = 'watched', version = '%s', api = 1,\n"
+    "  description = 'token_kk+eplb through rp.baseline', params = {},\n"
+    "  plan = function(ctx) return rp.baseline('token_kk+eplb') end,\n"
+    "}\n";
+
+static void test_watch(void)
+{
+    const char *policy = tmp("watched.lua");
+    char src[1024];
+    snprintf(src, sizeof src, watched_src, "1.0.0");
+    write_file(policy, src);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "'%s' simulate --gen " EX "gen-small.json --steps 20 --policies '%s' "
+             "--watch '%s' 2>&1 >/dev/null", BIN, policy, policy);
+    FILE *p = popen(cmd, "r");
+    ok(p != NULL, "simulate --watch runs");
+    if (!p) return;
+    char line[1024];
+    bool edited = false, swapped = false, refused = false;
+    int before = 0, after = 0;
+    static char log[1 << 16];
+    log[0] = '\0';
+    while (fgets(line, sizeof line, p)) {
+        if (strlen(log) + strlen(line) < sizeof log) strcat(log, line);
+        if (strstr(line, "watch: step") && strstr(line, "step/LB")) {
+            before += strstr(line, "watched 1.0.0") != NULL;
+            after += strstr(line, "watched 2.0.0") != NULL;
+        }
+        if (!edited && strstr(line, "watch: step")) {
+            snprintf(src, sizeof src, watched_src, "2.0.0");
+            write_file(policy, src); /* the same policy under another version */
+            edited = true;
+        }
+        swapped |= strstr(line, "swapped in watched 2.0.0") != NULL;
+        refused |= strstr(line, "refused") != NULL || strstr(line, "not staged") != NULL;
+    }
+    int st = pclose(p);
+    ok(WIFEXITED(st) && WEXITSTATUS(st) == 0, "simulate --watch finishes");
+    ok(edited, "the test saw the first step and edited the file");
+    ok(swapped && !refused, "the edited policy was staged and swapped in at a step boundary");
+    ok(before >= 1 && after >= 1 && before + after == 20, "every step ran, first the old version, then the new "
+       "(%d + %d)", before, after);
+    if (!swapped) diag("log: %s", log);
+
+    /* a broken edit is refused and the running policy stays */
+    snprintf(src, sizeof src, watched_src, "1.0.0");
+    write_file(policy, src);
+    p = popen(cmd, "r");
+    edited = refused = false;
+    after = 0;
+    while (p && fgets(line, sizeof line, p)) {
+        if (!edited && strstr(line, "watch: step")) {
+            write_file(policy, "return {\n  name = 'watched',\n"); /* a syntax error */
+            edited = true;
+        }
+        refused |= strstr(line, "not staged") != NULL && strstr(line, "watched.lua") != NULL;
+        after += strstr(line, "step/LB") && strstr(line, "watched 1.0.0");
+    }
+    st = p ? pclose(p) : -1;
+    ok(WIFEXITED(st) && WEXITSTATUS(st) == 0 && edited && refused, "a broken edit is reported, not staged");
+    is_int(after, 20, "and the running policy stays for every step");
+}
+
+int main(void)
+{
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/rp_cli_sim_XXXXXX");
+    if (!mkdtemp(tmpdir)) {
+        printf("Bail out! mkdtemp: %s\n", strerror(errno));
+        return 1;
+    }
+    test_default_run();
+    test_json();
+    test_report();
+    test_bad_policies();
+    test_inputs();
+    test_usage();
+    test_plan_round_trip();
+    test_corrupted_plan();
+    test_policy_list();
+    test_policy_check();
+    test_watch();
+    remove_tree(tmpdir);
+    return tap_done();
+}
