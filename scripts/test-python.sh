@@ -36,7 +36,8 @@ unset ROUTEPACK_LIBRARY
 sanitize=$(sed -n 's/^RP_SANITIZE:STRING=//p' "$build/CMakeCache.txt" 2>/dev/null || true)
 if [[ $sanitize == *address* ]]; then
   export LD_PRELOAD="$(${CC:-cc} -print-file-name=libasan.so)"
-  export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+  # Last so it wins over a caller's detect_leaks=1 (CI sets it for the C tests).
+  export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0:abort_on_error=1"
   export ROUTEPACK_SANITIZED=1
 fi
 if [[ $sanitize == *undefined* ]]; then
