@@ -7,7 +7,6 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
-#include <stdlib.h> /* TEMP */
 
 static const char *const default_fallbacks[] = {"token_kk+contiguous", "token_kk+eplb", "verl_kk+eplb",
                                                 "attn_kk+eplb", NULL};
@@ -252,14 +251,14 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
         const joint_layer *old = &prev[l];
         memcpy(kept.phy2log, old->phy2log, (size_t)jt->S * sizeof *kept.phy2log);
         joint_layer_index(jt, &kept);
-        double penalty = isinf(H) ? 0.0 : jt->move_nv_s / H;
+        /* a copy comes over the network when the EP group spans nodes (conservative) */
+        double penalty = isinf(H) ? 0.0 : (jt->ep > jt->gpn ? jt->move_net_s : jt->move_nv_s) / H;
         RP_CHECK_GOTO(joint_place_improve(jt, l, &kept, old, penalty, jt->par->place_rounds, scratch, err), st, out);
         double s_old = joint_place_score(jt, l, old, scratch) + joint_layer_grad_s(jt, old, scratch);
         double s_fresh = joint_place_score(jt, l, lay, scratch) + joint_layer_grad_s(jt, lay, scratch);
         double s_kept = joint_place_score(jt, l, &kept, scratch) + joint_layer_grad_s(jt, &kept, scratch);
         double m_fresh = isinf(H) ? 0.0 : joint_layer_migration_s(jt, old, lay) / H;
         double m_kept = isinf(H) ? 0.0 : joint_layer_migration_s(jt, old, &kept) / H;
-        if (getenv("JNT_DEBUG")) fprintf(stderr, "layer %d: old %.4g fresh %.4g kept %.4g mig fresh %.4g kept %.4g (per step)\n", l, s_old, s_fresh, s_kept, m_fresh, m_kept); /* TEMP */
         if (!(s_fresh + m_fresh < s_kept + m_kept)) {
             memcpy(lay->phy2log, kept.phy2log, (size_t)jt->S * sizeof *lay->phy2log);
             joint_layer_index(jt, lay);

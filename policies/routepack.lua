@@ -1,49 +1,95 @@
--- routepack: a first joint policy. It balances both sides of a step with one cost model:
+-- routepack: the joint policy. It balances both sides of a step with one cost model
+-- (docs/routepack-policy.md):
 --
--- 1. Packing balanced in attention AND tokens. The sequences are split into M
---    microbatches (the greedy two-criteria split), then each microbatch over the DP
---    ranks with `rounds` improvement rounds (rp.partition2: attention time and tokens at
---    once, within the token cap). Every microbatch runs in lockstep on all ranks, so what matters is
---    that each microbatch's attention is even across ranks; the tokens criterion keeps
---    every rank's expert dispatch even as well. M is the config's count, else the
---    fewest microbatches whose token cap holds the batch (one more while a split fails).
--- 2. Placement EPLB-like from this step's expert loads (rp.replicas + rp.place, per
---    layer), but migration-aware: the placement in use is kept unless the new one saves
---    more step time over `horizon` steps than moving the experts costs (rp.evaluate of
---    both plans, rp.migration of the new one).
--- 3. Local search (rp.local_search) on the cost model, within `search_evaluations`
---    candidate evaluations (work, not time); when the placement in use was kept, the
---    search moves sequences only, so it migrates nothing.
--- The next issue makes this policy strong; this one is sound and simple.
+-- 1. Packing: sequences longest first, each into the (rank, microbatch) cell that raises
+--    a surrogate of the step least: the slowest GPU's attention and tokens in each
+--    microbatch, each EP group's tokens, and the responses of one prompt kept apart
+--    (they share routing). Long sequences end up together, every microbatch balanced.
+-- 2. Placement per layer from this step's loads, judged per (microbatch, EP group):
+--    EPLB-style replicas, node-aware, improved by replica moves; migration-aware: a
+--    layer is re-placed only when its saving over `horizon` steps beats the time to
+--    migrate it, else the placement in use stays or moves only the replicas that pay.
+-- 3. Per microbatch: token shares between replicas (free) and extra replicas copied
+--    over NVLink where they pay for the copy.
+-- 4. Exact local search within `search_evaluations` tries (work, not time), and the
+--    baselines checked: when one scores better under the cost model, it is returned.
+--
+-- All of it is one C primitive, rp.joint. Where the engine does not offer it, the policy
+-- composes the same idea from the primitives (two-criteria packing, migration-aware
+-- EPLB placement, local search).
 
 local P = {
   name = "routepack",
-  version = "0.1.0",
+  version = "0.2.0",
   api = 1,
-  description = "joint policy: attention- and token-balanced packing, migration-aware EPLB placement, local search",
+  description = "joint policy: attention-, token- and expert-balanced packing, migration-aware placement with per-microbatch shares and replicas, checked against the baselines",
   params = {
     rounds = {
       type = "integer", default = 10, min = 0, max = 1000,
-      doc = "improvement rounds of each microbatch's two-criteria split over the ranks (rp.partition2)",
+      doc = "without rp.joint: improvement rounds of each microbatch's two-criteria split over the ranks (rp.partition2)",
     },
     horizon = {
       type = "integer", default = 10, min = 1, max = 1000000,
       doc = "steps over which a new placement must pay back the time its migration takes",
     },
     search_evaluations = {
-      type = "integer", default = 2000, min = 0, max = 10000000,
-      doc = "candidates the local search evaluates (a work budget; 0: no search)",
+      type = "integer", default = 0, min = 0, max = 10000000,
+      doc = "candidates the exact local search evaluates (a work budget; 0: no search)",
     },
     placement_mode = {
       type = "string", default = "auto", values = {"auto", "global", "hierarchical"},
-      doc = "EPLB mode: auto is hierarchical when the EP group spans whole nodes, else global",
+      doc = "without rp.joint: EPLB mode; auto is hierarchical when the EP group spans whole nodes, else global",
     },
     num_microbatches = {
       type = "integer", default = 0, min = 0, max = 65536,
       doc = "microbatches per rank; 0: the config's limits.num_microbatches, or the fewest the token cap allows",
     },
+    prompt_spread = {
+      type = "number", default = 0.5, min = 0, max = 100,
+      doc = "weight of a second response of one prompt in the same microbatch and EP group",
+    },
+    place_rounds = {
+      type = "integer", default = 4, min = 0, max = 1000,
+      doc = "placement improvement rounds per layer against the per-microbatch, per-group loads",
+    },
+    shares = {
+      type = "boolean", default = true,
+      doc = "set per-microbatch token shares between an expert's replicas",
+    },
+    max_extra_per_rank = {
+      type = "integer", default = 1, min = 0, max = 64,
+      doc = "extra replicas an EP rank may receive for one microbatch and layer (0: none)",
+    },
+    balance_evaluations = {
+      type = "integer", default = 0, min = 0, max = 10000000,
+      doc = "candidate sequence trades between EP groups (profile mixing; a work budget)",
+    },
+    fallbacks = {
+      type = "boolean", default = true,
+      doc = "check the plan against the four baselines and return the best under the cost model",
+    },
   },
 }
+
+local FALLBACKS = {"token_kk+contiguous", "token_kk+eplb", "verl_kk+eplb", "attn_kk+eplb"}
+
+local function joint(ctx)
+  local p = ctx.params
+  local plan = rp.joint({
+    num_microbatches = p.num_microbatches,
+    prompt_spread = p.prompt_spread,
+    place_rounds = p.place_rounds,
+    shares = p.shares,
+    max_extra_per_rank = p.max_extra_per_rank,
+    balance_evaluations = p.balance_evaluations,
+    horizon = p.horizon,
+    refine_evaluations = p.search_evaluations,
+    fallbacks = p.fallbacks and FALLBACKS or {},
+  })
+  return plan
+end
+
+-- ---- without rp.joint: the same idea from the primitives ----
 
 local function token_cap(limits)
   local cap = limits.max_tokens_per_microbatch
@@ -110,7 +156,7 @@ local function place(ctx)
   return placement
 end
 
-function P.plan(ctx)
+local function composed(ctx)
   local packing = pack(ctx)
   local fresh = rp.plan({packing = packing, placement = place(ctx)})
   local chosen, moved = fresh, true
@@ -125,7 +171,27 @@ function P.plan(ctx)
   if budget > 0 then
     chosen = rp.local_search(chosen, {evaluations = budget, moves = true, swaps = true, slots = moved})
   end
+  if ctx.params.fallbacks then
+    -- never worse than a baseline under the cost model (migration spread over the horizon)
+    local function total(plan)
+      local s = rp.evaluate(plan).step_s
+      if ctx.placement then s = s + rp.migration(plan) / ctx.params.horizon end
+      return s
+    end
+    local best, best_s = chosen, total(chosen)
+    for _, name in ipairs(FALLBACKS) do
+      local b = rp.baseline(name)
+      local s = total(b)
+      if s < best_s then best, best_s = b, s end
+    end
+    chosen = best
+  end
   return chosen
+end
+
+function P.plan(ctx)
+  if rp.joint then return joint(ctx) end
+  return composed(ctx)
 end
 
 return P

@@ -3,24 +3,9 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <stdlib.h>
-
-typedef struct counting { long live; long calls; long fail_at; } counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
 
 static void test_hash(void)
 {
@@ -42,7 +27,7 @@ static void test_hash(void)
 
 static void test_alloc(void)
 {
-    counting c = {0, 0, 0};
+    counting c = {0};
     rp_context *ctx;
     is_int(rp_context_new(counting_alloc, &c, &ctx), RP_OK, "context with a custom allocator");
     void *p = rp_alloc(ctx, 100);
@@ -125,7 +110,7 @@ static void test_batch_alloc_failures(void)
     int32_t prompt[2] = {1, 2}, response[2] = {3, 4};
     int cleanly = 1;
     for (long n = 1; n < 20; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *ctx;
         rp_context_new(counting_alloc, &c, &ctx);
         c.fail_at = n + 1; /* the context itself took call 1 */

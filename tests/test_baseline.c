@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -11,13 +12,7 @@
 static rp_context *ctx;
 
 static uint64_t rng_state = 0x2545F4914F6CDD1DULL;
-static uint32_t rnd(uint32_t n)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state % n);
-}
+static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
 
 typedef struct fixture {
     rp_config *cfg;
@@ -417,21 +412,6 @@ static void test_bad_input(void)
     fixture_free(&f);
 }
 
-typedef struct counting { long live, calls, fail_at; } counting;
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
-
 static void test_alloc_failures(void)
 {
     int32_t lens[16];
@@ -445,7 +425,7 @@ static void test_alloc_failures(void)
     for (int v = 0; v < 2; v++) {
         bool clean = true, done = false;
         for (long n = 1; n < 400 && !done; n++) {
-            counting c = {0, 0, 0};
+            counting c = {0};
             rp_context *cx;
             rp_context_new(counting_alloc, &c, &cx);
             long base = c.live;

@@ -4,14 +4,12 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <dirent.h>
 #include <jansson.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #define BIN RP_BINARY_DIR "/routepack"
@@ -20,49 +18,10 @@
 static char tmpdir[64];
 static char out[65536];
 
-static const char *tmp(const char *name)
-{
-    static char bufs[8][512];
-    static int next;
-    char *b = bufs[next++ % 8];
-    snprintf(b, 512, "%s/%s", tmpdir, name);
-    return b;
-}
-
-static void cleanup(void)
-{
-    DIR *d = opendir(tmpdir);
-    struct dirent *e;
-    while (d && (e = readdir(d)))
-        if (e->d_name[0] != '.') unlink(tmp(e->d_name));
-    if (d) closedir(d);
-    rmdir(tmpdir);
-}
+static const char *tmp(const char *name) { return temp_path(tmpdir, name); }
 
 /* Run `routepack ARGS` with stderr joined to stdout into `out`; its exit status. */
-static int rp(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int rp(const char *fmt, ...)
-{
-    char cmd[8192];
-    int n = snprintf(cmd, sizeof cmd, "'%s' ", BIN);
-    va_list ap;
-    va_start(ap, fmt);
-    n += vsnprintf(cmd + n, sizeof cmd - (size_t)n, fmt, ap);
-    va_end(ap);
-    snprintf(cmd + n, sizeof cmd - (size_t)n, " 2>&1");
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t got = fread(out, 1, sizeof out - 1, p);
-    out[got] = '\0';
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-static int64_t file_size(const char *path)
-{
-    struct stat sb;
-    return stat(path, &sb) == 0 ? (int64_t)sb.st_size : -1;
-}
+#define rp(...) run_routepack(out, sizeof out, __VA_ARGS__)
 
 static int leftover_temp_files(void)
 {
@@ -127,14 +86,13 @@ static int check_step(rp_context *ctx, const char *path, int32_t step, int salt,
 
 int main(void)
 {
-    strcpy(tmpdir, "/tmp/rp-cli-XXXXXX");
-    if (!mkdtemp(tmpdir)) {
+    if (!temp_dir_make(tmpdir, sizeof tmpdir, "cli")) {
         printf("Bail out! mkdtemp failed\n");
         return 1;
     }
     if (access(BIN, X_OK) != 0) {
         ok(0, "the routepack binary exists at %s (build the routepack_cli target)", BIN);
-        cleanup();
+        temp_dir_remove(tmpdir);
         return tap_done();
     }
     rp_context *ctx;
@@ -412,6 +370,6 @@ int main(void)
     like(out, "--experts expects an integer, got 'abc'", "usage message");
 
     rp_context_free(ctx);
-    cleanup();
+    temp_dir_remove(tmpdir);
     return tap_done();
 }

@@ -5,6 +5,7 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <jansson.h>
 #include <stdlib.h>
@@ -519,13 +520,7 @@ static void test_migration(void)
 /* ---- random plans: bound and incremental ----------------------------------------- */
 
 typedef struct rng { uint64_t s; } rng;
-static uint64_t rnd(rng *r)
-{
-    r->s ^= r->s << 13;
-    r->s ^= r->s >> 7;
-    r->s ^= r->s << 17;
-    return r->s;
-}
+static uint64_t rnd(rng *r) { return xorshift64(&r->s); }
 static int32_t rnd_int(rng *r, int32_t n) { return (int32_t)(rnd(r) % (uint64_t)n); }
 
 #define RN 40
@@ -1126,21 +1121,6 @@ static void test_unbound(void)
 }
 
 /* Fail the N-th allocation of new, evaluate and the JSON dump, for every N. */
-typedef struct counting { long live, calls, fail_at; } counting;
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *k = ud;
-    if (new_size == 0) {
-        if (ptr) k->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++k->calls == k->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) k->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
-
 static void test_alloc_failures(void)
 {
     fixture f;
@@ -1155,7 +1135,7 @@ static void test_alloc_failures(void)
     rp_cost_free(ref);
     int failures = 0, bad = 0;
     for (long n = 1; n < 1000; n++) {
-        counting k = {0, 0, 0};
+        counting k = {0};
         rp_context *cx = NULL;
         rp_context_new(counting_alloc, &k, &cx);
         k.fail_at = n;

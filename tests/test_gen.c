@@ -4,6 +4,7 @@
 #include "gen_internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <jansson.h>
 #include <math.h>
@@ -19,7 +20,7 @@
 #define OLMOE "allenai/OLMoE-1B-7B-0924"
 
 static rp_context *ctx;
-static char tmpdir[] = "/tmp/rp_test_gen_XXXXXX";
+static char tmpdir[64];
 
 /* ---- helpers ----------------------------------------------------------------------- */
 
@@ -808,25 +809,6 @@ static void test_bad_data(void)
     remove(path);
 }
 
-/* Counting allocator that fails the n-th call. */
-typedef struct counting {
-    long live, calls, fail_at;
-} counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
-
 static void test_alloc_failures(void)
 {
     /* a small counts file with pairs (couplings, so the correction simulation runs
@@ -853,7 +835,7 @@ static void test_alloc_failures(void)
         rp_gen_free(g);
     }
     for (n = 1; n < 100000; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *cc;
         if (rp_context_new(counting_alloc, &c, &cc) != RP_OK) break;
         c.fail_at = c.calls + n;
@@ -1004,7 +986,7 @@ static void test_bundled_trace(void)
 
 int main(void)
 {
-    if (rp_context_new(NULL, NULL, &ctx) != RP_OK || !mkdtemp(tmpdir)) return 1;
+    if (rp_context_new(NULL, NULL, &ctx) != RP_OK || !temp_dir_make(tmpdir, sizeof tmpdir, "gen")) return 1;
     test_inclusion();
     test_small_example();
     test_determinism();
@@ -1020,7 +1002,7 @@ int main(void)
     test_cli();
     test_doc_example();
     test_bundled_trace();
-    rmdir(tmpdir);
+    temp_dir_remove(tmpdir);
     rp_context_free(ctx);
     return tap_done();
 }

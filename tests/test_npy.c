@@ -3,72 +3,18 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
-#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #define DATA RP_SOURCE_DIR "/tests/data/npy/"
 
 static char tmpdir[64];
-static char pathbuf[512];
+static char pathbuf[512]; /* a path in tests/data/npy */
 
-static const char *tmp(const char *name)
-{
-    snprintf(pathbuf, sizeof pathbuf, "%s/%s", tmpdir, name);
-    return pathbuf;
-}
-
-static void cleanup(void)
-{
-    DIR *d = opendir(tmpdir);
-    struct dirent *e;
-    while (d && (e = readdir(d)))
-        if (e->d_name[0] != '.') unlink(tmp(e->d_name));
-    if (d) closedir(d);
-    rmdir(tmpdir);
-}
-
-typedef struct counting { long live; long calls; long fail_at; } counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
-
-static long file_size(const char *path)
-{
-    struct stat sb;
-    return stat(path, &sb) == 0 ? (long)sb.st_size : -1;
-}
-
-static size_t slurp(const char *path, unsigned char *buf, size_t cap)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return 0;
-    size_t n = fread(buf, 1, cap, f);
-    fclose(f);
-    return n;
-}
-
-static void spit(const char *path, const void *buf, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    if (!f) return;
-    fwrite(buf, 1, n, f);
-    fclose(f);
-}
+static const char *tmp(const char *name) { return temp_path(tmpdir, name); }
 
 /* A .npy file with the given version and dict text, padded to 64 with a newline when
  * `pad`, followed by `data`. */
@@ -175,21 +121,24 @@ static void test_write(rp_context *ctx)
         {"i8.npy", RP_NPY_I64, 8}, {"u8.npy", RP_NPY_U64, 8},
     };
     for (size_t c = 0; c < sizeof same / sizeof same[0]; c++) {
-        unsigned char want[4096], got[4096];
         snprintf(pathbuf, sizeof pathbuf, DATA "%s", same[c].file);
-        size_t n = slurp(pathbuf, want, sizeof want);
+        size_t n = 0, m = 0;
+        unsigned char *want = slurp(pathbuf, &n);
         rp_npy *a;
         rp_error err;
         if (rp_npy_open(ctx, pathbuf, &a, &err) != RP_OK) {
             ok(0, "reopen %s: %s", same[c].file, err.text);
+            free(want);
             continue;
         }
         int64_t shape[2] = {2, 3};
         rp_status st = rp_npy_write(tmp("w.npy"), same[c].dtype, 2, shape, rp_npy_data(a), &err);
         rp_npy_close(a);
-        size_t m = slurp(tmp("w.npy"), got, sizeof got);
-        ok(st == RP_OK && n == m && memcmp(want, got, n) == 0,
+        unsigned char *got = slurp(tmp("w.npy"), &m);
+        ok(st == RP_OK && want && got && n == m && memcmp(want, got, n) == 0,
            "rp_npy_write of %s matches NumPy's file byte for byte", same[c].file);
+        free(want);
+        free(got);
     }
 
     /* shapes: 0-d, 1-d, 3-d, empty; data 64-aligned */
@@ -301,8 +250,13 @@ static void test_malformed(rp_context *ctx)
         like(err.text, cases[c].msg, "malformed %zu: the reason", c);
     }
 
-    unsigned char buf[4096];
-    size_t n = slurp(tmp("ok.npy"), buf, sizeof buf);
+    size_t n = 0;
+    unsigned char *buf = slurp(tmp("ok.npy"), &n);
+    if (!buf || n < 64) {
+        ok(0, "read back ok.npy");
+        free(buf);
+        return;
+    }
     buf[1] = 'X';
     spit(tmp("bad.npy"), buf, n);
     is_int(open_err(ctx, tmp("bad.npy"), &err), RP_EFORMAT, "bad magic");
@@ -329,13 +283,14 @@ static void test_malformed(rp_context *ctx)
     like(err.text, "the header length needs 12 bytes", "cut header length message");
     is_int(open_err(ctx, tmp("missing.npy"), &err), RP_EIO, "a missing file");
     like(err.text, "missing.npy: cannot open", "missing file message");
+    free(buf);
 }
 
 static void test_alloc_failures(void)
 {
     int cleanly = 1, opened = 0;
     for (long n = 1; n < 10; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *ctx;
         rp_context_new(counting_alloc, &c, &ctx);
         c.fail_at = n + 1;
@@ -351,8 +306,7 @@ static void test_alloc_failures(void)
 
 int main(void)
 {
-    strcpy(tmpdir, "/tmp/rp-npy-XXXXXX");
-    if (!mkdtemp(tmpdir)) {
+    if (!temp_dir_make(tmpdir, sizeof tmpdir, "npy")) {
         printf("Bail out! mkdtemp failed\n");
         return 1;
     }
@@ -363,6 +317,6 @@ int main(void)
     test_malformed(ctx);
     test_alloc_failures();
     rp_context_free(ctx);
-    cleanup();
+    temp_dir_remove(tmpdir);
     return tap_done();
 }

@@ -4,24 +4,9 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <stdlib.h>
-
-typedef struct counting { long live; long calls; long fail_at; } counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
 
 /* A config for the tests: `slots` is the slots_per_gpu JSON value, `limits` extra
  * members of "limits" (starting with a comma) or "". */
@@ -928,7 +913,7 @@ static void test_alloc_failures(void)
 {
     bool clean = true, copied = false;
     for (long n = 1; n < 200 && !copied; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *ctx;
         rp_context_new(counting_alloc, &c, &ctx);
         rp_config *cfg = config_a(ctx, "");
@@ -960,7 +945,7 @@ static void test_alloc_failures(void)
     /* the setters too: a failed allocation leaves the plan as it was */
     clean = true;
     for (long n = 1; n < 12; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *ctx;
         rp_context_new(counting_alloc, &c, &ctx);
         rp_config *cfg = config_a(ctx, "");

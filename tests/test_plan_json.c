@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <dirent.h>
 #include <stdlib.h>
@@ -10,47 +11,6 @@
 
 #define PLANS_DIR RP_SOURCE_DIR "/tests/data/plans/"
 #define INVALID_DIR RP_SOURCE_DIR "/tests/data/invalid/plan"
-
-typedef struct counting { long live; long calls; long fail_at; } counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
-
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 16, n = 0, got;
-    char *buf = malloc(cap + 1);
-    while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0) {
-        n += got;
-        if (n == cap) {
-            char *nb = realloc(buf, 2 * cap + 1);
-            if (!nb) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = nb;
-            cap *= 2;
-        }
-    }
-    fclose(f);
-    if (buf) buf[n] = '\0';
-    if (len) *len = n;
-    return buf;
-}
 
 static rp_config *load_config(rp_context *ctx, const char *path)
 {
@@ -233,8 +193,8 @@ static void test_inferred(rp_context *ctx, const rp_config *cfg)
 
 static void test_files(rp_context *ctx, const rp_config *cfg)
 {
-    char dir[] = "/tmp/rp_plan_json_XXXXXX";
-    if (!mkdtemp(dir)) {
+    char dir[64];
+    if (!temp_dir_make(dir, sizeof dir, "plan-json")) {
         skip(4, "no temporary directory");
         return;
     }
@@ -256,7 +216,7 @@ static void test_files(rp_context *ctx, const rp_config *cfg)
     is_int(rp_plan_save(p, path, &err), RP_EIO, "save into a missing directory");
     like(err.text, "cannot open for writing", "save error message");
     rp_plan_free(p);
-    rmdir(dir);
+    temp_dir_remove(dir);
 }
 
 /* The text of the first ```json block after `marker` in a Markdown file (malloc'd). */
@@ -367,7 +327,7 @@ static void test_alloc_failures(void)
     char *cfg_text = slurp(PLANS_DIR "config.json", NULL);
     bool clean = text && cfg_text, parsed = false;
     for (long n = 1; n < 1000 && clean && !parsed; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *ctx;
         rp_context_new(counting_alloc, &c, &ctx);
         rp_config *cfg = NULL;

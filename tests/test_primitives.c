@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <float.h>
 #include <math.h>
@@ -11,35 +12,8 @@
 
 /* ---- helpers ---- */
 
-typedef struct counting {
-    long live, peak, calls, fail_at;
-} counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) {
-        c->live += (long)new_size - (ptr ? (long)old_size : 0);
-        if (c->live > c->peak) c->peak = c->live;
-    }
-    return p;
-}
-
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
-static uint64_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
+static uint64_t rnd(void) { return xorshift64(&rng_state); }
 static int32_t rnd_int(int32_t lo, int32_t hi) { return lo + (int32_t)(rnd() % (uint64_t)(hi - lo + 1)); }
 
 static double makespan(const double *w, int32_t n, int32_t k, const double *speed, const int32_t *part)
@@ -990,7 +964,7 @@ static void test_alloc_failures(void)
     for (int f = 0; f < 7; f++) {
         bool clean = true, succeeded = false;
         for (long n = 1; n < 200 && !succeeded; n++) {
-            counting c = {0, 0, 0, 0};
+            counting c = {0};
             rp_context *ctx;
             rp_context_new(counting_alloc, &c, &ctx);
             long base = c.live;
@@ -1022,7 +996,7 @@ static void test_alloc_failures(void)
 
 static void test_work_bounds(void)
 {
-    counting c = {0, 0, 0, 0};
+    counting c = {0};
     rp_context *ctx;
     rp_context_new(counting_alloc, &c, &ctx);
     const int32_t n = 1 << 17, k = 64;

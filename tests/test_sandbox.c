@@ -3,6 +3,7 @@
  * stopped by the limits, and the state stays usable afterwards. */
 #include "sandbox.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <lauxlib.h>
 #include <lualib.h>
@@ -11,31 +12,6 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
-
-/* Counts live bytes (as the sizes passed in say) and live blocks. */
-typedef struct counting {
-    long live;
-    long blocks;
-    long calls;
-    long fail_at;
-} counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size, c->blocks--;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) {
-        c->live += (long)new_size - (ptr ? (long)old_size : 0);
-        if (!ptr) c->blocks++;
-    }
-    return p;
-}
 
 static rp_context *ctx;
 
@@ -1043,7 +1019,7 @@ static void test_alloc_failures(void)
      * closure's upvalues it frees the closure reporting 8 bytes less per upvalue than
      * it allocated (lj_func.c sets nupvalues only once they all exist), so byte counts
      * drift up on those failures although every block is freed. */
-    counting c = {0, 0, 0, 0};
+    counting c = {0};
     rp_context *cctx;
     rp_context_new(counting_alloc, &c, &cctx);
     long base_live = c.live, base_blocks = c.blocks, base_calls = c.calls;
@@ -1244,7 +1220,7 @@ static void test_jit_stays_off(void)
 
 static void test_memory_accounting(void)
 {
-    counting c = {0, 0, 0, 0};
+    counting c = {0};
     rp_context *cctx;
     rp_context_new(counting_alloc, &c, &cctx);
     long base = c.live;

@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@ static bool fixture_make(fixture *f, int32_t n, uint64_t seed)
     uint64_t x = seed * 2654435761u + 1;
     int32_t *lens = calloc((size_t)n, sizeof *lens), *zero = calloc((size_t)n, sizeof *zero);
     for (int32_t i = 0; i < n; i++) {
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        xorshift64(&x);
         lens[i] = (int32_t)(x % 8 == 0 ? 300 + x % 700 : 20 + x % 120);
     }
     rp_status st = rp_batch_new(ctx, n, lens, zero, NULL, &f->batch, &err);
@@ -45,7 +46,7 @@ static bool fixture_make(fixture *f, int32_t n, uint64_t seed)
     int64_t tokens = rp_batch_num_tokens(f->batch);
     f->ids = malloc((size_t)tokens * 4 + 1);
     for (int64_t t = 0; t < tokens * 2; t++) {
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        xorshift64(&x);
         uint8_t a = (uint8_t)(x % 4 ? x % 2 : x % 8), b = (uint8_t)((x >> 20) % 8);
         if (b == a) b = (uint8_t)((a + 3) % 8);
         f->ids[2 * t] = a;

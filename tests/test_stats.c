@@ -4,37 +4,14 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <jansson.h>
-#include <stdarg.h>
 #include <stdlib.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-typedef struct counting { long live; long calls; long fail_at; } counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
-
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
-static uint32_t rnd(uint32_t n)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)((rng_state >> 11) % n);
-}
+static uint32_t rnd(uint32_t n) { return (uint32_t)((xorshift64(&rng_state) >> 11) % n); }
 
 /* A batch with routing ids held as int32 [tokens][layers][k], and views of it in every
  * layout and width (the arrays the views borrow live here too). */
@@ -632,7 +609,7 @@ static void test_alloc_failures(void)
     rp_routing r;
     make_view(&f, 0, RP_ID_U16, &r);
     for (long n = 1; n < 40; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *ctx;
         rp_context_new(counting_alloc, &c, &ctx);
         c.fail_at = n + 1; /* the context took call 1 */
@@ -662,23 +639,7 @@ static void test_alloc_failures(void)
 static char cli_out[1 << 17];
 
 /* Run `routepack ARGS` (stderr joined) into cli_out; its exit status. */
-static int run_cli(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int run_cli(const char *fmt, ...)
-{
-    char cmd[4096];
-    int n = snprintf(cmd, sizeof cmd, "'%s/routepack' ", RP_BINARY_DIR);
-    va_list ap;
-    va_start(ap, fmt);
-    n += vsnprintf(cmd + n, sizeof cmd - (size_t)n, fmt, ap);
-    va_end(ap);
-    snprintf(cmd + n, sizeof cmd - (size_t)n, " 2>&1");
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t got = fread(cli_out, 1, sizeof cli_out - 1, p);
-    cli_out[got] = '\0';
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+#define run_cli(...) run_routepack(cli_out, sizeof cli_out, __VA_ARGS__)
 
 static void test_cli(rp_context *ctx)
 {
@@ -688,8 +649,8 @@ static void test_cli(rp_context *ctx)
         skip(12, "the routepack tool is not built");
         return;
     }
-    char dir[] = "/tmp/rp_test_stats_XXXXXX", path[128];
-    if (!mkdtemp(dir)) {
+    char dir[64], path[128];
+    if (!temp_dir_make(dir, sizeof dir, "stats")) {
         skip(12, "no temporary directory");
         return;
     }
@@ -746,7 +707,7 @@ static void test_cli(rp_context *ctx)
     fixture_free(&f[0]);
     fixture_free(&f[1]);
     unlink(path);
-    rmdir(dir);
+    temp_dir_remove(dir);
 }
 
 int main(void)

@@ -5,80 +5,18 @@
 #include "routing_access.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 static char tmpdir[64];
 
-/* A path in the test's directory; the 4 most recent stay valid (copy longer-lived ones). */
-static const char *tmp(const char *name)
-{
-    static char bufs[4][512];
-    static int next;
-    char *b = bufs[next++ % 4];
-    snprintf(b, 512, "%s/%s", tmpdir, name);
-    return b;
-}
-
-static void cleanup(void)
-{
-    DIR *d = opendir(tmpdir);
-    struct dirent *e;
-    while (d && (e = readdir(d)))
-        if (e->d_name[0] != '.') unlink(tmp(e->d_name));
-    if (d) closedir(d);
-    rmdir(tmpdir);
-}
-
-typedef struct counting { long live; long calls; long fail_at; } counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
-
-static int64_t file_size(const char *path)
-{
-    struct stat sb;
-    return stat(path, &sb) == 0 ? (int64_t)sb.st_size : -1;
-}
-
-static unsigned char *slurp(const char *path, size_t *size)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *buf = malloc((size_t)n + 1);
-    *size = fread(buf, 1, (size_t)n, f);
-    fclose(f);
-    return buf;
-}
-
-static void spit(const char *path, const void *buf, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    if (f) {
-        if (n) fwrite(buf, 1, n, f);
-        fclose(f);
-    }
-}
+/* A path in the test's directory; the 8 most recent stay valid (copy longer-lived ones). */
+static const char *tmp(const char *name) { return temp_path(tmpdir, name); }
 
 static int64_t pad64(int64_t n) { return (n + 63) / 64 * 64; }
 
@@ -1000,7 +938,7 @@ static void test_alloc_failures(rp_context *ctx)
     write_trace(ctx, path, 20, 3, RP_ID_U8, 2, 2, 16);
     int cleanly = 1, opened = 0, failures = 0;
     for (long n = 1; n < 40; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *cc;
         rp_context_new(counting_alloc, &c, &cc);
         c.fail_at = n + 1;
@@ -1028,7 +966,7 @@ static void test_alloc_failures(rp_context *ctx)
 
     cleanly = 1, opened = 0;
     for (long n = 1; n < 20; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *cc;
         rp_context_new(counting_alloc, &c, &cc);
         rp_batch *b = make_batch(cc, 0, 3);
@@ -1056,8 +994,7 @@ static void test_alloc_failures(rp_context *ctx)
 
 int main(void)
 {
-    strcpy(tmpdir, "/tmp/rp-trace-XXXXXX");
-    if (!mkdtemp(tmpdir)) {
+    if (!temp_dir_make(tmpdir, sizeof tmpdir, "trace")) {
         printf("Bail out! mkdtemp failed\n");
         return 1;
     }
@@ -1069,6 +1006,6 @@ int main(void)
     test_writer(ctx);
     test_alloc_failures(ctx);
     rp_context_free(ctx);
-    cleanup();
+    temp_dir_remove(tmpdir);
     return tap_done();
 }

@@ -1,6 +1,7 @@
 /* Cost model at the reference scale (64 GPUs on 8 nodes, EP 8, 48 layers x 128 experts,
  * top-8, 4096 sequences): full evaluations, incremental tries and applies per second,
  * and the evaluator's memory. Figures only; nothing is asserted. */
+#include "bench_util.h"
 #include "routepack/routepack.h"
 
 #include <math.h>
@@ -13,37 +14,6 @@ enum { NUM_SEQS = 4096, LAYERS = 48, TOP_K = 8, EXPERTS = 128, GROUP = 8, GPUS =
 /* The reference batch holds ~13M tokens: 5 GB of uint8 routing ids, too much for a
  * shared machine. Lengths are scaled by 1/8 (~1.6M tokens, ~0.6 GB of ids). */
 #define LENGTH_SCALE 8
-
-static uint64_t rng = 0x243F6A8885A308D3ULL;
-static uint64_t next_u64(void) /* splitmix64 */
-{
-    uint64_t z = (rng += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-static double uniform(void) { return ((double)(next_u64() >> 11) + 0.5) / 9007199254740992.0; }
-static double normal(void) { return sqrt(-2 * log(uniform())) * cos(6.283185307179586 * uniform()); }
-static int32_t lognormal(double median, double sigma, int32_t cap)
-{
-    double x = median * exp(sigma * normal());
-    return x > cap ? cap : x < 1 ? 1 : (int32_t)x;
-}
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-/* CPU time of this thread: the figure to quote on a shared machine. */
-static double cpu(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 typedef struct timer { double wall, cpu; } timer;
 static timer start(void) { return (timer){now(), cpu()}; }
@@ -147,12 +117,12 @@ int main(void)
     int32_t n_azure = 0, *azure = azure_prompts(&n_azure);
     for (int32_t s = 0; s < NUM_SEQS; s++) {
         if (s % GROUP == 0) {
-            int32_t p = azure && n_azure ? azure[next_u64() % (uint64_t)n_azure] : lognormal(1000, 0.8, 8192);
+            int32_t p = azure && n_azure ? azure[next_u64() % (uint64_t)n_azure] : lognormal(1000, 0.8, 1, 8192);
             prompt[s] = (p + LENGTH_SCALE - 1) / LENGTH_SCALE;
         } else {
             prompt[s] = prompt[s - 1];
         }
-        response[s] = (lognormal(2000, 1.0, 20480) + LENGTH_SCALE - 1) / LENGTH_SCALE;
+        response[s] = (lognormal(2000, 1.0, 1, 20480) + LENGTH_SCALE - 1) / LENGTH_SCALE;
     }
     free(azure);
     rp_batch *batch = NULL;

@@ -370,15 +370,15 @@ static void run_batch(rp_context *ctx, const scale *sc, const batch_spec *bs, ui
                    "%lld tokens | %d microbatches (joint %d)\n",
                    sc->name, sc->config_names[c], bs->domain, bs->sigma, bs->concentration, spec, step, w->seqs,
                    (long long)w->tokens, base->microbatches, w->f[JOINT].microbatches);
-            printf("  %-20s %9s %8s %8s %9s %9s %9s %7s %9s %10s\n", "policy", "step s", "step/LB", "speedup",
-                   "attn+ s", "disp+ s", "exp+ s", "a/d/x", "plan ms", "migr. GB");
+            printf("  %-20s %9s %8s %8s %9s %9s %9s %8s %9s %10s %8s\n", "policy", "step s", "step/LB", "speedup",
+                   "attn+ s", "disp+ s", "exp+ s", "a/d/x", "plan ms", "migr. GB", "migr. s");
             for (int32_t k = 0; k < POLICIES; k++) {
                 const figures *f = &w->f[k];
                 char sides[32];
                 snprintf(sides, sizeof sides, "%d/%d/%d", f->straggler[0], f->straggler[1], f->straggler[2]);
-                printf("  %-20s %9.4f %8.4f %8.4f %9.4f %9.4f %9.4f %7s %9.1f %10.3f\n", policy_names[k], f->step_s,
-                       f->ratio, base->step_s / f->step_s, f->attn_excess, f->dispatch_excess, f->expert_excess, sides,
-                       f->plan_ms, f->migration_bytes / 1e9);
+                printf("  %-20s %9.4f %8.4f %8.4f %9.4f %9.4f %9.4f %8s %9.1f %10.3f %8.4f\n", policy_names[k],
+                       f->step_s, f->ratio, base->step_s / f->step_s, f->attn_excess, f->dispatch_excess, f->expert_excess,
+                       sides, f->plan_ms, f->migration_bytes / 1e9, f->migration_s);
             }
             printf("  joint: chose %s (its own candidate %.4f s); construction %.1f ms CPU, of which the statistics "
                    "pass %.1f ms\n",
@@ -458,7 +458,7 @@ static void markdown(FILE *out)
 {
     fprintf(out, "\n| scale | config | batch | step | spec. | ");
     for (int32_t k = 0; k < POLICIES; k++) fprintf(out, "%s | ", policy_names[k]);
-    fprintf(out, "speedup | joint ms | migr. GB/step (eplb / joint) |\n|---|---|---|---|---|");
+    fprintf(out, "speedup | joint ms | migration token_kk+eplb / joint |\n|---|---|---|---|---|");
     for (int32_t k = 0; k < POLICIES; k++) fprintf(out, "---|");
     fprintf(out, "---|---|---|\n");
     for (int32_t i = 0; i < num_rows; i++) {
@@ -466,8 +466,9 @@ static void markdown(FILE *out)
         fprintf(out, "| %s | %s | %s s%.1f c%g | %d | %.2f | ", w->scale, w->config, w->domain, w->sigma,
                 w->concentration, w->step, w->specialization);
         for (int32_t k = 0; k < POLICIES; k++) fprintf(out, "%.3f | ", w->f[k].ratio);
-        fprintf(out, "%.3fx | %.1f | %.3f / %.3f |\n", w->f[BASE_TOKEN].step_s / w->f[JOINT].step_s, w->joint_build_ms,
-                w->f[BASE_TOKEN].migration_bytes / 1e9, w->f[JOINT].migration_bytes / 1e9);
+        fprintf(out, "%.3fx | %.1f | %.0f GB %.3f s / %.0f GB %.3f s |\n", w->f[BASE_TOKEN].step_s / w->f[JOINT].step_s,
+                w->joint_build_ms, w->f[BASE_TOKEN].migration_bytes / 1e9, w->f[BASE_TOKEN].migration_s,
+                w->f[JOINT].migration_bytes / 1e9, w->f[JOINT].migration_s);
     }
     /* where the imbalance lives: the ablation */
     fprintf(out, "\nStep seconds above a perfect spread (attention / dispatch+combine / experts), summed over the "
@@ -579,7 +580,7 @@ static void usage(void)
            "response spread 0.6/1.0/1.4 over two drifting steps, C4 and Tulu alone, concentration 2/32/128);\n"
            "with any of them, one batch with the given settings (defaults mix, 1.0, 8, 1 step).\n"
            "Default: --scale small. --prompts overrides the scale's prompt count (512 at the reference scale).\n"
-           "--tradeoff prints plan time vs quality on the first batch. --refine adds exact local search to the\n"
+           "--tradeoff prints plan time vs quality on the first batch of each scale. --refine adds exact local search to the\n"
            "joint policies. Times are CPU times of this thread.\n");
 }
 
@@ -641,7 +642,8 @@ int main(int argc, char **argv)
            "against each plan's own lower bound; speedup is token_kk+eplb's step time over the policy's; attn+, disp+,\n"
            "exp+ are the step seconds each side spends above a perfect spread of its work over the GPUs; a/d/x counts\n"
            "the (microbatch, layer) pairs whose largest term is attention, dispatch or experts; migr. GB: weights and\n"
-           "optimizer state moved from the policy's own previous step.\n");
+           "optimizer state moved from the policy's own previous step, and migr. s the time it takes in the cost model\n"
+           "(not part of step s; it overlaps nothing).\n");
     for (size_t s = 0; s < sizeof scales / sizeof scales[0]; s++) {
         const scale *sc = &scales[s];
         if (strcmp(scale_arg, "all") && strcmp(scale_arg, sc->name)) continue;
@@ -649,6 +651,7 @@ int main(int argc, char **argv)
         printf("\n=== %s scale: %s%s%s; %d prompts x %d responses ===\n", sc->name, sc->config_names[0],
                sc->configs[1] ? " and " : "", sc->configs[1] ? sc->config_names[1] : "", np, sc->group);
         if (sc->note) printf("note: %s\n", sc->note);
+        opts.tradeoff_done = false; /* once per scale */
         if (np != sc->prompts) printf("note: prompt count overridden (%d instead of %d)\n", np, sc->prompts);
         if (use_custom) {
             run_batch(ctx, sc, &custom, seed, np, threads, &opts);

@@ -1,5 +1,6 @@
 /* Routing-statistics throughput at the reference scale (4096 sequences, ~13M tokens, 48
  * layers, top-8, 128 experts, uint8 ids), next to a plain read of the same bytes. */
+#include "bench_util.h"
 #include "routepack/routepack.h"
 
 #include <math.h>
@@ -15,30 +16,6 @@ enum { NUM_SEQS = 4096, LAYERS = 48, TOP_K = 8, EXPERTS = 128, GROUP = 8, REPS =
 /* Sequences are processed in chunks of at most this many tokens (x 384 ids = ~480 MB),
  * far larger than any cache, so both measurements read from memory. */
 #define CHUNK_TOKENS 1250000
-
-static uint64_t rng = 0x243F6A8885A308D3ULL;
-static uint64_t next_u64(void) /* splitmix64 */
-{
-    uint64_t z = (rng += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-static double uniform(void) { return ((double)(next_u64() >> 11) + 0.5) / 9007199254740992.0; }
-static double normal(void) { return sqrt(-2 * log(uniform())) * cos(6.283185307179586 * uniform()); }
-
-static int32_t lognormal(double median, double sigma, int32_t cap)
-{
-    double x = median * exp(sigma * normal());
-    return x > cap ? cap : (int32_t)x;
-}
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* ---- plain read: the sum of the same bytes as uint64 words ---------------------- */
 
@@ -83,8 +60,8 @@ int main(void)
     static int32_t prompt[NUM_SEQS], response[NUM_SEQS];
     int64_t total = 0;
     for (int s = 0; s < NUM_SEQS; s++) {
-        prompt[s] = s % GROUP ? prompt[s - 1] : lognormal(150, 0.6, 4096);
-        response[s] = lognormal(2000, 1.0, 20480);
+        prompt[s] = s % GROUP ? prompt[s - 1] : lognormal(150, 0.6, 0, 4096);
+        response[s] = lognormal(2000, 1.0, 0, 20480);
         total += prompt[s] + response[s];
     }
     const int64_t rec = (int64_t)LAYERS * TOP_K;

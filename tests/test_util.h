@@ -1,0 +1,156 @@
+/* Helpers the test programs share: a counting allocator that fails the N-th call, file
+ * slurp/spit, a scratch directory, and running the routepack tool. */
+#ifndef RP_TEST_UTIL_H
+#define RP_TEST_UTIL_H
+
+#include <dirent.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* State of counting_alloc, passed as the context's allocator userdata; zero it to start.
+ * `live` is bytes held as the sizes passed in say, `blocks` the blocks held: count leaks in
+ * blocks where the caller under-reports old_size on free (LuaJIT does when it frees a
+ * half-built closure), in bytes elsewhere. `peak` is the most bytes held; reset it to
+ * `live` to measure a stretch. */
+typedef struct counting {
+    long live;
+    long calls;
+    long fail_at; /* the call (1-based, counting from context creation) that fails; 0: none */
+    long peak;
+    long blocks;
+} counting;
+
+/* An rp_alloc_fn over malloc that counts what it hands out and refuses the fail_at-th
+ * allocation or growth (frees never fail and are not counted as calls). */
+static inline void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
+{
+    counting *c = ud;
+    if (new_size == 0) {
+        if (ptr) c->live -= (long)old_size, c->blocks--;
+        free(ptr);
+        return NULL;
+    }
+    if (++c->calls == c->fail_at) return NULL;
+    void *p = realloc(ptr, new_size);
+    if (p) {
+        c->live += (long)new_size - (ptr ? (long)old_size : 0);
+        if (!ptr) c->blocks++;
+        if (c->live > c->peak) c->peak = c->live;
+    }
+    return p;
+}
+
+/* One xorshift64 step (Marsaglia 2003): the tests' reproducible random numbers. */
+static inline uint64_t xorshift64(uint64_t *state)
+{
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    return *state;
+}
+
+/* The whole file, NUL-terminated (so text can be used as a string), malloc'd: free it.
+ * Its length goes to *len when len is not NULL. NULL if it cannot be read. */
+static inline void *slurp(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 16, n = 0, got;
+    char *buf = malloc(cap + 1);
+    while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0) {
+        n += got;
+        if (n == cap) {
+            char *nb = realloc(buf, 2 * cap + 1);
+            if (!nb) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    fclose(f);
+    if (buf) buf[n] = '\0';
+    if (len) *len = n;
+    return buf;
+}
+
+/* Replace the file at path with the n bytes at buf (the tests' way to plant bad input). */
+static inline void spit(const char *path, const void *buf, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    if (f) {
+        if (n) fwrite(buf, 1, n, f);
+        fclose(f);
+    }
+}
+
+/* The size of the file at path in bytes; -1 when there is none. */
+static inline int64_t file_size(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 ? (int64_t)sb.st_size : -1;
+}
+
+/* Make a fresh directory /tmp/rp-NAME-XXXXXX into dir (size bytes; 64 is plenty for a
+ * short name). False when it cannot be made. */
+static inline bool temp_dir_make(char *dir, size_t size, const char *name)
+{
+    int n = snprintf(dir, size, "/tmp/rp-%s-XXXXXX", name);
+    return n > 0 && (size_t)n < size && mkdtemp(dir) != NULL;
+}
+
+/* "DIR/NAME" in a ring of buffers: the 8 most recent stay valid (copy longer-lived ones). */
+static inline const char *temp_path(const char *dir, const char *name)
+{
+    static char bufs[8][512];
+    static int next;
+    char *b = bufs[next++ % 8];
+    snprintf(b, sizeof bufs[0], "%s/%s", dir, name);
+    return b;
+}
+
+/* Remove the files in dir, then dir (the tests make no subdirectories in it). */
+static inline void temp_dir_remove(const char *dir)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    while (d && (e = readdir(d)))
+        if (e->d_name[0] != '.') unlink(temp_path(dir, e->d_name));
+    if (d) closedir(d);
+    rmdir(dir);
+}
+
+#ifdef RP_BINARY_DIR
+/* Run `routepack ARGS` (the tool in this build) with stderr joined to stdout, keeping the
+ * first out_size - 1 bytes of what it prints in out; its exit status, -1 if it did not
+ * run or exit normally. */
+static inline int run_routepack(char *out, size_t out_size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static inline int run_routepack(char *out, size_t out_size, const char *fmt, ...)
+{
+    char cmd[8192];
+    int n = snprintf(cmd, sizeof cmd, "'%s/routepack' ", RP_BINARY_DIR);
+    va_list ap;
+    va_start(ap, fmt);
+    n += vsnprintf(cmd + n, sizeof cmd - (size_t)n, fmt, ap);
+    va_end(ap);
+    out[0] = '\0';
+    if ((size_t)n + 5 >= sizeof cmd) return -1; /* no room for the redirection */
+    snprintf(cmd + n, sizeof cmd - (size_t)n, " 2>&1");
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t got = fread(out, 1, out_size - 1, p);
+    out[got] = '\0';
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+#endif
+
+#endif
