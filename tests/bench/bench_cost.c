@@ -240,6 +240,30 @@ int main(void)
            applied, incremental, sum.step_s, fabs(incremental - sum.step_s) / sum.step_s);
     printf("  (checksum %.6g)\n", checksum);
 
+    /* The baseline planners users compare against, timed on the same batch. */
+    printf("  baseline planners (statistics already computed; 5 runs each):\n");
+    const char *const *names = rp_baseline_names();
+    for (int i = 0; names[i]; i++) {
+        rp_plan *baseline = NULL;
+        timer tb = start();
+        rp_status st = RP_OK;
+        for (int rep = 0; rep < 5 && st == RP_OK; rep++) {
+            rp_plan_free(baseline);
+            baseline = NULL;
+            st = rp_baseline_plan(ctx, cfg, batch, stats, NULL, names[i], 0, &baseline, &err);
+        }
+        if (st != RP_OK) {
+            printf("    %-22s failed: %s\n", names[i], err.text);
+            continue;
+        }
+        rp_cost_summary bsum;
+        char extra[96] = "";
+        if (rp_cost_evaluate(fresh, baseline, &bsum, &err) == RP_OK)
+            snprintf(extra, sizeof extra, "; step/LB %.3f", bsum.ratio);
+        report(names[i], tb, 5, extra);
+        rp_plan_free(baseline);
+    }
+
     rp_cost_free(fresh);
     rp_cost_free(cost);
     rp_plan_free(plan);
