@@ -41,4 +41,56 @@ RP_API rp_status rp_gpu_microbatch_loads(const rp_routing *routing_dev, const in
 #ifdef __cplusplus
 }
 #endif
+
+/* ---- remap and the migration kernels (kernels/remap.cu, kernels/migrate.cu) ----
+ * Their CPU references are rp_remap (routepack/remap.h) and rp_checksum_expert
+ * (routepack/checksum.h); docs/kernels.md has the rules. Without CUDA: RP_ENOTSUP. */
+#include "routepack/remap.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* rp_remap on the device: the same integers. `routing_dev` is a packed view
+ * (RP_ROUTING_PACKED, any strides) whose base is device memory; the plan, config and
+ * batch are the host objects. Writes phys_ids_dev (device, a packed [tokens, layers, k]
+ * int32 array for the whole batch; entries of tokens outside the microbatch are not
+ * touched) and, if not NULL, slot_tokens on the host as rp_remap does. Errors as
+ * rp_remap's (nothing written), plus RP_ENOTSUP for another layout, no device, or more
+ * split (layer, expert) pairs than one warp's shared memory holds (about 57000 on an
+ * H100/H200). Synchronises the device before returning. */
+RP_API rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb,
+                              const rp_batch *batch, const rp_routing *routing_dev,
+                              rp_split_rule rule, int32_t *phys_ids_dev, int64_t *slot_tokens,
+                              rp_error *err);
+
+/* Expert migration buffers. Expert i is the concatenation of its parts
+ * part_begin[i] .. part_begin[i+1]-1 (part_ptr[p]: device memory of part_bytes[p]
+ * bytes; the three arrays live on the host). A contiguous buffer holds the experts back
+ * to back without padding: expert i starts at the sum of the earlier experts' bytes.
+ * `stream` is a cudaStream_t (NULL: the legacy default stream); `ctx` allocates the
+ * small host descriptor arrays. Copies are fastest when part and buffer offsets share
+ * their alignment modulo 16. */
+
+/* Copy every expert's parts into `buffer_dev` (device, buffer_bytes long), in order.
+ * Enqueued on `stream` (the host arrays may be reused on return). Errors: a total
+ * beyond buffer_bytes, a NULL pointer with bytes, part_begin not ascending
+ * (RP_EINVAL). */
+RP_API rp_status rp_gpu_gather(rp_context *ctx, const void *const *part_ptr, const size_t *part_bytes,
+                               const int32_t *part_begin, int32_t num_experts, void *buffer_dev,
+                               size_t buffer_bytes, void *stream, rp_error *err);
+/* The reverse: copy `buffer_dev` back into every expert's parts. Same rules. */
+RP_API rp_status rp_gpu_scatter(rp_context *ctx, const void *buffer_dev, size_t buffer_bytes,
+                                void *const *part_ptr, const size_t *part_bytes,
+                                const int32_t *part_begin, int32_t num_experts, void *stream,
+                                rp_error *err);
+/* checksums[i] (host) = rp_checksum_expert of expert i's device bytes. Runs on
+ * `stream` after the work queued there and synchronises it before returning. */
+RP_API rp_status rp_gpu_checksum(rp_context *ctx, const void *const *part_ptr, const size_t *part_bytes,
+                                 const int32_t *part_begin, int32_t num_experts,
+                                 uint64_t *checksums, void *stream, rp_error *err);
+
+#ifdef __cplusplus
+}
+#endif
 #endif

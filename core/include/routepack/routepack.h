@@ -10,6 +10,8 @@
 #include "routepack/gen.h"
 #include "routepack/stats.h"
 #include "routepack/gpu.h"
+#include "routepack/remap.h"
+#include "routepack/checksum.h"
 #include "routepack/plan.h"
 #include "routepack/cost.h"
 #include "routepack/primitives.h"

@@ -1,0 +1,58 @@
+/* Remap: for every token-choice of a microbatch, the physical slot (EP rank, slot) it is
+ * dispatched to under a placement with replicas, splitting each expert's tokens over
+ * its replicas deterministically, as the cost model assumes. The split rule is in
+ * docs/kernels.md; rp_gpu_remap (routepack/gpu.h) gives the same integers on a GPU. */
+#ifndef ROUTEPACK_REMAP_H
+#define ROUTEPACK_REMAP_H
+
+#include "routepack/cost.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Physical ids of microbatch `mb`, the same in every EP group: 0 .. S-1 are the
+ * placement's slots (EP-rank-major, as in the plan); S + i is the i-th extra replica
+ * of (mb, layer) in the plan's order (rp_plan_extra_replica, which sorts by expert).
+ * Returns P = S + the most extra replicas one layer has in `mb`: the row length of
+ * rp_remap's slot_tokens; -1 for a plan without placement or `mb` out of range. */
+RP_API int32_t rp_remap_num_physical(const rp_plan *plan, int32_t mb);
+/* The EP rank holding physical id `phys` at (mb, layer), -1 when no replica has that
+ * id (an extra id past the layer's extras, or anything out of range). */
+RP_API int32_t rp_remap_physical_ep_rank(const rp_plan *plan, int32_t mb, int32_t layer,
+                                         int32_t phys);
+
+/* Remap microbatch `mb` of the plan's packing. Sequence s of the microbatch runs on
+ * GPU g (from the packing: DP rank = GPU, EP group q = g / ep_size), and each of its
+ * token-choices (t, layer, j) with logical expert e goes to one replica of e in its
+ * own EP group:
+ *   - single candidate: the only one;
+ *   - explicit shares of (mb, layer, e) (rp_plan_set_shares): source g's occurrences
+ *     of e split by largest remainder over the shares, in occurrence order;
+ *   - RP_SPLIT_EVEN: round robin over all replicas, starting at g's EP rank;
+ *   - RP_SPLIT_LOCALITY: round robin over the replicas on g itself, else those on g's
+ *     node, else all.
+ * Occurrences count per source GPU and (layer, expert) in the order sequences are
+ * listed for (g, mb), then tokens, then choices (docs/kernels.md has the exact rule).
+ * Writes phys_ids[(t * L + layer) * k + j] for every token t of the microbatch's
+ * sequences (t is the global token index, cu_seqlens[s] + position: a packed
+ * [tokens, layers, k] int32 array for the whole batch); entries of tokens outside the
+ * microbatch are not touched. slot_tokens (may be NULL) receives, for every layer and
+ * EP group q, the token-choices each physical id receives:
+ * slot_tokens[(layer * Q + q) * P + p], P = rp_remap_num_physical. `routing` is any
+ * host view (routepack/batch.h); num_threads > 1 splits the work over threads by
+ * source GPU (same result). Errors (nothing written): a plan without packing or
+ * placement, or shaped unlike cfg, batch or routing (RP_EINVAL); a sequence listed
+ * twice in the microbatch, an expert without a replica, shares that do not match the
+ * replica count or sum to 0 (RP_EPLAN); an id out of range (RP_ERANGE, naming the
+ * lowest sequence, then layer, token and choice, as rp_routing_check); more than
+ * 2^31-1 token-choices on one GPU (RP_ERANGE). */
+RP_API rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb,
+                          const rp_batch *batch, const rp_routing *routing, rp_split_rule rule,
+                          int32_t num_threads, int32_t *phys_ids, int64_t *slot_tokens,
+                          rp_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

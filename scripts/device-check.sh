@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# RoutePack device check: on a machine with an NVIDIA GPU, build with CUDA (and NCCL
+# when found), run every GPU test, the NCCL migration test and the kernel benchmark,
+# and print their figures. Finishes in under 5 minutes (each step has a time limit).
+#
+# Dependencies on a bare, offline GPU machine. The build needs LuaJIT and jansson
+# (and pkg-config to find them); a GPU machine with only the CUDA toolkit lacks them.
+# We carry Debian's packages instead of building a reduced library, so that the NCCL
+# migration test (which needs the whole library) runs too:
+#   1. here, with Debian's apt:      scripts/device-check.sh --fetch-deps
+#      downloads libluajit-5.1-2/-dev/-common, libjansson4/-dev, pkgconf, pkgconf-bin and
+#      libpkgconf3 with `apt-get download` into build-deps/ and unpacks them with
+#      `dpkg-deb -x` into build-deps/prefix (about 4 MB; build*/ is git-ignored).
+#   2. there:                        scripts/device-check.sh
+#      (with the device tool: carry ["build-deps"]). When pkg-config finds luajit and
+#      jansson on the machine, the prefix is not used; otherwise the script points
+#      pkg-config (the machine's, or the carried pkgconf) at build-deps/prefix, after
+#      rewriting the .pc files' prefix; it unpacks build-deps/*.deb itself (dpkg-deb,
+#      or ar + tar) when only the .debs travelled. Debian 12's libraries need glibc 2.34.
+# NCCL: the CUDA toolkit's, else the one PyTorch's wheels bring (python3 -c 'import
+# nvidia.nccl'), else none (the NCCL test then skips and says so).
+#
+# Usage: scripts/device-check.sh [--fetch-deps] [BUILD_DIR]   (default build-device)
+# Exit status: 0 everything ran and passed, or no GPU (it says "no NVIDIA GPU" and
+# checks nothing); 1 the build failed or a tool is missing; 2 a test or the benchmark
+# failed (the summary names it).
+set -uo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+deps="$root/build-deps"
+start=$(date +%s)
+elapsed() { echo $(($(date +%s) - start)); }
+say() { printf '== %s\n' "$*"; }
+
+debs="libluajit-5.1-2 libluajit-5.1-dev libluajit-5.1-common libjansson4 libjansson-dev pkgconf pkgconf-bin libpkgconf3"
+
+unpack_debs() { # unpack every .deb of $deps into $deps/prefix
+  mkdir -p "$deps/prefix"
+  local f
+  for f in "$deps"/*.deb; do
+    [ -e "$f" ] || continue
+    if command -v dpkg-deb >/dev/null 2>&1; then
+      dpkg-deb -x "$f" "$deps/prefix" || return 1
+    else # a .deb is an ar archive holding data.tar.*
+      local tmp
+      tmp=$(mktemp -d)
+      (cd "$tmp" && ar x "$f" && tar -xf data.tar.* -C "$deps/prefix") || { rm -rf "$tmp"; return 1; }
+      rm -rf "$tmp"
+    fi
+  done
+}
+
+if [ "${1:-}" = "--fetch-deps" ]; then
+  command -v apt-get >/dev/null || { echo "device-check: --fetch-deps needs Debian's apt-get" >&2; exit 1; }
+  rm -rf "$deps" && mkdir -p "$deps"
+  # shellcheck disable=SC2086
+  (cd "$deps" && apt-get download $debs) || { echo "device-check: apt-get download failed" >&2; exit 1; }
+  unpack_debs || { echo "device-check: unpacking failed" >&2; exit 1; }
+  say "fetched into $deps ($(du -sh "$deps" | cut -f1)); carry it to the GPU machine (device tool: carry [\"build-deps\"])"
+  exit 0
+fi
+
+build=${1:-build-device}
+case $build in /*) ;; *) build="$root/$build" ;; esac
+
+# ---- 1. is there a GPU? --------------------------------------------------------------
+gpu_line=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpu_line=$(nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
+  [ -n "$gpu_line" ] || gpu_line=$(nvidia-smi -L 2>/dev/null | head -n 1)
+fi
+if [ -z "$gpu_line" ] && ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
+  gpu_line="(a /dev/nvidia device; nvidia-smi not available)"
+fi
+if [ -z "$gpu_line" ]; then
+  say "device-check: no NVIDIA GPU on this machine (no nvidia-smi GPU, no /dev/nvidia*): nothing to check."
+  say "Run it on a GPU machine (see the top of scripts/device-check.sh); the CPU tests run with scripts/test.sh."
+  exit 0
+fi
+say "GPU: $gpu_line"
+
+# ---- 2. toolchain ----------------------------------------------------------------------
+nvcc=$(command -v nvcc || true)
+[ -n "$nvcc" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc; }
+[ -n "$nvcc" ] || { say "device-check: nvcc not found (PATH or /usr/local/cuda/bin): cannot build the kernels"; exit 1; }
+command -v cmake >/dev/null || { say "device-check: cmake not found"; exit 1; }
+cuda_home=$(cd "$(dirname "$nvcc")/.." && pwd)
+say "nvcc: $nvcc ($("$nvcc" --version | grep -o 'release [0-9.]*' | head -n 1)); $(cmake --version | head -n 1)"
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
+case $arch in [0-9][0-9]|[0-9][0-9][0-9]) ;; *) arch=90 ;; esac
+
+# ---- 3. LuaJIT and jansson -------------------------------------------------------------
+mkdir -p "$build"
+cmake_args=()
+# RP_DEVICE_CHECK_CARRIED=1 uses build-deps/ and its pkgconf even where the machine has
+# its own (to test the carried path on a machine that has the packages).
+carried=${RP_DEVICE_CHECK_CARRIED:-0}
+pc_found() { "${PKG_CONFIG:-pkg-config}" --exists luajit jansson 2>/dev/null; }
+if [ "$carried" != 1 ] && command -v pkg-config >/dev/null && pc_found; then
+  say "LuaJIT and jansson: from this machine"
+else
+  if [ ! -d "$deps/prefix/usr" ] && ls "$deps"/*.deb >/dev/null 2>&1; then
+    say "unpacking the carried .debs into $deps/prefix"
+    unpack_debs || { say "device-check: could not unpack $deps/*.deb"; exit 1; }
+  fi
+  if [ ! -d "$deps/prefix/usr" ]; then
+    say "device-check: LuaJIT and jansson are missing and no build-deps/ travelled."
+    say "Run 'scripts/device-check.sh --fetch-deps' on a Debian machine and carry build-deps/."
+    exit 1
+  fi
+  prefix="$deps/prefix/usr"
+  libdir=$(dirname "$(ls "$prefix"/lib/*/libjansson.so* 2>/dev/null | head -n 1)")
+  pcdir="$build/pkgconfig"
+  mkdir -p "$pcdir"
+  for pc in "$libdir"/pkgconfig/luajit.pc "$libdir"/pkgconfig/jansson.pc; do
+    sed "s|^prefix=.*|prefix=$prefix|" "$pc" >"$pcdir/$(basename "$pc")"
+  done
+  export PKG_CONFIG_PATH="$pcdir${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [ "$carried" = 1 ] || ! command -v pkg-config >/dev/null; then
+    export PKG_CONFIG="$prefix/bin/pkgconf"
+    cmake_args+=("-DPKG_CONFIG_EXECUTABLE=$PKG_CONFIG")
+  fi
+  pc_found || { say "device-check: pkg-config does not find the carried luajit and jansson ($pcdir)"; exit 1; }
+  say "LuaJIT and jansson: carried, $prefix"
+fi
+
+# ---- 4. NCCL -----------------------------------------------------------------------------
+if [ -e "$cuda_home/include/nccl.h" ] || [ -e /usr/include/nccl.h ]; then
+  say "NCCL: the system's"
+else
+  nccl_dir=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
+  nccl_lib=$(ls "$nccl_dir"/lib/libnccl.so* 2>/dev/null | head -n 1)
+  if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/include/nccl.h" ] && [ -n "$nccl_lib" ]; then
+    cmake_args+=("-DNCCL_INCLUDE_DIR=$nccl_dir/include" "-DNCCL_LIBRARY=$nccl_lib")
+    export LD_LIBRARY_PATH="$nccl_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    say "NCCL: from the Python wheel, $nccl_dir"
+  else
+    say "NCCL: not found (the NCCL migration test will skip)"
+  fi
+fi
+
+# ---- 5. build ------------------------------------------------------------------------------
+gen=() # Ninja for a new build directory when there is one; an existing one keeps its own
+if [ ! -f "$build/CMakeCache.txt" ] && command -v ninja >/dev/null; then gen=(-G Ninja); fi
+say "configuring $build (sm_$arch)"
+if ! timeout 120 cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DRP_WITH_MPI=OFF \
+     -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch" "${cmake_args[@]}" >"$build/configure.log" 2>&1; then
+  tail -n 30 "$build/configure.log"
+  say "device-check: configure failed (log: $build/configure.log)"
+  exit 1
+fi
+grep -E '^-- +(CUDA|NCCL|LuaJIT|jansson) ' "$build/configure.log"
+grep -q 'CUDA        ON' "$build/configure.log" || { say "device-check: CMake did not enable CUDA"; exit 1; }
+targets=()
+for t in test_gpu_stats test_gpu_kernels test_migrate_nccl test_remap test_checksum bench_gpu; do
+  if [ -f "$root/tests/$t.c" ] || [ -f "$root/tests/bench/$t.c" ]; then targets+=("$t"); fi
+done
+say "building ${targets[*]} ($(elapsed) s so far)"
+jobs=$(nproc 2>/dev/null || echo 8)
+if ! timeout 240 cmake --build "$build" -j"$jobs" --target "${targets[@]}" >"$build/build.log" 2>&1; then
+  grep -E 'error|Error' "$build/build.log" | head -n 30
+  say "device-check: build failed (log: $build/build.log)"
+  exit 1
+fi
+
+# ---- 6. tests -------------------------------------------------------------------------------
+failed=()
+run_tap() { # run one TAP program, print it, judge it
+  local name=$1 exe=$2 limit=$3 out rc
+  [ -x "$exe" ] || return 0
+  say "$name"
+  out=$(cd "$build" && timeout "$limit" "$exe" 2>&1)
+  rc=$?
+  printf '%s\n' "$out" | sed 's/^/  /'
+  if [ $rc -ne 0 ] || printf '%s\n' "$out" | grep -q '^not ok'; then
+    failed+=("$name (exit $rc)")
+  elif [ "$name" != test_remap ] && [ "$name" != test_checksum ] && printf '%s\n' "$out" | grep -q '# SKIP no GPU'; then
+    failed+=("$name (skipped its GPU checks on a GPU machine)")
+  fi
+  say "$name: $(printf '%s\n' "$out" | grep -c '^ok') ok, $(printf '%s\n' "$out" | grep -c '^not ok') not ok, $(printf '%s\n' "$out" | grep -c '# SKIP') skipped, exit $rc"
+}
+for t in test_gpu_stats test_gpu_kernels test_migrate_nccl test_remap test_checksum; do
+  run_tap "$t" "$build/tests/$t.t" 90
+done
+
+# ---- 7. benchmark ----------------------------------------------------------------------------
+say "bench_gpu ($(elapsed) s so far)"
+if [ -x "$build/bench/bench_gpu" ]; then
+  bench_out=$(cd "$build" && timeout 150 "$build/bench/bench_gpu" 2>&1)
+  rc=$?
+  printf '%s\n' "$bench_out"
+  if [ $rc -ne 0 ]; then
+    failed+=("bench_gpu (exit $rc)")
+  elif printf '%s\n' "$bench_out" | grep -q 'no GPU'; then
+    failed+=("bench_gpu (saw no GPU on a GPU machine)")
+  fi
+else
+  failed+=("bench_gpu (not built)")
+fi
+
+say "done in $(elapsed) s"
+if [ ${#failed[@]} -gt 0 ]; then
+  say "FAILED: ${failed[*]}"
+  exit 2
+fi
+say "all GPU checks passed"
+exit 0
