@@ -227,18 +227,57 @@ static bool same_sets(const joint *jt, const joint_layer *a, const joint_layer *
     return true;
 }
 
+/* The persistent part of a layer's surrogate: the same value computed from the step's
+ * aggregate expert loads, each (microbatch, group) taking its share of them by tokens.
+ * What a placement gains here it keeps over the coming steps (global popularity moves
+ * slowly); what it gains beyond this fits this batch's own spikes and lasts one step. */
+static double persistent_score(const joint *jt, int32_t l, const joint_layer *lay, const double *share_max,
+                               double *rank_load)
+{
+    const int64_t *load = rp_stats_expert_load(jt->stats, l);
+    for (int32_t j = 0; j < jt->ep; j++) rank_load[j] = 0;
+    for (int32_t e = 0; e < jt->E; e++) {
+        int32_t a = lay->rep_off[e], b = lay->rep_off[e + 1];
+        for (int32_t i = a; i < b; i++) rank_load[lay->rep_rank[i]] += (double)load[e] / (b - a);
+    }
+    double most = 0;
+    for (int32_t j = 0; j < jt->ep; j++) {
+        double slowest = INFINITY;
+        for (int32_t q = 0; q < jt->Q; q++) slowest = jt->speed[q * jt->ep + j] < slowest ? jt->speed[q * jt->ep + j] : slowest;
+        most = rank_load[j] / slowest > most ? rank_load[j] / slowest : most;
+    }
+    double sum = 0;
+    for (int32_t m = 0; m < jt->M; m++) sum += joint_mb_value(jt, m, most * share_max[m]);
+    return jt->fwd_bwd * sum + joint_layer_grad_s(jt, lay, rank_load);
+}
+
 /* Placement of every layer: a fresh one, and (with a previous plan) the previous one
- * improved only by the moves that pay within the horizon; the one with the lower
- * surrogate time per step plus migration time / horizon wins. */
+ * improved only by the moves that pay back their copy within this step. A layer is
+ * re-placed when this step's saving plus the persistent saving over the other
+ * horizon - 1 steps exceeds the time to migrate it (horizon INFINITY: always). */
 static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep, rp_error *err)
 {
     rp_context *ctx = jt->ctx;
     const double H = jt->par->horizon_steps;
     rp_status st = RP_OK;
     double *scratch = rp_alloc(ctx, joint_place_scratch_doubles(jt) * sizeof *scratch);
+    double *share_max = rp_calloc(ctx, (size_t)jt->M, sizeof *share_max);
+    int64_t *group_tok = rp_calloc(ctx, (size_t)jt->M * jt->Q, sizeof *group_tok);
     joint_layer kept;
     memset(&kept, 0, sizeof kept);
-    if (!scratch) return rp_fail_nomem(err, "joint: placement scratch");
+    if (!scratch || !share_max || !group_tok) {
+        st = rp_fail_nomem(err, "joint: placement scratch");
+        goto out;
+    }
+    /* each microbatch's largest group share of the step's tokens */
+    const int64_t tokens = rp_batch_num_tokens(jt->batch);
+    for (int32_t s = 0; s < jt->N; s++)
+        group_tok[(size_t)jt->seq_mb[s] * jt->Q + jt->seq_gpu[s] / jt->ep] += rp_batch_seq_len(jt->batch, s);
+    for (int32_t m = 0; m < jt->M; m++)
+        for (int32_t q = 0; q < jt->Q; q++) {
+            double sh = tokens > 0 ? (double)group_tok[(size_t)m * jt->Q + q] / (double)tokens : 0.0;
+            share_max[m] = sh > share_max[m] ? sh : share_max[m];
+        }
     if (prev) RP_CHECK_GOTO(joint_layer_alloc(jt, &kept, err), st, out);
     for (int32_t l = 0; l < jt->L; l++) {
         joint_layer *lay = &jt->layers[l];
@@ -251,15 +290,22 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
         const joint_layer *old = &prev[l];
         memcpy(kept.phy2log, old->phy2log, (size_t)jt->S * sizeof *kept.phy2log);
         joint_layer_index(jt, &kept);
-        /* a copy comes over the network when the EP group spans nodes (conservative) */
-        double penalty = isinf(H) ? 0.0 : (jt->ep > jt->gpn ? jt->move_net_s : jt->move_nv_s) / H;
+        /* moves that pay within this step; a copy comes over the network when the EP
+         * group spans nodes (conservative) */
+        double penalty = isinf(H) ? 0.0 : (jt->ep > jt->gpn ? jt->move_net_s : jt->move_nv_s);
         RP_CHECK_GOTO(joint_place_improve(jt, l, &kept, old, penalty, jt->par->place_rounds, scratch, err), st, out);
         double s_old = joint_place_score(jt, l, old, scratch) + joint_layer_grad_s(jt, old, scratch);
         double s_fresh = joint_place_score(jt, l, lay, scratch) + joint_layer_grad_s(jt, lay, scratch);
         double s_kept = joint_place_score(jt, l, &kept, scratch) + joint_layer_grad_s(jt, &kept, scratch);
-        double m_fresh = isinf(H) ? 0.0 : joint_layer_migration_s(jt, old, lay) / H;
-        double m_kept = isinf(H) ? 0.0 : joint_layer_migration_s(jt, old, &kept) / H;
-        if (!(s_fresh + m_fresh < s_kept + m_kept)) {
+        bool fresh = true;
+        if (!isinf(H)) {
+            double p_fresh = persistent_score(jt, l, lay, share_max, scratch);
+            double p_kept = persistent_score(jt, l, &kept, share_max, scratch);
+            double saving = (s_kept - s_fresh) + (H - 1) * (p_kept - p_fresh);
+            double cost = joint_layer_migration_s(jt, old, lay) - joint_layer_migration_s(jt, old, &kept);
+            fresh = saving > cost;
+        }
+        if (!fresh) {
             memcpy(lay->phy2log, kept.phy2log, (size_t)jt->S * sizeof *lay->phy2log);
             joint_layer_index(jt, lay);
         }
@@ -269,6 +315,8 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
 out:
     joint_layer_free(jt, &kept);
     rp_free(ctx, scratch);
+    rp_free(ctx, share_max);
+    rp_free(ctx, group_tok);
     return st;
 }
 

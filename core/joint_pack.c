@@ -101,7 +101,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
     RP_CHECK_GOTO(rp_sort_index(ctx, len, N, true, order, err), st, out);
 
     int32_t P = 0;
-    if (rho > 0 && Q > 1) {
+    if (rho > 0) {
         RP_CHECK_GOTO(prompt_ids(jt, prompt, &P, err), st, out);
         int64_t n_count;
         /* a penalty table larger than this is not worth its memory: spreading is off */

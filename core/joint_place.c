@@ -53,12 +53,20 @@ rp_status joint_layer_copy_from_plan(const joint *jt, const rp_plan *plan, int32
         lay->phy2log[s] = row[s];
     }
     joint_layer_index(jt, lay);
-    for (int32_t e = 0; e < jt->E; e++)
+    for (int32_t e = 0; e < jt->E; e++) {
+        for (int32_t i = lay->rep_off[e] + 1; i < lay->rep_off[e + 1]; i++)
+            if (lay->rep_rank[i] == lay->rep_rank[i - 1]) {
+                rp_fail(err, RP_EINVAL, "joint: the previous plan's layer %d holds expert %d twice on EP rank %d", l,
+                        e, lay->rep_rank[i]);
+                if (err) err->expert = e;
+                return RP_EINVAL;
+            }
         if (lay->rep_off[e + 1] == lay->rep_off[e]) {
             rp_fail(err, RP_EINVAL, "joint: the previous plan's layer %d has no replica of expert %d", l, e);
             if (err) err->expert = e;
             return RP_EINVAL;
         }
+    }
     return RP_OK;
 }
 

@@ -39,9 +39,11 @@ typedef struct rp_joint_params {
     bool shares;
     int32_t max_extra_per_rank;
     /* Migration: the number of steps a placement is expected to serve. A layer is
-     * re-placed only when its predicted saving per step times this exceeds the time to
-     * migrate it (rp_cost_migration's model); otherwise the previous placement stays.
-     * > 0; INFINITY: always re-place. Ignored without a previous plan. */
+     * re-placed only when its predicted saving (this step's, plus the persistent part,
+     * from the step's aggregate loads, over the other horizon - 1 steps) exceeds the time
+     * to migrate it (rp_cost_migration's model, one layer); otherwise the previous
+     * placement stays, moving only replicas that pay back within the step. > 0;
+     * INFINITY: always re-place. Ignored without a previous plan. */
     double horizon_steps;
     /* Exact refinement: rp_search_local on the joint plan with this many candidate
      * evaluations (rp_cost_try_* calls; work, never time). 0: none. >= 0. */
