@@ -176,7 +176,6 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->token_cap = lim->max_tokens_per_microbatch;
     c->act_cap = lim->max_activation_bytes;
     c->act_per_token = lim->activation_bytes_per_token;
-    c->nonlocal_slots = -1;
     /* integer loads below the curve's last point (at most SLOT_TABLE_MAX) */
     double last = c->eff[c->num_eff - 1].tokens;
     c->slot_table_n = last < SLOT_TABLE_MAX ? (int32_t)ceil(last) + 1 : SLOT_TABLE_MAX;
@@ -199,7 +198,6 @@ void rp_cost_free(rp_cost *c)
     rp_context *ctx = c->ctx;
     state_free(ctx, c->st);
     scratch_free(ctx, &c->sc);
-    rp_free(ctx, c->seq_nonlocal);
     rp_free(ctx, c->gpu_node);
     rp_free(ctx, c->slot_table);
     rp_free(ctx, c);
@@ -554,10 +552,10 @@ static void state_free(rp_context *ctx, cost_state *s)
     if (!s) return;
     void *arrays[] = {s->slot_begin, s->phy2log, s->rep_off, s->rep_rank, s->ov_begin, s->ov,
                       s->extra_rank, s->share_val, s->extra_count, s->seq_rank, s->seq_mb,
-                      s->cell_tokens, s->cell_sq, s->counts, s->mb_load, s->mb_nonlocal, s->attn,
+                      s->cell_tokens, s->cell_sq, s->counts, s->attn,
                       s->amax, s->aarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
                       s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_max, s->gtotal,
-                      s->glink, s->lay_dst, s->lay_seg, s->lay_ord, s->lb_layer};
+                      s->glink, s->lay_dst, s->lay_seg, s->lay_ord};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
     rp_free(ctx, s);
 }
@@ -566,7 +564,7 @@ static void scratch_free(rp_context *ctx, cost_scratch *sc)
 {
     void *arrays[] = {sc->hist, sc->x, sc->d, sc->si, sc->ri, sc->se, sc->re, sc->xacc, sc->rk,
                       sc->w, sc->load, sc->layer_t, sc->rep_off, sc->rep_rank, sc->row,
-                      sc->grad_row, sc->sel, sc->total, sc->link, sc->dst, sc->seg, sc->ord};
+                      sc->grad_row, sc->total, sc->link, sc->dst, sc->seg, sc->ord};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
     memset(sc, 0, sizeof *sc);
 }
@@ -616,7 +614,6 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     sc->rep_rank = take(ctx, s->S, sizeof(int32_t), false, &bad, total);
     sc->row = take(ctx, s->S, sizeof(int32_t), false, &bad, total);
     sc->grad_row = take(ctx, c->G, sizeof(double), false, &bad, total);
-    sc->sel = take(ctx, c->E > COST_TOP_BUCKETS ? c->E : COST_TOP_BUCKETS + 1, sizeof(uint32_t), false, &bad, total);
     sc->total = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
     sc->link = take(ctx, 4 * (int64_t)c->ep, sizeof(int64_t), false, &bad, total);
     sc->dst = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
@@ -624,7 +621,7 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     sc->ord = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
     if (bad || !sc->total || !sc->link || !sc->dst || !sc->seg || !sc->ord || !sc->hist || !sc->x || !sc->d || !sc->si || !sc->ri || !sc->se || !sc->re ||
         !sc->xacc || !sc->rk || !sc->w || !sc->load || !sc->layer_t || !sc->rep_off ||
-        !sc->rep_rank || !sc->row || !sc->grad_row || !sc->sel) {
+        !sc->rep_rank || !sc->row || !sc->grad_row) {
         scratch_free(ctx, sc);
         return bad ? rp_fail(err, RP_ERANGE, "cost: the plan is too large to evaluate")
                    : rp_fail_nomem(err, "the cost evaluator's scratch space");
@@ -867,8 +864,6 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->lay_dst = take(ctx, L * E, sizeof(int32_t), false, &bad, &s->bytes);
     s->lay_seg = take(ctx, L * (ep + 2), sizeof(int32_t), false, &bad, &s->bytes);
     s->lay_ord = take(ctx, L * E, sizeof(int32_t), false, &bad, &s->bytes);
-    s->mb_load = take(ctx, ML * E, sizeof(int64_t), true, &bad, &s->bytes);
-    s->mb_nonlocal = take(ctx, ML, sizeof(int64_t), true, &bad, &s->bytes);
     s->attn = take(ctx, G * M, sizeof(double), false, &bad, &s->bytes);
     s->amax = take(ctx, M, sizeof(double), false, &bad, &s->bytes);
     s->aarg = take(ctx, M, sizeof(int32_t), false, &bad, &s->bytes);
@@ -879,14 +874,13 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->xarg = take(ctx, ML * Q, sizeof(int32_t), false, &bad, &s->bytes);
     s->darg = take(ctx, ML * Q, sizeof(int32_t), false, &bad, &s->bytes);
     s->layer_t = take(ctx, ML, sizeof(double), false, &bad, &s->bytes);
-    s->lb_layer = take(ctx, ML, sizeof(double), false, &bad, &s->bytes);
     s->grad_gpu = take(ctx, L * G, sizeof(double), false, &bad, &s->bytes);
     if (bad || !s->slot_begin || !s->slot_rank || !s->phy2log || !s->rep_off || !s->rep_rank ||
         !s->ov_begin || !s->ov || !s->extra_rank || !s->share_val || !s->extra_count ||
         !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_sq || !s->cell_max ||
-        !s->counts || !s->gtotal || !s->glink || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->mb_load || !s->mb_nonlocal || !s->attn || !s->amax || !s->aarg ||
+        !s->counts || !s->gtotal || !s->glink || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->attn || !s->amax || !s->aarg ||
         !s->expert || !s->dispatch || !s->xmax || !s->dmax || !s->xarg || !s->darg ||
-        !s->layer_t || !s->lb_layer || !s->grad_gpu) {
+        !s->layer_t || !s->grad_gpu) {
         state_free(ctx, s);
         return bad ? rp_fail(err, RP_ERANGE, "cost: a plan of %lld microbatches is too large to evaluate",
                              (long long)M)
@@ -947,12 +941,9 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     RP_CHECK_GOTO(read_placement(c, plan, s, err), st, out);
     RP_CHECK_GOTO(read_levers(c, plan, s, err), st, out);
     RP_CHECK_GOTO(scratch_alloc(c, s, &sc, err), st, out);
-    RP_CHECK_GOTO(cost_bound_prepare(c, s->slots_max, err), st, out);
 
-    /* Counts per (mb, layer, GPU, expert) from the per-sequence histograms, and the
-     * per-sequence non-local volume of the bound when its cache is cold. */
+    /* Counts per (mb, layer, GPU, expert) from the per-sequence histograms. */
     {
-        const bool fill = c->nonlocal_slots != s->slots_max;
         uint32_t *h = sc.hist;
         for (int32_t q = 0; q < c->N; q++) {
             int32_t g = s->seq_rank[q], m = s->seq_mb[q];
@@ -965,25 +956,8 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
                 rp_stats_seq_hist(c->stats, q, l, h);
                 int32_t *cnt = s->counts + ((size_t)(m * L + l) * G + g) * E;
                 for (int32_t e = 0; e < E; e++) cnt[e] += (int32_t)h[e];
-                if (fill) {
-                    uint64_t total = 0;
-                    for (int32_t e = 0; e < E; e++) total += h[e];
-                    c->seq_nonlocal[(size_t)q * L + l] = (uint32_t)(total - cost_top_sum(h, E, s->slots_max, sc.sel));
-                }
             }
         }
-        if (fill) c->nonlocal_slots = s->slots_max;
-        for (int32_t m = 0; m < M; m++)
-            for (int32_t l = 0; l < L; l++) {
-                int64_t *load = s->mb_load + ((size_t)m * L + l) * E;
-                for (int32_t g = 0; g < G; g++) {
-                    const int32_t *cnt = s->counts + ((size_t)(m * L + l) * G + g) * E;
-                    for (int32_t e = 0; e < E; e++) load[e] += cnt[e];
-                }
-            }
-        for (int32_t q = 0; q < c->N; q++)
-            for (int32_t l = 0; l < L; l++)
-                s->mb_nonlocal[(size_t)s->seq_mb[q] * L + l] += c->seq_nonlocal[(size_t)q * L + l];
     }
 
     eval_attention(c, s);
@@ -1033,7 +1007,6 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     c->sc = sc;
     s = NULL;
     memset(&sc, 0, sizeof sc);
-    for (int32_t m = 0; m < M; m++) cost_bound_microbatch(c, c->st, m); /* uses c->sc */
     if (out) cost_summary(c, c->st, out);
 out:
     state_free(c->ctx, s);
@@ -1074,7 +1047,7 @@ void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
 {
     const int32_t M = s->M, L = c->L, G = c->G, ep = c->ep;
     memset(out, 0, sizeof *out);
-    double attn = 0, disp = 0, expert = 0, bound = 0, a_imb = 0, x_imb = 0, best = -1;
+    double attn = 0, disp = 0, expert = 0, a_imb = 0, x_imb = 0, best = -1;
     for (int32_t m = 0; m < M; m++) {
         double sum = 0;
         for (int32_t g = 0; g < G; g++) sum += s->attn[(size_t)g * M + m];
@@ -1087,7 +1060,6 @@ void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
             attn += s->amax[m];
             disp += dm;
             expert += xm;
-            bound += s->lb_layer[ml];
             for (int32_t q = 0; q < c->Q; q++) {
                 double gsum = 0;
                 for (int32_t r = 0; r < ep; r++) gsum += s->expert[ml * G + (size_t)q * ep + r];
@@ -1113,7 +1085,7 @@ void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
     out->combine_s = c->fwd_bwd * disp;
     out->grad_reduce_s = s->grad_s;
     out->extra_copy_s = s->extra_s;
-    out->lower_bound_s = c->fwd_bwd * bound;
+    out->lower_bound_s = cost_bound_step(c, s);
     out->ratio = out->lower_bound_s > 0 ? out->step_s / out->lower_bound_s : 1.0;
     out->attention_imbalance = a_imb / M;
     out->expert_imbalance = x_imb / ((double)M * L * c->Q);
@@ -1154,7 +1126,6 @@ size_t rp_cost_bytes(const rp_cost *c)
 {
     if (!c) return 0;
     size_t total = sizeof *c + (size_t)c->G * sizeof *c->gpu_node + (size_t)c->slot_table_n * sizeof(double);
-    if (c->seq_nonlocal) total += (size_t)c->N * c->L * sizeof *c->seq_nonlocal;
     if (c->st) total += c->st->bytes + c->sc.bytes;
     return total;
 }
@@ -1248,7 +1219,7 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
                       "\"dispatch_s\": %.17g, \"expert_s\": %.17g, \"combine_s\": %.17g, "
                       "\"lower_bound_s\": %.17g, \"straggler_gpu\": %d, \"straggler_side\": \"%s\"}",
                       ml ? "," : "", m, l, s->layer_t[ml], s->amax[m], dm, xm, dm,
-                      s->lb_layer[ml], gpu, side_name(side));
+                      cost_bound_layer(c, s, m, l), gpu, side_name(side));
         }
     }
     sb_printf(&b, "],\n\"attention\": [");

@@ -199,19 +199,6 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
         const seq_move *v = &mv[k];
         st->seq_rank[v->seq] = v->g_to;
         st->seq_mb[v->seq] = v->m_to;
-        if (v->m_from == v->m_to) continue;
-        for (int32_t l = 0; l < L; l++) {
-            const uint32_t *h = v->hist + (size_t)l * E;
-            int64_t *from = st->mb_load + ((size_t)v->m_from * L + l) * E;
-            int64_t *to = st->mb_load + ((size_t)v->m_to * L + l) * E;
-            for (int32_t e = 0; e < E; e++) {
-                from[e] -= h[e];
-                to[e] += h[e];
-            }
-            uint32_t nl = c->seq_nonlocal[(size_t)v->seq * L + l];
-            st->mb_nonlocal[(size_t)v->m_from * L + l] -= nl;
-            st->mb_nonlocal[(size_t)v->m_to * L + l] += nl;
-        }
     }
     /* longest sequence of the two cells, from the (already updated) plan */
     int32_t cells[2][2] = {{gA, mA}, {gB, mB}};
@@ -223,10 +210,6 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
             if (len > longest) longest = (int32_t)len;
         }
         st->cell_max[(size_t)cells[i][0] * M + cells[i][1]] = longest;
-    }
-    if (mA != mB) {
-        cost_bound_microbatch(c, st, mA);
-        cost_bound_microbatch(c, st, mB);
     }
     st->step_s = cost_step_from(c, st, st->layer_t, st->grad_s);
     return st->step_s;

@@ -48,8 +48,6 @@ typedef struct cost_state {
                                       and received per GPU: intra, inter, intra, inter */
     int32_t *lay_dst;              /* [L * E] base destination map (cost_dst_map) */
     int32_t *lay_seg, *lay_ord;    /* [L * (ep + 2)], [L * E]: its experts by destination */
-    int64_t *mb_load;              /* [M * L * E]: counts summed over GPUs */
-    int64_t *mb_nonlocal;          /* [M * L]: lower-bound non-local volume (cost_bound.c) */
 
     double *attn;                  /* [G * M] A(g, m), seconds */
     double *amax;                  /* [M] */
@@ -59,7 +57,6 @@ typedef struct cost_state {
     double *xmax, *dmax;           /* [M * L * Q] */
     int32_t *xarg, *darg;          /* [M * L * Q] GPU that sets the maximum */
     double *layer_t;               /* [M * L] T(m, l), forward seconds */
-    double *lb_layer;              /* [M * L] its lower bound (cost_bound.c) */
     double *grad_gpu;              /* [L * G] replica gradient reduction per layer and GPU */
     double grad_s, extra_s, step_s;
     size_t bytes;                  /* allocated for this state */
@@ -78,7 +75,6 @@ typedef struct cost_scratch {
     int32_t *rep_rank;   /* [S] */
     int32_t *row;        /* [S] a layer's phy2log under trial */
     double *grad_row;    /* [G] */
-    uint32_t *sel;       /* [max(E, COST_TOP_BUCKETS + 1)] selection buffer for the bound */
     size_t bytes;        /* allocated for the scratch space */
     int32_t *total;      /* [E] a group's totals under trial */
     int64_t *link;       /* [4 * ep] a group's links under trial */
@@ -116,11 +112,6 @@ struct rp_cost {
     double fwd_bwd;            /* 1 + backward_multiplier */
     int64_t token_cap;
     double act_cap, act_per_token;
-
-    /* lower-bound cache: per (seq, layer) token-choices that cannot stay on the
-     * sequence's GPU when a GPU holds at most nonlocal_slots experts */
-    uint32_t *seq_nonlocal;    /* [N * L], NULL until first needed */
-    int32_t nonlocal_slots;
 
     cost_state *st;            /* NULL until an evaluation succeeds */
     cost_scratch sc;
@@ -165,11 +156,7 @@ double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, co
 void cost_summary(const rp_cost *c, const cost_state *st, rp_cost_summary *out);
 
 /* cost_bound.c */
-#define COST_TOP_BUCKETS 1024
-rp_status cost_bound_prepare(rp_cost *c, int32_t slots_max, rp_error *err);
-uint64_t cost_top_sum(const uint32_t *values, int32_t n, int32_t k, uint32_t *heap);
-double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l,
-                        int32_t max_len_m);
-void cost_bound_microbatch(const rp_cost *c, cost_state *st, int32_t m);
+double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l);
+double cost_bound_step(const rp_cost *c, const cost_state *st);
 
 #endif
