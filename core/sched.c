@@ -2,6 +2,7 @@
  * policy) -> merge with what it omitted -> stable slots -> validation -> fallback ->
  * multi-rank agreement -> evaluation; plus hot swap at a step boundary after a dry run. */
 #include "sched_internal.h"
+#include "sched_migrate.h"
 
 #include "routepack/baseline.h"
 
@@ -56,6 +57,7 @@ struct rp_sched {
     rp_step_report report;
     bool has_report;
     char errmsg[RP_ERROR_TEXT];
+    sched_migration migration; /* the last step's migration plan (core/sched_migrate.c) */
 };
 
 static double now_s(void)
@@ -289,6 +291,7 @@ void rp_sched_free(rp_sched *s)
     set_free(&s->running);
     set_free(&s->staged);
     rp_plan_free(s->current);
+    sched_migration_free(&s->migration, ctx);
     rp_batch_free(s->prev_batch);
     rp_stats_free(s->prev_stats);
     rp_free(ctx, s->hist_steps);
@@ -745,6 +748,8 @@ rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const 
 {
     if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
     s->errmsg[0] = '\0';
+    /* a step call means the trainer is done with the last step's migration */
+    s->migration.open = false;
     rp_error local;
     if (!err) err = &local;
     rp_error_clear(err);
@@ -765,6 +770,7 @@ rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const 
     rp_step_report rep;
     memset(&rep, 0, sizeof rep);
     rep.step = step;
+    sched_migration_next migration = {0};
     rp_status st;
 
     RP_CHECK_GOTO(rp_stats_compute(s->ctx, batch, routing, md->num_experts, s->opts.num_threads, &stats, err), st, out);
@@ -855,13 +861,12 @@ rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const 
 
     /* 4. judge it */
     RP_CHECK_GOTO(rp_cost_evaluate(cost, plan, &rep.cost, err), st, out);
-    if (in.placement) {
-        RP_CHECK_GOTO(rp_cost_migration(cost, in.placement, plan, &rep.migration_s, &rep.migration_bytes, err), st, out);
-        rep.experts_moved = rp_lua_experts_moved(s->ctx, in.placement, plan);
-        if (rep.experts_moved < 0) {
-            st = rp_fail_nomem(err, "counting moved experts");
-            goto out;
-        }
+    st = sched_migration_prepare(&s->migration, s->ctx, s->cfg, in.placement, plan, &migration, &rep, err);
+    if (st != RP_OK) {
+        char msg[RP_ERROR_TEXT];
+        textf(msg, sizeof msg, "%s", err->text);
+        rp_fail(err, st, "sched: step %lld: %s", (long long)step, msg);
+        goto out;
     }
     rep.plan_hash = rp_plan_hash(plan);
 
@@ -880,6 +885,7 @@ rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const 
     snprintf(rep.policy_version, sizeof rep.policy_version, "%s", s->running.version);
     rep.policy_hash = s->running.hash;
     push_history(s, step, stats);
+    sched_migration_commit(&s->migration, s->ctx, &migration);
     rp_plan_free(s->current);
     s->current = plan;
     plan = NULL;
@@ -899,6 +905,7 @@ rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const 
     st = RP_OK;
 out:
     inputs_release(&in);
+    sched_migration_discard(s->ctx, &migration);
     rp_plan_free(plan);
     rp_batch_free(copy);
     rp_stats_free(stats);
@@ -956,6 +963,27 @@ rp_status rp_sched_stage_policy(rp_sched *s, const char *name_or_path, const cha
 }
 
 const rp_plan *rp_sched_plan(const rp_sched *s) { return s ? s->current : NULL; }
+
+const rp_migration_plan *rp_sched_migration(const rp_sched *s)
+{
+    return s && s->migration.open ? s->migration.plan : NULL;
+}
+
+rp_status rp_sched_migration_failed(rp_sched *s, const rp_migration_result *result, rp_error *err)
+{
+    if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
+    s->errmsg[0] = '\0';
+    rp_status st = sched_migration_rollback(&s->migration, s->current, result, err);
+    return st == RP_OK ? RP_OK : fail_keep(s, st, err);
+}
+
+rp_status rp_sched_set_migration_options(rp_sched *s, const rp_migration_options *opts, rp_error *err)
+{
+    if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
+    s->errmsg[0] = '\0';
+    rp_status st = sched_migration_set_options(&s->migration, s->ctx, s->cfg, opts, err);
+    return st == RP_OK ? RP_OK : fail_keep(s, st, err);
+}
 
 /* ---- the report as JSON ------------------------------------------------------------------ */
 

@@ -168,7 +168,8 @@ static void test_json(void)
         "step", "step_ms", "lower_bound_ms", "ratio", "attention_ms", "dispatch_ms", "expert_ms",
         "combine_ms", "grad_reduce_ms", "extra_copy_ms", "attention_imbalance", "expert_imbalance",
         "straggler", "num_microbatches", "plan_ms", "policy_work", "fallback", "fallback_reason", "swapped",
-        "swap_error", "policy", "plan_hash", "experts_moved", "migration_bytes", "migration_ms", NULL};
+        "swap_error", "policy", "plan_hash", "experts_moved", "migration_bytes", "migration_ms", "migration_rounds",
+        "migration_staging_bytes", NULL};
     static const char *const straggler_keys[] = {"gpu", "microbatch", "layer", "side", NULL};
     size_t i;
     json_t *p;
@@ -186,7 +187,18 @@ static void test_json(void)
         double mean = 0;
         size_t k;
         json_t *st;
-        json_array_foreach(steps, k, st) mean += json_number_value(json_object_get(st, "step_ms")) / 2;
+        int odd = 0;
+        json_array_foreach(steps, k, st) {
+            mean += json_number_value(json_object_get(st, "step_ms")) / 2;
+            /* without a staging budget a migration is one round staging what a GPU receives */
+            json_int_t rounds = json_integer_value(json_object_get(st, "migration_rounds"));
+            json_int_t staging = json_integer_value(json_object_get(st, "migration_staging_bytes"));
+            double bytes = json_number_value(json_object_get(st, "migration_bytes"));
+            double ms = json_number_value(json_object_get(st, "migration_ms"));
+            if (rounds == 0) odd += bytes != 0 || staging != 0 || ms != 0;
+            else odd += rounds != 1 || staging <= 0 || ms <= 0 || (bytes > 0 && (double)staging > bytes);
+        }
+        is_int(odd, 0, "%s: migration rounds, staging bytes and time agree with the bytes moved", name);
         is_double(json_number_value(json_object_get(s, "mean_step_ms")), mean, 1e-6 * mean,
                   "%s: mean_step_ms is the mean of the steps", name);
         ok(json_number_value(json_object_get(st0, "ratio")) >= 1 - 1e-9, "%s: step / lower bound >= 1", name);

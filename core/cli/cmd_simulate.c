@@ -180,6 +180,8 @@ typedef struct step_rec {
     uint64_t policy_hash, plan_hash;
     int32_t experts_moved;
     double migration_bytes, migration_s;
+    int32_t migration_rounds;          /* of the step's migration plan; 0 when none */
+    int64_t migration_staging_bytes;   /* the most staging one GPU uses in one round */
 } step_rec;
 
 typedef struct sim_policy {
@@ -366,7 +368,8 @@ static void watch_check(sim_policy *p, int64_t step)
     free(text);
 }
 
-static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *plan)
+static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *plan,
+                        const rp_migration_plan *migration)
 {
     memset(r, 0, sizeof *r);
     r->step = rep->step;
@@ -385,6 +388,12 @@ static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *p
     r->experts_moved = rep->experts_moved;
     r->migration_bytes = rep->migration_bytes;
     r->migration_s = rep->migration_s;
+    if (migration) {
+        rp_migration_summary sum;
+        rp_migration_plan_summary(migration, &sum);
+        r->migration_rounds = sum.num_rounds;
+        r->migration_staging_bytes = sum.max_staging_bytes;
+    }
 }
 
 /* Price the step's plan with our own evaluator (built for the step with the scheduler's
@@ -514,7 +523,7 @@ static json_t *step_json(const step_rec *r)
     const rp_cost_summary *c = &r->cost;
     return json_pack("{s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f,"
                      " s:{s:i, s:i, s:i, s:s}, s:i, s:f, s:I, s:b, s:s?, s:b, s:s?,"
-                     " s:{s:s, s:s, s:s}, s:s, s:i, s:f, s:f}",
+                     " s:{s:s, s:s, s:s}, s:s, s:i, s:f, s:f, s:i, s:I}",
                      "step", (json_int_t)r->step, "step_ms", c->step_s * 1e3, "lower_bound_ms",
                      c->lower_bound_s * 1e3, "ratio", c->ratio, "attention_ms", c->attention_s * 1e3,
                      "dispatch_ms", c->dispatch_s * 1e3, "expert_ms", c->expert_s * 1e3, "combine_ms",
@@ -528,7 +537,8 @@ static json_t *step_json(const step_rec *r)
                      r->swapped, "swap_error", r->swap_error, "policy", "name", r->policy_name,
                      "version", r->policy_version, "hash", policy_hash, "plan_hash", plan_hash,
                      "experts_moved", r->experts_moved, "migration_bytes", r->migration_bytes,
-                     "migration_ms", r->migration_s * 1e3);
+                     "migration_ms", r->migration_s * 1e3, "migration_rounds", r->migration_rounds,
+                     "migration_staging_bytes", (json_int_t)r->migration_staging_bytes);
 }
 
 /* The whole run as one JSON object on stdout (schema: docs/cli.md); false on failure. */
@@ -862,7 +872,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
                 policy_stop(p, step_index, &err);
                 continue;
             }
-            record_step(&p->steps[p->num_steps++], rep, plan);
+            record_step(&p->steps[p->num_steps++], rep, plan, rp_sched_migration(p->sched));
             if (p->watched) {
                 const step_rec *r = &p->steps[p->num_steps - 1];
                 progress_clear();

@@ -126,6 +126,43 @@ RP_API rp_status rp_sched_stage_policy(rp_sched *sched, const char *name_or_path
 /* The plan in use (the last good one), or NULL before the first step. */
 RP_API const rp_plan *rp_sched_plan(const rp_sched *sched);
 
+/* ---- expert migration (routepack/migrate.h; contract: docs/migration.md, "With the
+ * scheduler") ----
+ * Each step plans the move of expert weights from the placement in effect before it
+ * (the contiguous one, rp_plan_set_contiguous, before the first step) to its plan's; the
+ * report's experts_moved, migration_bytes and migration_s are that migration plan's. The
+ * trainer runs rp_migration_execute with it once on every rank, before the step uses the
+ * new placement. The next rp_sched_step takes it as executed, unless
+ * rp_sched_migration_failed said otherwise. */
+struct rp_migration_plan;
+struct rp_migration_options;
+struct rp_migration_result;
+
+/* The migration plan of the last step, or NULL when its placement did not change (no
+ * slot to write), before the first step, after a later rp_sched_step call (even one that
+ * failed) or after rp_sched_migration_failed. Borrowed until the next step or
+ * rp_sched_free. */
+RP_API const struct rp_migration_plan *rp_sched_migration(const rp_sched *sched);
+
+/* Report that executing the last step's migration failed, with the rp_migration_result
+ * it filled (the same on every rank; call on every rank). The layers of rounds that did
+ * not commit (rp_migration_plan_layer_round(mp, l) >= result->rounds_committed) go back
+ * to their placement before the step in the plan in use (rp_sched_plan: the pointer the
+ * step returned, changed in place; its extra replicas and shares are dropped), so the
+ * plan matches the weights and the next step plans from it. The step report is not
+ * revised. Errors (nothing changes): no open migration (none, a step ran since, already
+ * reported), no result or rounds_committed out of range (RP_EINVAL). */
+RP_API rp_status rp_sched_migration_failed(rp_sched *sched, const struct rp_migration_result *result,
+                                           rp_error *err);
+
+/* Expert bytes per layer and staging budget of the migration plans of later steps;
+ * opts->expert_bytes must be what the registry holds (rp_registry_expert_bytes) or the
+ * executor refuses the plan; NULL opts or expert_bytes: the model's (docs/migration.md).
+ * The array is copied. Errors (nothing changes): bytes <= 0, a negative budget
+ * (RP_EINVAL). A budget below one layer's need makes the step fail (RP_ERANGE). */
+RP_API rp_status rp_sched_set_migration_options(rp_sched *sched,
+                                                const struct rp_migration_options *opts, rp_error *err);
+
 /* The report of the last step as JSON (rp_text_free). */
 RP_API rp_status rp_sched_report_json(const rp_sched *sched, char **text, size_t *len,
                                       rp_error *err);
