@@ -10,6 +10,7 @@
 
 int rp_gpu_count(void) { return 0; }
 int rp_gpu_built(void) { return 0; }
+int rp_gpu_pointer_readable(const void *ptr) { (void)ptr; return 0; }
 
 rp_status rp_gpu_routing_histograms(const rp_routing *routing_dev, const int64_t *cu_seqlens_dev,
                                     int32_t num_seqs, int32_t num_experts, uint32_t *seq_hist,

@@ -318,6 +318,24 @@ rp_status need_device(rp_error *err)
     return RP_OK;
 }
 
+/* The device arrays must be readable by a kernel: a host pointer would fault and end
+ * the CUDA context for the whole process, so it is an argument error instead. */
+rp_status need_readable(const rp_routing *r, const int64_t *cu_dev, const int32_t *map_dev, int32_t n,
+                        rp_error *err)
+{
+    if (n == 0) return RP_OK;
+    if (!rp_gpu_pointer_readable(cu_dev))
+        return rp_fail(err, RP_EINVAL, "gpu: cu_seqlens is host memory; copy it to the device, or "
+                       "use rp_stats_compute for host data");
+    if (r->base && !rp_gpu_pointer_readable(r->base))
+        return rp_fail(err, RP_EINVAL, "gpu: the routing ids are host memory; copy them to the device, "
+                       "or use rp_stats_compute for host data");
+    if (map_dev && !rp_gpu_pointer_readable(map_dev))
+        return rp_fail(err, RP_EINVAL, "gpu: the sequence -> microbatch map is host memory; copy it to "
+                       "the device, or use rp_stats_microbatch_loads for host data");
+    return RP_OK;
+}
+
 /* group == 0: the histograms do not fit in shared memory, count in global memory. */
 template <typename T, typename D>
 cudaError_t launch_histogram(const view &v, bool dense, const int64_t *cu, int32_t n,
@@ -486,6 +504,26 @@ int rp_gpu_count(void)
 
 int rp_gpu_built(void) { return 1; }
 
+int rp_gpu_pointer_readable(const void *ptr)
+{
+    cudaPointerAttributes at;
+    int device = 0, pageable = 0;
+    if (!ptr || rp_gpu_count() == 0) return 0;
+    if (cudaPointerGetAttributes(&at, ptr) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged) return 1;
+    if (at.type == cudaMemoryTypeHost) return at.devicePointer != NULL; /* pinned, mapped (UVA) */
+    /* plain host memory: readable only where the device walks the host's page tables */
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return pageable != 0;
+}
+
 rp_status rp_gpu_routing_histograms(const rp_routing *routing_dev, const int64_t *cu_seqlens_dev,
                                     int32_t num_seqs, int32_t num_experts, uint32_t *seq_hist,
                                     int64_t *expert_load, rp_error *err)
@@ -495,6 +533,7 @@ rp_status rp_gpu_routing_histograms(const rp_routing *routing_dev, const int64_t
     if ((num_seqs > 0 && !seq_hist) || !expert_load)
         return rp_fail(err, RP_EINVAL, "gpu: missing output array");
     if ((st = need_device(err)) != RP_OK) return st;
+    if ((st = need_readable(routing_dev, cu_seqlens_dev, NULL, num_seqs, err)) != RP_OK) return st;
     const int64_t cells = (int64_t)routing_dev->num_layers * num_experts;
     const size_t hist_bytes = ((size_t)num_seqs * cells * sizeof(uint32_t) + 255) / 256 * 256;
     const size_t load_bytes = ((size_t)cells * sizeof(unsigned long long) + 255) / 256 * 256;
@@ -543,6 +582,7 @@ rp_status rp_gpu_microbatch_loads(const rp_routing *routing_dev, const int64_t *
     if ((num_seqs > 0 && !seq_microbatch_dev) || (num_microbatches > 0 && !loads))
         return rp_fail(err, RP_EINVAL, "gpu: missing sequence map or output array");
     if ((st = need_device(err)) != RP_OK) return st;
+    if ((st = need_readable(routing_dev, cu_seqlens_dev, seq_microbatch_dev, num_seqs, err)) != RP_OK) return st;
     const int64_t cells = (int64_t)routing_dev->num_layers * num_experts;
     const size_t rows_bytes =
         ((size_t)num_microbatches * cells * sizeof(unsigned long long) + 255) / 256 * 256;

@@ -272,6 +272,16 @@ extern "C" rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int
         st = rp_fail(err, RP_ENOTSUP, "gpu remap: no CUDA device is available");
         goto out;
     }
+    /* a host pointer would fault in the kernel and end the process's CUDA context */
+    if (t.num_order > 0 && routing_dev->base && !rp_gpu_pointer_readable(routing_dev->base)) {
+        st = rp_fail(err, RP_EINVAL, "gpu remap: the routing ids are host memory; copy them to the device, "
+                     "or use rp_remap for host data");
+        goto out;
+    }
+    if (t.num_order > 0 && !rp_gpu_pointer_readable(phys_ids_dev)) {
+        st = rp_fail(err, RP_EINVAL, "gpu remap: phys_ids is host memory; it must be device memory");
+        goto out;
+    }
     if (R > INT32_MAX / 2) {
         st = rp_fail(err, RP_ERANGE, "gpu remap: %lld ids per token are too many", (long long)R);
         goto out;

@@ -30,6 +30,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 deps="$root/build-deps"
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
+# The whole check must end within 5 minutes: every step's limit is cut to what is left
+# of this budget (285 s, a margin for the summary), so the sum can never exceed it.
+budget=${RP_DEVICE_CHECK_BUDGET:-285}
+left() { # left LIMIT: the smaller of LIMIT and the seconds left of the budget (at least 1)
+  local rest=$((budget - $(elapsed)))
+  [ "$rest" -lt 1 ] && rest=1
+  [ "$1" -lt "$rest" ] && echo "$1" || echo "$rest"
+}
 say() { printf '== %s\n' "$*"; }
 
 debs="libluajit-5.1-2 libluajit-5.1-dev libluajit-5.1-common libjansson4 libjansson-dev pkgconf pkgconf-bin libpkgconf3"
@@ -52,6 +60,9 @@ unpack_debs() { # unpack every .deb of $deps into $deps/prefix
 
 if [ "${1:-}" = "--fetch-deps" ]; then
   command -v apt-get >/dev/null || { echo "device-check: --fetch-deps needs Debian's apt-get" >&2; exit 1; }
+  # the GPU machine is x86-64: packages of another architecture would not load there
+  arch_here=$(dpkg --print-architecture 2>/dev/null || echo unknown)
+  [ "$arch_here" = amd64 ] || { echo "device-check: this machine's packages are $arch_here; fetch on an amd64 Debian 12 machine" >&2; exit 1; }
   rm -rf "$deps" && mkdir -p "$deps"
   # shellcheck disable=SC2086
   (cd "$deps" && apt-get download $debs) || { echo "device-check: apt-get download failed" >&2; exit 1; }
@@ -109,7 +120,7 @@ else
     exit 1
   fi
   prefix="$deps/prefix/usr"
-  libdir=$(dirname "$(ls "$prefix"/lib/*/libjansson.so* 2>/dev/null | head -n 1)")
+  libdir=$(dirname "$(find "$prefix"/lib -maxdepth 2 -name 'libjansson.so*' 2>/dev/null | head -n 1)")
   pcdir="$build/pkgconfig"
   mkdir -p "$pcdir"
   for pc in "$libdir"/pkgconfig/luajit.pc "$libdir"/pkgconfig/jansson.pc; do
@@ -129,12 +140,18 @@ fi
 if [ -e "$cuda_home/include/nccl.h" ] || [ -e /usr/include/nccl.h ]; then
   say "NCCL: the system's"
 else
-  nccl_dir=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
-  nccl_lib=$(ls "$nccl_dir"/lib/libnccl.so* 2>/dev/null | head -n 1)
-  if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/include/nccl.h" ] && [ -n "$nccl_lib" ]; then
-    cmake_args+=("-DNCCL_INCLUDE_DIR=$nccl_dir/include" "-DNCCL_LIBRARY=$nccl_lib")
-    export LD_LIBRARY_PATH="$nccl_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    say "NCCL: from the Python wheel, $nccl_dir"
+  # PyTorch's nvidia-nccl-cu12/-cu13 wheel: nvidia/nccl/{include,lib} (or under nvidia/cu13/)
+  nv_dir=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+  nccl_h="" nccl_lib=""
+  if [ -n "$nv_dir" ]; then
+    nccl_h=$(find "$nv_dir" -maxdepth 4 -name nccl.h 2>/dev/null | head -n 1)
+    nccl_lib=$(find "$nv_dir" -maxdepth 4 -name 'libnccl.so*' 2>/dev/null | head -n 1)
+  fi
+  if [ -n "$nccl_h" ] && [ -n "$nccl_lib" ]; then
+    cmake_args+=("-DNCCL_INCLUDE_DIR=$(dirname "$nccl_h")" "-DNCCL_LIBRARY=$nccl_lib")
+    nccl_libdir=$(dirname "$nccl_lib")
+    export LD_LIBRARY_PATH="$nccl_libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    say "NCCL: from the Python wheel, $nccl_lib"
   else
     say "NCCL: not found (the NCCL migration test will skip)"
   fi
@@ -144,7 +161,7 @@ fi
 gen=() # Ninja for a new build directory when there is one; an existing one keeps its own
 if [ ! -f "$build/CMakeCache.txt" ] && command -v ninja >/dev/null; then gen=(-G Ninja); fi
 say "configuring $build (sm_$arch)"
-if ! timeout 120 cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DRP_WITH_MPI=OFF \
+if ! timeout "$(left 120)" cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DRP_WITH_MPI=OFF \
      -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch" "${cmake_args[@]}" >"$build/configure.log" 2>&1; then
   tail -n 30 "$build/configure.log"
   say "device-check: configure failed (log: $build/configure.log)"
@@ -157,8 +174,8 @@ for t in test_gpu_stats test_gpu_kernels test_migrate_nccl test_remap test_check
   if [ -f "$root/tests/$t.c" ] || [ -f "$root/tests/bench/$t.c" ]; then targets+=("$t"); fi
 done
 say "building ${targets[*]} ($(elapsed) s so far)"
-jobs=$(nproc 2>/dev/null || echo 8)
-if ! timeout 240 cmake --build "$build" -j"$jobs" --target "${targets[@]}" >"$build/build.log" 2>&1; then
+jobs=${RP_DEVICE_CHECK_JOBS:-$(nproc 2>/dev/null || echo 8)}
+if ! timeout "$(left 200)" cmake --build "$build" -j"$jobs" --target "${targets[@]}" >"$build/build.log" 2>&1; then
   grep -E 'error|Error' "$build/build.log" | head -n 30
   say "device-check: build failed (log: $build/build.log)"
   exit 1
@@ -170,7 +187,7 @@ run_tap() { # run one TAP program, print it, judge it
   local name=$1 exe=$2 limit=$3 out rc
   [ -x "$exe" ] || return 0
   say "$name"
-  out=$(cd "$build" && timeout "$limit" "$exe" 2>&1)
+  out=$(cd "$build" && timeout "$(left "$limit")" "$exe" 2>&1)
   rc=$?
   printf '%s\n' "$out" | sed 's/^/  /'
   if [ $rc -ne 0 ] || printf '%s\n' "$out" | grep -q '^not ok'; then
@@ -187,7 +204,7 @@ done
 # ---- 7. benchmark ----------------------------------------------------------------------------
 say "bench_gpu ($(elapsed) s so far)"
 if [ -x "$build/bench/bench_gpu" ]; then
-  bench_out=$(cd "$build" && timeout 150 "$build/bench/bench_gpu" 2>&1)
+  bench_out=$(cd "$build" && timeout "$(left 150)" "$build/bench/bench_gpu" 2>&1)
   rc=$?
   printf '%s\n' "$bench_out"
   if [ $rc -ne 0 ]; then

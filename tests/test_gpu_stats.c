@@ -8,7 +8,7 @@
 #include <stdlib.h>
 
 /* Checks run on a GPU; skipped (and counted as such) without one. */
-#define GPU_CHECKS 40
+#define GPU_CHECKS 48
 
 static uint64_t rng_state = 0x2545F4914F6CDD1DULL;
 static uint32_t rnd(uint32_t n)
@@ -319,6 +319,67 @@ static void test_empty(rp_context *ctx)
     case_free(&c);
 }
 
+/* Host pointers given to the GPU path: an argument error naming the array, never a kernel
+ * fault (which would end the process's CUDA context and every later check). */
+static void test_host_pointers(rp_context *ctx)
+{
+    routing_case c;
+    rp_routing dev, host;
+    rp_error err;
+    int32_t lens[3] = {4, 0, 7};
+    case_init(&c, ctx, 3, lens, 2, 2, 8, RP_ID_U8, 0);
+    case_fill_random(&c);
+    int up = case_upload(&c, &dev, &host);
+    uint32_t hist[3 * 16];
+    int64_t load[16], mb[16];
+    int32_t map[3] = {0, 0, 0};
+    void *map_dev = NULL;
+    up = up && rp_gpu_dev_upload(map, sizeof map, &map_dev, &err) == RP_OK;
+    gok(up && rp_gpu_pointer_readable(c.dev) && !rp_gpu_pointer_readable(c.host),
+        "device memory is readable by the kernels, malloc'd host memory is not");
+    rp_status s1 = up ? rp_gpu_routing_histograms(&host, c.cu_dev, 3, 8, hist, load, &err) : RP_OK;
+    gok(s1 == RP_EINVAL, "host routing ids rejected (%s)", err.text);
+    rp_status s2 = up ? rp_gpu_routing_histograms(&dev, rp_batch_cu_seqlens(c.batch), 3, 8, hist, load, &err) : RP_OK;
+    gok(s2 == RP_EINVAL, "host cu_seqlens rejected (%s)", err.text);
+    rp_status s3 = up ? rp_gpu_microbatch_loads(&dev, c.cu_dev, 3, 8, map, 1, mb, &err) : RP_OK;
+    gok(s3 == RP_EINVAL, "host microbatch map rejected (%s)", err.text);
+    rp_status s4 = up ? rp_gpu_routing_histograms(&dev, c.cu_dev, 3, 8, hist, load, &err) : RP_EINVAL;
+    gok(s4 == RP_OK, "the device is still usable afterwards");
+    rp_gpu_dev_free(map_dev);
+    case_free(&c);
+}
+
+/* A generated example trace (examples/gen-small.json, step 0: 64 GRPO sequences of an
+ * OLMoE-like model, skewed real expert counts): GPU against CPU, three checks. */
+static void test_generated(rp_context *ctx)
+{
+    rp_gen *gen = NULL;
+    rp_batch *batch = NULL;
+    rp_routing r;
+    rp_error err;
+    routing_case c;
+    memset(&c, 0, sizeof c);
+    if (rp_gen_load(ctx, RP_SOURCE_DIR "/examples/gen-small.json", &gen, &err) != RP_OK ||
+        rp_gen_step(gen, 0, &batch, &r, &err) != RP_OK) {
+        diag("generator: %s", err.text);
+        rp_gen_free(gen);
+        for (int i = 0; i < 3; i++) gok(0, "generated example trace");
+        return;
+    }
+    c.batch = batch;
+    c.n = rp_batch_num_seqs(batch), c.layers = r.num_layers, c.k = r.top_k;
+    c.experts = rp_gen_get_info(gen)->num_experts, c.width = r.width;
+    c.token_stride = r.token_stride, c.layer_stride = r.layer_stride, c.k_stride = r.k_stride;
+    c.elems = rp_batch_num_tokens(batch) * c.token_stride;
+    c.host = malloc((size_t)c.elems * c.width + 1);
+    memcpy(c.host, r.base, (size_t)c.elems * c.width); /* the generator owns its ids */
+    diag("generated step: %d sequences, %lld tokens, %d layers, top-%d of %d experts", c.n,
+         (long long)rp_batch_num_tokens(batch), c.layers, c.k, c.experts);
+    check_case(ctx, &c, "generated example trace (gen-small.json)");
+    case_free(&c);
+    rp_gen_free(gen);
+}
+
 /* Checks that run without a device too. */
 static void test_without_device(void)
 {
@@ -336,6 +397,7 @@ static void test_without_device(void)
            "microbatch loads without a GPU: RP_ENOTSUP");
     void *dev = NULL;
     ok(rp_gpu_dev_upload(ids, sizeof ids, &dev, &err) != RP_OK && dev == NULL, "no device memory without a GPU");
+    ok(!rp_gpu_pointer_readable(ids) && !rp_gpu_pointer_readable(NULL), "no pointer is GPU-readable without a GPU");
     if (rp_gpu_built()) {
         r.layout = RP_ROUTING_PER_LAYER;
         is_int(rp_gpu_routing_histograms(&r, cu, 1, 4, hist, load, &err), RP_EINVAL,
@@ -363,6 +425,8 @@ int main(void)
     test_edges(ctx);
     test_bad_id(ctx);
     test_empty(ctx);
+    test_host_pointers(ctx);
+    test_generated(ctx);
     ok(gpu_checks_run == GPU_CHECKS, "ran the %d planned GPU checks (%d)", GPU_CHECKS, gpu_checks_run);
     rp_context_free(ctx);
     return tap_done();

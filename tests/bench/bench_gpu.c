@@ -231,7 +231,7 @@ static void calibration(void)
             printf("    n %6d: %8.1f us  %6.1f TFLOP/s\n", ns[i], t[i] * 1e6, 6.0 * ns[i] * D * F / t[i] / 1e12);
         printf("  \"gemm_efficiency\": [");
         for (int i = 0; i < NN; i++)
-            printf("%s[%d, %.4f]", i ? ", " : "", ns[i], 6.0 * ns[i] * D * F / t[i] / PEAK_FLOPS);
+            printf("%s[%d, %.4g]", i ? ", " : "", ns[i], 6.0 * ns[i] * D * F / t[i] / PEAK_FLOPS);
         printf("],\n");
     } else {
         printf("  gemm_efficiency: not measured (%s)\n", why);

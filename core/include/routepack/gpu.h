@@ -14,6 +14,13 @@ extern "C" {
 RP_API int rp_gpu_count(void);
 /* 1 when this library was built with the CUDA kernels. */
 RP_API int rp_gpu_built(void);
+/* 1 when a kernel of the current device can read `ptr`: device or managed memory, pinned
+ * host memory, or any host memory on a device with pageable memory access (HMM, ATS);
+ * 0 otherwise, for NULL, and without CUDA or a device. How to pick a path: the rp_gpu_*
+ * calls take routing in device memory and check it with this (a host pointer is
+ * RP_EINVAL, not a fault that would end the CUDA context); the CPU calls (rp_stats_compute,
+ * rp_remap) read host memory. A caller holding either kind asks this, then calls one. */
+RP_API int rp_gpu_pointer_readable(const void *ptr);
 
 /* Dense histograms from routing ids in device memory (packed [tokens, layers, k] with
  * the view's strides; `cu_seqlens_dev` on the device). Writes, on the host,
