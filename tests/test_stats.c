@@ -403,6 +403,42 @@ static void test_microbatches(rp_context *ctx)
     fixture_free(&f);
 }
 
+/* Loads over several accumulator blocks (L * E > 4096 cells), with counts of every width:
+ * two sequences whose layer-0 counts need 4 bytes share a microbatch (the accumulator
+ * is flushed between them), sequences of 2-byte and 1-byte counts and empty ones. */
+static void test_microbatch_blocks(rp_context *ctx)
+{
+    enum { N = 12, L = 2, E = 2100, M = 3 };
+    int32_t lens[N] = {70000, 70001, 300, 0, 5, 1000, 257, 1, 0, 4000, 33, 70};
+    fixture f;
+    fixture_init(&f, ctx, N, lens, L, 1, E);
+    fixture_random(&f, 1);
+    for (int64_t t = 0; t < 140001; t++) f.ids[t * L] = E - 1; /* sequences 0 and 1, layer 0 */
+    rp_routing r;
+    make_view(&f, 0, RP_ID_U16, &r);
+    rp_stats *st = NULL;
+    is_int(rp_stats_compute(ctx, f.batch, &r, E, 1, &st, NULL), RP_OK, "statistics of mixed widths");
+    int32_t map[N] = {1, 1, 0, 2, 1, 0, -1, 2, 0, 1, 2, 0};
+    int64_t *loads = calloc((size_t)M * L * E, sizeof *loads), *want = calloc((size_t)M * L * E, sizeof *want);
+    uint32_t *h = calloc(E, sizeof *h);
+    for (int32_t s = 0; s < N; s++) {
+        if (map[s] < 0) continue;
+        for (int32_t l = 0; l < L; l++) {
+            rp_stats_seq_hist(st, s, l, h);
+            for (int e = 0; e < E; e++) want[((size_t)map[s] * L + l) * E + e] += h[e];
+        }
+    }
+    rp_error err;
+    is_int(rp_stats_microbatch_loads(st, map, M, loads, &err), RP_OK, "loads over several blocks");
+    ok(!memcmp(loads, want, (size_t)M * L * E * sizeof *loads), "equal the sums of the histograms, every width");
+    is_int((int)loads[(size_t)1 * L * E + E - 1], 140001, "two 4-byte counts add up in one microbatch");
+    free(h);
+    free(want);
+    free(loads);
+    rp_stats_free(st);
+    fixture_free(&f);
+}
+
 static void test_loads_per_gpu(void)
 {
     /* 3 experts, 6 slots on 3 GPUs: expert 0 x3, expert 1 x2, expert 2 x1 */
@@ -719,6 +755,7 @@ int main(void)
     test_threads(ctx);
     test_compact_widths(ctx);
     test_microbatches(ctx);
+    test_microbatch_blocks(ctx);
     test_loads_per_gpu();
     test_skew();
     test_bad_ids(ctx);
