@@ -160,7 +160,7 @@ static void test_json(void)
     json_t *pols = json_object_get(root, "policies");
     is_int(json_array_size(pols), 2, "two policies");
     static const char *const pol_keys[] = {"policy", "status", "error", "summary", "steps", NULL};
-    static const char *const sum_keys[] = {"steps", "mean_step_ms", "mean_lower_bound_ms", "mean_ratio",
+    static const char *const sum_keys[] = {"steps", "mean_step_ms", "mean_migration_ms", "mean_lower_bound_ms", "mean_ratio",
                                            "speedup", "attention_imbalance", "expert_imbalance", "fallbacks",
                                            "swaps", "migrated_bytes_per_step", "mean_plan_ms", "worst_step",
                                            "worst_ratio", NULL};
@@ -173,6 +173,7 @@ static void test_json(void)
     static const char *const straggler_keys[] = {"gpu", "microbatch", "layer", "side", NULL};
     size_t i;
     json_t *p;
+    double total[2] = {0, 0}; /* step + migration, summed over the steps */
     json_array_foreach(pols, i, p) {
         const char *name = json_string_value(json_object_get(p, "policy"));
         ok(has_keys(p, pol_keys), "%s: policy keys", name);
@@ -184,12 +185,16 @@ static void test_json(void)
         json_t *st0 = json_array_get(steps, 0);
         ok(has_keys(st0, step_keys), "%s: step record keys", name);
         ok(has_keys(json_object_get(st0, "straggler"), straggler_keys), "%s: straggler keys", name);
-        double mean = 0;
+        double mean = 0, mean_mig = 0;
         size_t k;
         json_t *st;
         int odd = 0;
         json_array_foreach(steps, k, st) {
             mean += json_number_value(json_object_get(st, "step_ms")) / 2;
+            mean_mig += json_number_value(json_object_get(st, "migration_ms")) / 2;
+            if (i < 2)
+                total[i] += json_number_value(json_object_get(st, "step_ms")) +
+                            json_number_value(json_object_get(st, "migration_ms"));
             /* without a staging budget a migration is one round staging what a GPU receives */
             json_int_t rounds = json_integer_value(json_object_get(st, "migration_rounds"));
             json_int_t staging = json_integer_value(json_object_get(st, "migration_staging_bytes"));
@@ -201,11 +206,15 @@ static void test_json(void)
         is_int(odd, 0, "%s: migration rounds, staging bytes and time agree with the bytes moved", name);
         is_double(json_number_value(json_object_get(s, "mean_step_ms")), mean, 1e-6 * mean,
                   "%s: mean_step_ms is the mean of the steps", name);
+        is_double(json_number_value(json_object_get(s, "mean_migration_ms")), mean_mig, 1e-6 * mean_mig + 1e-12,
+                  "%s: mean_migration_ms is the mean of the steps", name);
         ok(json_number_value(json_object_get(st0, "ratio")) >= 1 - 1e-9, "%s: step / lower bound >= 1", name);
         if (i == 0)
             is_double(json_number_value(json_object_get(s, "speedup")), 1.0, 1e-12,
                       "the baseline's speedup is 1");
     }
+    is_double(json_number_value(json_object_get(json_object_get(json_array_get(pols, 1), "summary"), "speedup")),
+              total[0] / total[1], 1e-6, "speedup: the baseline's step + migration time over the policy's");
     json_decref(root);
 
     rc = rp("simulate --steps 1 --json --microbatches 3 --policies token_kk+eplb");

@@ -439,7 +439,7 @@ static rp_status track_step(sim_policy *p, rp_cost *cost, const rp_plan *plan, c
 }
 
 typedef struct sim_summary {
-    double mean_step_s, mean_lb_s, mean_ratio, speedup, attn_imb, expert_imb, migrated, plan_s;
+    double mean_step_s, mean_lb_s, mean_ratio, speedup, attn_imb, expert_imb, migrated, migration_s, plan_s;
     int32_t fallbacks, swaps;
     int32_t worst; /* index of the step with the largest step / lower bound (the first) */
 } sim_summary;
@@ -456,6 +456,7 @@ static void summarize(const sim_policy *p, const sim_policy *base, sim_summary *
         s->attn_imb += r->cost.attention_imbalance;
         s->expert_imb += r->cost.expert_imbalance;
         s->migrated += r->migration_bytes;
+        s->migration_s += r->migration_s;
         s->plan_s += r->plan_s;
         s->fallbacks += r->fallback;
         s->swaps += r->swapped;
@@ -463,16 +464,17 @@ static void summarize(const sim_policy *p, const sim_policy *base, sim_summary *
     }
     if (n > 0) {
         s->mean_step_s /= n, s->mean_lb_s /= n, s->mean_ratio /= n, s->attn_imb /= n;
-        s->expert_imb /= n, s->migrated /= n, s->plan_s /= n;
+        s->expert_imb /= n, s->migrated /= n, s->migration_s /= n, s->plan_s /= n;
     }
-    /* over the steps both ran, so a policy that stopped early is compared fairly */
+    /* over the steps both ran, so a policy that stopped early is compared fairly; a step
+     * waits for its migration too (the cost model overlaps it with nothing) */
     s->speedup = NAN;
     if (base && base->num_steps > 0 && n > 0) {
         int32_t common = n < base->num_steps ? n : base->num_steps;
         double mine = 0, theirs = 0;
         for (int32_t i = 0; i < common; i++) {
-            mine += p->steps[i].cost.step_s;
-            theirs += base->steps[i].cost.step_s;
+            mine += p->steps[i].cost.step_s + p->steps[i].migration_s;
+            theirs += base->steps[i].cost.step_s + base->steps[i].migration_s;
         }
         if (mine > 0) s->speedup = theirs / mine;
     }
@@ -490,8 +492,8 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
            m->num_layers, m->num_experts, m->top_k);
     int w = 6;
     for (int i = 0; i < np; i++) w = (int)strlen(pol[i].spec) > w ? (int)strlen(pol[i].spec) : w;
-    printf("%-*s  %9s  %8s  %8s  %9s  %10s  %9s  %13s  %8s\n", w, "policy", "step ms", "step/LB", "speedup",
-           "attn imb", "expert imb", "fallbacks", "migrated/step", "plan ms");
+    printf("%-*s  %9s  %8s  %9s  %8s  %9s  %10s  %9s  %13s  %8s\n", w, "policy", "step ms", "step/LB",
+           "migr. ms", "speedup", "attn imb", "expert imb", "fallbacks", "migrated/step", "plan ms");
     for (int i = 0; i < np; i++) {
         const sim_policy *p = &pol[i];
         if (p->num_steps == 0) {
@@ -503,13 +505,14 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
         char speed[32], mig[32];
         if (isnan(s.speedup)) snprintf(speed, sizeof speed, "-");
         else snprintf(speed, sizeof speed, "%.3fx", s.speedup);
-        printf("%-*s  %9.3f  %8.3f  %8s  %9.3f  %10.3f  %9d  %13s  %8.2f%s\n", w, p->spec,
-               s.mean_step_s * 1e3, s.mean_ratio, speed, s.attn_imb, s.expert_imb, s.fallbacks,
+        printf("%-*s  %9.3f  %8.3f  %9.3f  %8s  %9.3f  %10.3f  %9d  %13s  %8.2f%s\n", w, p->spec,
+               s.mean_step_s * 1e3, s.mean_ratio, s.migration_s * 1e3, speed, s.attn_imb, s.expert_imb, s.fallbacks,
                cli_human_bytes(s.migrated, mig, sizeof mig), s.plan_s * 1e3,
                p->error ? "  (stopped early)" : "");
     }
     printf("\nstep ms: mean predicted step time (forward + backward); step/LB: mean of step time /\n"
-           "lower bound; speedup: %s's step time / the policy's, over the steps both ran%s;\n"
+           "lower bound; migr. ms: mean predicted expert migration time per step; speedup: %s's\n"
+           "step + migration time / the policy's, over the steps both ran%s;\n"
            "imbalance: max/mean over GPUs (attention per microbatch, experts per microbatch, layer\n"
            "and EP group), mean over steps; plan ms: statistics + policy + validation per step.\n",
            SIM_BASELINE, base ? "" : " (not run)");
@@ -568,8 +571,9 @@ static bool print_json(const sim_policy *pol, int np, const sim_policy *base, co
         if (p->num_steps > 0) {
             sim_summary s;
             summarize(p, base, &s);
-            summary = json_pack("{s:i, s:f, s:f, s:f, s:o, s:f, s:f, s:i, s:i, s:f, s:f, s:I, s:f}",
+            summary = json_pack("{s:i, s:f, s:f, s:f, s:f, s:o, s:f, s:f, s:i, s:i, s:f, s:f, s:I, s:f}",
                                 "steps", p->num_steps, "mean_step_ms", s.mean_step_s * 1e3,
+                                "mean_migration_ms", s.migration_s * 1e3,
                                 "mean_lower_bound_ms", s.mean_lb_s * 1e3, "mean_ratio", s.mean_ratio,
                                 "speedup", isnan(s.speedup) ? json_null() : json_real(s.speedup),
                                 "attention_imbalance", s.attn_imb, "expert_imbalance", s.expert_imb,
