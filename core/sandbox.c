@@ -1,5 +1,6 @@
 /* The Lua sandbox policies run in: a state with a capped allocator and the JIT off, the
- * whitelisted environment, and per-call limits enforced by a count hook (docs/sandbox.md). */
+ * whitelisted environment, and per-call limits enforced by a count hook (docs/sandbox.md;
+ * what a policy sees: docs/policies.md, "The sandbox"). */
 #include "sandbox.h"
 
 #include <lauxlib.h>

@@ -1239,33 +1239,6 @@ static void test_memory_accounting(void)
     rp_context_free(cctx);
 }
 
-/* Every ```lua block of docs/sandbox.md runs without error in a fresh sandbox. */
-static void test_doc_examples(void)
-{
-    rp_error err;
-    char *doc = NULL;
-    size_t len = 0;
-    if (rp_read_file(ctx, RP_SOURCE_DIR "/docs/sandbox.md", &doc, &len, &err) != RP_OK) {
-        ok(0, "read docs/sandbox.md: %s", err.text);
-        return;
-    }
-    int examples = 0;
-    for (char *p = strstr(doc, "```lua\n"); p; p = strstr(p, "```lua\n")) {
-        p += 7;
-        char *end = strstr(p, "```");
-        if (!end) break;
-        rp_sandbox *sb = new_sandbox(0, 0, 0, 0);
-        const char *got = eval_n(sb, p, (size_t)(end - p));
-        examples++;
-        if (!tap_ok_at(eval_status == RP_OK, __FILE__, __LINE__, "docs/sandbox.md example %d runs", examples))
-            diag("%s", got);
-        rp_sandbox_free(sb);
-        p = end + 3;
-    }
-    ok(examples >= 2, "docs/sandbox.md has its examples (%d)", examples);
-    rp_free(ctx, doc);
-}
-
 /* A limit that fails to stop a policy would hang the test: bail out instead. */
 static void on_alarm(int sig)
 {
@@ -1296,7 +1269,6 @@ int main(void)
     test_coroutine_premise();
     test_jit_stays_off();
     test_memory_accounting();
-    test_doc_examples();
     rp_context_free(ctx);
     return tap_done();
 }
