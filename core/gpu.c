@@ -39,4 +39,6 @@ rp_status rp_gpu_dev_upload(const void *host, size_t bytes, void **dev, rp_error
 
 void rp_gpu_dev_free(void *dev) { (void)dev; }
 
+int rp_gpu_pointer_on_device(const void *ptr) { (void)ptr; return 0; }
+
 #endif

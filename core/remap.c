@@ -1,8 +1,10 @@
 /* Remap (routepack/remap.h): the physical replica of every token-choice of a microbatch,
  * and the replica table the CUDA kernel (kernels/remap.cu) shares with this CPU reference. */
 #include "internal.h"
+#include "gpu_dispatch.h"
 #include "remap_internal.h"
 #include "routing_access.h"
+#include "routepack/gpu.h"
 
 #include <limits.h>
 #include <math.h>
@@ -548,6 +550,30 @@ rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb, const 
     if (t.num_order > 0 && !phys_ids) {
         st = rp_fail(err, RP_EINVAL, "remap: no output array");
         goto out;
+    }
+    {
+        /* Device memory goes to the kernel (rp_gpu_remap), which rebuilds the table. */
+        bool ids_dev;
+        RP_CHECK_GOTO(gpu_routing_on_device(routing, batch, "remap", &ids_dev, err), st, out);
+        if (slot_tokens && gpu_on_device(slot_tokens)) {
+            st = rp_fail(err, RP_EINVAL, "remap: slot_tokens is device memory; it is written on the "
+                         "host on both paths");
+            goto out;
+        }
+        const bool out_dev = phys_ids && gpu_on_device(phys_ids);
+        if (phys_ids && ids_dev != out_dev && rp_batch_num_tokens(batch) > 0) {
+            st = rp_fail(err, RP_EINVAL,
+                         "remap: the routing ids are %s memory but phys_ids is %s memory; both must "
+                         "be on the host or both on the device", ids_dev ? "device" : "host",
+                         out_dev ? "device" : "host");
+            goto out;
+        }
+        if (ids_dev) {
+            remap_table_free(ctx, &t);
+            st = rp_gpu_remap(plan, cfg, mb, batch, routing, rule, phys_ids, slot_tokens, err);
+            if (st == RP_ERANGE) gpu_error_as_cpu(err); /* nothing written: the CPU's message */
+            return st;
+        }
     }
     jobs = rp_calloc(ctx, (size_t)workers, sizeof *jobs);
     counts = rp_calloc(ctx, (size_t)t.G * (size_t)t.num_keys + 1, sizeof *counts);

@@ -1,8 +1,11 @@
 /* Routing statistics: one multi-threaded scan of the routing replay into per-layer
  * expert loads and compact per-sequence histograms; microbatch and per-GPU loads; skew. */
 #include "internal.h"
+#include "gpu_dispatch.h"
 #include "routing_access.h"
-#include "routepack/stats.h"
+#include "stats_internal.h"
+#include "routepack/gpu.h"
+#include "../kernels/gpu_support.h"
 
 #include <limits.h>
 #include <math.h>
@@ -388,6 +391,111 @@ void rp_stats_free(rp_stats *stats)
     rp_free(ctx, stats);
 }
 
+/* ---- dense counts (the GPU path) --------------------------------------------- */
+
+rp_status stats_from_counts(rp_context *ctx, int32_t num_seqs, int32_t num_layers,
+                            int32_t num_experts, int32_t top_k, int64_t num_tokens,
+                            const uint32_t *seq_hist, const int64_t *expert_load,
+                            rp_stats **out, rp_error *err)
+{
+    const int32_t n = num_seqs;
+    const size_t cells = (size_t)num_layers * (size_t)num_experts;
+    if (n < 0 || num_layers < 1 || num_experts < 1)
+        return rp_fail(err, RP_EINVAL, "stats: %d sequences, %d layers, %d experts", n, num_layers,
+                       num_experts);
+    if (cells > SIZE_MAX / sizeof(int64_t) || (n > 0 && cells > SIZE_MAX / 4 / (size_t)n))
+        return rp_fail(err, RP_ERANGE, "stats: the histograms of %d sequences overflow memory", n);
+    rp_status st = RP_OK;
+    rp_stats *stats = rp_calloc(ctx, 1, sizeof *stats);
+    if (!stats) return rp_fail_nomem(err, "routing statistics");
+    stats->ctx = ctx;
+    stats->num_seqs = n;
+    stats->num_layers = num_layers;
+    stats->num_experts = num_experts;
+    stats->top_k = top_k;
+    stats->num_tokens = num_tokens;
+    stats->expert_load = rp_alloc(ctx, cells * sizeof(int64_t));
+    stats->width = rp_alloc(ctx, (size_t)n + 1);
+    stats->offset = rp_alloc(ctx, ((size_t)n + 1) * sizeof(uint64_t));
+    if (!stats->expert_load || !stats->width || !stats->offset) {
+        st = rp_fail_nomem(err, "routing statistics");
+        goto out;
+    }
+    /* the scan's storage: each sequence at the width of its largest count, back to back */
+    uint64_t pos = 0;
+    for (int32_t s = 0; s < n; s++) {
+        const uint32_t *counts = seq_hist + (size_t)s * cells;
+        uint32_t max = 0;
+        for (size_t i = 0; i < cells; i++) max = counts[i] > max ? counts[i] : max;
+        stats->width[s] = (uint8_t)width_for(max);
+        stats->offset[s] = pos;
+        pos += cells * stats->width[s];
+    }
+    stats->offset[n] = pos;
+    stats->hist = rp_alloc(ctx, (size_t)pos);
+    if (!stats->hist) {
+        st = rp_fail_nomem(err, "routing statistics");
+        goto out;
+    }
+    for (int32_t s = 0; s < n; s++)
+        store_counts(seq_hist + (size_t)s * cells, cells, stats->width[s], stats->hist + stats->offset[s]);
+    memcpy(stats->expert_load, expert_load, cells * sizeof(int64_t));
+    stats->bytes = sizeof *stats + cells * sizeof(int64_t) + ((size_t)n + 1) +
+                   ((size_t)n + 1) * sizeof(uint64_t) + (size_t)pos;
+    *out = stats;
+    stats = NULL;
+out:
+    rp_stats_free(stats);
+    return st;
+}
+
+bool stats_same(const rp_stats *a, const rp_stats *b)
+{
+    if (a->num_seqs != b->num_seqs || a->num_layers != b->num_layers ||
+        a->num_experts != b->num_experts || a->top_k != b->top_k ||
+        a->num_tokens != b->num_tokens || a->bytes != b->bytes)
+        return false;
+    const size_t n = (size_t)a->num_seqs, cells = (size_t)a->num_layers * a->num_experts;
+    return memcmp(a->expert_load, b->expert_load, cells * sizeof(int64_t)) == 0 &&
+           memcmp(a->width, b->width, n) == 0 &&
+           memcmp(a->offset, b->offset, (n + 1) * sizeof(uint64_t)) == 0 &&
+           memcmp(a->hist, b->hist, (size_t)a->offset[n]) == 0;
+}
+
+/* Routing ids in device memory: the histogram kernel's dense counts (n x layers x
+ * experts uint32 on the host for the length of the call), stored as the scan stores
+ * them. The batch's cu_seqlens go up to the device for the call. */
+static rp_status compute_on_device(rp_context *ctx, const rp_batch *batch, const rp_routing *routing,
+                                   int32_t num_experts, rp_stats **out, rp_error *err)
+{
+    const int32_t n = rp_batch_num_seqs(batch), layers = routing->num_layers;
+    const size_t cells = (size_t)layers * (size_t)num_experts;
+    if ((n > 0 && cells > SIZE_MAX / sizeof(uint32_t) / (size_t)n))
+        return rp_fail(err, RP_ERANGE, "stats: the dense histograms of %d sequences overflow memory", n);
+    rp_status st;
+    void *cu_dev = NULL;
+    uint32_t *seq_hist = rp_alloc(ctx, (size_t)n * cells * sizeof *seq_hist);
+    int64_t *load = rp_alloc(ctx, cells * sizeof *load);
+    if (!seq_hist || !load) {
+        st = rp_fail_nomem(err, "routing statistics (dense GPU histograms)");
+        goto out;
+    }
+    RP_CHECK_GOTO(rp_gpu_dev_upload(rp_batch_cu_seqlens(batch), ((size_t)n + 1) * sizeof(int64_t),
+                                    &cu_dev, err), st, out);
+    st = rp_gpu_routing_histograms(routing, cu_dev, n, num_experts, seq_hist, load, err);
+    if (st == RP_ERANGE) gpu_error_as_cpu(err); /* no statistics: nothing was "counted in none" */
+    if (st != RP_OK) goto out;
+    st = stats_from_counts(ctx, n, layers, num_experts, routing->top_k, rp_batch_num_tokens(batch),
+                           seq_hist, load, out, err);
+out:
+    rp_gpu_dev_free(cu_dev);
+    rp_free(ctx, seq_hist);
+    rp_free(ctx, load);
+    return st;
+}
+
+/* ---- the call ---------------------------------------------------------------- */
+
 rp_status rp_stats_compute(rp_context *ctx, const rp_batch *batch, const rp_routing *routing,
                            int32_t num_experts, int32_t num_threads, rp_stats **out,
                            rp_error *err)
@@ -432,6 +540,10 @@ rp_status rp_stats_compute(rp_context *ctx, const rp_batch *batch, const rp_rout
     if (cells > SIZE_MAX / (16 * (size_t)MAX_THREADS))
         return rp_fail(err, RP_ERANGE, "stats: %d layers x %d experts overflow memory", layers,
                        num_experts);
+    bool on_device;
+    if ((st = gpu_routing_on_device(routing, batch, "stats", &on_device, err)) != RP_OK) return st;
+    if (on_device) return compute_on_device(ctx, batch, routing, num_experts, out, err);
+
     const int32_t nthreads = pick_threads(num_threads, n, num_ids);
     rp_stats *stats = rp_calloc(ctx, 1, sizeof *stats);
     unsigned char *scratch = NULL;

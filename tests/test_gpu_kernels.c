@@ -1,6 +1,7 @@
 /* GPU remap, gather/scatter and checksum kernels (kernels/remap.cu, kernels/migrate.cu)
- * against their CPU references, bit for bit, on random and edge-case inputs. Without a
- * GPU every planned check prints "# SKIP no GPU". */
+ * against their CPU references, bit for bit, on random and edge-case inputs, and
+ * rp_remap given device memory (forwarded to the kernel). Without a GPU every planned
+ * check prints "# SKIP no GPU". */
 #include "routepack/routepack.h"
 #include "tap.h"
 #include "test_util.h"
@@ -13,7 +14,7 @@
 #include <stdlib.h>
 
 /* Checks that need a device; printed as skipped without one. */
-#define REMAP_CHECKS 14
+#define REMAP_CHECKS 21
 #define COPY_CHECKS 8
 #define CHECKSUM_CHECKS 7
 #define GPU_CHECKS (REMAP_CHECKS + COPY_CHECKS + CHECKSUM_CHECKS)
@@ -161,7 +162,8 @@ static void rcase_free(rcase *c)
     memset(c, 0, sizeof *c);
 }
 
-/* Remap every microbatch of a case on both sides; true if ids and counts agree. */
+/* Remap every microbatch of a case on the CPU, with rp_gpu_remap, and with rp_remap
+ * given the device arrays; true if all three give the same ids and counts. */
 static bool remap_agrees(rcase *c, rp_split_rule rule, const char *what)
 {
     rp_routing hr, dr;
@@ -175,8 +177,9 @@ static bool remap_agrees(rcase *c, rp_split_rule rule, const char *what)
     int32_t *want = malloc(sizeof *want * (out_n + 1)), *got = malloc(sizeof *got * (out_n + 1));
     for (size_t i = 0; i < out_n; i++) want[i] = got[i] = -3;
     void *out_dev = dev_alloc(sizeof *got * (out_n + 1), got);
+    void *fwd_dev = dev_alloc(sizeof *got * (out_n + 1), got);
     dr.base = ids_dev;
-    bool same = ids_dev && out_dev;
+    bool same = ids_dev && out_dev && fwd_dev;
     for (int32_t mb = 0; same && mb < c->M; mb++) {
         const size_t rows = (size_t)c->L * (rp_plan_num_gpus(c->plan) / rp_plan_ep_size(c->plan)) *
                             (size_t)rp_remap_num_physical(c->plan, mb);
@@ -188,19 +191,29 @@ static bool remap_agrees(rcase *c, rp_split_rule rule, const char *what)
         if (b != RP_OK) diag("%s: gpu: %s", what, err.text);
         same = a == RP_OK && b == RP_OK && memcmp(wc, gc, rows * sizeof *wc) == 0;
         if (!same && a == RP_OK && b == RP_OK) diag("%s: mb %d: per-slot counts differ", what, mb);
+        memset(gc, 0x5a, rows * sizeof *gc);
+        rp_status f = rp_remap(c->plan, c->cfg, mb, c->batch, &dr, rule, 2, (int32_t *)fwd_dev, gc, &err);
+        if (f != RP_OK) diag("%s: rp_remap on device memory: %s", what, err.text);
+        if (same && (f != RP_OK || memcmp(wc, gc, rows * sizeof *wc) != 0)) {
+            if (f == RP_OK) diag("%s: mb %d: rp_remap on device memory: per-slot counts differ", what, mb);
+            same = false;
+        }
         free(wc), free(gc);
     }
-    if (same) {
-        same = download(got, out_dev, sizeof *got * out_n) && memcmp(want, got, sizeof *got * out_n) == 0;
+    for (int side = 0; same && side < 2; side++) {
+        same = download(got, side ? fwd_dev : out_dev, sizeof *got * out_n) &&
+               memcmp(want, got, sizeof *got * out_n) == 0;
         if (!same)
             for (size_t i = 0; i < out_n; i++)
                 if (want[i] != got[i]) {
-                    diag("%s: first difference at id %zu: cpu %d, gpu %d", what, i, want[i], got[i]);
+                    diag("%s: first difference at id %zu: cpu %d, %s %d", what, i, want[i],
+                         side ? "rp_remap on device memory" : "gpu", got[i]);
                     break;
                 }
     }
     rp_gpu_dev_free(ids_dev);
     rp_gpu_dev_free(out_dev);
+    rp_gpu_dev_free(fwd_dev);
     free(want), free(got);
     return same;
 }
@@ -280,6 +293,51 @@ static void test_remap(void)
     rp_routing_per_seq(&per_seq, RP_ID_U8, c.L, c.k, NULL, 0);
     gok(rp_gpu_remap(c.plan, c.cfg, 0, c.batch, &per_seq, RP_SPLIT_EVEN, (int32_t *)out_dev, NULL, &e2) == RP_ENOTSUP,
         "remap: a per-sequence view is RP_ENOTSUP on the device");
+
+    /* rp_remap given device memory: the kernel's answer, and errors for mixed sides */
+    rp_error e3;
+    rp_status s3 = rp_remap(c.plan, c.cfg, 0, c.batch, &dr, RP_SPLIT_EVEN, 1, (int32_t *)out_dev, NULL, &e3);
+    gok(s3 == RP_ERANGE && e3.sequence == e1.sequence && e3.expert == 9 && strcmp(e3.text, e1.text) == 0,
+        "rp_remap on device ids: an id out of range is RP_ERANGE with the CPU's message (%s)", e3.text);
+    untouched = download(fill, out_dev, sizeof *fill * out_n);
+    for (size_t i = 0; i < out_n; i++) untouched &= fill[i] == -5;
+    gok(untouched, "rp_remap on device ids: nothing is written on error");
+    put_id(&c, 2 * c.token_stride + 1, 1);
+    rp_gpu_dev_free(ids_dev);
+    ids_dev = dev_alloc((size_t)(c.tokens * c.token_stride), c.ids);
+    dr.base = ids_dev;
+    const size_t rows = (size_t)c.L * (rp_plan_num_gpus(c.plan) / rp_plan_ep_size(c.plan)) *
+                        (size_t)rp_remap_num_physical(c.plan, 0);
+    int64_t *slots = calloc(rows + 1, sizeof *slots);
+    void *slots_dev = dev_alloc(sizeof(int64_t) * rows, slots);
+    rp_status m1 = rp_remap(c.plan, c.cfg, 0, c.batch, &dr, RP_SPLIT_EVEN, 1, fill, slots, &e3);
+    gok(m1 == RP_EINVAL && strstr(e3.text, "phys_ids is host memory"),
+        "rp_remap: device ids with a host phys_ids is RP_EINVAL (%s)", e3.text);
+    rp_status m2 = rp_remap(c.plan, c.cfg, 0, c.batch, &hr, RP_SPLIT_EVEN, 1, (int32_t *)out_dev, slots, &e3);
+    gok(m2 == RP_EINVAL && strstr(e3.text, "phys_ids is device memory"),
+        "rp_remap: host ids with a device phys_ids is RP_EINVAL (%s)", e3.text);
+    rp_status m3 = rp_remap(c.plan, c.cfg, 0, c.batch, &dr, RP_SPLIT_EVEN, 1, (int32_t *)out_dev,
+                            (int64_t *)slots_dev, &e3);
+    gok(slots_dev && m3 == RP_EINVAL && strstr(e3.text, "slot_tokens is device memory"),
+        "rp_remap: slot_tokens in device memory is RP_EINVAL (%s)", e3.text);
+    const void *seq_arrays[8] = {ids_dev, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    const int64_t *cu = rp_batch_cu_seqlens(c.batch);
+    void *seq_dev[8] = {NULL};
+    for (int32_t s = 1; s < 8; s++) {
+        const size_t bytes = (size_t)((cu[s + 1] - cu[s]) * c.token_stride);
+        seq_dev[s] = dev_alloc(bytes ? bytes : 1, (uint8_t *)c.ids + cu[s] * c.token_stride);
+        seq_arrays[s] = seq_dev[s];
+    }
+    rp_routing_per_seq(&per_seq, RP_ID_U8, c.L, c.k, seq_arrays, 8);
+    rp_status m4 = rp_remap(c.plan, c.cfg, 0, c.batch, &per_seq, RP_SPLIT_EVEN, 1, (int32_t *)out_dev, slots, &e3);
+    gok(m4 == RP_ENOTSUP, "rp_remap: per-sequence device arrays are RP_ENOTSUP (%s)", e3.text);
+    seq_arrays[4] = (uint8_t *)c.ids + cu[4] * c.token_stride;
+    rp_status m5 = rp_remap(c.plan, c.cfg, 0, c.batch, &per_seq, RP_SPLIT_EVEN, 1, (int32_t *)out_dev, slots, &e3);
+    gok(m5 == RP_EINVAL && strstr(e3.text, "sequence 4"),
+        "rp_remap: a per-sequence view on both sides is RP_EINVAL naming the sequence (%s)", e3.text);
+    for (int32_t s = 1; s < 8; s++) rp_gpu_dev_free(seq_dev[s]);
+    rp_gpu_dev_free(slots_dev);
+    free(slots);
     rp_gpu_dev_free(ids_dev);
     rp_gpu_dev_free(out_dev);
     free(fill);

@@ -1,6 +1,9 @@
 /* GPU routing statistics (kernels/histogram.cu) against the CPU reference, bit for bit:
- * random and edge-case routing of every width and view. Without a GPU every check
- * prints "# SKIP no GPU"; the argument checks that need no device run everywhere. */
+ * random and edge-case routing of every width and view, and rp_stats_compute given
+ * device ids (its GPU path) against the same call on host ids. Without a GPU every
+ * check prints "# SKIP no GPU"; the argument checks that need no device run everywhere. */
+#include "internal.h"
+#include "stats_internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
 #include "../kernels/gpu_support.h"
@@ -8,7 +11,7 @@
 #include <stdlib.h>
 
 /* Checks run on a GPU; skipped (and counted as such) without one. */
-#define GPU_CHECKS 48
+#define GPU_CHECKS 68
 
 static uint64_t rng_state = 0x2545F4914F6CDD1DULL;
 static uint32_t rnd(uint32_t n)
@@ -116,8 +119,8 @@ static int same_as_cpu(const rp_stats *st, const uint32_t *seq_hist, const int64
     return same;
 }
 
-/* Histograms, loads and microbatch loads of one case on the GPU against the CPU:
- * three checks. */
+/* Histograms, loads and microbatch loads of one case on the GPU against the CPU, and
+ * rp_stats_compute on the device ids against the host ids: four checks. */
 static void check_case(rp_context *ctx, routing_case *c, const char *what)
 {
     rp_routing dev, host;
@@ -147,6 +150,12 @@ static void check_case(rp_context *ctx, routing_case *c, const char *what)
     rp_status cm = st ? rp_stats_microbatch_loads(st, map, mbs, mb_cpu, &err) : RP_EINVAL;
     gok(gm == RP_OK && cm == RP_OK && !memcmp(mb_gpu, mb_cpu, (size_t)mbs * cells * sizeof *mb_gpu),
         "%s: microbatch loads equal the CPU's", what);
+    rp_stats *dst = NULL;
+    rp_status ds = up ? rp_stats_compute(ctx, c->batch, &dev, E, 2, &dst, &err) : RP_EINVAL;
+    if (ds != RP_OK) diag("rp_stats_compute on device ids: %s", err.text);
+    gok(cpu == RP_OK && ds == RP_OK && stats_same(st, dst),
+        "%s: rp_stats_compute on device ids equals it on host ids in every field", what);
+    rp_stats_free(dst);
     rp_stats_free(st);
     rp_gpu_dev_free(map_dev);
     free(hist), free(load), free(map), free(mb_gpu), free(mb_cpu);
@@ -238,8 +247,8 @@ static void test_bad_id(rp_context *ctx)
     put(&c, cu[20] + 150, 2, 1, 30); /* the first bad id */
     put(&c, cu[20] + 149, 3, 0, 5);  /* a valid id to replace it with, in the reference */
     if (!case_upload(&c, &dev, &host)) {
-        skip(5, "upload failed");
-        gpu_checks_run += 5;
+        skip(7, "upload failed");
+        gpu_checks_run += 7;
         case_free(&c);
         return;
     }
@@ -281,7 +290,15 @@ static void test_bad_id(rp_context *ctx)
     int untouched = 1;
     for (size_t i = 0; i < 3 * cells; i++) untouched &= mb[i] == -7;
     gok(untouched, "loads untouched on error");
-    rp_gpu_dev_free(map_dev);
+
+    /* rp_stats_compute on the device ids (which still hold the bad ids): the CPU's
+     * error word for word, and no statistics */
+    rp_stats *dst = NULL;
+    gs = rp_stats_compute(ctx, c.batch, &dev, 30, 3, &dst, &err);
+    gok(gs == RP_ERANGE && dst == NULL && err.sequence == 20 && err.expert == 30,
+        "rp_stats_compute on device ids: RP_ERANGE, no statistics");
+    gok(strcmp(err.text, cpu_err.text) == 0, "rp_stats_compute on device ids: the CPU's message (%s)",
+        err.text);    rp_gpu_dev_free(map_dev);
     rp_stats_free(st);
     free(hist), free(load), free(want), free(want_load), free(mb);
     case_free(&c);
@@ -349,8 +366,66 @@ static void test_host_pointers(rp_context *ctx)
     case_free(&c);
 }
 
+/* Which path rp_stats_compute takes: device arrays go to the kernel, host arrays to the
+ * CPU, a view mixing them or non-packed device arrays are errors. */
+static void test_dispatch(rp_context *ctx)
+{
+    routing_case c;
+    rp_routing dev, host;
+    rp_error err;
+    int32_t lens[3] = {4, 0, 7};
+    case_init(&c, ctx, 3, lens, 2, 2, 8, RP_ID_U8, 0);
+    case_fill_random(&c);
+    int up = case_upload(&c, &dev, &host);
+    gok(up && rp_gpu_pointer_on_device(c.dev) && !rp_gpu_pointer_on_device(c.host) &&
+            !rp_gpu_pointer_on_device(NULL),
+        "device memory is dispatched to the kernels, host memory is not");
+
+    /* per-sequence views: sequence 0 and 2 hold tokens (the empty one is never read) */
+    void *seq_dev[2] = {NULL, NULL};
+    const size_t rec = 2 * 2;
+    up = up && rp_gpu_dev_upload(c.host, 4 * rec, &seq_dev[0], &err) == RP_OK &&
+         rp_gpu_dev_upload((uint8_t *)c.host + 4 * rec, 7 * rec, &seq_dev[1], &err) == RP_OK;
+    const void *mixed[3] = {seq_dev[0], NULL, (uint8_t *)c.host + 4 * rec};
+    const void *all_dev[3] = {seq_dev[0], NULL, seq_dev[1]};
+    const void *all_host[3] = {c.host, NULL, (uint8_t *)c.host + 4 * rec};
+    rp_routing r;
+    rp_stats *st = NULL, *ref = NULL;
+    rp_routing_per_seq(&r, RP_ID_U8, 2, 2, mixed, 3);
+    rp_status s1 = up ? rp_stats_compute(ctx, c.batch, &r, 8, 1, &st, &err) : RP_OK;
+    gok(s1 == RP_EINVAL && st == NULL && err.sequence == 2,
+        "host and device arrays in one view: RP_EINVAL naming sequence 2 (%s)", err.text);
+    rp_routing_per_seq(&r, RP_ID_U8, 2, 2, all_dev, 3);
+    rp_status s2 = up ? rp_stats_compute(ctx, c.batch, &r, 8, 1, &st, &err) : RP_OK;
+    gok(s2 == RP_ENOTSUP && st == NULL, "per-sequence device arrays: RP_ENOTSUP (%s)", err.text);
+    rp_routing_per_seq(&r, RP_ID_U8, 2, 2, all_host, 3);
+    rp_status s3 = up ? rp_stats_compute(ctx, c.batch, &r, 8, 1, &ref, &err) : RP_EINVAL;
+    rp_status s4 = up ? rp_stats_compute(ctx, c.batch, &dev, 8, 1, &st, &err) : RP_EINVAL;
+    gok(s3 == RP_OK && s4 == RP_OK && stats_same(ref, st),
+        "per-sequence host arrays take the CPU path and equal the packed device view");
+    rp_stats_free(st), rp_stats_free(ref);
+    st = ref = NULL;
+    const void *layers_mixed[2] = {seq_dev[0], c.host};
+    rp_routing_per_layer(&r, RP_ID_U8, 2, 2, layers_mixed);
+    rp_status s5 = up ? rp_stats_compute(ctx, c.batch, &r, 8, 1, &st, &err) : RP_OK;
+    gok(s5 == RP_EINVAL && st == NULL, "per-layer host and device arrays: RP_EINVAL (%s)", err.text);
+    rp_gpu_dev_free(seq_dev[0]);
+    rp_gpu_dev_free(seq_dev[1]);
+    case_free(&c);
+
+    /* a batch of empty sequences reads no id: the device base is never used */
+    int32_t zeros[2] = {0, 0};
+    case_init(&c, ctx, 2, zeros, 2, 2, 8, RP_ID_U8, 0);
+    up = case_upload(&c, &dev, &host);
+    rp_status s6 = up ? rp_stats_compute(ctx, c.batch, &dev, 8, 1, &st, &err) : RP_EINVAL;
+    rp_status s7 = up ? rp_stats_compute(ctx, c.batch, &host, 8, 1, &ref, &err) : RP_EINVAL;
+    gok(s6 == RP_OK && s7 == RP_OK && stats_same(ref, st), "empty sequences: the same from either side");
+    rp_stats_free(st), rp_stats_free(ref);
+    case_free(&c);
+}
+
 /* A generated example trace (examples/gen-small.json, step 0: 64 GRPO sequences of an
- * OLMoE-like model, skewed real expert counts): GPU against CPU, three checks. */
+ * OLMoE-like model, skewed real expert counts): GPU against CPU, four checks. */
 static void test_generated(rp_context *ctx)
 {
     rp_gen *gen = NULL;
@@ -363,7 +438,7 @@ static void test_generated(rp_context *ctx)
         rp_gen_step(gen, 0, &batch, &r, &err) != RP_OK) {
         diag("generator: %s", err.text);
         rp_gen_free(gen);
-        for (int i = 0; i < 3; i++) gok(0, "generated example trace");
+        for (int i = 0; i < 4; i++) gok(0, "generated example trace");
         return;
     }
     c.batch = batch;
@@ -398,6 +473,7 @@ static void test_without_device(void)
     void *dev = NULL;
     ok(rp_gpu_dev_upload(ids, sizeof ids, &dev, &err) != RP_OK && dev == NULL, "no device memory without a GPU");
     ok(!rp_gpu_pointer_readable(ids) && !rp_gpu_pointer_readable(NULL), "no pointer is GPU-readable without a GPU");
+    ok(!rp_gpu_pointer_on_device(ids), "no pointer is dispatched to the kernels without a GPU");
     if (rp_gpu_built()) {
         r.layout = RP_ROUTING_PER_LAYER;
         is_int(rp_gpu_routing_histograms(&r, cu, 1, 4, hist, load, &err), RP_EINVAL,
@@ -426,6 +502,7 @@ int main(void)
     test_bad_id(ctx);
     test_empty(ctx);
     test_host_pointers(ctx);
+    test_dispatch(ctx);
     test_generated(ctx);
     ok(gpu_checks_run == GPU_CHECKS, "ran the %d planned GPU checks (%d)", GPU_CHECKS, gpu_checks_run);
     rp_context_free(ctx);

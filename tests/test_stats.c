@@ -1,7 +1,9 @@
 /* Routing statistics (core/stats.c): histograms by hand and against a naive count in
  * every layout, width and thread count; compact widths; microbatch and per-GPU loads;
- * skew; bad input; allocation failures. */
+ * skew; bad input; allocation failures; the constructor from dense counts that the GPU
+ * path of rp_stats_compute uses, against the scan. */
 #include "internal.h"
+#include "stats_internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
 #include "test_util.h"
@@ -359,6 +361,148 @@ static void test_compact_widths(rp_context *ctx)
     rp_stats_free(st);
     fixture_free(&g);
     fixture_free(&f);
+}
+
+/* ---- statistics from dense counts (the GPU path's constructor) ---------------- */
+
+/* Naive dense counts of the fixture, in rp_gpu_routing_histograms' layout:
+ * hist[(s * layers + l) * experts + e] and load[l * experts + e]. */
+static void dense_counts(const fixture *f, uint32_t **hist, int64_t **load)
+{
+    const int64_t *cu = rp_batch_cu_seqlens(f->batch);
+    const size_t cells = (size_t)f->layers * f->experts;
+    *hist = calloc((size_t)f->n * cells + 1, sizeof **hist);
+    *load = calloc(cells, sizeof **load);
+    for (int32_t s = 0; s < f->n; s++)
+        for (int64_t t = cu[s]; t < cu[s + 1]; t++)
+            for (int32_t l = 0; l < f->layers; l++)
+                for (int32_t j = 0; j < f->k; j++) {
+                    const size_t c = (size_t)l * f->experts + (size_t)id_of(f, t, l, j);
+                    (*hist)[(size_t)s * cells + c]++;
+                    (*load)[c]++;
+                }
+}
+
+/* Build statistics from the fixture's dense counts and from a scan of its packed u8/u16
+ * view; 1 when both are the same in every field (stats_same) and through the API. */
+static int from_counts_matches_scan(rp_context *ctx, const char *name, fixture *f, rp_id_width w)
+{
+    uint32_t *hist;
+    int64_t *load;
+    dense_counts(f, &hist, &load);
+    rp_routing r;
+    make_view(f, 0, w, &r);
+    rp_stats *scan = NULL, *dense = NULL;
+    rp_error err;
+    int good = rp_stats_compute(ctx, f->batch, &r, f->experts, 2, &scan, &err) == RP_OK;
+    if (!good) diag("%s: scan: %s", name, err.text);
+    if (good && stats_from_counts(ctx, f->n, f->layers, f->experts, f->k, f->tokens, hist, load,
+                                  &dense, &err) != RP_OK) {
+        diag("%s: from counts: %s", name, err.text);
+        good = 0;
+    }
+    if (good && !stats_same(scan, dense)) diag("%s: fields differ", name), good = 0;
+    if (good && !same_stats(scan, dense)) diag("%s: accessors differ", name), good = 0;
+    if (good && !matches_naive(f, dense)) diag("%s: differs from the naive count", name), good = 0;
+    rp_stats_free(scan);
+    rp_stats_free(dense);
+    free(hist), free(load);
+    return good;
+}
+
+static void test_from_counts(rp_context *ctx)
+{
+    /* every stored width: 1, 2, 4, and 0 for an empty sequence (as test_compact_widths) */
+    int32_t lens[6] = {10, 300, 0, 70000, 30000, 100};
+    fixture f;
+    fixture_init(&f, ctx, 6, lens, 2, 3, 16);
+    const int64_t *cu = rp_batch_cu_seqlens(f.batch);
+    for (int64_t t = 0; t < f.tokens; t++)
+        for (int32_t l = 0; l < 2; l++)
+            for (int32_t j = 0; j < 3; j++) {
+                int32_t id = (int32_t)((t * 7 + l * 3 + j * 5) % 16);
+                if (t >= cu[1] && t < cu[2] && j == 0) id = 1;
+                if (t >= cu[3] && t < cu[4] && l == 0) id = 2;
+                f.ids[(t * 2 + l) * 3 + j] = id;
+            }
+    ok(from_counts_matches_scan(ctx, "every width", &f, RP_ID_U8),
+       "from dense counts: every width, offset, count, load and size equal the scan's");
+
+    /* a difference in one count is seen: the comparison can fail */
+    uint32_t *hist;
+    int64_t *load;
+    dense_counts(&f, &hist, &load);
+    rp_routing r;
+    make_view(&f, 0, RP_ID_U8, &r);
+    rp_stats *scan = NULL, *dense = NULL;
+    rp_stats_compute(ctx, f.batch, &r, 16, 1, &scan, NULL);
+    hist[(size_t)5 * 32 + 7] += 1; /* sequence 5, layer 0, expert 7 */
+    load[7] += 1;
+    is_int(stats_from_counts(ctx, 6, 2, 16, 3, f.tokens, hist, load, &dense, NULL), RP_OK,
+           "from dense counts: a changed count");
+    ok(!stats_same(scan, dense), "from dense counts: one changed count makes the statistics differ");
+    rp_stats_free(dense);
+    /* a count past 255 in an otherwise width-1 sequence widens it to 2 bytes */
+    hist[(size_t)5 * 32 + 7] = 300;
+    is_int(stats_from_counts(ctx, 6, 2, 16, 3, f.tokens, hist, load, &dense, NULL), RP_OK,
+           "from dense counts: a count of 300");
+    is_int(rp_stats_seq_count(dense, 5, 0, 7), 300, "from dense counts: widened sequence keeps 300");
+    is_int(rp_stats_bytes(dense), rp_stats_bytes(scan) + 32, "from dense counts: its width is 2 bytes");
+    rp_stats_free(dense);
+    rp_stats_free(scan);
+    free(hist), free(load);
+    fixture_free(&f);
+
+    /* random routing, many short and empty sequences, u16 ids */
+    int32_t many[57];
+    for (int i = 0; i < 57; i++) many[i] = i % 5 == 2 ? 0 : (int32_t)rnd(90);
+    fixture g;
+    fixture_init(&g, ctx, 57, many, 4, 2, 300);
+    fixture_random(&g, 1);
+    ok(from_counts_matches_scan(ctx, "random", &g, RP_ID_U16),
+       "from dense counts: random routing of 57 sequences equals the scan");
+    fixture_free(&g);
+
+    /* no sequences; and only empty sequences */
+    fixture h;
+    fixture_init(&h, ctx, 0, NULL, 3, 2, 5);
+    ok(from_counts_matches_scan(ctx, "empty batch", &h, RP_ID_U8), "from dense counts: an empty batch");
+    fixture_free(&h);
+    int32_t zeros[3] = {0, 0, 0};
+    fixture_init(&h, ctx, 3, zeros, 3, 2, 5);
+    ok(from_counts_matches_scan(ctx, "empty sequences", &h, RP_ID_U8),
+       "from dense counts: only empty sequences");
+    fixture_free(&h);
+
+    rp_error err;
+    is_int(stats_from_counts(ctx, -1, 2, 4, 1, 0, NULL, NULL, &dense, &err), RP_EINVAL,
+           "from dense counts: a negative sequence count is rejected");
+
+    /* every allocation fails cleanly and leaks nothing */
+    int32_t few[4] = {3, 0, 5, 2};
+    fixture_init(&h, ctx, 4, few, 2, 2, 4);
+    fixture_random(&h, 0);
+    dense_counts(&h, &hist, &load);
+    int cleanly = 1, tried = 0;
+    for (long n = 1; n < 20; n++) {
+        counting c = {0};
+        rp_context *fctx;
+        rp_context_new(counting_alloc, &c, &fctx);
+        c.fail_at = n + 1; /* the context took call 1 */
+        dense = NULL;
+        rp_status s = stats_from_counts(fctx, 4, 2, 4, 2, h.tokens, hist, load, &dense, NULL);
+        if (s == RP_OK) rp_stats_free(dense);
+        else if (s != RP_ENOMEM || dense != NULL) cleanly = 0;
+        int all_tried = c.fail_at > c.calls;
+        rp_context_free(fctx);
+        if (c.live != 0) cleanly = 0;
+        if (all_tried) break;
+        tried++;
+    }
+    ok(tried >= 4 && cleanly, "from dense counts: each of %d allocations fails cleanly, leaking nothing",
+       tried);
+    free(hist), free(load);
+    fixture_free(&h);
 }
 
 static void test_microbatches(rp_context *ctx)
@@ -754,6 +898,7 @@ int main(void)
     test_layouts_and_widths(ctx);
     test_threads(ctx);
     test_compact_widths(ctx);
+    test_from_counts(ctx);
     test_microbatches(ctx);
     test_microbatch_blocks(ctx);
     test_loads_per_gpu();

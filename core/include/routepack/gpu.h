@@ -16,10 +16,10 @@ RP_API int rp_gpu_count(void);
 RP_API int rp_gpu_built(void);
 /* 1 when a kernel of the current device can read `ptr`: device or managed memory, pinned
  * host memory, or any host memory on a device with pageable memory access (HMM, ATS);
- * 0 otherwise, for NULL, and without CUDA or a device. How to pick a path: the rp_gpu_*
- * calls take routing in device memory and check it with this (a host pointer is
- * RP_EINVAL, not a fault that would end the CUDA context); the CPU calls (rp_stats_compute,
- * rp_remap) read host memory. A caller holding either kind asks this, then calls one. */
+ * 0 otherwise, for NULL, and without CUDA or a device. The rp_gpu_* calls check their
+ * device arrays with this (a host pointer is RP_EINVAL, not a fault that would end the
+ * CUDA context). rp_stats_compute and rp_remap pick the path themselves: device or
+ * managed memory goes to these kernels, host memory (even readable here) to the CPU. */
 RP_API int rp_gpu_pointer_readable(const void *ptr);
 
 /* Dense histograms from routing ids in device memory (packed [tokens, layers, k] with

@@ -1,7 +1,8 @@
 /* Remap: for every token-choice of a microbatch, the physical slot (EP rank, slot) it is
  * dispatched to under a placement with replicas, splitting each expert's tokens over
  * its replicas deterministically, as the cost model assumes. The split rule is in
- * docs/kernels.md; rp_gpu_remap (routepack/gpu.h) gives the same integers on a GPU. */
+ * docs/kernels.md; rp_gpu_remap (routepack/gpu.h) gives the same integers on a GPU,
+ * and rp_remap forwards device memory to it. */
 #ifndef ROUTEPACK_REMAP_H
 #define ROUTEPACK_REMAP_H
 
@@ -46,7 +47,18 @@ RP_API int32_t rp_remap_physical_ep_rank(const rp_plan *plan, int32_t mb, int32_
  * twice in the microbatch, an expert without a replica, shares that do not match the
  * replica count or sum to 0 (RP_EPLAN); an id out of range (RP_ERANGE, naming the
  * lowest sequence, then layer, token and choice, as rp_routing_check); more than
- * 2^31-1 token-choices on one GPU (RP_ERANGE). */
+ * 2^31-1 token-choices on one GPU (RP_ERANGE).
+ *
+ * Device memory: when the routing ids are device (or managed) memory (asked of CUDA,
+ * routepack/gpu.h), the call is rp_gpu_remap's: phys_ids must then be device memory
+ * too, the view packed (any strides; per-sequence or per-layer device arrays are
+ * RP_ENOTSUP), `num_threads` is ignored, slot_tokens is still written on the host, the
+ * same integers result, and the device is synchronised before the call returns (more
+ * split (layer, expert) pairs than the kernel holds is RP_ENOTSUP, see rp_gpu_remap).
+ * Ids and phys_ids on different sides (when the batch has tokens), a view whose
+ * arrays are partly on each, or slot_tokens in device memory are RP_EINVAL. Host
+ * memory (pinned or pageable) always takes the CPU path, as does everything without
+ * CUDA or a GPU. */
 RP_API rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb,
                           const rp_batch *batch, const rp_routing *routing, rp_split_rule rule,
                           int32_t num_threads, int32_t *phys_ids, int64_t *slot_tokens,

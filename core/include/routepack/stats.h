@@ -14,7 +14,24 @@ extern "C" {
 typedef struct rp_stats rp_stats;
 
 /* Scan the routing once. `num_threads` <= 0 picks the number of online CPUs (capped at
- * 64). Checks the view against the batch and every id against num_experts. */
+ * 64). Checks the view against the batch and every id against num_experts; the first
+ * id out of range is RP_ERANGE, named as rp_routing_check names it (lowest sequence,
+ * then layer, token, choice), and no statistics are made.
+ *
+ * Device memory: when the view's id arrays are device (or managed) memory (asked of
+ * CUDA, routepack/gpu.h), the counts come from the histogram kernel
+ * (rp_gpu_routing_histograms) and are stored exactly as the scan stores them, so the
+ * result and every call on it are bit-identical to the CPU path's; `num_threads` is
+ * ignored. The view must then be packed (any strides; per-sequence or per-layer device
+ * arrays are RP_ENOTSUP); a view whose arrays are partly host, partly device memory is
+ * RP_EINVAL naming the first that differs. The batch stays on the host: its cu_seqlens
+ * are copied to the device for the call, and the dense counts (num_seqs x layers x
+ * experts uint32) are held on the host until the compact statistics are built. The
+ * call synchronises the device (legacy default stream) before returning; CUDA failures
+ * are RP_EIO (RP_ENOMEM for device memory). Host memory (pinned or pageable, even where
+ * a kernel could read it) always takes the CPU path, as does everything in a build
+ * without CUDA or on a machine without a GPU. On a machine with a GPU the check
+ * initialises the CUDA runtime on first use. */
 RP_API rp_status rp_stats_compute(rp_context *ctx, const rp_batch *batch, const rp_routing *routing,
                            int32_t num_experts, int32_t num_threads, rp_stats **out,
                            rp_error *err);

@@ -1,0 +1,24 @@
+/* The rp_stats constructor from dense counts, shared by the GPU path of
+ * rp_stats_compute and the tests that check it against the CPU scan. Not installed. */
+#ifndef RP_STATS_INTERNAL_H
+#define RP_STATS_INTERNAL_H
+
+#include "internal.h"
+#include "routepack/stats.h"
+
+/* Build statistics from dense counts: seq_hist[(s * num_layers + l) * num_experts + e]
+ * for num_seqs sequences (NULL when num_seqs is 0) and expert_load[l * num_experts + e].
+ * The result is stored as rp_stats_compute stores it (each sequence in the narrowest
+ * width of 1, 2 or 4 bytes holding its largest count, none when all are zero), so a
+ * scan of the same routing gives equal statistics (stats_same). num_tokens and top_k
+ * are recorded as given. Errors: sizes that overflow memory (RP_ERANGE), no memory. */
+rp_status stats_from_counts(rp_context *ctx, int32_t num_seqs, int32_t num_layers,
+                            int32_t num_experts, int32_t top_k, int64_t num_tokens,
+                            const uint32_t *seq_hist, const int64_t *expert_load,
+                            rp_stats **out, rp_error *err);
+
+/* True when a and b hold the same statistics in the same storage: every count, width,
+ * offset, load and size. */
+bool stats_same(const rp_stats *a, const rp_stats *b);
+
+#endif
