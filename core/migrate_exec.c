@@ -3,6 +3,8 @@
  * Also the transport handle functions every transport shares. */
 #include "transport.h"
 
+#include "routepack/checksum.h"
+
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
@@ -52,6 +54,17 @@ rp_fault_kind rp_transport_next_send_fault(rp_transport *t, double *delay_s)
     if (delay_s) *delay_s = t->fault.delay_s;
     t->fault.kind = RP_FAULT_NONE; /* once */
     return kind;
+}
+
+rp_status rp_transport_checksum_host(rp_transport *t, const void *const *part_ptr, const size_t *part_bytes,
+                                     const int32_t *part_begin, int32_t num_experts, uint64_t *checksums,
+                                     double deadline, rp_error *err)
+{
+    (void)t, (void)deadline, (void)err;
+    for (int32_t i = 0; i < num_experts; i++)
+        checksums[i] = rp_checksum_expert(part_ptr + part_begin[i], part_bytes + part_begin[i],
+                                          part_begin[i + 1] - part_begin[i]);
+    return RP_OK;
 }
 
 rp_status rp_transport_barrier(rp_transport *t, double deadline, rp_error *err)
@@ -348,29 +361,70 @@ static bool local_checks(exec *x, const rp_migration_exec_options *opts)
     return true;
 }
 
-/* Hash the bytes of one expert held in a slot (its tensors in order). */
-static rp_status hash_slot(exec *x, int32_t layer, int32_t slot, double deadline, uint64_t *out, rp_error *err)
+/* Experts to checksum in one transport call (on NCCL one rp_gpu_checksum call for them all):
+ * each expert's parts in transport memory, laid out as rp_transport_vtable.checksum
+ * takes them. */
+typedef struct sum_batch {
+    const void **part_ptr;
+    size_t *part_bytes;
+    int32_t *part_begin; /* [n + 1] */
+    uint64_t *sums;      /* [n] after batch_run */
+    int32_t n;
+} sum_batch;
+
+/* Room for `experts` experts of `parts` parts in all. */
+static bool batch_alloc(exec *x, sum_batch *b, int64_t experts, int64_t parts)
+{
+    memset(b, 0, sizeof *b);
+    if (experts >= INT32_MAX || parts >= INT32_MAX) return false;
+    b->part_ptr = rp_alloc(x->ctx, (size_t)(parts + 1) * sizeof *b->part_ptr);
+    b->part_bytes = rp_alloc(x->ctx, (size_t)(parts + 1) * sizeof *b->part_bytes);
+    b->part_begin = rp_alloc(x->ctx, (size_t)(experts + 1) * sizeof *b->part_begin);
+    b->sums = rp_alloc(x->ctx, (size_t)(experts + 1) * sizeof *b->sums);
+    if (!b->part_ptr || !b->part_bytes || !b->part_begin || !b->sums) return false;
+    b->part_begin[0] = 0;
+    return true;
+}
+
+static void batch_free(exec *x, sum_batch *b)
+{
+    rp_free(x->ctx, b->part_ptr);
+    rp_free(x->ctx, b->part_bytes);
+    rp_free(x->ctx, b->part_begin);
+    rp_free(x->ctx, b->sums);
+    memset(b, 0, sizeof *b);
+}
+
+static void batch_add_part(sum_batch *b, const void *ptr, size_t bytes)
+{
+    int32_t p = b->part_begin[b->n + 1]++;
+    b->part_ptr[p] = ptr;
+    b->part_bytes[p] = bytes;
+}
+
+/* The expert held in a slot: its tensors in registration order. */
+static void batch_add_slot(exec *x, sum_batch *b, int32_t layer, int32_t slot)
 {
     int32_t count = 0;
     const rp_tensor *ts = rp_registry_tensors(x->reg, layer, slot, &count);
-    rp_hash_state st;
-    rp_hash_init(&st, 0);
-    for (int32_t i = 0; i < count; i++) {
-        rp_status s = x->t->vt->hash(x->t, &st, ts[i].data, ts[i].bytes, deadline, err);
-        if (s != RP_OK) return s;
-    }
-    *out = rp_hash_final(&st);
-    return RP_OK;
+    b->part_begin[b->n + 1] = b->part_begin[b->n];
+    for (int32_t i = 0; i < count; i++) batch_add_part(b, ts[i].data, ts[i].bytes);
+    b->n++;
 }
 
-static rp_status hash_staged(exec *x, int64_t transfer, double deadline, uint64_t *out, rp_error *err)
+/* The staged copy of a transfer: one contiguous part (the checksum does not see where
+ * parts begin and end, so it equals the slot's). */
+static void batch_add_staged(exec *x, sum_batch *b, int64_t transfer)
 {
-    rp_hash_state st;
-    rp_hash_init(&st, 0);
-    rp_status s = x->t->vt->hash(x->t, &st, x->staging + x->w.stage_off[transfer], (size_t)x->tr[transfer].bytes,
-                                 deadline, err);
-    *out = rp_hash_final(&st);
-    return s;
+    b->part_begin[b->n + 1] = b->part_begin[b->n];
+    batch_add_part(b, x->staging + x->w.stage_off[transfer], (size_t)x->tr[transfer].bytes);
+    b->n++;
+}
+
+static rp_status batch_run(exec *x, sum_batch *b, double deadline, rp_error *err)
+{
+    if (b->n == 0) return RP_OK;
+    return x->t->vt->checksum(x->t, b->part_ptr, b->part_bytes, b->part_begin, b->n, b->sums, deadline, err);
 }
 
 /* Ops of one round, with what each op carries (for naming a failure). */
@@ -469,6 +523,7 @@ static void run_round(exec *x, int32_t round, double deadline)
     rp_transport *t = x->t;
     const int32_t P = t->size;
     round_ops ro = {0};
+    sum_batch src_sums = {0}, staged_sums = {0};
     rp_error e;
     rp_error_clear(&e);
     int64_t *send_count = rp_calloc(x->ctx, (size_t)P, sizeof(int64_t));
@@ -520,18 +575,45 @@ static void run_round(exec *x, int32_t round, double deadline)
         h[5] = (uint64_t)(x->base + p);
         h[6] = (uint64_t)send_count[p];
     }
+    /* One batch: every expert this rank sends, then the slot of every copy inside it
+     * (compared with its staged copy after the round). */
+    const int64_t num_send = w->round_send[round + 1] - w->round_send[round];
+    const int64_t num_local = w->round_local[round + 1] - w->round_local[round];
+    const int64_t num_recv = w->round_recv[round + 1] - w->round_recv[round];
+    {
+        int64_t parts = 0;
+        int32_t count = 0;
+        for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) {
+            rp_registry_tensors(x->reg, x->tr[w->send[k]].layer, x->tr[w->send[k]].src_slot, &count);
+            parts += count;
+        }
+        for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++) {
+            rp_registry_tensors(x->reg, x->tr[w->local[k]].layer, x->tr[w->local[k]].src_slot, &count);
+            parts += count;
+        }
+        if (!batch_alloc(x, &src_sums, num_send + num_local, parts) ||
+            !batch_alloc(x, &staged_sums, num_local + num_recv, num_local + num_recv)) {
+            note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's checksum lists", round);
+            goto out;
+        }
+    }
+    for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++)
+        batch_add_slot(x, &src_sums, x->tr[w->send[k]].layer, x->tr[w->send[k]].src_slot);
+    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++)
+        batch_add_slot(x, &src_sums, x->tr[w->local[k]].layer, x->tr[w->local[k]].src_slot);
+    if (batch_run(x, &src_sums, deadline, &e) != RP_OK) {
+        const rp_migration_transfer *tr = &x->tr[num_send > 0 ? w->send[w->round_send[round]]
+                                                              : w->local[w->round_local[round]]];
+        note(&x->mine, e.status, round, tr->layer, tr->expert, -1, "round %d: checksumming the %d experts of "
+             "this rank's slots to send or copy failed (layer %d expert %d is the first): %s", round, src_sums.n,
+             tr->layer, tr->expert, inner(&e));
+        goto out;
+    }
     {
         int64_t *fill = msg_index; /* reuse as per-peer checksum cursor, reset below */
         for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) {
-            const rp_migration_transfer *tr = &x->tr[w->send[k]];
-            int32_t p = tr->dst_gpu - x->base;
-            uint64_t sum;
-            if (hash_slot(x, tr->layer, tr->src_slot, deadline, &sum, &e) != RP_OK) {
-                note(&x->mine, e.status, round, tr->layer, tr->expert, tr->dst_gpu,
-                     "layer %d expert %d: reading it to send failed: %s", tr->layer, tr->expert, inner(&e));
-                goto out;
-            }
-            ro.send_hdr[send_hoff[p] + HEADER_WORDS + fill[p]++] = sum;
+            int32_t p = x->tr[w->send[k]].dst_gpu - x->base;
+            ro.send_hdr[send_hoff[p] + HEADER_WORDS + fill[p]++] = src_sums.sums[k - w->round_send[round]];
         }
         memset(msg_index, 0, (size_t)P * sizeof(int64_t));
     }
@@ -572,30 +654,21 @@ static void run_round(exec *x, int32_t round, double deadline)
     }
 
     /* Copies inside this GPU, through staging, before the batch starts (on NCCL a copy
-     * waits for the stream, which would then wait for the batch). */
+     * waits for the stream, which would then wait for the batch); checked with the
+     * received experts below. */
     for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++) {
         int64_t i = w->local[k];
         const rp_migration_transfer *tr = &x->tr[i];
         int32_t count = 0;
         const rp_tensor *ts = rp_registry_tensors(x->reg, tr->layer, tr->src_slot, &count);
-        uint64_t before, after;
-        rp_status st = hash_slot(x, tr->layer, tr->src_slot, deadline, &before, &e);
         size_t off = 0;
-        for (int32_t j = 0; j < count && st == RP_OK; j++) {
-            st = t->vt->copy(t, x->staging + x->w.stage_off[i] + off, ts[j].data, ts[j].bytes, deadline, &e);
+        for (int32_t j = 0; j < count; j++) {
+            if (t->vt->copy(t, x->staging + x->w.stage_off[i] + off, ts[j].data, ts[j].bytes, deadline, &e) != RP_OK) {
+                note(&x->mine, e.status, round, tr->layer, tr->expert, x->gpu, "layer %d expert %d: copying it from "
+                     "slot %d into staging failed: %s", tr->layer, tr->expert, tr->src_slot, inner(&e));
+                goto out;
+            }
             off += ts[j].bytes;
-        }
-        if (st == RP_OK) st = hash_staged(x, i, deadline, &after, &e);
-        if (st != RP_OK) {
-            note(&x->mine, st, round, tr->layer, tr->expert, x->gpu, "layer %d expert %d: copying it from slot %d "
-                 "into staging failed: %s", tr->layer, tr->expert, tr->src_slot, inner(&e));
-            goto out;
-        }
-        if (before != after) {
-            note(&x->mine, RP_ECHECKSUM, round, tr->layer, tr->expert, x->gpu,
-                 "layer %d expert %d: checksum mismatch after copying it from slot %d (0x%016" PRIx64
-                 " staged, 0x%016" PRIx64 " in the slot)", tr->layer, tr->expert, tr->src_slot, after, before);
-            goto out;
         }
     }
     int32_t failed = -1;
@@ -635,17 +708,35 @@ static void run_round(exec *x, int32_t round, double deadline)
             goto finish;
         }
     }
-    memset(msg_index, 0, (size_t)P * sizeof(int64_t));
-    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
-        int64_t i = w->recv[k];
-        const rp_migration_transfer *tr = &x->tr[i];
-        int32_t p = tr->src_gpu - x->base;
-        uint64_t want = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + msg_index[p]++], got;
-        if (hash_staged(x, i, deadline, &got, &e) != RP_OK) {
-            note(&x->mine, e.status, round, tr->layer, tr->expert, tr->src_gpu, "layer %d expert %d from rank %d: "
-                 "reading it to check failed: %s", tr->layer, tr->expert, p, inner(&e));
+    /* One batch: every copy inside this GPU, then every received expert, as staged. */
+    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++)
+        batch_add_staged(x, &staged_sums, w->local[k]);
+    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++)
+        batch_add_staged(x, &staged_sums, w->recv[k]);
+    if (batch_run(x, &staged_sums, deadline, &e) != RP_OK) {
+        const rp_migration_transfer *tr = &x->tr[num_local > 0 ? w->local[w->round_local[round]]
+                                                               : w->recv[w->round_recv[round]]];
+        note(&x->mine, e.status, round, tr->layer, tr->expert, tr->src_gpu, "round %d: checksumming the %d staged "
+             "experts failed (layer %d expert %d is the first): %s", round, staged_sums.n, tr->layer, tr->expert,
+             inner(&e));
+        goto finish;
+    }
+    for (int64_t j = 0; j < num_local; j++) {
+        const rp_migration_transfer *tr = &x->tr[w->local[w->round_local[round] + j]];
+        uint64_t before = src_sums.sums[num_send + j], after = staged_sums.sums[j];
+        if (before != after) {
+            note(&x->mine, RP_ECHECKSUM, round, tr->layer, tr->expert, x->gpu,
+                 "layer %d expert %d: checksum mismatch after copying it from slot %d (0x%016" PRIx64
+                 " staged, 0x%016" PRIx64 " in the slot)", tr->layer, tr->expert, tr->src_slot, after, before);
             goto finish;
         }
+    }
+    memset(msg_index, 0, (size_t)P * sizeof(int64_t));
+    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
+        const rp_migration_transfer *tr = &x->tr[w->recv[k]];
+        int32_t p = tr->src_gpu - x->base;
+        uint64_t want = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + msg_index[p]++];
+        uint64_t got = staged_sums.sums[num_local + (k - w->round_recv[round])];
         if (got != want) {
             note(&x->mine, RP_ECHECKSUM, round, tr->layer, tr->expert, tr->src_gpu,
                  "layer %d expert %d from rank %d: checksum mismatch (0x%016" PRIx64 " received, 0x%016" PRIx64
@@ -660,6 +751,8 @@ nomem:
     note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's message lists", round);
 out:
     round_ops_free(x, &ro, x->buffers_in_use);
+    batch_free(x, &src_sums);
+    batch_free(x, &staged_sums);
     rp_free(x->ctx, send_count);
     rp_free(x->ctx, recv_count);
     rp_free(x->ctx, send_first);

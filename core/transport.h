@@ -1,6 +1,6 @@
 /* The transport interface the migration executor drives (private): batches of
  * non-blocking sends and receives waited on with a deadline, allgather, barrier, and
- * the memory operations of the transport's memory kind. Built in: in-process threads
+ * the memory operations and expert checksums of the transport's memory kind. Built in: in-process threads
  * (transport_local.c), MPI (transport_mpi.c), NCCL (transport_nccl.c). */
 #ifndef RP_TRANSPORT_H
 #define RP_TRANSPORT_H
@@ -45,10 +45,15 @@ typedef struct rp_transport_vtable {
     /* dst <- src, both transport memory, `bytes` bytes; bounded by `deadline`. */
     rp_status (*copy)(rp_transport *t, void *dst, const void *src, size_t bytes,
                       double deadline, rp_error *err);
-    /* Feed `bytes` bytes of transport memory to a hash (device memory goes through the
-     * host: slow, see docs/migration.md). */
-    rp_status (*hash)(rp_transport *t, rp_hash_state *st, const void *src, size_t bytes,
-                      double deadline, rp_error *err);
+    /* Checksums of `num_experts` experts in transport memory: expert i is the
+     * concatenation of parts part_begin[i] .. part_begin[i+1]-1 (part_ptr[p], part_bytes[p];
+     * the arrays are host memory), and checksums[i] (host) = rp_checksum_expert of those
+     * bytes (routepack/checksum.h), whatever computes it, so the checksums of any two
+     * transports compare. Host memory: rp_transport_checksum_host. NCCL: the GPU kernel
+     * rp_gpu_checksum on the transport's stream (docs/migration.md). Bounded by `deadline`. */
+    rp_status (*checksum)(rp_transport *t, const void *const *part_ptr, const size_t *part_bytes,
+                          const int32_t *part_begin, int32_t num_experts, uint64_t *checksums,
+                          double deadline, rp_error *err);
     /* Host <-> transport memory, for headers. */
     rp_status (*to_host)(rp_transport *t, void *host, const void *src, size_t bytes,
                          double deadline, rp_error *err);
@@ -68,6 +73,8 @@ struct rp_transport {
     char broken_why[160];
     rp_fault fault;            /* injected fault (tests only; see transport_fault.h) */
     int64_t payload_sends;     /* payload sends started since the fault was set */
+    bool device_checksum;      /* NCCL: checksums run on the GPU; false: through the host
+                                * (where the kernel cannot run; tests clear it to test that) */
 };
 
 /* Every rank waits until all have arrived (an allgather of one byte), until `deadline`. */
@@ -78,6 +85,10 @@ double rp_now_s(void);
 /* Initialise the shared fields of a transport. */
 void rp_transport_init(rp_transport *t, const rp_transport_vtable *vt, rp_context *ctx,
                        int32_t rank, int32_t size, rp_memory memory, size_t max_message_bytes);
+/* The checksum callback of the host transports: rp_checksum_expert of each expert. */
+rp_status rp_transport_checksum_host(rp_transport *t, const void *const *part_ptr, const size_t *part_bytes,
+                                     const int32_t *part_begin, int32_t num_experts, uint64_t *checksums,
+                                     double deadline, rp_error *err);
 /* Mark a transport unusable, keeping the first reason. */
 void rp_transport_break(rp_transport *t, const char *why);
 /* The fault to apply to the next payload send (counts it), or RP_FAULT_NONE. A fault

@@ -383,14 +383,6 @@ static rp_status local_copy(rp_transport *t, void *dst, const void *src, size_t 
     return RP_OK;
 }
 
-static rp_status local_hash(rp_transport *t, rp_hash_state *st, const void *src, size_t bytes, double deadline,
-                            rp_error *err)
-{
-    (void)t, (void)deadline, (void)err;
-    rp_hash_update(st, src, bytes);
-    return RP_OK;
-}
-
 static void local_destroy(rp_transport *t)
 {
     local_transport *lt = (local_transport *)t;
@@ -404,7 +396,7 @@ static void local_destroy(rp_transport *t)
 
 static const rp_transport_vtable local_vtable = {
     "local", local_start, local_wait, local_finish, local_allgather, local_alloc, local_free,
-    local_copy, local_hash, local_copy, local_copy, local_destroy,
+    local_copy, rp_transport_checksum_host, local_copy, local_copy, local_destroy,
 };
 
 rp_status rp_transport_local_new(rp_local_hub *h, int32_t rank, rp_transport **out, rp_error *err)

@@ -265,14 +265,6 @@ static rp_status mpi_copy(rp_transport *t, void *dst, const void *src, size_t by
     return RP_OK;
 }
 
-static rp_status mpi_hash(rp_transport *t, rp_hash_state *st, const void *src, size_t bytes, double deadline,
-                          rp_error *err)
-{
-    (void)t, (void)deadline, (void)err;
-    rp_hash_update(st, src, bytes);
-    return RP_OK;
-}
-
 static void mpi_destroy(rp_transport *t)
 {
     mpi_transport *mt = (mpi_transport *)t;
@@ -291,7 +283,7 @@ static void mpi_destroy(rp_transport *t)
 
 static const rp_transport_vtable mpi_vtable = {
     "mpi", mpi_start, mpi_wait, mpi_finish, mpi_allgather, mpi_alloc, mpi_free,
-    mpi_copy, mpi_hash, mpi_copy, mpi_copy, mpi_destroy,
+    mpi_copy, rp_transport_checksum_host, mpi_copy, mpi_copy, mpi_destroy,
 };
 
 rp_status rp_transport_mpi_new(rp_context *ctx, MPI_Comm comm, rp_transport **out, rp_error *err)

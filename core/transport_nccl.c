@@ -1,17 +1,20 @@
 /* The NCCL transport: grouped ncclSend/ncclRecv of device buffers on the trainer's
  * communicator and stream, bounded waits (cudaEventQuery plus ncclCommGetAsyncError
- * until a deadline, ncclCommAbort on failure), checksums through host memory. */
+ * until a deadline, ncclCommAbort on failure), expert checksums by the GPU kernel
+ * rp_gpu_checksum on the same stream (through host memory where it cannot run). */
 #include "transport.h"
 
 #ifdef RP_HAVE_NCCL
 
+#include "checksum_internal.h"
+#include "routepack/gpu.h"
 #include "routepack/migrate_nccl.h"
 
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
 
-#define BOUNCE_BYTES ((size_t)4 << 20) /* pinned host buffer for hashing and headers */
+#define BOUNCE_BYTES ((size_t)4 << 20) /* pinned host buffer for headers and host checksums */
 #define FINISH_BOUND_S 5.0             /* how long finish waits for a batch before aborting */
 
 typedef struct nccl_transport {
@@ -283,22 +286,56 @@ static rp_status nccl_copy(rp_transport *t, void *dst, const void *src, size_t b
     return sync_stream(nt, deadline, "a device copy", err);
 }
 
-/* Device memory through the pinned buffer, chunk by chunk (the slow host checksum). */
-static rp_status nccl_hash(rp_transport *t, rp_hash_state *st, const void *src, size_t bytes, double deadline,
-                           rp_error *err)
+/* The host checksum, where the kernel cannot run: device memory through the pinned
+ * buffer, chunk by chunk, into the streaming form of rp_checksum_expert (slow: host copy
+ * bandwidth bounds it). */
+static rp_status host_checksum(nccl_transport *nt, const void *const *part_ptr, const size_t *part_bytes,
+                               const int32_t *part_begin, int32_t num_experts, uint64_t *checksums, double deadline,
+                               rp_error *err)
 {
-    nccl_transport *nt = (nccl_transport *)t;
-    for (size_t done = 0; done < bytes;) {
-        size_t n = bytes - done < BOUNCE_BYTES ? bytes - done : BOUNCE_BYTES;
-        cudaError_t rc = cudaMemcpyAsync(nt->bounce, (const unsigned char *)src + done, n, cudaMemcpyDeviceToHost,
-                                         nt->stream);
-        if (rc != cudaSuccess) return cuda_error(err, rc, "reading device memory for a checksum");
-        rp_status s = sync_stream(nt, deadline, "reading device memory for a checksum", err);
-        if (s != RP_OK) return s;
-        rp_hash_update(st, nt->bounce, n);
-        done += n;
+    for (int32_t i = 0; i < num_experts; i++) {
+        rp_checksum_state cs;
+        rp_checksum_init(&cs);
+        for (int32_t p = part_begin[i]; p < part_begin[i + 1]; p++)
+            for (size_t done = 0; done < part_bytes[p];) {
+                size_t n = part_bytes[p] - done < BOUNCE_BYTES ? part_bytes[p] - done : BOUNCE_BYTES;
+                cudaError_t rc = cudaMemcpyAsync(nt->bounce, (const unsigned char *)part_ptr[p] + done, n,
+                                                 cudaMemcpyDeviceToHost, nt->stream);
+                if (rc != cudaSuccess) return cuda_error(err, rc, "reading device memory for a checksum");
+                rp_status s = sync_stream(nt, deadline, "reading device memory for a checksum", err);
+                if (s != RP_OK) return s;
+                rp_checksum_update(&cs, nt->bounce, n);
+                done += n;
+            }
+        checksums[i] = rp_checksum_final(&cs);
     }
     return RP_OK;
+}
+
+/* Every expert of the batch in one rp_gpu_checksum call on the transport's stream. The
+ * work queued there before is waited for first under the deadline (polling, abort on
+ * failure), so the synchronisation inside rp_gpu_checksum waits only for its own
+ * kernels, whose time is bounded by the bytes. */
+static rp_status nccl_checksum(rp_transport *t, const void *const *part_ptr, const size_t *part_bytes,
+                               const int32_t *part_begin, int32_t num_experts, uint64_t *checksums, double deadline,
+                               rp_error *err)
+{
+    nccl_transport *nt = (nccl_transport *)t;
+    if (t->broken) return rp_fail(err, RP_ETRANSPORT, "transport: unusable (%s)", t->broken_why);
+    if (num_experts == 0) return RP_OK;
+    if (t->device_checksum) {
+        rp_status st = sync_stream(nt, deadline, "the work queued before the checksums", err);
+        if (st != RP_OK) return st;
+        rp_error e;
+        rp_error_clear(&e);
+        st = rp_gpu_checksum(t->ctx, part_ptr, part_bytes, part_begin, num_experts, checksums, nt->stream, &e);
+        if (st == RP_OK) return RP_OK;
+        if (st != RP_ENOTSUP)
+            return rp_fail(err, st == RP_ENOMEM ? RP_ENOMEM : RP_ETRANSPORT, "transport: the checksum kernel "
+                           "failed: %s", e.text);
+        t->device_checksum = false; /* no device for the kernel: the host from now on */
+    }
+    return host_checksum(nt, part_ptr, part_bytes, part_begin, num_experts, checksums, deadline, err);
 }
 
 static rp_status nccl_to_host(rp_transport *t, void *host, const void *src, size_t bytes, double deadline,
@@ -348,7 +385,7 @@ static void nccl_destroy(rp_transport *t)
 
 static const rp_transport_vtable nccl_vtable = {
     "nccl", nccl_start, nccl_wait, nccl_finish, nccl_allgather, nccl_alloc, nccl_free,
-    nccl_copy, nccl_hash, nccl_to_host, nccl_from_host, nccl_destroy,
+    nccl_copy, nccl_checksum, nccl_to_host, nccl_from_host, nccl_destroy,
 };
 
 rp_status rp_transport_nccl_new(rp_context *ctx, ncclComm_t comm, cudaStream_t stream, rp_transport **out,
@@ -378,6 +415,14 @@ rp_status rp_transport_nccl_new(rp_context *ctx, ncclComm_t comm, cudaStream_t s
     nt->comm = comm;
     nt->stream = stream;
     rp_transport_init(&nt->base, &nccl_vtable, ctx, rank, size, RP_MEMORY_CUDA, SIZE_MAX);
+#ifdef RP_HAVE_CUDA
+    /* rp_gpu_checksum takes its scratch with cudaMallocAsync: a device without
+     * stream-ordered memory pools checksums through the host instead. */
+    int device = 0, pools = 0;
+    nt->base.device_checksum = cudaGetDevice(&device) == cudaSuccess &&
+                               cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) == cudaSuccess &&
+                               pools != 0;
+#endif
     *out = &nt->base;
     return RP_OK;
 }

@@ -231,7 +231,8 @@ static void test_faults(rp_context *ctx)
                 continue;
             }
             int64_t nth = (int64_t)(rank + k) % 3;
-            int64_t ti = w_fault_transfer(s.mp, &s.lay, rank, nth);
+            int tensor = -1;
+            int64_t ti = w_fault_message(s.mp, &s.lay, rank, nth, &tensor);
             rp_migration_transfer t = {0};
             rp_migration_plan_transfer(s.mp, ti, &t, NULL);
             rp_fault f = {kinds[k], nth, 30.0};
@@ -254,6 +255,16 @@ static void test_faults(rp_context *ctx)
             ok(runs[1].res.rounds_committed == 0 && runs[1].res.failed_rank >= 0 &&
                runs[1].res.failed_layer == t.layer && runs[1].res.failed_expert == t.expert,
                "%s on rank %d: the result names the failure", name, rank);
+            if (kinds[k] == RP_FAULT_CORRUPT) {
+                /* The executor's checksums are rp_checksum_expert of the bytes sent and
+                 * of the bytes received. */
+                uint64_t sent, received;
+                w_expert_checksums(&s.gpu[0], t.layer, t.expert, tensor, &sent, &received);
+                ok(w_error_has_checksums(runs[0].err.text, received, sent),
+                   "corrupt on rank %d: the error's checksums are rp_checksum_expert of the expert as sent "
+                   "(0x%016llx) and as received (0x%016llx)", rank, (unsigned long long)sent,
+                   (unsigned long long)received);
+            }
             /* The transport survives a failed round: the same migration then succeeds. */
             scene_runs(&s, runs, 10.0);
             run_all(runs, NR);
@@ -297,7 +308,7 @@ static void test_fault_later_round(rp_context *ctx)
         if (t.round == 0 && t.src_gpu == 2 && t.dst_gpu != 2) sends_round0 += s.lay.count[t.layer];
     }
     rp_migration_transfer t;
-    rp_migration_plan_transfer(s.mp, w_fault_transfer(s.mp, &s.lay, 2, sends_round0), &t, NULL);
+    rp_migration_plan_transfer(s.mp, w_fault_message(s.mp, &s.lay, 2, sends_round0, NULL), &t, NULL);
     rp_fault f = {RP_FAULT_CORRUPT, sends_round0, 0};
     rp_transport_set_fault(s.t[2], &f);
     rank_run runs[NR];

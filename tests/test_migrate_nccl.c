@@ -1,16 +1,19 @@
 /* The NCCL transport on one GPU: a self send/receive of device buffers through the
- * transport with host checksums, and the executor swapping registered device buffers
- * through device staging. Skips without NCCL in the build or without a GPU. */
+ * transport, its checksums (the GPU kernel, and the host fallback) against
+ * rp_checksum_expert, an injected corruption, and the executor swapping registered
+ * device buffers through device staging. Skips without NCCL in the build or without a
+ * GPU. */
 #include "routepack/routepack.h"
 #include "tap.h"
 
 #ifdef RP_HAVE_NCCL
+#include "routepack/checksum.h"
 #include "routepack/migrate_nccl.h"
 #include "transport.h"
 
 #include <stdlib.h>
 
-#define CHECKS 13
+#define CHECKS 18
 
 static void fill(unsigned char *p, size_t n, unsigned seed)
 {
@@ -35,14 +38,49 @@ static void test_self_transfer(rp_transport *t)
     if (st == RP_OK) st = t->vt->wait(t, deadline, &failed, &err);
     if (st != RP_OK) diag("%s", err.text);
     ok(st == RP_OK && t->vt->finish(t), "nccl: grouped self send and receive of a device buffer");
-    rp_hash_state a, b;
-    rp_hash_init(&a, 0);
-    rp_hash_init(&b, 0);
-    ok(t->vt->hash(t, &a, src, n, deadline, &err) == RP_OK && t->vt->hash(t, &b, dst, n, deadline, &err) == RP_OK,
-       "nccl: host checksums of device memory");
-    is_int(rp_hash_final(&b), rp_hash64(host, n, 0), "nccl: the received bytes have the sent checksum");
+    /* Two experts in one call: the source cut into parts at an odd offset (a block
+     * spans them, the second part is misaligned), the received buffer whole. */
+    const size_t cut = 5001;
+    const void *parts[3] = {src, (unsigned char *)src + cut, dst};
+    const size_t part_bytes[3] = {cut, n - cut, n};
+    const int32_t begin[3] = {0, 2, 3};
+    const uint64_t want = rp_checksum_bytes(host, n);
+    uint64_t sums[2] = {0, 0};
+    int device_id = 0, pools = 0;
+    cudaGetDevice(&device_id);
+    cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_id);
+    ok(t->vt->checksum(t, parts, part_bytes, begin, 2, sums, deadline, &err) == RP_OK,
+       "nccl: checksums of two experts of device memory in one call");
+    /* still set after the call: the kernel ran (it clears on RP_ENOTSUP) */
+    ok(t->device_checksum == (pools != 0), "nccl: the checksums ran %s (the device %s memory pools)",
+       pools ? "on the GPU (rp_gpu_checksum)" : "through the host", pools ? "has" : "has no");
+    is_int(sums[0], want, "nccl: the sent expert's checksum is rp_checksum_expert of its bytes");
+    is_int(sums[1], want, "nccl: the received bytes have the sent checksum");
+    /* The host fallback gives the same values. */
+    bool device = t->device_checksum;
+    t->device_checksum = false;
+    uint64_t host_sums[2] = {0, 0};
+    ok(t->vt->checksum(t, parts, part_bytes, begin, 2, host_sums, deadline, &err) == RP_OK &&
+       host_sums[0] == want && host_sums[1] == want, "nccl: the host fallback through the pinned buffer agrees");
+    t->device_checksum = device;
     ok(t->vt->to_host(t, back, dst, n, deadline, &err) == RP_OK && memcmp(back, host, n) == 0,
        "nccl: the received bytes are the sent bytes");
+    /* A corrupted message: the receiver's kernel checksum sees the flipped byte. */
+    cudaMemset(dst, 0, n);
+    rp_fault f = {RP_FAULT_CORRUPT, 0, 0};
+    rp_transport_set_fault(t, &f);
+    st = t->vt->start(t, ops, 2, &failed, &err);
+    if (st == RP_OK) st = t->vt->wait(t, deadline, &failed, &err);
+    if (st != RP_OK) diag("%s", err.text);
+    ok(st == RP_OK && t->vt->finish(t), "nccl: a send with an injected corruption completes");
+    host[n / 2] ^= 0xff;
+    uint64_t got = 0;
+    const void *received = dst;
+    const int32_t one[2] = {0, 1};
+    ok(t->vt->checksum(t, &received, &n, one, 1, &got, deadline, &err) == RP_OK &&
+       got == rp_checksum_bytes(host, n) && got != want,
+       "nccl: the corrupted bytes' checksum is rp_checksum_expert of them, not the sent one");
+    rp_transport_set_fault(t, NULL);
     cudaFree(src);
     cudaFree(dst);
     free(host);

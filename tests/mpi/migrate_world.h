@@ -203,9 +203,11 @@ static int w_gpu_bad_slots(const w_gpu *w, const rp_plan *tgt, unsigned moved)
 static bool w_gpu_intact(const w_gpu *w) { return memcmp(w->mem, w->original, w->total) == 0; }
 
 /* The transfer that rank `sender`'s nth payload message (0-based, counted from round 0)
- * carries: the executor sends, round by round, to peers in ascending order, each
- * copy's tensors in plan order (host transports never split these small tensors). */
-static int64_t w_fault_transfer(const rp_migration_plan *mp, const w_layout *lay, int sender, int64_t nth)
+ * carries, and (if `tensor` is not NULL) which of its tensors: the executor sends,
+ * round by round, to peers in ascending order, each copy's tensors in plan order (host
+ * transports never split these small tensors). */
+static int64_t w_fault_message(const rp_migration_plan *mp, const w_layout *lay, int sender, int64_t nth,
+                               int *tensor)
 {
     int64_t n = 0;
     int G = rp_migration_plan_num_gpus(mp);
@@ -215,10 +217,41 @@ static int64_t w_fault_transfer(const rp_migration_plan *mp, const w_layout *lay
                 rp_migration_transfer t;
                 rp_migration_plan_transfer(mp, i, &t, NULL);
                 if (t.round != round || t.src_gpu != sender || t.dst_gpu != peer || peer == sender) continue;
+                if (n + lay->count[t.layer] > nth) {
+                    if (tensor) *tensor = (int)(nth - n);
+                    return i;
+                }
                 n += lay->count[t.layer];
-                if (n > nth) return i;
             }
     return -1;
+}
+
+/* rp_checksum_expert of `expert`'s bytes at `layer` (its tensors one after another):
+ * `*sent` as the source holds them, `*received` with the middle byte of tensor
+ * `corrupt_tensor` flipped, as the transports' corruption fault delivers them. */
+static void w_expert_checksums(const w_gpu *w, int layer, int expert, int corrupt_tensor, uint64_t *sent,
+                               uint64_t *received)
+{
+    size_t total = (size_t)w->lay->bytes[layer], off = 0, flip = 0;
+    unsigned char *bytes = malloc(total + 1);
+    for (int t = 0; t < w->lay->count[layer]; t++) {
+        w_expected(w, layer, 0, t, expert, bytes + off);
+        if (t == corrupt_tensor) flip = off + w->lay->size[layer][t] / 2;
+        off += w->lay->size[layer][t];
+    }
+    *sent = rp_checksum_bytes(bytes, total);
+    bytes[flip] ^= 0xff;
+    *received = rp_checksum_bytes(bytes, total);
+    free(bytes);
+}
+
+/* Whether a checksum-mismatch error gives exactly `received` and `sent`. */
+static bool w_error_has_checksums(const char *text, uint64_t received, uint64_t sent)
+{
+    char want[96];
+    snprintf(want, sizeof want, "checksum mismatch (0x%016llx received, 0x%016llx sent)",
+             (unsigned long long)received, (unsigned long long)sent);
+    return strstr(text, want) != NULL;
 }
 
 /* Each GPU's slots of its EP rank take the next EP rank's experts (within the group):

@@ -123,7 +123,8 @@ static void test_faults(rp_context *ctx, rp_transport *t)
             bool fine = mscene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, 200, 0) == 0;
             int64_t nth = (int64_t)(rank + k) % 3;
             rp_migration_transfer tr = {0};
-            if (fine) rp_migration_plan_transfer(s.mp, w_fault_transfer(s.mp, &s.lay, rank, nth), &tr, NULL);
+            int tensor = -1;
+            if (fine) rp_migration_plan_transfer(s.mp, w_fault_message(s.mp, &s.lay, rank, nth, &tensor), &tr, NULL);
             if (rank == my_rank) {
                 rp_fault f = {kinds[k], nth, 30.0};
                 rp_transport_set_fault(t, &f);
@@ -143,6 +144,13 @@ static void test_faults(rp_context *ctx, rp_transport *t)
                   "mpi %s on rank %d: the error names the rank, layer and expert", names[k], rank);
             check(res.failed_layer == tr.layer && res.failed_expert == tr.expert && res.rounds_committed == 0,
                   "mpi %s on rank %d: the result names the failure", names[k], rank);
+            if (kinds[k] == RP_FAULT_CORRUPT) {
+                uint64_t sent = 0, received = 0;
+                if (fine) w_expert_checksums(&s.gpu, tr.layer, tr.expert, tensor, &sent, &received);
+                check(fine && w_error_has_checksums(err.text, received, sent),
+                      "mpi corrupt on rank %d: the error's checksums are rp_checksum_expert of the expert as sent "
+                      "and as received", rank);
+            }
             st = fine ? run(&s, t, NULL, 30.0, &err, &res) : RP_EINVAL;
             if (st != RP_OK) printf("# rank %d retry: %s\n", my_rank, err.text);
             check(st == RP_OK && w_gpu_bad_slots(&s.gpu, s.tgt, 3) == 0,

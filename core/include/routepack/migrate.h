@@ -241,8 +241,10 @@ typedef struct rp_migration_result {
  * transport. Steps: (1) the ranks exchange the plan hash, registry layout and call
  * count, and any mismatch or local problem is an error before anything moves
  * ("migration: rank 2 has plan hash 0x..., rank 0 has 0x..."); (2) per round, every
- * expert copy goes into staging, never into a live slot, and carries the XXH64
- * checksum computed at its source; (3) each destination checks every checksum; (4)
+ * expert copy goes into staging, never into a live slot, and carries the checksum
+ * computed at its source (rp_checksum_expert of its bytes, routepack/checksum.h; on
+ * NCCL by the GPU kernel that equals it); (3) each destination checks every checksum
+ * the same way; (4)
  * the ranks exchange success; (5) only if every rank succeeded, each writes the staged
  * bytes into its slots. A failure anywhere in a round (transport error, timeout,
  * checksum mismatch, no memory for staging) writes nothing of that round on any rank,

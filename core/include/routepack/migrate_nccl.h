@@ -20,9 +20,10 @@ extern "C" {
  * caller passes its own). Every wait polls cudaEventQuery and ncclCommGetAsyncError
  * until the deadline; on a deadline or an asynchronous NCCL error the transport calls
  * ncclCommAbort(comm): the communicator is then gone and the trainer must create a new
- * one (or end the job), as after any NCCL failure. Checksums are computed on the host
- * (device memory is copied through a pinned buffer): correct but slow, until a
- * checksum kernel lands (docs/migration.md). The communicator and stream are borrowed;
+ * one (or end the job), as after any NCCL failure. Expert checksums run on the GPU
+ * (rp_gpu_checksum, one launch per round's batch, on `stream`); a device without
+ * stream-ordered memory pools computes them on the host through a pinned buffer,
+ * correct but slow (docs/migration.md). The communicator and stream are borrowed;
  * rp_transport_free frees only what the transport allocated. */
 RP_API rp_status rp_transport_nccl_new(rp_context *ctx, ncclComm_t comm, cudaStream_t stream,
                                        rp_transport **out, rp_error *err);
