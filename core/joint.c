@@ -227,18 +227,31 @@ static bool same_sets(const joint *jt, const joint_layer *a, const joint_layer *
     return true;
 }
 
-/* The persistent part of a layer's surrogate: the same value computed from the step's
- * aggregate expert loads, each (microbatch, group) taking its share of them by tokens.
- * What a placement gains here it keeps over the coming steps (global popularity moves
- * slowly); what it gains beyond this fits this batch's own spikes and lasts one step. */
+/* The persistent part of a layer's surrogate: the same value computed from the expert
+ * loads expected over the coming steps (params.expected_loads, else this step's
+ * aggregate loads), each (microbatch, group) taking its share of them by tokens. What a
+ * placement gains here it keeps over the coming steps; what it gains beyond this fits
+ * this batch's own spikes and lasts one step. */
 static double persistent_score(const joint *jt, int32_t l, const joint_layer *lay, const double *share_max,
                                double *rank_load)
 {
     const int64_t *load = rp_stats_expert_load(jt->stats, l);
+    const double *expected = jt->par->expected_loads ? jt->par->expected_loads + (size_t)l * jt->E : NULL;
+    /* expected loads are scaled to this step's token-choices of the layer */
+    double scale = 1.0;
+    if (expected) {
+        double now = 0, then = 0;
+        for (int32_t e = 0; e < jt->E; e++) {
+            now += (double)load[e];
+            then += expected[e];
+        }
+        scale = then > 0 ? now / then : 0.0;
+    }
     for (int32_t j = 0; j < jt->ep; j++) rank_load[j] = 0;
     for (int32_t e = 0; e < jt->E; e++) {
         int32_t a = lay->rep_off[e], b = lay->rep_off[e + 1];
-        for (int32_t i = a; i < b; i++) rank_load[lay->rep_rank[i]] += (double)load[e] / (b - a);
+        double w = expected ? expected[e] * scale : (double)load[e];
+        for (int32_t i = a; i < b; i++) rank_load[lay->rep_rank[i]] += w / (b - a);
     }
     double most = 0;
     for (int32_t j = 0; j < jt->ep; j++) {
@@ -363,6 +376,14 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     rp_joint_params defaults = rp_joint_defaults();
     const rp_joint_params *par = params ? params : &defaults;
     rp_status st = check_params(par, err);
+    if (st == RP_OK && par->expected_loads)
+        for (int64_t i = 0; i < (int64_t)md->num_layers * md->num_experts; i++)
+            if (!(par->expected_loads[i] >= 0) || !isfinite(par->expected_loads[i])) {
+                st = rp_fail(err, RP_EINVAL, "joint: expected_loads[%lld] (layer %lld, expert %lld) = %g, must be a finite number >= 0",
+                             (long long)i, (long long)(i / md->num_experts), (long long)(i % md->num_experts),
+                             par->expected_loads[i]);
+                break;
+            }
     if (st != RP_OK) return st;
 
     joint jt;

@@ -4,6 +4,7 @@
 #include "lua_api.h"
 
 #include "routepack/baseline.h"
+#include "routepack/joint.h"
 #include "routepack/primitives.h"
 
 #include <lauxlib.h>
@@ -873,6 +874,113 @@ static int l_local_search(lua_State *L)
     return 2;
 }
 
+/* rp.joint(opts): the joint planner (rp_joint_plan, docs/routepack-policy.md) on this
+ * step's batch, statistics and cost model, migration-aware against the placement in use.
+ * Returns the plan and a report table. */
+static int l_joint(lua_State *L)
+{
+    lua_settop(L, 1); /* fixed argument slots: scratch is pushed above them */
+    luaL_checkstack(L, 40, "rp.joint");
+    static const char *const known[] = {"num_microbatches", "pack", "place", "prompt_spread", "balance_evaluations",
+                                        "place_rounds", "shares", "max_extra_per_rank", "horizon",
+                                        "refine_evaluations", "fallbacks", "expected_loads", NULL};
+    rp_lua_host *h = rp_lua_host_of(L);
+    const rp_lua_frame *f = need_step(L, h, "rp.joint");
+    rp_lua_check_opts(L, 1, "rp.joint", known);
+    rp_joint_params par = rp_joint_defaults();
+    par.seed = f->seed;
+    if (opt(L, 1, "num_microbatches") != LUA_TNIL)
+        par.num_microbatches = (int32_t)rp_lua_check_int(L, -1, "rp.joint: opts.num_microbatches", 0, MAX_PARTS);
+    lua_pop(L, 1);
+    if (opt(L, 1, "pack") != LUA_TNIL) par.pack = check_bool(L, -1, "rp.joint: opts.pack");
+    lua_pop(L, 1);
+    if (opt(L, 1, "place") != LUA_TNIL) par.place = check_bool(L, -1, "rp.joint: opts.place");
+    lua_pop(L, 1);
+    if (opt(L, 1, "prompt_spread") != LUA_TNIL) par.prompt_spread = check_num(L, -1, "rp.joint: opts.prompt_spread");
+    lua_pop(L, 1);
+    if (opt(L, 1, "balance_evaluations") != LUA_TNIL)
+        par.balance_evaluations =
+            rp_lua_check_int(L, -1, "rp.joint: opts.balance_evaluations", 0, MAX_EVALUATIONS);
+    lua_pop(L, 1);
+    if (opt(L, 1, "place_rounds") != LUA_TNIL)
+        par.place_rounds = (int32_t)rp_lua_check_int(L, -1, "rp.joint: opts.place_rounds", 0, MAX_ROUNDS);
+    lua_pop(L, 1);
+    if (opt(L, 1, "shares") != LUA_TNIL) par.shares = check_bool(L, -1, "rp.joint: opts.shares");
+    lua_pop(L, 1);
+    if (opt(L, 1, "max_extra_per_rank") != LUA_TNIL)
+        par.max_extra_per_rank = (int32_t)rp_lua_check_int(L, -1, "rp.joint: opts.max_extra_per_rank", 0, 64);
+    lua_pop(L, 1);
+    if (opt(L, 1, "horizon") != LUA_TNIL) par.horizon_steps = check_num(L, -1, "rp.joint: opts.horizon");
+    lua_pop(L, 1);
+    if (opt(L, 1, "refine_evaluations") != LUA_TNIL)
+        par.refine_evaluations = rp_lua_check_int(L, -1, "rp.joint: opts.refine_evaluations", 0, MAX_EVALUATIONS);
+    lua_pop(L, 1);
+    /* fallbacks: a list of baseline names (the strings stay alive in opts meanwhile) */
+    int32_t num_fallbacks = 4; /* rp_joint_defaults' list */
+    if (opt(L, 1, "fallbacks") != LUA_TNIL) {
+        if (lua_type(L, -1) != LUA_TTABLE)
+            rp_lua_error(L, "rp.joint: opts.fallbacks must be a list of baseline names, got %s", luaL_typename(L, -1));
+        size_t n = lua_objlen(L, -1);
+        if (n > 64) rp_lua_error(L, "rp.joint: opts.fallbacks has %zu names, more than the 64 allowed", n);
+        const char **names = lua_newuserdata(L, (n + 1) * sizeof *names);
+        for (size_t i = 0; i < n; i++) {
+            lua_rawgeti(L, -2, (int)i + 1);
+            if (lua_type(L, -1) != LUA_TSTRING)
+                rp_lua_error(L, "rp.joint: opts.fallbacks[%zu] must be a baseline name, got %s", i + 1,
+                             luaL_typename(L, -1));
+            names[i] = lua_tostring(L, -1);
+            lua_pop(L, 1);
+        }
+        names[n] = NULL;
+        par.fallbacks = names;
+        num_fallbacks = (int32_t)n;
+    } else {
+        lua_pushnil(L); /* keep the stack shape */
+    }
+    const rp_model *md = rp_config_model(h->cfg);
+    if (opt(L, 1, "expected_loads") != LUA_TNIL) {
+        int32_t want = md->num_layers * md->num_experts, got;
+        par.expected_loads = read_vector(L, -1, "rp.joint: opts.expected_loads", &got, want);
+        if (got != want)
+            rp_lua_error(L, "rp.joint: opts.expected_loads has %d entries, must have num_layers x num_experts = %d",
+                         got, want);
+    } else {
+        lua_pushnil(L); /* keep the stack shape */
+    }
+    /* work: the construction reads every histogram about once; the fallback check builds
+     * and evaluates each baseline and the joint candidate; refinement as rp.local_search */
+    const rp_topology *t = rp_config_topology(h->cfg);
+    int64_t n = rp_batch_num_seqs(f->batch);
+    int64_t M = rp_batch_num_tokens(f->batch) / ((int64_t)t->num_gpus * rp_config_limits(h->cfg)->max_tokens_per_microbatch) + 1;
+    int64_t eval = (int64_t)md->num_layers * (n * hist_entries(h) + M * t->num_gpus * md->num_experts) + n;
+    int64_t per_try = (int64_t)md->num_layers * (hist_entries(h) + t->num_gpus / 4 + 1);
+    int64_t placement = (int64_t)md->num_layers * (par.place_rounds + 2) * M * md->num_experts *
+                        (t->num_gpus / t->ep_size);
+    rp_lua_charge(L, eval + placement + (num_fallbacks > 0 || par.refine_evaluations > 0 ? eval : 0) +
+                         (int64_t)num_fallbacks * (eval + 4 * sort_units(n)) + par.refine_evaluations * per_try +
+                         par.balance_evaluations * md->num_layers * 8);
+    reclaim(L, h);
+    rp_lua_plan_out *holder = rp_lua_push_plan(L);
+    rp_joint_report rep;
+    rp_error err;
+    rp_status st = rp_joint_plan(&h->plan_ctx, h->cfg, f->batch, f->stats, f->placement, f->cost, &par,
+                                 &holder->plan, &rep, &err);
+    if (st != RP_OK) return rp_lua_fail(L, h, "rp.joint", st, &err);
+    holder->has_packing = holder->has_placement = true;
+    lua_createtable(L, 0, 10);
+    lua_pushstring(L, rep.chosen);
+    lua_setfield(L, -2, "chosen");
+    set_num(L, "step_s", rep.step_s);
+    set_num(L, "ratio", rep.ratio);
+    set_num(L, "joint_step_s", rep.joint_step_s);
+    set_num(L, "best_fallback_step_s", rep.best_fallback_step_s);
+    set_num(L, "migration_s", rep.migration_s);
+    set_num(L, "migration_bytes", rep.migration_bytes);
+    set_num(L, "num_microbatches", rep.num_microbatches);
+    set_num(L, "layers_replaced", rep.layers_replaced);
+    return 2;
+}
+
 /* ---- diagnostics -------------------------------------------------------------------- */
 
 /* rp.log(...): strings and numbers joined by spaces, to the context's log at INFO. */
@@ -936,6 +1044,7 @@ static int build_api(lua_State *L)
         {"validate", l_validate},
         {"migration", l_migration},
         {"local_search", l_local_search},
+        {"joint", l_joint},
         {"log", l_log},
         {NULL, NULL},
     };

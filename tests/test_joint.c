@@ -386,6 +386,43 @@ static void test_migration(void)
     ok(rep.layers_replaced > 0 && rep.migration_bytes > 0, "a big shift in loads is re-placed (%d layers, %.3g bytes)",
        rep.layers_replaced, rep.migration_bytes);
     ok(moved && contig && step_of(&f, moved) < step_of(&f, contig), "and the step is faster for it");
+
+    /* expected loads: this step's own give the same plan as none; flat ones (no lasting
+     * shift in popularity: the step's skew is noise) leave fewer layers worth moving */
+    const rp_model *md = rp_config_model(f.cfg);
+    size_t LE = (size_t)md->num_layers * md->num_experts;
+    double *own = malloc(LE * sizeof *own), *flat = malloc(LE * sizeof *flat);
+    for (int32_t l = 0; l < md->num_layers; l++)
+        for (int32_t e = 0; e < md->num_experts; e++) {
+            own[(size_t)l * md->num_experts + e] = (double)rp_stats_expert_load(f.stats, l)[e] * 3.0; /* any scale */
+            flat[(size_t)l * md->num_experts + e] = 1.0;
+        }
+    rp_plan *same = NULL, *calm = NULL;
+    rp_joint_report rep_flat;
+    int32_t replaced_own = rep.layers_replaced;
+    par.expected_loads = own;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &same, &rep, &err), RP_OK,
+           "plans with the step's own loads expected");
+    ok(same && moved && rp_plan_hash(same) == rp_plan_hash(moved), "the same plan as without expected loads");
+    par.expected_loads = flat;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &calm, &rep_flat, &err), RP_OK,
+           "plans with flat loads expected");
+    ok(rep_flat.layers_replaced < replaced_own, "flat expected loads re-place fewer layers (%d, against %d)",
+       rep_flat.layers_replaced, replaced_own);
+    flat[5] = NAN;
+    rp_plan *bad = NULL;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &bad, &rep, &err), RP_EINVAL,
+           "a NaN expected load is refused");
+    like(err.text, "expected_loads[5] (layer 0, expert 5)", "naming the entry");
+    flat[5] = -1;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &bad, &rep, &err), RP_EINVAL,
+           "a negative expected load is refused");
+    ok(bad == NULL, "and no plan returned");
+    par.expected_loads = NULL;
+    free(own);
+    free(flat);
+    rp_plan_free(same);
+    rp_plan_free(calm);
     rp_plan_free(first);
     rp_plan_free(kept);
     rp_plan_free(moved);

@@ -583,6 +583,19 @@ static void test_rp_api(void)
     like(probe("rp.baseline('nope+eplb')"), "rp.baseline: baseline: unknown baseline 'nope+eplb'",
          "rp.baseline names an unknown baseline");
     like(probe("rp.evaluate(5)"), "rp.evaluate: expected a plan", "rp.evaluate wants a plan");
+    is_str(probe("local p, rep = rp.joint({fallbacks = {}})\n"
+                 "assert(rp.validate(p) and rep.chosen == 'joint' and rep.num_microbatches >= 1)\n"
+                 "local q, r = rp.joint({expected_loads = (function() local t = {} for i = 1, 1024 do t[i] = 1 end return t end)()})\n"
+                 "assert(rp.validate(q) and r.step_s > 0)\n"
+                 "assert(r.step_s <= r.joint_step_s and r.step_s <= r.best_fallback_step_s)\n"
+                 "assert(rp.evaluate(q).step_s == r.step_s)"),
+           "", "rp.joint plans from Lua, never worse than its candidate or the fallbacks");
+    like(probe("rp.joint({horizon = 0})"), "rp.joint: joint: horizon_steps = 0, must be > 0", "rp.joint checks its params");
+    like(probe("rp.joint({expected_loads = {1, 2}})"),
+         "rp.joint: opts.expected_loads has 2 entries, must have num_layers x num_experts = 1024",
+         "rp.joint checks the expected loads' shape");
+    like(probe("rp.joint({fallbacks = {'nope'}})"), "unknown fallback baseline 'nope'", "rp.joint names a bad fallback");
+    like(probe("rp.joint({horizon_steps = 3})"), "rp.joint: unknown option 'horizon_steps'", "rp.joint names an unknown option");
     like(probe("rp.log('hello', 1, true, {})"), "rp.log: argument 4 is a table", "rp.log takes plain values only");
     like(probe("local t = {} for i = 1, 300000 do t[i] = i end rp.kk(t, 65536)"),
          "policy exceeded the instruction limit (200000000)",

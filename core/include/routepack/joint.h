@@ -40,7 +40,7 @@ typedef struct rp_joint_params {
     int32_t max_extra_per_rank;
     /* Migration: the number of steps a placement is expected to serve. A layer is
      * re-placed only when its predicted saving (this step's, plus the persistent part,
-     * from the step's aggregate loads, over the other horizon - 1 steps) exceeds the time
+     * from expected_loads, over the other horizon - 1 steps) exceeds the time
      * to migrate it (rp_cost_migration's model, one layer); otherwise the previous
      * placement stays, moving only replicas that pay back within the step. > 0;
      * INFINITY: always re-place. Ignored without a previous plan. */
@@ -54,6 +54,13 @@ typedef struct rp_joint_params {
      * (token_kk+contiguous, token_kk+eplb, verl_kk+eplb, attn_kk+eplb); a list holding
      * only NULL: none (the joint plan is still evaluated when refinement asks for it). */
     const char *const *fallbacks;
+    /* The per-expert loads expected over the coming steps, [num_layers * num_experts]
+     * (any scale: each layer is scaled to this step's token-choices), for the persistent
+     * part of a re-placement's saving. The mean of recent past steps' loads is a good
+     * estimate: a placement fitted to this step's noise gains nothing on it, one that
+     * follows a lasting shift in popularity does. NULL: this step's own loads (which
+     * assumes they persist). Finite, >= 0. Borrowed for the call. */
+    const double *expected_loads;
 } rp_joint_params;
 
 /* Defaults: the full joint planner, prompt_spread 0.5, no balance evaluations,
