@@ -278,6 +278,9 @@ static void run_batch(rp_context *ctx, const scale *sc, const batch_spec *bs, ui
     for (int32_t c = 0; c < nconf; c++) cfgs[c] = load_config(ctx, sc->configs[c], sc->cap_override);
     rp_gen *g = make_gen(ctx, sc, bs, seed, prompts, threads);
     rp_plan *prev[2][POLICIES];
+    /* the expert loads the shipped policy expects from its history: the mean of the past
+     * steps' normalised loads (policies/routepack.lua); NULL on the first step */
+    double *expected = NULL, *history = calloc((size_t)sc->layers * sc->experts, sizeof *history);
     memset(prev, 0, sizeof prev);
     for (int32_t step = 0; step < bs->steps; step++) {
         rp_batch *b = NULL;
@@ -320,6 +323,7 @@ static void run_batch(rp_context *ctx, const scale *sc, const batch_spec *bs, ui
                     static const char *const none[] = {NULL};
                     rp_joint_params par = rp_joint_defaults();
                     par.refine_evaluations = opts->refine;
+                    par.expected_loads = expected;
                     if (k == ABL_PLACE) par.pack = false;
                     if (k == ABL_PACK) par.place = false;
                     if (k != JOINT) par.fallbacks = none;
@@ -340,6 +344,7 @@ static void run_batch(rp_context *ctx, const scale *sc, const batch_spec *bs, ui
                 static const char *const none[] = {NULL};
                 rp_joint_params par = rp_joint_defaults();
                 par.fallbacks = none;
+                par.expected_loads = expected;
                 rp_plan *p = NULL;
                 w->joint_build_ms = INFINITY;
                 for (int32_t r = 0; r < opts->repeat; r++) {
@@ -395,6 +400,15 @@ static void run_batch(rp_context *ctx, const scale *sc, const batch_spec *bs, ui
             }
             rp_cost_free(cost);
         }
+        /* this step joins the history the next step's joint plans expect */
+        for (int32_t l = 0; l < sc->layers; l++) {
+            const int64_t *load = rp_stats_expert_load(st, l);
+            double total = 0;
+            for (int32_t e = 0; e < sc->experts; e++) total += (double)load[e];
+            for (int32_t e = 0; e < sc->experts && total > 0; e++)
+                history[(size_t)l * sc->experts + e] += (double)load[e] / total;
+        }
+        expected = history;
         rp_stats_free(st);
         rp_batch_free(b);
     }
@@ -402,6 +416,7 @@ static void run_batch(rp_context *ctx, const scale *sc, const batch_spec *bs, ui
         for (int32_t k = 0; k < POLICIES; k++) rp_plan_free(prev[c][k]);
         rp_config_free(cfgs[c]);
     }
+    free(history);
     rp_gen_free(g);
 }
 
