@@ -338,6 +338,9 @@ static void test_usage(void)
         {"plan validate --config " CONFIG " --step 1 p.json", "--trace"},
         {"plan validate --config " CONFIG " a.json b.json", "one argument"},
         {"plan eval --config " CONFIG " --trace " TRACE " --step 7 --plan p.json", "does not exist"},
+        {"policy", "policy needs a subcommand: list, check"},
+        {"plan frob", "plan: unknown subcommand 'frob' (subcommands: baseline, eval, validate)"},
+        {"frob", "unknown command 'frob'"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         int rc = rp("%s", cases[i][0]);

@@ -140,6 +140,17 @@ int main(int argc, char **argv)
         rp_context_free(ctx);
         return rc;
     }
+    /* a known group without one of its subcommands: list them */
+    char names[256] = "";
+    size_t used = 0;
+    for (size_t i = 0; i < NUM_COMMANDS && used < sizeof names; i++)
+        if (commands[i].name && !strcmp(argv[1], commands[i].group))
+            used += (size_t)snprintf(names + used, sizeof names - used, "%s%s", used ? ", " : "", commands[i].name);
+    if (used) {
+        if (argc > 2) cli_usage("%s: unknown subcommand '%s' (subcommands: %s)", argv[1], argv[2], names);
+        else cli_usage("%s needs a subcommand: %s (try: routepack help)", argv[1], names);
+        return CLI_USAGE;
+    }
     cli_usage("unknown command '%s%s%s' (try: routepack help)", argv[1], argc > 2 ? " " : "",
               argc > 2 ? argv[2] : "");
     return CLI_USAGE;
