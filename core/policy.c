@@ -633,6 +633,7 @@ void rp_policy_free(rp_policy *pol)
     for (int32_t i = 0; i < pol->num_params; i++) free_param(pol->ctx, &pol->params[i]);
     rp_free(pol->ctx, pol->params);
     rp_free(pol->ctx, pol->params_json);
+    rp_free(pol->ctx, pol->source);
     rp_free(pol->ctx, pol);
 }
 
@@ -649,6 +650,15 @@ rp_status rp_policy_load(rp_context *ctx, const rp_config *cfg, const char *sour
     pol->plan_ref = pol->init_ref = pol->state_ref = LUA_NOREF;
     snprintf(pol->info.path, sizeof pol->info.path, "%s", path ? path : "");
     pol->info.hash = rp_hash64(source ? source : "", len, 0);
+    /* kept for rp_sched_save_state: a checkpoint reloads the policy from its own text */
+    pol->source = rp_alloc(ctx, len + 1);
+    if (!pol->source) {
+        rp_free(ctx, pol);
+        return rp_fail_nomem(err, "a policy");
+    }
+    if (len) memcpy(pol->source, source, len);
+    pol->source[len] = '\0';
+    pol->source_len = len;
     const char *chunk = path && *path ? base_name(path) : "policy";
     rp_status st;
     RP_CHECK_GOTO(rp_sandbox_new(ctx, limits, &pol->sb, err), st, fail);

@@ -19,13 +19,7 @@
 #define SAFE_DEFAULT "attn_kk+contiguous"
 #define MAX_HISTORY 1024
 
-typedef struct policy_set {
-    rp_policy *pol[2];   /* a joint policy, or packing then placement */
-    int32_t count;
-    char name[64];
-    char version[32];
-    uint64_t hash;
-} policy_set;
+/* policy_set: sched_internal.h (the checkpoint, core/sched_state.c, reads it too) */
 
 struct rp_sched {
     rp_context *ctx;
@@ -963,6 +957,24 @@ rp_status rp_sched_stage_policy(rp_sched *s, const char *name_or_path, const cha
 }
 
 const rp_plan *rp_sched_plan(const rp_sched *s) { return s ? s->current : NULL; }
+
+/* ---- for the checkpoint (core/sched_state.c) --------------------------------------------- */
+
+void sched_set_free(policy_set *ps) { set_free(ps); }
+void sched_set_describe(policy_set *ps) { set_describe(ps); }
+
+void sched_fields_of(rp_sched *s, sched_fields *f)
+{
+    *f = (sched_fields){
+        .ctx = s->ctx, .cfg = s->cfg, .opts = &s->opts, .limits = &s->limits,
+        .running = &s->running, .staged = &s->staged, .staged_at = &s->staged_at,
+        .current = &s->current, .has_step = &s->has_step, .last_step = &s->last_step,
+        .prev_batch = &s->prev_batch, .prev_stats = &s->prev_stats, .hist_cap = s->hist_cap,
+        .hist_count = &s->hist_count, .hist_head = &s->hist_head, .hist_steps = s->hist_steps,
+        .hist_loads = s->hist_loads, .has_report = &s->has_report, .migration = &s->migration,
+        .errmsg = s->errmsg,
+    };
+}
 
 const rp_migration_plan *rp_sched_migration(const rp_sched *s)
 {

@@ -41,6 +41,8 @@ typedef struct rp_policy {
     int32_t num_params;
     char *params_json;           /* the params object applied ("{}" when none) */
     int plan_ref, init_ref, state_ref, call_ref; /* registry references */
+    char *source;                /* the text loaded (NUL-terminated), for checkpoints */
+    size_t source_len;
 } rp_policy;
 
 /* Load a policy from source text into a fresh sandbox: run the chunk, check its metadata
@@ -94,5 +96,48 @@ rp_status rp_policy_plan(rp_policy *pol, const rp_lua_frame *frame, int32_t num_
 
 /* Metadata and params as JSON (rp_text_free), for rp_policy_describe. */
 rp_status rp_policy_to_json(const rp_policy *pol, char **text, size_t *len, rp_error *err);
+
+/* ---- the scheduler's fields, for its checkpoint (core/sched_state.c) ---- */
+
+struct rp_stats;
+struct sched_migration;
+
+/* The policies a scheduler runs (or has staged): one joint policy, or packing then
+ * placement. */
+typedef struct policy_set {
+    rp_policy *pol[2];
+    int32_t count;
+    char name[64];
+    char version[32];
+    uint64_t hash;
+} policy_set;
+
+void sched_set_free(policy_set *ps);
+/* Fill name, version and hash from the loaded policies. */
+void sched_set_describe(policy_set *ps);
+
+/* Pointers into a scheduler: what decides its future plans. Valid while it lives. */
+typedef struct sched_fields {
+    rp_context *ctx;
+    const rp_config *cfg;
+    rp_sched_options *opts;          /* seed, split, history */
+    const rp_sandbox_limits *limits;
+    policy_set *running, *staged;
+    int64_t *staged_at;
+    rp_plan **current;               /* the plan in use */
+    bool *has_step;
+    int64_t *last_step;
+    rp_batch **prev_batch;           /* the last step's inputs (dry runs replay them) */
+    struct rp_stats **prev_stats;
+    int32_t hist_cap;
+    int32_t *hist_count, *hist_head; /* ring of expert loads; head = next slot to write */
+    int64_t *hist_steps;             /* [hist_cap] */
+    int64_t *hist_loads;             /* [hist_cap][num_layers * num_experts] */
+    bool *has_report;
+    struct sched_migration *migration;
+    char *errmsg;                    /* RP_ERROR_TEXT bytes */
+} sched_fields;
+
+void sched_fields_of(rp_sched *sched, sched_fields *f);
 
 #endif

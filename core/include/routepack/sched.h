@@ -167,6 +167,34 @@ RP_API rp_status rp_sched_set_migration_options(rp_sched *sched,
 RP_API rp_status rp_sched_report_json(const rp_sched *sched, char **text, size_t *len,
                                       rp_error *err);
 
+/* ---- checkpoint and resume (format: docs/formats.md, "Scheduler state") ----
+ * Save what decides the scheduler's future plans: the plan in use, the running policy
+ * (its source text, hash, params and ctx.state), a staged policy and its step, the
+ * expert-load history, the last step's inputs (a dry run replays them), the seed and
+ * the last step. A scheduler that loads it plans every later step exactly as this one
+ * would (same plans, same reports). Not saved: the last step's migration plan and the
+ * migration options (the trainer sets those again), sandbox limits, thread count.
+ * *json is compact JSON text with a trailing newline, allocated through the
+ * scheduler's context (rp_text_free); the same state always gives the same bytes.
+ * Errors (nothing changes): a ctx.state value that JSON cannot hold (a function,
+ * userdata, a thread, a table reached twice or a cycle, a table with a metatable, a key
+ * that is not a number, string or boolean), named by its path ("policy 'p':
+ * ctx.state.cache[2] is a function") (RP_EINVAL); no memory. */
+RP_API rp_status rp_sched_save_state(const rp_sched *sched, char **json, size_t *len,
+                                     rp_error *err);
+/* Replace the scheduler's state with one rp_sched_save_state wrote, from a scheduler
+ * whose config has the same shape (layers, experts, top_k, GPUs, EP size, slots) and
+ * the same history length and split rule; the seed is the state's. Everything is
+ * parsed, checked and rebuilt (policies loaded from their saved source, hashes
+ * checked) before anything changes: on error the scheduler is as it was. Afterwards
+ * the last step's migration plan is closed and rp_sched_report_json has no report
+ * until the next step. Errors: not JSON, truncated, another format (RP_EFORMAT); a
+ * later version (RP_ENOTSUP); a shape, history or split mismatch, a field out of range
+ * (RP_EINVAL, naming the field and both values); a policy that no longer loads or
+ * whose text does not match its hash (RP_EPOLICY or the loader's error). */
+RP_API rp_status rp_sched_load_state(rp_sched *sched, const char *json, size_t len,
+                                     rp_error *err);
+
 /* ---- finding policies ---- */
 
 typedef struct rp_policy_info {

@@ -1,0 +1,1102 @@
+/* Scheduler checkpoints: rp_sched_save_state writes what decides future plans as one
+ * JSON document; rp_sched_load_state parses and rebuilds all of it (policies reloaded
+ * from their saved text, ctx.state rebuilt) before swapping it in. docs/formats.md,
+ * "Scheduler state", gives the layout. */
+#include "jsonx.h"
+#include "sched_internal.h"
+#include "sched_migrate.h"
+#include "stats_internal.h"
+
+#include "routepack/stats.h"
+
+#include <lauxlib.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define STATE_FORMAT "routepack-sched-state"
+#define STATE_VERSION 1
+/* Tables nested deeper than this in ctx.state are refused (the C and Lua stacks). */
+#define MAX_STATE_DEPTH 64
+#define PATH_LEN 256
+#define DUMP_FLAGS (JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(17))
+
+static void hex64(char *buf, uint64_t v) { snprintf(buf, 17, "%016llx", (unsigned long long)v); }
+
+static bool parse_hex64(const char *s, uint64_t *out)
+{
+    if (!s || strlen(s) != 16) return false;
+    uint64_t v = 0;
+    for (int i = 0; i < 16; i++) {
+        char c = s[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0) return false;
+        v = v << 4 | (uint64_t)d;
+    }
+    *out = v;
+    return true;
+}
+
+/* ---- values: strings that JSON cannot hold verbatim go as {"bytes": hex} ------------- */
+
+static json_t *encode_bytes(const char *s, size_t n)
+{
+    if (!memchr(s, '\0', n)) {
+        json_t *j = json_stringn(s, n); /* NULL: not UTF-8 (or no memory: retried below) */
+        if (j) return j;
+    }
+    static const char digits[] = "0123456789abcdef";
+    char *hex = malloc(2 * n + 1);
+    if (!hex) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        hex[2 * i] = digits[(unsigned char)s[i] >> 4];
+        hex[2 * i + 1] = digits[(unsigned char)s[i] & 15];
+    }
+    hex[2 * n] = '\0';
+    json_t *j = json_pack("{s:s}", "bytes", hex);
+    free(hex);
+    return j;
+}
+
+/* The bytes of an encoded string: a JSON string, or {"bytes": hex} decoded into *buf
+ * (malloc'ed; the caller frees it). False when `v` is neither. */
+static bool decode_bytes(json_t *v, const char **s, size_t *n, char **buf)
+{
+    *buf = NULL;
+    if (json_is_string(v)) {
+        *s = json_string_value(v);
+        *n = json_string_length(v);
+        return true;
+    }
+    json_t *h = json_is_object(v) && json_object_size(v) == 1 ? json_object_get(v, "bytes") : NULL;
+    if (!json_is_string(h)) return false;
+    size_t hn = json_string_length(h);
+    const char *hex = json_string_value(h);
+    if (hn % 2) return false;
+    *buf = malloc(hn / 2 + 1);
+    if (!*buf) return false;
+    for (size_t i = 0; i < hn / 2; i++) {
+        int d[2];
+        for (int k = 0; k < 2; k++) {
+            char c = hex[2 * i + (size_t)k];
+            d[k] = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        }
+        if (d[0] < 0 || d[1] < 0) {
+            free(*buf);
+            *buf = NULL;
+            return false;
+        }
+        (*buf)[i] = (char)(d[0] << 4 | d[1]);
+    }
+    *s = *buf;
+    *n = hn / 2;
+    return true;
+}
+
+static json_t *encode_number(double x)
+{
+    if (isfinite(x)) return json_real(x);
+    return json_pack("{s:s}", "number", isnan(x) ? "nan" : x > 0 ? "inf" : "-inf");
+}
+
+static bool decode_number(json_t *v, double *x)
+{
+    if (json_is_number(v)) {
+        *x = json_number_value(v);
+        return true;
+    }
+    json_t *w = json_is_object(v) && json_object_size(v) == 1 ? json_object_get(v, "number") : NULL;
+    const char *s = json_string_value(w);
+    if (!s) return false;
+    if (strcmp(s, "nan") == 0) *x = NAN;
+    else if (strcmp(s, "inf") == 0) *x = INFINITY;
+    else if (strcmp(s, "-inf") == 0) *x = -INFINITY;
+    else return false;
+    return true;
+}
+
+/* ---- ctx.state -> JSON ------------------------------------------------------------------
+ * A value is a boolean, a number (17 significant digits; {"number": "inf"} for what JSON
+ * lacks), a string ({"bytes": hex} when not UTF-8 or holding NUL), or {"table": [[key,
+ * value], ...]} with keys in the sandbox's pairs order: numbers ascending, strings by
+ * their bytes, false, true. The walk allocates nothing in Lua (lua_next, raw reads), so
+ * it runs unprotected once the stack is reserved. */
+
+typedef struct state_enc {
+    lua_State *L;
+    const char *policy;
+    const void **seen;   /* tables visited: ctx.state must be a tree */
+    size_t num_seen, cap_seen;
+    rp_status st;
+    rp_error *err;
+} state_enc;
+
+typedef struct state_entry {
+    int cls;             /* 0 number, 1 string, 2 boolean */
+    double num;
+    const char *str;
+    size_t len;
+    int kidx;            /* the key's stack slot */
+    json_t *key, *value;
+} state_entry;
+
+static int entry_cmp(const void *pa, const void *pb)
+{
+    const state_entry *a = pa, *b = pb;
+    if (a->cls != b->cls) return a->cls < b->cls ? -1 : 1;
+    if (a->cls > 2) return (a->kidx > b->kidx) - (a->kidx < b->kidx);
+    if (a->cls == 0) return a->num < b->num ? -1 : a->num > b->num;
+    if (a->cls == 2) return (a->num > b->num) - (a->num < b->num);
+    size_t n = a->len < b->len ? a->len : b->len;
+    int c = memcmp(a->str, b->str, n);
+    if (c) return c;
+    return (a->len > b->len) - (a->len < b->len);
+}
+
+static json_t *enc_fail(state_enc *e, rp_status st, const char *fmt, ...) RP_PRINTF(3, 4);
+static json_t *enc_fail(state_enc *e, rp_status st, const char *fmt, ...)
+{
+    char msg[RP_ERROR_TEXT];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    e->st = rp_fail(e->err, st, "policy '%s': %s", e->policy, msg);
+    return NULL;
+}
+
+static bool is_identifier(const char *s, size_t n)
+{
+    if (n == 0 || !((s[0] >= 'a' && s[0] <= 'z') || (s[0] >= 'A' && s[0] <= 'Z') || s[0] == '_')) return false;
+    for (size_t i = 1; i < n; i++)
+        if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || (s[i] >= '0' && s[i] <= '9') ||
+              s[i] == '_'))
+            return false;
+    return true;
+}
+
+/* The path of the entry whose key is at stack index -2 ("ctx.state.avg[3]"). */
+static void child_path(lua_State *L, const char *path, char *out)
+{
+    switch (lua_type(L, -2)) {
+    case LUA_TNUMBER: snprintf(out, PATH_LEN, "%s[%.17g]", path, lua_tonumber(L, -2)); break;
+    case LUA_TBOOLEAN: snprintf(out, PATH_LEN, "%s[%s]", path, lua_toboolean(L, -2) ? "true" : "false"); break;
+    case LUA_TSTRING: {
+        size_t n;
+        const char *s = lua_tolstring(L, -2, &n);
+        if (is_identifier(s, n)) snprintf(out, PATH_LEN, "%s.%.*s", path, (int)(n > 64 ? 64 : n), s);
+        else snprintf(out, PATH_LEN, "%s[\"%.*s\"]", path, (int)(n > 64 ? 64 : n), s);
+        break;
+    }
+    default: snprintf(out, PATH_LEN, "%s[<%s>]", path, lua_typename(L, lua_type(L, -2))); break;
+    }
+}
+
+static json_t *encode_value(state_enc *e, int idx, const char *path, int depth);
+
+/* Grow the stack by *(int *)ud free slots (a protected call: growing may raise). */
+static int reserve_stack(lua_State *L)
+{
+    const int *want = lua_touserdata(L, 1);
+    if (!lua_checkstack(L, *want)) return luaL_error(L, "stack overflow");
+    return 0;
+}
+
+static json_t *encode_table(state_enc *e, int idx, const char *path, int depth)
+{
+    lua_State *L = e->L;
+    if (depth >= MAX_STATE_DEPTH)
+        return enc_fail(e, RP_EINVAL, "%s nests tables deeper than %d; a checkpoint cannot hold it", path,
+                        MAX_STATE_DEPTH);
+    const void *p = lua_topointer(L, idx);
+    for (size_t i = 0; i < e->num_seen; i++)
+        if (e->seen[i] == p)
+            return enc_fail(e, RP_EINVAL,
+                            "%s is a table that ctx.state also holds at another place (a cycle or a shared table); a "
+                            "checkpoint holds a tree of tables",
+                            path);
+    if (e->num_seen == e->cap_seen) {
+        size_t cap = e->cap_seen ? 2 * e->cap_seen : 64;
+        const void **seen = realloc(e->seen, cap * sizeof *seen);
+        if (!seen) return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
+        e->seen = seen;
+        e->cap_seen = cap;
+    }
+    e->seen[e->num_seen++] = p;
+    if (lua_getmetatable(L, idx)) {
+        lua_pop(L, 1);
+        return enc_fail(e, RP_EINVAL, "%s has a metatable; a checkpoint holds plain tables only", path);
+    }
+    size_t n = 0;
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        n++;
+        lua_pop(L, 1);
+    }
+    /* the keys go on the stack and the values are encoded in key order, so the first
+     * problem reported is the same in every process */
+    if (n > (size_t)INT32_MAX / 2) return enc_fail(e, RP_EINVAL, "%s has too many entries", path);
+    int want = (int)n + 2 * MAX_STATE_DEPTH + 16;
+    if (lua_cpcall(L, reserve_stack, &want) != 0) {
+        lua_pop(L, 1);
+        return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
+    }
+    state_entry *ents = n ? calloc(n, sizeof *ents) : NULL;
+    if (n && !ents) return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
+    json_t *out = NULL, *list = NULL;
+    size_t got = 0;
+    char sub[PATH_LEN];
+    int base = lua_gettop(L);
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        lua_pop(L, 1);
+        lua_pushvalue(L, -1); /* one copy stays, the other goes on with lua_next */
+        state_entry *en = &ents[got];
+        en->kidx = lua_gettop(L) - 1;
+        int kt = lua_type(L, -1);
+        if (kt == LUA_TNUMBER) {
+            en->cls = 0;
+            en->num = lua_tonumber(L, -1);
+        } else if (kt == LUA_TSTRING) {
+            en->cls = 1;
+            en->str = lua_tolstring(L, -1, &en->len);
+        } else if (kt == LUA_TBOOLEAN) {
+            en->cls = 2;
+            en->num = lua_toboolean(L, -1);
+        } else {
+            en->cls = 3 + kt; /* refused below, in key order */
+        }
+        got++;
+    }
+    if (got) qsort(ents, got, sizeof *ents, entry_cmp);
+    for (size_t i = 0; i < got; i++) {
+        state_entry *en = &ents[i];
+        lua_pushvalue(L, en->kidx);
+        lua_pushvalue(L, en->kidx);
+        lua_rawget(L, idx);
+        child_path(L, path, sub);
+        if (en->cls > 2) {
+            enc_fail(e, RP_EINVAL, "%s has a key that is %s; keys can be numbers, strings and booleans", path,
+                     lua_typename(L, en->cls - 3));
+            goto out;
+        }
+        en->key = en->cls == 0 ? encode_number(en->num)
+                  : en->cls == 1 ? encode_bytes(en->str, en->len)
+                                 : json_boolean(en->num != 0);
+        if (!en->key) {
+            enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
+            goto out;
+        }
+        en->value = encode_value(e, lua_gettop(L), sub, depth + 1);
+        if (!en->value) goto out;
+        lua_pop(L, 2);
+    }
+    list = json_array();
+    if (!list) {
+        enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
+        goto out;
+    }
+    for (size_t i = 0; i < got; i++) {
+        json_t *pair = json_pack("[OO]", ents[i].key, ents[i].value);
+        if (!pair || json_array_append_new(list, pair) != 0) {
+            enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
+            goto out;
+        }
+    }
+    out = json_pack("{s:O}", "table", list);
+    if (!out) enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
+out:
+    lua_settop(L, base);
+    for (size_t i = 0; i < got; i++) {
+        json_decref(ents[i].key);
+        json_decref(ents[i].value);
+    }
+    free(ents);
+    json_decref(list);
+    return out;
+}
+
+static json_t *encode_value(state_enc *e, int idx, const char *path, int depth)
+{
+    lua_State *L = e->L;
+    json_t *j;
+    int t = lua_type(L, idx);
+    switch (t) {
+    case LUA_TBOOLEAN: j = json_boolean(lua_toboolean(L, idx)); break;
+    case LUA_TNUMBER: j = encode_number(lua_tonumber(L, idx)); break;
+    case LUA_TSTRING: {
+        size_t n;
+        const char *s = lua_tolstring(L, idx, &n);
+        j = encode_bytes(s, n);
+        break;
+    }
+    case LUA_TTABLE: return encode_table(e, idx, path, depth);
+    default:
+        return enc_fail(e, RP_EINVAL,
+                        "%s is %s; a checkpoint holds tables, strings, numbers and booleans in ctx.state (keep "
+                        "functions in the chunk, copy views with v:totable())",
+                        path, t == LUA_TFUNCTION ? "a function" : t == LUA_TTHREAD ? "a coroutine" : "userdata");
+    }
+    if (!j) return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
+    return j;
+}
+
+
+static json_t *encode_state(const rp_policy *pol, rp_status *st, rp_error *err)
+{
+    lua_State *L = rp_sandbox_state(pol->sb);
+    int want = 8;
+    if (lua_cpcall(L, reserve_stack, &want) != 0) {
+        lua_pop(L, 1);
+        *st = rp_fail_nomem(err, "saving ctx.state");
+        return NULL;
+    }
+    int top = lua_gettop(L);
+    state_enc e = {.L = L, .policy = pol->info.name, .st = RP_OK, .err = err};
+    lua_rawgeti(L, LUA_REGISTRYINDEX, pol->state_ref);
+    json_t *j = lua_istable(L, -1) ? encode_value(&e, lua_gettop(L), "ctx.state", 0) : json_pack("{s:[]}", "table");
+    if (!j && e.st == RP_OK) e.st = rp_fail_nomem(err, "saving ctx.state");
+    lua_settop(L, top);
+    free(e.seen);
+    *st = e.st;
+    return j;
+}
+
+/* ---- JSON -> ctx.state: checked first (messages name the JSON path), then built inside
+ * a protected call, where only memory can fail ------------------------------------------ */
+
+static rp_status check_value(const rp_jdoc *doc, json_t *v, const char *path, int depth, rp_error *err)
+{
+    if (json_is_boolean(v) || json_is_number(v) || json_is_string(v)) return RP_OK;
+    double x;
+    const char *s;
+    size_t n;
+    char *buf;
+    if (decode_number(v, &x)) return RP_OK;
+    if (decode_bytes(v, &s, &n, &buf)) {
+        free(buf);
+        return RP_OK;
+    }
+    json_t *list = json_is_object(v) && json_object_size(v) == 1 ? json_object_get(v, "table") : NULL;
+    if (!json_is_array(list))
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, path,
+                            "is %s; a state value is a boolean, a number, a string, {\"number\": \"inf\"|\"-inf\"|\"nan\"}, "
+                            "{\"bytes\": hex} or {\"table\": [[key, value], ...]}",
+                            rp_jdoc_type_name(v));
+    if (depth >= MAX_STATE_DEPTH)
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, path, "nests tables deeper than %d", MAX_STATE_DEPTH);
+    char sub[PATH_LEN], kv[PATH_LEN];
+    size_t i;
+    json_t *pair;
+    json_array_foreach(list, i, pair) {
+        rp_jpath_index(sub, sizeof sub, path, i);
+        if (!json_is_array(pair) || json_array_size(pair) != 2)
+            return rp_jdoc_fail(doc, err, RP_EFORMAT, sub, "must be a [key, value] pair");
+        json_t *key = json_array_get(pair, 0);
+        bool key_ok = json_is_boolean(key) || (decode_number(key, &x) && !isnan(x));
+        if (!key_ok && decode_bytes(key, &s, &n, &buf)) {
+            free(buf);
+            key_ok = true;
+        }
+        if (!key_ok)
+            return rp_jdoc_fail(doc, err, RP_EFORMAT, rp_jpath_index(kv, sizeof kv, sub, 0),
+                                "is %s; a key is a number (not NaN), a string or a boolean", rp_jdoc_type_name(key));
+        rp_status st = check_value(doc, json_array_get(pair, 1), rp_jpath_index(kv, sizeof kv, sub, 1), depth + 1, err);
+        if (st != RP_OK) return st;
+    }
+    return RP_OK;
+}
+
+/* Push an encoded value (checked by check_value). Raises only on memory. */
+static void push_value(lua_State *L, json_t *v)
+{
+    double x;
+    const char *s;
+    size_t n;
+    char *buf;
+    if (json_is_boolean(v)) lua_pushboolean(L, json_is_true(v));
+    else if (decode_number(v, &x)) lua_pushnumber(L, x);
+    else if (decode_bytes(v, &s, &n, &buf)) {
+        lua_pushlstring(L, s, n); /* on a memory error buf leaks: malloc'ed, tiny, rare */
+        free(buf);
+    } else {
+        json_t *list = json_object_get(v, "table");
+        luaL_checkstack(L, 4, "ctx.state");
+        lua_createtable(L, 0, (int)json_array_size(list));
+        size_t i;
+        json_t *pair;
+        json_array_foreach(list, i, pair) {
+            push_value(L, json_array_get(pair, 0));
+            push_value(L, json_array_get(pair, 1));
+            lua_rawset(L, -3);
+        }
+    }
+}
+
+typedef struct build_job {
+    json_t *state;
+    int ref;
+} build_job;
+
+static int build_state(lua_State *L)
+{
+    build_job *job = lua_touserdata(L, 1);
+    push_value(L, job->state);
+    job->ref = luaL_ref(L, LUA_REGISTRYINDEX);
+    return 0;
+}
+
+/* ---- policy sets -------------------------------------------------------------------------- */
+
+static json_t *encode_set(const policy_set *ps, int64_t at_step, bool staged, rp_status *st, rp_error *err)
+{
+    char h[17];
+    hex64(h, ps->hash);
+    json_t *pols = json_array();
+    json_t *out = NULL;
+    if (!pols) goto nomem;
+    for (int32_t i = 0; i < ps->count; i++) {
+        const rp_policy *pol = ps->pol[i];
+        json_t *state = encode_state(pol, st, err);
+        if (!state) goto fail;
+        char ph[17];
+        hex64(ph, pol->info.hash);
+        json_t *one = json_pack("{s:s, s:s, s:s, s:s, s:s, s:o, s:o}", "name", pol->info.name, "version",
+                                pol->info.version, "path", pol->info.path, "hash", ph, "params", pol->params_json,
+                                "source", encode_bytes(pol->source, pol->source_len), "state", state);
+        if (!one || json_array_append_new(pols, one) != 0) goto nomem;
+    }
+    out = json_pack("{s:s, s:s, s:s, s:O}", "name", ps->name, "version", ps->version, "hash", h, "policies", pols);
+    if (!out) goto nomem;
+    if (staged && json_object_set_new(out, "at_step", json_integer((json_int_t)at_step)) != 0) goto nomem;
+    json_decref(pols);
+    return out;
+nomem:
+    *st = rp_fail_nomem(err, "the scheduler state");
+fail:
+    json_decref(out);
+    json_decref(pols);
+    return NULL;
+}
+
+static rp_status load_set(const rp_jdoc *doc, const sched_fields *f, json_t *obj, const char *path, bool staged,
+                          policy_set *ps, int64_t *at_step, rp_error *err)
+{
+    static const char *const keys[] = {"name", "version", "hash", "policies", "at_step", NULL};
+    static const char *const keys_run[] = {"name", "version", "hash", "policies", NULL};
+    static const char *const pol_keys[] = {"name", "version", "path", "hash", "params", "source", "state", NULL};
+    memset(ps, 0, sizeof *ps);
+    rp_status st;
+    char sub[PATH_LEN], key[PATH_LEN];
+    RP_CHECK_GOTO(rp_jdoc_check_keys(doc, obj, path, staged ? keys : keys_run, err), st, fail);
+    const char *hash_text;
+    uint64_t set_hash;
+    RP_CHECK_GOTO(rp_jdoc_str(doc, obj, path, "hash", true, NULL, &hash_text, err), st, fail);
+    if (!parse_hex64(hash_text, &set_hash)) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, rp_jpath_key(sub, sizeof sub, path, "hash"),
+                          "must be 16 lower-case hex digits, got \"%s\"", hash_text);
+        goto fail;
+    }
+    if (staged) RP_CHECK_GOTO(rp_jdoc_int(doc, obj, path, "at_step", true, 0, -1, INT64_MAX, at_step, err), st, fail);
+    json_t *pols;
+    RP_CHECK_GOTO(rp_jdoc_arr(doc, obj, path, "policies", true, &pols, err), st, fail);
+    rp_jpath_key(sub, sizeof sub, path, "policies");
+    if (json_array_size(pols) < 1 || json_array_size(pols) > 2) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, sub, "must list 1 or 2 policies (a joint one, or packing+placement), got %zu",
+                          json_array_size(pols));
+        goto fail;
+    }
+    for (size_t i = 0; i < json_array_size(pols); i++) {
+        json_t *one = json_array_get(pols, i);
+        char at[PATH_LEN];
+        rp_jpath_index(at, sizeof at, sub, i);
+        RP_CHECK_GOTO(rp_jdoc_check_keys(doc, one, at, pol_keys, err), st, fail);
+        const char *ppath, *phash, *params;
+        RP_CHECK_GOTO(rp_jdoc_str(doc, one, at, "path", true, NULL, &ppath, err), st, fail);
+        RP_CHECK_GOTO(rp_jdoc_str(doc, one, at, "hash", true, NULL, &phash, err), st, fail);
+        RP_CHECK_GOTO(rp_jdoc_str(doc, one, at, "params", true, NULL, &params, err), st, fail);
+        uint64_t want;
+        if (!parse_hex64(phash, &want)) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, rp_jpath_key(key, sizeof key, at, "hash"),
+                              "must be 16 lower-case hex digits, got \"%s\"", phash);
+            goto fail;
+        }
+        const char *src;
+        size_t src_len;
+        char *buf;
+        json_t *source = json_object_get(one, "source");
+        if (!source || !decode_bytes(source, &src, &src_len, &buf)) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, rp_jpath_key(key, sizeof key, at, "source"),
+                              "must be the policy's text (a string or {\"bytes\": hex})");
+            goto fail;
+        }
+        json_t *state = json_object_get(one, "state");
+        rp_jpath_key(key, sizeof key, at, "state");
+        st = !state ? rp_jdoc_fail(doc, err, RP_EFORMAT, key, "is required")
+             : !json_is_object(state) || !json_is_array(json_object_get(state, "table"))
+                 ? rp_jdoc_fail(doc, err, RP_EFORMAT, key, "must be a table ({\"table\": [...]})")
+                 : check_value(doc, state, key, 0, err);
+        if (st != RP_OK) {
+            free(buf);
+            goto fail;
+        }
+        uint64_t got = rp_hash64(src, src_len, 0);
+        if (got != want) {
+            free(buf);
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, rp_jpath_key(key, sizeof key, at, "source"),
+                              "does not match its hash (saved %s, the text hashes to %016llx): the state was edited "
+                              "or damaged",
+                              phash, (unsigned long long)got);
+            goto fail;
+        }
+        rp_policy *pol = NULL;
+        rp_error le;
+        st = rp_policy_load(f->ctx, f->cfg, src, src_len, *ppath ? ppath : NULL, f->limits, params, false, &pol, &le);
+        free(buf);
+        if (st != RP_OK) {
+            rp_fail(err, st, "state: %s: the saved policy no longer loads: %s", at, le.text);
+            goto fail;
+        }
+        ps->pol[ps->count++] = pol;
+        lua_State *L = rp_sandbox_state(pol->sb);
+        build_job job = {state, LUA_NOREF};
+        if (lua_cpcall(L, build_state, &job) != 0) {
+            lua_pop(L, 1);
+            st = rp_fail_nomem(err, "rebuilding ctx.state");
+            goto fail;
+        }
+        luaL_unref(L, LUA_REGISTRYINDEX, pol->state_ref);
+        pol->state_ref = job.ref;
+    }
+    if (ps->count == 2 && strcmp(ps->pol[0]->info.name, ps->pol[1]->info.name) == 0) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, sub, "names policy '%s' twice", ps->pol[0]->info.name);
+        goto fail;
+    }
+    sched_set_describe(ps);
+    if (ps->hash != set_hash) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, rp_jpath_key(sub, sizeof sub, path, "hash"),
+                          "is %s but its policies hash to %016llx", hash_text, (unsigned long long)ps->hash);
+        goto fail;
+    }
+    return RP_OK;
+fail:
+    sched_set_free(ps);
+    return st;
+}
+
+/* ---- the document --------------------------------------------------------------------- */
+
+static json_t *int32_array(const int32_t *v, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++)
+        if (json_array_append_new(a, json_integer(v[i])) != 0) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
+}
+
+static json_t *int64_array(const int64_t *v, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++)
+        if (json_array_append_new(a, json_integer((json_int_t)v[i])) != 0) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
+}
+
+static json_t *encode_config(const rp_config *cfg)
+{
+    const rp_model *md = rp_config_model(cfg);
+    const rp_topology *tp = rp_config_topology(cfg);
+    return json_pack("{s:i, s:i, s:i, s:i, s:i, s:o}", "num_layers", (int)md->num_layers, "num_experts",
+                     (int)md->num_experts, "top_k", (int)md->top_k, "num_gpus", (int)tp->num_gpus, "ep_size",
+                     (int)tp->ep_size, "slots", int32_array(tp->slots, (size_t)tp->num_gpus));
+}
+
+/* The last step's batch and statistics: lengths, group ids, the expert loads and every
+ * nonzero per-sequence count as flat (seq, layer, expert, count) quadruples. */
+static json_t *encode_last_batch(const rp_batch *b, const rp_stats *stats, int32_t L, int32_t E)
+{
+    int32_t n = rp_batch_num_seqs(b);
+    json_t *loads = json_array(), *hist = json_array(), *out = NULL;
+    uint32_t *counts = malloc((size_t)E * sizeof *counts);
+    if (!loads || !hist || !counts) goto out;
+    for (int32_t l = 0; l < L; l++) {
+        const int64_t *el = rp_stats_expert_load(stats, l);
+        for (int32_t e = 0; e < E; e++)
+            if (json_array_append_new(loads, json_integer((json_int_t)el[e])) != 0) goto out;
+    }
+    for (int32_t s = 0; s < n; s++)
+        for (int32_t l = 0; l < L; l++) {
+            rp_stats_seq_hist(stats, s, l, counts);
+            for (int32_t e = 0; e < E; e++) {
+                if (!counts[e]) continue;
+                json_int_t quad[4] = {s, l, e, (json_int_t)counts[e]};
+                for (int k = 0; k < 4; k++)
+                    if (json_array_append_new(hist, json_integer(quad[k])) != 0) goto out;
+            }
+        }
+    out = json_pack("{s:o, s:o, s:o, s:O, s:O}", "prompt_lens", int32_array(rp_batch_prompt_lens(b), (size_t)n),
+                    "response_lens", int32_array(rp_batch_response_lens(b), (size_t)n), "group_ids",
+                    int32_array(rp_batch_group_ids(b), (size_t)n), "expert_load", loads, "seq_hist", hist);
+out:
+    free(counts);
+    json_decref(loads);
+    json_decref(hist);
+    return out;
+}
+
+rp_status rp_sched_save_state(const rp_sched *sched, char **json, size_t *len, rp_error *err)
+{
+    if (!sched || !json) return rp_fail(err, RP_EINVAL, "sched: scheduler and output are required");
+    rp_error local;
+    if (!err) err = &local;
+    sched_fields f;
+    sched_fields_of((rp_sched *)sched, &f);
+    f.errmsg[0] = '\0';
+    const rp_model *md = rp_config_model(f.cfg);
+    int32_t L = md->num_layers, E = md->num_experts;
+    size_t cells = (size_t)L * (size_t)E;
+    rp_status st = RP_OK;
+    json_t *root = NULL, *plan = NULL, *running = NULL, *staged = NULL, *history = NULL, *last = NULL;
+    char *plan_text = NULL, *dump = NULL;
+    char seed[17], plan_hash[17];
+    hex64(seed, f.opts->seed);
+    if (*f.current) {
+        size_t n;
+        RP_CHECK_GOTO(rp_plan_to_json(*f.current, &plan_text, &n, err), st, out);
+        json_error_t je;
+        plan = json_loadb(plan_text, n, 0, &je);
+        if (!plan) {
+            st = rp_fail(err, RP_ENOMEM, "sched: the plan in use could not be re-read: %s", je.text);
+            goto out;
+        }
+        hex64(plan_hash, rp_plan_hash(*f.current));
+    }
+    running = encode_set(f.running, 0, false, &st, err);
+    if (!running) goto out;
+    if (f.staged->count > 0) {
+        staged = encode_set(f.staged, *f.staged_at, true, &st, err);
+        if (!staged) goto out;
+    }
+    history = json_array();
+    if (!history) goto nomem;
+    for (int32_t i = *f.hist_count - 1; i >= 0; i--) { /* oldest first */
+        int32_t slot = ((*f.hist_head - 1 - i) % f.hist_cap + f.hist_cap) % f.hist_cap;
+        json_t *entry = json_pack("{s:I, s:o}", "step", (json_int_t)f.hist_steps[slot], "expert_load",
+                                  int64_array(f.hist_loads + (size_t)slot * cells, cells));
+        if (!entry || json_array_append_new(history, entry) != 0) goto nomem;
+    }
+    if (*f.prev_batch && *f.prev_stats) {
+        last = encode_last_batch(*f.prev_batch, *f.prev_stats, L, E);
+        if (!last) goto nomem;
+    }
+    root = json_pack("{s:s, s:i, s:o, s:s, s:s, s:i, s:o, s:O?, s:s?, s:O, s:O?, s:O, s:O?}", "format", STATE_FORMAT,
+                     "version", STATE_VERSION, "config", encode_config(f.cfg), "seed", seed, "split",
+                     f.opts->split == RP_SPLIT_LOCALITY ? "locality" : "even", "history_length", (int)f.hist_cap,
+                     "last_step", *f.has_step ? json_integer((json_int_t)*f.last_step) : json_null(), "plan", plan,
+                     "plan_hash", plan ? plan_hash : NULL, "running", running, "staged", staged, "history", history,
+                     "last_batch", last);
+    if (!root) goto nomem;
+    dump = json_dumps(root, DUMP_FLAGS);
+    if (!dump) goto nomem;
+    size_t n = strlen(dump);
+    *json = rp_alloc(f.ctx, n + 2);
+    if (!*json) goto nomem;
+    memcpy(*json, dump, n);
+    (*json)[n] = '\n';
+    (*json)[n + 1] = '\0';
+    if (len) *len = n + 1;
+    goto out;
+nomem:
+    st = rp_fail_nomem(err, "the scheduler state");
+out:
+    free(dump);
+    json_decref(root);
+    json_decref(plan);
+    json_decref(running);
+    json_decref(staged);
+    json_decref(history);
+    json_decref(last);
+    if (plan_text) rp_text_free(rp_plan_context(*f.current), plan_text);
+    if (st != RP_OK) snprintf(f.errmsg, RP_ERROR_TEXT, "%s", err->text);
+    return st;
+}
+
+/* ---- loading -------------------------------------------------------------------------- */
+
+/* Everything rp_sched_load_state builds before it commits. */
+typedef struct loaded {
+    policy_set running, staged;
+    int64_t staged_at;
+    rp_plan *plan;
+    bool has_step;
+    int64_t last_step;
+    uint64_t seed;
+    rp_batch *batch;
+    rp_stats *stats;
+    int32_t hist_count;
+    int64_t *hist_steps, *hist_loads;
+    int32_t *lens;   /* scratch: prompt, response, group ids */
+    uint32_t *seq_hist;
+    int64_t *expert_load;
+} loaded;
+
+static void loaded_free(rp_context *ctx, loaded *ld)
+{
+    sched_set_free(&ld->running);
+    sched_set_free(&ld->staged);
+    rp_plan_free(ld->plan);
+    rp_batch_free(ld->batch);
+    rp_stats_free(ld->stats);
+    rp_free(ctx, ld->hist_steps);
+    rp_free(ctx, ld->hist_loads);
+    rp_free(ctx, ld->lens);
+    rp_free(ctx, ld->seq_hist);
+    rp_free(ctx, ld->expert_load);
+}
+
+static rp_status shape_mismatch(const rp_jdoc *doc, rp_error *err, const char *what, int64_t saved, int64_t mine)
+{
+    char path[64];
+    snprintf(path, sizeof path, "config.%s", what);
+    return rp_jdoc_fail(doc, err, RP_EINVAL, path,
+                        "is %lld in the state, but this scheduler's config has %lld: a state loads only into a "
+                        "scheduler of the same shape",
+                        (long long)saved, (long long)mine);
+}
+
+static rp_status check_config(const rp_jdoc *doc, json_t *root, const rp_config *cfg, rp_error *err)
+{
+    static const char *const keys[] = {"num_layers", "num_experts", "top_k", "num_gpus", "ep_size", "slots", NULL};
+    const rp_model *md = rp_config_model(cfg);
+    const rp_topology *tp = rp_config_topology(cfg);
+    json_t *c;
+    rp_status st = rp_jdoc_obj(doc, root, "", "config", true, &c, err);
+    if (st == RP_OK) st = rp_jdoc_check_keys(doc, c, "config", keys, err);
+    if (st != RP_OK) return st;
+    const char *names[] = {"num_layers", "num_experts", "top_k", "num_gpus", "ep_size"};
+    int64_t mine[] = {md->num_layers, md->num_experts, md->top_k, tp->num_gpus, tp->ep_size};
+    for (int i = 0; i < 5; i++) {
+        int64_t v;
+        st = rp_jdoc_int(doc, c, "config", names[i], true, 0, 0, INT32_MAX, &v, err);
+        if (st != RP_OK) return st;
+        if (v != mine[i]) return shape_mismatch(doc, err, names[i], v, mine[i]);
+    }
+    json_t *slots;
+    st = rp_jdoc_arr(doc, c, "config", "slots", true, &slots, err);
+    if (st != RP_OK) return st;
+    if ((int64_t)json_array_size(slots) != tp->num_gpus)
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "config.slots", "has %zu entries for %d GPUs", json_array_size(slots),
+                            (int)tp->num_gpus);
+    for (int32_t g = 0; g < tp->num_gpus; g++) {
+        char path[64];
+        int64_t v;
+        rp_jpath_index(path, sizeof path, "config.slots", (size_t)g);
+        st = rp_jdoc_int_value(doc, json_array_get(slots, (size_t)g), path, 0, INT32_MAX, &v, err);
+        if (st != RP_OK) return st;
+        if (v != tp->slots[g]) {
+            char what[32];
+            snprintf(what, sizeof what, "slots[%d]", (int)g);
+            return shape_mismatch(doc, err, what, v, tp->slots[g]);
+        }
+    }
+    return RP_OK;
+}
+
+/* Read a JSON array of exactly `n` integers in [min, max] at `path` into `out`. */
+static rp_status read_ints(const rp_jdoc *doc, json_t *arr, const char *path, size_t n, int64_t min, int64_t max,
+                           int64_t *out64, int32_t *out32, rp_error *err)
+{
+    if (!json_is_array(arr))
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, path, "must be an array, got %s", rp_jdoc_type_name(arr));
+    if (json_array_size(arr) != n)
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, path, "has %zu entries; %zu expected", json_array_size(arr), n);
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(arr, i);
+        int64_t x;
+        if (!json_is_integer(v) || (x = (int64_t)json_integer_value(v)) < min || x > max) {
+            char at[PATH_LEN];
+            return rp_jdoc_int_value(doc, v, rp_jpath_index(at, sizeof at, path, i), min, max, &x, err);
+        }
+        if (out64) out64[i] = x;
+        if (out32) out32[i] = (int32_t)x;
+    }
+    return RP_OK;
+}
+
+static rp_status load_last_batch(const rp_jdoc *doc, const sched_fields *f, json_t *obj, loaded *ld, rp_error *err)
+{
+    static const char *const keys[] = {"prompt_lens", "response_lens", "group_ids", "expert_load", "seq_hist", NULL};
+    const rp_model *md = rp_config_model(f->cfg);
+    int32_t L = md->num_layers, E = md->num_experts;
+    rp_status st = rp_jdoc_check_keys(doc, obj, "last_batch", keys, err);
+    if (st != RP_OK) return st;
+    json_t *pl = json_object_get(obj, "prompt_lens");
+    if (!json_is_array(pl))
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.prompt_lens", "must be an array");
+    size_t n = json_array_size(pl);
+    if (n < 1 || n > INT32_MAX / 3)
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.prompt_lens", "has %zu sequences", n);
+    ld->lens = rp_alloc(f->ctx, 3 * n * sizeof *ld->lens);
+    size_t cells = (size_t)L * (size_t)E;
+    if (n > SIZE_MAX / sizeof(uint32_t) / cells) return rp_fail(err, RP_ERANGE, "state: last_batch is too large");
+    ld->seq_hist = rp_calloc(f->ctx, n * cells, sizeof *ld->seq_hist);
+    ld->expert_load = rp_alloc(f->ctx, cells * sizeof *ld->expert_load);
+    if (!ld->lens || !ld->seq_hist || !ld->expert_load) return rp_fail_nomem(err, "the state's last batch");
+    int32_t *prompt = ld->lens, *response = ld->lens + n, *group = ld->lens + 2 * n;
+    if ((st = read_ints(doc, pl, "last_batch.prompt_lens", n, 0, INT32_MAX, NULL, prompt, err)) != RP_OK ||
+        (st = read_ints(doc, json_object_get(obj, "response_lens"), "last_batch.response_lens", n, 0, INT32_MAX, NULL,
+                        response, err)) != RP_OK ||
+        (st = read_ints(doc, json_object_get(obj, "group_ids"), "last_batch.group_ids", n, INT32_MIN, INT32_MAX, NULL,
+                        group, err)) != RP_OK ||
+        (st = read_ints(doc, json_object_get(obj, "expert_load"), "last_batch.expert_load", cells, 0, INT64_MAX,
+                        ld->expert_load, NULL, err)) != RP_OK)
+        return st;
+    json_t *hist = json_object_get(obj, "seq_hist");
+    if (!json_is_array(hist) || json_array_size(hist) % 4)
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.seq_hist",
+                            "must be an array of (sequence, layer, expert, count) quadruples");
+    int64_t total = 0;
+    for (size_t i = 0; i < json_array_size(hist); i += 4) {
+        int64_t q[4], max[4] = {(int64_t)n - 1, L - 1, E - 1, UINT32_MAX};
+        for (int k = 0; k < 4; k++) {
+            char at[PATH_LEN];
+            rp_jpath_index(at, sizeof at, "last_batch.seq_hist", i + (size_t)k);
+            if ((st = rp_jdoc_int_value(doc, json_array_get(hist, i + (size_t)k), at, k == 3 ? 1 : 0, max[k], &q[k],
+                                        err)) != RP_OK)
+                return st;
+        }
+        ld->seq_hist[((size_t)q[0] * (size_t)L + (size_t)q[1]) * (size_t)E + (size_t)q[2]] = (uint32_t)q[3];
+        total += q[3];
+    }
+    RP_CHECK_GOTO(rp_batch_new(f->ctx, (int32_t)n, prompt, response, group, &ld->batch, err), st, out);
+    int64_t tokens = rp_batch_num_tokens(ld->batch);
+    /* top_k as the step's routing had it: the loads of a layer sum to tokens * top_k */
+    int64_t layer0 = 0;
+    for (int32_t e = 0; e < E; e++) layer0 += ld->expert_load[e];
+    int32_t top_k = tokens > 0 ? (int32_t)(layer0 / tokens) : md->top_k;
+    if (tokens > 0 && (layer0 % tokens || total != layer0 * L))
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch",
+                            "counts do not add up: %lld token-choices at layer 0 for %lld tokens, %lld in seq_hist",
+                            (long long)layer0, (long long)tokens, (long long)total);
+    RP_CHECK_GOTO(stats_from_counts(f->ctx, (int32_t)n, L, E, top_k, tokens, ld->seq_hist, ld->expert_load, &ld->stats,
+                                    err),
+                  st, out);
+out:
+    return st;
+}
+
+static rp_status load_history(const rp_jdoc *doc, const sched_fields *f, json_t *arr, loaded *ld, rp_error *err)
+{
+    const rp_model *md = rp_config_model(f->cfg);
+    size_t cells = (size_t)md->num_layers * (size_t)md->num_experts;
+    if (!json_is_array(arr)) return rp_jdoc_fail(doc, err, RP_EFORMAT, "history", "must be an array");
+    size_t n = json_array_size(arr);
+    if (n > (size_t)f->hist_cap)
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "history", "has %zu entries, more than history_length %d", n,
+                            (int)f->hist_cap);
+    ld->hist_count = (int32_t)n;
+    if (n == 0) return RP_OK;
+    ld->hist_steps = rp_alloc(f->ctx, n * sizeof *ld->hist_steps);
+    ld->hist_loads = rp_alloc(f->ctx, n * cells * sizeof *ld->hist_loads);
+    if (!ld->hist_steps || !ld->hist_loads) return rp_fail_nomem(err, "the state's history");
+    static const char *const keys[] = {"step", "expert_load", NULL};
+    for (size_t i = 0; i < n; i++) {
+        char at[PATH_LEN], sub[PATH_LEN];
+        json_t *e = json_array_get(arr, i);
+        rp_jpath_index(at, sizeof at, "history", i);
+        rp_status st = rp_jdoc_check_keys(doc, e, at, keys, err);
+        if (st == RP_OK) st = rp_jdoc_int(doc, e, at, "step", true, 0, INT64_MIN, INT64_MAX, &ld->hist_steps[i], err);
+        if (st == RP_OK)
+            st = read_ints(doc, json_object_get(e, "expert_load"), rp_jpath_key(sub, sizeof sub, at, "expert_load"),
+                           cells, 0, INT64_MAX, ld->hist_loads + i * cells, NULL, err);
+        if (st != RP_OK) return st;
+    }
+    return RP_OK;
+}
+
+static rp_status parse_state(const rp_jdoc *doc, const sched_fields *f, loaded *ld, rp_error *err)
+{
+    static const char *const keys[] = {"format", "version", "config", "seed", "split", "history_length", "last_step",
+                                       "plan", "plan_hash", "running", "staged", "history", "last_batch", NULL};
+    json_t *root = doc->root;
+    const char *format = NULL, *text;
+    int64_t v;
+    rp_status st;
+    if (!json_is_object(root))
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "", "is %s, not a RoutePack scheduler state (an object with "
+                            "\"format\": \"" STATE_FORMAT "\")", rp_jdoc_type_name(root));
+    json_t *fmt = json_object_get(root, "format");
+    if (!fmt)
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "format",
+                            "is missing: not a RoutePack scheduler state (\"format\": \"" STATE_FORMAT "\")");
+    if (!json_is_string(fmt) || strcmp((format = json_string_value(fmt)), STATE_FORMAT) != 0) {
+        if (json_is_string(fmt))
+            return rp_jdoc_fail(doc, err, RP_EFORMAT, "format", "is \"%s\", not \"" STATE_FORMAT "\": not a scheduler state",
+                                format);
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, "format", "is %s, not \"" STATE_FORMAT "\": not a scheduler state",
+                            rp_jdoc_type_name(fmt));
+    }
+    RP_CHECK_GOTO(rp_jdoc_int(doc, root, "", "version", true, 0, 1, INT32_MAX, &v, err), st, out);
+    if (v != STATE_VERSION) {
+        st = rp_jdoc_fail(doc, err, RP_ENOTSUP, "version", "is %lld; this library reads version %d", (long long)v,
+                          STATE_VERSION);
+        goto out;
+    }
+    RP_CHECK_GOTO(rp_jdoc_check_keys(doc, root, "", keys, err), st, out);
+    RP_CHECK_GOTO(check_config(doc, root, f->cfg, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_str(doc, root, "", "seed", true, NULL, &text, err), st, out);
+    if (!parse_hex64(text, &ld->seed)) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "seed", "must be 16 lower-case hex digits, got \"%s\"", text);
+        goto out;
+    }
+    RP_CHECK_GOTO(rp_jdoc_str(doc, root, "", "split", true, NULL, &text, err), st, out);
+    const char *mine = f->opts->split == RP_SPLIT_LOCALITY ? "locality" : "even";
+    if (strcmp(text, mine) != 0) {
+        st = rp_jdoc_fail(doc, err, RP_EINVAL, "split", "is \"%s\" in the state, but this scheduler splits \"%s\"", text,
+                          mine);
+        goto out;
+    }
+    RP_CHECK_GOTO(rp_jdoc_int(doc, root, "", "history_length", true, 0, 0, INT32_MAX, &v, err), st, out);
+    if (v != f->hist_cap) {
+        st = rp_jdoc_fail(doc, err, RP_EINVAL, "history_length",
+                          "is %lld in the state, but this scheduler keeps %d steps of history (options.history)",
+                          (long long)v, (int)f->hist_cap);
+        goto out;
+    }
+    json_t *last = json_object_get(root, "last_step");
+    ld->has_step = last && !json_is_null(last);
+    if (ld->has_step) RP_CHECK_GOTO(rp_jdoc_int(doc, root, "", "last_step", true, 0, INT64_MIN, INT64_MAX, &ld->last_step, err), st, out);
+    else if (!last) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "last_step", "is required (null before the first step)");
+        goto out;
+    }
+
+    json_t *plan = json_object_get(root, "plan");
+    if (plan && !json_is_null(plan)) {
+        if (!ld->has_step) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, "plan", "is given but last_step is null");
+            goto out;
+        }
+        const char *hash_text;
+        uint64_t want;
+        RP_CHECK_GOTO(rp_jdoc_str(doc, root, "", "plan_hash", true, NULL, &hash_text, err), st, out);
+        if (!parse_hex64(hash_text, &want)) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, "plan_hash", "must be 16 lower-case hex digits, got \"%s\"", hash_text);
+            goto out;
+        }
+        char *ptext = json_dumps(plan, DUMP_FLAGS);
+        if (!ptext) {
+            st = rp_fail_nomem(err, "the state's plan");
+            goto out;
+        }
+        rp_error pe;
+        st = rp_plan_parse(f->ctx, f->cfg, ptext, strlen(ptext), "state.plan", &ld->plan, &pe);
+        free(ptext);
+        if (st != RP_OK) {
+            rp_fail(err, st, "%s: plan: %s", doc->name, pe.text);
+            goto out;
+        }
+        if (!rp_plan_has_placement(ld->plan) || rp_plan_hash(ld->plan) != want) {
+            if (rp_plan_has_placement(ld->plan))
+                st = rp_jdoc_fail(doc, err, RP_EFORMAT, "plan",
+                                  "does not match plan_hash %s: the state was edited or damaged", hash_text);
+            else
+                st = rp_jdoc_fail(doc, err, RP_EFORMAT, "plan", "has no placement (plan_hash %s)", hash_text);
+            goto out;
+        }
+    } else if (ld->has_step) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "plan", "is required after a step (last_step is %lld)",
+                          (long long)ld->last_step);
+        goto out;
+    }
+
+    json_t *obj;
+    RP_CHECK_GOTO(rp_jdoc_obj(doc, root, "", "running", true, &obj, err), st, out);
+    RP_CHECK_GOTO(load_set(doc, f, obj, "running", false, &ld->running, NULL, err), st, out);
+    obj = json_object_get(root, "staged");
+    ld->staged_at = -1;
+    if (obj && !json_is_null(obj))
+        RP_CHECK_GOTO(load_set(doc, f, obj, "staged", true, &ld->staged, &ld->staged_at, err), st, out);
+    json_t *hist;
+    RP_CHECK_GOTO(rp_jdoc_arr(doc, root, "", "history", true, &hist, err), st, out);
+    RP_CHECK_GOTO(load_history(doc, f, hist, ld, err), st, out);
+    obj = json_object_get(root, "last_batch");
+    if (obj && !json_is_null(obj)) {
+        if (!ld->has_step) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch", "is given but last_step is null");
+            goto out;
+        }
+        RP_CHECK_GOTO(load_last_batch(doc, f, obj, ld, err), st, out);
+    }
+    st = RP_OK;
+out:
+    return st;
+}
+
+rp_status rp_sched_load_state(rp_sched *sched, const char *json, size_t len, rp_error *err)
+{
+    if (!sched) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
+    rp_error local;
+    if (!err) err = &local;
+    rp_error_clear(err);
+    sched_fields f;
+    sched_fields_of(sched, &f);
+    f.errmsg[0] = '\0';
+    if (!json) {
+        rp_fail(err, RP_EINVAL, "sched: no state text");
+        snprintf(f.errmsg, RP_ERROR_TEXT, "%s", err->text);
+        return RP_EINVAL;
+    }
+    const rp_model *md = rp_config_model(f.cfg);
+    size_t cells = (size_t)md->num_layers * (size_t)md->num_experts;
+    rp_jdoc doc;
+    memset(&doc, 0, sizeof doc);
+    loaded ld;
+    memset(&ld, 0, sizeof ld);
+    rp_status st;
+    RP_CHECK_GOTO(rp_jdoc_parse(&doc, json, len, "state", err), st, out);
+    RP_CHECK_GOTO(parse_state(&doc, &f, &ld, err), st, out);
+
+    /* commit: nothing below can fail */
+    sched_set_free(f.running);
+    *f.running = ld.running;
+    memset(&ld.running, 0, sizeof ld.running);
+    sched_set_free(f.staged);
+    *f.staged = ld.staged;
+    memset(&ld.staged, 0, sizeof ld.staged);
+    *f.staged_at = ld.staged_at;
+    rp_plan_free(*f.current);
+    *f.current = ld.plan;
+    ld.plan = NULL;
+    *f.has_step = ld.has_step;
+    *f.last_step = ld.has_step ? ld.last_step : 0;
+    rp_batch_free(*f.prev_batch);
+    rp_stats_free(*f.prev_stats);
+    *f.prev_batch = ld.batch;
+    *f.prev_stats = ld.stats;
+    ld.batch = NULL;
+    ld.stats = NULL;
+    if (ld.hist_count > 0) {
+        memcpy(f.hist_steps, ld.hist_steps, (size_t)ld.hist_count * sizeof *f.hist_steps);
+        memcpy(f.hist_loads, ld.hist_loads, (size_t)ld.hist_count * cells * sizeof *f.hist_loads);
+    }
+    *f.hist_count = ld.hist_count;
+    *f.hist_head = f.hist_cap > 0 ? ld.hist_count % f.hist_cap : 0;
+    f.opts->seed = ld.seed;
+    *f.has_report = false;
+    f.migration->open = false;
+    st = RP_OK;
+out:
+    loaded_free(f.ctx, &ld);
+    rp_jdoc_free(&doc);
+    if (st != RP_OK) snprintf(f.errmsg, RP_ERROR_TEXT, "%s", err->text);
+    return st;
+}

@@ -1,0 +1,375 @@
+/* Scheduler checkpoints: a scheduler restored from rp_sched_save_state plans the next
+ * steps bit for bit as the original (plans and reports), with a stateful policy, a pair,
+ * a pending hot swap; save -> load -> save gives the same bytes; ctx.state values JSON
+ * cannot hold are refused by path; bad state text is refused and changes nothing. */
+#include "routepack/routepack.h"
+#include "tap.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static rp_context *ctx;
+static rp_config *cfg;
+static rp_gen *gen;
+static char tmp[256];
+
+#define STEPS 12
+static rp_batch *batches[STEPS];
+static rp_routing routings[STEPS];
+static uint8_t *ids[STEPS];
+
+/* gen-small's batches, copied so that several can be alive at once (as tests/test_sched.c). */
+static void make_batches(void)
+{
+    for (int t = 0; t < STEPS; t++) {
+        rp_batch *b = NULL;
+        rp_routing r;
+        rp_error err;
+        if (rp_gen_step(gen, t, &b, &r, &err) != RP_OK) {
+            diag("gen: %s", err.text);
+            exit(1);
+        }
+        size_t n = (size_t)rp_batch_num_tokens(b) * (size_t)r.num_layers * (size_t)r.top_k * (size_t)r.width;
+        ids[t] = malloc(n);
+        memcpy(ids[t], r.base, n);
+        batches[t] = b;
+        rp_routing_packed(&routings[t], r.width, r.num_layers, r.top_k, ids[t]);
+    }
+}
+
+static const char *policy_file(const char *name, const char *source)
+{
+    static char paths[8][512];
+    static int files;
+    char *p = paths[files++ % 8];
+    snprintf(p, 512, "%s/%s.lua", tmp, name);
+    FILE *f = fopen(p, "w");
+    fputs(source, f);
+    fclose(f);
+    return p;
+}
+
+/* Its plans depend on everything it keeps in ctx.state (a counter, a random walk, the
+ * history it saw), and the state holds every kind of value a checkpoint carries. */
+static const char *STATEFUL =
+    "return {name = 'stateful', version = '1.0.0', api = 1, description = 'keeps state',\n"
+    "init = function(ctx)\n"
+    "  ctx.state.n = 0; ctx.state.walk = 0; ctx.state.seen = {}\n"
+    "  ctx.state.odd = {['two words'] = 1/3, [2.5] = 'half', [true] = -0.0, [-1] = math.huge,\n"
+    "                   bytes = 'a\\0b\\255', deep = {{{false}}}, nan = 0/0}\n"
+    "end,\n"
+    "plan = function(ctx)\n"
+    "  local s = ctx.state\n"
+    "  s.n = s.n + 1\n"
+    "  s.walk = s.walk + math.random()\n"
+    "  s.seen[#s.seen + 1] = {step = ctx.step, hist = #ctx.history, load0 = ctx.stats.expert_load(0)[0]}\n"
+    "  if (s.n + math.floor(s.walk * 3)) % 3 == 0 then return rp.baseline('attn_kk+eplb') end\n"
+    "  return rp.baseline('token_kk+eplb')\n"
+    "end}\n";
+
+static rp_sched *make(const char *policy, int32_t history, uint64_t seed)
+{
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.policy = policy;
+    o.num_threads = 1;
+    o.history = history;
+    o.seed = seed;
+    rp_sched *s = NULL;
+    rp_error err;
+    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new(%s): %s", policy, err.text);
+    return s;
+}
+
+static const rp_step_report *step(rp_sched *s, int t)
+{
+    const rp_plan *p = NULL;
+    const rp_step_report *rep = NULL;
+    rp_error err;
+    if (!s || rp_sched_step(s, t, batches[t % STEPS], &routings[t % STEPS], &p, &rep, &err) != RP_OK) {
+        if (s) diag("step %d: %s", t, err.text);
+        return NULL;
+    }
+    return rep;
+}
+
+static char *save(rp_sched *s, size_t *len)
+{
+    char *text = NULL;
+    rp_error err;
+    if (rp_sched_save_state(s, &text, len, &err) != RP_OK) {
+        diag("save: %s", err.text);
+        return NULL;
+    }
+    return text;
+}
+
+/* Everything of a report but the wall-clock figures (and the policy's work units:
+ * instruction counts depend on how a table was built, not on what it holds). */
+static bool same_report(const rp_step_report *a, const rp_step_report *b)
+{
+    return a->step == b->step && a->plan_hash == b->plan_hash && a->policy_hash == b->policy_hash &&
+           strcmp(a->policy_name, b->policy_name) == 0 && a->fallback == b->fallback &&
+           strcmp(a->fallback_reason, b->fallback_reason) == 0 && a->swapped == b->swapped &&
+           strcmp(a->swap_error, b->swap_error) == 0 && a->experts_moved == b->experts_moved &&
+           memcmp(&a->migration_bytes, &b->migration_bytes, sizeof(double)) == 0 &&
+           memcmp(&a->cost.step_s, &b->cost.step_s, sizeof(double)) == 0 &&
+           memcmp(&a->cost.ratio, &b->cost.ratio, sizeof(double)) == 0;
+}
+
+/* Run steps [from, to) on both and compare every report; counts the distinct plans. */
+static bool same_future(rp_sched *a, rp_sched *b, int from, int to, int *swaps)
+{
+    bool same = true;
+    for (int t = from; t < to; t++) {
+        const rp_step_report *ra = step(a, t);
+        rp_step_report copy;
+        if (ra) copy = *ra;
+        const rp_step_report *rb = step(b, t);
+        if (!ra || !rb || !same_report(&copy, rb)) {
+            if (ra && rb)
+                diag("step %d: plan %016llx vs %016llx, swapped %d vs %d", t, (unsigned long long)copy.plan_hash,
+                     (unsigned long long)rb->plan_hash, copy.swapped, rb->swapped);
+            same = false;
+        }
+        if (ra && rb && ra->swapped && swaps) (*swaps)++;
+    }
+    return same;
+}
+
+static void test_resume(const char *label, const char *policy, int32_t history)
+{
+    rp_sched *a = make(policy, history, 7);
+    bool ran = true;
+    for (int t = 0; t < 5; t++) ran &= step(a, t) != NULL;
+    size_t len1 = 0, len2 = 0;
+    char *s1 = save(a, &len1);
+    /* B starts as another policy with another seed: the state replaces both */
+    rp_sched *b = make("contiguous", history, 99);
+    rp_error err;
+    rp_status st = s1 ? rp_sched_load_state(b, s1, len1, &err) : RP_EINVAL;
+    if (st != RP_OK && s1) diag("load: %s", err.text);
+    ok(ran && st == RP_OK, "%s: the state of 5 steps loads into a fresh scheduler", label);
+    char *s2 = save(b, &len2);
+    ok(s1 && s2 && len1 == len2 && memcmp(s1, s2, len1) == 0 && s1[len1 - 1] == '\n' && strlen(s1) == len1,
+       "%s: save -> load -> save gives the same bytes (%zu)", label, len1);
+    ok(same_future(a, b, 5, STEPS, NULL), "%s: the resumed scheduler plans steps 5..%d as the original, bit for bit",
+       label, STEPS - 1);
+    rp_text_free(ctx, s1);
+    rp_text_free(ctx, s2);
+    rp_sched_free(a);
+    rp_sched_free(b);
+}
+
+static void test_state_matters(void)
+{
+    /* a scheduler that only shares the policy but not its state plans differently: the
+     * comparison above is not trivially true */
+    const char *path = policy_file("stateful", STATEFUL);
+    rp_sched *a = make(path, 4, 7), *c = make(path, 4, 7);
+    for (int t = 0; t < 5; t++) step(a, t);
+    bool differ = false;
+    for (int t = 5; t < STEPS; t++) {
+        const rp_step_report *ra = step(a, t);
+        uint64_t ha = ra ? ra->plan_hash : 0;
+        const rp_step_report *rc = step(c, t);
+        if (ra && rc && ha != rc->plan_hash) differ = true;
+    }
+    ok(differ, "without the state the same policy plans other steps (the state decides plans)");
+    rp_sched_free(a);
+    rp_sched_free(c);
+}
+
+static void test_staged(void)
+{
+    const char *path = policy_file("stateful_staged", STATEFUL);
+    rp_sched *a = make("token_kk+eplb", 8, 3);
+    for (int t = 0; t < 4; t++) step(a, t);
+    rp_error err;
+    rp_status st = rp_sched_stage_policy(a, path, NULL, 6, &err);
+    if (st != RP_OK) diag("stage: %s", err.text);
+    size_t len;
+    char *text = save(a, &len);
+    ok(st == RP_OK && text && strstr(text, "\"at_step\":6"), "a staged policy and its step are saved");
+    rp_sched *b = make("token_kk", 8, 3);
+    st = text ? rp_sched_load_state(b, text, len, &err) : RP_EINVAL;
+    if (st != RP_OK && text) diag("load: %s", err.text);
+    int swaps = 0;
+    ok(st == RP_OK && same_future(a, b, 4, STEPS, &swaps) && swaps == 1,
+       "the staged policy swaps in at the same step on both (dry run on the saved last batch), plans equal after");
+    rp_text_free(ctx, text);
+    rp_sched_free(a);
+    rp_sched_free(b);
+}
+
+static void test_before_first_step(void)
+{
+    rp_sched *a = make("token_kk+eplb", 8, 1);
+    size_t len;
+    char *text = save(a, &len);
+    rp_sched *b = make("attn_kk+eplb", 8, 1);
+    rp_error err;
+    rp_status st = text ? rp_sched_load_state(b, text, len, &err) : RP_EINVAL;
+    ok(st == RP_OK && text && strstr(text, "\"last_step\":null") && same_future(a, b, 0, 3, NULL),
+       "a state saved before the first step loads and plans as the original");
+    rp_text_free(ctx, text);
+    rp_sched_free(a);
+    rp_sched_free(b);
+}
+
+/* A policy storing `what` into ctx.state in plan(). */
+static void unsaveable(const char *what, const char *want)
+{
+    char src[2048];
+    snprintf(src, sizeof src,
+             "return {name = 'bad_state', version = '1.0.0', api = 1, description = 'unsaveable state',\n"
+             "plan = function(ctx) local s = ctx.state\n%s\nend}\n",
+             what);
+    rp_sched *s = make(policy_file("bad_state", src), 8, 0);
+    step(s, 0);
+    char *text = NULL;
+    rp_error err;
+    rp_status st = rp_sched_save_state(s, &text, NULL, &err);
+    ok(st == RP_EINVAL && text == NULL, "ctx.state with %s cannot be saved", want);
+    like(err.text, want, "the error names it: %s", err.text);
+    ok(strcmp(rp_sched_errmsg(s), err.text) == 0, "and is kept in rp_sched_errmsg");
+    ok(step(s, 1) != NULL, "the scheduler keeps working");
+    rp_sched_free(s);
+}
+
+static void test_unsaveable(void)
+{
+    unsaveable("s.cb = {function() end}", "ctx.state.cb[1] is a function");
+    unsaveable("s.a = {b = {}}; s.a.b.c = s.a", "ctx.state.a.b.c is a table that ctx.state also holds");
+    unsaveable("local t = {}; s.x = t; s.y = {t}", "ctx.state.y[1] is a table that ctx.state also holds");
+    unsaveable("s.v = ctx.batch.seq_len", "ctx.state.v is userdata");
+    unsaveable("s.m = setmetatable({}, {})", "ctx.state.m has a metatable");
+    unsaveable("s[{}] = 1", "has a key that is table");
+}
+
+/* Load `text` into b: must fail with `want` in the message and change nothing. */
+static void refused(rp_sched *b, const char *good, const char *text, size_t len, rp_status code, const char *want,
+                    const char *label)
+{
+    rp_error err;
+    rp_status st = rp_sched_load_state(b, text, len, &err);
+    ok(st == code, "%s: refused (%s)", label, rp_strerror(st));
+    like(err.text, want, "%s: %s", label, err.text);
+    ok(strcmp(rp_sched_errmsg(b), err.text) == 0, "%s: the message is kept in rp_sched_errmsg", label);
+    size_t n;
+    char *now = save(b, &n);
+    ok(now && strcmp(now, good) == 0, "%s: the scheduler is unchanged", label);
+    rp_text_free(ctx, now);
+}
+
+/* text with the first `from` replaced by `to` (static buffer). */
+static const char *edit(const char *text, const char *from, const char *to)
+{
+    static char *buf;
+    free(buf);
+    buf = NULL;
+    const char *at = strstr(text, from);
+    if (!at) {
+        diag("edit: '%s' not in the state", from);
+        return text;
+    }
+    size_t pre = (size_t)(at - text);
+    buf = malloc(strlen(text) + strlen(to) + 1);
+    memcpy(buf, text, pre);
+    strcpy(buf + pre, to);
+    strcat(buf, at + strlen(from));
+    return buf;
+}
+
+static void test_bad_state(void)
+{
+    const char *path = policy_file("stateful_bad", STATEFUL);
+    rp_sched *a = make(path, 4, 7);
+    for (int t = 0; t < 3; t++) step(a, t);
+    size_t alen;
+    char *atext = save(a, &alen);
+    rp_sched *b = make("token_kk+eplb", 4, 5);
+    for (int t = 0; t < 2; t++) step(b, t);
+    size_t blen;
+    char *good = save(b, &blen);
+    if (!atext || !good) {
+        ok(0, "setup of the bad-state tests");
+        return;
+    }
+    refused(b, good, atext, alen / 2, RP_EFORMAT, "state:1:", "truncated text");
+    refused(b, good, "[1, 2]", 6, RP_EFORMAT, "not a RoutePack scheduler state", "an array");
+    refused(b, good, "{\"format\": \"something else\"}", 28, RP_EFORMAT, "not a scheduler state", "another format");
+    refused(b, good, "{\"not\": \"a state\"}", 18, RP_EFORMAT, "format is missing", "no format field");
+    refused(b, good, "{\"format\": 7}", 13, RP_EFORMAT, "format is an integer", "a format that is no string");
+    const char *t = edit(atext, "\"version\":1", "\"version\":2");
+    refused(b, good, t, strlen(t), RP_ENOTSUP, "this library reads version 1", "a later version");
+    t = edit(atext, "\"num_layers\":16", "\"num_layers\":8");
+    refused(b, good, t, strlen(t), RP_EINVAL, "config.num_layers is 8 in the state, but this scheduler's config has 16",
+            "another number of layers");
+    t = edit(atext, "\"slots\":[", "\"slots\":[99,");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "config.slots has", "another slot count");
+    t = edit(atext, "\"history_length\":4", "\"history_length\":8");
+    refused(b, good, t, strlen(t), RP_EINVAL, "this scheduler keeps 4 steps of history", "another history length");
+    t = edit(atext, "ctx.state.n = 0", "ctx.state.n = 1");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "does not match its hash", "an edited policy source");
+    t = edit(atext, "\"state\":{\"table\":", "\"state\":{\"tabel\":");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "must be a table", "a damaged ctx.state");
+    t = edit(atext, "[\"n\",", "[{\"x\":1},");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "a key is a number", "a bad ctx.state key");
+    t = edit(atext, "\"placement\":[[[", "\"placement\":[[[1,");
+    refused(b, good, t, strlen(t), RP_EINVAL, "plan", "a damaged plan");
+    t = edit(atext, "\"seq_hist\":[0,", "\"seq_hist\":[999999,");
+    refused(b, good, t, strlen(t), RP_ERANGE, "last_batch.seq_hist[0]", "a sequence out of range in the last batch");
+    t = edit(atext, "\"seed\":\"", "\"seed\":\"x");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "seed must be 16", "a bad seed");
+    /* rejected in the middle of rebuilding (after the running policy was loaded) */
+    t = edit(atext, "\"history\":[{\"step\":", "\"history\":[{\"step\":\"zero\",\"x\":");
+    refused(b, good, t, strlen(t), RP_EINVAL, "history[0]", "a bad history entry, after the policies were rebuilt");
+    ok(step(b, 2) != NULL, "the scheduler still steps after every refusal");
+
+    rp_sched *h = make(path, 2, 7);
+    rp_error err;
+    ok(rp_sched_load_state(h, atext, alen, &err) == RP_EINVAL && strstr(err.text, "keeps 2 steps"),
+       "a scheduler with another history length refuses the state: %s", err.text);
+    rp_sched_free(h);
+    rp_text_free(ctx, atext);
+    rp_text_free(ctx, good);
+    rp_sched_free(a);
+    rp_sched_free(b);
+}
+
+int main(void)
+{
+    rp_error err;
+    rp_context_new(NULL, NULL, &ctx);
+    if (rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-small.json", &cfg, &err) != RP_OK ||
+        rp_gen_load(ctx, RP_SOURCE_DIR "/examples/gen-small.json", &gen, &err) != RP_OK) {
+        ok(0, "setup: %s", err.text);
+        return tap_done();
+    }
+    snprintf(tmp, sizeof tmp, "/tmp/rp_test_sched_state_XXXXXX");
+    if (!mkdtemp(tmp)) return 1;
+    unsetenv("RP_POLICY_PATH");
+    make_batches();
+    test_resume("a stateful Lua policy", policy_file("stateful_resume", STATEFUL), 4);
+    test_resume("a pair (token_kk+eplb)", "token_kk+eplb", 8);
+    test_resume("the joint policy (routepack)", "routepack", 8);
+    test_state_matters();
+    test_staged();
+    test_before_first_step();
+    test_unsaveable();
+    test_bad_state();
+    for (int t = 0; t < STEPS; t++) {
+        rp_batch_free(batches[t]);
+        free(ids[t]);
+    }
+    rp_gen_free(gen);
+    rp_config_free(cfg);
+    rp_context_free(ctx);
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
+    if (system(cmd) != 0) diag("could not remove %s", tmp);
+    return tap_done();
+}
