@@ -1051,6 +1051,11 @@ int64_t rp_sandbox_work(const rp_sandbox *sb) { return sb->work; }
 
 const rp_sandbox_limits *rp_sandbox_limits_of(const rp_sandbox *sb) { return &sb->limits; }
 
+void rp_sandbox_set_max_instructions(rp_sandbox *sb, int64_t max_instructions)
+{
+    sb->limits.max_instructions = max_instructions > 0 ? max_instructions : 1;
+}
+
 /* ---- calls -------------------------------------------------------------------------- */
 
 /* Message handler of rp_sandbox_call: notes where the error came from, in C memory. */

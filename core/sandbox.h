@@ -74,6 +74,8 @@ size_t rp_sandbox_memory_bytes(const rp_sandbox *sb);
 /* Work units (instructions and charged C work) the last call used. */
 int64_t rp_sandbox_work(const rp_sandbox *sb);
 const rp_sandbox_limits *rp_sandbox_limits_of(const rp_sandbox *sb);
+/* The instruction limit of later calls (>= 1; the engine sizes it to the step). */
+void rp_sandbox_set_max_instructions(rp_sandbox *sb, int64_t max_instructions);
 
 /* Compile `source` (text only: precompiled bytecode is refused) as a chunk named
  * `chunkname` ("policy.lua"; NULL means "policy"), give it the policy environment, run

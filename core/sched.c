@@ -71,6 +71,23 @@ static uint64_t mix64(uint64_t x)
 
 /* math.random's seed for a step: a function of the options' seed, the step and the
  * policy's position in a pair, never of time. */
+/* The default instruction budget of a step's policy call: the sandbox's default, or 16
+ * full evaluations of the cost model on this batch if that is more, so that a policy
+ * that leans on the C primitives (rp.joint, rp.evaluate) is not stopped on a large batch
+ * where the same work is legitimate (docs/policies.md, Limits). The units are those
+ * rp.evaluate charges. */
+static int64_t step_instructions(const rp_sched *s, const rp_batch *b)
+{
+    const rp_model *md = rp_config_model(s->cfg);
+    const rp_topology *t = rp_config_topology(s->cfg);
+    int64_t n = rp_batch_num_seqs(b), tokens = rp_batch_num_tokens(b);
+    int64_t per_seq = (tokens / (n > 0 ? n : 1) + 1) * md->top_k;
+    int64_t entries = per_seq < md->num_experts ? per_seq : md->num_experts;
+    int64_t M = tokens / ((int64_t)t->num_gpus * rp_config_limits(s->cfg)->max_tokens_per_microbatch) + 1;
+    int64_t eval = (int64_t)md->num_layers * (n * entries + M * t->num_gpus * md->num_experts) + n;
+    return 16 * eval > RP_SANDBOX_DEFAULT_INSTRUCTIONS ? 16 * eval : RP_SANDBOX_DEFAULT_INSTRUCTIONS;
+}
+
 static uint64_t step_seed(const rp_sched *s, int64_t step, int32_t which)
 {
     return mix64(mix64(s->opts.seed) ^ mix64((uint64_t)step) ^ (uint64_t)which);
@@ -506,6 +523,8 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
         frame.history = s->hist_cap > 0 ? &in->history : NULL;
         rp_lua_plan_out got;
         int64_t work = 0;
+        if (s->opts.max_instructions == 0)
+            rp_sandbox_set_max_instructions(ps->pol[i]->sb, step_instructions(s, in->batch));
         double t0 = now_s();
         rp_status st = rp_policy_plan(ps->pol[i], &frame, n, 0, &got, &r->why, &work, &err);
         r->wall_s += now_s() - t0;

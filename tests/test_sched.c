@@ -602,6 +602,48 @@ static void test_rp_api(void)
          "a primitive whose work exceeds the budget is stopped before it runs");
 }
 
+/* The default instruction budget grows with the batch (16 full evaluations of the cost
+ * model), so that a policy leaning on C primitives is not stopped on a large batch; an
+ * explicit limit is kept as given. */
+static void test_instruction_budget(void)
+{
+    enum { N = 20000, LEN = 8 };
+    int32_t *lens = malloc(N * sizeof *lens), *zero = calloc(N + 1, sizeof *zero);
+    for (int i = 0; i < N; i++) lens[i] = LEN;
+    rp_batch *b = NULL;
+    rp_error err;
+    rp_batch_new(ctx, N, lens, zero, NULL, &b, &err);
+    const rp_model *md = rp_config_model(cfg);
+    size_t n_ids = (size_t)N * LEN * md->num_layers * md->top_k;
+    uint8_t *big = malloc(n_ids);
+    for (size_t i = 0; i < n_ids; i++) big[i] = (uint8_t)((i * 2654435761u >> 7) % (uint32_t)md->num_experts);
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, md->num_layers, md->top_k, big);
+    /* 16 x (L (N min(E, k (LEN + 1)) + M G E) + N), M = 160000 / (8 x 16384) + 1 = 2 */
+    const int64_t want = 16 * ((int64_t)md->num_layers * ((int64_t)N * md->num_experts + 2 * 8 * md->num_experts) + N);
+    char text[64];
+    snprintf(text, sizeof text, "instruction limit (%lld)", (long long)want);
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.max_wall_s = 120; /* the loop below runs ~2 s, longer under sanitizers */
+    rp_sched *s = make(body_policy("while true do end"), &o);
+    const rp_plan *p = NULL;
+    const rp_step_report *rep = NULL;
+    ok(s && rp_sched_step(s, 0, b, &r, &p, &rep, &err) == RP_OK && rep->fallback, "a runaway policy falls back");
+    if (rep) like(rep->fallback_reason, text, "on a large batch the budget is 16 evaluations' work (%lld)", (long long)want);
+    rp_sched_free(s);
+    o.max_instructions = 1000000;
+    s = make(body_policy("while true do end"), &o);
+    rep = NULL;
+    ok(s && rp_sched_step(s, 0, b, &r, &p, &rep, &err) == RP_OK, "steps with an explicit limit");
+    if (rep) like(rep->fallback_reason, "instruction limit (1000000)", "an explicit limit is kept as given");
+    rp_sched_free(s);
+    free(big);
+    free(lens);
+    free(zero);
+    rp_batch_free(b);
+}
+
 static void test_history(void)
 {
     rp_sched_options o;
@@ -788,6 +830,7 @@ int main(void)
     test_plan_userdata();
     test_rp_api();
     test_history();
+    test_instruction_budget();
     test_errors();
     test_allocation_failures();
     for (int t = 0; t < STEPS; t++) {

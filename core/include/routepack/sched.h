@@ -35,7 +35,8 @@ typedef struct rp_sched_options {
     rp_split_rule split;       /* the cost model's replica split rule */
     int32_t num_threads;       /* statistics threads; 0: all CPUs */
     int32_t history;           /* past steps whose expert loads the policy sees (default 8) */
-    int64_t max_instructions;  /* sandbox limits; 0: the defaults (docs/policies.md) */
+    int64_t max_instructions;  /* sandbox limits; 0: the defaults (docs/policies.md; the
+                                  instruction budget then grows with the batch) */
     double max_wall_s;
     size_t max_memory_bytes;
     int32_t max_depth;
