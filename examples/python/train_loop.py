@@ -122,11 +122,13 @@ def main():
         my_tokens = sum(int((prompt[mb] + response[mb]).sum()) for mb in my_mbs)
 
         # 4. MoE dispatcher: where each token-choice of this rank's first microbatch goes
+        #    (physical ids from the C library's rp_remap; extra replica ids are numbered
+        #    per microbatch and layer, so the EP rank lookup takes the microbatch)
         cu = res.cu_seqlens
         first = my_mbs[0] if len(my_mbs) else np.zeros(0, np.int32)
         tok = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in first]) if len(first) else \
             np.zeros(0, np.int64)
-        dest = res.dispatch_ranks(res.physical_routing[tok])
+        dest = res.dispatch_ranks(res.physical_routing[tok], microbatch=0)
         local = float((dest == ep_rank).mean()) if dest.size else 0.0
 
         events = []

@@ -5,6 +5,7 @@
     res = sched.step(seq_lens, routing)      # routing: [tokens, layers, k], per sequence or per layer
     res.microbatches[rank]                   # this rank's microbatches: arrays of sequence indices
     res.log2phy, res.logcnt, res.phy2log     # the placement, as EP dispatchers take it
+    res.remap(routing)                       # physical ids per token-choice (C rp_remap)
 
 docs/python.md has the whole story: install, routing forms, lifetimes, trainer wiring."""
 
@@ -12,7 +13,6 @@ from .errors import (ChecksumError, ConfigError, DeadlineError, Error, FileError
                      InvalidArgumentError, LibraryError, LimitError, NotSupportedError,
                      OutOfMemoryError, PlanError, PolicyError, RangeError, RoutingError,
                      TransportError)
-from .physical import dispatch_ranks, remap
 from .scheduler import (Config, Scheduler, StepResult, can_checkpoint, describe_policy,
                         list_policies)
 from .trace import TraceReader, TraceStep, TraceWriter
@@ -28,7 +28,7 @@ def library_path():
 
 __all__ = [
     "Scheduler", "StepResult", "Config", "list_policies", "describe_policy", "can_checkpoint", "TraceReader", "TraceStep",
-    "TraceWriter", "remap", "dispatch_ranks", "library_path",
+    "TraceWriter", "library_path",
     "Error", "ConfigError", "RoutingError", "PolicyError", "LimitError", "PlanError",
     "InvalidArgumentError", "OutOfMemoryError", "FileError", "FormatError", "RangeError",
     "NotSupportedError", "TransportError", "ChecksumError", "DeadlineError", "LibraryError",

@@ -167,6 +167,13 @@ _SCHED = {
     "rp_sched_plan": (P, [P]),
     "rp_sched_report_json": (c_int, [P, POINTER(c_void_p), POINTER(c_size_t), PERR]),
     "rp_policy_list": (c_int, [P, P, POINTER(POINTER(rp_policy_info)), PI32, PERR]),
+    # a step's physical routing: the result keeps a copy of the borrowed plan
+    "rp_plan_copy": (c_int, [P, POINTER(P), PERR]),
+    "rp_plan_free": (None, [P]),
+    "rp_remap": (c_int, [P, P, c_int32, P, POINTER(rp_routing), c_int, c_int32, PI32, PI64,
+                         PERR]),
+    "rp_remap_num_physical": (c_int32, [P, c_int32]),
+    "rp_remap_physical_ep_rank": (c_int32, [P, c_int32, c_int32, c_int32]),
 }
 
 _REQUIRED_MORE = {
@@ -293,7 +300,8 @@ def require_scheduler():
     missing = sorted(n for n in _SCHED if getattr(lib, n, None) is None)
     if missing:
         raise errors.LibraryError("libroutepack at %s has no scheduler (lacks %s): rebuild it "
-                                  "from a tree with core/sched.c" % (_loaded[1], ", ".join(missing)))
+                                  "from a tree with core/sched.c and core/remap.c"
+                                  % (_loaded[1], ", ".join(missing)))
     return lib
 
 

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from . import _lib, _routing, errors, physical as _remap
+from . import _lib, _routing, errors
 from ._context import Context, Owned
 from .trace import _new_batch
 
@@ -27,6 +27,21 @@ _OPTION_FIELDS = {
 
 def _i32p(arr):
     return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+
+def _i64p(arr):
+    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+
+
+def _raise_step_error(st, err, fallback_message=None):
+    """Raise a failed step's or remap's error: RoutingError when the C library blames the
+    routing (it names a sequence, or its message starts with "routing"), else the
+    status's class."""
+    routing_problem = err.sequence >= 0 or _lib.text(err.text).startswith("routing")
+    cls = errors.RoutingError if routing_problem else None
+    if not err.text and fallback_message:
+        _lib.raise_error(st, err, message=fallback_message, cls=cls)
+    _lib.raise_error(st, err, cls=cls)
 
 
 def _config_bytes(config):
@@ -93,32 +108,129 @@ class StepResult:
     Levers: ``extra_replicas`` [n, 4] rows of (microbatch, layer, expert, ep_rank) and
     ``shares`` {(microbatch, layer, expert): float64 array}, replicas in ascending slot
     order then extra replicas in order; without an entry the tokens of that expert split
-    by ``split_rule``. ``physical_routing`` when step(..., physical=True).
+    by ``split_rule``. Physical routing (rp_remap): ``num_physical`` [M] (P of each
+    microbatch), and with step(..., physical=True) ``physical_routing`` [tokens, L, k]
+    and ``slot_tokens`` (a list of M int64 arrays [L, Q, P]); see remap().
+    The result keeps its own copy of the C plan (rp_plan_copy), so remap() works after
+    later steps and after the scheduler is closed.
     Report: ``report`` (the dict of rp_sched_report_json) and typed fields from the C
     report: ``step_time_s``, ``lower_bound_s``, ``fallback``, ``fallback_reason``,
     ``swapped``, ``swap_error``, ``policy_name``, ``policy_version``, ``plan_hash``."""
 
     def __init__(self):
         self.physical_routing = None
+        self.slot_tokens = None
+        self._rank_table = None
 
-    def remap(self, routing, layout=None):
+    def remap(self, routing, layout=None, *, slot_tokens=False, num_threads=None):
         """Physical ids [tokens, layers, k] (int32) for this step's routing, in any form
-        step() takes: a slot in [0, S), S + x for extra replica x, -1 for a sequence the
-        plan does not pack. The split rule: routepack.remap."""
+        step() takes, computed by the C library's rp_remap (docs/kernels.md has the split
+        rule) one microbatch at a time: for a token of microbatch m, a slot in [0, S)
+        (S = total_slots), or S + i for the i-th extra replica of (m, layer) in the
+        plan's order (numbered per microbatch and layer, so the id's EP rank needs m:
+        dispatch_ranks()); -1 for a sequence the plan does not pack. With
+        ``slot_tokens=True`` returns (ids, slot_tokens): slot_tokens[m][layer, q, p]
+        counts the token-choices physical id p of EP group q receives in microbatch m
+        (int64, P = num_physical[m] columns).
+        ``num_threads``: rp_remap's threads (default: the scheduler's num_threads, 0 for
+        all CPUs). Errors of the C library raise with its message (RoutingError for an
+        expert id out of range)."""
         lay, arrays = _routing.normalize(routing, layout)
-        lens = _routing.Lengths(self._prompt, self._response, None)
         view = _routing.view(lay, arrays, num_layers=self.num_layers, top_k=self._top_k,
-                             num_experts=self.num_experts, lens=lens)
-        return _remap.remap(view.packed_ids(self.cu_seqlens), self.cu_seqlens, self.seq_rank,
-                            self.seq_microbatch, num_microbatches=self.num_microbatches,
-                            gpus_per_node=self._gpus_per_node, ep_size=self.ep_size,
-                            slot_begin=self.slot_begin, log2phy=self.log2phy,
-                            logcnt=self.logcnt, extra_replicas=self.extra_replicas,
-                            shares=self.shares, split=self.split_rule)
+                             num_experts=self.num_experts, lens=self._lens)
+        batch = _new_batch(self._lib, self._ctx.handle, self._lens)
+        try:
+            phys, counts = self._remap_view(view, batch, num_threads)
+        finally:
+            self._lib.rp_batch_free(batch)
+        return (phys, counts) if slot_tokens else phys
 
-    def dispatch_ranks(self, physical):
-        """EP rank (in the token's own EP group) of each physical id from remap()."""
-        return _remap.dispatch_ranks(physical, self.slot_begin, self.extra_replicas)
+    def _remap_view(self, view, batch, num_threads=None):
+        """rp_remap over every microbatch of the plan copy into one packed array."""
+        lib = self._lib
+        threads = self._num_threads if num_threads is None else int(num_threads)
+        if threads <= 0:
+            threads = os.cpu_count() or 1
+        T, L, K = int(self.cu_seqlens[-1]), self.num_layers, self._top_k
+        Q = self.num_gpus // self.ep_size if self.ep_size > 0 else 0
+        phys = np.full((T, L, K), -1, dtype=np.int32)
+        counts = []
+        for mb in range(self.num_microbatches):
+            P = int(self.num_physical[mb])
+            rows = np.zeros((L, Q, max(P, 0)), dtype=np.int64)
+            err = _lib.new_error()
+            st = lib.rp_remap(self._plan.handle, self._config.handle, mb, batch, view.pointer(),
+                              _SPLIT[self.split_rule], threads, _i32p(phys),
+                              _i64p(rows) if P >= 0 else None, ctypes.byref(err))
+            if st != errors.OK:
+                _raise_step_error(st, err)
+            counts.append(rows)
+        return phys, counts
+
+    def _ranks(self):
+        """[M, L, max P] int32: the EP rank of every physical id of every (microbatch,
+        layer), -1 where none. Slots follow slot_begin (ids 0 .. S-1 are the slots,
+        EP-rank-major); extra replica ids come from rp_remap_physical_ep_rank."""
+        if self._rank_table is None:
+            M, L, S = self.num_microbatches, self.num_layers, self.total_slots
+            width = max([S] + [int(p) for p in self.num_physical])
+            table = np.full((M, L, width), -1, dtype=np.int32)
+            slot_rank = np.repeat(np.arange(self.ep_size, dtype=np.int32),
+                                  np.diff(self.slot_begin))
+            for mb in range(M):
+                P = int(self.num_physical[mb])
+                if P < 0:
+                    continue
+                table[mb, :, :S] = slot_rank
+                for layer in range(L):
+                    for p in range(S, P):
+                        table[mb, layer, p] = self._lib.rp_remap_physical_ep_rank(
+                            self._plan.handle, mb, layer, p)
+            self._rank_table = table
+        return self._rank_table
+
+    def dispatch_ranks(self, physical, microbatch=None):
+        """EP rank (in the token's own EP group) of each physical id from remap(), as
+        rp_remap_physical_ep_rank gives it; -1 stays -1. Extra replica ids are numbered
+        per (microbatch, layer), so the microbatch is needed: ``physical`` is either the
+        whole step's [tokens, layers, k] array (``microbatch=None``: each token's from
+        seq_microbatch) or ids of microbatch ``microbatch`` only, of shape [..., layers,
+        k] (e.g. the rows of that microbatch's tokens)."""
+        physical = np.asarray(physical)
+        L, M = self.num_layers, self.num_microbatches
+        if physical.size and physical.dtype.kind not in "iu":
+            raise errors.InvalidArgumentError("physical ids must be integers, got %s"
+                                              % physical.dtype)
+        physical = physical.astype(np.int64, copy=False)
+        if physical.ndim < 2 or physical.shape[-2] != L:
+            raise errors.InvalidArgumentError(
+                "dispatch_ranks takes physical ids shaped [..., layers, k] with %d layers, got "
+                "shape %s" % (L, physical.shape))
+        if microbatch is None:
+            T = int(self.cu_seqlens[-1])
+            if physical.ndim != 3 or physical.shape[0] != T:
+                raise errors.InvalidArgumentError(
+                    "physical ids of shape %s are not the whole step's [%d, %d, k]; give "
+                    "microbatch= for the ids of one microbatch" % (physical.shape, T, L))
+            seq_of = np.repeat(np.arange(self.num_seqs), np.diff(self.cu_seqlens))
+            mb = self.seq_microbatch[seq_of].reshape(-1, 1, 1)
+        else:
+            mb = int(microbatch)
+            if not 0 <= mb < M:
+                raise errors.InvalidArgumentError("microbatch %d is out of range (the plan has %d)"
+                                                  % (mb, M))
+        table = self._ranks()
+        width = table.shape[2]
+        # one gather from the flattened table, whose last entry (-1) takes every id that
+        # names no replica
+        flat = np.append(table.reshape(-1), np.int32(-1))
+        row = (np.asarray(mb, dtype=np.int64) * L + np.arange(L).reshape(L, 1)) * width
+        idx = row + physical
+        bad = (physical < 0) | (physical >= width)
+        if microbatch is None:
+            bad |= np.asarray(mb) < 0
+        idx[bad] = len(flat) - 1
+        return flat[idx]
 
     def microbatch_tokens(self, rank):
         """Token counts of each microbatch of `rank`."""
@@ -183,6 +295,7 @@ class Scheduler:
         for key, conv in _OPTION_FIELDS.items():
             if key in options:
                 setattr(opts, key, conv(options[key]))
+        self._num_threads = int(opts.num_threads)
         sched = ctypes.c_void_p()
         err = _lib.new_error()
         st = self._lib.rp_sched_new(self._ctx.handle, self.config.handle, ctypes.byref(opts),
@@ -219,6 +332,9 @@ class Scheduler:
             raise errors.InvalidArgumentError("the scheduler is closed")
         return self._sched
 
+    def _errmsg(self):
+        return _lib.text(self._lib.rp_sched_errmsg(self._sched)) if self._sched else ""
+
     def _fail(self, st, err, cls=None):
         if not err.text:
             msg = _lib.text(self._lib.rp_sched_errmsg(self._sched)) if self._sched else ""
@@ -245,7 +361,8 @@ class Scheduler:
         __array_interface__ objects. uint8/uint16/int32 ids are read in place, other
         integer dtypes converted once. The C library borrows the routing only during
         this call. ``step``: the step index (default: one past the previous).
-        ``physical=True`` also fills result.physical_routing (see StepResult.remap).
+        ``physical=True`` also fills result.physical_routing and result.slot_tokens
+        (StepResult.remap, rp_remap over every microbatch of the new plan).
         """
         cfg = self.config
         lens, view = _routing.prepare(routing, seq_lens, cu_seqlens, group_ids,
@@ -263,19 +380,13 @@ class Scheduler:
                                              ctypes.byref(plan), ctypes.byref(report),
                                              ctypes.byref(err))
                 if st != errors.OK:
-                    routing_problem = err.sequence >= 0 or _lib.text(err.text).startswith("routing")
-                    self._fail(st, err, errors.RoutingError if routing_problem else None)
+                    _raise_step_error(st, err, self._errmsg())
                 res = self._result(plan, report.contents, lens)
+                self._next_step = idx + 1
+                if physical:
+                    res.physical_routing, res.slot_tokens = res._remap_view(view, batch)
             finally:
                 self._lib.rp_batch_free(batch)
-            self._next_step = idx + 1
-        if physical:
-            res.physical_routing = _remap.remap(
-                view.packed_ids(lens.cu_seqlens), lens.cu_seqlens, res.seq_rank,
-                res.seq_microbatch, num_microbatches=res.num_microbatches,
-                gpus_per_node=cfg.gpus_per_node, ep_size=res.ep_size,
-                slot_begin=res.slot_begin, log2phy=res.log2phy, logcnt=res.logcnt,
-                extra_replicas=res.extra_replicas, shares=res.shares, split=self.split_rule)
         del view   # the C library's borrow of the routing ends with the call
         self.last = res
         return res
@@ -292,10 +403,20 @@ class Scheduler:
         r.ep_size = lib.rp_plan_ep_size(plan)
         r.num_seqs = S
         r.cu_seqlens = lens.cu_seqlens
-        r._prompt, r._response = lens.prompt, lens.response
+        r._lens = lens
         r._top_k = self.config.top_k
-        r._gpus_per_node = self.config.gpus_per_node
         r.split_rule = self.split_rule
+        r._num_threads = self._num_threads
+        r._lib, r._ctx, r._config = lib, self._ctx, self.config
+        # The step's plan is borrowed until the next step: keep a copy for remap().
+        copy = ctypes.c_void_p()
+        err = _lib.new_error()
+        st = lib.rp_plan_copy(plan, ctypes.byref(copy), ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+        r._plan = Owned(copy, lib.rp_plan_free, [self._ctx, self.config._owned])
+        r.num_physical = np.array([lib.rp_remap_num_physical(copy, m) for m in range(M)],
+                                  dtype=np.int32)
 
         # packing
         r.microbatches = []
