@@ -942,8 +942,18 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     RP_CHECK_GOTO(read_levers(c, plan, s, err), st, out);
     RP_CHECK_GOTO(scratch_alloc(c, s, &sc, err), st, out);
 
-    /* Counts per (mb, layer, GPU, expert) from the per-sequence histograms. */
-    {
+    /* Counts per (mb, layer, GPU, expert) from the per-sequence histograms; when the
+     * packing is the one already bound (the same plan with another placement, as
+     * policies compare them), the sums are copied instead of read again. */
+    const cost_state *old = c->st;
+    if (old && old->M == M && memcmp(old->seq_rank, s->seq_rank, (size_t)c->N * sizeof *s->seq_rank) == 0 &&
+        memcmp(old->seq_mb, s->seq_mb, (size_t)c->N * sizeof *s->seq_mb) == 0) {
+        const size_t cells = (size_t)G * M;
+        memcpy(s->cell_tokens, old->cell_tokens, cells * sizeof *s->cell_tokens);
+        memcpy(s->cell_sq, old->cell_sq, cells * sizeof *s->cell_sq);
+        memcpy(s->cell_max, old->cell_max, cells * sizeof *s->cell_max);
+        memcpy(s->counts, old->counts, (size_t)M * L * G * E * sizeof *s->counts);
+    } else {
         uint32_t *h = sc.hist;
         for (int32_t q = 0; q < c->N; q++) {
             int32_t g = s->seq_rank[q], m = s->seq_mb[q];

@@ -647,6 +647,59 @@ static void test_bound_random(void)
     is_int(fails, 0, "lower bound <= step on every random plan (largest ratio %.2f)", worst);
 }
 
+/* An evaluator that already holds a plan's packing copies its sums instead of reading
+ * the histograms again: evaluating a plan with the same packing and another placement
+ * (and levers) gives, bit for bit, what a fresh evaluator gives. */
+static void test_same_packing(void)
+{
+    rng r = {0xD1B54A32D192ED03ULL};
+    int same = 0, runs = 0;
+    for (int v = 0; v < 2; v++) {
+        fixture f;
+        random_fixture(&f, &r, v ? 8 : 4, v ? 2 : 4, "1", 100000);
+        rp_error err;
+        for (int i = 0; i < 10; i++) {
+            int32_t M = 1 + rnd_int(&r, 3);
+            rp_plan *p = random_plan(&f, &r, M, i % 2 == 0), *q = random_plan(&f, &r, M, i % 3 == 0);
+            int32_t n = rp_batch_num_seqs(f.batch);
+            int32_t *rank = malloc((size_t)n * sizeof *rank), *mb = malloc((size_t)n * sizeof *mb);
+            for (int32_t k = 0; k < n; k++) {
+                rank[k] = rp_plan_seq_rank(p, k);
+                mb[k] = rp_plan_seq_microbatch(p, k);
+            }
+            rp_status set = rp_plan_set_packing(q, n, rank, mb, &err);
+            rp_cost *warm = NULL, *fresh = NULL;
+            rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &warm, &err);
+            rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &fresh, &err);
+            rp_cost_summary a, b;
+            if (set == RP_OK && rp_cost_evaluate(warm, p, NULL, &err) == RP_OK &&
+                rp_cost_evaluate(warm, q, &a, &err) == RP_OK && rp_cost_evaluate(fresh, q, &b, &err) == RP_OK) {
+                runs++;
+                const int32_t G = rp_plan_num_gpus(q), L = rp_plan_num_layers(q);
+                size_t cells = (size_t)M * L * G;
+                same += memcmp(&a.step_s, &b.step_s, sizeof a.step_s) == 0 &&
+                        memcmp(&a.lower_bound_s, &b.lower_bound_s, sizeof a.lower_bound_s) == 0 &&
+                        memcmp(rp_cost_attention_breakdown(warm), rp_cost_attention_breakdown(fresh),
+                               (size_t)G * M * sizeof(double)) == 0 &&
+                        memcmp(rp_cost_expert_breakdown(warm), rp_cost_expert_breakdown(fresh), cells * sizeof(double)) == 0 &&
+                        memcmp(rp_cost_dispatch_breakdown(warm), rp_cost_dispatch_breakdown(fresh),
+                               cells * sizeof(double)) == 0;
+            } else {
+                diag("same packing: %s", err.text);
+            }
+            rp_cost_free(warm);
+            rp_cost_free(fresh);
+            free(rank);
+            free(mb);
+            rp_plan_free(p);
+            rp_plan_free(q);
+        }
+        fixture_free(&f);
+    }
+    is_int(runs, 20, "20 plan pairs with one packing evaluated");
+    is_int(same, runs, "a second placement on a bound packing evaluates as on a fresh evaluator, bit for bit");
+}
+
 static bool same_summary(const rp_cost_summary *a, const rp_cost_summary *b)
 {
     double fields_a[] = {a->step_s, a->lower_bound_s, a->attention_s, a->expert_s, a->dispatch_s,
@@ -1156,6 +1209,7 @@ int main(void)
     test_bound_tight();
     test_migration();
     test_bound_random();
+    test_same_packing();
     test_incremental();
     test_json();
     test_bad_constants();
