@@ -6,6 +6,7 @@
     res.microbatches[rank]                   # this rank's microbatches: arrays of sequence indices
     res.log2phy, res.logcnt, res.phy2log     # the placement, as EP dispatchers take it
     res.remap(routing)                       # physical ids per token-choice (C rp_remap)
+    res.migration                            # the expert moves this step needs (or None)
 
 docs/python.md has the whole story: install, routing forms, lifetimes, trainer wiring."""
 
@@ -15,6 +16,7 @@ from .errors import (ChecksumError, ConfigError, DeadlineError, Error, FileError
                      TransportError)
 from .scheduler import (Config, Scheduler, StepResult, can_checkpoint, describe_policy,
                         list_policies)
+from .migration import Migration
 from .trace import TraceReader, TraceStep, TraceWriter
 
 __version__ = "0.1.0"
@@ -28,7 +30,7 @@ def library_path():
 
 __all__ = [
     "Scheduler", "StepResult", "Config", "list_policies", "describe_policy", "can_checkpoint", "TraceReader", "TraceStep",
-    "TraceWriter", "library_path",
+    "TraceWriter", "library_path", "Migration",
     "Error", "ConfigError", "RoutingError", "PolicyError", "LimitError", "PlanError",
     "InvalidArgumentError", "OutOfMemoryError", "FileError", "FormatError", "RangeError",
     "NotSupportedError", "TransportError", "ChecksumError", "DeadlineError", "LibraryError",

@@ -83,6 +83,30 @@ class rp_step_report(Structure):
                 ("migration_bytes", c_double), ("migration_s", c_double)]
 
 
+# migrate.h: RP_NUM_LINKS links, indexed by rp_link (an int-sized enum).
+RP_NUM_LINKS = 3
+LINK_NAMES = ("local", "nvlink", "net")   # RP_LINK_LOCAL, RP_LINK_NVLINK, RP_LINK_NET
+
+
+class rp_migration_transfer(Structure):
+    _fields_ = [("round", c_int32), ("layer", c_int32), ("expert", c_int32),
+                ("src_gpu", c_int32), ("src_slot", c_int32), ("dst_gpu", c_int32),
+                ("link", c_int), ("bytes", c_int64)]
+
+
+class rp_migration_write(Structure):
+    _fields_ = [("layer", c_int32), ("gpu", c_int32), ("slot", c_int32),
+                ("transfer", c_int64)]
+
+
+class rp_migration_summary(Structure):
+    _fields_ = [("bytes", c_int64 * RP_NUM_LINKS), ("moved_bytes", c_int64),
+                ("min_bytes", c_int64), ("transfers", c_int64), ("local_copies", c_int64),
+                ("writes", c_int64), ("num_rounds", c_int32), ("layers_moved", c_int32),
+                ("max_staging_bytes", c_int64), ("min_budget_bytes", c_int64),
+                ("predicted_s", c_double)]
+
+
 class rp_policy_info(Structure):
     _fields_ = [("name", c_char * 64), ("version", c_char * 32), ("api", c_int32),
                 ("description", c_char * 256), ("path", c_char * 1024), ("hash", c_uint64),
@@ -174,6 +198,18 @@ _SCHED = {
                          PERR]),
     "rp_remap_num_physical": (c_int32, [P, c_int32]),
     "rp_remap_physical_ep_rank": (c_int32, [P, c_int32, c_int32, c_int32]),
+    # the step's migration plan (migrate.h), copied into StepResult.migration
+    "rp_sched_migration": (P, [P]),
+    "rp_migration_plan_hash": (c_uint64, [P]),
+    "rp_migration_plan_summary": (None, [P, POINTER(rp_migration_summary)]),
+    "rp_migration_plan_num_layers": (c_int32, [P]),
+    "rp_migration_plan_expert_bytes": (c_int64, [P, c_int32]),
+    "rp_migration_plan_num_rounds": (c_int32, [P]),
+    "rp_migration_plan_layer_round": (c_int32, [P, c_int32]),
+    "rp_migration_plan_num_transfers": (c_int64, [P]),
+    "rp_migration_plan_transfer": (c_int, [P, c_int64, POINTER(rp_migration_transfer), PERR]),
+    "rp_migration_plan_num_writes": (c_int64, [P]),
+    "rp_migration_plan_write": (c_int, [P, c_int64, POINTER(rp_migration_write), PERR]),
 }
 
 _REQUIRED_MORE = {

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from . import _lib, _routing, errors
+from . import _lib, _routing, errors, migration
 from ._context import Context, Owned
 from .trace import _new_batch
 
@@ -115,9 +115,12 @@ class StepResult:
     later steps and after the scheduler is closed.
     Report: ``report`` (the dict of rp_sched_report_json) and typed fields from the C
     report: ``step_time_s``, ``lower_bound_s``, ``fallback``, ``fallback_reason``,
-    ``swapped``, ``swap_error``, ``policy_name``, ``policy_version``, ``plan_hash``."""
+    ``swapped``, ``swap_error``, ``policy_name``, ``policy_version``, ``plan_hash``.
+    Migration: ``migration``, the step's expert migration plan (rp_sched_migration) as a
+    routepack.migration.Migration copy, or None when the placement did not change."""
 
     def __init__(self):
+        self.migration = None
         self.physical_routing = None
         self.slot_tokens = None
         self._rank_table = None
@@ -382,6 +385,9 @@ class Scheduler:
                 if st != errors.OK:
                     _raise_step_error(st, err, self._errmsg())
                 res = self._result(plan, report.contents, lens)
+                # Borrowed until the next step: copied now, while it is valid.
+                mp = self._lib.rp_sched_migration(handle)
+                res.migration = migration.copy_plan(self._lib, mp) if mp else None
                 self._next_step = idx + 1
                 if physical:
                     res.physical_routing, res.slot_tokens = res._remap_view(view, batch)
