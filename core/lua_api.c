@@ -642,13 +642,29 @@ static void push_summary(lua_State *L, const rp_cost_summary *s)
  * experts: about min(E, seq_len * top_k)), and the (microbatch, layer, GPU, expert)
  * counts. One unit is about one elementary step; calibrated so that a unit costs about
  * what a VM instruction does (docs/policies.md). */
-static int64_t hist_entries(const rp_lua_host *h)
+static int64_t seq_entries(const rp_model *md, const rp_batch *b)
 {
-    const rp_model *md = rp_config_model(h->cfg);
-    const rp_batch *b = h->frame && h->frame->batch ? h->frame->batch : NULL;
     int64_t n = b ? rp_batch_num_seqs(b) : 1;
     int64_t per_seq = b ? (rp_batch_num_tokens(b) / (n > 0 ? n : 1) + 1) * md->top_k : md->top_k;
     return per_seq < md->num_experts ? per_seq : md->num_experts;
+}
+
+static int64_t hist_entries(const rp_lua_host *h)
+{
+    return seq_entries(rp_config_model(h->cfg), h->frame && h->frame->batch ? h->frame->batch : NULL);
+}
+
+int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *b)
+{
+    int64_t per_mb = (int64_t)rp_config_topology(cfg)->num_gpus * rp_config_limits(cfg)->max_tokens_per_microbatch;
+    return rp_batch_num_tokens(b) / per_mb + 1;
+}
+
+int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *b)
+{
+    const rp_model *md = rp_config_model(cfg);
+    int64_t n = rp_batch_num_seqs(b), M = rp_lua_expected_microbatches(cfg, b);
+    return (int64_t)md->num_layers * (n * seq_entries(md, b) + M * rp_config_topology(cfg)->num_gpus * md->num_experts) + n;
 }
 
 static int64_t evaluate_units(const rp_lua_host *h, const rp_plan *p)
@@ -950,9 +966,8 @@ static int l_joint(lua_State *L)
     /* work: the construction reads every histogram about once; the fallback check builds
      * and evaluates each baseline and the joint candidate; refinement as rp.local_search */
     const rp_topology *t = rp_config_topology(h->cfg);
-    int64_t n = rp_batch_num_seqs(f->batch);
-    int64_t M = rp_batch_num_tokens(f->batch) / ((int64_t)t->num_gpus * rp_config_limits(h->cfg)->max_tokens_per_microbatch) + 1;
-    int64_t eval = (int64_t)md->num_layers * (n * hist_entries(h) + M * t->num_gpus * md->num_experts) + n;
+    int64_t n = rp_batch_num_seqs(f->batch), M = rp_lua_expected_microbatches(h->cfg, f->batch);
+    int64_t eval = rp_lua_evaluation_units(h->cfg, f->batch);
     int64_t per_try = (int64_t)md->num_layers * (hist_entries(h) + t->num_gpus / 4 + 1);
     int64_t placement = (int64_t)md->num_layers * (par.place_rounds + 2) * M * md->num_experts *
                         (t->num_gpus / t->ep_size);

@@ -114,6 +114,13 @@ rp_status rp_lua_plan_compose(rp_context *into, const rp_config *cfg, const rp_p
  * either plan has no placement; -1 when memory runs out). */
 int32_t rp_lua_experts_moved(rp_context *ctx, const rp_plan *from, const rp_plan *to);
 
+/* Microbatches a plan for `batch` is expected to have (the fewest the token cap allows),
+ * and the work units of one full evaluation of such a plan, as rp.evaluate charges them
+ * (without the slot term): what rp.joint charges per evaluation and what the scheduler
+ * sizes a step's instruction budget by. */
+int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *batch);
+int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *batch);
+
 /* Views: the length of the view at idx (-1 if it is not a view; an error if it is a
  * view from another call), and its values as doubles. */
 int32_t rp_lua_view_length(lua_State *L, int idx);

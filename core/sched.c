@@ -74,17 +74,10 @@ static uint64_t mix64(uint64_t x)
 /* The default instruction budget of a step's policy call: the sandbox's default, or 16
  * full evaluations of the cost model on this batch if that is more, so that a policy
  * that leans on the C primitives (rp.joint, rp.evaluate) is not stopped on a large batch
- * where the same work is legitimate (docs/policies.md, Limits). The units are those
- * rp.evaluate charges. */
+ * where the same work is legitimate (docs/policies.md, Limits). */
 static int64_t step_instructions(const rp_sched *s, const rp_batch *b)
 {
-    const rp_model *md = rp_config_model(s->cfg);
-    const rp_topology *t = rp_config_topology(s->cfg);
-    int64_t n = rp_batch_num_seqs(b), tokens = rp_batch_num_tokens(b);
-    int64_t per_seq = (tokens / (n > 0 ? n : 1) + 1) * md->top_k;
-    int64_t entries = per_seq < md->num_experts ? per_seq : md->num_experts;
-    int64_t M = tokens / ((int64_t)t->num_gpus * rp_config_limits(s->cfg)->max_tokens_per_microbatch) + 1;
-    int64_t eval = (int64_t)md->num_layers * (n * entries + M * t->num_gpus * md->num_experts) + n;
+    int64_t eval = rp_lua_evaluation_units(s->cfg, b);
     return 16 * eval > RP_SANDBOX_DEFAULT_INSTRUCTIONS ? 16 * eval : RP_SANDBOX_DEFAULT_INSTRUCTIONS;
 }
 
