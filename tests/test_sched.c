@@ -5,6 +5,7 @@
 #include "routepack/routepack.h"
 #include "sched_internal.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -27,18 +28,11 @@ static uint8_t *ids[STEPS];
 static void make_batches(void)
 {
     for (int t = 0; t < STEPS; t++) {
-        rp_batch *b = NULL;
-        rp_routing r;
         rp_error err;
-        if (rp_gen_step(gen, t, &b, &r, &err) != RP_OK) {
+        if (!(ids[t] = gen_step_copy(gen, t, &batches[t], &routings[t], &err))) {
             diag("gen: %s", err.text);
             exit(1);
         }
-        size_t n = (size_t)rp_batch_num_tokens(b) * (size_t)r.num_layers * (size_t)r.top_k * (size_t)r.width;
-        ids[t] = malloc(n);
-        memcpy(ids[t], r.base, n);
-        batches[t] = b;
-        rp_routing_packed(&routings[t], r.width, r.num_layers, r.top_k, ids[t]);
     }
 }
 
@@ -718,25 +712,6 @@ static void test_errors(void)
 
 /* ---- allocation failures -------------------------------------------------------------- */
 
-typedef struct counting {
-    long live, calls, fail_at;
-} counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    (void)old_size;
-    if (new_size == 0) {
-        if (ptr) c->live--;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p && !ptr) c->live++;
-    return p;
-}
-
 /* Create a scheduler, run 3 steps with a swap staged for step 2, free everything, with
  * the fail_at-th allocation failing. Returns the steps that succeeded. */
 static int chaos_run(long fail_at, counting *c)
@@ -789,7 +764,7 @@ static void test_allocation_failures(void)
     counting c;
     int steps = chaos_run(0, &c);
     long total = c.calls;
-    ok(steps == 3 && c.live == 0 && total > 1000, "a clean run: 3 steps, %ld allocations, none left", total);
+    ok(steps == 3 && c.blocks == 0 && total > 1000, "a clean run: 3 steps, %ld allocations, none left", total);
     /* every 13th allocation, to stay fast under ASan (sweeps of every N were run by hand
      * during development and pass): creation, loading, statistics, the policy's C
      * calls, staging, the dry run and swap, evaluation, freeing */
@@ -797,9 +772,9 @@ static void test_allocation_failures(void)
     for (long n = 1; n <= total; n += 13) {
         int done = chaos_run(n, &c);
         runs++;
-        if (c.live != 0) {
+        if (c.blocks != 0) {
             leaks++;
-            diag("failing allocation %ld leaves %ld blocks", n, c.live);
+            diag("failing allocation %ld leaves %ld blocks", n, c.blocks);
         }
         if (done > 0 && done < 3) recovered++;
     }

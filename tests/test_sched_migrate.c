@@ -31,17 +31,10 @@ static void make_batches(void)
         exit(1);
     }
     for (int t = 0; t < STEPS; t++) {
-        rp_batch *b = NULL;
-        rp_routing r;
-        if (rp_gen_step(gen, t, &b, &r, &err) != RP_OK) {
+        if (!(ids[t] = gen_step_copy(gen, t, &batches[t], &routings[t], &err))) {
             diag("gen: %s", err.text);
             exit(1);
         }
-        size_t n = (size_t)rp_batch_num_tokens(b) * (size_t)r.num_layers * (size_t)r.top_k * (size_t)r.width;
-        ids[t] = malloc(n);
-        memcpy(ids[t], r.base, n);
-        batches[t] = b;
-        rp_routing_packed(&routings[t], r.width, r.num_layers, r.top_k, ids[t]);
     }
     rp_gen_free(gen);
 }

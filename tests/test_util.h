@@ -3,12 +3,15 @@
 #ifndef RP_TEST_UTIL_H
 #define RP_TEST_UTIL_H
 
+#include "routepack/routepack.h"
+
 #include <dirent.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -57,6 +60,26 @@ static inline uint64_t xorshift64(uint64_t *state)
 
 /* The whole file, NUL-terminated (so text can be used as a string), malloc'd: free it.
  * Its length goes to *len when len is not NULL. NULL if it cannot be read. */
+/* Step t of `gen` with its routing ids copied into a buffer the caller frees (packed view
+ * over it in *routing), so that several generated steps can be alive at once; NULL, with
+ * err set, on error. */
+static inline void *gen_step_copy(rp_gen *gen, int32_t t, rp_batch **batch, rp_routing *routing, rp_error *err)
+{
+    rp_routing r;
+    if (rp_gen_step(gen, t, batch, &r, err) != RP_OK) return NULL;
+    size_t n = (size_t)rp_batch_num_tokens(*batch) * (size_t)r.num_layers * (size_t)r.top_k * (size_t)r.width;
+    void *ids = malloc(n ? n : 1);
+    if (!ids) {
+        rp_batch_free(*batch);
+        *batch = NULL;
+        snprintf(err->text, sizeof err->text, "out of memory copying step %d's routing", t);
+        return NULL;
+    }
+    memcpy(ids, r.base, n);
+    rp_routing_packed(routing, r.width, r.num_layers, r.top_k, ids);
+    return ids;
+}
+
 static inline void *slurp(const char *path, size_t *len)
 {
     FILE *f = fopen(path, "rb");
