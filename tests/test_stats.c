@@ -321,23 +321,29 @@ static void test_threads(rp_context *ctx)
     fixture_free(&f);
 }
 
-static void test_compact_widths(rp_context *ctx)
+/* A batch whose counts need every stored width, 2 layers, top-3 of 16 experts:
+ * seq 0: 10 tokens (width 1); seq 1: 300 tokens all on expert 1 (width 2); seq 2: empty;
+ * seq 3: 70000 tokens all on expert 2 at layer 0 (width 4); seq 4: 30000 tokens spread
+ * (staged at 4 bytes, stored at 2); seq 5: 100 tokens x top-3 (staged 2, stored 1). */
+static void fixture_widths(fixture *f, rp_context *ctx)
 {
-    /* seq 0: 10 tokens (width 1); seq 1: 300 tokens all on expert 1 (width 2); seq 2: empty;
-     * seq 3: 70000 tokens all on expert 2 at layer 0 (width 4); seq 4: 30000 tokens spread
-     * (staged at 4 bytes, stored at 2); seq 5: 100 tokens x top-3 (staged 2, stored 1). */
     int32_t lens[6] = {10, 300, 0, 70000, 30000, 100};
-    fixture f;
-    fixture_init(&f, ctx, 6, lens, 2, 3, 16);
-    const int64_t *cu = rp_batch_cu_seqlens(f.batch);
-    for (int64_t t = 0; t < f.tokens; t++)
+    fixture_init(f, ctx, 6, lens, 2, 3, 16);
+    const int64_t *cu = rp_batch_cu_seqlens(f->batch);
+    for (int64_t t = 0; t < f->tokens; t++)
         for (int32_t l = 0; l < 2; l++)
             for (int32_t j = 0; j < 3; j++) {
                 int32_t id = (int32_t)((t * 7 + l * 3 + j * 5) % 16);
                 if (t >= cu[1] && t < cu[2] && j == 0) id = 1;
                 if (t >= cu[3] && t < cu[4] && l == 0) id = 2;
-                f.ids[(t * 2 + l) * 3 + j] = id;
+                f->ids[(t * 2 + l) * 3 + j] = id;
             }
+}
+
+static void test_compact_widths(rp_context *ctx)
+{
+    fixture f;
+    fixture_widths(&f, ctx);
     rp_routing r;
     make_view(&f, 0, RP_ID_U8, &r);
     rp_stats *st = NULL;
@@ -412,19 +418,9 @@ static int from_counts_matches_scan(rp_context *ctx, const char *name, fixture *
 
 static void test_from_counts(rp_context *ctx)
 {
-    /* every stored width: 1, 2, 4, and 0 for an empty sequence (as test_compact_widths) */
-    int32_t lens[6] = {10, 300, 0, 70000, 30000, 100};
+    /* every stored width: 1, 2, 4, and 0 for an empty sequence */
     fixture f;
-    fixture_init(&f, ctx, 6, lens, 2, 3, 16);
-    const int64_t *cu = rp_batch_cu_seqlens(f.batch);
-    for (int64_t t = 0; t < f.tokens; t++)
-        for (int32_t l = 0; l < 2; l++)
-            for (int32_t j = 0; j < 3; j++) {
-                int32_t id = (int32_t)((t * 7 + l * 3 + j * 5) % 16);
-                if (t >= cu[1] && t < cu[2] && j == 0) id = 1;
-                if (t >= cu[3] && t < cu[4] && l == 0) id = 2;
-                f.ids[(t * 2 + l) * 3 + j] = id;
-            }
+    fixture_widths(&f, ctx);
     ok(from_counts_matches_scan(ctx, "every width", &f, RP_ID_U8),
        "from dense counts: every width, offset, count, load and size equal the scan's");
 
