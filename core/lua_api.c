@@ -727,7 +727,7 @@ static int l_validate(lua_State *L)
     first_problem fp;
     fp.text[0] = '\0';
     fp.count = 0;
-    rp_plan_check(p, h->cfg, batch, note_problem, &fp);
+    fp.count = rp_plan_check(p, h->cfg, batch, note_problem, &fp); /* every one, also those not listed */
     if (fp.count == 0) {
         lua_pushboolean(L, 1);
         return 1;

@@ -10,6 +10,10 @@
 #define SHARE_TOLERANCE 1e-9
 /* A sequence packed many times lists this many places, then "...". */
 #define MAX_LISTED_PLACES 8
+/* Messages passed to the caller's report function; the rest are counted and summed up
+ * in one "... and N more problems" line, so a plan with millions of violations cannot
+ * flood a log (the count stays exact). */
+#define MAX_REPORTED_MESSAGES 100
 
 typedef struct reporter {
     void (*fn)(void *ud, const char *message);
@@ -23,6 +27,10 @@ typedef struct reporter {
 static void report(reporter *r, int64_t seq, int64_t expert, const char *fmt, ...) RP_PRINTF(4, 5);
 static void report(reporter *r, int64_t seq, int64_t expert, const char *fmt, ...)
 {
+    if (r->count >= MAX_REPORTED_MESSAGES) { /* only counted from here on */
+        if (r->count < INT32_MAX) r->count++;
+        return;
+    }
     char msg[RP_ERROR_TEXT];
     va_list ap;
     va_start(ap, fmt);
@@ -35,6 +43,17 @@ static void report(reporter *r, int64_t seq, int64_t expert, const char *fmt, ..
     }
     if (r->count < INT32_MAX) r->count++;
     if (r->fn) r->fn(r->ud, msg);
+}
+
+/* The line that stands for the messages report() held back. */
+static void report_rest(const reporter *r)
+{
+    if (!r->fn || r->count <= MAX_REPORTED_MESSAGES) return;
+    char msg[RP_ERROR_TEXT];
+    int32_t more = r->count - MAX_REPORTED_MESSAGES;
+    snprintf(msg, sizeof msg, "plan: ... and %d more problem%s (only the first %d are listed)", (int)more,
+             more == 1 ? "" : "s", MAX_REPORTED_MESSAGES);
+    r->fn(r->ud, msg);
 }
 
 /* A plan that cannot be checked is not known to be valid: count it as a violation. */
@@ -331,7 +350,9 @@ int32_t rp_plan_check(const rp_plan *plan, const rp_config *cfg, const rp_batch 
                       void (*fn)(void *ud, const char *message), void *ud)
 {
     reporter r = {fn, ud, 0, false, "", -1, -1};
-    return check(plan, cfg, batch, &r);
+    int32_t count = check(plan, cfg, batch, &r);
+    report_rest(&r);
+    return count;
 }
 
 rp_status rp_plan_validate(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch,

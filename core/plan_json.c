@@ -291,6 +291,17 @@ rp_status rp_plan_parse(rp_context *ctx, const rp_config *cfg, const char *text,
             goto out;
         }
         RP_CHECK_GOTO(rp_jdoc_int(&doc, root, "", "num_seqs", true, 0, 0, INT32_MAX, &num_seqs, err), st, out);
+        /* num_seqs is trusted only as far as the text backs it: each sequence is listed
+         * once and every id takes at least one byte, so a plan of this batch cannot
+         * have more sequences than its text has bytes; what loading and checking it
+         * allocates per sequence then stays proportional to the input */
+        if ((uint64_t)num_seqs > (uint64_t)len) {
+            st = rp_jdoc_fail(&doc, err, RP_EINVAL, "num_seqs",
+                              "is %lld, more than the %zu bytes of the plan text could list (each sequence "
+                              "appears once in the packing)",
+                              (long long)num_seqs, len);
+            goto out;
+        }
         if (json_array_size(packing) != (size_t)topo->num_gpus) {
             st = rp_jdoc_fail(&doc, err, RP_EINVAL, "packing", "has %zu rank%s, but the config has %d GPUs",
                               json_array_size(packing), plural(json_array_size(packing)), topo->num_gpus);

@@ -979,6 +979,39 @@ static void test_alloc_failures(void)
     ok(clean, "setters and check fail cleanly when memory runs out");
 }
 
+/* ---- a flood of violations ---- */
+
+typedef struct last_message {
+    int n;
+    char text[RP_ERROR_TEXT];
+} last_message;
+
+static void keep_last(void *ud, const char *message)
+{
+    last_message *m = ud;
+    snprintf(m->text, sizeof m->text, "%s", message);
+    m->n++;
+}
+
+/* A packing that lists none of its 100000 sequences has 100000 violations: the count
+ * is exact, the messages stop at 100 and one line stands for the rest. */
+static void test_check_flood(rp_context *ctx)
+{
+    rp_config *cfg = config_a(ctx, "");
+    rp_plan *p = base_plan(ctx, cfg);
+    int32_t counts[8] = {0};
+    is_int(rp_plan_set_microbatches(p, 100000, NULL, counts, NULL), RP_OK, "a packing of no ids for 100000 sequences");
+    last_message m = {0, ""};
+    is_int(rp_plan_check(p, cfg, NULL, keep_last, &m), 100000, "every missing sequence is counted");
+    is_int(m.n, 101, "100 messages and one summing up the rest");
+    is_str(m.text, "plan: ... and 99900 more problems (only the first 100 are listed)", "the summary line");
+    rp_error err;
+    is_int(rp_plan_validate(p, cfg, NULL, &err), RP_EPLAN, "validate refuses it");
+    like(err.text, "plan: 100000 problems; first: sequence 0 is not packed", "with the exact count");
+    rp_plan_free(p);
+    rp_config_free(cfg);
+}
+
 int main(void)
 {
     rp_context *ctx;
@@ -991,6 +1024,7 @@ int main(void)
     test_check_packing(ctx);
     test_check_placement(ctx);
     test_check_levers(ctx);
+    test_check_flood(ctx);
     test_copy_and_hash(ctx);
     test_eplb_arrays(ctx);
     test_contiguous(ctx);

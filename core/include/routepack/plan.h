@@ -138,8 +138,9 @@ RP_API const double *rp_plan_share_set(const rp_plan *plan, int32_t i, int32_t *
 /* Check the plan against the config and a batch, calling `report` once per violation
  * with a precise message ("plan: layer 12 expert 97 has no replica", "plan: sequence
  * 811 is packed twice (rank 3 mb 1, rank 9 mb 0)", "plan: rank 2 mb 0 holds 40000
- * tokens, over the cap of 32768"; all listed in docs/formats.md). Returns the
- * number of violations (0: valid). Checks only the parts the plan has (packing,
+ * tokens, over the cap of 32768"; all listed in docs/formats.md). After 100 messages
+ * the rest are only counted and one more call says "plan: ... and N more problems".
+ * Returns the number of violations (0: valid). Checks only the parts the plan has (packing,
  * placement, levers). `report` may be NULL. `batch` NULL skips the token and memory
  * caps and the sequence count. If memory runs out, that is reported and counted as a
  * violation (a plan that could not be checked is not known to be valid). */
