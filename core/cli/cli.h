@@ -17,6 +17,8 @@ typedef struct cli_command {
     int (*run)(rp_context *ctx, int argc, char **argv);
     const char *usage;   /* one line: arguments */
     const char *summary; /* one line: what it does */
+    const char *options; /* the help page's options, one per line, with their defaults */
+    const char *example; /* one command line that works from the source tree */
 } cli_command;
 
 /* Exit statuses: 0 success, 1 the input was bad or the work failed, 2 usage error. */

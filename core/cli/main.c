@@ -6,33 +6,105 @@
 #include <string.h>
 #include <unistd.h>
 
+/* Each command's help page: its options with their defaults, then one example. The
+ * usage line and summary come first from the table itself. */
 static const cli_command commands[] = {
     {"trace", "gen", cmd_trace_gen, "SETTINGS.json --out TRACE.rpt [--steps N] [--seed S]",
-     "generate a calibrated synthetic multi-step trace"},
-    {"trace", "info", cmd_trace_info, "TRACE.rpt [--json]", "print a trace's steps and shape"},
-    {"trace", "validate", cmd_trace_validate, "TRACE.rpt",
-     "check checksums, lengths and every expert id"},
+     "generate a calibrated synthetic multi-step trace",
+     "  SETTINGS.json      generator settings (docs/gen.md)\n"
+     "  --out TRACE.rpt    where to write the trace (required; written whole or not at all)\n"
+     "  --steps N          steps to generate (default: the settings' \"steps\")\n"
+     "  --seed S           random seed (default: the settings' \"seed\")\n",
+     "routepack trace gen examples/gen-small.json --out small.rpt --steps 4"},
+    {"trace", "info", cmd_trace_info, "TRACE.rpt... [--json]", "print a trace's steps and shape",
+     "  TRACE.rpt...       one or more traces (headers only; payloads are not read)\n"
+     "  --json             one JSON document per file instead of the table\n",
+     "routepack trace info examples/small.rpt"},
+    {"trace", "validate", cmd_trace_validate, "TRACE.rpt...",
+     "check checksums, lengths and every expert id",
+     "  TRACE.rpt...       one or more traces; the first problem of each is reported\n",
+     "routepack trace validate examples/small.rpt"},
     {"trace", "import", cmd_trace_import,
      "--routing R.npy (--lens L.npy | --prompt-lens P.npy --response-lens Q.npy) "
      "[--group-ids G.npy] --experts E [--step K] [--append] --out TRACE.rpt",
-     "convert .npy arrays dumped from Python into a trace"},
+     "convert .npy arrays dumped from Python into a trace",
+     "  --routing R.npy    routing replay [tokens, layers, k], sequences back to back\n"
+     "  --lens L.npy       sequence lengths [n], or [n, 2] prompt and response\n"
+     "  --prompt-lens P.npy  prompt lengths [n] (with --response-lens, instead of --lens)\n"
+     "  --response-lens Q.npy  response lengths [n]\n"
+     "  --group-ids G.npy  GRPO group of each sequence (default: one group each)\n"
+     "  --experts E        the model's expert count (required; every id is checked)\n"
+     "  --step K           step index to record (default 0; with --append the last + 1)\n"
+     "  --append           add the step to an existing trace (shape must match)\n"
+     "  --out TRACE.rpt    the trace to write (required)\n",
+     "routepack trace import --routing routing.npy --lens lens.npy --experts 64 --out run.rpt"},
     {"stats", NULL, cmd_stats, "TRACE.rpt [--step K] [--json] [--threads N]",
-     "routing statistics: expert loads, skew, per-sequence histograms"},
+     "routing statistics: expert loads, skew, per-sequence histograms",
+     "  TRACE.rpt          the trace\n"
+     "  --step K           which step, counted from 0 (default 0)\n"
+     "  --json             the statistics as JSON instead of the table\n"
+     "  --threads N        threads of the scan, 0 to 1024 (default 0: all CPUs)\n",
+     "routepack stats examples/small.rpt --step 1"},
     {"simulate", NULL, cmd_simulate,
      "[--config C] [--trace T | --gen SETTINGS] [--policies P1,P2,...] [--steps N] [--json] "
      "[--report OUT.html] [--watch POLICY.lua] [--microbatches M]",
-     "compare policies side by side over the same steps (no arguments: the bundled example)"},
+     "compare policies side by side over the same steps (no arguments: the bundled example)",
+     "  --config C         config (default: the bundled config-small.json)\n"
+     "  --trace T          steps to plan (default: the bundled small.rpt)\n"
+     "  --gen SETTINGS     generate the steps in memory instead of reading a trace\n"
+     "  --policies P1,...  policies to compare (default: token_kk+contiguous,token_kk+eplb,\n"
+     "                     verl_kk+eplb,attn_kk+eplb,routepack)\n"
+     "  --steps N          run the first N steps (default: every step of the trace)\n"
+     "  --json             the whole run as JSON instead of the table\n"
+     "  --report OUT.html  also write the HTML report\n"
+     "  --watch POLICY.lua reload this policy file between steps when it changes\n"
+     "  --microbatches M   fix every plan's microbatch count (default: the config's)\n",
+     "routepack simulate --policies token_kk+eplb,routepack --report run.html"},
     {"policy", "list", cmd_policy_list, "[--config C] [--json]",
-     "the policies found on the search path: name, version, API version, description"},
+     "the policies found on the search path: name, version, API version, description",
+     "  --config C         config whose policy.search_path is searched first\n"
+     "                     (default: the bundled config-small.json)\n"
+     "  --json             the list as JSON instead of the table\n",
+     "routepack policy list"},
     {"policy", "check", cmd_policy_check, "POLICY.lua [--config C] [--trace T [--step K]]",
-     "load a policy in the sandbox, show its metadata and what it does on a small batch"},
+     "load a policy in the sandbox, show its metadata and what it does on a small batch",
+     "  POLICY.lua         the policy file to try\n"
+     "  --config C         config (default: the bundled config-small.json)\n"
+     "  --trace T          run the policy on this trace's step (default: a generated batch)\n"
+     "  --step K           which step of --trace, counted from 0 (default 0)\n",
+     "routepack policy check policies/eplb.lua"},
     {"plan", "baseline", cmd_plan_baseline,
-     "NAME --config C --trace T [--step K] [--microbatches M] [--out PLAN.json]",
-     "build a baseline plan (token_kk+eplb, verl_kk+contiguous, ...) for one step"},
-    {"plan", "eval", cmd_plan_eval, "--config C --trace T [--step K] --plan PLAN.json [--json]",
-     "cost breakdown of a plan: step time, lower bound, straggler"},
-    {"plan", "validate", cmd_plan_validate, "--config C [--trace T [--step K]] PLAN.json",
-     "check a plan file; print every violation"},
+     "NAME --config C (--trace T | --gen SETTINGS) [--step K] [--microbatches M] [--out PLAN.json]",
+     "build a baseline plan (token_kk+eplb, verl_kk+contiguous, ...) for one step",
+     "  NAME               the baseline (docs/baselines.md lists them)\n"
+     "  --config C         config (required)\n"
+     "  --trace T          the trace\n"
+     "  --gen SETTINGS     generate the step in memory instead of reading a trace\n"
+     "  --step K           which step, counted from 0 (default 0)\n"
+     "  --microbatches M   microbatch count (default: the config's, else verl's rule)\n"
+     "  --out PLAN.json    write the plan there (default: the plan to stdout)\n",
+     "routepack plan baseline token_kk+eplb --config examples/config-small.json "
+     "--trace examples/small.rpt --out plan.json"},
+    {"plan", "eval", cmd_plan_eval,
+     "--config C (--trace T | --gen SETTINGS) [--step K] --plan PLAN.json [--json]",
+     "cost breakdown of a plan: step time, lower bound, straggler",
+     "  --config C         config (required)\n"
+     "  --trace T          the trace\n"
+     "  --gen SETTINGS     generate the step in memory instead of reading a trace\n"
+     "  --step K           which step, counted from 0 (default 0)\n"
+     "  --plan PLAN.json   the plan to price (required)\n"
+     "  --json             the breakdown as JSON instead of text\n",
+     "routepack plan eval --config examples/config-small.json --trace examples/small.rpt "
+     "--plan plan.json"},
+    {"plan", "validate", cmd_plan_validate,
+     "--config C [(--trace T | --gen SETTINGS) [--step K]] PLAN.json",
+     "check a plan file; print every violation",
+     "  PLAN.json          the plan to check\n"
+     "  --config C         config (required)\n"
+     "  --trace T          also check against this trace's step\n"
+     "  --gen SETTINGS     ... or against a step generated in memory\n"
+     "  --step K           which step, counted from 0 (default 0)\n",
+     "routepack plan validate --config examples/config-small.json plan.json"},
 };
 #define NUM_COMMANDS (sizeof commands / sizeof commands[0])
 
@@ -45,7 +117,50 @@ static void print_usage(FILE *out)
                 c->usage, c->summary);
     }
     fprintf(out, "  version\n      print the library version and the parts this build has\n");
-    fprintf(out, "\nDocumentation: docs/cli.md\n");
+    fprintf(out, "\nDocumentation: docs/cli.md; `routepack help COMMAND` or `routepack COMMAND --help`\n"
+                 "for one command's options.\n");
+}
+
+static void print_command_help(const cli_command *c)
+{
+    const char *sub = c->name ? " " : "";
+    printf("usage: routepack %s%s%s %s\n\n%s.\n\noptions:\n%s  --help, -h         this page\n\n"
+           "example:\n  %s\n",
+           c->group, sub, c->name ? c->name : "", c->usage, c->summary, c->options, c->example);
+}
+
+/* The help page for `group [name]`: one command's page, or a group's subcommands. */
+static int print_help_for(const char *group, const char *name)
+{
+    if (!strcmp(group, "version")) {
+        printf("usage: routepack version\n\nprint the library version and the parts this build has.\n");
+        return CLI_OK;
+    }
+    bool known_group = false;
+    for (size_t i = 0; i < NUM_COMMANDS; i++) {
+        const cli_command *c = &commands[i];
+        if (strcmp(group, c->group) != 0) continue;
+        known_group = true;
+        if (!c->name || (name && !strcmp(name, c->name))) {
+            print_command_help(c);
+            return CLI_OK;
+        }
+    }
+    if (!known_group) return cli_usage("help: unknown command '%s' (try: routepack help)", group);
+    if (name) return cli_usage("help: '%s' has no subcommand '%s' (try: routepack help %s)", group, name, group);
+    printf("usage: routepack %s SUBCOMMAND [ARGS]\n\nsubcommands:\n", group);
+    for (size_t i = 0; i < NUM_COMMANDS; i++)
+        if (!strcmp(group, commands[i].group))
+            printf("  %s %s %s\n      %s\n", group, commands[i].name, commands[i].usage, commands[i].summary);
+    printf("\n`routepack help %s SUBCOMMAND` for one subcommand's options.\n", group);
+    return CLI_OK;
+}
+
+static bool asks_for_help(int argc, char **argv)
+{
+    for (int i = 0; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return true;
+    return false;
 }
 
 static void log_to_stderr(void *ud, rp_log_level level, const char *message)
@@ -117,9 +232,19 @@ static int version(void)
 
 int main(int argc, char **argv)
 {
-    if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+    if (argc < 2 || (!strcmp(argv[1], "help") && argc == 2) || !strcmp(argv[1], "--help") ||
+        !strcmp(argv[1], "-h")) {
         print_usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? CLI_USAGE : CLI_OK;
+    }
+    if (!strcmp(argv[1], "help")) {
+        if (argc > 4) return cli_usage("help takes a command and a subcommand at most (try: routepack help)");
+        return print_help_for(argv[2], argc > 3 ? argv[3] : NULL);
+    }
+    if (asks_for_help(argc - 2, argv + 2)) {
+        /* `routepack trace gen ... --help`: the subcommand's page when the word after the
+         * group is one of its subcommands, else the group's page */
+        return print_help_for(argv[1], argc > 2 && argv[2][0] != '-' ? argv[2] : NULL);
     }
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) return version();
     for (size_t i = 0; i < NUM_COMMANDS; i++) {
