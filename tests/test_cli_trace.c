@@ -206,7 +206,61 @@ int main(void)
               tmp("lens.npy"), trace), 1, "append with another expert count");
     is_int(file_size(trace), size, "failed appends leave the trace as it was");
     is_int(rp("trace import --routing %s --lens %s --experts 64 --append --out %s", tmp("r64.npy"),
-              tmp("lens.npy"), tmp("none.rpt")), 1, "append to a missing trace");
+              tmp("lens.npy"), tmp("none.rpt")), 0, "append to a missing trace creates it");
+    like(out, "wrote step 0", "as a new trace of one step");
+    ok(check_step(ctx, tmp("none.rpt"), 0, 0, 64, RP_ID_U8, true), "which reads back");
+
+    /* never replace or duplicate silently */
+    size = file_size(trace);
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --out %s", tmp("r64.npy"),
+              tmp("lens.npy"), trace), 1, "import onto an existing trace without --append");
+    like(out, "t.rpt exists: pass --append to add this step to it, or --force to replace it",
+         "the message says how to add or replace");
+    is_int(file_size(trace), size, "the existing trace is untouched");
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --step 1 --append --out %s",
+              tmp("r64.npy"), tmp("lens.npy"), trace), 1, "append a step index the trace holds");
+    like(out, "t.rpt already holds step 1 (its step #1): pass another --step, or leave --step out "
+         "to append step 8", "the duplicate message names the step and the next free index");
+    is_int(file_size(trace), size, "the trace is untouched");
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --append --force --out %s",
+              tmp("r64.npy"), tmp("lens.npy"), trace), 2, "--append with --force");
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --force --out %s", tmp("r64.npy"),
+              tmp("lens.npy"), tmp("none.rpt")), 0, "--force replaces a trace");
+    like(out, "the trace has 1 step", "with the one new step");
+
+    /* Megatron's per-layer [layers, tokens, k] layout */
+    {
+        uint8_t per_layer[L * T * K];
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t l = 0; l < L; l++)
+                for (int64_t k = 0; k < K; k++)
+                    per_layer[(l * T + t) * K + k] = (uint8_t)id_at((t * L + l) * K + k, 0, 64);
+        int64_t shape[3] = {L, T, K};
+        write_npy("ltk.npy", RP_NPY_U8, 3, shape, per_layer);
+        per_layer[(2 * T + 6) * K + 1] = 70; /* layer 2, token 6 (sequence 0 token 6), choice 1 */
+        write_npy("ltk_bad.npy", RP_NPY_U8, 3, shape, per_layer);
+        int16_t wide[L * T * K];
+        for (int64_t i = 0; i < L * T * K; i++) wide[i] = per_layer[i];
+        wide[(2 * T + 6) * K + 1] = (int16_t)id_at((6 * L + 2) * K + 1, 0, 64);
+        write_npy("ltk16.npy", RP_NPY_I16, 3, shape, wide);
+    }
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --out %s", tmp("ltk.npy"),
+              tmp("lens.npy"), tmp("ltk.rpt")), 1, "a per-layer array read as packed");
+    like(out, "has 4 tokens, but the sequence lengths sum to 19; its second dimension matches: is it "
+         "[layers, tokens, k]? pass --layout per_layer", "the message suggests --layout per_layer");
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --layout per_layer --out %s",
+              tmp("ltk.npy"), tmp("lens.npy"), tmp("ltk.rpt")), 0, "--layout per_layer");
+    ok(check_step(ctx, tmp("ltk.rpt"), 0, 0, 64, RP_ID_U8, true),
+       "the trace holds the ids in [tokens, layers, k] order");
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --layout per_layer --out %s",
+              tmp("ltk16.npy"), tmp("lens.npy"), tmp("ltk16.rpt")), 0, "--layout per_layer, 2-byte input");
+    ok(check_step(ctx, tmp("ltk16.rpt"), 0, 0, 64, RP_ID_U8, true), "read in place with strides");
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --layout per_layer --out %s",
+              tmp("ltk_bad.npy"), tmp("lens.npy"), tmp("ltk2.rpt")), 1, "a bad id in a per-layer array");
+    like(out, "token 6 (sequence 0 token 6) layer 2 choice 1 has expert id 70",
+         "its position is named in tokens and layers");
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --layout tokens --out %s",
+              tmp("ltk.npy"), tmp("lens.npy"), tmp("ltk3.rpt")), 2, "an unknown layout");
 
     /* id widths: narrowest for the expert count, from any input width */
     write_routing("w300.npy", RP_NPY_U8, 3, 256);
@@ -309,7 +363,8 @@ int main(void)
     }
     is_int(rp("trace import --routing %s --lens %s --experts 64 --out %s", tmp("r64.npy"), tmp("wrong.npy"),
               tmp("x.rpt")), 1, "lengths that do not sum to the token count");
-    like(out, "r64.npy has 19 tokens, but the sequence lengths sum to 20", "sum message");
+    like(out, "r64.npy: routing of shape (19, 4, 2) read as [tokens, layers, k] (--layout packed) "
+         "has 19 tokens, but the sequence lengths sum to 20", "sum message");
     is_int(rp("trace import --routing %s --lens %s --experts 64 --out %s", tmp("r64.npy"), tmp("negl.npy"),
               tmp("x.rpt")), 1, "a negative length");
     like(out, "negl.npy: the response length of sequence 3 is -2, must be in [0, 2147483647]", "negative length message");
@@ -318,7 +373,7 @@ int main(void)
     like(out, "three.npy has 3 sequences, the other length arrays 4", "sequence count message");
     is_int(rp("trace import --routing %s --lens %s --experts 64 --out %s", tmp("flat.npy"), tmp("lens.npy"),
               tmp("x.rpt")), 1, "a 2-d routing array");
-    like(out, "routing must have shape [tokens, layers, k] with layers and k >= 1, got (19, 8)", "shape message");
+    like(out, "routing must have shape [tokens, layers, k] (--layout packed), got (19, 8)", "shape message");
     is_int(rp("trace import --routing " DATA "float32.npy --lens %s --experts 64 --out %s", tmp("lens.npy"),
               tmp("x.rpt")), 1, "a float routing array");
     like(out, "floating-point", "float message");

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* Collect the non-option arguments; true when every option was known. `json` may be
@@ -232,13 +233,14 @@ static int npy_item_bytes(rp_npy_dtype t)
 typedef struct import_opts {
     const char *routing, *lens, *prompt_lens, *response_lens, *group_ids, *out;
     int64_t experts, step;
-    bool have_step, append;
+    bool have_step, append, force;
+    bool per_layer; /* --layout per_layer: routing is [layers, tokens, k] (Megatron's) */
 } import_opts;
 
 static int parse_import(int argc, char **argv, import_opts *o)
 {
     memset(o, 0, sizeof *o);
-    const char *experts = NULL, *step = NULL;
+    const char *experts = NULL, *step = NULL, *layout = NULL;
     bool bad = false;
     for (int i = 0; i < argc && !bad; i++) {
         if (cli_opt(argc, argv, &i, "--routing", &o->routing, &bad)) continue;
@@ -249,8 +251,13 @@ static int parse_import(int argc, char **argv, import_opts *o)
         if (cli_opt(argc, argv, &i, "--experts", &experts, &bad)) continue;
         if (cli_opt(argc, argv, &i, "--step", &step, &bad)) continue;
         if (cli_opt(argc, argv, &i, "--out", &o->out, &bad)) continue;
+        if (cli_opt(argc, argv, &i, "--layout", &layout, &bad)) continue;
         if (!strcmp(argv[i], "--append")) {
             o->append = true;
+            continue;
+        }
+        if (!strcmp(argv[i], "--force")) {
+            o->force = true;
             continue;
         }
         return cli_usage("trace import: unknown argument '%s'", argv[i]);
@@ -262,6 +269,13 @@ static int parse_import(int argc, char **argv, import_opts *o)
         (!o->lens && !(o->prompt_lens && o->response_lens)))
         return cli_usage("trace import needs --lens L.npy, or both --prompt-lens P.npy and "
                          "--response-lens Q.npy");
+    if (o->append && o->force)
+        return cli_usage("trace import: --append adds a step and --force replaces the trace; "
+                         "pass one of them");
+    if (layout && strcmp(layout, "packed") != 0 && strcmp(layout, "per_layer") != 0)
+        return cli_usage("--layout must be packed ([tokens, layers, k]) or per_layer "
+                         "([layers, tokens, k]), got '%s'", layout);
+    o->per_layer = layout && !strcmp(layout, "per_layer");
     if (!cli_int("--experts", experts, &o->experts)) return CLI_USAGE;
     if (o->experts < 1 || o->experts > INT32_MAX)
         return cli_usage("--experts must be in [1, 2147483647], got %" PRId64, o->experts);
@@ -333,18 +347,20 @@ static rp_id_width narrowest_width(int64_t num_experts)
  * place, with strides scaled by the size ratio: the writer then streams it in chunks
  * and nothing is copied, whatever the input's size. Only an input narrower than the
  * id width (or unaligned) is widened into *copy. */
-static int routing_view(const rp_npy *a, rp_id_width width, rp_routing *r, void **copy)
+static int routing_view(const rp_npy *a, bool per_layer, rp_id_width width, rp_routing *r,
+                        void **copy)
 {
     const int64_t *shape = rp_npy_shape(a);
-    int32_t layers = (int32_t)shape[1], k = (int32_t)shape[2];
+    int64_t tokens = shape[per_layer ? 1 : 0];
+    int32_t layers = (int32_t)shape[per_layer ? 0 : 1], k = (int32_t)shape[2];
     int item = npy_item_bytes(rp_npy_type(a));
     const void *data = rp_npy_data(a);
     *copy = NULL;
     if (item >= (int)width && (uintptr_t)data % (uintptr_t)width == 0) {
         int64_t ratio = item / (int)width;
         rp_routing_packed(r, width, layers, k, data);
-        r->token_stride = (int64_t)layers * k * ratio;
-        r->layer_stride = (int64_t)k * ratio;
+        r->token_stride = (per_layer ? k : (int64_t)layers * k) * ratio;
+        r->layer_stride = (per_layer ? tokens * k : k) * ratio;
         r->k_stride = ratio;
         return CLI_OK;
     }
@@ -360,6 +376,10 @@ static int routing_view(const rp_npy *a, rp_id_width width, rp_routing *r, void 
                (void *)&v16 : (void *)&v32, (size_t)width);
     }
     rp_routing_packed(r, width, layers, k, buf);
+    if (per_layer) {
+        r->token_stride = k;
+        r->layer_stride = tokens * k;
+    }
     *copy = buf;
     return CLI_OK;
 }
@@ -387,26 +407,47 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
         goto out;
     }
     const int64_t *shape = rp_npy_shape(routing_npy);
-    if (rp_npy_ndim(routing_npy) != 3 || shape[1] < 1 || shape[1] > INT32_MAX || shape[2] < 1 ||
-        shape[2] > INT32_MAX) {
-        rc = npy_fail("%s: routing must have shape [tokens, layers, k] with layers and k >= 1, "
-                      "got %s", o.routing, shape_text(routing_npy, sh, sizeof sh));
+    const char *layout_text = o.per_layer ? "[layers, tokens, k] (--layout per_layer)"
+                                          : "[tokens, layers, k] (--layout packed)";
+    if (rp_npy_ndim(routing_npy) != 3) {
+        rc = npy_fail("%s: routing must have shape %s, got %s", o.routing, layout_text,
+                      shape_text(routing_npy, sh, sizeof sh));
         goto out;
     }
-    if (shape[2] > o.experts) {
-        rc = npy_fail("%s: top-k %" PRId64 " exceeds the %" PRId64 " experts", o.routing, shape[2],
+    /* the [tokens, layers, k] extents, whatever the layout in the file */
+    int64_t num_tokens = shape[o.per_layer ? 1 : 0], num_layers = shape[o.per_layer ? 0 : 1];
+    int64_t top_k = shape[2];
+    if (num_layers < 1 || num_layers > INT32_MAX || top_k < 1 || top_k > INT32_MAX) {
+        rc = npy_fail("%s: routing must have shape %s with layers and k >= 1, got %s", o.routing,
+                      layout_text, shape_text(routing_npy, sh, sizeof sh));
+        goto out;
+    }
+    if (top_k > o.experts) {
+        rc = npy_fail("%s: top-k %" PRId64 " exceeds the %" PRId64 " experts", o.routing, top_k,
                       o.experts);
         goto out;
     }
     if ((rc = import_batch(ctx, &o, &batch)) != CLI_OK) goto out;
-    if (rp_batch_num_tokens(batch) != shape[0]) {
-        rc = npy_fail("%s has %" PRId64 " tokens, but the sequence lengths sum to %" PRId64,
-                      o.routing, shape[0], rp_batch_num_tokens(batch));
+    if (rp_batch_num_tokens(batch) != num_tokens) {
+        /* the usual mistake: Megatron's per-layer [layers, tokens, k] read as packed */
+        int64_t other = shape[o.per_layer ? 0 : 1];
+        const char *hint = other == rp_batch_num_tokens(batch)
+            ? (o.per_layer ? "; its first dimension matches: drop --layout per_layer"
+                           : "; its second dimension matches: is it [layers, tokens, k]? "
+                             "pass --layout per_layer")
+            : "";
+        rc = npy_fail("%s: routing of shape %s read as %s has %" PRId64 " tokens, but the "
+                      "sequence lengths sum to %" PRId64 "%s", o.routing,
+                      shape_text(routing_npy, sh, sizeof sh), layout_text, num_tokens,
+                      rp_batch_num_tokens(batch), hint);
         goto out;
     }
     int64_t bad = first_bad_npy_id(routing_npy, (uint64_t)o.experts);
     if (bad >= 0) {
-        int64_t per_token = shape[1] * shape[2], token = bad / per_token;
+        /* flat index -> (token, layer, choice) in the file's layout */
+        int64_t choice = bad % top_k, rest = bad / top_k;
+        int64_t token = o.per_layer ? rest % num_tokens : rest / num_layers;
+        int64_t layer = o.per_layer ? rest / num_tokens : rest % num_layers;
         const int64_t *cu = rp_batch_cu_seqlens(batch);
         int32_t q = 0;
         while (cu[q + 1] <= token) q++;
@@ -417,36 +458,54 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
             snprintf(value, sizeof value, "%" PRId64, rp_npy_get(routing_npy, bad));
         rc = npy_fail("%s: token %" PRId64 " (sequence %d token %" PRId64 ") layer %" PRId64
                       " choice %" PRId64 " has expert id %s, but --experts is %" PRId64, o.routing,
-                      token, q, token - cu[q], bad % per_token / shape[2], bad % shape[2], value,
-                      o.experts);
+                      token, q, token - cu[q], layer, choice, value, o.experts);
         goto out;
     }
 
-    if (o.append) {
+    struct stat out_sb;
+    bool out_exists = stat(o.out, &out_sb) == 0;
+    if (!out_exists && errno != ENOENT) {
+        rc = npy_fail("%s: %s", o.out, strerror(errno));
+        goto out;
+    }
+    if (out_exists && !o.append && !o.force) {
+        rc = npy_fail("%s exists: pass --append to add this step to it, or --force to replace it",
+                      o.out);
+        goto out;
+    }
+    bool append = o.append && out_exists; /* --append to a missing file creates it */
+    if (append) {
         if (rp_trace_open(ctx, o.out, RP_TRACE_NO_VERIFY, &existing, &err) != RP_OK) {
             rc = cli_fail(&err);
             goto out;
         }
         steps_before = rp_trace_num_steps(existing);
         const rp_trace_step_info *last = rp_trace_step(existing, steps_before - 1);
-        if (last->num_layers != shape[1] || last->top_k != shape[2] || last->num_experts != o.experts) {
+        if (last->num_layers != num_layers || last->top_k != top_k || last->num_experts != o.experts) {
             rc = npy_fail("%s: cannot append: the trace has %d layers, top-%d and %d experts; the "
                           "new step has %" PRId64 " layers, top-%" PRId64 " and %" PRId64 " experts",
-                          o.out, last->num_layers, last->top_k, last->num_experts, shape[1],
-                          shape[2], o.experts);
+                          o.out, last->num_layers, last->top_k, last->num_experts, num_layers,
+                          top_k, o.experts);
             goto out;
         }
         width = last->width; /* steps of one trace share the id width */
         if (!o.have_step) step = last->step + 1;
+        for (int32_t i = 0; i < steps_before; i++)
+            if (rp_trace_step(existing, i)->step == step) {
+                rc = npy_fail("%s already holds step %" PRId64 " (its step #%d): pass another "
+                              "--step, or leave --step out to append step %" PRId64, o.out, step,
+                              (int)i, last->step + 1);
+                goto out;
+            }
         rp_trace_close(existing);
         existing = NULL;
     }
     rp_routing view;
-    if ((rc = routing_view(routing_npy, width, &view, &copy)) != CLI_OK) goto out;
+    if ((rc = routing_view(routing_npy, o.per_layer, width, &view, &copy)) != CLI_OK) goto out;
 
     /* a new trace is written beside its destination and renamed into place, so a
      * failed import never leaves a broken file or clobbers a good one */
-    if (!o.append) {
+    if (!append) {
         size_t n = strlen(o.out) + 32;
         if (!(tmp = malloc(n))) {
             rc = npy_fail("out of memory");
@@ -454,7 +513,7 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
         }
         snprintf(tmp, n, "%s.tmp.%ld", o.out, (long)getpid());
     }
-    rp_status st = o.append ? rp_trace_writer_open_append(ctx, o.out, (int32_t)o.experts, &w, &err)
+    rp_status st = append ? rp_trace_writer_open_append(ctx, o.out, (int32_t)o.experts, &w, &err)
                             : rp_trace_writer_open(ctx, tmp, (int32_t)o.experts, &w, &err);
     if (st == RP_OK) st = rp_trace_writer_append(w, step, batch, &view, &err);
     if (w) {
@@ -478,8 +537,8 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
     }
     printf("%s: %s step %" PRId64 " (%d sequences, %" PRId64 " tokens, %" PRId64 " layers, top-%"
            PRId64 ", %" PRId64 " experts, %d-byte ids); the trace has %d step%s\n", o.out,
-           o.append ? "appended" : "wrote", step, rp_batch_num_seqs(batch),
-           rp_batch_num_tokens(batch), shape[1], shape[2], o.experts, (int)width,
+           append ? "appended" : "wrote", step, rp_batch_num_seqs(batch),
+           rp_batch_num_tokens(batch), num_layers, top_k, o.experts, (int)width,
            steps_before + 1, steps_before ? "s" : "");
 out:
     rp_trace_close(existing);

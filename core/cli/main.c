@@ -26,16 +26,19 @@ static const cli_command commands[] = {
      "routepack trace validate examples/small.rpt"},
     {"trace", "import", cmd_trace_import,
      "--routing R.npy (--lens L.npy | --prompt-lens P.npy --response-lens Q.npy) "
-     "[--group-ids G.npy] --experts E [--step K] [--append] --out TRACE.rpt",
+     "[--group-ids G.npy] --experts E [--layout L] [--step K] [--append | --force] --out TRACE.rpt",
      "convert .npy arrays dumped from Python into a trace",
-     "  --routing R.npy    routing replay [tokens, layers, k], sequences back to back\n"
+     "  --routing R.npy    routing replay, sequences back to back\n"
+     "  --layout L         packed: [tokens, layers, k] (default); per_layer: [layers, tokens, k]\n"
      "  --lens L.npy       sequence lengths [n], or [n, 2] prompt and response\n"
      "  --prompt-lens P.npy  prompt lengths [n] (with --response-lens, instead of --lens)\n"
      "  --response-lens Q.npy  response lengths [n]\n"
      "  --group-ids G.npy  GRPO group of each sequence (default: one group each)\n"
      "  --experts E        the model's expert count (required; every id is checked)\n"
      "  --step K           step index to record (default 0; with --append the last + 1)\n"
-     "  --append           add the step to an existing trace (shape must match)\n"
+     "  --append           add the step to the trace (created if missing; shape must match;\n"
+     "                     a step index it already holds is refused)\n"
+     "  --force            replace an existing trace (default: refuse to overwrite it)\n"
      "  --out TRACE.rpt    the trace to write (required)\n",
      "routepack trace import --routing routing.npy --lens lens.npy --experts 64 --out run.rpt"},
     {"stats", NULL, cmd_stats, "TRACE.rpt [--step K] [--json] [--threads N]",
