@@ -427,6 +427,7 @@ static void printable_key(char *out, size_t size, const char *key)
 
 const char *rp_jdoc_type_name(const json_t *v)
 {
+    if (!v) return "missing"; /* json_object_get of an absent key */
     switch (json_typeof(v)) {
     case JSON_OBJECT: return "an object";
     case JSON_ARRAY: return "an array";

@@ -652,6 +652,71 @@ out:
     return out;
 }
 
+/* The document for the scheduler state `f` points at (a scheduler's own, or one just
+ * loaded, to check that it round-trips). */
+static json_t *encode_root(const sched_fields *f, rp_status *st, rp_error *err)
+{
+    const rp_model *md = rp_config_model(f->cfg);
+    int32_t L = md->num_layers, E = md->num_experts;
+    size_t cells = (size_t)L * (size_t)E;
+    json_t *root = NULL, *plan = NULL, *running = NULL, *staged = NULL, *history = NULL, *last = NULL;
+    char *plan_text = NULL;
+    char seed[17], plan_hash[17];
+    *st = RP_OK;
+    hex64(seed, f->opts->seed);
+    if (*f->current) {
+        size_t n;
+        RP_CHECK_GOTO(rp_plan_to_json(*f->current, &plan_text, &n, err), *st, out);
+        json_error_t je;
+        plan = json_loadb(plan_text, n, 0, &je);
+        if (!plan) {
+            *st = rp_fail(err, RP_ENOMEM, "sched: the plan in use could not be re-read: %s", je.text);
+            goto out;
+        }
+        hex64(plan_hash, rp_plan_hash(*f->current));
+    }
+    running = encode_set(f->running, 0, false, st, err);
+    if (!running) goto out;
+    if (f->staged->count > 0) {
+        staged = encode_set(f->staged, *f->staged_at, true, st, err);
+        if (!staged) goto out;
+    }
+    history = json_array();
+    if (!history) goto nomem;
+    for (int32_t i = *f->hist_count - 1; i >= 0; i--) { /* oldest first */
+        int32_t slot = ((*f->hist_head - 1 - i) % f->hist_cap + f->hist_cap) % f->hist_cap;
+        json_t *entry = json_pack("{s:I, s:o}", "step", (json_int_t)f->hist_steps[slot], "expert_load",
+                                  int64_array(f->hist_loads + (size_t)slot * cells, cells));
+        if (!entry || json_array_append_new(history, entry) != 0) goto nomem;
+    }
+    if (*f->prev_batch && *f->prev_stats) {
+        last = encode_last_batch(*f->prev_batch, *f->prev_stats, L, E);
+        if (!last) goto nomem;
+    }
+    root = json_pack("{s:s, s:i, s:o, s:s, s:s, s:i, s:o, s:O?, s:s?, s:O, s:O?, s:O, s:O?}", "format", STATE_FORMAT,
+                     "version", STATE_VERSION, "config", encode_config(f->cfg), "seed", seed, "split",
+                     f->opts->split == RP_SPLIT_LOCALITY ? "locality" : "even", "history_length", (int)f->hist_cap,
+                     "last_step", *f->has_step ? json_integer((json_int_t)*f->last_step) : json_null(), "plan", plan,
+                     "plan_hash", plan ? plan_hash : NULL, "running", running, "staged", staged, "history", history,
+                     "last_batch", last);
+    if (!root) goto nomem;
+    goto out;
+nomem:
+    *st = rp_fail_nomem(err, "the scheduler state");
+out:
+    json_decref(plan);
+    json_decref(running);
+    json_decref(staged);
+    json_decref(history);
+    json_decref(last);
+    if (plan_text) rp_text_free(rp_plan_context(*f->current), plan_text);
+    if (*st != RP_OK) {
+        json_decref(root);
+        root = NULL;
+    }
+    return root;
+}
+
 rp_status rp_sched_save_state(const rp_sched *sched, char **json, size_t *len, rp_error *err)
 {
     if (!sched || !json) return rp_fail(err, RP_EINVAL, "sched: scheduler and output are required");
@@ -660,50 +725,10 @@ rp_status rp_sched_save_state(const rp_sched *sched, char **json, size_t *len, r
     sched_fields f;
     sched_fields_of((rp_sched *)sched, &f);
     f.errmsg[0] = '\0';
-    const rp_model *md = rp_config_model(f.cfg);
-    int32_t L = md->num_layers, E = md->num_experts;
-    size_t cells = (size_t)L * (size_t)E;
-    rp_status st = RP_OK;
-    json_t *root = NULL, *plan = NULL, *running = NULL, *staged = NULL, *history = NULL, *last = NULL;
-    char *plan_text = NULL, *dump = NULL;
-    char seed[17], plan_hash[17];
-    hex64(seed, f.opts->seed);
-    if (*f.current) {
-        size_t n;
-        RP_CHECK_GOTO(rp_plan_to_json(*f.current, &plan_text, &n, err), st, out);
-        json_error_t je;
-        plan = json_loadb(plan_text, n, 0, &je);
-        if (!plan) {
-            st = rp_fail(err, RP_ENOMEM, "sched: the plan in use could not be re-read: %s", je.text);
-            goto out;
-        }
-        hex64(plan_hash, rp_plan_hash(*f.current));
-    }
-    running = encode_set(f.running, 0, false, &st, err);
-    if (!running) goto out;
-    if (f.staged->count > 0) {
-        staged = encode_set(f.staged, *f.staged_at, true, &st, err);
-        if (!staged) goto out;
-    }
-    history = json_array();
-    if (!history) goto nomem;
-    for (int32_t i = *f.hist_count - 1; i >= 0; i--) { /* oldest first */
-        int32_t slot = ((*f.hist_head - 1 - i) % f.hist_cap + f.hist_cap) % f.hist_cap;
-        json_t *entry = json_pack("{s:I, s:o}", "step", (json_int_t)f.hist_steps[slot], "expert_load",
-                                  int64_array(f.hist_loads + (size_t)slot * cells, cells));
-        if (!entry || json_array_append_new(history, entry) != 0) goto nomem;
-    }
-    if (*f.prev_batch && *f.prev_stats) {
-        last = encode_last_batch(*f.prev_batch, *f.prev_stats, L, E);
-        if (!last) goto nomem;
-    }
-    root = json_pack("{s:s, s:i, s:o, s:s, s:s, s:i, s:o, s:O?, s:s?, s:O, s:O?, s:O, s:O?}", "format", STATE_FORMAT,
-                     "version", STATE_VERSION, "config", encode_config(f.cfg), "seed", seed, "split",
-                     f.opts->split == RP_SPLIT_LOCALITY ? "locality" : "even", "history_length", (int)f.hist_cap,
-                     "last_step", *f.has_step ? json_integer((json_int_t)*f.last_step) : json_null(), "plan", plan,
-                     "plan_hash", plan ? plan_hash : NULL, "running", running, "staged", staged, "history", history,
-                     "last_batch", last);
-    if (!root) goto nomem;
+    rp_status st;
+    char *dump = NULL;
+    json_t *root = encode_root(&f, &st, err);
+    if (!root) goto out;
     dump = json_dumps(root, DUMP_FLAGS);
     if (!dump) goto nomem;
     size_t n = strlen(dump);
@@ -719,12 +744,6 @@ nomem:
 out:
     free(dump);
     json_decref(root);
-    json_decref(plan);
-    json_decref(running);
-    json_decref(staged);
-    json_decref(history);
-    json_decref(last);
-    if (plan_text) rp_text_free(rp_plan_context(*f.current), plan_text);
     if (st != RP_OK) snprintf(f.errmsg, RP_ERROR_TEXT, "%s", err->text);
     return st;
 }
@@ -831,72 +850,180 @@ static rp_status read_ints(const rp_jdoc *doc, json_t *arr, const char *path, si
     return RP_OK;
 }
 
+/* One (sequence, layer, expert, count) entry of last_batch.seq_hist. */
+typedef struct hist_quad {
+    int32_t seq, layer, expert;
+    uint32_t count;
+} hist_quad;
+
+/* The quads of the last batch, in (sequence, layer, expert) order, handed to
+ * stats_from_rows one sequence at a time: the dense n x layers x experts array is
+ * never built (a state listing a million empty sequences costs what they hold). */
+typedef struct quad_rows {
+    const hist_quad *quads;
+    const size_t *first;  /* [n + 1]: each sequence's range of quads */
+    int32_t num_experts;
+    size_t cells;
+} quad_rows;
+
+static void quad_row(void *ud, int32_t seq, uint32_t *counts)
+{
+    const quad_rows *q = ud;
+    memset(counts, 0, q->cells * sizeof *counts);
+    for (size_t i = q->first[seq]; i < q->first[seq + 1]; i++)
+        counts[(size_t)q->quads[i].layer * (size_t)q->num_experts + (size_t)q->quads[i].expert] = q->quads[i].count;
+}
+
+/* last_batch as rp_sched_save_state writes it, checked against everything the writer
+ * guarantees: every key present; lengths and group ids in range, one per sequence;
+ * seq_hist quadruples in strictly increasing (sequence, layer, expert) order (no
+ * duplicates), counts >= 1; each (sequence, layer) counting the sequence's tokens x
+ * top_k; each (layer, expert) load the sum of its counts. */
 static rp_status load_last_batch(const rp_jdoc *doc, const sched_fields *f, json_t *obj, loaded *ld, rp_error *err)
 {
     static const char *const keys[] = {"prompt_lens", "response_lens", "group_ids", "expert_load", "seq_hist", NULL};
     const rp_model *md = rp_config_model(f->cfg);
-    int32_t L = md->num_layers, E = md->num_experts;
-    rp_status st = rp_jdoc_check_keys(doc, obj, "last_batch", keys, err);
-    if (st != RP_OK) return st;
-    json_t *pl = json_object_get(obj, "prompt_lens");
-    if (!json_is_array(pl))
-        return rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.prompt_lens", "must be an array");
+    const int32_t L = md->num_layers, E = md->num_experts;
+    const size_t cells = (size_t)L * (size_t)E;
+    json_t *pl, *rl, *gi, *el, *hist;
+    hist_quad *quads = NULL;
+    size_t *first = NULL;
+    int64_t *sums = NULL;
+    rp_status st;
+    RP_CHECK_GOTO(rp_jdoc_check_keys(doc, obj, "last_batch", keys, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_arr(doc, obj, "last_batch", "prompt_lens", true, &pl, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_arr(doc, obj, "last_batch", "response_lens", true, &rl, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_arr(doc, obj, "last_batch", "group_ids", true, &gi, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_arr(doc, obj, "last_batch", "expert_load", true, &el, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_arr(doc, obj, "last_batch", "seq_hist", true, &hist, err), st, out);
     size_t n = json_array_size(pl);
-    if (n < 1 || n > INT32_MAX / 3)
-        return rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.prompt_lens", "has %zu sequences", n);
-    ld->lens = rp_alloc(f->ctx, 3 * n * sizeof *ld->lens);
-    size_t cells = (size_t)L * (size_t)E;
-    if (n > SIZE_MAX / sizeof(uint32_t) / cells) return rp_fail(err, RP_ERANGE, "state: last_batch is too large");
-    ld->seq_hist = rp_calloc(f->ctx, n * cells, sizeof *ld->seq_hist);
-    ld->expert_load = rp_alloc(f->ctx, cells * sizeof *ld->expert_load);
-    if (!ld->lens || !ld->seq_hist || !ld->expert_load) return rp_fail_nomem(err, "the state's last batch");
-    int32_t *prompt = ld->lens, *response = ld->lens + n, *group = ld->lens + 2 * n;
-    if ((st = read_ints(doc, pl, "last_batch.prompt_lens", n, 0, INT32_MAX, NULL, prompt, err)) != RP_OK ||
-        (st = read_ints(doc, json_object_get(obj, "response_lens"), "last_batch.response_lens", n, 0, INT32_MAX, NULL,
-                        response, err)) != RP_OK ||
-        (st = read_ints(doc, json_object_get(obj, "group_ids"), "last_batch.group_ids", n, INT32_MIN, INT32_MAX, NULL,
-                        group, err)) != RP_OK ||
-        (st = read_ints(doc, json_object_get(obj, "expert_load"), "last_batch.expert_load", cells, 0, INT64_MAX,
-                        ld->expert_load, NULL, err)) != RP_OK)
-        return st;
-    json_t *hist = json_object_get(obj, "seq_hist");
-    if (!json_is_array(hist) || json_array_size(hist) % 4)
-        return rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.seq_hist",
-                            "must be an array of (sequence, layer, expert, count) quadruples");
-    int64_t total = 0;
-    for (size_t i = 0; i < json_array_size(hist); i += 4) {
-        int64_t q[4], max[4] = {(int64_t)n - 1, L - 1, E - 1, UINT32_MAX};
-        for (int k = 0; k < 4; k++) {
-            char at[PATH_LEN];
-            rp_jpath_index(at, sizeof at, "last_batch.seq_hist", i + (size_t)k);
-            if ((st = rp_jdoc_int_value(doc, json_array_get(hist, i + (size_t)k), at, k == 3 ? 1 : 0, max[k], &q[k],
-                                        err)) != RP_OK)
-                return st;
-        }
-        ld->seq_hist[((size_t)q[0] * (size_t)L + (size_t)q[1]) * (size_t)E + (size_t)q[2]] = (uint32_t)q[3];
-        total += q[3];
+    if (n < 1 || n > INT32_MAX / 3) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.prompt_lens", "has %zu sequences; a step has 1 to %d", n,
+                          INT32_MAX / 3);
+        goto out;
     }
+    ld->lens = rp_alloc(f->ctx, 3 * n * sizeof *ld->lens);
+    ld->expert_load = rp_alloc(f->ctx, cells * sizeof *ld->expert_load);
+    if (!ld->lens || !ld->expert_load) {
+        st = rp_fail_nomem(err, "the state's last batch");
+        goto out;
+    }
+    int32_t *prompt = ld->lens, *response = ld->lens + n, *group = ld->lens + 2 * n;
+    RP_CHECK_GOTO(read_ints(doc, pl, "last_batch.prompt_lens", n, 0, INT32_MAX, NULL, prompt, err), st, out);
+    RP_CHECK_GOTO(read_ints(doc, rl, "last_batch.response_lens", n, 0, INT32_MAX, NULL, response, err), st, out);
+    RP_CHECK_GOTO(read_ints(doc, gi, "last_batch.group_ids", n, INT32_MIN, INT32_MAX, NULL, group, err), st, out);
+    RP_CHECK_GOTO(read_ints(doc, el, "last_batch.expert_load", cells, 0, INT64_MAX, ld->expert_load, NULL, err), st,
+                  out);
     RP_CHECK_GOTO(rp_batch_new(f->ctx, (int32_t)n, prompt, response, group, &ld->batch, err), st, out);
-    int64_t tokens = rp_batch_num_tokens(ld->batch);
+    const int64_t tokens = rp_batch_num_tokens(ld->batch);
+
     /* top_k as the step's routing had it: the loads of a layer sum to tokens * top_k */
     int64_t layer0 = 0;
-    for (int32_t e = 0; e < E; e++) layer0 += ld->expert_load[e];
-    int32_t top_k = tokens > 0 ? (int32_t)(layer0 / tokens) : md->top_k;
-    if (tokens > 0 && (layer0 % tokens || total != layer0 * L))
-        return rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch",
-                            "counts do not add up: %lld token-choices at layer 0 for %lld tokens, %lld in seq_hist",
-                            (long long)layer0, (long long)tokens, (long long)total);
-    RP_CHECK_GOTO(stats_from_counts(f->ctx, (int32_t)n, L, E, top_k, tokens, ld->seq_hist, ld->expert_load, &ld->stats,
-                                    err),
+    for (int32_t e = 0; e < E; e++)
+        if (rp_add_overflow(layer0, ld->expert_load[e], &layer0)) break;
+    int64_t top_k = tokens > 0 ? layer0 / tokens : md->top_k;
+    if (tokens > 0 && (layer0 % tokens || top_k < 1 || top_k > E)) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.expert_load",
+                          "counts %lld token-choices at layer 0 for %lld tokens: not tokens x top-k with top-k in "
+                          "[1, %d]",
+                          (long long)layer0, (long long)tokens, (int)E);
+        goto out;
+    }
+
+    size_t hn = json_array_size(hist);
+    if (hn % 4) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch.seq_hist",
+                          "has %zu numbers; it is a flat list of (sequence, layer, expert, count) quadruples", hn);
+        goto out;
+    }
+    size_t nq = hn / 4;
+    quads = rp_alloc(f->ctx, (nq ? nq : 1) * sizeof *quads);
+    first = rp_calloc(f->ctx, n + 1, sizeof *first);
+    sums = rp_calloc(f->ctx, cells, sizeof *sums);
+    if (!quads || !first || !sums) {
+        st = rp_fail_nomem(err, "the state's last batch");
+        goto out;
+    }
+    for (size_t i = 0; i < nq; i++) {
+        int64_t q[4];
+        const int64_t max[4] = {(int64_t)n - 1, L - 1, E - 1, UINT32_MAX};
+        char at[PATH_LEN];
+        for (int k = 0; k < 4; k++) {
+            rp_jpath_index(at, sizeof at, "last_batch.seq_hist", 4 * i + (size_t)k);
+            RP_CHECK_GOTO(rp_jdoc_int_value(doc, json_array_get(hist, 4 * i + (size_t)k), at, k == 3 ? 1 : 0, max[k],
+                                            &q[k], err),
+                          st, out);
+        }
+        hist_quad h = {(int32_t)q[0], (int32_t)q[1], (int32_t)q[2], (uint32_t)q[3]};
+        if (i > 0) {
+            const hist_quad *p = &quads[i - 1];
+            bool after = h.seq != p->seq ? h.seq > p->seq : h.layer != p->layer ? h.layer > p->layer
+                                                                                 : h.expert > p->expert;
+            if (!after) {
+                rp_jpath_index(at, sizeof at, "last_batch.seq_hist", 4 * i);
+                st = rp_jdoc_fail(doc, err, RP_EFORMAT, at,
+                                  "(sequence %d, layer %d, expert %d) %s: quadruples come once each, in increasing "
+                                  "(sequence, layer, expert) order",
+                                  (int)h.seq, (int)h.layer, (int)h.expert,
+                                  h.seq == p->seq && h.layer == p->layer && h.expert == p->expert
+                                      ? "is listed twice"
+                                      : "comes after a later one");
+                goto out;
+            }
+        }
+        quads[i] = h;
+        first[h.seq + 1] = i + 1;
+        sums[(size_t)h.layer * (size_t)E + (size_t)h.expert] += h.count; /* < 2^31 quads x 2^32: no overflow */
+    }
+    for (size_t s = 1; s <= n; s++)
+        if (first[s] < first[s - 1]) first[s] = first[s - 1]; /* sequences without quads */
+    /* each (sequence, layer) holds len * top_k choices */
+    for (int32_t s = 0; s < (int32_t)n; s++) {
+        const int64_t want = (int64_t)rp_batch_seq_len(ld->batch, s) * top_k;
+        size_t i = first[s];
+        for (int32_t l = 0; l < L; l++) {
+            int64_t got = 0;
+            for (; i < first[s + 1] && quads[i].layer == l; i++) got += quads[i].count;
+            if (got != want) {
+                char at[PATH_LEN];
+                snprintf(at, sizeof at, "last_batch.seq_hist");
+                st = rp_jdoc_fail(doc, err, RP_EFORMAT, at,
+                                  "counts %lld choices for sequence %d at layer %d, but its %d tokens make %lld at "
+                                  "top-%lld",
+                                  (long long)got, (int)s, (int)l, (int)rp_batch_seq_len(ld->batch, s), (long long)want,
+                                  (long long)top_k);
+                if (err) err->sequence = s;
+                goto out;
+            }
+        }
+    }
+    for (size_t c = 0; c < cells; c++)
+        if (sums[c] != ld->expert_load[c]) {
+            char at[PATH_LEN];
+            rp_jpath_index(at, sizeof at, "last_batch.expert_load", c);
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, at,
+                              "is %lld, but seq_hist counts %lld choices of layer %d expert %d",
+                              (long long)ld->expert_load[c], (long long)sums[c], (int)(c / (size_t)E),
+                              (int)(c % (size_t)E));
+            goto out;
+        }
+    quad_rows rows = {quads, first, E, cells};
+    RP_CHECK_GOTO(stats_from_rows(f->ctx, (int32_t)n, L, E, (int32_t)top_k, tokens, quad_row, &rows, ld->expert_load,
+                                  &ld->stats, err),
                   st, out);
 out:
+    rp_free(f->ctx, quads);
+    rp_free(f->ctx, first);
+    rp_free(f->ctx, sums);
     return st;
 }
 
+/* The history, oldest first, as written: at most history_length entries, each a step
+ * and that step's expert loads (every layer counting the same number of choices). */
 static rp_status load_history(const rp_jdoc *doc, const sched_fields *f, json_t *arr, loaded *ld, rp_error *err)
 {
     const rp_model *md = rp_config_model(f->cfg);
-    size_t cells = (size_t)md->num_layers * (size_t)md->num_experts;
+    const size_t E = (size_t)md->num_experts, cells = (size_t)md->num_layers * E;
     if (!json_is_array(arr)) return rp_jdoc_fail(doc, err, RP_EFORMAT, "history", "must be an array");
     size_t n = json_array_size(arr);
     if (n > (size_t)f->hist_cap)
@@ -910,14 +1037,28 @@ static rp_status load_history(const rp_jdoc *doc, const sched_fields *f, json_t 
     static const char *const keys[] = {"step", "expert_load", NULL};
     for (size_t i = 0; i < n; i++) {
         char at[PATH_LEN], sub[PATH_LEN];
-        json_t *e = json_array_get(arr, i);
+        json_t *e = json_array_get(arr, i), *loads = NULL;
         rp_jpath_index(at, sizeof at, "history", i);
         rp_status st = rp_jdoc_check_keys(doc, e, at, keys, err);
         if (st == RP_OK) st = rp_jdoc_int(doc, e, at, "step", true, 0, INT64_MIN, INT64_MAX, &ld->hist_steps[i], err);
+        if (st == RP_OK) st = rp_jdoc_arr(doc, e, at, "expert_load", true, &loads, err);
         if (st == RP_OK)
-            st = read_ints(doc, json_object_get(e, "expert_load"), rp_jpath_key(sub, sizeof sub, at, "expert_load"),
-                           cells, 0, INT64_MAX, ld->hist_loads + i * cells, NULL, err);
+            st = read_ints(doc, loads, rp_jpath_key(sub, sizeof sub, at, "expert_load"), cells, 0, INT64_MAX,
+                           ld->hist_loads + i * cells, NULL, err);
         if (st != RP_OK) return st;
+        const int64_t *row = ld->hist_loads + i * cells;
+        int64_t layer0 = 0;
+        for (int32_t l = 0; l < md->num_layers; l++) {
+            int64_t sum = 0;
+            for (size_t x = 0; x < E; x++)
+                if (rp_add_overflow(sum, row[(size_t)l * E + x], &sum)) sum = -1;
+            if (l == 0) layer0 = sum;
+            if (sum < 0 || sum != layer0)
+                return rp_jdoc_fail(doc, err, RP_EFORMAT, sub,
+                                    "counts %lld choices at layer %d but %lld at layer 0: every layer routes the same "
+                                    "tokens",
+                                    (long long)sum, (int)l, (long long)layer0);
+        }
     }
     return RP_OK;
 }
@@ -951,6 +1092,15 @@ static rp_status parse_state(const rp_jdoc *doc, const sched_fields *f, loaded *
         goto out;
     }
     RP_CHECK_GOTO(rp_jdoc_check_keys(doc, root, "", keys, err), st, out);
+    /* the writer writes every key (null where there is nothing) */
+    for (size_t i = 0; keys[i]; i++)
+        if (!json_object_get(root, keys[i])) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, keys[i], "is required%s", strcmp(keys[i], "plan") == 0 ||
+                              strcmp(keys[i], "plan_hash") == 0 || strcmp(keys[i], "staged") == 0 ||
+                              strcmp(keys[i], "last_batch") == 0 || strcmp(keys[i], "last_step") == 0
+                                  ? " (null when there is none)" : "");
+            goto out;
+        }
     RP_CHECK_GOTO(check_config(doc, root, f->cfg, err), st, out);
     RP_CHECK_GOTO(rp_jdoc_str(doc, root, "", "seed", true, NULL, &text, err), st, out);
     if (!parse_hex64(text, &ld->seed)) {
@@ -972,12 +1122,8 @@ static rp_status parse_state(const rp_jdoc *doc, const sched_fields *f, loaded *
         goto out;
     }
     json_t *last = json_object_get(root, "last_step");
-    ld->has_step = last && !json_is_null(last);
+    ld->has_step = !json_is_null(last);
     if (ld->has_step) RP_CHECK_GOTO(rp_jdoc_int(doc, root, "", "last_step", true, 0, INT64_MIN, INT64_MAX, &ld->last_step, err), st, out);
-    else if (!last) {
-        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "last_step", "is required (null before the first step)");
-        goto out;
-    }
 
     json_t *plan = json_object_get(root, "plan");
     if (plan && !json_is_null(plan)) {
@@ -1016,6 +1162,9 @@ static rp_status parse_state(const rp_jdoc *doc, const sched_fields *f, loaded *
         st = rp_jdoc_fail(doc, err, RP_EFORMAT, "plan", "is required after a step (last_step is %lld)",
                           (long long)ld->last_step);
         goto out;
+    } else if (!json_is_null(json_object_get(root, "plan_hash"))) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "plan_hash", "must be null when there is no plan");
+        goto out;
     }
 
     json_t *obj;
@@ -1029,15 +1178,142 @@ static rp_status parse_state(const rp_jdoc *doc, const sched_fields *f, loaded *
     RP_CHECK_GOTO(rp_jdoc_arr(doc, root, "", "history", true, &hist, err), st, out);
     RP_CHECK_GOTO(load_history(doc, f, hist, ld, err), st, out);
     obj = json_object_get(root, "last_batch");
-    if (obj && !json_is_null(obj)) {
-        if (!ld->has_step) {
-            st = rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch", "is given but last_step is null");
+    if (!json_is_null(obj) != ld->has_step) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "last_batch",
+                          ld->has_step ? "is required after a step (the step's batch and statistics)"
+                                       : "is given but last_step is null");
+        goto out;
+    }
+    if (ld->has_step) {
+        RP_CHECK_GOTO(load_last_batch(doc, f, obj, ld, err), st, out);
+        if (rp_plan_has_packing(ld->plan) && rp_plan_num_seqs(ld->plan) != rp_batch_num_seqs(ld->batch)) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, "plan",
+                              "packs %d sequences, but the last batch has %d: the plan was made for another batch",
+                              (int)rp_plan_num_seqs(ld->plan), (int)rp_batch_num_seqs(ld->batch));
             goto out;
         }
-        RP_CHECK_GOTO(load_last_batch(doc, f, obj, ld, err), st, out);
+    }
+    /* every step enters the history (when there is one): the newest entry is the last
+     * step with its batch's loads, and there is none before the first step */
+    if (!ld->has_step && ld->hist_count > 0) {
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, "history", "has %d entries but last_step is null",
+                          (int)ld->hist_count);
+        goto out;
+    }
+    if (ld->has_step && f->hist_cap > 0) {
+        const rp_model *md = rp_config_model(f->cfg);
+        const size_t cells = (size_t)md->num_layers * (size_t)md->num_experts;
+        int32_t newest = ld->hist_count - 1;
+        char at[PATH_LEN];
+        rp_jpath_index(at, sizeof at, "history", (size_t)(newest < 0 ? 0 : newest));
+        if (newest < 0 || ld->hist_steps[newest] != ld->last_step) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, newest < 0 ? "history" : at,
+                              "must end with the last step (%lld) and its expert loads", (long long)ld->last_step);
+            goto out;
+        }
+        if (memcmp(ld->hist_loads + (size_t)newest * cells, ld->expert_load, cells * sizeof *ld->expert_load) != 0) {
+            st = rp_jdoc_fail(doc, err, RP_EFORMAT, at,
+                              "holds other expert loads than last_batch, but both are the last step's");
+            goto out;
+        }
     }
     st = RP_OK;
 out:
+    return st;
+}
+
+/* A short rendering of a JSON value for messages: scalars as JSON, containers by size. */
+static void describe_value(json_t *v, char *buf, size_t size)
+{
+    if (!v) snprintf(buf, size, "nothing");
+    else if (json_is_object(v)) snprintf(buf, size, "an object of %zu keys", json_object_size(v));
+    else if (json_is_array(v)) snprintf(buf, size, "an array of %zu entries", json_array_size(v));
+    else {
+        char *text = json_dumps(v, JSON_ENCODE_ANY | JSON_REAL_PRECISION(17));
+        snprintf(buf, size, "%.60s%s", text ? text : "a value", text && strlen(text) > 60 ? "..." : "");
+        free(text);
+    }
+}
+
+/* The first place (JSON path into `path`) where `got` (the document) and `want` (what
+ * the writer writes for what it loaded) differ, and the two values there. */
+static void first_difference(json_t *got, json_t *want, char *path, size_t size, json_t **g, json_t **w)
+{
+    *g = got;
+    *w = want;
+    if (json_typeof(got) != json_typeof(want)) return;
+    char sub[PATH_LEN];
+    if (json_is_object(got)) {
+        const char *key;
+        json_t *v;
+        json_object_foreach(got, key, v) {
+            json_t *o = json_object_get(want, key);
+            if (!o || !json_equal(v, o)) {
+                rp_jpath_key(sub, sizeof sub, path, key);
+                snprintf(path, size, "%s", sub);
+                if (o) first_difference(v, o, path, size, g, w);
+                else *g = v, *w = NULL;
+                return;
+            }
+        }
+        json_object_foreach(want, key, v)
+            if (!json_object_get(got, key)) {
+                rp_jpath_key(sub, sizeof sub, path, key);
+                snprintf(path, size, "%s", sub);
+                *g = NULL, *w = v;
+                return;
+            }
+    } else if (json_is_array(got) && json_array_size(got) == json_array_size(want)) {
+        for (size_t i = 0; i < json_array_size(got); i++)
+            if (!json_equal(json_array_get(got, i), json_array_get(want, i))) {
+                rp_jpath_index(sub, sizeof sub, path, i);
+                snprintf(path, size, "%s", sub);
+                first_difference(json_array_get(got, i), json_array_get(want, i), path, size, g, w);
+                return;
+            }
+    }
+}
+
+/* What was loaded must save to the same document (up to layout and key order): a state
+ * is refused if it holds anything the writer would not write for it (a duplicate
+ * ctx.state key, an integer where a number is written, hex bytes for a plain string, a
+ * policy's name or params other than its text gives, ...), so every state that loads
+ * saves again, byte for byte as this library writes it, and loads again. */
+static rp_status check_round_trip(const rp_jdoc *doc, const sched_fields *f, loaded *ld, rp_error *err)
+{
+    rp_sched_options opts = *f->opts;
+    opts.seed = ld->seed;
+    int32_t head = f->hist_cap > 0 ? ld->hist_count % f->hist_cap : 0;
+    sched_fields v = *f;
+    v.opts = &opts;
+    v.running = &ld->running;
+    v.staged = &ld->staged;
+    v.staged_at = &ld->staged_at;
+    v.current = &ld->plan;
+    v.has_step = &ld->has_step;
+    v.last_step = &ld->last_step;
+    v.prev_batch = &ld->batch;
+    v.prev_stats = &ld->stats;
+    v.hist_count = &ld->hist_count;
+    v.hist_head = &head;
+    v.hist_steps = ld->hist_steps;
+    v.hist_loads = ld->hist_loads;
+    rp_status st;
+    json_t *again = encode_root(&v, &st, err);
+    if (!again) return st;
+    if (!json_equal(again, doc->root)) {
+        char path[PATH_LEN] = "";
+        char got[96], want[96];
+        json_t *g, *w;
+        first_difference(doc->root, again, path, sizeof path, &g, &w);
+        describe_value(g, got, sizeof got);
+        describe_value(w, want, sizeof want);
+        st = rp_jdoc_fail(doc, err, RP_EFORMAT, path,
+                          "is %s, but what the state holds saves as %s: not a state this library wrote (edited or "
+                          "damaged)",
+                          got, want);
+    }
+    json_decref(again);
     return st;
 }
 
@@ -1064,6 +1340,7 @@ rp_status rp_sched_load_state(rp_sched *sched, const char *json, size_t len, rp_
     rp_status st;
     RP_CHECK_GOTO(rp_jdoc_parse(&doc, json, len, "state", err), st, out);
     RP_CHECK_GOTO(parse_state(&doc, &f, &ld, err), st, out);
+    RP_CHECK_GOTO(check_round_trip(&doc, &f, &ld, err), st, out);
 
     /* commit: nothing below can fail */
     sched_set_free(f.running);

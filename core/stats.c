@@ -393,19 +393,19 @@ void rp_stats_free(rp_stats *stats)
 
 /* ---- dense counts (the GPU path) --------------------------------------------- */
 
-rp_status stats_from_counts(rp_context *ctx, int32_t num_seqs, int32_t num_layers,
-                            int32_t num_experts, int32_t top_k, int64_t num_tokens,
-                            const uint32_t *seq_hist, const int64_t *expert_load,
-                            rp_stats **out, rp_error *err)
+rp_status stats_from_rows(rp_context *ctx, int32_t num_seqs, int32_t num_layers, int32_t num_experts,
+                          int32_t top_k, int64_t num_tokens, stats_row_fn row, void *ud,
+                          const int64_t *expert_load, rp_stats **out, rp_error *err)
 {
     const int32_t n = num_seqs;
-    const size_t cells = (size_t)num_layers * (size_t)num_experts;
     if (n < 0 || num_layers < 1 || num_experts < 1)
         return rp_fail(err, RP_EINVAL, "stats: %d sequences, %d layers, %d experts", n, num_layers,
                        num_experts);
+    const size_t cells = (size_t)num_layers * (size_t)num_experts;
     if (cells > SIZE_MAX / sizeof(int64_t) || (n > 0 && cells > SIZE_MAX / 4 / (size_t)n))
         return rp_fail(err, RP_ERANGE, "stats: the histograms of %d sequences overflow memory", n);
     rp_status st = RP_OK;
+    uint32_t *counts = NULL;
     rp_stats *stats = rp_calloc(ctx, 1, sizeof *stats);
     if (!stats) return rp_fail_nomem(err, "routing statistics");
     stats->ctx = ctx;
@@ -417,14 +417,15 @@ rp_status stats_from_counts(rp_context *ctx, int32_t num_seqs, int32_t num_layer
     stats->expert_load = rp_alloc(ctx, cells * sizeof(int64_t));
     stats->width = rp_alloc(ctx, (size_t)n + 1);
     stats->offset = rp_alloc(ctx, ((size_t)n + 1) * sizeof(uint64_t));
-    if (!stats->expert_load || !stats->width || !stats->offset) {
+    counts = rp_alloc(ctx, cells * sizeof *counts);
+    if (!stats->expert_load || !stats->width || !stats->offset || !counts) {
         st = rp_fail_nomem(err, "routing statistics");
         goto out;
     }
     /* the scan's storage: each sequence at the width of its largest count, back to back */
     uint64_t pos = 0;
     for (int32_t s = 0; s < n; s++) {
-        const uint32_t *counts = seq_hist + (size_t)s * cells;
+        row(ud, s, counts);
         uint32_t max = 0;
         for (size_t i = 0; i < cells; i++) max = counts[i] > max ? counts[i] : max;
         stats->width[s] = (uint8_t)width_for(max);
@@ -437,16 +438,41 @@ rp_status stats_from_counts(rp_context *ctx, int32_t num_seqs, int32_t num_layer
         st = rp_fail_nomem(err, "routing statistics");
         goto out;
     }
-    for (int32_t s = 0; s < n; s++)
-        store_counts(seq_hist + (size_t)s * cells, cells, stats->width[s], stats->hist + stats->offset[s]);
+    for (int32_t s = 0; s < n; s++) {
+        if (!stats->width[s]) continue;
+        row(ud, s, counts);
+        store_counts(counts, cells, stats->width[s], stats->hist + stats->offset[s]);
+    }
     memcpy(stats->expert_load, expert_load, cells * sizeof(int64_t));
     stats->bytes = sizeof *stats + cells * sizeof(int64_t) + ((size_t)n + 1) +
                    ((size_t)n + 1) * sizeof(uint64_t) + (size_t)pos;
     *out = stats;
     stats = NULL;
 out:
+    rp_free(ctx, counts);
     rp_stats_free(stats);
     return st;
+}
+
+typedef struct dense_rows {
+    const uint32_t *seq_hist;
+    size_t cells;
+} dense_rows;
+
+static void dense_row(void *ud, int32_t seq, uint32_t *counts)
+{
+    const dense_rows *d = ud;
+    memcpy(counts, d->seq_hist + (size_t)seq * d->cells, d->cells * sizeof *counts);
+}
+
+rp_status stats_from_counts(rp_context *ctx, int32_t num_seqs, int32_t num_layers,
+                            int32_t num_experts, int32_t top_k, int64_t num_tokens,
+                            const uint32_t *seq_hist, const int64_t *expert_load,
+                            rp_stats **out, rp_error *err)
+{
+    dense_rows d = {seq_hist, (size_t)(num_layers > 0 ? num_layers : 0) * (size_t)(num_experts > 0 ? num_experts : 0)};
+    return stats_from_rows(ctx, num_seqs, num_layers, num_experts, top_k, num_tokens, dense_row, &d, expert_load,
+                           out, err);
 }
 
 bool stats_same(const rp_stats *a, const rp_stats *b)

@@ -17,6 +17,15 @@ rp_status stats_from_counts(rp_context *ctx, int32_t num_seqs, int32_t num_layer
                             const uint32_t *seq_hist, const int64_t *expert_load,
                             rp_stats **out, rp_error *err);
 
+/* The same from one sequence at a time: row(ud, s, counts) writes sequence s's
+ * [num_layers][num_experts] counts into `counts` (it is called once or twice per
+ * sequence, with the same result each time), so a caller holding sparse counts (the
+ * checkpoint loader) never builds the dense num_seqs x layers x experts array. */
+typedef void (*stats_row_fn)(void *ud, int32_t seq, uint32_t *counts);
+rp_status stats_from_rows(rp_context *ctx, int32_t num_seqs, int32_t num_layers, int32_t num_experts,
+                          int32_t top_k, int64_t num_tokens, stats_row_fn row, void *ud,
+                          const int64_t *expert_load, rp_stats **out, rp_error *err);
+
 /* True when a and b hold the same statistics in the same storage: every count, width,
  * offset, load and size. */
 bool stats_same(const rp_stats *a, const rp_stats *b);

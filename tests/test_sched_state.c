@@ -277,6 +277,129 @@ static const char *edit(const char *text, const char *from, const char *to)
     return buf;
 }
 
+/* text with the `nth` (0-based) occurrence of `from` cut out, from its start up to
+ * (not including) the next occurrence of `upto` after it (static buffer). */
+static const char *cut(const char *text, const char *from, int nth, const char *upto)
+{
+    static char *buf;
+    free(buf);
+    buf = NULL;
+    const char *at = strstr(text, from);
+    for (int i = 0; at && i < nth; i++) at = strstr(at + 1, from);
+    const char *end = at ? strstr(at + strlen(from), upto) : NULL;
+    if (!at || !end) {
+        diag("cut: '%s' #%d .. '%s' not in the state", from, nth, upto);
+        return text;
+    }
+    buf = malloc(strlen(text) + 1);
+    memcpy(buf, text, (size_t)(at - text));
+    strcpy(buf + (at - text), end);
+    return buf;
+}
+
+/* The first seq_hist quadruple of the state, as text ("0,0,3,7"). */
+static const char *first_quad(const char *text)
+{
+    static char quad[128];
+    const char *at = strstr(text, "\"seq_hist\":[");
+    if (!at) return "";
+    at += strlen("\"seq_hist\":[");
+    const char *p = at;
+    for (int commas = 0; *p && commas < 4; p++)
+        if (*p == ',') commas++;
+    snprintf(quad, sizeof quad, "%.*s", (int)(p - at), at); /* "s,l,e,c," */
+    return quad;
+}
+
+/* Loading is as strict as writing: every key the writer writes is required, every
+ * invariant it keeps is checked, and what loads saves again as the same document, so a
+ * resumed scheduler can always checkpoint and resume again. */
+static void test_strict(rp_sched *b, const char *good, const char *atext)
+{
+    static const char *const batch_keys[] = {"\"prompt_lens\"", "\"response_lens\"", "\"group_ids\"",
+                                             "\"expert_load\"", "\"seq_hist\""};
+    char label[128];
+    const char *lb = strstr(atext, "\"last_batch\":{");
+    for (int i = 0; i < 5 && lb; i++) {
+        /* the key with its value, up to the next key of last_batch (or the end) */
+        const char *k = strstr(lb, batch_keys[i]);
+        const char *next = i < 4 ? strstr(k, batch_keys[i + 1]) : NULL;
+        char *t = NULL;
+        if (k && (i < 4 ? next != NULL : true)) {
+            size_t pre = (size_t)(k - atext);
+            const char *rest = i < 4 ? next : strstr(k, "]}") + 1;
+            t = malloc(strlen(atext) + 1);
+            memcpy(t, atext, pre);
+            strcpy(t + pre, rest);
+            if (i == 4) t[pre - 1] = ' '; /* the comma before the last key */
+        }
+        snprintf(label, sizeof label, "last_batch without %s", batch_keys[i]);
+        char want[96];
+        snprintf(want, sizeof want, "last_batch.%.*s is required", (int)strlen(batch_keys[i]) - 2, batch_keys[i] + 1);
+        if (t) refused(b, good, t, strlen(t), RP_EINVAL, want, label);
+        else ok(0, "%s: setup", label);
+        free(t);
+    }
+    const char *t = cut(atext, "\"expert_load\":[", 0, "]}");
+    t = edit(t, "\"step\":0,]}", "\"step\":0}");
+    refused(b, good, t, strlen(t), RP_EINVAL, "history[0].expert_load is required", "a history entry without loads");
+
+    /* seq_hist: a duplicate, the order, counts that do not add up */
+    char from[256], to[512];
+    const char *q = first_quad(atext);
+    snprintf(from, sizeof from, "\"seq_hist\":[%s", q);
+    snprintf(to, sizeof to, "\"seq_hist\":[%s%s", q, q);
+    t = edit(atext, from, to);
+    /* twice the same quadruple: the counts no longer add up either, but the duplicate is named */
+    refused(b, good, t, strlen(t), RP_EFORMAT, "is listed twice", "a duplicate seq_hist quadruple");
+    int s0, l0, e0;
+    unsigned c0;
+    if (sscanf(q, "%d,%d,%d,%u", &s0, &l0, &e0, &c0) == 4) {
+        snprintf(to, sizeof to, "\"seq_hist\":[%d,%d,%d,%u,", s0, l0, e0, c0 + 1);
+        t = edit(atext, from, to);
+        refused(b, good, t, strlen(t), RP_EFORMAT, "choices for sequence 0 at layer 0", "a count that does not add up");
+        snprintf(to, sizeof to, "\"seq_hist\":[%d,%d,%d,%u,%d,%d,%d,%u,", s0, l0 + 1, e0, c0, s0, l0, e0, c0);
+        t = edit(atext, from, to);
+        refused(b, good, t, strlen(t), RP_EFORMAT, "comes after a later one", "quadruples out of order");
+    } else {
+        ok(0, "the first quadruple parses: %s", q);
+    }
+    /* the last batch's loads moved: an expert's load other than its counts */
+    const char *el = strstr(strstr(atext, "\"last_batch\":{"), "\"expert_load\":[");
+    if (el) {
+        long v0 = strtol(el + strlen("\"expert_load\":["), NULL, 10);
+        snprintf(from, sizeof from, "\"expert_load\":[%ld,", v0);
+        const char *in_batch = strstr(strstr(atext, "\"last_batch\":{"), from);
+        char *u = malloc(strlen(atext) + 32);
+        size_t pre = (size_t)(in_batch - atext);
+        memcpy(u, atext, pre);
+        sprintf(u + pre, "\"expert_load\":[%ld,%s", v0 + 1, in_batch + strlen(from));
+        refused(b, good, u, strlen(u), RP_EFORMAT, "last_batch.expert_load", "a last-batch load other than its counts");
+        free(u);
+    }
+
+    /* every key is written, so every key is required */
+    t = edit(atext, "\"staged\":null,", "");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "staged is required", "a state without 'staged'");
+    t = edit(atext, "\"plan_hash\":", "\"x\":0,\"plan_hash\":");
+    refused(b, good, t, strlen(t), RP_EINVAL, "unknown key 'x'", "an unknown key");
+
+    /* the history ends with the last step */
+    t = edit(atext, "\"last_step\":2", "\"last_step\":7");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "must end with the last step (7)", "a last step the history lacks");
+
+    /* what the writer would not write: found by the round trip */
+    t = edit(atext, "[\"n\",3.0]", "[\"n\",3]");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "is 3, but what the state holds saves as 3.0", "an integer in ctx.state");
+    t = edit(atext, "[\"n\",3.0]", "[\"n\",3.0],[\"n\",3.0]");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "saves as", "a duplicate ctx.state key");
+    t = edit(atext, "[\"n\",3.0]", "[{\"bytes\":\"6e\"},3.0]");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "saves as", "hex bytes for a plain string key");
+    t = edit(atext, "\"name\":\"stateful\"", "\"name\":\"another\"");
+    refused(b, good, t, strlen(t), RP_EFORMAT, "running.name is \"another\", but what the state holds saves as "
+            "\"stateful\"", "a policy set named other than its policies");
+}
+
 static void test_bad_state(void)
 {
     const char *path = policy_file("stateful_bad", STATEFUL);
@@ -321,6 +444,7 @@ static void test_bad_state(void)
     /* rejected in the middle of rebuilding (after the running policy was loaded) */
     t = edit(atext, "\"history\":[{\"step\":", "\"history\":[{\"step\":\"zero\",\"x\":");
     refused(b, good, t, strlen(t), RP_EINVAL, "history[0]", "a bad history entry, after the policies were rebuilt");
+    test_strict(b, good, atext);
     ok(step(b, 2) != NULL, "the scheduler still steps after every refusal");
 
     rp_sched *h = make(path, 2, 7);

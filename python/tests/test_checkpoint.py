@@ -56,3 +56,41 @@ def test_bad_state_is_refused_and_changes_nothing(small_trace):
         with pytest.raises(routepack.Error):
             s.load_state_dict(dict(good, state='{"not": "a state"}'))
         assert s.state_dict() == good
+
+
+@pytest.mark.parametrize("where, key", [("last_batch", "response_lens"), ("last_batch", "group_ids"),
+                                        ("last_batch", "expert_load"), ("last_batch", "seq_hist"),
+                                        ("history", "expert_load")])
+def test_state_missing_a_field_is_refused(small_trace, where, key):
+    # these crashed the process (a NULL dereference in the loader)
+    with routepack.Scheduler(SMALL_CONFIG) as s:
+        for i, lens, routing in steps(small_trace, 2):
+            s.step(lens, routing)
+        good = s.state_dict()
+        doc = json.loads(good["state"])
+        part = doc[where][-1] if where == "history" else doc[where]
+        del part[key]
+        with pytest.raises(routepack.Error, match="%s.*is required" % key):
+            s.load_state_dict(dict(good, state=json.dumps(doc)))
+        assert s.state_dict() == good
+
+
+def test_duplicate_seq_hist_is_refused_and_a_resumed_run_resumes_again(small_trace):
+    with routepack.Scheduler(SMALL_CONFIG) as s:
+        for i, lens, routing in steps(small_trace, 2):
+            s.step(lens, routing)
+        good = s.state_dict()
+        doc = json.loads(good["state"])
+        doc["last_batch"]["seq_hist"][4:4] = doc["last_batch"]["seq_hist"][:4]
+        with pytest.raises(routepack.FormatError, match="listed twice"):
+            s.load_state_dict(dict(good, state=json.dumps(doc)))
+    # the state as written (reformatted by Python's json) loads, and saves as the same bytes
+    resumed = routepack.Scheduler(SMALL_CONFIG)
+    resumed.load_state_dict(dict(good, state=json.dumps(json.loads(good["state"]), indent=1)))
+    again = resumed.state_dict()
+    assert again["state"] == good["state"]
+    other = routepack.Scheduler(SMALL_CONFIG)
+    other.load_state_dict(again)
+    assert other.state_dict()["state"] == good["state"]
+    resumed.close()
+    other.close()
