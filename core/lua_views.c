@@ -219,14 +219,25 @@ static int view_newindex(lua_State *L)
     return rp_lua_error(L, "%s is read-only", v->name);
 }
 
+/* The key comes from the policy, so any number can arrive: the next id is computed in
+ * doubles and checked against the view's range before it becomes an index (a key of
+ * 2^31 - 1 plus one overflowed int32, a key of 2^32 wrapped to 0). */
 static int view_next(lua_State *L)
 {
     view *v = check_view(L, 1);
-    int32_t i = lua_isnil(L, 2) ? 0 : (int32_t)lua_tointeger(L, 2) + 1;
-    if (i < 0 || i >= v->n) {
+    double next = 0;
+    if (!lua_isnil(L, 2)) {
+        if (lua_type(L, 2) != LUA_TNUMBER)
+            return rp_lua_error(L, "%s: the key after which to iterate must be an id, got %s", v->name,
+                                luaL_typename(L, 2));
+        double k = lua_tonumber(L, 2);
+        next = k == floor(k) ? k + 1 : -1; /* NaN and fractions end the iteration */
+    }
+    if (!(next >= 0 && next < (double)v->n)) {
         lua_pushnil(L);
         return 1;
     }
+    int32_t i = (int32_t)next;
     lua_pushinteger(L, i);
     lua_pushnumber(L, view_at(v, i));
     return 2;

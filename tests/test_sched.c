@@ -507,6 +507,18 @@ static void test_views(void)
     like(probe("ctx.stats.expert_load(16)"), "ctx.stats.expert_load: layer must be within 0..15, got 16",
          "a layer out of range is an error naming it");
     like(probe("ctx.stats.seq_hist(64, 0)"), "sequence must be within 0..63", "a sequence out of range is an error");
+    /* the iterator of pairs(view) called with any key: no index arithmetic overflows
+     * (2^31 - 1 + 1 aborted the sanitized build) and no key wraps into the range */
+    is_str(probe("local f, v = pairs(ctx.batch.seq_len)\n"
+                 "for _, k in ipairs({2^31 - 1, 2^31, 2^32, 2^32 + 1, 2^53, 2^63, 1e300, -2^31, -2^31 - 1, -2, -1e300,\n"
+                 "                    1 / 0, -1 / 0, 0 / 0, 63, 64, 0.5, -0.5}) do\n"
+                 "  local i, x = f(v, k)\n"
+                 "  assert(i == nil and x == nil, 'key ' .. tostring(k) .. ' gave ' .. tostring(i))\n"
+                 "end\n"
+                 "local i, x = f(v, -1) assert(i == 0 and x == ctx.batch.seq_len[0])\n"
+                 "i = f(v, 62) assert(i == 63)\n"
+                 "assert(not pcall(f, v, 'x'))"),
+           "", "the view iterator answers nil for every key past the end, huge, negative or not an integer");
     is_str(probe("ctx.params.x = 1 ctx.topology = nil ctx.state.n = (ctx.state.n or 0) + 1"), "",
            "the ctx table itself is the policy's to scribble on");
 }
