@@ -62,6 +62,11 @@ rp_lua_host *rp_lua_host_of(lua_State *L)
 
 void rp_lua_host_bind(rp_lua_host *host, const rp_lua_frame *frame)
 {
+    if (!frame && host->log_dropped > 0)
+        rp_log(host->ctx, RP_LOG_WARN,
+               "policy '%s': %lld log records dropped in this call (a call may log %d records or %lld bytes)",
+               host->policy_name, (long long)host->log_dropped, RP_LUA_LOG_RECORDS, (long long)RP_LUA_LOG_BYTES);
+    host->log_records = host->log_bytes = host->log_dropped = 0;
     host->frame = frame;
     host->generation++;
 }
@@ -998,12 +1003,39 @@ static int l_joint(lua_State *L)
 
 /* ---- diagnostics -------------------------------------------------------------------- */
 
-/* rp.log(...): strings and numbers joined by spaces, to the context's log at INFO. */
+/* Append `len` bytes of `s` to msg[*used], control characters escaped (\n, \t, \r,
+ * \\, \xHH): a policy's text can never start a log line of its own. Returns false
+ * when msg is full. */
+static bool append_escaped(char *msg, size_t cap, size_t *used, const char *s, size_t len)
+{
+    static const char hex[] = "0123456789abcdef";
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)s[i];
+        char esc[4];
+        size_t n = 0;
+        if (c == '\n') esc[n++] = '\\', esc[n++] = 'n';
+        else if (c == '\t') esc[n++] = '\\', esc[n++] = 't';
+        else if (c == '\r') esc[n++] = '\\', esc[n++] = 'r';
+        else if (c == '\\') esc[n++] = '\\', esc[n++] = '\\';
+        else if (c < 0x20 || c == 0x7f) esc[n++] = '\\', esc[n++] = 'x', esc[n++] = hex[c >> 4], esc[n++] = hex[c & 15];
+        else esc[n++] = (char)c;
+        if (*used + n >= cap) return false;
+        memcpy(msg + *used, esc, n);
+        *used += n;
+    }
+    return true;
+}
+
+/* rp.log(...): strings and numbers joined by spaces, to the context's log at INFO, with
+ * control characters escaped; at most RP_LUA_LOG_RECORDS records and RP_LUA_LOG_BYTES
+ * bytes a call, the rest counted and reported once when the call ends. */
 static int l_log(lua_State *L)
 {
     rp_lua_host *h = rp_lua_host_of(L);
-    char msg[1024];
-    size_t used = 0;
+    char msg[900]; /* rp_log's 1024 bytes hold it after "policy '<name>': " */
+    static const char cut[] = " [cut]";
+    size_t used = 0, room = sizeof msg - sizeof cut;
+    bool full = false;
     int n = lua_gettop(L);
     for (int i = 1; i <= n; i++) {
         int t = lua_type(L, i);
@@ -1016,12 +1048,20 @@ static int l_log(lua_State *L)
         else if (t == LUA_TNIL) s = "nil", len = 3;
         else s = lua_tolstring(L, i, &len); /* numbers convert on the stack copy below */
         rp_lua_charge(L, (int64_t)len);
-        if (used < sizeof msg - 1) {
-            int w = snprintf(msg + used, sizeof msg - used, "%s%.*s", i > 1 ? " " : "", (int)len, s);
-            if (w > 0) used += (size_t)w < sizeof msg - used ? (size_t)w : sizeof msg - 1 - used;
-        }
+        if (!full && i > 1) full = !append_escaped(msg, room, &used, " ", 1);
+        if (!full) full = !append_escaped(msg, room, &used, s, len);
     }
-    msg[used < sizeof msg ? used : sizeof msg - 1] = '\0';
+    if (full) {
+        memcpy(msg + used, cut, sizeof cut - 1);
+        used += sizeof cut - 1;
+    }
+    msg[used] = '\0';
+    if (h->log_records >= RP_LUA_LOG_RECORDS || h->log_bytes + (int64_t)used > RP_LUA_LOG_BYTES) {
+        h->log_dropped++;
+        return 0;
+    }
+    h->log_records++;
+    h->log_bytes += (int64_t)used;
     rp_log(h->ctx, RP_LOG_INFO, "policy '%s': %s", h->policy_name, msg);
     return 0;
 }

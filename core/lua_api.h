@@ -48,7 +48,16 @@ typedef struct rp_lua_host {
     int engine_ref;              /* registry: the engine's trampoline (rp_lua_host_init) */
     uint64_t generation;         /* of the running call; views of other calls are dead */
     const rp_lua_frame *frame;   /* the running call's; NULL outside calls */
+    /* rp.log in the running call: records and bytes sent, records dropped past the
+     * per-call limits (RP_LUA_LOG_RECORDS, RP_LUA_LOG_BYTES) */
+    int64_t log_records, log_bytes, log_dropped;
 } rp_lua_host;
+
+/* What rp.log may send to the context's log in one call (one step of one policy): a
+ * policy that logs in a loop cannot flood the trainer's log. Past either limit records
+ * are counted, not sent, and one line at the end of the call says how many. */
+#define RP_LUA_LOG_RECORDS 100
+#define RP_LUA_LOG_BYTES ((int64_t)64 << 10)
 
 /* Prepare `host` for sandbox `sb` and fill its `rp` table (inside a protected call).
  * `engine` is kept in the registry (host->engine_ref), so that the engine can call it
@@ -60,7 +69,8 @@ rp_status rp_lua_host_init(rp_lua_host *host, rp_context *ctx, const rp_config *
 /* Free what the host holds (after rp_sandbox_free). */
 void rp_lua_host_release(rp_lua_host *host);
 
-/* Make `frame` the running call's and start a new generation; NULL ends it. */
+/* Make `frame` the running call's and start a new generation; NULL ends it (and
+ * reports the log records the call dropped, if any). */
 void rp_lua_host_bind(rp_lua_host *host, const rp_lua_frame *frame);
 
 /* ---- inside a call (these raise Lua errors) ---- */

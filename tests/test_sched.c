@@ -608,6 +608,54 @@ static void test_rp_api(void)
          "a primitive whose work exceeds the budget is stopped before it runs");
 }
 
+/* ---- rp.log: bounded and escaped ------------------------------------------------------ */
+
+typedef struct log_capture {
+    int records, warnings, with_newline;
+    long bytes;
+    char first[1100], last_warning[1100];
+} log_capture;
+
+static void capture_log(void *ud, rp_log_level level, const char *message)
+{
+    log_capture *c = ud;
+    if (strchr(message, '\n') || strchr(message, '\r')) c->with_newline++;
+    if (level == RP_LOG_WARN) {
+        c->warnings++;
+        snprintf(c->last_warning, sizeof c->last_warning, "%s", message);
+        return;
+    }
+    if (!strstr(message, "policy 'probe'")) return;
+    if (c->records++ == 0) snprintf(c->first, sizeof c->first, "%s", message);
+    c->bytes += (long)strlen(message);
+}
+
+static void test_log_limits(void)
+{
+    log_capture c;
+    memset(&c, 0, sizeof c);
+    rp_context_set_log(ctx, capture_log, &c, RP_LOG_INFO);
+    is_str(probe("for i = 1, 10000 do rp.log('line', i, '\\nINFO forged by the policy\\r\\0\\\\n' .. string.rep('x', 200)) end"),
+           "", "a policy logging 10000 records in a step runs to its end");
+    rp_context_set_log(ctx, NULL, NULL, RP_LOG_INFO);
+    ok(c.records <= 100 && c.records > 0 && c.bytes <= (64 << 10) + 100 * 32,
+       "at most 100 records and 64 KiB of them reach the log in one step (got %d records, %ld bytes)", c.records,
+       c.bytes);
+    ok(c.warnings == 1 && strstr(c.last_warning, "log records dropped in this call") &&
+           strstr(c.last_warning, "policy 'probe': 99"),
+       "one warning says how many were dropped");
+    if (c.warnings) diag("%s", c.last_warning);
+    ok(c.with_newline == 0, "no record carries a newline or carriage return");
+    like(c.first, "policy 'probe': line 1 \\nINFO forged by the policy\\r\\x00\\\\n",
+         "control characters and backslashes are escaped");
+
+    memset(&c, 0, sizeof c);
+    rp_context_set_log(ctx, capture_log, &c, RP_LOG_INFO);
+    is_str(probe("rp.log(string.rep('y', 100000))"), "", "one long record");
+    rp_context_set_log(ctx, NULL, NULL, RP_LOG_INFO);
+    ok(c.records == 1 && strstr(c.first, "yyy [cut]") && c.warnings == 0, "a long record is cut and says so");
+}
+
 /* The default instruction budget grows with the batch (16 full evaluations of the cost
  * model), so that a policy leaning on C primitives is not stopped on a large batch; an
  * explicit limit is kept as given. */
@@ -816,6 +864,7 @@ int main(void)
     test_views();
     test_plan_userdata();
     test_rp_api();
+    test_log_limits();
     test_history();
     test_instruction_budget();
     test_errors();
