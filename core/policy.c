@@ -6,6 +6,8 @@
 #include <lauxlib.h>
 
 #include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -643,6 +645,9 @@ rp_status rp_policy_load(rp_context *ctx, const rp_config *cfg, const char *sour
 {
     if (!ctx || !cfg || (!source && len) || !out)
         return rp_fail(err, RP_EINVAL, "policy: context, config, source and output are required");
+    if (len > RP_POLICY_MAX_BYTES)
+        return rp_fail(err, RP_ERANGE, "policy %s%s%sis %zu bytes of source; a policy may be at most %zu bytes",
+                       path ? "'" : "", path ? path : "", path ? "' " : "", len, RP_POLICY_MAX_BYTES);
     rp_policy *pol = rp_calloc(ctx, 1, sizeof *pol);
     if (!pol) return rp_fail_nomem(err, "a policy");
     pol->ctx = ctx;
@@ -783,6 +788,74 @@ rp_status rp_policy_plan(rp_policy *pol, const rp_lua_frame *frame, int32_t num_
     return code;
 }
 
+/* ---- reading policy files ------------------------------------------------------------ */
+
+static const char *file_kind(mode_t mode)
+{
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "not a regular file";
+}
+
+/* Read a policy file whole: opened without blocking (a FIFO with no writer would block
+ * open() for ever), checked to be a regular file of at most RP_POLICY_MAX_BYTES before
+ * anything is allocated, and read up to one byte past its size so that a file that
+ * grows meanwhile is still capped. */
+static rp_status read_policy_file(rp_context *ctx, const char *path, char **text, size_t *len, rp_error *err)
+{
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return rp_fail(err, RP_EIO, "policy file '%s': cannot open: %s", path, strerror(errno));
+    rp_status st = RP_OK;
+    char *buf = NULL;
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        st = rp_fail(err, RP_EIO, "policy file '%s': cannot stat: %s", path, strerror(errno));
+        goto out;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        st = rp_fail(err, RP_EIO, "policy file '%s' is %s; a policy is read from a regular .lua file", path,
+                     file_kind(sb.st_mode));
+        goto out;
+    }
+    if (sb.st_size < 0 || (uint64_t)sb.st_size > RP_POLICY_MAX_BYTES) {
+        st = rp_fail(err, RP_ERANGE, "policy file '%s' is %lld bytes; a policy file may be at most %zu bytes", path,
+                     (long long)sb.st_size, RP_POLICY_MAX_BYTES);
+        goto out;
+    }
+    size_t want = (size_t)sb.st_size + 1, got = 0;
+    buf = rp_alloc(ctx, want + 1);
+    if (!buf) {
+        st = rp_fail_nomem(err, path);
+        goto out;
+    }
+    while (got < want) {
+        ssize_t n = read(fd, buf + got, want - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            st = rp_fail(err, RP_EIO, "policy file '%s': read error: %s", path, strerror(errno));
+            goto out;
+        }
+        if (n == 0) break;
+        got += (size_t)n;
+    }
+    if (got > (size_t)sb.st_size) {
+        st = rp_fail(err, RP_EIO, "policy file '%s' grew while it was read (from %lld bytes); read it again", path,
+                     (long long)sb.st_size);
+        goto out;
+    }
+    buf[got] = '\0';
+    *text = buf;
+    *len = got;
+    buf = NULL;
+out:
+    rp_free(ctx, buf);
+    close(fd);
+    return st;
+}
+
 /* ---- finding policies --------------------------------------------------------------- */
 
 static char *join_path(rp_context *ctx, const char *dir, const char *name, const char *suffix)
@@ -875,6 +948,13 @@ rp_status rp_policy_resolve(rp_context *ctx, const rp_config *cfg, const char *n
     char *p = name_or_path[0] != '/' && base_dir && *base_dir ? join_path(ctx, base_dir, name_or_path, "")
                                                                : rp_strdup(ctx, name_or_path);
     if (!p) return rp_fail_nomem(err, "a policy path");
+    struct stat sb;
+    if (stat(p, &sb) == 0 && !S_ISREG(sb.st_mode)) {
+        rp_status st = rp_fail(err, RP_EIO, "policy file '%s' is %s; a policy is read from a regular .lua file", p,
+                               file_kind(sb.st_mode));
+        rp_free(ctx, p);
+        return st;
+    }
     if (!is_file(p)) {
         rp_status st = rp_fail(err, RP_EIO, "policy file '%s' not found (a policy is a name like 'routepack' or a path to a .lua file)", p);
         rp_free(ctx, p);
@@ -892,7 +972,7 @@ rp_status rp_policy_open(rp_context *ctx, const rp_config *cfg, const char *name
     size_t len = 0;
     rp_status st;
     RP_CHECK_GOTO(rp_policy_resolve(ctx, cfg, name_or_path, base_dir, &path, err), st, out);
-    RP_CHECK_GOTO(rp_read_file(ctx, path, &text, &len, err), st, out);
+    RP_CHECK_GOTO(read_policy_file(ctx, path, &text, &len, err), st, out);
     st = rp_policy_load(ctx, cfg, text, len, path, limits, params_json, false, out, err);
 out:
     rp_free(ctx, text);
@@ -964,7 +1044,7 @@ static bool list_dir(void *ud, const char *dir)
         size_t len = 0;
         rp_policy *pol = NULL;
         rp_error e2;
-        if (path && rp_read_file(j->ctx, path, &text, &len, &e2) == RP_OK &&
+        if (path && read_policy_file(j->ctx, path, &text, &len, &e2) == RP_OK &&
             rp_policy_load(j->ctx, j->cfg, text, len, path, NULL, NULL, true, &pol, &e2) == RP_OK) {
             if (j->count == j->cap) {
                 int32_t nc = j->cap ? j->cap * 2 : 16;

@@ -45,6 +45,10 @@ typedef struct rp_policy {
     size_t source_len;
 } rp_policy;
 
+/* The longest policy source accepted (shipped policies are under 5 KiB): a larger file
+ * or text is refused before anything is read or allocated for it. */
+#define RP_POLICY_MAX_BYTES ((size_t)1 << 20)
+
 /* Load a policy from source text into a fresh sandbox: run the chunk, check its metadata
  * (messages name the field: "policy.lua: 'version' must be a string like \"1.2.0\", got
  * number"), check that it targets RP_POLICY_API (unless `any_api`), read its params and
@@ -63,7 +67,9 @@ rp_status rp_policy_load(rp_context *ctx, const rp_config *cfg, const char *sour
 rp_status rp_policy_resolve(rp_context *ctx, const rp_config *cfg, const char *name_or_path,
                             const char *base_dir, char **path, rp_error *err);
 
-/* Resolve, read and load (rp_policy_load) in one go. */
+/* Resolve, read and load (rp_policy_load) in one go. The file must be a regular file
+ * (checked without blocking: a FIFO is refused, not waited on) of at most
+ * RP_POLICY_MAX_BYTES. */
 rp_status rp_policy_open(rp_context *ctx, const rp_config *cfg, const char *name_or_path,
                          const char *base_dir, const rp_sandbox_limits *limits,
                          const char *params_json, rp_policy **out, rp_error *err);

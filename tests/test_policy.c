@@ -3,7 +3,9 @@
  * by name on the search path and RP_POLICY_PATH, listing and describing policies. */
 #include "sched_internal.h"
 #include "tap.h"
+#include "test_util.h"
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -442,6 +444,124 @@ static void test_shipped_load(void)
     }
 }
 
+/* ---- policy files that are not small regular files ---------------------------------- */
+
+static void on_alarm(int sig)
+{
+    (void)sig;
+    static const char msg[] = "Bail out! reading a policy file hung (a FIFO?)\n";
+    ssize_t w = write(STDOUT_FILENO, msg, sizeof msg - 1);
+    (void)w;
+    _exit(1);
+}
+
+static void sparse_file(const char *path, off_t size)
+{
+    FILE *f = fopen(path, "w");
+    if (f) {
+        fputs("return {}", f);
+        fclose(f);
+    }
+    if (truncate(path, size) != 0) diag("truncate %s failed", path);
+}
+
+static int warnings_seen;
+static char warnings[4096];
+static void collect_warning(void *ud, rp_log_level level, const char *message)
+{
+    (void)ud;
+    if (level != RP_LOG_WARN) return;
+    warnings_seen++;
+    size_t used = strlen(warnings);
+    snprintf(warnings + used, sizeof warnings - used, "%s\n", message);
+}
+
+static void test_policy_files(void)
+{
+    signal(SIGALRM, on_alarm);
+    alarm(60);
+    char dir[300], path[512];
+    snprintf(dir, sizeof dir, "%s/files", tmp);
+    mkdir(dir, 0700);
+    snprintf(path, sizeof path, "%s/good.lua", dir);
+    write_file(path, "return {name = 'good', version = '1.0.0', api = 1, description = 'fine', " PLAN "}\n");
+    char fifo[512], huge[512], over[512], at_cap[512];
+    snprintf(fifo, sizeof fifo, "%s/fifo.lua", dir);
+    bool have_fifo = mkfifo(fifo, 0600) == 0;
+    snprintf(huge, sizeof huge, "%s/huge.lua", dir);
+    sparse_file(huge, (off_t)1 << 30);
+    snprintf(over, sizeof over, "%s/over.lua", dir);
+    sparse_file(over, (off_t)RP_POLICY_MAX_BYTES + 1);
+    snprintf(at_cap, sizeof at_cap, "%s/at_cap.lua", tmp);
+    sparse_file(at_cap, (off_t)RP_POLICY_MAX_BYTES);
+
+    /* a context that counts its memory: nothing near the file's size is allocated */
+    counting c;
+    memset(&c, 0, sizeof c);
+    rp_context *cc = NULL;
+    rp_context_new(counting_alloc, &c, &cc);
+    rp_context_set_log(cc, collect_warning, NULL, RP_LOG_WARN);
+    rp_error err;
+    rp_policy *pol = NULL;
+    c.peak = c.live;
+    rp_status st = rp_policy_open(cc, cfg, huge, NULL, NULL, NULL, &pol, &err);
+    ok(st == RP_ERANGE && strstr(err.text, "huge.lua' is 1073741824 bytes; a policy file may be at most 1048576 bytes"),
+       "a 1 GiB policy file is refused by its size");
+    if (st != RP_ERANGE) diag("%s", err.text);
+    ok(c.peak - c.live < 64 << 10, "before anything is read (peak %ld bytes above the start)", c.peak - c.live);
+    rp_policy_free(pol);
+    pol = NULL;
+    st = rp_policy_open(cc, cfg, over, NULL, NULL, NULL, &pol, &err);
+    ok(st == RP_ERANGE && strstr(err.text, "is 1048577 bytes"), "one byte over the cap is refused");
+    rp_policy_free(pol);
+    pol = NULL;
+    st = rp_policy_open(cc, cfg, at_cap, NULL, NULL, NULL, &pol, &err);
+    ok(st == RP_EPOLICY, "a file at the cap is read and compiled (its NUL bytes are a syntax error: %s)", err.text);
+    rp_policy_free(pol);
+    pol = NULL;
+    char *text = calloc(1, RP_POLICY_MAX_BYTES + 2);
+    memset(text, ' ', RP_POLICY_MAX_BYTES + 1);
+    st = rp_policy_load(cc, cfg, text, RP_POLICY_MAX_BYTES + 1, "inline.lua", NULL, NULL, false, &pol, &err);
+    ok(st == RP_ERANGE && strstr(err.text, "policy 'inline.lua' is 1048577 bytes of source; a policy may be at most"),
+       "source text over the cap is refused too (staged or from a checkpoint)");
+    free(text);
+    rp_policy_free(pol);
+    pol = NULL;
+    if (have_fifo) {
+        st = rp_policy_open(cc, cfg, fifo, NULL, NULL, NULL, &pol, &err);
+        ok(st == RP_EIO && strstr(err.text, "fifo.lua' is a FIFO; a policy is read from a regular .lua file"),
+           "a FIFO is not opened as a policy: %s", err.text);
+        rp_policy_free(pol);
+        pol = NULL;
+    } else {
+        skip(1, "mkfifo failed");
+    }
+
+    /* the listing skips each of them with a warning, without hanging or reading them */
+    setenv("RP_POLICY_PATH", dir, 1);
+    rp_policy_info *infos = NULL;
+    int32_t count = 0;
+    c.peak = c.live;
+    st = rp_policy_list(cc, cfg, &infos, &count, &err);
+    bool good = false;
+    for (int32_t i = 0; st == RP_OK && i < count; i++) good |= strcmp(infos[i].name, "good") == 0;
+    ok(st == RP_OK && good, "the listing still lists the good policy");
+    ok(c.peak - c.live < 32 << 20, "and reads none of the big files (peak %ld bytes above the start)", c.peak - c.live);
+    ok(strstr(warnings, "huge.lua' is 1073741824 bytes") && strstr(warnings, "over.lua' is 1048577 bytes"),
+       "it warns about each big file by size");
+    if (have_fifo) ok(strstr(warnings, "fifo.lua' is a FIFO; a policy is read from a regular .lua file") != NULL,
+                      "and about the FIFO, which it does not wait on");
+    else skip(1, "mkfifo failed");
+    if (!strstr(warnings, "FIFO")) diag("%s", warnings);
+    unsetenv("RP_POLICY_PATH");
+    rp_text_free(cc, (char *)infos);
+    rp_context_free(cc);
+    alarm(0);
+    unlink(huge);
+    unlink(over);
+    unlink(at_cap);
+}
+
 int main(void)
 {
     rp_error err;
@@ -461,6 +581,7 @@ int main(void)
     test_params_reach_ctx();
     test_search_path();
     test_shipped_load();
+    test_policy_files();
     rp_policy_free(last);
     rp_config_free(cfg);
     rp_context_free(ctx);
