@@ -1,6 +1,7 @@
 /* Baseline plans as users run them today: verl's Karmarkar-Karp packing and contiguous
  * or EPLB placement, from the primitives (docs/baselines.md: where each differs). */
 #include "internal.h"
+#include "limits_internal.h"
 #include "routepack/baseline.h"
 #include "routepack/primitives.h"
 
@@ -65,20 +66,6 @@ typedef struct packing_out {
     int32_t *seqs;   /* [n]: the lists, rank-major, microbatch order */
 } packing_out;
 
-/* The largest token count t with t <= token cap and t * bytes_per_token <= memory cap. */
-static int64_t cap_tokens(const rp_limits *lim)
-{
-    int64_t cap = lim->max_tokens_per_microbatch;
-    if (lim->max_activation_bytes > 0 && lim->activation_bytes_per_token > 0) {
-        double t = floor(lim->max_activation_bytes / lim->activation_bytes_per_token);
-        int64_t mem = t >= (double)INT64_MAX ? INT64_MAX : (int64_t)t;
-        while (mem > 0 && (double)mem * lim->activation_bytes_per_token > lim->max_activation_bytes) mem--;
-        while ((double)(mem + 1) * lim->activation_bytes_per_token <= lim->max_activation_bytes && mem < cap) mem++;
-        if (mem < cap) cap = mem;
-    }
-    return cap;
-}
-
 /* verl's two levels: DP balancing (_balance_batch: KK with equal sizes over the ranks)
  * then, per rank, dynamic batch size (rearrange_micro_batches: KK over microbatches,
  * their count the largest over ranks of ceil(tokens / cap)). */
@@ -87,7 +74,7 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
 {
     const rp_topology *t = rp_config_topology(cfg);
     const int32_t G = t->num_gpus, n = rp_batch_num_seqs(batch);
-    const int64_t cap = cap_tokens(rp_config_limits(cfg));
+    const int64_t cap = rp_limits_token_cap(rp_config_limits(cfg));
     /* verl needs the batch to divide over the ranks; pad with weightless dummies. */
     const int32_t per_rank = (int32_t)(((int64_t)n + G - 1) / G);
     int64_t n_pad64 = (int64_t)per_rank * G;
@@ -107,17 +94,8 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
     int32_t *dp_part = ibuf, *local = dp_part + n_pad, *begin = local + n_pad, /* [G + 1] */
         *mpart = begin + G + 1, *order = mpart + n_pad, *tmp = order + n_pad;
 
-    for (int32_t s = 0; s < n; s++) {
-        int64_t len = rp_batch_seq_len(batch, s);
-        if (len > cap) {
-            rp_fail(err, RP_ERANGE, "baseline: sequence %d has %lld tokens, longer than the microbatch cap of %lld",
-                    s, (long long)len, (long long)cap);
-            if (err) err->sequence = s;
-            st = RP_ERANGE;
-            goto out;
-        }
-        key_pad[s] = key[s];
-    }
+    if ((st = rp_limits_check_batch(rp_config_limits(cfg), batch, err)) != RP_OK) goto out;
+    for (int32_t s = 0; s < n; s++) key_pad[s] = key[s];
     for (int32_t s = n; s < n_pad; s++) key_pad[s] = 0;
 
     /* DP level: partition p is rank p. */

@@ -2,6 +2,7 @@
  * extra replicas, exact refinement, and the fallback to the better baseline
  * (docs/routepack-policy.md). */
 #include "joint_internal.h"
+#include "limits_internal.h"
 #include "routepack/baseline.h"
 
 #include <math.h>
@@ -51,19 +52,6 @@ static rp_status check_params(const rp_joint_params *p, rp_error *err)
     return RP_OK;
 }
 
-/* The largest token count of a cell: the token cap, lowered by the memory cap. */
-static int64_t cell_cap(const rp_limits *lim)
-{
-    int64_t cap = lim->max_tokens_per_microbatch;
-    if (lim->max_activation_bytes > 0 && lim->activation_bytes_per_token > 0) {
-        double t = floor(lim->max_activation_bytes / lim->activation_bytes_per_token);
-        int64_t mem = t >= (double)INT64_MAX ? INT64_MAX : (int64_t)t;
-        while (mem > 0 && (double)mem * lim->activation_bytes_per_token > lim->max_activation_bytes) mem--;
-        if (mem < cap) cap = mem;
-    }
-    return cap;
-}
-
 static rp_status setup(joint *jt, rp_error *err)
 {
     const rp_topology *t = rp_config_topology(jt->cfg);
@@ -85,7 +73,7 @@ static rp_status setup(joint *jt, rp_error *err)
         if (t->speed[g] < jt->rank_speed_min) jt->rank_speed_min = t->speed[g];
         if (t->speed[g] > jt->speed_max) jt->speed_max = t->speed[g];
     }
-    jt->cap = cell_cap(rp_config_limits(jt->cfg));
+    jt->cap = rp_limits_token_cap(rp_config_limits(jt->cfg));
     const double token_bytes = (double)md->hidden_size * md->bytes_per_param;
     const int32_t near = jt->ep < jt->gpn ? jt->ep : jt->gpn; /* GPUs of a group on one node */
     jt->d_choice = token_bytes * ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
@@ -421,13 +409,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
         }
     }
 
-    for (int32_t s = 0; s < jt.N; s++)
-        if (rp_batch_seq_len(batch, s) > jt.cap) {
-            st = rp_fail(err, RP_ERANGE, "joint: sequence %d has %d tokens, longer than the microbatch cap of %lld", s,
-                         rp_batch_seq_len(batch, s), (long long)jt.cap);
-            if (err) err->sequence = s;
-            goto out;
-        }
+    RP_CHECK_GOTO(rp_limits_check_batch(rp_config_limits(cfg), batch, err), st, out);
 
     /* packing */
     RP_CHECK_GOTO(pack(&jt, err), st, out);

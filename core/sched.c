@@ -1,6 +1,7 @@
 /* The scheduler: one step is statistics -> policy (or packing policy then placement
  * policy) -> merge with what it omitted -> stable slots -> validation -> fallback ->
  * multi-rank agreement -> evaluation; plus hot swap at a step boundary after a dry run. */
+#include "limits_internal.h"
 #include "sched_internal.h"
 #include "sched_migrate.h"
 
@@ -763,6 +764,12 @@ rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const 
         return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: batch, routing and outputs are required"), err);
     if (rp_batch_num_seqs(batch) < 1)
         return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: step %lld: the batch has no sequences", (long long)step), err);
+    /* a batch no plan can pack fails here, with its cause, before the scan and the policy */
+    if (rp_limits_check_batch(rp_config_limits(s->cfg), batch, err) != RP_OK) {
+        char msg[RP_ERROR_TEXT];
+        textf(msg, sizeof msg, "%s", err->text);
+        return fail_keep(s, rp_fail(err, RP_ERANGE, "sched: step %lld: %s", (long long)step, msg), err);
+    }
     double t0 = now_s();
     const rp_model *md = rp_config_model(s->cfg);
     rp_stats *stats = NULL;

@@ -395,7 +395,7 @@ static void test_bad_input(void)
     if (fixture_make(&g, 1, 100, "3", 3, long_lens)) {
         is_int(rp_baseline_plan(ctx, g.cfg, g.batch, g.stats, NULL, "verl_kk+eplb", 0, &p, &err), RP_ERANGE,
                "a sequence longer than the cap");
-        like(err.text, "sequence 1 has 150 tokens, longer than the microbatch cap of 100", "names the sequence");
+        like(err.text, "sequence 1 has 150 tokens, more than one microbatch holds (limits.max_tokens_per_microbatch = 100): no plan can pack this batch; raise limits.max_tokens_per_microbatch to at least 150", "names the sequence and the key to raise");
         is_int(err.sequence, 1, "carries the sequence");
         /* statistics of another batch */
         is_int(rp_baseline_plan(ctx, f.cfg, f.batch, g.stats, NULL, "verl_kk+eplb", 0, &p, &err), RP_EINVAL,
