@@ -777,8 +777,10 @@ static int sb_handler_for(lua_State *L)
     return 1;
 }
 
-/* string.format's arguments: %p is refused and %s of a value that is not a string or
- * number is converted with the sandbox's tostring, never with an address. */
+/* string.format's arguments: %p is refused, and for %s and %q a value that is not a
+ * string or number is converted here with the sandbox's tostring: LuaJIT's own
+ * conversion prints addresses (different on every rank) and calls __tostring from C
+ * without the C stack guard (recursion through it overflowed a 1 MiB thread stack). */
 static int sb_format_args(lua_State *L)
 {
     int top = lua_gettop(L), arg = 1;
@@ -801,7 +803,7 @@ static int sb_format_args(lua_State *L)
         if (conversion == 'p')
             return error_at_caller(L, "bad argument to 'format' (%p is not available to "
                                       "policies: addresses differ between runs and ranks)");
-        if (conversion == 's' && arg <= top) {
+        if ((conversion == 's' || conversion == 'q') && arg <= top) {
             int t = lua_type(L, arg);
             if (t != LUA_TSTRING && t != LUA_TNUMBER) {
                 rp_sandbox_tostring(L, arg);

@@ -291,6 +291,11 @@ static void test_escapes(void)
         {"tostring shows no address", "return tostring({}) .. ' ' .. tostring(print or tostring)",
          "table function"},
         {"string.format %s shows no address", "return string.format('%s|%5s', {}, true)", "table| true"},
+        {"string.format %q shows no address",
+         "return string.format('%q|%q|%q|%q|%q', {}, print or tostring, true, nil, setmetatable({}, {__tostring = function() return 'mine' end}))",
+         "\"table\"|\"function\"|\"true\"|\"nil\"|\"mine\""},
+        {"string.format %q of strings and numbers as before", "return string.format('%q %q', 'a\\nb', 42)",
+         "\"a\\\nb\" \"42\""},
         {"string.format %p refused", "local s = string.format('%p', {}) return s",
          "EPOLICY: policy.lua:1: bad argument to 'format' (%p is not available to policies"},
         {"a __gc on a table never runs policy code outside a call",
@@ -352,6 +357,35 @@ static void hostile(rp_sandbox *sb, const char *name, const char *source, const 
     like(got, expect, "hostile: %s", name);
     is_str(eval(sb, "local t = {} for i = 1, 100 do t[i] = i end return #t"), "100",
            "the sandbox is usable after: %s", name);
+}
+
+/* Run `source` in a fresh sandbox with the largest depth limit on a thread whose stack
+ * is `stack_bytes`: what a trainer's planning thread may have. */
+typedef struct small_stack_job {
+    const char *source;
+    char *out;
+    size_t out_len;
+} small_stack_job;
+
+static void *small_stack_main(void *arg)
+{
+    small_stack_job *job = arg;
+    rp_sandbox *sb = new_sandbox(50000000, 0, 64 << 20, RP_SANDBOX_MAX_DEPTH);
+    snprintf(job->out, job->out_len, "%s", eval(sb, job->source));
+    rp_sandbox_free(sb);
+    return NULL;
+}
+
+static void run_on_small_stack(const char *source, size_t stack_bytes, char *out, size_t out_len)
+{
+    small_stack_job job = {source, out, out_len};
+    pthread_attr_t attr;
+    pthread_t t;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, stack_bytes);
+    snprintf(out, out_len, "(thread did not start)");
+    if (pthread_create(&t, &attr, small_stack_main, &job) == 0) pthread_join(t, NULL);
+    pthread_attr_destroy(&attr);
 }
 
 static void test_hostile(void)
@@ -504,6 +538,27 @@ static void test_hostile(void)
     is_str(eval(sb, "local function f(n) if n == 0 then return 'tail' end return f(n - 1) end return f(1e6)"),
            "tail", "tail calls do not count as depth");
     rp_sandbox_free(sb);
+
+    /* The same on a thread with a 1 MiB stack, through every C function that can call a
+     * metamethod: format's %q and %s call __tostring from C, sort's default order calls
+     * __lt. (%q reached __tostring unguarded and overflowed the stack.) */
+    static const char *const c_recursion[] = {
+        "local t t = setmetatable({}, {__tostring = function(x) return string.format('%q', x) end}) return tostring(t)",
+        "local t t = setmetatable({}, {__tostring = function(x) return string.format('%q', x) end}) "
+        "return string.format('%q', t)",
+        "local t t = setmetatable({}, {__tostring = function(x) return string.format('%-20s', x) end}) "
+        "return string.format('%10s', t)",
+        "local mt = {} mt.__lt = function(a, b) table.sort({setmetatable({}, mt), setmetatable({}, mt)}) return false end "
+        "table.sort({setmetatable({}, mt), setmetatable({}, mt)})",
+        "local mt = {} mt.__tostring = function(x) return (string.gsub('a', 'a', function() return tostring(x) end)) end "
+        "return tostring(setmetatable({}, mt))",
+    };
+    for (size_t i = 0; i < sizeof c_recursion / sizeof c_recursion[0]; i++) {
+        char got[512];
+        run_on_small_stack(c_recursion[i], (size_t)1 << 20, got, sizeof got);
+        like(got, "ELIMIT: policy exceeded the call depth limit of 10000",
+             "C recursion on a 1 MiB thread stack trips the depth limit (case %zu)", i + 1);
+    }
 
     /* memory: a 16 MiB cap */
     sb = new_sandbox(100000000, 0, 16 << 20, 0);
