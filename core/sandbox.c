@@ -46,6 +46,7 @@ struct rp_sandbox {
     size_t mem_live;
     bool mem_armed;
     bool mem_refused;
+    bool alloc_failed; /* the context's allocator failed (the process is out of memory) */
     size_t gc_next; /* live bytes at which the hook runs an emergency collection */
     /* LuaJIT 2.1's lua_newstate crashes when one of its first allocations fails (its
      * cleanup walks a string table not yet allocated). While it runs, a failed
@@ -329,6 +330,7 @@ static void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size
         }
     }
     if (p) sb->mem_live = sb->mem_live - old_size + new_size;
+    else sb->alloc_failed = true;
     return p;
 }
 
@@ -1087,6 +1089,7 @@ static void arm(rp_sandbox *sb, uintptr_t stack_base)
     sb->tripped = TRIP_NONE;
     sb->rearmed = false;
     sb->mem_refused = false;
+    sb->alloc_failed = false;
     sb->where[0] = sb->trace[0] = '\0';
     sb->trace_line = -1;
     sb->deadline = monotonic_s() + sb->limits.max_wall_s;
@@ -1160,7 +1163,18 @@ static rp_status describe_failure(rp_sandbox *sb, int status, rp_error *err)
         else rp_fail(err, RP_ELIMIT, "%s", msg);
         return RP_ELIMIT;
     }
-    if (status == LUA_ERRMEM) return rp_fail(err, RP_ENOMEM, "policy: out of memory (the allocator failed)");
+    if (status == LUA_ERRMEM && sb->alloc_failed)
+        return rp_fail(err, RP_ENOMEM, "policy: out of memory (the allocator failed)");
+    if (status == LUA_ERRMEM) {
+        /* LuaJIT raises its memory error without asking the allocator for an object it
+         * cannot hold at all (string.rep('xx', 2^30): a string over 2 GiB). That is the
+         * policy asking for too much, not the process running out: a limit. */
+        char msg[128];
+        limit_message(&sb->limits, TRIP_MEMORY, msg, sizeof msg);
+        rp_fail(err, RP_ELIMIT, "%s (it asked for a string or table larger than LuaJIT can hold)%s%s", msg,
+                sb->trace[0] ? ", at " : "", sb->trace);
+        return RP_ELIMIT;
+    }
     if (status == LUA_ERRERR) snprintf(text, sizeof text, "error in error handling");
     if (sb->trace[0]) rp_fail(err, RP_EPOLICY, "%s (traceback: %s)", text, sb->trace);
     else rp_fail(err, RP_EPOLICY, "%s", text);
@@ -1240,6 +1254,7 @@ rp_status rp_sandbox_load_text(rp_sandbox *sb, const char *source, size_t len,
 
     sb->tripped = TRIP_NONE;
     sb->mem_refused = false;
+    sb->alloc_failed = false;
     sb->mem_armed = true;
     int status = luaL_loadbufferx(L, source ? source : "", len, name, "t");
     sb->mem_armed = false;
@@ -1249,8 +1264,13 @@ rp_status rp_sandbox_load_text(rp_sandbox *sb, const char *source, size_t len,
             char msg[128];
             limit_message(&sb->limits, TRIP_MEMORY, msg, sizeof msg);
             st = rp_fail(err, RP_ELIMIT, "%s: %s while compiling", chunkname, msg);
-        } else if (status == LUA_ERRMEM) {
+        } else if (status == LUA_ERRMEM && sb->alloc_failed) {
             st = rp_fail(err, RP_ENOMEM, "%s: out of memory while compiling", chunkname);
+        } else if (status == LUA_ERRMEM) {
+            char msg[128];
+            limit_message(&sb->limits, TRIP_MEMORY, msg, sizeof msg);
+            st = rp_fail(err, RP_ELIMIT, "%s: %s while compiling (a token larger than LuaJIT can hold)", chunkname,
+                         msg);
         } else {
             const char *msg = lua_tostring(L, -1);
             st = rp_fail(err, RP_EPOLICY, "%s", msg ? msg : "syntax error");

@@ -492,7 +492,8 @@ typedef struct run_result {
 } run_result;
 
 /* Run the set's policies on `in` and return the merged, slot-stabilised, validated plan,
- * or the reason it failed (a policy error, a limit, an invalid plan). RP_ENOMEM and a
+ * or the reason it failed (a policy error, a limit, an invalid plan, anything that failed
+ * inside the policy's call). RP_ENOMEM of the engine's own merging and validation and a
  * batch the safe default cannot pack are errors of the step (status), not reasons. */
 static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
 {
@@ -524,7 +525,8 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
         r->wall_s += now_s() - t0;
         r->work += work;
         if (st != RP_OK) {
-            if (r->why == RP_CALL_NOMEM) r->status = RP_ENOMEM;
+            /* whatever failed inside the policy's call, out of memory included, is the
+             * policy's failure: the step falls back */
             textf(r->reason, sizeof r->reason, "%s", err.text);
             goto fail;
         }
@@ -680,10 +682,9 @@ static rp_status dry_run(rp_sched *s, step_inputs *now, bool *ok, char *reason, 
     }
     run_result r;
     run_set(s, &s->staged, &in, &r);
-    if (r.status != RP_OK) {
-        st = rp_fail(err, r.status, "%s", r.reason);
-        goto out;
-    }
+    /* any failure of the dry run, the engine's out-of-memory included, refuses the
+     * staged policy (dropped, with the reason): were it an error of the step, a staged
+     * policy that fails every time would fail every later step */
     *ok = r.plan != NULL;
     if (!*ok) textf(reason, reason_len, "the dry run of policy '%s' failed: %s", s->staged.name, r.reason);
     rp_plan_free(r.plan);

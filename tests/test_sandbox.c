@@ -567,6 +567,14 @@ static void test_hostile(void)
             "ELIMIT: policy exceeded the memory limit of 16 MiB");
     hostile(sb, "string.rep with a separator", "return #string.rep('xy', 2^28, ',')",
             "ELIMIT: policy exceeded the memory limit of 16 MiB");
+    /* over 2 GiB: LuaJIT raises its memory error without asking the allocator; that is
+     * the policy's failure (a limit), not the process out of memory */
+    hostile(sb, "string.rep past LuaJIT's largest string", "return #string.rep('xx', 2^30)",
+            "ELIMIT: policy exceeded the memory limit of 16 MiB (it asked for a string or table larger than LuaJIT can hold)");
+    hostile(sb, "the same inside a function", "local function f() return string.rep('xx', 2^30) end return #f()",
+            "ELIMIT: policy exceeded the memory limit of 16 MiB");
+    is_str(eval(sb, "local ok, e = pcall(string.rep, 'xx', 2^30) return tostring(ok) .. ' ' .. e"),
+           "false not enough memory", "a policy may catch that error (nothing was allocated)");
     hostile(sb, "doubling a string", "local s = 'x' while true do s = s .. s end",
             "ELIMIT: policy exceeded the memory limit of 16 MiB");
     hostile(sb, "a table allocation bomb", "local t = {} local i = 0 while true do i = i + 1 t[i] = {i} end",

@@ -255,6 +255,8 @@ static void test_hostile(void)
     hostile("string bomb", "local s = 'x' while true do s = s .. s end", "exceeded the memory limit");
     hostile("plan copies", "local keep = {} local p = ctx.plan for i = 1, 1e6 do keep[i] = p:copy() end",
             "exceeded the memory limit");
+    hostile("string past LuaJIT's largest", "return #string.rep('xx', 2^30)",
+            "policy 'probe' stopped: policy exceeded the memory limit of 32 MiB");
     hostile("deep recursion", "local function f(n) return 1 + f(n + 1) end return f(1)",
             "exceeded the call depth limit of 200");
     hostile("huge return value",
@@ -411,6 +413,19 @@ static void test_swap(void)
     ok(rp_sched_stage_policy(s, NULL, invalid, -1, &err) == RP_OK, "a policy returning invalid plans stages");
     rep = step(s, 7, NULL);
     ok(rep && !rep->swapped && strstr(rep->swap_error, "returned an invalid plan"), "its dry run's plan fails validation");
+
+    /* a staged policy whose dry run runs out of memory inside LuaJIT (no allocation
+     * asked: this failed the step, and every later one) is dropped like any other */
+    const char *oom = "return {name = 'oom', version = '1.0.0', api = 1, description = 'asks for 2 GiB',\n"
+                      "plan = function(ctx) return #string.rep('xx', 2^30) end}";
+    ok(rp_sched_stage_policy(s, "oom.lua", oom, -1, &err) == RP_OK, "a policy that asks LuaJIT for 2 GiB stages");
+    rep = step(s, 7, NULL);
+    ok(rep && !rep->swapped && !rep->fallback && strcmp(rep->policy_name, "attn_kk") == 0 &&
+           strstr(rep->swap_error, "the dry run of policy 'oom' failed") && strstr(rep->swap_error, "memory limit"),
+       "its dry run fails: the step runs the healthy policy and swap_error says why");
+    if (rep) diag("%s", rep->swap_error);
+    rep = step(s, 7, NULL);
+    ok(rep && !rep->swapped && !rep->fallback && !rep->swap_error[0], "it is dropped: the next step is clean");
 
     /* the dry run's effects on ctx.state are dropped, init runs again */
     const char *counting = "return {name = 'counting', version = '1.0.0', api = 1, description = 'counts calls',\n"
@@ -606,6 +621,48 @@ static void test_rp_api(void)
     like(probe("local t = {} for i = 1, 300000 do t[i] = i end rp.kk(t, 65536)"),
          "policy exceeded the instruction limit (200000000)",
          "a primitive whose work exceeds the budget is stopped before it runs");
+}
+
+/* ---- out of memory inside a policy call ------------------------------------------------- */
+
+/* The context's allocator refuses every block of 8 MiB or more: a policy asking for a
+ * 16 MiB string (well under its 256 MiB cap) finds the process out of memory. */
+static void *small_blocks_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
+{
+    (void)ud;
+    (void)old_size;
+    if (new_size == 0) {
+        free(ptr);
+        return NULL;
+    }
+    if (new_size >= (size_t)8 << 20) return NULL;
+    return realloc(ptr, new_size);
+}
+
+static void test_policy_out_of_memory(void)
+{
+    rp_context *small = NULL;
+    rp_context_new(small_blocks_alloc, NULL, &small);
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.policy = body_policy("if ctx.step == 0 then return nil end\nlocal s = string.rep('x', 2^24) return nil");
+    o.num_threads = 1;
+    rp_sched *s = NULL;
+    rp_error err;
+    rp_status st = rp_sched_new(small, cfg, &o, &s, &err);
+    ok(st == RP_OK, "a scheduler on an allocator that refuses big blocks");
+    const rp_plan *plan = NULL;
+    const rp_step_report *rep = NULL;
+    st = s ? rp_sched_step(s, 0, batches[0], &routings[0], &plan, &rep, &err) : RP_EINVAL;
+    ok(st == RP_OK && rep && !rep->fallback, "step 0 plans");
+    st = s ? rp_sched_step(s, 1, batches[1], &routings[1], &plan, &rep, &err) : RP_EINVAL;
+    ok(st == RP_OK && rep && rep->fallback && strstr(rep->fallback_reason, "out of memory") &&
+           rp_plan_validate(plan, cfg, batches[1], NULL) == RP_OK,
+       "out of memory inside the policy's call is the policy's failure: the step falls back");
+    if (st != RP_OK) diag("%s", err.text);
+    else if (rep) diag("%s", rep->fallback_reason);
+    rp_sched_free(s);
+    rp_context_free(small);
 }
 
 /* ---- rp.log: bounded and escaped ------------------------------------------------------ */
@@ -865,6 +922,7 @@ int main(void)
     test_plan_userdata();
     test_rp_api();
     test_log_limits();
+    test_policy_out_of_memory();
     test_history();
     test_instruction_budget();
     test_errors();
