@@ -890,6 +890,109 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     return RP_OK;
 }
 
+/* ---- what an evaluation will take, before it is paid ----------------------------------- */
+
+/* Bytes of take(count, size): the same rounding, so the sums below equal what
+ * state_alloc and scratch_alloc hand out (tests/test_cost.c holds them to it). */
+static void need(int64_t count, size_t size, bool *bad, size_t *total)
+{
+    size_t n = bytes_of(count, size, bad);
+    if (!*bad && n > SIZE_MAX / 4 - *total) *bad = true;
+    if (!*bad) *total += n;
+}
+
+/* Most extra replicas one (microbatch, layer, expert) has: they are stored sorted by key. */
+static int32_t most_extras_of(const rp_plan *plan)
+{
+    int32_t nx = rp_plan_num_extra_replicas(plan), most = 0, run = 0, pm = -1, pl = -1, pe = -1;
+    for (int32_t i = 0; i < nx; i++) {
+        int32_t m, l, e, r;
+        rp_plan_extra_replica(plan, i, &m, &l, &e, &r);
+        run = (m == pm && l == pl && e == pe) ? run + 1 : 1;
+        pm = m, pl = l, pe = e;
+        if (run > most) most = run;
+    }
+    return most;
+}
+
+rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_t *units, size_t *bytes,
+                                   rp_error *err)
+{
+    if (!c) return rp_fail(err, RP_EINVAL, "cost: no evaluator");
+    rp_status st = check_plan_shape(c, plan, err);
+    if (st != RP_OK) return st;
+    const int64_t M = rp_plan_num_microbatches(plan), S = rp_plan_total_slots(plan);
+    const int64_t G = c->G, L = c->L, E = c->E, ep = c->ep, Q = c->Q, ML = M * L;
+    int64_t cells;
+    if (rp_mul_overflow(ML, G, &cells) || rp_mul_overflow(cells, E, &cells) || cells > ((int64_t)1 << 56))
+        return rp_fail(err, RP_ERANGE, "cost: %lld microbatches x %lld layers x %lld GPUs x %lld experts is too "
+                       "large to evaluate", (long long)M, (long long)L, (long long)G, (long long)E);
+    lever_counts lv = count_levers(plan);
+    bool bad = false;
+    size_t total = sizeof(cost_state);
+    /* state_alloc, array by array */
+    need(ep + 1, sizeof(int32_t), &bad, &total);
+    need(S, sizeof(int32_t), &bad, &total);
+    need(L * S, sizeof(int32_t), &bad, &total);
+    need(L * (E + 1), sizeof(int32_t), &bad, &total);
+    need(L * S, sizeof(int32_t), &bad, &total);
+    need(ML + 1, sizeof(int32_t), &bad, &total);
+    need(lv.entries, sizeof(cost_override), &bad, &total);
+    need(lv.extras, sizeof(int32_t), &bad, &total);
+    need(lv.shares, sizeof(double), &bad, &total);
+    need(ML * ep, sizeof(int32_t), &bad, &total);
+    need(c->N, sizeof(int32_t), &bad, &total);
+    need(c->N, sizeof(int32_t), &bad, &total);
+    need(G * M, sizeof(int64_t), &bad, &total);
+    need(G * M, sizeof(int64_t), &bad, &total);
+    need(G * M, sizeof(int32_t), &bad, &total);
+    need(cells, sizeof(int32_t), &bad, &total);
+    need(ML * Q * E, sizeof(int32_t), &bad, &total);
+    need(ML * Q * 4 * ep, sizeof(int64_t), &bad, &total);
+    need(L * E, sizeof(int32_t), &bad, &total);
+    need(L * (ep + 2), sizeof(int32_t), &bad, &total);
+    need(L * E, sizeof(int32_t), &bad, &total);
+    need(G * M, sizeof(double), &bad, &total);
+    need(M, sizeof(double), &bad, &total);
+    need(M, sizeof(int32_t), &bad, &total);
+    need(ML * G, sizeof(double), &bad, &total);
+    need(ML * G, sizeof(double), &bad, &total);
+    need(ML * Q, sizeof(double), &bad, &total);
+    need(ML * Q, sizeof(double), &bad, &total);
+    need(ML * Q, sizeof(int32_t), &bad, &total);
+    need(ML * Q, sizeof(int32_t), &bad, &total);
+    need(ML, sizeof(double), &bad, &total);
+    need(L * G, sizeof(double), &bad, &total);
+    /* scratch_alloc, with max_replicas as read_levers sets it */
+    int64_t R = S + most_extras_of(plan);
+    need(2 * L * E, sizeof(uint32_t), &bad, &total);
+    for (int i = 0; i < 7; i++) need(ep, sizeof(double), &bad, &total);
+    need(R, sizeof(int32_t), &bad, &total);
+    need(R, sizeof(double), &bad, &total);
+    need(R, sizeof(double), &bad, &total);
+    need(ML, sizeof(double), &bad, &total);
+    need(E + 1, sizeof(int32_t), &bad, &total);
+    need(S, sizeof(int32_t), &bad, &total);
+    need(S, sizeof(int32_t), &bad, &total);
+    need(G, sizeof(double), &bad, &total);
+    need(E, sizeof(int32_t), &bad, &total);
+    need(4 * ep, sizeof(int64_t), &bad, &total);
+    need(E, sizeof(int32_t), &bad, &total);
+    need(ep + 2, sizeof(int32_t), &bad, &total);
+    need(E, sizeof(int32_t), &bad, &total);
+    if (bad)
+        return rp_fail(err, RP_ERANGE, "cost: a plan of %lld microbatches is too large to evaluate", (long long)M);
+    /* work: every sequence's histogram at every layer (its nonzero experts, about
+     * min(E, seq_len x top_k)), the (microbatch, layer, GPU, expert) counts and the
+     * slots of every (microbatch, layer) */
+    int64_t per_seq = rp_batch_num_tokens(c->batch) / c->N + 1;
+    per_seq = per_seq * c->top_k < E ? per_seq * c->top_k : E;
+    double work = (double)L * ((double)M * S + (double)(cells / L) + (double)c->N * per_seq) + c->N;
+    if (units) *units = work < 9e18 ? (int64_t)work : INT64_MAX;
+    if (bytes) *bytes = total;
+    return RP_OK;
+}
+
 /* Attention of every cell and the per-microbatch maxima. */
 static void eval_attention(const rp_cost *c, cost_state *s)
 {

@@ -672,12 +672,32 @@ int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *b)
     return (int64_t)md->num_layers * (n * seq_entries(md, b) + M * rp_config_topology(cfg)->num_gpus * md->num_experts) + n;
 }
 
-static int64_t evaluate_units(const rp_lua_host *h, const rp_plan *p)
+/* A full evaluation of `p` on the step's evaluator, paid for before it runs: its work is
+ * charged, and its memory (allocated by the evaluator, in the engine's context) must
+ * fit what the policy has left of its cap on C-side memory, together with the state
+ * the evaluator already holds, or the call fails naming the size. Returns the work. */
+static int64_t pay_evaluation(lua_State *L, rp_lua_host *h, rp_cost *cost, const rp_plan *p, const char *fname)
 {
-    const rp_model *md = rp_config_model(h->cfg);
-    int64_t n = rp_plan_num_seqs(p), M = rp_plan_num_microbatches(p);
-    int64_t G = rp_plan_num_gpus(p), E = md->num_experts, Lyr = md->num_layers;
-    return Lyr * (n * hist_entries(h) + M * G * E + M * rp_plan_total_slots(p)) + n;
+    int64_t units = 0;
+    size_t bytes = 0;
+    rp_error err;
+    rp_status st = rp_cost_evaluation_needs(cost, p, &units, &bytes, &err);
+    if (st != RP_OK) rp_lua_fail(L, h, fname, st, &err);
+    reclaim(L, h);
+    size_t held = rp_cost_bytes(cost), left = h->plan_live < h->plan_cap ? h->plan_cap - h->plan_live : 0;
+    if (bytes > left || held > left - bytes) {
+        char cap[64];
+        format_mib(h->plan_cap, cap, sizeof cap);
+        rp_lua_error(L,
+                     "%s: evaluating this plan (%d microbatches x %d layers x %d GPUs x %d experts) needs %.1f MiB, "
+                     "and the evaluator holds %.1f MiB; %.1f MiB are left of the policy's memory limit of %s (plans "
+                     "and scratch of C calls)",
+                     fname, rp_plan_num_microbatches(p), rp_plan_num_layers(p), rp_plan_num_gpus(p),
+                     rp_plan_num_experts(p), (double)bytes / (1 << 20), (double)held / (1 << 20),
+                     (double)left / (1 << 20), cap);
+    }
+    rp_lua_charge(L, units);
+    return units;
 }
 
 static void check_complete(lua_State *L, const rp_plan *p, const char *fname)
@@ -698,7 +718,7 @@ static int l_evaluate(lua_State *L)
     if (rp_plan_num_seqs(p) != rp_batch_num_seqs(f->batch))
         rp_lua_error(L, "rp.evaluate: the plan packs %d sequences, but the batch has %d", rp_plan_num_seqs(p),
                      rp_batch_num_seqs(f->batch));
-    rp_lua_charge(L, evaluate_units(h, p));
+    pay_evaluation(L, h, f->cost, p, "rp.evaluate");
     rp_cost_summary s;
     rp_error err;
     rp_status st = rp_cost_evaluate(f->cost, p, &s, &err);
@@ -872,7 +892,8 @@ static int l_local_search(lua_State *L)
     const rp_model *md = rp_config_model(h->cfg);
     int64_t per_try = (int64_t)md->num_layers * (hist_entries(h) + rp_plan_num_gpus(p) / 4 + 1);
     int64_t iterations = sp.max_evaluations / sp.sample + 1;
-    rp_lua_charge(L, evaluate_units(h, p) + sp.max_evaluations * per_try +
+    pay_evaluation(L, h, f->cost, p, "rp.local_search");
+    rp_lua_charge(L, sp.max_evaluations * per_try +
                          iterations * (int64_t)md->num_layers * rp_plan_num_microbatches(p));
     reclaim(L, h);
     rp_lua_plan_out *holder = rp_lua_push_plan(L);

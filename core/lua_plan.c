@@ -856,9 +856,10 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
         lever_key k;
         read_lever_key(L, e, path, M, cfg, true, &k);
         st = rp_plan_add_extra_replica(out->plan, k.mb, k.layer, k.expert, k.ep_rank, &err);
-        if (st != RP_OK) rp_lua_error(L, "%s: %s", path, err.text);
+        if (st != RP_OK) rp_lua_fail(L, host, path, st, &err);
         lua_pop(L, 1);
     }
+    lever_key prev = {-1, -1, -1, -1};
     for (size_t i = 0; i < num_shares; i++) {
         lua_rawgeti(L, shares_idx, (int)i + 1);
         snprintf(path, sizeof path, "%s.shares[%zu]", what, i + 1);
@@ -867,6 +868,11 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
         check_keys(L, e, path, share_keys);
         lever_key k;
         read_lever_key(L, e, path, M, cfg, false, &k);
+        /* a share set is inserted in sorted position: free at the end, but one out of
+         * order moves up to all the sets before it */
+        if (k.mb < prev.mb || (k.mb == prev.mb && (k.layer < prev.layer || (k.layer == prev.layer && k.expert <= prev.expert))))
+            rp_lua_charge(L, (int64_t)i / 8 + 1);
+        prev = k;
         char sp[192];
         snprintf(sp, sizeof sp, "%s.shares", path);
         if (get_key(L, e, "shares") == LUA_TNIL) rp_lua_error(L, "%s is required", sp);
@@ -884,7 +890,7 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
             lua_pop(L, 1);
         }
         st = rp_plan_set_shares(out->plan, k.mb, k.layer, k.expert, v, (int32_t)cnt, &err);
-        if (st != RP_OK) rp_lua_error(L, "%s: %s", path, err.text);
+        if (st != RP_OK) rp_lua_fail(L, host, path, st, &err);
         lua_pop(L, 3);
     }
 }

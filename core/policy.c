@@ -463,7 +463,9 @@ static int engine_call(lua_State *L)
         job->returned_nil = true;
         return 0;
     }
-    rp_lua_to_plan(L, -1, &pol->host, pol->ctx, "plan", job->num_seqs, job->base_mb, job->out);
+    /* converted in the capped context of the policy's C objects: what the plan expands
+     * to (share sets, lists) counts against the policy's memory limit, not the engine's */
+    rp_lua_to_plan(L, -1, &pol->host, &pol->host.plan_ctx, "plan", job->num_seqs, job->base_mb, job->out);
     return 0;
 }
 

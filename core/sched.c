@@ -491,6 +491,51 @@ typedef struct run_result {
     char reason[RP_ERROR_TEXT];
 } run_result;
 
+static void mib_text(size_t bytes, char *buf, size_t n)
+{
+    if (bytes % ((size_t)1 << 20) == 0) snprintf(buf, n, "%zu MiB", bytes >> 20);
+    else snprintf(buf, n, "%.1f MiB", (double)bytes / (1 << 20));
+}
+
+/* Whether the engine may pay for `plan`: its evaluation (the most the engine does with a
+ * returned plan; merging, slot stabilising and validation are linear in the plan, which
+ * the policy's memory cap bounds) must fit the limits the policy itself runs under,
+ * decided from the plan's shape before anything is allocated. A plan the policy could
+ * not have passed to rp.evaluate is refused (fallback), never evaluated at the engine's
+ * expense. Fills `reason` when it refuses. RP_ENOMEM never: nothing is allocated. */
+static bool engine_can_afford(const policy_set *ps, const step_inputs *in, const rp_plan *plan, char *reason,
+                              size_t reason_len)
+{
+    int64_t units = 0;
+    size_t bytes = 0;
+    rp_error e;
+    rp_error_clear(&e);
+    if (rp_cost_evaluation_needs(in->cost, plan, &units, &bytes, &e) != RP_OK) {
+        textf(reason, reason_len, "%s", e.text);
+        return false;
+    }
+    const rp_sandbox_limits *lim = rp_sandbox_limits_of(ps->pol[ps->count - 1]->sb);
+    char shape[160];
+    textf(shape, sizeof shape, "%d microbatches x %d layers x %d GPUs x %d experts", rp_plan_num_microbatches(plan),
+          rp_plan_num_layers(plan), rp_plan_num_gpus(plan), rp_plan_num_experts(plan));
+    if (units > lim->max_instructions) {
+        textf(reason, reason_len,
+              "evaluating it (%s) would take %lld work units, over the instruction limit of %lld that rp.evaluate "
+              "would have charged them to",
+              shape, (long long)units, (long long)lim->max_instructions);
+        return false;
+    }
+    if (bytes > lim->max_memory_bytes) {
+        char need[32], cap[32];
+        mib_text(bytes, need, sizeof need);
+        mib_text(lim->max_memory_bytes, cap, sizeof cap);
+        textf(reason, reason_len, "evaluating it (%s) needs %s, over the policy's memory limit of %s", shape, need,
+              cap);
+        return false;
+    }
+    return true;
+}
+
 /* Run the set's policies on `in` and return the merged, slot-stabilised, validated plan,
  * or the reason it failed (a policy error, a limit, an invalid plan, anything that failed
  * inside the policy's call). RP_ENOMEM of the engine's own merging and validation and a
@@ -554,6 +599,13 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
         rp_plan_free(merged);
         merged = next;
         so_far = merged;
+    }
+    char why[RP_ERROR_TEXT];
+    if (!engine_can_afford(ps, in, merged, why, sizeof why)) {
+        r->why = RP_CALL_BAD_PLAN;
+        textf(r->reason, sizeof r->reason, "policy '%s' returned a plan the engine will not evaluate: %s", ps->name,
+              why);
+        goto fail;
     }
     /* physical slots: experts that stay on an EP rank keep their slot */
     rp_status st = RP_OK;

@@ -93,7 +93,8 @@ typedef enum rp_call_failure {
 } rp_call_failure;
 
 /* Run plan(ctx) for `frame` with math.random seeded from frame->seed. On success *out
- * holds the converted plan (allocated through the policy's context; NULL plan when the
+ * holds the converted plan (allocated in the policy's capped plan context, where it
+ * counts against the memory limit; free it before the policy; NULL plan when the
  * policy returned nil) and the parts it gave. `num_seqs` is the batch's sequence count,
  * `base_mb` the microbatch count for levers given without a packing. On failure *why
  * says what kind, err the message; out->plan is NULL. *work receives the work units. */

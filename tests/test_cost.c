@@ -1196,6 +1196,55 @@ static void test_alloc_failures(void)
     fixture_free(&f);
 }
 
+/* rp_cost_evaluation_needs tells, before anything is allocated, exactly the bytes an
+ * evaluation takes (what rp_cost_bytes grows by on a fresh evaluator), with and without
+ * levers, over microbatch counts; the work grows with M x L x G x E. */
+static void test_evaluation_needs(void)
+{
+    rng r = {0x2545F4914F6CDD1DULL};
+    int exact = 0, runs = 0;
+    for (int v = 0; v < 2; v++) {
+        fixture f;
+        random_fixture(&f, &r, v ? 8 : 4, v ? 2 : 4, "1", 100000);
+        rp_error err;
+        int64_t last_units = 0;
+        for (int32_t M = 1; M <= 9; M += 4)
+            for (int lv = 0; lv < 2; lv++) {
+                rp_cost *c = NULL;
+                rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+                rp_plan *p = random_plan(&f, &r, M, lv);
+                int64_t units = 0;
+                size_t bytes = 0;
+                size_t before = rp_cost_bytes(c);
+                bool got = rp_cost_evaluation_needs(c, p, &units, &bytes, &err) == RP_OK &&
+                           rp_cost_evaluate(c, p, NULL, &err) == RP_OK;
+                runs++;
+                if (got && rp_cost_bytes(c) - before == bytes && (lv ? units >= last_units : units > last_units)) exact++;
+                else diag("M %d levers %d: estimated %zu bytes, evaluation took %zu (%s)", M, lv, bytes,
+                          rp_cost_bytes(c) - before, got ? "ok" : err.text);
+                if (!lv) last_units = units;
+                rp_plan_free(p);
+                rp_cost_free(c);
+            }
+        fixture_free(&f);
+    }
+    is_int(exact, runs, "the estimate is exactly what %d evaluations allocated, and the work grows with M", runs);
+
+    /* a plan too large to evaluate at all is refused by the estimate, without allocating */
+    fixture f;
+    random_fixture(&f, &r, 4, 4, "1", 100000);
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    rp_plan *p = NULL;
+    rp_plan_new(ctx, f.cfg, 1, &p, &err);
+    is_int(rp_cost_evaluation_needs(c, p, NULL, NULL, &err), RP_EINVAL, "a plan without a packing is refused");
+    like(err.text, "has no packing", "... saying so");
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
 int main(void)
 {
     if (rp_context_new(NULL, NULL, &ctx) != RP_OK) return 1;
@@ -1210,6 +1259,7 @@ int main(void)
     test_migration();
     test_bound_random();
     test_same_packing();
+    test_evaluation_needs();
     test_incremental();
     test_json();
     test_bad_constants();

@@ -899,6 +899,122 @@ static void test_allocation_failures(void)
     ok(recovered > 0, "after a failed step the scheduler plans the next one (%ld runs)", recovered);
 }
 
+/* ---- what a returned plan may cost the engine ------------------------------------------- */
+
+/* One sequence per microbatch (64 microbatches, empty ones allowed) is a valid plan
+ * whose evaluation takes M x L x G x E work and memory. The engine decides from the
+ * plan's shape, before paying, whether the policy could have evaluated it under its own
+ * limits; if not the plan is refused and the step falls back. */
+static const char *SPREAD_BODY =
+    "local pk = {}\n"
+    "for g = 1, 8 do pk[g] = {} for m = 1, 64 do pk[g][m] = {} end end\n"
+    "for i = 0, ctx.batch.num_seqs - 1 do pk[1][i + 1] = {i} end\n"
+    "return {packing = pk}";
+
+static const rp_step_report *spread_step(int64_t max_instructions, size_t max_memory_bytes, const char *body)
+{
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.max_instructions = max_instructions;
+    o.max_memory_bytes = max_memory_bytes;
+    o.max_wall_s = 60;
+    rp_sched *s = make(body_policy(body), &o);
+    const rp_step_report *rep = step(s, 0, NULL);
+    static rp_step_report copy;
+    if (rep) copy = *rep;
+    rp_sched_free(s);
+    return rep ? &copy : NULL;
+}
+
+static void test_engine_work(void)
+{
+    /* 16 layers x (64 seqs x 64 experts + 64 mb x 8 GPUs x 64 experts + 64 mb x 80 slots) + 64 */
+    const rp_step_report *rep = spread_step(300000, (size_t)32 << 20, SPREAD_BODY);
+    ok(rep && rep->fallback, "a plan whose evaluation is over the instruction limit falls back");
+    if (rep)
+        like(rep->fallback_reason,
+             "returned a plan the engine will not evaluate: evaluating it (64 microbatches x 16 layers x 8 GPUs x 64 "
+             "experts) would take 671808 work units, over the instruction limit of 300000",
+             "the reason names the shape, the work and the limit");
+    rep = spread_step(300000, (size_t)32 << 20, "return ctx.plan");
+    ok(rep && !rep->fallback, "under the same limits an ordinary plan is evaluated");
+    if (rep && rep->fallback) diag("%s", rep->fallback_reason);
+
+    rep = spread_step(5000000, (size_t)2 << 20, SPREAD_BODY);
+    ok(rep && rep->fallback, "a plan whose evaluation is over the memory limit falls back");
+    if (rep) like(rep->fallback_reason, "MiB, over the policy's memory limit of 2 MiB", "the reason names the memory");
+    rep = spread_step(5000000, (size_t)2 << 20, "return ctx.plan");
+    ok(rep && !rep->fallback, "under the same memory limit an ordinary plan is evaluated");
+    if (rep && rep->fallback) diag("%s", rep->fallback_reason);
+
+    /* rp.evaluate pays for the evaluator's memory from the policy's cap, before it runs */
+    char body[2048];
+    snprintf(body, sizeof body, "%s", SPREAD_BODY);
+    char *ret = strstr(body, "return {packing = pk}");
+    snprintf(ret, sizeof body - (size_t)(ret - body), "rp.evaluate(rp.plan({packing = pk, placement = ctx.plan:placement()})) return nil");
+    rep = spread_step(5000000, (size_t)2 << 20, body);
+    ok(rep && rep->fallback, "rp.evaluate of a plan over the memory limit fails the call");
+    if (rep)
+        like(rep->fallback_reason,
+             "rp.evaluate: evaluating this plan (64 microbatches x 16 layers x 8 GPUs x 64 experts) needs 2.7 MiB",
+             "naming the plan's shape and the memory it needs");
+
+    /* a returned plan expands (share sets: one Lua table of 88 shares referenced 32768
+     * times) in the policy's capped memory, not the engine's */
+    counting cnt = {0};
+    rp_context *counted = NULL;
+    rp_context_new(counting_alloc, &cnt, &counted);
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.max_instructions = 50000000;
+    o.max_memory_bytes = (size_t)16 << 20;
+    o.max_wall_s = 60;
+    o.num_threads = 1;
+    snprintf(body, sizeof body, "%s", SPREAD_BODY);
+    ret = strstr(body, "return {packing = pk}");
+    snprintf(ret, sizeof body - (size_t)(ret - body),
+             "local sh = {} for i = 1, 88 do sh[i] = 1 / 88 end\n"
+             "local list, n = {}, 0\n"
+             "for m = 0, 31 do for l = 0, 15 do for e = 0, 63 do\n"
+             "  n = n + 1 list[n] = {microbatch = m, layer = l, expert = e, shares = sh} end end end\n"
+             "return {packing = pk, shares = list}");
+    o.policy = body_policy(body);
+    rp_sched *s = NULL;
+    rp_error err;
+    ok(rp_sched_new(counted, cfg, &o, &s, &err) == RP_OK, "a scheduler on a counting allocator");
+    long before = cnt.live;
+    cnt.peak = cnt.live;
+    const rp_plan *p = NULL;
+    rep = NULL;
+    ok(s && rp_sched_step(s, 0, batches[0], &routings[0], &p, &rep, &err) == RP_OK && rep->fallback,
+       "a plan whose share sets expand past the memory limit falls back");
+    if (rep) like(rep->fallback_reason, "policy exceeded the memory limit of 16 MiB (plans and scratch of C calls)",
+                  "the expansion is charged to the policy's memory limit");
+    ok(cnt.peak - before < (34L << 20), "the step's peak memory stays within the two caps and a little (%.1f MiB)",
+       (double)(cnt.peak - before) / (1 << 20));
+    rp_sched_free(s);
+    rp_context_free(counted);
+
+    /* share sets are inserted in sorted position: given in reverse order, each moves all
+     * before it (1024 x 1023 / 2 moves), and the conversion charges that */
+    const char *order = "local list = {}\n"
+                        "for l = 0, 15 do for e = 0, 63 do\n"
+                        "  list[#list + 1] = {microbatch = 0, layer = l, expert = e, shares = {1}} end end\n"
+                        "local out = {}\n"
+                        "for i = 1, #list do out[i] = list[%s] end\n"
+                        "return {shares = out}";
+    char text[1024];
+    snprintf(text, sizeof text, order, "i");
+    const rp_step_report *sorted = spread_step(50000000, (size_t)32 << 20, text);
+    int64_t sorted_work = sorted ? sorted->policy_work : 0;
+    snprintf(text, sizeof text, order, "#list + 1 - i");
+    const rp_step_report *reversed = spread_step(50000000, (size_t)32 << 20, text);
+    int64_t reversed_work = reversed ? reversed->policy_work : 0;
+    ok(sorted && reversed && reversed_work - sorted_work >= 1024 * 1023 / 16,
+       "share sets out of order are charged for the moves they cost (%lld more units than in order)",
+       (long long)(reversed_work - sorted_work));
+}
+
 int main(void)
 {
     rp_error err;
@@ -925,6 +1041,7 @@ int main(void)
     test_policy_out_of_memory();
     test_history();
     test_instruction_budget();
+    test_engine_work();
     test_errors();
     test_allocation_failures();
     for (int t = 0; t < STEPS; t++) {

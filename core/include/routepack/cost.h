@@ -130,6 +130,16 @@ RP_API rp_side rp_cost_layer_straggler(const rp_cost *cost, int32_t mb, int32_t 
                                        int32_t *gpu);
 /* Bytes the evaluator holds (its state for the bound plan included). */
 RP_API size_t rp_cost_bytes(const rp_cost *cost);
+/* What rp_cost_evaluate(cost, plan) would take, from the plan's shape alone (nothing is
+ * allocated; the work is O(extra replicas)): *bytes, the memory the evaluation
+ * allocates (the evaluator holds it afterwards, and the previous plan's meanwhile),
+ * exactly; *units, its work in elementary steps (sequence histograms over the layers,
+ * the microbatch x layer x GPU x expert counts, the slots of every microbatch and
+ * layer), the units rp.evaluate charges. Either pointer may be NULL. Errors: the shape
+ * checks of rp_cost_evaluate (RP_EINVAL), RP_ERANGE when no evaluation could hold it.
+ * Lets a caller refuse a plan before paying for it (docs/policies.md, Limits). */
+RP_API rp_status rp_cost_evaluation_needs(const rp_cost *cost, const rp_plan *plan, int64_t *units,
+                                          size_t *bytes, rp_error *err);
 
 /* Predicted time of moving from placement `from` to placement `to` (minimum moves:
  * experts already resident on an EP rank stay; the rest come from the nearest rank
