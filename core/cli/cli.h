@@ -36,6 +36,12 @@ bool cli_opt(int argc, char **argv, int *i, const char *name, const char **value
 /* Parse an integer option value; false (with a message) when it is not one. */
 bool cli_int(const char *name, const char *text, int64_t *out);
 
+/* Output paths, checked before any work (usage errors, exit 2, naming `option`): a file
+ * whose folder exists and is writable, not a folder itself; a folder, created when its
+ * parent exists. */
+int cli_check_output_file(const char *option, const char *path);
+int cli_make_output_dir(const char *option, const char *dir);
+
 /* Resolve a bundled example file: RP_EXAMPLES_DIR, then the source tree's examples/,
  * then the install's data directory. Returns a static buffer or NULL. */
 const char *cli_example_path(const char *file);

@@ -158,6 +158,7 @@ int cmd_trace_gen(rp_context *ctx, int argc, char **argv)
     if (bad) return CLI_USAGE;
     if (!settings || !out)
         return cli_usage("usage: routepack trace gen SETTINGS.json --out TRACE.rpt [--steps N] [--seed S]");
+    if (cli_check_output_file("--out", out) != CLI_OK) return CLI_USAGE;
     int64_t steps = 0, seed = 0;
     if (steps_text && !cli_int("--steps", steps_text, &steps)) return CLI_USAGE;
     if (seed_text && !cli_int("--seed", seed_text, &seed)) return CLI_USAGE;

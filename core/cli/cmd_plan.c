@@ -44,6 +44,7 @@ static int parse_plan_opts(const char *cmd, int argc, char **argv, plan_opts *o,
     o->plan = plan;
     if (o->trace && o->gen) return cli_usage("plan %s: give --trace or --gen, not both", cmd);
     if (!o->config) return cli_usage("plan %s needs --config CONFIG.json", cmd);
+    if (o->out && cli_check_output_file("--out", o->out) != CLI_OK) return CLI_USAGE;
     if (step) {
         if (!cli_int("--step", step, &o->step)) return CLI_USAGE;
         if (o->step < 0 || o->step > INT32_MAX) return cli_usage("--step must be >= 0, got %s", step);

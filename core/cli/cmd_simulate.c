@@ -204,7 +204,7 @@ typedef struct sim_policy {
 } sim_policy;
 
 typedef struct sim_opts {
-    const char *config, *trace, *gen, *policies, *report, *watch;
+    const char *config, *trace, *gen, *policies, *report, *watch, *plans;
     int64_t steps, microbatches;
     bool json;
 } sim_opts;
@@ -233,6 +233,7 @@ static int parse_sim_opts(int argc, char **argv, sim_opts *o)
             cli_opt(argc, argv, &i, "--policies", &o->policies, &bad) ||
             cli_opt(argc, argv, &i, "--steps", &steps, &bad) ||
             cli_opt(argc, argv, &i, "--report", &o->report, &bad) ||
+            cli_opt(argc, argv, &i, "--plans", &o->plans, &bad) ||
             cli_opt(argc, argv, &i, "--watch", &o->watch, &bad) ||
             cli_opt(argc, argv, &i, "--microbatches", &mbs, &bad))
             continue;
@@ -246,6 +247,9 @@ static int parse_sim_opts(int argc, char **argv, sim_opts *o)
     }
     if (bad) return CLI_USAGE;
     if (o->trace && o->gen) return cli_usage("simulate: give --trace or --gen, not both");
+    /* outputs first: a long run must not end in "cannot write" */
+    if (o->report && cli_check_output_file("--report", o->report) != CLI_OK) return CLI_USAGE;
+    if (o->plans && cli_make_output_dir("--plans", o->plans) != CLI_OK) return CLI_USAGE;
     if (steps) {
         if (!cli_int("--steps", steps, &o->steps)) return CLI_USAGE;
         if (o->steps < 1 || o->steps > INT32_MAX)
@@ -740,6 +744,34 @@ static void free_policies(sim_policy *pol, int np)
     free(pol);
 }
 
+/* --plans DIR: the plan a policy ran at a step, as DIR/<policy>/step-<index>.json, where
+ * <policy> is the spec (a path's file name without .lua) with characters other than
+ * letters, digits and "+-._" replaced by "_". */
+static rp_status save_step_plan(const char *dir, const char *spec, int64_t step, const rp_plan *plan,
+                                rp_error *err)
+{
+    const char *base = strrchr(spec, '/');
+    base = base ? base + 1 : spec;
+    char name[256];
+    size_t n = strlen(base);
+    if (n > 4 && !strcmp(base + n - 4, ".lua")) n -= 4;
+    if (n >= sizeof name) n = sizeof name - 1;
+    for (size_t i = 0; i < n; i++) {
+        char c = base[i];
+        bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '+' || c == '-' || c == '.' || c == '_';
+        name[i] = keep ? c : '_';
+    }
+    name[n] = '\0';
+    if (!n || !strcmp(name, ".") || !strcmp(name, "..")) snprintf(name, sizeof name, "policy");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    if (mkdir(path, 0777) != 0 && errno != EEXIST)
+        return cli_error(err, RP_EIO, "--plans: cannot create %s: %s", path, strerror(errno));
+    snprintf(path, sizeof path, "%s/%s/step-%" PRId64 ".json", dir, name, step);
+    return rp_plan_save(plan, path, err);
+}
+
 /* Stop a policy after a failed step: the others go on. */
 static void policy_stop(sim_policy *p, int64_t step, const rp_error *err)
 {
@@ -877,6 +909,11 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
                 continue;
             }
             record_step(&p->steps[p->num_steps++], rep, plan, rp_sched_migration(p->sched));
+            if (o.plans && save_step_plan(o.plans, p->spec, step_index, plan, &err) != RP_OK) {
+                progress_clear();
+                rc = cli_fail(&err);
+                goto out;
+            }
             if (p->watched) {
                 const step_rec *r = &p->steps[p->num_steps - 1];
                 progress_clear();

@@ -265,6 +265,7 @@ static int parse_import(int argc, char **argv, import_opts *o)
     if (bad) return CLI_USAGE;
     if (!o->routing || !experts || !o->out)
         return cli_usage("trace import needs --routing R.npy, --experts E and --out TRACE.rpt");
+    if (cli_check_output_file("--out", o->out) != CLI_OK) return CLI_USAGE;
     if (!o->lens == !(o->prompt_lens || o->response_lens) ||
         (!o->lens && !(o->prompt_lens && o->response_lens)))
         return cli_usage("trace import needs --lens L.npy, or both --prompt-lens P.npy and "

@@ -50,7 +50,7 @@ static const cli_command commands[] = {
      "routepack stats examples/small.rpt --step 1"},
     {"simulate", NULL, cmd_simulate,
      "[--config C] [--trace T | --gen SETTINGS] [--policies P1,P2,...] [--steps N] [--json] "
-     "[--report OUT.html] [--watch POLICY.lua] [--microbatches M]",
+     "[--report OUT.html] [--plans DIR] [--watch POLICY.lua] [--microbatches M]",
      "compare policies side by side over the same steps (no arguments: the bundled example)",
      "  --config C         config (default: the bundled config-small.json)\n"
      "  --trace T          steps to plan (default: the bundled small.rpt)\n"
@@ -59,7 +59,9 @@ static const cli_command commands[] = {
      "                     verl_kk+eplb,attn_kk+eplb,routepack)\n"
      "  --steps N          run the first N steps (default: every step of the trace)\n"
      "  --json             the whole run as JSON instead of the table\n"
-     "  --report OUT.html  also write the HTML report\n"
+     "  --report OUT.html  also write the HTML report (its folder is checked first)\n"
+     "  --plans DIR        write each policy's plan of each step to DIR/POLICY/step-K.json\n"
+     "                     (DIR is created when its parent exists)\n"
      "  --watch POLICY.lua reload this policy file between steps when it changes\n"
      "  --microbatches M   fix every plan's microbatch count (default: the config's)\n",
      "routepack simulate --policies token_kk+eplb,routepack --report run.html"},
