@@ -246,8 +246,8 @@ static void test_report(void)
     like(page, "forward time (ms)", "axes carry units");
 
     rc = rp("simulate --steps 1 --policies token_kk+eplb --report '%s/no/such/dir/r.html'", tmpdir);
-    is_int(rc, 1, "a report that cannot be written is an error");
-    like(err, "cannot write the report", "which says so");
+    is_int(rc, 2, "a report into a missing folder is a usage error, before the run");
+    like(err, "no/such/dir does not exist (No such file or directory); create it first", "which says so");
 }
 
 static void test_bad_policies(void)

@@ -380,8 +380,8 @@ int main(void)
     is_int(rp("trace import --routing %s --lens %s --experts 1 --out %s", tmp("r64.npy"), tmp("lens.npy"),
               tmp("x.rpt")), 1, "top-k above the expert count");
     is_int(rp("trace import --routing %s --lens %s --experts 64 --out %s/nodir/x.rpt", tmp("r64.npy"),
-              tmp("lens.npy"), tmpdir), 1, "an output directory that does not exist");
-    like(out, "cannot create", "create error message");
+              tmp("lens.npy"), tmpdir), 2, "an output directory that does not exist: a usage error");
+    like(out, "nodir does not exist (No such file or directory); create it first", "named before any work");
     ok(file_size(tmp("x.rpt")) < 0 && leftover_temp_files() == 0, "no output and no temporary files left behind");
 
     /* corrupt traces */
