@@ -482,7 +482,17 @@ static void assign_gpu(remap_job *jb, int32_t g)
                 const remap_cand *cl = t->cand + (size_t)l * E * (size_t)t->nsrc + src;
                 int64_t *row = row0 + (size_t)l * layer_step;
                 for (int32_t j = 0; j < k; j++) {
+                    /* pass 1 checked the ids, but the buffer is the caller's: the id is
+                     * read once here and checked where it is used */
                     const int32_t e = rp_id_load(at[l], r->width, tok * r->token_stride + j * r->k_stride);
+                    if (e < 0 || e >= E) {
+                        if (before(s, l, tok, j, jb)) {
+                            jb->bad_seq = s, jb->bad_layer = l, jb->bad_token = tok, jb->bad_choice = j;
+                            jb->bad_id = e;
+                        }
+                        out[tok * R + (int64_t)l * k + j] = -1;
+                        continue;
+                    }
                     const remap_cand c = cl[(size_t)e * t->nsrc];
                     int32_t phys;
                     if (c.count == 1) {
@@ -610,7 +620,25 @@ rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb, const 
             if (t.key_bofs[x] >= 0)
                 remap_apportion(counts[(size_t)g * t.num_keys + x], t.weight + t.key_first[x], t.key_count[x],
                                 bounds + (size_t)g * t.share_slots + t.key_bofs[x]);
+    if (routing_scan_hook) routing_scan_hook();
     run_pass(jobs, workers, 2);
+    {
+        /* an id that changed after pass 1 (another thread wrote the routing) */
+        const remap_job *worst = NULL;
+        for (int32_t w = 0; w < workers; w++)
+            if (jobs[w].bad_seq != INT64_MAX &&
+                (!worst || before(jobs[w].bad_seq, jobs[w].bad_layer, jobs[w].bad_token, jobs[w].bad_choice, worst)))
+                worst = &jobs[w];
+        if (worst) {
+            st = rp_fail(err, RP_ERANGE,
+                         "routing: sequence %lld token %lld layer %lld choice %lld has expert id %d, "
+                         "but the model has %d experts (the routing changed during the call)",
+                         (long long)worst->bad_seq, (long long)worst->bad_token, (long long)worst->bad_layer,
+                         (long long)worst->bad_choice, worst->bad_id, t.E);
+            if (err) err->sequence = worst->bad_seq, err->expert = worst->bad_id;
+            goto out;
+        }
+    }
     if (slot_tokens) {
         memset(slot_tokens, 0, rows * sizeof *slot_tokens);
         for (int32_t w = 0; w < workers; w++)

@@ -30,6 +30,13 @@ static inline const void *rp_routing_at(const rp_routing *r, const int64_t *cu_s
     return base + elem * (int64_t)r->width;
 }
 
+/* Test seam: when set, the CPU scans that read routing ids (statistics, remap) call it
+ * where, before each id was read once, a buffer changed by another thread turned a
+ * checked id into an unchecked one: between checking a block of ids and counting it
+ * (statistics), between the remap's checking and assigning passes. Tests change the
+ * routing there (tests/test_stats.c, tests/test_remap.c); NULL otherwise. */
+extern void (*routing_scan_hook)(void);
+
 /* Shape, layout and stride checks of rp_routing_check, without scanning the ids. */
 rp_status rp_routing_check_shape(const rp_routing *r, const rp_batch *batch,
                                  int32_t num_experts, rp_error *err);

@@ -39,8 +39,11 @@ struct rp_stats {
 #define MAX_THREADS 256
 /* Fewer ids than this per thread and an automatic thread count adds no thread. */
 #define MIN_IDS_PER_THREAD (1 << 20)
-/* Tokens are range-checked in blocks of about this many ids (L1-resident) before
- * being counted, so a bad id never indexes the count buffer. */
+/* Dense ids are copied in blocks of at most this many into a worker's private
+ * snapshot (L1-resident), which is range-checked and then counted: the caller's buffer
+ * is read once, so a bad id never indexes the count buffer, even when another thread
+ * writes the routing during the scan. Views with more ids per token take the strided
+ * path, which checks each id where it uses it. */
 #define CHECK_BLOCK_IDS 4096
 /* Cache line size: per-worker buffers are padded to it. */
 #define LINE 64
@@ -62,6 +65,7 @@ typedef struct scan {
 
 typedef struct worker {
     const scan *sc;
+    void *snapshot;      /* CHECK_BLOCK_IDS ids: the block being counted (dense views) */
     int32_t seq_begin, seq_end;
     uint32_t *counts;    /* [layers][experts] of the current sequence */
     int64_t *load;       /* [layers][experts] partial global loads of this worker */
@@ -134,6 +138,9 @@ static bool bad_i32(const int32_t *ids, int64_t n, uint32_t limit)
     return m != 0;
 }
 
+/* Test seam (routing_access.h): called between checking a block and counting it. */
+void (*routing_scan_hook)(void) = NULL;
+
 /* Count one layer's 8 choices. The ids are read as 64-bit words, not one by one: the
  * loop is bound by memory operations (each count is a load and a store), and this
  * saves a load per id. */
@@ -162,18 +169,21 @@ static inline void count8_i32(const int32_t *p, uint32_t *c)
 }
 
 /* Count the contiguous ids of `tokens` tokens: token t, layer l, choice j at
- * ids[(t * layers + l) * k + j]. Blocks of tokens are checked before they are counted
- * (L1-resident by then). The common top-8 has its own inner loop (count8_*). */
+ * ids[(t * layers + l) * k + j], layers * k <= CHECK_BLOCK_IDS. Blocks of tokens are
+ * copied into `snap` (read once), checked there and counted from there, so what is
+ * counted is what was checked. The common top-8 has its own inner loop (count8_*). */
 #define DEFINE_COUNT_DENSE(T, NAME)                                                           \
     static bool count_dense_##NAME(const T *ids, int64_t tokens, int32_t layers, int32_t k,  \
-                                   uint32_t experts, bool check, uint32_t *counts)            \
+                                   uint32_t experts, bool check, uint32_t *counts, T *snap)   \
     {                                                                                         \
         const int64_t rec = (int64_t)layers * k;                                              \
-        int64_t block = CHECK_BLOCK_IDS / rec > 0 ? CHECK_BLOCK_IDS / rec : 1;               \
+        const int64_t block = CHECK_BLOCK_IDS / rec;                                          \
         for (int64_t t0 = 0; t0 < tokens; t0 += block) {                                      \
             int64_t n = tokens - t0 < block ? tokens - t0 : block;                            \
-            const T *p = ids + t0 * rec;                                                      \
+            memcpy(snap, ids + t0 * rec, (size_t)(n * rec) * sizeof(T));                      \
+            const T *p = snap;                                                                \
             if (check && bad_##NAME(p, n * rec, experts)) return false;                       \
+            if (routing_scan_hook) routing_scan_hook();                                       \
             if (k == 8) {                                                                     \
                 for (int64_t t = 0; t < n; t++) {                                             \
                     uint32_t *c = counts;                                                     \
@@ -202,6 +212,7 @@ static inline void count8_i32(const int32_t *p, uint32_t *c)
         const int32_t k = sc->top_k, layers = sc->num_layers;                                 \
         const uint32_t experts = sc->num_experts;                                             \
         const bool check = sc->check;                                                         \
+        if (routing_scan_hook) routing_scan_hook();                                           \
         if (sc->layer_outer) {                                                                \
             for (int32_t l = 0; l < layers; l++) {                                            \
                 const T *p = rp_routing_at(r, sc->cu_seqlens, seq, l);                        \
@@ -237,7 +248,7 @@ DEFINE_COUNT_STRIDED(uint8_t, u8)
 DEFINE_COUNT_STRIDED(uint16_t, u16)
 DEFINE_COUNT_STRIDED(int32_t, i32)
 
-static bool count_seq(const scan *sc, int32_t seq, int64_t tokens, uint32_t *counts)
+static bool count_seq(const scan *sc, int32_t seq, int64_t tokens, uint32_t *counts, void *snap)
 {
     const rp_routing *r = sc->routing;
     if (sc->dense) {
@@ -245,13 +256,13 @@ static bool count_seq(const scan *sc, int32_t seq, int64_t tokens, uint32_t *cou
         switch (r->width) {
         case RP_ID_U8:
             return count_dense_u8(ids, tokens, sc->num_layers, sc->top_k, sc->num_experts,
-                                  sc->check, counts);
+                                  sc->check, counts, snap);
         case RP_ID_U16:
             return count_dense_u16(ids, tokens, sc->num_layers, sc->top_k, sc->num_experts,
-                                   sc->check, counts);
+                                   sc->check, counts, snap);
         default:
             return count_dense_i32(ids, tokens, sc->num_layers, sc->top_k, sc->num_experts,
-                                   sc->check, counts);
+                                   sc->check, counts, snap);
         }
     }
     switch (r->width) {
@@ -304,7 +315,7 @@ static void *work(void *arg)
             continue;
         }
         memset(w->counts, 0, cells * sizeof *w->counts);
-        if (!count_seq(sc, s, len, w->counts)) {
+        if (!count_seq(sc, s, len, w->counts, w->snapshot)) {
             w->bad_seq = s;
             int cur = atomic_load_explicit((atomic_int *)&sc->first_bad, memory_order_relaxed);
             while (s < cur && !atomic_compare_exchange_weak((atomic_int *)&sc->first_bad, &cur, s)) {
@@ -590,7 +601,8 @@ rp_status rp_stats_compute(rp_context *ctx, const rp_batch *batch, const rp_rout
     size_t loads_stride = (cells * sizeof(int64_t) + 2 * LINE - 1) / LINE * LINE;
     size_t counts_stride = (cells * sizeof(uint32_t) + 2 * LINE - 1) / LINE * LINE;
     size_t workers_bytes = ((size_t)nthreads * sizeof(worker) + LINE - 1) / LINE * LINE;
-    size_t per_worker_bytes = loads_stride + counts_stride;
+    size_t snapshot_stride = (size_t)CHECK_BLOCK_IDS * sizeof(int32_t);
+    size_t per_worker_bytes = loads_stride + counts_stride + snapshot_stride;
     scratch = rp_alloc(ctx, LINE + (size_t)nthreads * per_worker_bytes + workers_bytes +
                                 (size_t)nthreads * sizeof(pthread_t));
     if (!stats->expert_load || !stats->width || !stats->offset || !stats->hist || !scratch) {
@@ -608,7 +620,7 @@ rp_status rp_stats_compute(rp_context *ctx, const rp_batch *batch, const rp_rout
         .num_layers = layers,
         .top_k = k,
         .num_experts = (uint32_t)num_experts,
-        .dense = routing->k_stride == 1 && routing->layer_stride == k &&
+        .dense = (int64_t)layers * k <= CHECK_BLOCK_IDS && routing->k_stride == 1 && routing->layer_stride == k &&
                  routing->token_stride == (int64_t)layers * k &&
                  (routing->layout == RP_ROUTING_PACKED || routing->layout == RP_ROUTING_PER_SEQ),
         .layer_outer = routing->layout == RP_ROUTING_PER_LAYER ||
@@ -632,6 +644,7 @@ rp_status rp_stats_compute(rp_context *ctx, const rp_batch *batch, const rp_rout
             .seq_end = split_point(cu, n, (int64_t)layers * k, (int64_t)cells, i + 1, nthreads),
             .load = (int64_t *)(aligned + (size_t)i * per_worker_bytes),
             .counts = (uint32_t *)(aligned + (size_t)i * per_worker_bytes + loads_stride),
+            .snapshot = aligned + (size_t)i * per_worker_bytes + loads_stride + counts_stride,
             .bad_seq = -1,
         };
     }

@@ -4,6 +4,7 @@
  * threads and views, and bad input (ids out of range, broken plans, failed allocations). */
 #include "internal.h"
 #include "routepack/routepack.h"
+#include "routing_access.h"
 #include "tap.h"
 #include "test_util.h"
 
@@ -696,6 +697,45 @@ static void test_errors(void)
     hand_free(&h);
 }
 
+/* The routing changes between the pass that checks the ids and the pass that uses them
+ * (routing_scan_hook, the point where another thread could write it): the id is
+ * checked where it is used, so the call reports it instead of indexing the replica
+ * table with it (before, it read and wrote out of bounds). */
+static int32_t *changing_ids;
+static int32_t changing_value;
+static void change_routing(void) { changing_ids[3] = changing_value; }
+
+static void test_changed_during_call(void)
+{
+    hand h;
+    hand_make(&h);
+    int32_t wide[24], phys[24];
+    int64_t cnt[9];
+    for (int i = 0; i < 24; i++) wide[i] = h.ids[i];
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_I32, 1, 2, wide);
+    const int32_t bad[3] = {4, 1 << 28, -1};
+    for (int i = 0; i < 3; i++) {
+        wide[3] = 3;
+        changing_ids = wide;
+        changing_value = bad[i];
+        routing_scan_hook = change_routing;
+        rp_error err;
+        for (int x = 0; x < 9; x++) cnt[x] = -7;
+        rp_status st = rp_remap(h.plan, h.cfg, 0, h.batch, &r, RP_SPLIT_EVEN, 1, phys, cnt, &err);
+        routing_scan_hook = NULL;
+        is_int(st, RP_ERANGE, "an id changed to %d after the checking pass: RP_ERANGE", bad[i]);
+        like(err.text, "changed during the call", "the message says the routing changed: %s", err.text);
+        int untouched = 1;
+        for (int x = 0; x < 9; x++) untouched &= cnt[x] == -7;
+        ok(untouched, "slot_tokens is not written");
+    }
+    wide[3] = 3;
+    rp_error err;
+    is_int(rp_remap(h.plan, h.cfg, 0, h.batch, &r, RP_SPLIT_EVEN, 1, phys, cnt, &err), RP_OK, "unchanged, the call succeeds");
+    hand_free(&h);
+}
+
 /* Fail every allocation of rp_remap in turn: each fails cleanly and leaks nothing. */
 static void test_alloc_failures(void)
 {
@@ -740,6 +780,7 @@ int main(void)
     test_cost_agreement();
     test_determinism();
     test_errors();
+    test_changed_during_call();
     test_alloc_failures();
     rp_context_free(ctx);
     return tap_done();

@@ -47,7 +47,11 @@ RP_API int32_t rp_remap_physical_ep_rank(const rp_plan *plan, int32_t mb, int32_
  * twice in the microbatch, an expert without a replica, shares that do not match the
  * replica count or sum to 0 (RP_EPLAN); an id out of range (RP_ERANGE, naming the
  * lowest sequence, then layer, token and choice, as rp_routing_check); more than
- * 2^31-1 token-choices on one GPU (RP_ERANGE).
+ * 2^31-1 token-choices on one GPU (RP_ERANGE). Each id is read once where it is
+ * used and checked there, so routing changed by another thread during the call cannot
+ * make it index out of bounds: an id that turns out of range after the checking pass is
+ * RP_ERANGE too ("... (the routing changed during the call)"), and only then may the
+ * microbatch's entries of phys_ids be partly written (slot_tokens is not).
  *
  * Device memory: when the routing ids are device (or managed) memory (asked of CUDA,
  * routepack/gpu.h), the call is rp_gpu_remap's: phys_ids must then be device memory

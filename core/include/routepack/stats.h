@@ -16,7 +16,10 @@ typedef struct rp_stats rp_stats;
 /* Scan the routing once. `num_threads` <= 0 picks the number of online CPUs (capped at
  * 64). Checks the view against the batch and every id against num_experts; the first
  * id out of range is RP_ERANGE, named as rp_routing_check names it (lowest sequence,
- * then layer, token, choice), and no statistics are made.
+ * then layer, token, choice), and no statistics are made. The CPU scan reads each id
+ * once and counts the value it checked, so routing written by another thread during
+ * the call can change the counts (or make the call RP_ERANGE), never make it index
+ * outside its histograms.
  *
  * Device memory: when the view's id arrays are device (or managed) memory (asked of
  * CUDA, routepack/gpu.h), the counts come from the histogram kernel
