@@ -109,39 +109,3 @@ void rp_log(rp_context *ctx, rp_log_level level, const char *fmt, ...)
     ctx->log(ctx->log_ud, level, msg);
 }
 
-rp_status rp_read_file(rp_context *ctx, const char *path, char **text, size_t *len,
-                       rp_error *err)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return rp_fail(err, RP_EIO, "%s: cannot open: %s", path, strerror(errno));
-    rp_status st = RP_OK;
-    char *buf = NULL;
-    size_t cap = 0, n = 0;
-    for (;;) {
-        if (n + 4096 + 1 > cap) {
-            size_t ncap = cap ? cap * 2 : 65536;
-            char *nb = rp_realloc(ctx, buf, ncap);
-            if (!nb) {
-                st = rp_fail_nomem(err, path);
-                goto out;
-            }
-            buf = nb;
-            cap = ncap;
-        }
-        size_t got = fread(buf + n, 1, cap - n - 1, f);
-        n += got;
-        if (got == 0) break;
-    }
-    if (ferror(f)) {
-        st = rp_fail(err, RP_EIO, "%s: read error: %s", path, strerror(errno));
-        goto out;
-    }
-    buf[n] = '\0';
-    *text = buf;
-    *len = n;
-    buf = NULL;
-out:
-    rp_free(ctx, buf);
-    fclose(f);
-    return st;
-}

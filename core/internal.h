@@ -50,7 +50,27 @@ static inline bool rp_add_overflow(int64_t a, int64_t b, int64_t *out)
     return __builtin_add_overflow(a, b, out);
 }
 
-/* Read a whole (small) file, NUL-terminated; for configs and settings. */
+/* Files the library and the CLI read (core/file.c). */
+
+/* The largest text file read whole (configs, plans, generator settings, counts files):
+ * checked against the file's size before anything is allocated. */
+#define RP_TEXT_FILE_MAX_BYTES ((size_t)256 << 20)
+
+/* Open `path` with `flags` (O_RDONLY, O_WRONLY) without blocking in open() (a FIFO
+ * without a writer would block it for ever) and refuse anything but a regular file
+ * (RP_EIO: "x.json: is a FIFO, not a regular file ..."); the descriptor is blocking
+ * again and close-on-exec. *size (may be NULL) gets the file's size. */
+rp_status rp_file_open_regular(const char *path, int flags, int *fd, int64_t *size, rp_error *err);
+
+/* Words for a file type in messages ("a FIFO", "a character device"); `mode` as
+ * struct stat's st_mode. */
+const char *rp_file_kind(unsigned mode);
+
+/* Read a whole regular file, NUL-terminated, into memory from ctx: one larger than
+ * max_bytes is RP_ERANGE before anything is allocated, one that grows while it is read
+ * is RP_EIO. rp_read_file caps at RP_TEXT_FILE_MAX_BYTES. */
+rp_status rp_read_file_max(rp_context *ctx, const char *path, size_t max_bytes, char **text, size_t *len,
+                           rp_error *err);
 rp_status rp_read_file(rp_context *ctx, const char *path, char **text, size_t *len,
                        rp_error *err);
 

@@ -239,15 +239,10 @@ rp_status rp_npy_open(rp_context *ctx, const char *path, rp_npy **out, rp_error 
     rp_status st = RP_OK;
     rp_npy *npy = NULL;
     void *map = MAP_FAILED;
-    struct stat sb;
     int64_t shape[NPY_MAX_DIMS];
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return rp_fail(err, RP_EIO, "%s: cannot open: %s", path, strerror(errno));
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        st = rp_fail(err, RP_EIO, "%s: not a regular file", path);
-        goto out;
-    }
-    int64_t size = sb.st_size;
+    int fd;
+    int64_t size = 0;
+    if ((st = rp_file_open_regular(path, O_RDONLY, &fd, &size, err)) != RP_OK) return st;
     if (size < 10) {
         st = rp_fail(err, RP_EFORMAT, "%s: %s (%" PRId64 " bytes), not a .npy file", path,
                      size == 0 ? "empty file" : "too short", size);
@@ -342,7 +337,7 @@ out:
         rp_free(ctx, npy->shape);
         rp_free(ctx, npy);
     }
-    if (map != MAP_FAILED) munmap(map, (size_t)sb.st_size);
+    if (map != MAP_FAILED) munmap(map, (size_t)size);
     close(fd);
     return st;
 }

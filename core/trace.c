@@ -433,14 +433,10 @@ rp_status rp_trace_open(rp_context *ctx, const char *path, unsigned flags, rp_tr
     rp_trace *t = NULL;
     void *map = MAP_FAILED;
     struct stat sb;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return rp_fail(err, RP_EIO, "%s: cannot open: %s", path, strerror(errno));
+    int fd;
+    if ((st = rp_file_open_regular(path, O_RDONLY, &fd, NULL, err)) != RP_OK) return st;
     if (fstat(fd, &sb) != 0) {
         st = rp_fail(err, RP_EIO, "%s: cannot stat: %s", path, strerror(errno));
-        goto out;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        st = rp_fail(err, RP_EIO, "%s: not a regular file", path);
         goto out;
     }
     if (sb.st_size == 0) {
@@ -942,8 +938,8 @@ rp_status rp_trace_writer_open_append(rp_context *ctx, const char *path, int32_t
                      first->num_experts, num_experts);
     } else if (!(w = writer_new(ctx, path, num_experts))) {
         st = rp_fail_nomem(err, "a trace writer");
-    } else if ((w->fd = open(path, O_WRONLY | O_CLOEXEC)) < 0) {
-        st = rp_fail(err, RP_EIO, "%s: cannot open for writing: %s", path, strerror(errno));
+    } else if ((st = rp_file_open_regular(path, O_WRONLY, &w->fd, NULL, err)) != RP_OK) {
+        w->fd = -1; /* replaced by a FIFO or device since it was read: refused, never blocks */
     } else if (fstat(w->fd, &sb) != 0 || sb.st_size != size) {
         st = rp_fail(err, RP_EIO, "%s: the file changed while it was opened for appending", path);
     } else {

@@ -2,6 +2,8 @@
  * scheduler, and compare them side by side (a table, JSON, or an HTML report). Also the
  * helpers that the policy and plan commands share: config loading and step input. */
 #include "cli.h"
+#include "internal.h"
+#include "sched_internal.h"
 #include "report.h"
 
 #include <errno.h>
@@ -186,6 +188,7 @@ typedef struct step_rec {
 
 typedef struct sim_policy {
     const char *spec;
+    rp_context *ctx;      /* the command's, for reading the watched file */
     rp_sched *sched;
     char *error;          /* why it stopped (load or step), NULL while fine */
     step_rec *steps;
@@ -308,35 +311,6 @@ oom:
     return -1;
 }
 
-static char *read_text_file(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 4096, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        size_t got = fread(buf + n, 1, cap - n - 1, f);
-        n += got;
-        if (n + 1 < cap) break;
-        char *grown = realloc(buf, cap *= 2);
-        if (!grown) {
-            free(buf);
-            buf = NULL;
-        } else {
-            buf = grown;
-        }
-    }
-    bool failed = ferror(f);
-    fclose(f);
-    if (!buf || failed) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = '\0';
-    *len = n;
-    return buf;
-}
-
 static bool file_changed(const struct stat *a, const struct stat *b)
 {
     return a->st_mtim.tv_sec != b->st_mtim.tv_sec || a->st_mtim.tv_nsec != b->st_mtim.tv_nsec ||
@@ -355,21 +329,23 @@ static void watch_check(sim_policy *p, int64_t step)
     if (!file_changed(&now, &p->seen)) return;
     p->seen = now;
     size_t len;
-    char *text = read_text_file(p->spec, &len);
+    char *text = NULL;
+    rp_error err;
+    /* the library's reader: a FIFO or device put in the policy's place is refused, not
+     * waited on, and a file over the policy size cap is not read */
+    rp_status rst = rp_read_file_max(p->ctx, p->spec, RP_POLICY_MAX_BYTES, &text, &len, &err);
     progress_clear();
-    if (!text) {
-        fprintf(stderr, "routepack: watch: cannot read %s: %s; the running policy stays\n", p->spec,
-                strerror(errno));
+    if (rst != RP_OK) {
+        fprintf(stderr, "routepack: watch: cannot read %s; the running policy stays\n", err.text);
         return;
     }
-    rp_error err;
     rp_error_clear(&err);
     if (rp_sched_stage_policy(p->sched, p->spec, text, -1, &err) != RP_OK)
         fprintf(stderr, "routepack: watch: %s changed; not staged: %s; the running policy stays\n",
                 p->spec, err.text[0] ? err.text : rp_strerror(err.status));
     else
         fprintf(stderr, "routepack: watch: %s changed; staged for step %" PRId64 "\n", p->spec, step);
-    free(text);
+    rp_text_free(p->ctx, text);
 }
 
 static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *plan,
@@ -857,6 +833,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
         }
         /* stat before loading: a change made while it loads is seen at the first step */
         p->watched = o.watch && !strcmp(p->spec, o.watch);
+        p->ctx = ctx;
         if (p->watched && stat(p->spec, &p->seen) != 0) memset(&p->seen, 0, sizeof p->seen);
         opts.policy = p->spec;
         rp_error_clear(&err);
