@@ -42,6 +42,17 @@ bool cli_int(const char *name, const char *text, int64_t *out);
 int cli_check_output_file(const char *option, const char *path);
 int cli_make_output_dir(const char *option, const char *dir);
 
+/* Progress of long work (core/cli/progress.c): one line on stderr, redrawn, only on a
+ * terminal and after ~2 s of work; --quiet (any command) turns it off. `units` are steps;
+ * `bytes` 0 when not counted; `detail` may be NULL. End clears the line. */
+void cli_progress_quiet(bool quiet);
+bool cli_progress_quiet_p(void);
+void cli_progress_begin(const char *what, int64_t total_units, double total_bytes);
+void cli_progress_update(int64_t units_done, double bytes_done, const char *detail);
+void cli_progress_end(void);
+/* Erase the line before printing a message; the next update draws it again. */
+void cli_progress_clear(void);
+
 /* Resolve a bundled example file: RP_EXAMPLES_DIR, then the source tree's examples/,
  * then the install's data directory. Returns a static buffer or NULL. */
 const char *cli_example_path(const char *file);

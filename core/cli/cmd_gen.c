@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/statvfs.h>
 #include <time.h>
 
 typedef struct summary {
@@ -142,6 +143,33 @@ static void print_summary(const summary *s, const rp_gen_info *info, const rp_ge
     free(t);
 }
 
+/* Bytes a step adds to the trace: its routing ids and three int32 arrays (lengths and
+ * groups); the header is small beside them. */
+static double step_payload_bytes(const rp_gen_info *info, const rp_batch *b)
+{
+    return (double)rp_batch_num_tokens(b) * info->num_layers * info->top_k * (double)info->width +
+           12.0 * rp_batch_num_seqs(b);
+}
+
+/* Before anything is written: how much will be (from step 0: steps differ by their
+ * lengths), and a warning when the output's file system has less room. */
+static void announce(const char *out, const rp_gen_info *info, const rp_batch *step0, double estimate)
+{
+    if (cli_progress_quiet_p()) return;
+    char size[32], room[32];
+    fprintf(stderr, "routepack trace gen: about %s to write (%d step%s like step 0: %" PRId64
+            " tokens x %d layers x top-%d, %d-byte ids)\n", cli_human_bytes(estimate, size, sizeof size),
+            info->num_steps, info->num_steps == 1 ? "" : "s", rp_batch_num_tokens(step0), info->num_layers,
+            info->top_k, (int)info->width);
+    struct statvfs vfs;
+    if (statvfs(out, &vfs) == 0) {
+        double free_bytes = (double)vfs.f_bavail * (double)vfs.f_frsize;
+        if (free_bytes < estimate)
+            fprintf(stderr, "routepack: warning: %s has %s free, less than the estimate\n", out,
+                    cli_human_bytes(free_bytes, room, sizeof room));
+    }
+}
+
 int cmd_trace_gen(rp_context *ctx, int argc, char **argv)
 {
     const char *settings = NULL, *out = NULL, *steps_text = NULL, *seed_text = NULL;
@@ -191,7 +219,8 @@ int cmd_trace_gen(rp_context *ctx, int argc, char **argv)
         rc = cli_fail(&err);
         goto done;
     }
-    double seconds = 0;
+    double seconds = 0, written = 0, estimate = 0;
+    cli_progress_begin("trace gen: step", info->num_steps, 0);
     for (int32_t step = 0; step < info->num_steps; step++) {
         rp_batch *b;
         rp_routing r;
@@ -203,7 +232,15 @@ int cmd_trace_gen(rp_context *ctx, int argc, char **argv)
         }
         clock_gettime(CLOCK_MONOTONIC, &t1);
         seconds += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double step_bytes = step_payload_bytes(info, b);
+        if (step == 0) {
+            estimate = step_bytes * info->num_steps;
+            announce(out, info, b, estimate);
+            cli_progress_begin("trace gen: step", info->num_steps, estimate);
+        }
         rp_status st = rp_trace_writer_append(w, step, b, &r, &err);
+        written += step_bytes;
+        cli_progress_update(step + 1, written, NULL);
         bool added = st == RP_OK && add_step(&s, info, b, &r);
         rp_batch_free(b);
         if (st != RP_OK) {
@@ -215,6 +252,7 @@ int cmd_trace_gen(rp_context *ctx, int argc, char **argv)
             goto done;
         }
     }
+    cli_progress_end();
     rp_trace_writer *closing = w;
     w = NULL;
     if (rp_trace_writer_close(closing, &err) != RP_OK) {
@@ -226,6 +264,7 @@ int cmd_trace_gen(rp_context *ctx, int argc, char **argv)
     print_summary(&s, info, gen, seconds);
     rc = CLI_OK;
 done:
+    cli_progress_end();
     if (w) {
         rp_error ignored;
         rp_trace_writer_close(w, &ignored);

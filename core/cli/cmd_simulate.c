@@ -217,13 +217,6 @@ static char *dup_or_null(const char *s)
     return s && s[0] ? strdup(s) : NULL;
 }
 
-static bool progress_on;
-
-static void progress_clear(void)
-{
-    if (progress_on) fprintf(stderr, "\r\033[K");
-}
-
 static int parse_sim_opts(int argc, char **argv, sim_opts *o)
 {
     memset(o, 0, sizeof *o);
@@ -322,7 +315,7 @@ static void watch_check(sim_policy *p, int64_t step)
 {
     struct stat now;
     if (stat(p->spec, &now) != 0) {
-        progress_clear();
+        cli_progress_clear();
         fprintf(stderr, "routepack: watch: %s: %s; the running policy stays\n", p->spec, strerror(errno));
         return;
     }
@@ -334,7 +327,7 @@ static void watch_check(sim_policy *p, int64_t step)
     /* the library's reader: a FIFO or device put in the policy's place is refused, not
      * waited on, and a file over the policy size cap is not read */
     rp_status rst = rp_read_file_max(p->ctx, p->spec, RP_POLICY_MAX_BYTES, &text, &len, &err);
-    progress_clear();
+    cli_progress_clear();
     if (rst != RP_OK) {
         fprintf(stderr, "routepack: watch: cannot read %s; the running policy stays\n", err.text);
         return;
@@ -755,7 +748,7 @@ static void policy_stop(sim_policy *p, int64_t step, const rp_error *err)
     snprintf(buf, sizeof buf, "step %" PRId64 ": %s", step, err->text[0] ? err->text : rp_strerror(err->status));
     free(p->error);
     p->error = strdup(buf);
-    progress_clear();
+    cli_progress_clear();
     fprintf(stderr, "routepack: policy '%s' stopped at %s\n", p->spec, buf);
     rp_sched_free(p->sched);
     p->sched = NULL;
@@ -850,7 +843,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
         goto out;
     }
 
-    progress_on = isatty(STDERR_FILENO);
+    cli_progress_begin("simulate: step", steps, 0);
     for (int32_t i = 0; i < steps; i++) {
         int64_t step_index;
         rp_routing routing;
@@ -861,22 +854,21 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
         rp_cost_free(cost);
         cost = NULL;
         if (cli_input_read(&in, i, &batch, &routing, &step_index, &err) != RP_OK) {
-            progress_clear();
+            cli_progress_clear();
             rc = cli_fail(&err);
             goto out;
         }
         if (o.report && (rp_stats_compute(ctx, batch, &routing, in.num_experts, opts.num_threads, &stats,
                                           &err) != RP_OK ||
                          rp_cost_new(ctx, cfg, batch, stats, opts.split, &cost, &err) != RP_OK)) {
-            progress_clear();
+            cli_progress_clear();
             fprintf(stderr, "routepack: %s: step %" PRId64 ": %s\n", in.path, step_index, err.text);
             goto out;
         }
         for (int j = 0; j < np; j++) {
             sim_policy *p = &pol[j];
             if (!p->sched) continue;
-            if (progress_on)
-                fprintf(stderr, "\r\033[Ksimulate: step %d/%d  %s", i + 1, steps, p->spec);
+            cli_progress_update(i, 0, p->spec);
             if (p->watched) watch_check(p, step_index);
             const rp_plan *plan;
             const rp_step_report *rep;
@@ -887,13 +879,13 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
             }
             record_step(&p->steps[p->num_steps++], rep, plan, rp_sched_migration(p->sched));
             if (o.plans && save_step_plan(o.plans, p->spec, step_index, plan, &err) != RP_OK) {
-                progress_clear();
+                cli_progress_clear();
                 rc = cli_fail(&err);
                 goto out;
             }
             if (p->watched) {
                 const step_rec *r = &p->steps[p->num_steps - 1];
-                progress_clear();
+                cli_progress_clear();
                 if (r->swapped)
                     fprintf(stderr, "routepack: watch: step %" PRId64 ": swapped in %s %s (%016" PRIx64 ")\n",
                             step_index, r->policy_name, r->policy_version, r->policy_hash);
@@ -907,7 +899,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
             if (cost && track_step(p, cost, plan, cfg, &err) != RP_OK) policy_stop(p, step_index, &err);
         }
     }
-    progress_clear();
+    cli_progress_end();
 
     const sim_policy *base = NULL;
     for (int i = 0; i < np; i++)

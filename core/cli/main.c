@@ -129,7 +129,8 @@ static void print_usage(FILE *out)
 static void print_command_help(const cli_command *c)
 {
     const char *sub = c->name ? " " : "";
-    printf("usage: routepack %s%s%s %s\n\n%s.\n\noptions:\n%s  --help, -h         this page\n\n"
+    printf("usage: routepack %s%s%s %s\n\n%s.\n\noptions:\n%s  --quiet            no progress line (shown on a terminal for work over ~2 s)\n"
+           "  --help, -h         this page\n\n"
            "example:\n  %s\n",
            c->group, sub, c->name ? c->name : "", c->usage, c->summary, c->options, c->example);
 }
@@ -246,6 +247,13 @@ int main(int argc, char **argv)
         if (argc > 4) return cli_usage("help takes a command and a subcommand at most (try: routepack help)");
         return print_help_for(argv[2], argc > 3 ? argv[3] : NULL);
     }
+    /* --quiet, anywhere after the command: no progress line (core/cli/progress.c) */
+    int kept = 2;
+    for (int i = 2; i < argc; i++) {
+        if (!strcmp(argv[i], "--quiet")) cli_progress_quiet(true);
+        else argv[kept++] = argv[i];
+    }
+    argc = kept;
     if (asks_for_help(argc - 2, argv + 2)) {
         /* `routepack trace gen ... --help`: the subcommand's page when the word after the
          * group is one of its subcommands, else the group's page */

@@ -76,3 +76,52 @@ def test_plans_dir_names_a_path_policy(cli, tmp_path):
             "--plans", plans)
     # eplb alone has no packing: it may not run, but the folder of what ran is there
     assert (plans / "token_kk+contiguous" / "step-0.json").is_file(), r.stderr
+
+
+def run_on_terminal(cli, *args, env_extra=None):
+    """Run with stderr on a pseudo-terminal; returns (returncode, stdout, what the terminal got)."""
+    import os
+    import pty
+    master, slave = pty.openpty()
+    env = dict(os.environ, **(env_extra or {}))
+    p = subprocess.Popen([cli, *map(str, args)], stdout=subprocess.PIPE, stderr=slave, env=env)
+    os.close(slave)
+    out = p.stdout.read()
+    p.wait()
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return p.returncode, out.decode(), b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_on_a_terminal_only(cli, tmp_path):
+    gen = SMALL_CONFIG.parent / "gen-small.json"
+    show = {"RP_PROGRESS_AFTER_S": "0"}
+    rc, out, term = run_on_terminal(cli, "trace", "gen", gen, "--steps", 3, "--out",
+                                    tmp_path / "a.rpt", env_extra=show)
+    assert rc == 0
+    assert "about" in term and "to write (3 steps like step 0" in term   # the estimate first
+    assert "\r\x1b[Ktrace gen: step 1/3" in term and "ETA" in term
+    assert term.rstrip("\r\n").endswith("\x1b[K") or "\r\x1b[K" in term.split("ETA")[-1]
+    assert "\x1b" not in out                                               # stdout stays clean
+    # --quiet: neither the line nor the estimate
+    rc, out, term = run_on_terminal(cli, "trace", "gen", gen, "--steps", 3, "--quiet", "--out",
+                                    tmp_path / "b.rpt", env_extra=show)
+    assert rc == 0 and "step 1/3" not in term and "to write" not in term
+    # not a terminal: no progress line (the estimate is a message, it stays)
+    r = subprocess.run([cli, "trace", "gen", str(gen), "--steps", "3", "--out",
+                        str(tmp_path / "c.rpt")], capture_output=True, text=True,
+                       env=dict(__import__("os").environ, **show))
+    assert r.returncode == 0 and "\x1b" not in r.stderr and "to write" in r.stderr
+    # simulate draws its line too, and erases it before the table
+    rc, out, term = run_on_terminal(cli, "simulate", "--steps", 2, "--policies",
+                                    "token_kk+eplb", env_extra=show)
+    assert rc == 0 and "\r\x1b[Ksimulate: step 0/2  token_kk+eplb" in term
+    assert term.endswith("\r\x1b[K")
