@@ -1109,7 +1109,10 @@ rp_status rp_sched_report_json(const rp_sched *s, char **text, size_t *len, rp_e
                              "ranks_disagreed", r->ranks_disagreed, "experts_moved", (int)r->experts_moved,
                              "migration_bytes", r->migration_bytes, "migration_s", r->migration_s, "policy_wall_s",
                              r->policy_wall_s);
-    if (!root) return rp_fail_nomem(err, "the step report");
+    if (!root || json_object_set_new(root, "metrics", rp_step_metrics_json(r)) != 0) {
+        json_decref(root);
+        return rp_fail_nomem(err, "the step report");
+    }
     char *dump = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(root);
     if (!dump) return rp_fail_nomem(err, "the step report");

@@ -147,4 +147,8 @@ typedef struct sched_fields {
 
 void sched_fields_of(rp_sched *sched, sched_fields *f);
 
+/* The step's flat metrics as a new JSON object (core/sched_metrics.c); NULL when out of
+ * memory. The report JSON's "metrics" and simulate --json's per-step "metrics". */
+struct json_t *rp_step_metrics_json(const rp_step_report *r);
+
 #endif

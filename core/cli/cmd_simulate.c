@@ -5,6 +5,7 @@
 #include "internal.h"
 #include "sched_internal.h"
 #include "report.h"
+#include "sched_internal.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -184,6 +185,7 @@ typedef struct step_rec {
     double migration_bytes, migration_s;
     int32_t migration_rounds;          /* of the step's migration plan; 0 when none */
     int64_t migration_staging_bytes;   /* the most staging one GPU uses in one round */
+    json_t *metrics;                   /* rp_step_metrics_json of the step's report */
 } step_rec;
 
 typedef struct sim_policy {
@@ -361,6 +363,7 @@ static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *p
     r->experts_moved = rep->experts_moved;
     r->migration_bytes = rep->migration_bytes;
     r->migration_s = rep->migration_s;
+    r->metrics = rp_step_metrics_json(rep);
     if (migration) {
         rp_migration_summary sum;
         rp_migration_plan_summary(migration, &sum);
@@ -499,7 +502,7 @@ static json_t *step_json(const step_rec *r)
     const rp_cost_summary *c = &r->cost;
     return json_pack("{s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f,"
                      " s:{s:i, s:i, s:i, s:s}, s:i, s:f, s:I, s:b, s:s?, s:b, s:s?,"
-                     " s:{s:s, s:s, s:s}, s:s, s:i, s:f, s:f, s:i, s:I}",
+                     " s:{s:s, s:s, s:s}, s:s, s:i, s:f, s:f, s:i, s:I, s:o}",
                      "step", (json_int_t)r->step, "step_ms", c->step_s * 1e3, "lower_bound_ms",
                      c->lower_bound_s * 1e3, "ratio", c->ratio, "attention_ms", c->attention_s * 1e3,
                      "dispatch_ms", c->dispatch_s * 1e3, "expert_ms", c->expert_s * 1e3, "combine_ms",
@@ -514,7 +517,8 @@ static json_t *step_json(const step_rec *r)
                      "version", r->policy_version, "hash", policy_hash, "plan_hash", plan_hash,
                      "experts_moved", r->experts_moved, "migration_bytes", r->migration_bytes,
                      "migration_ms", r->migration_s * 1e3, "migration_rounds", r->migration_rounds,
-                     "migration_staging_bytes", (json_int_t)r->migration_staging_bytes);
+                     "migration_staging_bytes", (json_int_t)r->migration_staging_bytes, "metrics",
+                     r->metrics ? json_deep_copy(r->metrics) : json_null());
 }
 
 /* The whole run as one JSON object on stdout (schema: docs/cli.md); false on failure. */
@@ -701,6 +705,7 @@ static void free_policies(sim_policy *pol, int np)
         for (int32_t k = 0; k < p->num_steps; k++) {
             free(p->steps[k].fallback_reason);
             free(p->steps[k].swap_error);
+            json_decref(p->steps[k].metrics);
         }
         free(p->steps);
         free(p->error);

@@ -119,6 +119,18 @@ class StepResult:
     Migration: ``migration``, the step's expert migration plan (rp_sched_migration) as a
     routepack.migration.Migration copy, or None when the placement did not change."""
 
+    def metrics(self, prefix="routepack/"):
+        """The step's flat metrics for a logger, {prefix + key: float}: step_time_ms,
+        lower_bound_ms, step_over_lower_bound, attention/dispatch/expert/combine_ms,
+        attention_imbalance, expert_imbalance, expert_balancedness (vLLM's mean/max),
+        migration_bytes, migration_ms, experts_moved, plan_ms, policy_ms, fallback,
+        swapped, ranks_disagreed (0 or 1). The same keys as `routepack simulate --json`
+        per step (both come from the C report); docs/python.md defines each.
+
+            wandb.log(res.metrics(), step=step)       # or writer.add_scalars(...)
+        """
+        return {prefix + k: float(v) for k, v in self.report["metrics"].items()}
+
     def __init__(self):
         self.migration = None
         self.physical_routing = None

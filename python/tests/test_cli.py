@@ -137,3 +137,28 @@ def _first_key(obj, keys):
             if got:
                 return got
     return None
+
+
+def test_metrics_match_simulate(cli, tmp_path):
+    # StepResult.metrics() and simulate --json's per-step "metrics": the same keys, and
+    # the same values for everything the plan decides (timings aside)
+    steps = make_steps(2, seed=5)
+    path = tmp_path / "m.rpt"
+    with routepack.TraceWriter(path, 64) as w:
+        for i, p, r, g, ids in steps:
+            w.append(i, (p, r), ids, group_ids=g)
+    sim = json.loads(run_cli(cli, "simulate", "--json", "--config", SMALL_CONFIG, "--trace", path,
+                             "--policies", "token_kk+eplb"))
+    results = python_run(steps, "token_kk+eplb")
+    for res, step in zip(results, sim["policies"][0]["steps"]):
+        m = res.metrics()
+        assert set(m) == {"routepack/" + k for k in step["metrics"]}
+        assert all(isinstance(v, float) for v in m.values())
+        for k, v in step["metrics"].items():
+            if k in ("plan_ms", "policy_ms"):
+                continue
+            assert m["routepack/" + k] == pytest.approx(v, rel=1e-6), k
+        assert m["routepack/step_time_ms"] == pytest.approx(res.step_time_s * 1e3)
+        assert m["routepack/expert_balancedness"] == pytest.approx(
+            1 / m["routepack/expert_imbalance"])
+        assert res.metrics(prefix="")["fallback"] in (0.0, 1.0)
