@@ -8,7 +8,7 @@ import ctypes
 
 import numpy as np
 
-from . import _lib, errors
+from . import _args, _lib, errors
 
 LAYOUTS = ("packed", "per_seq", "per_layer")
 _LAYOUT_CODE = {"packed": 0, "per_seq": 1, "per_layer": 2}
@@ -99,7 +99,8 @@ def _int32_vector(values, what):
             bad = int(np.flatnonzero((arr < -2**31) | (arr >= 2**31))[0])
             raise _routing_error("%s[%d] is %d, outside the int32 range" % (what, bad, int(arr[bad])),
                                  errors.ERANGE, sequence=bad)
-    return np.ascontiguousarray(arr, dtype=np.int32)
+    # C reads these through an int32 pointer: contiguous and aligned (a copy when not)
+    return _args.aligned(np.ascontiguousarray(arr, dtype=np.int32))
 
 
 def lengths(seq_lens, cu_seqlens, group_ids, routing_list=None, layout=None):
@@ -393,6 +394,11 @@ def view(layout, arrays, *, num_layers, top_k, num_experts, lens):
         arrays, width = _convert(arrays, layout, num_experts, lens.cu_seqlens)
         copied = True
 
+    # C reads the ids through a uint16 or int32 pointer: a misaligned array (numpy allows
+    # one, e.g. np.frombuffer at an odd offset) is copied, never handed over
+    if any(not a.flags.aligned for a in arrays):
+        arrays = [_args.aligned(a) for a in arrays]
+        copied = True
     strides = _common_strides(arrays) if arrays else (0,) * (3 if layout != "per_layer" else 2)
     if strides is None:
         arrays = [np.ascontiguousarray(a) for a in arrays]

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from . import _lib, _routing, errors, migration
+from . import _args, _lib, _routing, errors, migration
 from ._context import Context, Owned
 from .trace import _new_batch
 
@@ -19,9 +19,10 @@ _SPLIT = {"even": 0, "locality": 1}
 _SIDES = {0: "attention", 1: "dispatch", 2: "expert", 3: "combine"}
 STATE_FORMAT = "routepack-scheduler-state"
 
+# each option and the C type of its rp_sched_options field (None: a double)
 _OPTION_FIELDS = {
-    "num_threads": int, "history": int, "max_instructions": int, "max_wall_s": float,
-    "max_memory_bytes": int, "max_depth": int,
+    "num_threads": _args.INT32, "history": _args.INT32, "max_instructions": _args.INT64,
+    "max_wall_s": None, "max_memory_bytes": _args.SIZE_T, "max_depth": _args.INT32,
 }
 
 
@@ -54,7 +55,7 @@ def _config_bytes(config):
     if isinstance(config, str) and config.lstrip().startswith("{"):
         return ("text", config.encode("utf-8"), b"<inline>")
     if isinstance(config, (str, os.PathLike)):
-        return ("path", os.fsencode(config))
+        return ("path", _args.c_path(config, "config"))
     raise TypeError("config must be a path, a JSON text or a dict, got %s" % type(config).__name__)
 
 
@@ -163,7 +164,8 @@ class StepResult:
     def _remap_view(self, view, batch, num_threads=None):
         """rp_remap over every microbatch of the plan copy into one packed array."""
         lib = self._lib
-        threads = self._num_threads if num_threads is None else int(num_threads)
+        threads = (self._num_threads if num_threads is None
+                   else _args.integer(num_threads, "num_threads", _args.INT32))
         if threads <= 0:
             threads = os.cpu_count() or 1
         T, L, K = int(self.cu_seqlens[-1]), self.num_layers, self._top_k
@@ -230,7 +232,7 @@ class StepResult:
             seq_of = np.repeat(np.arange(self.num_seqs), np.diff(self.cu_seqlens))
             mb = self.seq_microbatch[seq_of].reshape(-1, 1, 1)
         else:
-            mb = int(microbatch)
+            mb = _args.integer(microbatch, "microbatch", _args.INT32)
             if not 0 <= mb < M:
                 raise errors.InvalidArgumentError("microbatch %d is out of range (the plan has %d)"
                                                   % (mb, M))
@@ -297,19 +299,20 @@ class Scheduler:
         self._lib.rp_sched_options_default(ctypes.byref(opts))
         self._policy_bytes = None
         if policy is not None:
-            self._policy_bytes = os.fsencode(policy)
+            self._policy_bytes = _args.c_path(policy, "policy")
             opts.policy = self._policy_bytes
         opts.split = _SPLIT[split]
         params = options.pop("params", None)
         if params is not None:
-            self._params_bytes = (params if isinstance(params, str)
-                                  else json.dumps(params)).encode("utf-8")
+            self._params_bytes = _args.c_text(params if isinstance(params, (str, bytes))
+                                              else json.dumps(params), "params")
             opts.params_json = self._params_bytes
         if "seed" in options:
-            opts.seed = int(options.pop("seed")) & (2**64 - 1)
-        for key, conv in _OPTION_FIELDS.items():
+            opts.seed = _args.integer(options.pop("seed"), "seed", _args.UINT64)
+        for key, ctype in _OPTION_FIELDS.items():
             if key in options:
-                setattr(opts, key, conv(options[key]))
+                setattr(opts, key, _args.number(options[key], key) if ctype is None
+                        else _args.integer(options[key], key, ctype))
         self._num_threads = int(opts.num_threads)
         sched = ctypes.c_void_p()
         err = _lib.new_error()
@@ -380,12 +383,15 @@ class Scheduler:
         (StepResult.remap, rp_remap over every microbatch of the new plan).
         """
         cfg = self.config
+        if step is not None:
+            step = _args.integer(step, "step", _args.INT64)
         lens, view = _routing.prepare(routing, seq_lens, cu_seqlens, group_ids,
                                       num_layers=cfg.num_layers, top_k=cfg.top_k,
                                       num_experts=cfg.num_experts, layout=layout)
         with self._lock:
             handle = self._handle()
-            idx = self._next_step if step is None else int(step)
+            idx = (_args.integer(self._next_step, "step (one past the previous)", _args.INT64)
+                   if step is None else step)
             batch = _new_batch(self._lib, self._ctx.handle, lens)
             try:
                 plan = ctypes.c_void_p()
@@ -526,13 +532,14 @@ class Scheduler:
         PolicyError here at once."""
         if path is None and source is None:
             raise errors.InvalidArgumentError("stage_policy needs a path (or policy name) or a source")
+        cpath = _args.c_path(path, "path") if path is not None else None
+        csource = _args.c_text(source, "source") if source is not None else None
+        at = -1 if at_step is None else _args.integer(at_step, "at_step", _args.INT64, lo=-1)
         with self._lock:
             handle = self._handle()
             err = _lib.new_error()
             st = self._lib.rp_sched_stage_policy(
-                handle, os.fsencode(path) if path is not None else None,
-                source.encode("utf-8") if isinstance(source, str) else source,
-                -1 if at_step is None else int(at_step), ctypes.byref(err))
+                handle, cpath, csource, at, ctypes.byref(err))
             if st != errors.OK:
                 self._fail(st, err)
 
@@ -593,6 +600,10 @@ class Scheduler:
             raise errors.NotSupportedError(
                 "this libroutepack (%s) cannot restore scheduler state: it has no "
                 "rp_sched_load_state" % _lib.path())
+        if not isinstance(state.get("state"), str):
+            raise errors.InvalidArgumentError("state['state'] must be the state text (a str), got %s"
+                                              % type(state.get("state")).__name__)
+        next_step = _args.integer(state.get("next_step"), "state['next_step']", _args.INT64)
         text = state["state"].encode("utf-8")
         with self._lock:
             handle = self._handle()
@@ -600,7 +611,7 @@ class Scheduler:
             st = self._lib.rp_sched_load_state(handle, text, len(text), ctypes.byref(err))
             if st != errors.OK:
                 self._fail(st, err)
-            self._next_step = int(state["next_step"])
+            self._next_step = next_step
 
     def save_state(self, path):
         """Write state_dict() to `path` as JSON (atomically: a temporary file renamed)."""
@@ -662,7 +673,7 @@ def describe_policy(name_or_path, config):
         ptr, length = ctypes.c_void_p(), ctypes.c_size_t()
         err = _lib.new_error()
         st = lib.rp_policy_describe(ctx.handle, cfg.handle,
-                                    os.fsencode(name_or_path), ctypes.byref(ptr),
+                                    _args.c_path(name_or_path, "policy"), ctypes.byref(ptr),
                                     ctypes.byref(length), ctypes.byref(err))
         if st != errors.OK:
             _lib.raise_error(st, err)

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from . import _lib, _routing, errors
+from . import _args, _lib, _routing, errors
 from ._context import Context, Owned
 
 _WIDTH_DTYPE = {1: np.uint8, 2: np.uint16, 4: np.int32}
@@ -81,9 +81,10 @@ class TraceReader:
         self._lib = _lib.load()
         ctx = Context()
         self.path = os.fspath(path)
+        cpath = _args.c_path(path)
         trace = ctypes.c_void_p()
         err = _lib.new_error()
-        st = self._lib.rp_trace_open(ctx.handle, os.fsencode(self.path), 0 if verify else 1,
+        st = self._lib.rp_trace_open(ctx.handle, cpath, 0 if verify else 1,
                                      ctypes.byref(trace), ctypes.byref(err))
         if st != errors.OK:
             _lib.raise_error(st, err)
@@ -112,6 +113,7 @@ class TraceReader:
 
     def info(self, i):
         """The header of step i as a dict."""
+        i = _args.integer(i, "step index", _args.INT64)
         n = len(self)
         if not -n <= i < n:
             raise IndexError("step %d of a %d-step trace" % (i, n))
@@ -121,6 +123,7 @@ class TraceReader:
                 "id_width": p.width, "checksum": "%016x" % p.checksum}
 
     def __getitem__(self, i):
+        i = _args.integer(i, "step index", _args.INT64)
         n = len(self)
         if not -n <= i < n:
             raise IndexError("step %d of a %d-step trace" % (i, n))
@@ -168,11 +171,12 @@ class TraceWriter:
         self._lib = _lib.load()
         self._ctx = Context()
         self.path = os.fspath(path)
-        self.num_experts = int(num_experts)
+        cpath = _args.c_path(path)
+        self.num_experts = _args.integer(num_experts, "num_experts", _args.INT32)
         w = ctypes.c_void_p()
         err = _lib.new_error()
         fn = self._lib.rp_trace_writer_open_append if append else self._lib.rp_trace_writer_open
-        st = fn(self._ctx.handle, os.fsencode(self.path), self.num_experts, ctypes.byref(w),
+        st = fn(self._ctx.handle, cpath, self.num_experts, ctypes.byref(w),
                 ctypes.byref(err))
         if st != errors.OK:
             _lib.raise_error(st, err)
@@ -196,6 +200,7 @@ class TraceWriter:
         int32; other integer dtypes are stored in the narrowest width for num_experts)."""
         if not self._w:
             raise errors.InvalidArgumentError("the trace writer is closed")
+        step = _args.integer(step, "step", _args.INT64)
         layout, arrays = _routing.normalize(routing, layout)
         shape = _routing.shape_of(layout, arrays)
         if shape is None:
@@ -207,7 +212,7 @@ class TraceWriter:
         batch = _new_batch(self._lib, self._ctx.handle, lens)
         try:
             err = _lib.new_error()
-            st = self._lib.rp_trace_writer_append(self._w, int(step), batch, view.pointer(),
+            st = self._lib.rp_trace_writer_append(self._w, step, batch, view.pointer(),
                                                   ctypes.byref(err))
             if st != errors.OK:
                 _lib.raise_error(st, err, cls=errors.RoutingError if err.sequence >= 0 else None)
@@ -238,7 +243,8 @@ def _new_batch(lib, ctx, lens):
     """A new rp_batch (the caller frees it) from a Lengths."""
     batch = ctypes.c_void_p()
     err = _lib.new_error()
-    st = lib.rp_batch_new(ctx, lens.num_seqs, _ptr(lens.prompt), _ptr(lens.response),
+    num_seqs = _args.integer(lens.num_seqs, "the number of sequences", _args.INT32)
+    st = lib.rp_batch_new(ctx, num_seqs, _ptr(lens.prompt), _ptr(lens.response),
                           _ptr(lens.group_ids), ctypes.byref(batch), ctypes.byref(err))
     if st != errors.OK:
         _lib.raise_error(st, err, cls=errors.RoutingError)
