@@ -1,6 +1,7 @@
-/* The migration executor: agree on the plan, move each round's expert copies into
- * staging with checksums, agree on success, then commit or roll back on every rank.
- * Also the transport handle functions every transport shares. */
+/* The migration executor: agree on the plan and on what every slot holds, move each
+ * round's expert copies into staging with checksums, agree on success, commit by
+ * swapping staging with the slots, check the slots, and agree again: keep the round, or
+ * undo it on every rank. */
 #include "transport.h"
 
 #include "routepack/checksum.h"
@@ -10,114 +11,38 @@
 #include <string.h>
 #include <time.h>
 
-/* ---- transport handles ----------------------------------------------------------- */
-
-double rp_now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-void rp_transport_init(rp_transport *t, const rp_transport_vtable *vt, rp_context *ctx, int32_t rank,
-                       int32_t size, rp_memory memory, size_t max_message_bytes)
-{
-    memset(t, 0, sizeof *t);
-    t->vt = vt;
-    t->ctx = ctx;
-    t->rank = rank;
-    t->size = size;
-    t->memory = memory;
-    t->max_message_bytes = max_message_bytes;
-}
-
-void rp_transport_break(rp_transport *t, const char *why)
-{
-    if (t->broken) return;
-    t->broken = true;
-    snprintf(t->broken_why, sizeof t->broken_why, "%s", why);
-}
-
-void rp_transport_set_fault(rp_transport *t, const rp_fault *fault)
-{
-    if (!t) return;
-    memset(&t->fault, 0, sizeof t->fault);
-    if (fault) t->fault = *fault;
-    t->payload_sends = 0;
-}
-
-rp_fault_kind rp_transport_next_send_fault(rp_transport *t, double *delay_s)
-{
-    int64_t n = t->payload_sends++;
-    if (t->fault.kind == RP_FAULT_NONE || n != t->fault.nth) return RP_FAULT_NONE;
-    rp_fault_kind kind = t->fault.kind;
-    if (delay_s) *delay_s = t->fault.delay_s;
-    t->fault.kind = RP_FAULT_NONE; /* once */
-    return kind;
-}
-
-rp_status rp_transport_checksum_host(rp_transport *t, const void *const *part_ptr, const size_t *part_bytes,
-                                     const int32_t *part_begin, int32_t num_experts, uint64_t *checksums,
-                                     double deadline, rp_error *err)
-{
-    (void)t, (void)deadline, (void)err;
-    for (int32_t i = 0; i < num_experts; i++)
-        checksums[i] = rp_checksum_expert(part_ptr + part_begin[i], part_bytes + part_begin[i],
-                                          part_begin[i + 1] - part_begin[i]);
-    return RP_OK;
-}
-
-rp_status rp_transport_barrier(rp_transport *t, double deadline, rp_error *err)
-{
-    if (!t) return rp_fail(err, RP_EINVAL, "transport: no transport");
-    if (t->broken) return rp_fail(err, RP_ETRANSPORT, "transport: unusable (%s)", t->broken_why);
-    unsigned char mine = 1, *all = rp_alloc(t->ctx, (size_t)t->size);
-    if (!all) return rp_fail_nomem(err, "a barrier");
-    rp_status st = t->vt->allgather(t, &mine, all, 1, deadline, err);
-    rp_free(t->ctx, all);
-    return st;
-}
-
-void rp_transport_free(rp_transport *t)
-{
-    if (t) t->vt->destroy(t);
-}
-
-int32_t rp_transport_rank(const rp_transport *t) { return t ? t->rank : -1; }
-int32_t rp_transport_size(const rp_transport *t) { return t ? t->size : 0; }
-const char *rp_transport_name(const rp_transport *t) { return t ? t->vt->name : "none"; }
-bool rp_transport_usable(const rp_transport *t) { return t && !t->broken; }
-
-bool rp_transport_built(const char *name)
-{
-    if (!name) return false;
-    if (strcmp(name, "local") == 0) return true;
-#ifdef RP_HAVE_MPI
-    if (strcmp(name, "mpi") == 0) return true;
-#endif
-#ifdef RP_HAVE_NCCL
-    if (strcmp(name, "nccl") == 0) return true;
-#endif
-    return false;
-}
-
 /* ---- executor -------------------------------------------------------------------- */
 
 #define RECORD_MAGIC 0x52504d4947524543ULL /* "RPMIGREC" */
 #define HEADER_MAGIC 0x52504d4947484452ULL /* "RPMIGHDR" */
-#define HEADER_WORDS 7                      /* then one checksum per transfer */
-#define RECORD_TEXT 192
+/* A header, one per (sender, receiver) pair and round: HEADER_WORDS words (magic, plan
+ * hash, call, round, source GPU, destination GPU, copies), then per copy HEADER_COPY
+ * words (layer << 32 | expert, version, checksum), then the header's own checksum
+ * (rp_hash of every word before it), so that a damaged header is told apart from a
+ * damaged expert. */
+#define HEADER_WORDS 7
+#define HEADER_COPY 3
+#define HEADER_SEED 0x686561646572ULL /* "header" */
+#define RECORD_TEXT 440
 
-/* What each rank tells the others, before moving (agreement) and after each round
- * (decision). Fixed layout; all ranks run the same build on the same architecture. */
+/* Which exchange a record is for: ranks compare it, so a rank one exchange ahead or
+ * behind is a failure every rank sees alike. */
+#define EXCHANGE_AGREE 0
+#define EXCHANGE_DECIDE(round) (1 + 2 * (round))
+#define EXCHANGE_COMMIT(round) (2 + 2 * (round))
+
+/* What each rank tells the others, before moving (agreement), after each round's
+ * checks (decision) and after each commit. Fixed layout; all ranks run the same build
+ * on the same architecture. */
 typedef struct exec_record {
     uint64_t magic;
     uint64_t plan_hash, layout_hash, calls;
+    uint64_t version;      /* of this rank's weights (agreement; when has_version) */
     int32_t rank, status, round, layer, expert, peer;
-    int32_t pad[2];
+    int32_t exchange, has_version;
     char text[RECORD_TEXT];
 } exec_record;
-_Static_assert(sizeof(exec_record) == 256, "exec_record is exchanged verbatim");
+_Static_assert(sizeof(exec_record) == RP_EXCHANGE_RECORD_BYTES, "exec_record is exchanged verbatim");
 
 /* One rank's view of the plan: its copies in, out and inside, per round. */
 typedef struct rank_work {
@@ -125,12 +50,19 @@ typedef struct rank_work {
     int64_t num_recv, num_send, num_local, num_writes;
     int64_t *round_recv, *round_send, *round_local, *round_writes; /* [R + 1] offsets */
     int64_t *stage_off;   /* [num transfers] staging offset of a transfer this rank receives */
+    /* The commit: the first write of each staged transfer swaps staging with its slot;
+     * each further write of it copies the slot's old bytes to undo memory first. */
+    int64_t *primary;     /* [num transfers] the write that swaps, -1 */
+    int64_t *undo_off;    /* [num writes of this rank] undo offset of a further write, -1 */
+    int32_t *parts_done;  /* [num writes of this rank] tensors written so far this round */
+    uint64_t *want_sum;   /* [num transfers] checksum at the source of a transfer staged here */
+    int64_t undo_bytes;   /* the most undo memory one round needs */
 } rank_work;
 
 typedef struct exec {
     rp_context *ctx;
     const rp_migration_plan *mp;
-    const rp_registry *reg;
+    rp_registry *reg;          /* the executor sets the identity of the slots it writes */
     rp_transport *t;
     double timeout_s;
     int32_t gpu, base;        /* this rank's GPU; GPU of transport rank 0 */
@@ -141,7 +73,9 @@ typedef struct exec {
     unsigned char *staging;
     size_t staging_bytes;
     bool own_staging;
+    unsigned char *undo;       /* transport memory, w.undo_bytes */
     bool buffers_in_use;       /* the transport may still write staging or headers */
+    uint64_t version;          /* the weights' version, agreed by every rank */
     exec_record mine;
 } exec;
 
@@ -199,6 +133,10 @@ static void work_free(rp_context *ctx, rank_work *w)
     rp_free(ctx, w->round_local);
     rp_free(ctx, w->round_writes);
     rp_free(ctx, w->stage_off);
+    rp_free(ctx, w->primary);
+    rp_free(ctx, w->undo_off);
+    rp_free(ctx, w->parts_done);
+    rp_free(ctx, w->want_sum);
     memset(w, 0, sizeof *w);
 }
 
@@ -220,8 +158,13 @@ static rp_status build_work(exec *x, rp_error *err)
     w->round_local = rp_calloc(x->ctx, (size_t)R + 1, sizeof(int64_t));
     w->round_writes = rp_calloc(x->ctx, (size_t)R + 1, sizeof(int64_t));
     w->stage_off = rp_alloc(x->ctx, (size_t)(T + 1) * sizeof(int64_t));
+    w->primary = rp_alloc(x->ctx, (size_t)(T + 1) * sizeof(int64_t));
+    w->want_sum = rp_calloc(x->ctx, (size_t)T + 1, sizeof(uint64_t));
+    w->undo_off = rp_alloc(x->ctx, (size_t)(W + 1) * sizeof(int64_t));
+    w->parts_done = rp_calloc(x->ctx, (size_t)W + 1, sizeof(int32_t));
     if (!x->tr || !x->wr || !w->recv || !w->send || !w->local || !w->writes || !w->round_recv || !w->round_send ||
-        !w->round_local || !w->round_writes || !w->stage_off)
+        !w->round_local || !w->round_writes || !w->stage_off || !w->primary || !w->want_sum || !w->undo_off ||
+        !w->parts_done)
         return rp_fail_nomem(err, "the migration's work lists");
     for (int64_t i = 0; i < T; i++) rp_migration_plan_transfer(mp, i, &x->tr[i], NULL);
     for (int64_t i = 0; i < W; i++) rp_migration_plan_write(mp, i, &x->wr[i], NULL);
@@ -261,7 +204,65 @@ static rp_status build_work(exec *x, rp_error *err)
         w->round_local[r + 1] += w->round_local[r];
         w->round_writes[r + 1] += w->round_writes[r];
     }
+    /* Writes come in round order: the first of each transfer swaps, the others take
+     * undo memory, counted per round. */
+    for (int64_t i = 0; i < T; i++) w->primary[i] = -1;
+    for (int32_t r = 0; r < R; r++) {
+        int64_t undo = 0;
+        for (int64_t k = w->round_writes[r]; k < w->round_writes[r + 1]; k++) {
+            const rp_migration_write *wr = &x->wr[w->writes[k]];
+            w->undo_off[k] = -1;
+            if (w->primary[wr->transfer] < 0) {
+                w->primary[wr->transfer] = k;
+            } else {
+                w->undo_off[k] = undo;
+                undo += x->tr[wr->transfer].bytes;
+            }
+        }
+        if (undo > w->undo_bytes) w->undo_bytes = undo;
+    }
     return RP_OK;
+}
+
+/* Every slot of this rank holds what the plan's current placement says (where that
+ * placement has an expert), at one version. */
+static bool identity_checks(exec *x)
+{
+    exec_record *me = &x->mine;
+    const int32_t ep_rank = x->gpu % rp_migration_plan_ep_size(x->mp);
+    int32_t first_layer = -1, first_slot = -1;
+    for (int32_t l = 0; l < rp_registry_num_layers(x->reg); l++)
+        for (int32_t k = 0; k < rp_registry_num_slots(x->reg); k++) {
+            int32_t want = rp_migration_plan_slot_expert(x->mp, l, ep_rank, k, false);
+            if (want < 0) continue; /* an empty slot: its bytes are nobody's */
+            rp_slot_identity id;
+            rp_registry_identity(x->reg, l, k, &id, NULL);
+            if (id.expert == RP_SLOT_UNKNOWN) {
+                note(me, RP_EINVAL, -1, l, want, -1, "registry: layer %d slot %d has no identity (say what each slot "
+                     "holds with rp_registry_set_placement or rp_registry_set_identity)", l, k);
+                return false;
+            }
+            if (id.layer != l || id.expert != want) {
+                note(me, RP_EPLAN, -1, l, want, -1, "layer %d slot %d holds layer %d's expert %d (its registry "
+                     "identity), but the migration plan starts from expert %d there: the weights are not in the "
+                     "plan's current placement (a plan made from another placement, or an earlier migration that "
+                     "did not finish on every rank)", l, k, id.layer, id.expert, want);
+                return false;
+            }
+            if (first_layer < 0) {
+                first_layer = l;
+                first_slot = k;
+                x->version = id.version;
+            } else if (id.version != x->version) {
+                note(me, RP_EINVAL, -1, l, want, -1, "layer %d slot %d is at version %" PRIu64 ", but layer %d slot "
+                     "%d at %" PRIu64 ": every expert must be at the same version (rp_registry_set_version)", l, k,
+                     id.version, first_layer, first_slot, x->version);
+                return false;
+            }
+        }
+    me->version = x->version;
+    me->has_version = first_layer >= 0;
+    return true;
 }
 
 /* Checks before anything moves; the first problem goes into the agreement record
@@ -329,10 +330,19 @@ static bool local_checks(exec *x, const rp_migration_exec_options *opts)
                 return false;
             }
     }
+    if (!identity_checks(x)) return false;
     rp_error_clear(&e);
     if (build_work(x, &e) != RP_OK) {
         note(me, e.status, -1, -1, -1, -1, "%s", e.text);
         return false;
+    }
+    if (x->w.undo_bytes > 0) {
+        if ((uint64_t)x->w.undo_bytes > SIZE_MAX ||
+            !(x->undo = x->t->vt->alloc(x->t, (size_t)x->w.undo_bytes))) {
+            note(me, RP_ENOMEM, -1, -1, -1, -1, "no memory for %lld bytes to undo a commit with (a staged copy "
+                 "that fills several slots keeps their old bytes there)", (long long)x->w.undo_bytes);
+            return false;
+        }
     }
     rp_migration_gpu gs;
     rp_migration_plan_gpu(mp, x->gpu, &gs, NULL);
@@ -516,6 +526,74 @@ static void note_op(exec *x, round_ops *ro, int32_t round, int32_t failed, rp_st
          tr->expert, op->send ? "to" : "from", op->peer, inner(e));
 }
 
+static uint64_t hash_words(const void *data, size_t bytes, uint64_t seed)
+{
+    rp_hash_state st;
+    rp_hash_init(&st, seed);
+    rp_hash_update(&st, data, bytes);
+    return rp_hash_final(&st);
+}
+
+/* Words of the header for `copies` copies (0: no header). */
+static int64_t header_words(int64_t copies)
+{
+    return copies ? HEADER_WORDS + HEADER_COPY * copies + 1 : 0;
+}
+
+/* Check the header from transport rank `p`: its own checksum first (a damaged header
+ * is not a damaged expert), then that it is a header of this call and round between
+ * these ranks, then that each copy it announces is the expert the plan sends, at the
+ * agreed version. Failures go into x->mine. */
+static bool check_header(exec *x, int32_t round, int32_t p, const uint64_t *h, int64_t count, int64_t first_transfer)
+{
+    const rp_migration_transfer *first = &x->tr[first_transfer];
+    const int32_t src = x->base + p;
+    const int64_t n = header_words(count) - 1;
+    uint64_t sum = hash_words(h, (size_t)n * 8, HEADER_SEED);
+    if (sum != h[n]) {
+        note(&x->mine, RP_ETRANSPORT, round, first->layer, -1, src, "round %d: the header from rank %d is corrupt "
+             "(header checksum 0x%016" PRIx64 " computed, 0x%016" PRIx64 " sent); no expert was checked", round, p,
+             sum, h[n]);
+        return false;
+    }
+    if (h[0] != HEADER_MAGIC) {
+        note(&x->mine, RP_ETRANSPORT, round, first->layer, -1, src, "round %d: the message from rank %d where its "
+             "header belongs is not a migration header", round, p);
+        return false;
+    }
+    if (h[2] != x->call) {
+        note(&x->mine, RP_ETRANSPORT, round, first->layer, -1, src, "round %d: the header from rank %d belongs to "
+             "migration call %" PRIu64 ", and this is call %" PRIu64 ": a late message of an earlier call, refused",
+             round, p, h[2], x->call);
+        return false;
+    }
+    if (h[1] != rp_migration_plan_hash(x->mp) || h[3] != (uint64_t)round || h[4] != (uint64_t)src ||
+        h[5] != (uint64_t)x->gpu || h[6] != (uint64_t)count) {
+        note(&x->mine, RP_ETRANSPORT, round, first->layer, first->expert, src, "layer %d expert %d from rank %d: the "
+             "header from rank %d is not for this round", first->layer, first->expert, p, p);
+        return false;
+    }
+    int64_t i = 0;
+    for (int64_t k = x->w.round_recv[round]; k < x->w.round_recv[round + 1]; k++) {
+        const rp_migration_transfer *tr = &x->tr[x->w.recv[k]];
+        if (tr->src_gpu != src) continue;
+        const uint64_t *c = h + HEADER_WORDS + HEADER_COPY * i++;
+        int32_t layer = (int32_t)(uint32_t)(c[0] >> 32), expert = (int32_t)(uint32_t)c[0];
+        if (layer != tr->layer || expert != tr->expert) {
+            note(&x->mine, RP_EPLAN, round, tr->layer, tr->expert, src, "layer %d expert %d from rank %d: rank %d "
+                 "sent layer %d's expert %d (its slot's identity)", tr->layer, tr->expert, p, p, layer, expert);
+            return false;
+        }
+        if (c[1] != x->version) {
+            note(&x->mine, RP_EPLAN, round, tr->layer, tr->expert, src, "layer %d expert %d from rank %d: it is at "
+                 "version %" PRIu64 ", but the agreed version is %" PRIu64, tr->layer, tr->expert, p, c[1],
+                 x->version);
+            return false;
+        }
+    }
+    return true;
+}
+
 /* Move one round into staging and check it; failures go into x->mine. */
 static void run_round(exec *x, int32_t round, double deadline)
 {
@@ -549,8 +627,8 @@ static void run_round(exec *x, int32_t round, double deadline)
         recv_count[p]++;
     }
     for (int32_t p = 0; p < P; p++) {
-        send_hoff[p + 1] = send_hoff[p] + (send_count[p] ? HEADER_WORDS + send_count[p] : 0);
-        recv_hoff[p + 1] = recv_hoff[p] + (recv_count[p] ? HEADER_WORDS + recv_count[p] : 0);
+        send_hoff[p + 1] = send_hoff[p] + header_words(send_count[p]);
+        recv_hoff[p + 1] = recv_hoff[p] + header_words(recv_count[p]);
     }
     ro.hdr_words_send = send_hoff[P];
     ro.hdr_words_recv = recv_hoff[P];
@@ -613,17 +691,31 @@ static void run_round(exec *x, int32_t round, double deadline)
         int64_t *fill = msg_index; /* reuse as per-peer checksum cursor, reset below */
         for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) {
             int32_t p = x->tr[w->send[k]].dst_gpu - x->base;
-            ro.send_hdr[send_hoff[p] + HEADER_WORDS + fill[p]++] = src_sums.sums[k - w->round_send[round]];
+            const rp_migration_transfer *tr = &x->tr[w->send[k]];
+            rp_slot_identity id;
+            rp_registry_identity(x->reg, tr->layer, tr->src_slot, &id, NULL);
+            uint64_t *c = ro.send_hdr + send_hoff[p] + HEADER_WORDS + HEADER_COPY * fill[p]++;
+            c[0] = (uint64_t)(uint32_t)id.layer << 32 | (uint32_t)id.expert;
+            c[1] = id.version;
+            c[2] = src_sums.sums[k - w->round_send[round]];
         }
+        for (int32_t p = 0; p < P; p++)
+            if (send_count[p]) {
+                uint64_t *h = ro.send_hdr + send_hoff[p];
+                int64_t n = header_words(send_count[p]) - 1;
+                h[n] = hash_words(h, (size_t)n * 8, HEADER_SEED);
+            }
         memset(msg_index, 0, (size_t)P * sizeof(int64_t));
     }
+    for (int64_t j = 0; j < num_local; j++) /* what a copy inside this GPU must stage */
+        w->want_sum[w->local[w->round_local[round] + j]] = src_sums.sums[num_send + j];
 
     /* Receives first, so that a wait that fails names what was not received. */
     for (int32_t p = 0; p < P; p++) {
         if (!recv_count[p]) continue;
         unsigned char *hbuf = ro.hdr_mem + (size_t)(ro.hdr_words_send + recv_hoff[p]) * 8;
         rp_transport_op op = {p, msg_tag(x, round, msg_index[p]++), false, false, hbuf,
-                              (size_t)(HEADER_WORDS + recv_count[p]) * 8};
+                              (size_t)header_words(recv_count[p]) * 8};
         if (!push_op(x, &ro, op, -1)) goto nomem;
         for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
             const rp_migration_transfer *tr = &x->tr[w->recv[k]];
@@ -637,14 +729,14 @@ static void run_round(exec *x, int32_t round, double deadline)
     for (int32_t p = 0; p < P; p++) {
         if (!send_count[p]) continue;
         unsigned char *hbuf = ro.hdr_mem + (size_t)send_hoff[p] * 8;
-        if (t->vt->from_host(t, hbuf, ro.send_hdr + send_hoff[p], (size_t)(HEADER_WORDS + send_count[p]) * 8,
+        if (t->vt->from_host(t, hbuf, ro.send_hdr + send_hoff[p], (size_t)header_words(send_count[p]) * 8,
                              deadline, &e) != RP_OK) {
             note(&x->mine, e.status, round, -1, -1, x->base + p, "round %d: preparing the header for rank %d: %s",
                  round, p, inner(&e));
             goto out;
         }
         rp_transport_op op = {p, msg_tag(x, round, msg_index[p]++), true, false, hbuf,
-                              (size_t)(HEADER_WORDS + send_count[p]) * 8};
+                              (size_t)header_words(send_count[p]) * 8};
         if (!push_op(x, &ro, op, -1)) goto nomem;
         for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) {
             const rp_migration_transfer *tr = &x->tr[w->send[k]];
@@ -697,16 +789,7 @@ static void run_round(exec *x, int32_t round, double deadline)
     }
     for (int32_t p = 0; p < P; p++) {
         if (!recv_count[p]) continue;
-        const uint64_t *h = ro.recv_hdr + recv_hoff[p];
-        const rp_migration_transfer *first = &x->tr[recv_first[p]];
-        if (h[0] != HEADER_MAGIC || h[1] != rp_migration_plan_hash(x->mp) || h[2] != x->call ||
-            h[3] != (uint64_t)round || h[4] != (uint64_t)(x->base + p) || h[5] != (uint64_t)x->gpu ||
-            h[6] != (uint64_t)recv_count[p]) {
-            note(&x->mine, RP_ETRANSPORT, round, first->layer, first->expert, x->base + p,
-                 "layer %d expert %d from rank %d: the header from rank %d is not for this round (corrupt or stale)",
-                 first->layer, first->expert, p, p);
-            goto finish;
-        }
+        if (!check_header(x, round, p, ro.recv_hdr + recv_hoff[p], recv_count[p], recv_first[p])) goto finish;
     }
     /* One batch: every copy inside this GPU, then every received expert, as staged. */
     for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++)
@@ -735,13 +818,23 @@ static void run_round(exec *x, int32_t round, double deadline)
     for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
         const rp_migration_transfer *tr = &x->tr[w->recv[k]];
         int32_t p = tr->src_gpu - x->base;
-        uint64_t want = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + msg_index[p]++];
+        uint64_t want = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + HEADER_COPY * msg_index[p]++ + 2];
+        w->want_sum[w->recv[k]] = want;
         uint64_t got = staged_sums.sums[num_local + (k - w->round_recv[round])];
         if (got != want) {
             note(&x->mine, RP_ECHECKSUM, round, tr->layer, tr->expert, tr->src_gpu,
                  "layer %d expert %d from rank %d: checksum mismatch (0x%016" PRIx64 " received, 0x%016" PRIx64
                  " sent)", tr->layer, tr->expert, p, got, want);
             goto finish;
+        }
+    }
+    /* Fault injection (tests): the staged bytes change after they were checked. */
+    if (rp_transport_fault_at(t, RP_FAULT_SITE_STAGED, NULL) == RP_FAULT_CORRUPT_STAGING && num_local + num_recv > 0) {
+        int64_t i = num_local > 0 ? w->local[w->round_local[round]] : w->recv[w->round_recv[round]];
+        unsigned char *byte = x->staging + w->stage_off[i] + x->tr[i].bytes / 2, v = 0;
+        if (t->vt->to_host(t, &v, byte, 1, deadline, &e) == RP_OK) {
+            v ^= 0xff;
+            t->vt->from_host(t, byte, &v, 1, deadline, &e);
         }
     }
 finish:
@@ -762,26 +855,136 @@ out:
     rp_free(x->ctx, msg_index);
 }
 
-/* Write a round's staged experts into this rank's slots. */
-static rp_status commit_round(exec *x, int32_t round, double deadline, rp_migration_result *res, rp_error *err)
+/* A write of the commit: the slot's tensors and where its staged copy lies. */
+static const rp_tensor *write_slot(exec *x, int64_t k, const rp_migration_write **wr, unsigned char **staged,
+                                   int32_t *count)
+{
+    *wr = &x->wr[x->w.writes[k]];
+    *staged = x->staging + x->w.stage_off[(*wr)->transfer];
+    return rp_registry_tensors(x->reg, (*wr)->layer, (*wr)->slot, count);
+}
+
+/* Write a round's staged experts into this rank's slots, so that it can be undone:
+ * each further write of a transfer first keeps the slot's old bytes in undo memory and
+ * copies the staged expert in; then the first write of each transfer swaps staging
+ * with its slot (staging then holds the old bytes). Then every written slot is
+ * checksummed against its source. Failures go into x->mine; parts_done says what to
+ * undo. */
+static void commit_round(exec *x, int32_t round, double deadline)
+{
+    rank_work *w = &x->w;
+    rp_transport *t = x->t;
+    rp_error e;
+    rp_error_clear(&e);
+    sum_batch sums = {0};
+    const int64_t k0 = w->round_writes[round], k1 = w->round_writes[round + 1];
+    for (int64_t k = k0; k < k1; k++) w->parts_done[k] = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t k = k0; k < k1; k++) {
+            const rp_migration_write *wr;
+            unsigned char *staged;
+            int32_t count = 0;
+            const rp_tensor *ts = write_slot(x, k, &wr, &staged, &count);
+            bool swap = w->undo_off[k] < 0;
+            if (swap != (pass == 1)) continue;
+            if (rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_WRITE, NULL) == RP_FAULT_COMMIT_FAIL) {
+                note(&x->mine, RP_ETRANSPORT, round, wr->layer, x->tr[wr->transfer].expert, x->gpu, "layer %d slot "
+                     "%d: writing expert %d into it failed (injected fault)", wr->layer, wr->slot,
+                     x->tr[wr->transfer].expert);
+                return;
+            }
+            size_t off = 0;
+            for (int32_t j = 0; j < count; j++) {
+                rp_status st = RP_OK;
+                if (swap) {
+                    st = t->vt->swap(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
+                } else {
+                    unsigned char *keep = x->undo + w->undo_off[k] + off;
+                    st = t->vt->copy(t, keep, ts[j].data, ts[j].bytes, deadline, &e);
+                    if (st == RP_OK) st = t->vt->copy(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
+                }
+                if (st != RP_OK) {
+                    note(&x->mine, st, round, wr->layer, x->tr[wr->transfer].expert, x->gpu, "layer %d slot %d: "
+                         "writing expert %d into it failed: %s", wr->layer, wr->slot, x->tr[wr->transfer].expert,
+                         inner(&e));
+                    return;
+                }
+                w->parts_done[k] = j + 1;
+                off += ts[j].bytes;
+            }
+        }
+    /* The destination now holds what its source sent: checked in the slots themselves,
+     * so that staging changed after the check, or a write gone wrong, is caught. */
+    int64_t parts = 0;
+    for (int64_t k = k0; k < k1; k++) {
+        int32_t count = 0;
+        rp_registry_tensors(x->reg, x->wr[w->writes[k]].layer, x->wr[w->writes[k]].slot, &count);
+        parts += count;
+    }
+    if (!batch_alloc(x, &sums, k1 - k0, parts)) {
+        note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's commit checksum lists", round);
+        goto out;
+    }
+    for (int64_t k = k0; k < k1; k++) batch_add_slot(x, &sums, x->wr[w->writes[k]].layer, x->wr[w->writes[k]].slot);
+    if (batch_run(x, &sums, deadline, &e) != RP_OK) {
+        note(&x->mine, e.status, round, -1, -1, -1, "round %d: checksumming the %d written slots failed: %s", round,
+             sums.n, inner(&e));
+        goto out;
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        const rp_migration_write *wr = &x->wr[w->writes[k]];
+        const rp_migration_transfer *tr = &x->tr[wr->transfer];
+        uint64_t got = sums.sums[k - k0], want = w->want_sum[wr->transfer];
+        if (got != want) {
+            note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, tr->src_gpu, "layer %d slot %d: after the "
+                 "commit it does not hold expert %d (checksum 0x%016" PRIx64 " in the slot, 0x%016" PRIx64 " at the "
+                 "source): its staged copy changed after it was checked", wr->layer, wr->slot, tr->expert, got, want);
+            goto out;
+        }
+    }
+out:
+    batch_free(x, &sums);
+}
+
+/* Put back what commit_round wrote this round: swap the first writes back, copy the
+ * further ones from undo memory, in the reverse order. */
+static rp_status undo_round(exec *x, int32_t round, double deadline, rp_error *err)
+{
+    rank_work *w = &x->w;
+    rp_transport *t = x->t;
+    for (int pass = 1; pass >= 0; pass--)
+        for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
+            const rp_migration_write *wr;
+            unsigned char *staged;
+            int32_t count = 0;
+            const rp_tensor *ts = write_slot(x, k, &wr, &staged, &count);
+            bool swap = w->undo_off[k] < 0;
+            if (swap != (pass == 1)) continue;
+            size_t off = 0;
+            for (int32_t j = 0; j < w->parts_done[k]; j++) {
+                rp_status st = swap ? t->vt->swap(t, ts[j].data, staged + off, ts[j].bytes, deadline, err)
+                                    : t->vt->copy(t, ts[j].data, x->undo + w->undo_off[k] + off, ts[j].bytes,
+                                                  deadline, err);
+                if (st != RP_OK) {
+                    rp_transport_break(t, "undoing a commit failed");
+                    return rp_fail(err, st, "restoring layer %d slot %d failed (%s): this layer's weights on rank %d "
+                                   "are inconsistent, end the job", wr->layer, wr->slot, inner(err), t->rank);
+                }
+                off += ts[j].bytes;
+            }
+            w->parts_done[k] = 0;
+        }
+    return RP_OK;
+}
+
+/* The round stays: its slots take their experts' identity; the result counts it. */
+static void keep_round(exec *x, int32_t round, rp_migration_result *res)
 {
     const rank_work *w = &x->w;
     for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
         const rp_migration_write *wr = &x->wr[w->writes[k]];
-        int32_t count = 0;
-        const rp_tensor *ts = rp_registry_tensors(x->reg, wr->layer, wr->slot, &count);
-        size_t off = 0;
-        for (int32_t j = 0; j < count; j++) {
-            rp_status st = x->t->vt->copy(x->t, ts[j].data, x->staging + w->stage_off[wr->transfer] + off,
-                                          ts[j].bytes, deadline, err);
-            if (st != RP_OK) {
-                rp_transport_break(x->t, "a commit failed halfway");
-                return rp_fail(err, st, "migration: rank %d: writing layer %d slot %d failed after every rank had "
-                               "agreed to commit (%s); this layer's weights on this rank are inconsistent: end the "
-                               "job", x->t->rank, wr->layer, wr->slot, inner(err));
-            }
-            off += ts[j].bytes;
-        }
+        rp_slot_identity id = {wr->layer, x->tr[wr->transfer].expert, x->version};
+        rp_registry_set_identity(x->reg, wr->layer, wr->slot, &id, NULL);
         res->slots_written++;
     }
     for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++) res->bytes_sent += x->tr[w->send[k]].bytes;
@@ -789,7 +992,7 @@ static rp_status commit_round(exec *x, int32_t round, double deadline, rp_migrat
         res->bytes_received += x->tr[w->recv[k]].bytes;
     for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++)
         res->bytes_local += x->tr[w->local[k]].bytes;
-    return RP_OK;
+    res->rounds_committed++;
 }
 
 /* The failure every rank reports: a cause before its consequences (timeouts usually
@@ -812,7 +1015,49 @@ void rp_migration_exec_defaults(rp_migration_exec_options *opts)
     opts->ep_group = -1;
 }
 
-rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *reg, rp_transport *t,
+/* Exchange this rank's record (the exchange named in it) and check every record that
+ * came back. Every rank sees the same records, so every rank decides alike; a problem
+ * with the records themselves becomes the first failure of the lowest rank that sent a
+ * wrong one. Returns the exchange's status (not the records' verdict). */
+static rp_status exchange(exec *x, int32_t which, double deadline, exec_record *all, rp_error *e)
+{
+    rp_transport *t = x->t;
+    x->mine.exchange = which;
+    rp_error_clear(e);
+    rp_status st = t->vt->allgather(t, &x->mine, all, sizeof x->mine, deadline, e);
+    if (st != RP_OK) return st;
+    for (int32_t i = 0; i < t->size; i++) {
+        all[i].text[RECORD_TEXT - 1] = '\0';
+        if (all[i].magic != RECORD_MAGIC || all[i].rank != i || all[i].exchange != which) {
+            exec_record *r = &all[i];
+            memset(r, 0, sizeof *r);
+            r->magic = RECORD_MAGIC;
+            r->rank = i;
+            r->round = r->layer = r->expert = r->peer = -1;
+            r->exchange = which;
+            note(r, RP_ETRANSPORT, -1, -1, -1, -1, "it sent a malformed record, or one of another exchange");
+        }
+    }
+    return RP_OK;
+}
+
+/* The failure of `bad` on this rank's result and error. */
+static void report(rp_migration_result *res, rp_error *err, const exec_record *bad)
+{
+    if (err) err->expert = bad->expert;
+    res->failed_rank = bad->rank;
+    res->failed_layer = bad->layer;
+    res->failed_expert = bad->expert;
+    res->failed_peer = bad->peer;
+}
+
+static void sleep_s(double s)
+{
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0) {}
+}
+
+rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp_transport *t,
                                const rp_migration_exec_options *opts, rp_migration_result *result, rp_error *err)
 {
     const double t0 = rp_now_s();
@@ -829,6 +1074,9 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *r
     double timeout = opts->timeout_s > 0 ? opts->timeout_s : 60.0;
     if (!(timeout < 1e9)) timeout = 1e9;
 
+    /* Nothing below allocates before the agreement except what local_checks notes in
+     * this rank's record: every local problem reaches every rank through the exchange,
+     * whose room the transport took when it was created. */
     exec x;
     memset(&x, 0, sizeof x);
     x.ctx = t->ctx;
@@ -845,21 +1093,16 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *r
     x.mine.layout_hash = reg ? layout_hash(reg) : 0;
     local_checks(&x, opts);
     res->num_rounds = mp ? rp_migration_plan_num_rounds(mp) : 0;
-    res->staging_bytes = (int64_t)x.staging_bytes;
+    res->staging_bytes = (int64_t)x.staging_bytes + x.w.undo_bytes;
 
     rp_status st = RP_OK;
     const int32_t P = t->size;
-    exec_record *all = rp_alloc(x.ctx, (size_t)P * sizeof *all);
-    if (!all) {
-        /* Without room for the answers this rank cannot take part; the others time out. */
-        st = rp_fail_nomem(err, "the migration's agreement");
-        goto out;
-    }
+    exec_record *all = t->records;
 
-    /* (1) Agree: same plan, same tensor layout, same call, nothing wrong locally. */
+    /* (1) Agree: same plan, same tensor layout, same call, same version of the weights,
+     * every slot holding what the plan says, nothing wrong locally. */
     rp_error e;
-    rp_error_clear(&e);
-    st = t->vt->allgather(t, &x.mine, all, sizeof x.mine, rp_now_s() + timeout, &e);
+    st = exchange(&x, EXCHANGE_AGREE, rp_now_s() + timeout, all, &e);
     if (st != RP_OK) {
         rp_fail(err, st, "migration: rank %d: the agreement exchange failed (%s); nothing moved", t->rank, inner(&e));
         goto out;
@@ -868,42 +1111,46 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *r
     for (int32_t i = 0; i < P; i++)
         if (all[i].calls > max_calls) max_calls = all[i].calls;
     t->calls = max_calls + 1; /* ranks that fell out of step agree again next call */
-    for (int32_t i = 0; i < P; i++) {
-        all[i].text[RECORD_TEXT - 1] = '\0';
-        if (all[i].magic != RECORD_MAGIC || all[i].rank != i) {
-            st = rp_fail(err, RP_ETRANSPORT, "migration: rank %d sent a malformed agreement record; nothing moved", i);
-            goto out;
-        }
-    }
     const exec_record *bad = pick_failure(all, P);
     if (bad) {
         st = rp_fail(err, (rp_status)bad->status, "migration: rank %d: %s; nothing moved", bad->rank, bad->text);
-        if (err) err->expert = bad->expert;
-        res->failed_rank = bad->rank;
-        res->failed_layer = bad->layer;
+        report(res, err, bad);
+        res->failed_expert = res->failed_peer = -1;
         goto out;
     }
-    for (int32_t i = 1; i < P; i++) {
-        if (all[i].plan_hash != all[0].plan_hash) {
+    int32_t versioned = -1; /* the first rank that holds an expert */
+    for (int32_t i = 0; i < P; i++) {
+        if (i > 0 && all[i].plan_hash != all[0].plan_hash) {
             st = rp_fail(err, RP_EPLAN, "migration: rank %d has plan hash 0x%016" PRIx64 ", rank 0 has 0x%016" PRIx64
                          "; nothing moved", i, all[i].plan_hash, all[0].plan_hash);
             res->failed_rank = i;
             goto out;
         }
-        if (all[i].layout_hash != all[0].layout_hash) {
+        if (i > 0 && all[i].layout_hash != all[0].layout_hash) {
             st = rp_fail(err, RP_EPLAN, "migration: rank %d's registry lays out the expert tensors differently from "
                          "rank 0's (layout hash 0x%016" PRIx64 " against 0x%016" PRIx64 "); nothing moved", i,
                          all[i].layout_hash, all[0].layout_hash);
             res->failed_rank = i;
             goto out;
         }
-        if (all[i].calls != all[0].calls) {
+        if (i > 0 && all[i].calls != all[0].calls) {
             st = rp_fail(err, RP_EPLAN, "migration: rank %d is at migration call %" PRIu64 ", rank 0 at %" PRIu64
                          " (a rank skipped a call); nothing moved", i, all[i].calls, all[0].calls);
             res->failed_rank = i;
             goto out;
         }
+        if (!all[i].has_version) continue;
+        if (versioned < 0) {
+            versioned = i;
+        } else if (all[i].version != all[versioned].version) {
+            st = rp_fail(err, RP_EPLAN, "migration: rank %d's experts are at version %" PRIu64 ", rank %d's at %"
+                         PRIu64 " (a rank missed an update of its weights); nothing moved", i, all[i].version,
+                         versioned, all[versioned].version);
+            res->failed_rank = i;
+            goto out;
+        }
     }
+    x.version = versioned >= 0 ? all[versioned].version : 0;
     /* From here every rank runs the same rounds under the same call number. */
 
     const int32_t R = rp_migration_plan_num_rounds(mp);
@@ -912,32 +1159,32 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *r
         double deadline = rp_now_s() + timeout;
         run_round(&x, round, deadline);
         if (t->broken) {
-            /* This rank cannot take part in the decision, so no rank can complete it
-             * and commit; the others time out there. */
+            /* This rank cannot take part in the decision, so no rank can complete it,
+             * nor the commit exchange that keeps a round; the others time out. */
             st = rp_fail(err, x.mine.status != RP_OK ? (rp_status)x.mine.status : RP_ETRANSPORT,
                          "migration: rank %d: %s; the %s transport is unusable (%s), so no rank can commit round %d: "
                          "end the job", t->rank, x.mine.status != RP_OK ? x.mine.text : "failed", t->vt->name,
                          t->broken_why, round);
-            if (err) err->expert = x.mine.expert;
+            report(res, err, &x.mine);
             res->failed_rank = t->rank;
-            res->failed_layer = x.mine.layer;
-            res->failed_expert = x.mine.expert;
-            res->failed_peer = x.mine.peer;
             goto out;
         }
         /* (4) Agree on the outcome. Ranks that failed fast wait for slow ones up to one
          * more timeout, so a rank that timed out still reaches this exchange in time. */
-        rp_error_clear(&e);
-        st = t->vt->allgather(t, &x.mine, all, sizeof x.mine, deadline + timeout, &e);
+        double stall = 0.0;
+        rp_fault_kind fault = rp_transport_fault_at(t, RP_FAULT_SITE_DECISION, &stall);
+        if (fault == RP_FAULT_STALL_DECISION) sleep_s(stall);
+        st = exchange(&x, EXCHANGE_DECIDE(round), deadline + timeout, all, &e);
+        if (st == RP_OK && fault == RP_FAULT_LOSE_DECISION)
+            st = rp_fail(&e, RP_ETIMEOUT, "transport: rank %d lost the exchange's answer (injected fault)", t->rank);
         if (st != RP_OK) {
             rp_transport_break(t, "the decision exchange of a migration failed");
             st = rp_fail(err, st, "migration: rank %d could not learn whether round %d succeeded on every rank (%s); "
-                         "this rank wrote nothing of it, but others may have: the transport is unusable, end the job",
-                         t->rank, round, inner(&e));
+                         "it wrote nothing of it, and no rank keeps it without this rank's confirmation: the transport "
+                         "is unusable, end the job", t->rank, round, inner(&e));
             res->failed_rank = t->rank;
             goto out;
         }
-        for (int32_t i = 0; i < P; i++) all[i].text[RECORD_TEXT - 1] = '\0';
         bad = pick_failure(all, P);
         if (bad) {
             char committed[96] = "nothing was written, every weight is as before";
@@ -946,27 +1193,57 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *r
                          "placement)", res->rounds_committed - 1);
             st = rp_fail(err, (rp_status)bad->status, "migration: rank %d: %s; round %d was rolled back on every rank "
                          "(no slot of it was written); %s", bad->rank, bad->text, round, committed);
-            if (err) err->expert = bad->expert;
-            res->failed_rank = bad->rank;
-            res->failed_layer = bad->layer;
-            res->failed_expert = bad->expert;
-            res->failed_peer = bad->peer;
+            report(res, err, bad);
             goto out;
         }
-        /* (5) Every rank succeeded: commit. */
-        st = commit_round(&x, round, deadline + timeout, res, err);
+        /* (5) Every rank succeeded: commit, so that it can be undone, and check the
+         * slots. (6) Agree on that: keep the round only if every rank wrote and checked
+         * it; else every rank restores it. A rank that cannot learn the answer restores
+         * it too: a round stays only where every rank confirmed it. */
+        double commit_deadline = rp_now_s() + timeout;
+        commit_round(&x, round, commit_deadline);
+        fault = rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_EXCHANGE, NULL);
+        st = exchange(&x, EXCHANGE_COMMIT(round), commit_deadline + timeout, all, &e);
+        if (st == RP_OK && fault == RP_FAULT_LOSE_COMMIT)
+            st = rp_fail(&e, RP_ETIMEOUT, "transport: rank %d lost the exchange's answer (injected fault)", t->rank);
         if (st != RP_OK) {
+            rp_transport_break(t, "the commit exchange of a migration failed");
+            rp_error ue;
+            rp_error_clear(&ue);
+            bool undone = undo_round(&x, round, rp_now_s() + timeout, &ue) == RP_OK;
+            st = rp_fail(err, st, "migration: rank %d could not learn whether round %d committed on every rank (%s); "
+                         "%s, but other ranks may have kept theirs (the registry's slot identities say what each slot "
+                         "holds): the transport is unusable, end the job", t->rank, round, inner(&e),
+                         undone ? "it restored its own slots of that round" : ue.text);
             res->failed_rank = t->rank;
             goto out;
         }
-        res->rounds_committed++;
+        bad = pick_failure(all, P);
+        if (bad) {
+            rp_error ue;
+            rp_error_clear(&ue);
+            rp_status ust = undo_round(&x, round, rp_now_s() + timeout, &ue);
+            char committed[96] = "nothing was written, every weight is as before";
+            if (res->rounds_committed > 0)
+                snprintf(committed, sizeof committed, "rounds 0 to %d stay committed (their layers are in the target "
+                         "placement)", res->rounds_committed - 1);
+            if (ust != RP_OK)
+                st = rp_fail(err, (rp_status)bad->status, "migration: rank %d: %s; round %d was being rolled back on "
+                             "every rank, but on rank %d %s", bad->rank, bad->text, round, t->rank, ue.text);
+            else
+                st = rp_fail(err, (rp_status)bad->status, "migration: rank %d: %s; round %d was rolled back on every "
+                             "rank (the slots it wrote were restored); %s", bad->rank, bad->text, round, committed);
+            report(res, err, bad);
+            goto out;
+        }
+        keep_round(&x, round, res);
     }
     st = RP_OK;
 out:
     if (x.own_staging && !x.buffers_in_use) t->vt->free(t, x.staging);
+    if (x.undo) t->vt->free(t, x.undo);
     if (x.buffers_in_use)
         rp_transport_break(t, "a receive could not be cancelled; its staging memory was left to it");
-    rp_free(x.ctx, all);
     rp_free(x.ctx, x.tr);
     rp_free(x.ctx, x.wr);
     work_free(x.ctx, &x.w);

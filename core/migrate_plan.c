@@ -12,6 +12,8 @@ struct rp_migration_plan {
     int32_t *slot_begin;      /* [ep_size + 1] */
     int64_t *expert_bytes;    /* [num_layers] */
     int32_t *layer_round;     /* [num_layers], -1: nothing moves */
+    int32_t *placement[2];    /* current, target: [num_layers * slot_begin[ep_size]], one EP
+                                 group's phy2log (every group has the same) */
     int32_t num_rounds;
     rp_migration_transfer *transfers;
     int64_t num_transfers;
@@ -121,6 +123,11 @@ static uint64_t plan_hash(const rp_migration_plan *mp)
         hash_i64(&st, mp->expert_bytes[l]);
         hash_i64(&st, mp->layer_round[l]);
     }
+    /* The placements: ranks that move from different current placements disagree even
+     * where the copies happen to be the same. */
+    for (int w = 0; w < 2; w++)
+        for (int64_t i = 0; i < (int64_t)mp->num_layers * mp->slot_begin[mp->ep_size]; i++)
+            hash_i64(&st, mp->placement[w][i]);
     hash_i64(&st, mp->num_transfers);
     for (int64_t i = 0; i < mp->num_transfers; i++) {
         const rp_migration_transfer *t = &mp->transfers[i];
@@ -229,6 +236,17 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
         goto fail;
     }
     memcpy(mp->slot_begin, sb, (size_t)(ep + 1) * sizeof(int32_t));
+    const int32_t S = sb[ep];
+    for (int w = 0; w < 2; w++) {
+        mp->placement[w] = rp_alloc(ctx, (size_t)L * (size_t)S * sizeof(int32_t) + 1);
+        if (!mp->placement[w]) {
+            st = rp_fail_nomem(err, "a migration plan");
+            goto fail;
+        }
+        for (int32_t l = 0; l < L; l++)
+            memcpy(mp->placement[w] + (size_t)l * S, rp_plan_phy2log(w ? target : current, l),
+                   (size_t)S * sizeof(int32_t));
+    }
     for (int32_t l = 0; l < L; l++) mp->expert_bytes[l] = opts->expert_bytes ? opts->expert_bytes[l] : model_bytes;
 
     /* Rounds: whole layers, in order, while every EP rank's staging fits the budget. The
@@ -426,6 +444,8 @@ void rp_migration_plan_free(rp_migration_plan *mp)
     rp_free(ctx, mp->slot_begin);
     rp_free(ctx, mp->expert_bytes);
     rp_free(ctx, mp->layer_round);
+    rp_free(ctx, mp->placement[0]);
+    rp_free(ctx, mp->placement[1]);
     rp_free(ctx, mp->transfers);
     rp_free(ctx, mp->writes);
     rp_free(ctx, mp->gpus);
@@ -474,6 +494,15 @@ int32_t rp_migration_plan_layer_round(const rp_migration_plan *mp, int32_t layer
 {
     if (!mp || layer < 0 || layer >= mp->num_layers) return -1;
     return mp->layer_round[layer];
+}
+
+int32_t rp_migration_plan_slot_expert(const rp_migration_plan *mp, int32_t layer, int32_t ep_rank, int32_t slot,
+                                      bool target)
+{
+    if (!mp || layer < 0 || layer >= mp->num_layers || ep_rank < 0 || ep_rank >= mp->ep_size || slot < 0 ||
+        slot >= mp->slot_begin[ep_rank + 1] - mp->slot_begin[ep_rank])
+        return -2;
+    return mp->placement[target ? 1 : 0][(size_t)layer * mp->slot_begin[mp->ep_size] + mp->slot_begin[ep_rank] + slot];
 }
 
 int64_t rp_migration_plan_num_transfers(const rp_migration_plan *mp) { return mp ? mp->num_transfers : 0; }

@@ -1,5 +1,7 @@
 /* The registry of expert buffers: per (layer, local slot) of one rank, the tensors the
- * trainer owns and migration moves, with one tensor layout per layer. */
+ * trainer owns and migration moves, with one tensor layout per layer, and what each
+ * slot holds (its identity: layer, expert, version), which the executor checks and
+ * keeps up to date. */
 #include "internal.h"
 #include "routepack/migrate.h"
 
@@ -11,6 +13,7 @@
 typedef struct slot_entry {
     rp_tensor *tensors; /* [count], NULL when not registered */
     int32_t count;
+    rp_slot_identity id; /* expert RP_SLOT_UNKNOWN until set */
 } slot_entry;
 
 /* A layer's layout: what its first registered slot set. */
@@ -52,6 +55,8 @@ rp_status rp_registry_new(rp_context *ctx, int32_t num_layers, int32_t num_slots
         rp_registry_free(r);
         return rp_fail_nomem(err, "a registry");
     }
+    for (int64_t i = 0; i < cells; i++)
+        r->slots[i].id = (rp_slot_identity){(int32_t)(i / num_slots), RP_SLOT_UNKNOWN, 0};
     *out = r;
     return RP_OK;
 }
@@ -229,4 +234,62 @@ rp_status rp_registry_check(const rp_registry *r, rp_error *err)
     }
     rp_free(r->ctx, spans);
     return st;
+}
+
+/* ---- identity ---- */
+
+rp_status rp_registry_set_identity(rp_registry *r, int32_t layer, int32_t slot, const rp_slot_identity *id,
+                                   rp_error *err)
+{
+    if (!r || !id) return rp_fail(err, RP_EINVAL, "registry: no registry or identity");
+    if (layer < 0 || layer >= r->num_layers || slot < 0 || slot >= r->num_slots)
+        return rp_fail(err, RP_EINVAL, "registry: layer %d slot %d is out of range (the registry has %d layers and "
+                       "%d slots)", layer, slot, r->num_layers, r->num_slots);
+    if (id->layer < 0 || id->layer >= r->num_layers)
+        return rp_fail(err, RP_EINVAL, "registry: layer %d slot %d: the identity names layer %d, but the registry has "
+                       "%d layers", layer, slot, id->layer, r->num_layers);
+    if (id->expert < RP_SLOT_UNKNOWN)
+        return rp_fail(err, RP_EINVAL, "registry: layer %d slot %d: expert %d is not an expert id, -1 (empty) or "
+                       "RP_SLOT_UNKNOWN", layer, slot, id->expert);
+    r->slots[(int64_t)layer * r->num_slots + slot].id = *id;
+    return RP_OK;
+}
+
+rp_status rp_registry_identity(const rp_registry *r, int32_t layer, int32_t slot, rp_slot_identity *out,
+                               rp_error *err)
+{
+    if (!r || !out) return rp_fail(err, RP_EINVAL, "registry: no registry or output");
+    if (layer < 0 || layer >= r->num_layers || slot < 0 || slot >= r->num_slots)
+        return rp_fail(err, RP_EINVAL, "registry: layer %d slot %d is out of range (the registry has %d layers and "
+                       "%d slots)", layer, slot, r->num_layers, r->num_slots);
+    *out = r->slots[(int64_t)layer * r->num_slots + slot].id;
+    return RP_OK;
+}
+
+rp_status rp_registry_set_placement(rp_registry *r, const rp_plan *plan, int32_t ep_rank, uint64_t version,
+                                    rp_error *err)
+{
+    if (!r || !plan) return rp_fail(err, RP_EINVAL, "registry: no registry or plan");
+    const int32_t ep = rp_plan_ep_size(plan);
+    if (ep_rank < 0 || ep_rank >= ep)
+        return rp_fail(err, RP_EINVAL, "registry: EP rank %d is out of range (the plan has EP size %d)", ep_rank, ep);
+    const int32_t *sb = rp_plan_slot_begin(plan);
+    const int32_t slots = sb[ep_rank + 1] - sb[ep_rank];
+    if (rp_plan_num_layers(plan) != r->num_layers || slots != r->num_slots)
+        return rp_fail(err, RP_EINVAL, "registry: the registry has %d layers and %d slots, but EP rank %d has %d "
+                       "layers and %d slots in the plan", r->num_layers, r->num_slots, ep_rank,
+                       rp_plan_num_layers(plan), slots);
+    for (int32_t l = 0; l < r->num_layers; l++) {
+        const int32_t *row = rp_plan_phy2log(plan, l);
+        if (!row) return rp_fail(err, RP_EINVAL, "registry: the plan has no placement at layer %d", l);
+        for (int32_t k = 0; k < slots; k++)
+            r->slots[(int64_t)l * r->num_slots + k].id = (rp_slot_identity){l, row[sb[ep_rank] + k], version};
+    }
+    return RP_OK;
+}
+
+void rp_registry_set_version(rp_registry *r, uint64_t version)
+{
+    if (!r) return;
+    for (int64_t i = 0; i < (int64_t)r->num_layers * r->num_slots; i++) r->slots[i].id.version = version;
 }

@@ -54,6 +54,10 @@ typedef struct rp_transport_vtable {
     rp_status (*checksum)(rp_transport *t, const void *const *part_ptr, const size_t *part_bytes,
                           const int32_t *part_begin, int32_t num_experts, uint64_t *checksums,
                           double deadline, rp_error *err);
+    /* a <-> b, both transport memory, `bytes` bytes, not overlapping; bounded by
+     * `deadline`. The commit swaps each staged expert with its slot, so that staging
+     * then holds the slot's old bytes and the commit can be undone. */
+    rp_status (*swap)(rp_transport *t, void *a, void *b, size_t bytes, double deadline, rp_error *err);
     /* Host <-> transport memory, for headers. */
     rp_status (*to_host)(rp_transport *t, void *host, const void *src, size_t bytes,
                          double deadline, rp_error *err);
@@ -69,10 +73,14 @@ struct rp_transport {
     rp_memory memory;          /* the memory kind it moves */
     size_t max_message_bytes;  /* larger payloads are split by the executor */
     uint64_t calls;            /* executor calls so far: ranks compare it */
+    void *records;             /* host room for one exchange of the executor's records
+                                * (size * RP_EXCHANGE_RECORD_BYTES), taken when the
+                                * transport is created so that no exchange allocates */
     bool broken;               /* unusable after a failure (see rp_transport_usable) */
     char broken_why[160];
-    rp_fault fault;            /* injected fault (tests only; see transport_fault.h) */
-    int64_t payload_sends;     /* payload sends started since the fault was set */
+    rp_fault faults[RP_MAX_FAULTS]; /* injected faults (tests only; see transport_fault.h) */
+    int32_t num_faults;
+    int64_t fault_events[RP_FAULT_NUM_SITES]; /* events per site since the faults were set */
     bool device_checksum;      /* NCCL: checksums run on the GPU; false: through the host
                                 * (where the kernel cannot run; tests clear it to test that) */
 };
@@ -82,17 +90,27 @@ rp_status rp_transport_barrier(rp_transport *t, double deadline, rp_error *err);
 
 /* Monotonic clock in seconds. */
 double rp_now_s(void);
-/* Initialise the shared fields of a transport. */
-void rp_transport_init(rp_transport *t, const rp_transport_vtable *vt, rp_context *ctx,
-                       int32_t rank, int32_t size, rp_memory memory, size_t max_message_bytes);
+/* The bytes of one rank's record in the executor's exchanges (agreement, decision,
+ * commit); every transport can exchange records of this size without allocating. */
+#define RP_EXCHANGE_RECORD_BYTES 512
+
+/* Initialise the shared fields of a transport and take its exchange room (`records`;
+ * freed by rp_transport_free). Errors: RP_ENOMEM (nothing to undo but the struct). */
+rp_status rp_transport_init(rp_transport *t, const rp_transport_vtable *vt, rp_context *ctx,
+                            int32_t rank, int32_t size, rp_memory memory, size_t max_message_bytes,
+                            rp_error *err);
 /* The checksum callback of the host transports: rp_checksum_expert of each expert. */
 rp_status rp_transport_checksum_host(rp_transport *t, const void *const *part_ptr, const size_t *part_bytes,
                                      const int32_t *part_begin, int32_t num_experts, uint64_t *checksums,
                                      double deadline, rp_error *err);
 /* Mark a transport unusable, keeping the first reason. */
 void rp_transport_break(rp_transport *t, const char *why);
-/* The fault to apply to the next payload send (counts it), or RP_FAULT_NONE. A fault
- * fires once and then clears. */
-rp_fault_kind rp_transport_next_send_fault(rp_transport *t, double *delay_s);
+/* The fault that the next event of `site` meets (counts the event), or RP_FAULT_NONE. A
+ * fault fires once. */
+rp_fault_kind rp_transport_fault_at(rp_transport *t, rp_fault_site site, double *delay_s);
+/* The same for a send: the payload or header site by the op. */
+rp_fault_kind rp_transport_send_fault(rp_transport *t, const rp_transport_op *op, double *delay_s);
+/* The host swap for host transports: through a small buffer on the stack. */
+rp_status rp_transport_swap_host(rp_transport *t, void *a, void *b, size_t bytes, double deadline, rp_error *err);
 
 #endif

@@ -19,6 +19,8 @@ typedef struct local_msg {
     size_t bytes;
     double visible_at;  /* a delayed message is invisible until then */
     bool corrupt;
+    bool orphan;        /* a late message (fault): it owns its bytes and the hub owns it;
+                           whoever receives it, or the hub at the end, frees it */
     msg_state state;
 } local_msg;
 
@@ -96,7 +98,7 @@ rp_status rp_local_hub_new(rp_context *ctx, int32_t size, rp_local_hub **out, rp
     h->head = rp_calloc(ctx, (size_t)size * (size_t)size, sizeof *h->head);
     h->attached = rp_calloc(ctx, (size_t)size, sizeof *h->attached);
     /* Room for the executor's exchanges up front, so they never allocate. */
-    h->coll_cap = (size_t)size * 256;
+    h->coll_cap = (size_t)size * RP_EXCHANGE_RECORD_BYTES;
     h->coll_buf = rp_alloc(ctx, h->coll_cap);
     if (!h->head || !h->attached || !h->coll_buf) {
         rp_free(ctx, h->head);
@@ -119,6 +121,15 @@ void rp_local_hub_free(rp_local_hub *h)
 {
     if (!h) return;
     rp_context *ctx = h->ctx;
+    /* Late messages nobody received (fault injection) are the hub's. */
+    for (size_t q = 0; h->head && q < (size_t)h->size * (size_t)h->size; q++)
+        for (local_msg *m = h->head[q], *next; m; m = next) {
+            next = m->next;
+            if (m->orphan) {
+                rp_free(ctx, (void *)m->buf);
+                rp_free(ctx, m);
+            }
+        }
     pthread_mutex_destroy(&h->mu);
     pthread_cond_destroy(&h->cv);
     rp_free(ctx, h->head);
@@ -154,7 +165,7 @@ static rp_status local_start(rp_transport *t, const rp_transport_op *ops, int32_
         lo->done = false;
         if (op->send) {
             double delay = 0.0;
-            rp_fault_kind fault = op->payload ? rp_transport_next_send_fault(t, &delay) : RP_FAULT_NONE;
+            rp_fault_kind fault = rp_transport_send_fault(t, op, &delay);
             if (fault == RP_FAULT_SEND_FAIL) {
                 *failed = i;
                 return rp_fail(err, RP_ETRANSPORT, "transport: the send of %zu bytes to rank %d failed (injected fault)",
@@ -166,18 +177,31 @@ static rp_status local_start(rp_transport *t, const rp_transport_op *ops, int32_
                 continue;
             }
             local_msg *m = rp_calloc(t->ctx, 1, sizeof *m);
-            if (!m) {
+            void *late_copy = fault == RP_FAULT_LATE ? rp_alloc(t->ctx, op->bytes) : NULL;
+            if (!m || (fault == RP_FAULT_LATE && !late_copy)) {
+                rp_free(t->ctx, m);
                 *failed = i;
                 return rp_fail_nomem(err, "a message");
             }
             m->src = t->rank;
             m->tag = op->tag;
             m->buf = op->buf;
-            m->bytes = op->bytes;
+            m->bytes = fault == RP_FAULT_SHORT && op->bytes > 0 ? op->bytes - 1 : op->bytes;
             m->corrupt = fault == RP_FAULT_CORRUPT;
             m->visible_at = fault == RP_FAULT_DELAY ? rp_now_s() + delay : 0.0;
             m->state = MSG_QUEUED;
             lo->msg = m;
+            if (fault == RP_FAULT_LATE) {
+                /* Buffered and sent, as far as the sender knows; it arrives after
+                 * delay_s (past the call's deadlines), carrying its own copy of the
+                 * bytes, and stays queued for whichever receive matches it. */
+                memcpy(late_copy, op->buf, op->bytes);
+                m->buf = late_copy;
+                m->orphan = true;
+                m->visible_at = rp_now_s() + delay;
+                lo->msg = NULL;
+                lo->done = true;
+            }
             pthread_mutex_lock(&h->mu);
             local_msg **q = &h->head[(size_t)op->peer * h->size + t->rank];
             while (*q) q = &(*q)->next;
@@ -218,6 +242,11 @@ static int try_receive(local_transport *lt, local_op *lo, rp_error *err)
         memcpy(lo->op.buf, m->buf, m->bytes);
         if (m->corrupt) ((unsigned char *)lo->op.buf)[m->bytes / 2] ^= 0xff;
         lo->done = true;
+    }
+    if (m->orphan) { /* nobody waits for it: it is ours to free */
+        rp_free(lt->base.ctx, (void *)m->buf);
+        rp_free(lt->base.ctx, m);
+        return rc;
     }
     pthread_mutex_lock(&h->mu);
     m->state = MSG_DONE; /* the sender may free it from now on */
@@ -396,7 +425,7 @@ static void local_destroy(rp_transport *t)
 
 static const rp_transport_vtable local_vtable = {
     "local", local_start, local_wait, local_finish, local_allgather, local_alloc, local_free,
-    local_copy, rp_transport_checksum_host, local_copy, local_copy, local_destroy,
+    local_copy, rp_transport_checksum_host, rp_transport_swap_host, local_copy, local_copy, local_destroy,
 };
 
 rp_status rp_transport_local_new(rp_local_hub *h, int32_t rank, rp_transport **out, rp_error *err)
@@ -415,7 +444,14 @@ rp_status rp_transport_local_new(rp_local_hub *h, int32_t rank, rp_transport **o
         rp_free(h->ctx, lt);
         return rp_fail(err, RP_EINVAL, "transport: rank %d of the hub already has a transport", rank);
     }
-    rp_transport_init(&lt->base, &local_vtable, h->ctx, rank, h->size, RP_MEMORY_HOST, SIZE_MAX);
+    rp_status st = rp_transport_init(&lt->base, &local_vtable, h->ctx, rank, h->size, RP_MEMORY_HOST, SIZE_MAX, err);
+    if (st != RP_OK) {
+        pthread_mutex_lock(&h->mu);
+        h->attached[rank] = false;
+        pthread_mutex_unlock(&h->mu);
+        rp_free(h->ctx, lt);
+        return st;
+    }
     lt->hub = h;
     *out = &lt->base;
     return RP_OK;

@@ -20,10 +20,21 @@ typedef struct mpi_op {
     bool posted, done;
     double post_at;   /* a held-back send (fault) is started then */
     void *corrupt;    /* a corrupted copy sent instead of op.buf (fault) */
+    size_t send_bytes; /* what is sent: op.bytes, one less for a short message (fault) */
 } mpi_op;
+
+/* A late message (fault): sent, without waiting, once its time has come. */
+typedef struct late_msg {
+    void *buf;
+    size_t bytes;
+    int32_t peer, tag;
+    double post_at;
+} late_msg;
 
 typedef struct mpi_transport {
     rp_transport base;
+    late_msg late[8];
+    int32_t num_late;
     MPI_Comm comm;
     mpi_op *ops;
     int32_t n, cap;
@@ -45,16 +56,37 @@ static rp_status mpi_error(rp_error *err, int rc, const char *what, int32_t peer
 static rp_status post_send(mpi_transport *mt, mpi_op *mo, rp_error *err)
 {
     const void *buf = mo->corrupt ? mo->corrupt : mo->op.buf;
-    int rc = MPI_Isend(buf, (int)mo->op.bytes, MPI_BYTE, mo->op.peer, mo->op.tag, mt->comm, &mo->req);
+    int rc = MPI_Isend(buf, (int)mo->send_bytes, MPI_BYTE, mo->op.peer, mo->op.tag, mt->comm, &mo->req);
     if (rc != MPI_SUCCESS) return mpi_error(err, rc, "a send", mo->op.peer);
     mo->posted = true;
     return RP_OK;
+}
+
+static void keep_orphan(mpi_transport *mt, void *p);
+
+/* Send the late messages (fault) whose time has come; their bytes stay until the end. */
+static void post_late(mpi_transport *mt)
+{
+    double now = rp_now_s();
+    for (int32_t i = 0; i < mt->num_late;) {
+        late_msg *m = &mt->late[i];
+        if (now < m->post_at) {
+            i++;
+            continue;
+        }
+        MPI_Request req;
+        if (MPI_Isend(m->buf, (int)m->bytes, MPI_BYTE, m->peer, m->tag, mt->comm, &req) == MPI_SUCCESS)
+            MPI_Request_free(&req);
+        keep_orphan(mt, m->buf);
+        mt->late[i] = mt->late[--mt->num_late];
+    }
 }
 
 static rp_status mpi_start(rp_transport *t, const rp_transport_op *ops, int32_t n, int32_t *failed, rp_error *err)
 {
     mpi_transport *mt = (mpi_transport *)t;
     *failed = -1;
+    post_late(mt);
     if (mt->n) return rp_fail(err, RP_EINVAL, "transport: a batch is already in flight");
     if (n > mt->cap) {
         mpi_op *o = rp_realloc(t->ctx, mt->ops, (size_t)n * sizeof *o);
@@ -84,7 +116,8 @@ static rp_status mpi_start(rp_transport *t, const rp_transport_op *ops, int32_t 
             continue;
         }
         double delay = 0.0;
-        rp_fault_kind fault = op->payload ? rp_transport_next_send_fault(t, &delay) : RP_FAULT_NONE;
+        rp_fault_kind fault = rp_transport_send_fault(t, op, &delay);
+        mo->send_bytes = fault == RP_FAULT_SHORT && op->bytes > 0 ? op->bytes - 1 : op->bytes;
         if (fault == RP_FAULT_SEND_FAIL) {
             *failed = i;
             return rp_fail(err, RP_ETRANSPORT, "transport: the send of %zu bytes to rank %d failed (injected fault)",
@@ -97,6 +130,16 @@ static rp_status mpi_start(rp_transport *t, const rp_transport_op *ops, int32_t 
         }
         if (fault == RP_FAULT_DELAY) {
             mo->post_at = rp_now_s() + delay;
+            continue;
+        }
+        if (fault == RP_FAULT_LATE) {
+            /* Buffered now and complete for the sender; it leaves after delay_s, past
+             * the call's deadlines, and stays queued at the receiver. */
+            mo->done = true;
+            void *copy = mt->num_late < 8 ? rp_alloc(t->ctx, op->bytes ? op->bytes : 1) : NULL;
+            if (!copy) continue; /* then it is simply lost */
+            memcpy(copy, op->buf, op->bytes);
+            mt->late[mt->num_late++] = (late_msg){copy, op->bytes, op->peer, op->tag, rp_now_s() + delay};
             continue;
         }
         if (fault == RP_FAULT_CORRUPT) {
@@ -169,6 +212,7 @@ static rp_status mpi_wait(rp_transport *t, double deadline, int32_t *failed, rp_
                                : "transport: nothing arrived from rank %d before the deadline",
                            mt->ops[pending].op.peer);
         }
+        post_late(mt);
         if (!progressed) sched_yield(); /* ranks may share cores (mpirun --oversubscribe) */
     }
 }
@@ -274,6 +318,7 @@ static void mpi_destroy(rp_transport *t)
         mpi_finish(t);
         MPI_Comm_free(&mt->comm);
     }
+    for (int32_t i = 0; i < mt->num_late; i++) rp_free(t->ctx, mt->late[i].buf); /* never sent */
     for (int32_t i = 0; i < mt->num_orphans; i++) rp_free(t->ctx, mt->orphans[i]);
     rp_free(t->ctx, mt->orphans);
     rp_free(t->ctx, mt->ops);
@@ -283,7 +328,7 @@ static void mpi_destroy(rp_transport *t)
 
 static const rp_transport_vtable mpi_vtable = {
     "mpi", mpi_start, mpi_wait, mpi_finish, mpi_allgather, mpi_alloc, mpi_free,
-    mpi_copy, rp_transport_checksum_host, mpi_copy, mpi_copy, mpi_destroy,
+    mpi_copy, rp_transport_checksum_host, rp_transport_swap_host, mpi_copy, mpi_copy, mpi_destroy,
 };
 
 rp_status rp_transport_mpi_new(rp_context *ctx, MPI_Comm comm, rp_transport **out, rp_error *err)
@@ -306,7 +351,19 @@ rp_status rp_transport_mpi_new(rp_context *ctx, MPI_Comm comm, rp_transport **ou
     int rank = 0, size = 0;
     MPI_Comm_rank(mt->comm, &rank);
     MPI_Comm_size(mt->comm, &size);
-    rp_transport_init(&mt->base, &mpi_vtable, ctx, rank, size, RP_MEMORY_HOST, MAX_MESSAGE);
+    rp_status st = rp_transport_init(&mt->base, &mpi_vtable, ctx, rank, size, RP_MEMORY_HOST, MAX_MESSAGE, err);
+    /* The executor's exchanges never allocate: their buffer is taken now. */
+    if (st == RP_OK) {
+        mt->coll_cap = (size_t)(size + 1) * RP_EXCHANGE_RECORD_BYTES;
+        mt->coll = rp_alloc(ctx, mt->coll_cap);
+        if (!mt->coll) st = rp_fail_nomem(err, "an MPI transport's exchange buffer");
+    }
+    if (st != RP_OK) {
+        MPI_Comm_free(&mt->comm);
+        rp_free(ctx, mt->base.records);
+        rp_free(ctx, mt);
+        return st;
+    }
     *out = &mt->base;
     return RP_OK;
 }

@@ -16,6 +16,7 @@
 
 #define BOUNCE_BYTES ((size_t)4 << 20) /* pinned host buffer for headers and host checksums */
 #define FINISH_BOUND_S 5.0             /* how long finish waits for a batch before aborting */
+#define SCRATCH_BYTES ((size_t)4 << 20) /* device memory a swap goes through */
 
 typedef struct nccl_transport {
     rp_transport base;
@@ -27,8 +28,10 @@ typedef struct nccl_transport {
     void **corrupt;        /* device copies sent instead of the real buffer (fault) */
     int32_t num_corrupt, cap_corrupt;
     unsigned char *bounce; /* pinned host memory, BOUNCE_BYTES */
-    unsigned char *coll;   /* device memory for exchanges */
+    unsigned char *coll;   /* device memory for exchanges, taken at creation for the
+                              executor's records so that its exchanges never allocate */
     size_t coll_cap;
+    unsigned char *scratch; /* device memory, SCRATCH_BYTES, for swaps */
 } nccl_transport;
 
 static void nccl_abort(nccl_transport *nt, const char *why)
@@ -44,9 +47,17 @@ static rp_status cuda_error(rp_error *err, cudaError_t rc, const char *what)
 }
 
 /* Wait until the work queued on the stream so far is done, or the deadline. Any
- * failure aborts the communicator, so nothing can hang on it later. */
+ * failure aborts the communicator, so nothing can hang on it later. After an abort the
+ * communicator is gone: only the stream is waited for (copies that restore slots after
+ * a failed exchange still run). */
 static rp_status poll_until(nccl_transport *nt, double deadline, const char *what, rp_error *err)
 {
+    const bool comm_alive = !nt->base.broken;
+    if (!nt->event_recorded && !comm_alive) {
+        cudaError_t rc = cudaEventRecord(nt->done, nt->stream);
+        if (rc != cudaSuccess) return cuda_error(err, rc, "recording a CUDA event");
+        nt->event_recorded = true;
+    }
     if (!nt->event_recorded) {
         /* A non-blocking communicator may still be enqueuing the group. */
         for (;;) {
@@ -74,7 +85,7 @@ static rp_status poll_until(nccl_transport *nt, double deadline, const char *wha
     for (;;) {
         cudaError_t rc = cudaEventQuery(nt->done);
         ncclResult_t async = ncclSuccess;
-        ncclCommGetAsyncError(nt->comm, &async);
+        if (comm_alive) ncclCommGetAsyncError(nt->comm, &async);
         if (async != ncclSuccess && async != ncclInProgress) {
             nccl_abort(nt, "an NCCL operation failed");
             return rp_fail(err, RP_ETRANSPORT, "transport: %s failed: %s; the NCCL communicator was aborted", what,
@@ -163,9 +174,9 @@ static rp_status nccl_start(rp_transport *t, const rp_transport_op *ops, int32_t
             st = rp_fail(err, RP_EINVAL, "transport: peer %d is out of range (%d ranks)", ops[i].peer, t->size);
             goto out;
         }
-        if (!ops[i].send || !ops[i].payload) continue;
+        if (!ops[i].send) continue;
         double delay = 0.0;
-        faults[i] = rp_transport_next_send_fault(t, &delay);
+        faults[i] = rp_transport_send_fault(t, &ops[i], &delay);
         if (faults[i] == RP_FAULT_SEND_FAIL) {
             *failed = i;
             st = rp_fail(err, RP_ETRANSPORT, "transport: the send of %zu bytes to rank %d failed (injected fault)",
@@ -179,9 +190,13 @@ static rp_status nccl_start(rp_transport *t, const rp_transport_op *ops, int32_t
     }
     ncclResult_t rc = ncclGroupStart();
     for (int32_t i = 0; i < n && rc == ncclSuccess; i++) {
-        /* A dropped message is never sent; NCCL cannot hold one back, so a delayed one
-         * is not sent either: both leave the receiver waiting past its deadline. */
-        if (faults[i] == RP_FAULT_DROP || faults[i] == RP_FAULT_DELAY) continue;
+        /* A dropped message is never sent; NCCL cannot hold one back, send one short
+         * (the receive would never match it) or keep one for a later group, so a
+         * delayed, short or late one is not sent either: each leaves the receiver
+         * waiting past its deadline. */
+        if (faults[i] == RP_FAULT_DROP || faults[i] == RP_FAULT_DELAY || faults[i] == RP_FAULT_SHORT ||
+            faults[i] == RP_FAULT_LATE)
+            continue;
         if (ops[i].send) rc = ncclSend(bufs[i], ops[i].bytes, ncclUint8, ops[i].peer, nt->comm, nt->stream);
         else rc = ncclRecv(ops[i].buf, ops[i].bytes, ncclUint8, ops[i].peer, nt->comm, nt->stream);
     }
@@ -338,6 +353,22 @@ static rp_status nccl_checksum(rp_transport *t, const void *const *part_ptr, con
     return host_checksum(nt, part_ptr, part_bytes, part_begin, num_experts, checksums, deadline, err);
 }
 
+/* a <-> b through the device scratch, chunk by chunk, stream-ordered, then one wait. */
+static rp_status nccl_swap(rp_transport *t, void *a, void *b, size_t bytes, double deadline, rp_error *err)
+{
+    nccl_transport *nt = (nccl_transport *)t;
+    unsigned char *pa = a, *pb = b;
+    for (size_t done = 0; done < bytes;) {
+        size_t n = bytes - done < SCRATCH_BYTES ? bytes - done : SCRATCH_BYTES;
+        cudaError_t rc = cudaMemcpyAsync(nt->scratch, pa + done, n, cudaMemcpyDeviceToDevice, nt->stream);
+        if (rc == cudaSuccess) rc = cudaMemcpyAsync(pa + done, pb + done, n, cudaMemcpyDeviceToDevice, nt->stream);
+        if (rc == cudaSuccess) rc = cudaMemcpyAsync(pb + done, nt->scratch, n, cudaMemcpyDeviceToDevice, nt->stream);
+        if (rc != cudaSuccess) return cuda_error(err, rc, "a device swap");
+        done += n;
+    }
+    return sync_stream(nt, deadline, "a device swap", err);
+}
+
 static rp_status nccl_to_host(rp_transport *t, void *host, const void *src, size_t bytes, double deadline,
                               rp_error *err)
 {
@@ -376,7 +407,10 @@ static void nccl_destroy(rp_transport *t)
 {
     nccl_transport *nt = (nccl_transport *)t;
     bool safe = nccl_finish(t);
-    if (safe) cudaFree(nt->coll);
+    if (safe) {
+        cudaFree(nt->coll);
+        cudaFree(nt->scratch);
+    }
     rp_free(t->ctx, nt->corrupt);
     cudaEventDestroy(nt->done);
     cudaFreeHost(nt->bounce);
@@ -385,7 +419,7 @@ static void nccl_destroy(rp_transport *t)
 
 static const rp_transport_vtable nccl_vtable = {
     "nccl", nccl_start, nccl_wait, nccl_finish, nccl_allgather, nccl_alloc, nccl_free,
-    nccl_copy, nccl_checksum, nccl_to_host, nccl_from_host, nccl_destroy,
+    nccl_copy, nccl_checksum, nccl_swap, nccl_to_host, nccl_from_host, nccl_destroy,
 };
 
 rp_status rp_transport_nccl_new(rp_context *ctx, ncclComm_t comm, cudaStream_t stream, rp_transport **out,
@@ -414,7 +448,26 @@ rp_status rp_transport_nccl_new(rp_context *ctx, ncclComm_t comm, cudaStream_t s
     }
     nt->comm = comm;
     nt->stream = stream;
-    rp_transport_init(&nt->base, &nccl_vtable, ctx, rank, size, RP_MEMORY_CUDA, SIZE_MAX);
+    rp_status st = rp_transport_init(&nt->base, &nccl_vtable, ctx, rank, size, RP_MEMORY_CUDA, SIZE_MAX, err);
+    if (st == RP_OK) {
+        size_t total = (size_t)(size + 1) * RP_EXCHANGE_RECORD_BYTES;
+        if (total > BOUNCE_BYTES)
+            st = rp_fail(err, RP_ERANGE, "transport: %d ranks are too many for one exchange", size);
+        else if ((crc = cudaMalloc((void **)&nt->coll, total)) != cudaSuccess)
+            st = cuda_error(err, crc, "allocating an exchange buffer");
+        else
+            nt->coll_cap = total;
+    }
+    if (st == RP_OK && (crc = cudaMalloc((void **)&nt->scratch, SCRATCH_BYTES)) != cudaSuccess)
+        st = cuda_error(err, crc, "allocating swap scratch");
+    if (st != RP_OK) {
+        cudaFree(nt->coll);
+        cudaFreeHost(nt->bounce);
+        cudaEventDestroy(nt->done);
+        rp_free(ctx, nt->base.records);
+        rp_free(ctx, nt);
+        return st;
+    }
 #ifdef RP_HAVE_CUDA
     /* rp_gpu_checksum takes its scratch with cudaMallocAsync: a device without
      * stream-ordered memory pools checksums through the host instead. */

@@ -13,7 +13,7 @@
 
 #include <stdlib.h>
 
-#define CHECKS 18
+#define CHECKS 25
 
 static void fill(unsigned char *p, size_t n, unsigned seed)
 {
@@ -67,7 +67,7 @@ static void test_self_transfer(rp_transport *t)
        "nccl: the received bytes are the sent bytes");
     /* A corrupted message: the receiver's kernel checksum sees the flipped byte. */
     cudaMemset(dst, 0, n);
-    rp_fault f = {RP_FAULT_CORRUPT, 0, 0};
+    rp_fault f = {RP_FAULT_CORRUPT, 0, 0, false};
     rp_transport_set_fault(t, &f);
     st = t->vt->start(t, ops, 2, &failed, &err);
     if (st == RP_OK) st = t->vt->wait(t, deadline, &failed, &err);
@@ -85,6 +85,23 @@ static void test_self_transfer(rp_transport *t)
     cudaFree(dst);
     free(host);
     free(back);
+}
+
+/* Slots of the registry's device buffers that do not hold `rows`' experts. */
+static int device_bad(const unsigned char *dev, const size_t *sizes, const int32_t *rows)
+{
+    unsigned char host[4096], want[4096];
+    size_t off = 0;
+    int bad = 0;
+    for (int l = 0; l < 2; l++)
+        for (int k = 0; k < 4; k++)
+            for (int i = 0; i < 2; i++) {
+                cudaMemcpy(host, dev + off, sizes[i], cudaMemcpyDeviceToHost);
+                fill(want, sizes[i], (unsigned)(l * 100 + rows[4 * l + k] * 10 + i));
+                bad += memcmp(host, want, sizes[i]) != 0;
+                off += sizes[i];
+            }
+    return bad;
 }
 
 static void test_executor(rp_context *ctx, rp_transport *t)
@@ -121,6 +138,7 @@ static void test_executor(rp_context *ctx, rp_transport *t)
             }
             rp_registry_set(reg, l, k, ts, 2, NULL);
         }
+    rp_registry_set_placement(reg, a, 0, 0, NULL);
     int64_t bytes[2] = {(int64_t)(sizes[0] + sizes[1]), (int64_t)(sizes[0] + sizes[1])};
     rp_migration_plan *mp = NULL;
     rp_migration_options o = {bytes, 0};
@@ -144,6 +162,34 @@ static void test_executor(rp_context *ctx, rp_transport *t)
     is_int(bad, 0, "nccl: every device slot holds its target expert's bytes");
     ok(res.slots_written == 7 && res.rounds_committed == 1, "nccl: seven slots written in one round");
     ok(rp_transport_usable(t), "nccl: the transport is still usable");
+    rp_slot_identity id;
+    ok(rp_registry_identity(reg, 1, 0, &id, NULL) == RP_OK && id.expert == tgt[4],
+       "nccl: a written slot's identity names its new expert");
+    /* On to a third placement whose layer 1 fills two slots from one staged copy (undo
+     * memory); first with staging corrupted after the check, then a failing write: the
+     * device slots are written, checked, and swapped back. */
+    int32_t next[8] = {0, 1, 2, 3, 2, 3, 1, 1};
+    rp_plan *c = NULL;
+    rp_plan_new(ctx, cfg, 1, &c, NULL);
+    for (int l = 0; l < 2; l++) rp_plan_set_phy2log(c, l, next + 4 * l, NULL);
+    rp_migration_plan *mp2 = NULL;
+    rp_migration_plan_new(ctx, cfg, b, c, &o, &mp2, NULL);
+    rp_transport_set_fault(t, &(rp_fault){RP_FAULT_CORRUPT_STAGING, 0, 0, false});
+    st = rp_migration_execute(mp2, reg, t, NULL, &res, &err);
+    is_int(st, RP_ECHECKSUM, "nccl: staging corrupted after the check is caught in the written slots");
+    if (st != RP_ECHECKSUM) diag("%s", err.text);
+    is_int(device_bad(dev, sizes, tgt), 0, "nccl: and every device slot was restored");
+    ok(res.staging_bytes > 0 && rp_transport_usable(t), "nccl: the transport is still usable");
+    rp_transport_set_fault(t, &(rp_fault){RP_FAULT_COMMIT_FAIL, 3, 0, false});
+    st = rp_migration_execute(mp2, reg, t, NULL, &res, &err);
+    ok(st == RP_ETRANSPORT && device_bad(dev, sizes, tgt) == 0,
+       "nccl: a write failing at the commit's fourth slot: every device slot restored");
+    rp_transport_set_fault(t, NULL);
+    st = rp_migration_execute(mp2, reg, t, NULL, &res, &err);
+    if (st != RP_OK) diag("%s", err.text);
+    ok(st == RP_OK && device_bad(dev, sizes, next) == 0, "nccl: then the migration completes on the device");
+    rp_migration_plan_free(mp2);
+    rp_plan_free(c);
     rp_migration_plan_free(mp);
     rp_registry_free(reg);
     cudaFree(dev);

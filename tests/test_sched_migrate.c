@@ -109,6 +109,7 @@ static int world_init(world *w)
                 }
                 if (rp_registry_set(w->reg[g], l, k, ts, w->count[l], NULL) != RP_OK) return -1;
             }
+        if (rp_registry_set_placement(w->reg[g], start, j, 0, NULL) != RP_OK) return -1;
         memcpy(w->want[g], w->mem[g], w->total);
     }
     rp_plan_free(start);
@@ -161,7 +162,7 @@ static int world_bad_slots(const world *w)
 
 typedef struct rank_run {
     const rp_migration_plan *mp;
-    const rp_registry *reg;
+    rp_registry *reg;
     rp_transport *t;
     rp_migration_exec_options opts;
     rp_status st;
@@ -351,7 +352,7 @@ static void test_fault(rp_fault_kind kind, const char *name)
         rp_migration_plan_transfer(mp, i, &tr, NULL);
         if (tr.src_gpu != tr.dst_gpu) sender = tr.src_gpu;
     }
-    rp_fault f = {kind, 0, 30.0};
+    rp_fault f = {kind, 0, 30.0, false};
     if (sender >= 0) rp_transport_set_fault(w.t[sender], &f);
     bool same = execute(&w, mp, 0.5, runs);
     ok(sender >= 0 && same && runs[0].st != RP_OK && runs[0].res.rounds_committed == 0,
@@ -437,7 +438,7 @@ static void test_fault_later_round(void)
         world_free(&w);
         return;
     }
-    rp_fault f = {RP_FAULT_CORRUPT, nth, 0};
+    rp_fault f = {RP_FAULT_CORRUPT, nth, 0, false};
     rp_transport_set_fault(w.t[sender], &f);
     bool same = execute(&w, mp, 5.0, runs);
     ok(same && runs[0].st == RP_ECHECKSUM && runs[0].res.rounds_committed == round,

@@ -197,6 +197,7 @@ static void executor_figures(rp_context *ctx)
                 rp_tensor ts[2] = {{p, tensor, RP_MEMORY_HOST}, {p + tensor, tensor, RP_MEMORY_HOST}};
                 rp_registry_set(reg[g], l, k, ts, 2, NULL);
             }
+        rp_registry_set_placement(reg[g], cur, g, 0, NULL);
     }
     rp_local_hub *hub = NULL;
     rp_local_hub_new(ctx, G, &hub, NULL);

@@ -138,6 +138,7 @@ int main(int argc, char **argv)
             for (int i = 0; i < TENSORS; i++) ts[i] = (rp_tensor){tensor_at(&b, b.slots, l, k, i), b.tensor, RP_MEMORY_HOST};
             rp_registry_set(b.reg, l, k, ts, TENSORS, NULL);
         }
+    if (st == RP_OK) st = rp_registry_set_placement(b.reg, cur, rank, 0, &err);
     if (st == RP_OK) st = rp_transport_mpi_new(ctx, MPI_COMM_WORLD, &b.t, &err);
     if (st != RP_OK) {
         printf("bench_migrate_mpi: rank %d: %s\n", rank, err.text);

@@ -14,7 +14,7 @@
 #define W_MAX_LAYERS 8
 #define W_MAX_TENSORS 3
 
-static rp_config *w_config(rp_context *ctx, int nodes, int gpn, int ep, int slots, int layers, int experts)
+static inline rp_config *w_config(rp_context *ctx, int nodes, int gpn, int ep, int slots, int layers, int experts)
 {
     char json[1024];
     snprintf(json, sizeof json,
@@ -32,7 +32,7 @@ static rp_config *w_config(rp_context *ctx, int nodes, int gpn, int ep, int slot
     return cfg;
 }
 
-static rp_plan *w_plan(rp_context *ctx, const rp_config *cfg, const int32_t *rows)
+static inline rp_plan *w_plan(rp_context *ctx, const rp_config *cfg, const int32_t *rows)
 {
     rp_plan *p = NULL;
     if (rp_plan_new(ctx, cfg, 1, &p, NULL) != RP_OK) return NULL;
@@ -46,7 +46,7 @@ static rp_plan *w_plan(rp_context *ctx, const rp_config *cfg, const int32_t *row
 }
 
 static uint64_t w_rng = 0x2545f4914f6cdd1dULL;
-static uint32_t w_rnd(uint32_t n)
+static inline uint32_t w_rnd(uint32_t n)
 {
     w_rng ^= w_rng << 13;
     w_rng ^= w_rng >> 7;
@@ -55,7 +55,7 @@ static uint32_t w_rnd(uint32_t n)
 }
 
 /* A valid layer: every expert once, spare slots random replicas or empty, shuffled. */
-static void w_random_layer(int32_t *row, int S, int E)
+static inline void w_random_layer(int32_t *row, int S, int E)
 {
     for (int i = 0; i < S; i++) row[i] = i < E ? i : (w_rnd(4) == 0 ? -1 : (int32_t)w_rnd((uint32_t)E));
     for (int i = S - 1; i > 0; i--) {
@@ -67,18 +67,18 @@ static void w_random_layer(int32_t *row, int S, int E)
 }
 
 /* The byte an expert has at (layer, tensor, i); junk of an empty slot likewise. */
-static unsigned char w_byte(uint64_t key, size_t i)
+static inline unsigned char w_byte(uint64_t key, size_t i)
 {
     uint64_t x = key * 0x9e3779b97f4a7c15ULL + (uint64_t)i * 0xbf58476d1ce4e5b9ULL;
     x ^= x >> 31;
     x *= 0x94d049bb133111ebULL;
     return (unsigned char)(x >> 56);
 }
-static uint64_t w_expert_key(int layer, int expert, int tensor)
+static inline uint64_t w_expert_key(int layer, int expert, int tensor)
 {
     return ((uint64_t)layer << 40) ^ ((uint64_t)(expert + 1) << 8) ^ (uint64_t)tensor ^ 0x1111;
 }
-static uint64_t w_junk_key(int gpu, int layer, int slot, int tensor)
+static inline uint64_t w_junk_key(int gpu, int layer, int slot, int tensor)
 {
     return 0xdead000000000000ULL ^ ((uint64_t)gpu << 32) ^ ((uint64_t)layer << 20) ^ ((uint64_t)slot << 4) ^
            (uint64_t)tensor;
@@ -92,7 +92,7 @@ typedef struct w_layout {
     int64_t bytes[W_MAX_LAYERS];
 } w_layout;
 
-static void w_random_layout(w_layout *lay, int L, size_t max_size)
+static inline void w_random_layout(w_layout *lay, int L, size_t max_size)
 {
     lay->L = L;
     for (int l = 0; l < L; l++) {
@@ -116,7 +116,7 @@ typedef struct w_gpu {
     rp_registry *reg;
 } w_gpu;
 
-static void w_expected(const w_gpu *w, int layer, int slot, int tensor, int expert, unsigned char *out)
+static inline void w_expected(const w_gpu *w, int layer, int slot, int tensor, int expert, unsigned char *out)
 {
     size_t n = w->lay->size[layer][tensor];
     uint64_t key = expert >= 0 ? w_expert_key(layer, expert, tensor) : w_junk_key(w->gpu, layer, slot, tensor);
@@ -125,7 +125,7 @@ static void w_expected(const w_gpu *w, int layer, int slot, int tensor, int expe
 
 /* Buffers of GPU `gpu` filled from placement `cur` (a slot holds its expert's bytes, an
  * empty slot its own junk) and registered. Returns 0 on success. */
-static int w_gpu_init(w_gpu *w, rp_context *ctx, const w_layout *lay, const rp_plan *cur, int gpu)
+static inline int w_gpu_init(w_gpu *w, rp_context *ctx, const w_layout *lay, const rp_plan *cur, int gpu)
 {
     memset(w, 0, sizeof *w);
     const int ep = rp_plan_ep_size(cur);
@@ -160,10 +160,12 @@ static int w_gpu_init(w_gpu *w, rp_context *ctx, const w_layout *lay, const rp_p
                                     lay->size[l][t], RP_MEMORY_HOST};
             if (rp_registry_set(w->reg, l, k, ts, lay->count[l], NULL) != RP_OK) return -1;
         }
+    /* What each slot holds: the executor keeps it from here on. */
+    if (rp_registry_set_placement(w->reg, cur, w->ep_rank, 0, NULL) != RP_OK) return -1;
     return 0;
 }
 
-static void w_gpu_free(w_gpu *w)
+static inline void w_gpu_free(w_gpu *w)
 {
     rp_registry_free(w->reg);
     free(w->mem);
@@ -174,7 +176,7 @@ static void w_gpu_free(w_gpu *w)
 
 /* Slots that do not hold what they must: a layer in `moved` (bit l) holds the target
  * expert in every slot the target fills; everything else is as before. */
-static int w_gpu_bad_slots(const w_gpu *w, const rp_plan *tgt, unsigned moved)
+static inline int w_gpu_bad_slots(const w_gpu *w, const rp_plan *tgt, unsigned moved)
 {
     const int32_t *sb = rp_plan_slot_begin(tgt);
     unsigned char want[512];
@@ -200,13 +202,13 @@ static int w_gpu_bad_slots(const w_gpu *w, const rp_plan *tgt, unsigned moved)
 }
 
 /* Whether every byte is as before. */
-static bool w_gpu_intact(const w_gpu *w) { return memcmp(w->mem, w->original, w->total) == 0; }
+static inline bool w_gpu_intact(const w_gpu *w) { return memcmp(w->mem, w->original, w->total) == 0; }
 
 /* The transfer that rank `sender`'s nth payload message (0-based, counted from round 0)
  * carries, and (if `tensor` is not NULL) which of its tensors: the executor sends,
  * round by round, to peers in ascending order, each copy's tensors in plan order (host
  * transports never split these small tensors). */
-static int64_t w_fault_message(const rp_migration_plan *mp, const w_layout *lay, int sender, int64_t nth,
+static inline int64_t w_fault_message(const rp_migration_plan *mp, const w_layout *lay, int sender, int64_t nth,
                                int *tensor)
 {
     int64_t n = 0;
@@ -226,10 +228,24 @@ static int64_t w_fault_message(const rp_migration_plan *mp, const w_layout *lay,
     return -1;
 }
 
+/* `prefer` if it sends to another GPU in the plan, else the lowest GPU that does. */
+static inline int w_sender(const rp_migration_plan *mp, int prefer)
+{
+    int first = -1;
+    for (int64_t i = 0; i < rp_migration_plan_num_transfers(mp); i++) {
+        rp_migration_transfer t;
+        rp_migration_plan_transfer(mp, i, &t, NULL);
+        if (t.src_gpu == t.dst_gpu) continue;
+        if (t.src_gpu == prefer) return prefer;
+        if (first < 0 || t.src_gpu < first) first = t.src_gpu;
+    }
+    return first;
+}
+
 /* rp_checksum_expert of `expert`'s bytes at `layer` (its tensors one after another):
  * `*sent` as the source holds them, `*received` with the middle byte of tensor
  * `corrupt_tensor` flipped, as the transports' corruption fault delivers them. */
-static void w_expert_checksums(const w_gpu *w, int layer, int expert, int corrupt_tensor, uint64_t *sent,
+static inline void w_expert_checksums(const w_gpu *w, int layer, int expert, int corrupt_tensor, uint64_t *sent,
                                uint64_t *received)
 {
     size_t total = (size_t)w->lay->bytes[layer], off = 0, flip = 0;
@@ -246,7 +262,7 @@ static void w_expert_checksums(const w_gpu *w, int layer, int expert, int corrup
 }
 
 /* Whether a checksum-mismatch error gives exactly `received` and `sent`. */
-static bool w_error_has_checksums(const char *text, uint64_t received, uint64_t sent)
+static inline bool w_error_has_checksums(const char *text, uint64_t received, uint64_t sent)
 {
     char want[96];
     snprintf(want, sizeof want, "checksum mismatch (0x%016llx received, 0x%016llx sent)",
@@ -256,7 +272,7 @@ static bool w_error_has_checksums(const char *text, uint64_t received, uint64_t 
 
 /* Each GPU's slots of its EP rank take the next EP rank's experts (within the group):
  * every rank sends and receives at every layer. */
-static void w_rotate(const int32_t *cur, int32_t *tgt, int L, int ep, int slots)
+static inline void w_rotate(const int32_t *cur, int32_t *tgt, int L, int ep, int slots)
 {
     int S = ep * slots;
     for (int l = 0; l < L; l++)

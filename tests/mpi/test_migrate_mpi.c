@@ -126,7 +126,7 @@ static void test_faults(rp_context *ctx, rp_transport *t)
             int tensor = -1;
             if (fine) rp_migration_plan_transfer(s.mp, w_fault_message(s.mp, &s.lay, rank, nth, &tensor), &tr, NULL);
             if (rank == my_rank) {
-                rp_fault f = {kinds[k], nth, 30.0};
+                rp_fault f = {kinds[k], nth, 30.0, false};
                 rp_transport_set_fault(t, &f);
             }
             rp_error err;
@@ -157,6 +157,62 @@ static void test_faults(rp_context *ctx, rp_transport *t)
                   "mpi %s on rank %d: a retry without the fault completes", names[k], rank);
             mscene_free(&s);
         }
+}
+
+/* The faults the in-process tests cover in depth (tests/test_migrate_faults.c), once
+ * each over MPI: the same status on every rank, every byte intact, the transport
+ * usable, a retry that completes. */
+static void test_more_faults(rp_context *ctx, rp_transport *t)
+{
+    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
+    struct {
+        const char *name;
+        rp_fault f, g;     /* on the chosen sender; g on another sender (kind 0: none) */
+        rp_status want;
+        const char *text;
+    } cases[] = {
+        {"corrupt header", {RP_FAULT_CORRUPT, 0, 0, true}, {0, 0, 0, false}, RP_ETRANSPORT, "is corrupt (header checksum"},
+        {"short header", {RP_FAULT_SHORT, 0, 0, true}, {0, 0, 0, false}, RP_ETRANSPORT, "bytes arrived from rank"},
+        {"short message", {RP_FAULT_SHORT, 0, 0, false}, {0, 0, 0, false}, RP_ETRANSPORT, "bytes arrived from rank"},
+        {"late header", {RP_FAULT_LATE, 0, 1.0, true}, {0, 0, 0, false}, RP_ETIMEOUT, "before the deadline"},
+        {"stall mid-round", {RP_FAULT_STALL, 0, 0.6, false}, {0, 0, 0, false}, RP_ETIMEOUT, "before the deadline"},
+        {"a failing write at commit", {RP_FAULT_COMMIT_FAIL, 0, 0, false}, {0, 0, 0, false}, RP_ETRANSPORT,
+         "the slots it wrote were restored"},
+        {"staging corrupted after the check", {RP_FAULT_CORRUPT_STAGING, 0, 0, false}, {0, 0, 0, false},
+         RP_ECHECKSUM, "changed after it was checked"},
+        {"two faults on two ranks", {RP_FAULT_CORRUPT, 0, 0, false}, {RP_FAULT_SEND_FAIL, 0, 0, false}, 0,
+         "rolled back on every rank"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int32_t cur[2 * 12], tgt[2 * 12];
+        for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
+        w_rotate(cur, tgt, L, ep, slots);
+        mscene s;
+        bool fine = mscene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, 200, 0) == 0;
+        int a = fine ? w_sender(s.mp, (int)c % 4) : 0, b = fine ? w_sender(s.mp, (a + 2) % 4) : 0;
+        if (my_rank == a) rp_transport_set_fault(t, &cases[c].f);
+        if (cases[c].g.kind != RP_FAULT_NONE && my_rank == b && b != a) rp_transport_set_fault(t, &cases[c].g);
+        rp_error err;
+        rp_migration_result res;
+        rp_status st = fine ? run(&s, t, NULL, 0.4, &err, &res) : RP_EINVAL;
+        rp_transport_set_fault(t, NULL);
+        /* The same status and message on every rank: compare with rank 0's. */
+        int mine[2] = {(int)st, (int)rp_checksum_bytes(err.text, strlen(err.text))}, zero[2];
+        memcpy(zero, mine, sizeof zero);
+        MPI_Bcast(zero, 2, MPI_INT, 0, MPI_COMM_WORLD);
+        if (cases[c].want != RP_OK && st != cases[c].want) printf("# rank %d: %s\n", my_rank, err.text);
+        check(st != RP_OK && (cases[c].want == RP_OK || st == cases[c].want) && zero[0] == mine[0] &&
+              zero[1] == mine[1], "mpi %s (rank %d): every rank returns %s with the same message", cases[c].name, a,
+              rp_strerror(st));
+        check(strstr(err.text, cases[c].text) != NULL, "mpi %s: the error says what happened", cases[c].name);
+        check(fine && w_gpu_intact(&s.gpu), "mpi %s: every weight byte is intact", cases[c].name);
+        check(rp_transport_usable(t), "mpi %s: the transport is still usable", cases[c].name);
+        st = fine ? run(&s, t, NULL, 30.0, &err, &res) : RP_EINVAL;
+        if (st != RP_OK) printf("# rank %d retry: %s\n", my_rank, err.text);
+        check(st == RP_OK && w_gpu_bad_slots(&s.gpu, s.tgt, 3) == 0, "mpi %s: a retry without the fault completes",
+              cases[c].name);
+        mscene_free(&s);
+    }
 }
 
 static void test_mismatch(rp_context *ctx, rp_transport *t)
@@ -204,6 +260,7 @@ int main(int argc, char **argv)
     if (st == RP_OK) {
         test_property(ctx, t);
         test_faults(ctx, t);
+        test_more_faults(ctx, t);
         test_mismatch(ctx, t);
         check(rp_transport_usable(t), "mpi transport still usable after every fault");
     }

@@ -60,6 +60,46 @@ RP_API int64_t rp_registry_expert_bytes(const rp_registry *reg, int32_t layer);
  * overlap. Errors name the first problem. */
 RP_API rp_status rp_registry_check(const rp_registry *reg, rp_error *err);
 
+/* ---- slot identity ----
+ * What a slot claims to hold: the expert of which layer, at which version of the
+ * weights. The executor trusts no byte it cannot name: before moving it checks that
+ * every slot of this rank holds what the migration plan's current placement says
+ * (rp_migration_plan_slot_expert), so a plan made for other weights, or run again after
+ * a migration that did not finish everywhere, is refused before anything moves; after
+ * a commit it checks the written slots' bytes against their source checksums and sets
+ * their identity. Set it once when the weights are loaded (rp_registry_set_placement
+ * from the placement they start in), and the version after every optimizer step that
+ * changes them (rp_registry_set_version); the executor keeps it from then on.
+ * rp_registry_set does not change it (re-registering reallocated buffers keeps what
+ * they hold). */
+
+#define RP_SLOT_UNKNOWN (-2)  /* expert of a slot whose identity was never set */
+
+typedef struct rp_slot_identity {
+    int32_t layer;     /* the MoE layer whose expert the slot's bytes are */
+    int32_t expert;    /* the logical expert; -1: no expert (junk); RP_SLOT_UNKNOWN */
+    uint64_t version;  /* the caller's version of the weights (e.g. the optimizer step;
+                          0 if unused); every slot holding an expert must be at the same
+                          version on every rank when a migration starts, and a slot a
+                          migration writes takes its source's */
+} rp_slot_identity;
+
+/* Set what (layer, slot) holds. Errors (nothing changes): indices out of range, an
+ * identity layer out of range, an expert below RP_SLOT_UNKNOWN. */
+RP_API rp_status rp_registry_set_identity(rp_registry *reg, int32_t layer, int32_t slot,
+                                          const rp_slot_identity *id, rp_error *err);
+/* What (layer, slot) holds now (RP_SLOT_UNKNOWN before it was set). Errors: indices out
+ * of range. */
+RP_API rp_status rp_registry_identity(const rp_registry *reg, int32_t layer, int32_t slot,
+                                      rp_slot_identity *out, rp_error *err);
+/* Every slot of this rank (EP rank `ep_rank`) holds the expert `plan` places there,
+ * at `version`. Errors (nothing changes): a plan without placement or of another
+ * shape than the registry. */
+RP_API rp_status rp_registry_set_placement(rp_registry *reg, const rp_plan *plan, int32_t ep_rank,
+                                           uint64_t version, rp_error *err);
+/* Every slot's version becomes `version` (after an optimizer step). */
+RP_API void rp_registry_set_version(rp_registry *reg, uint64_t version);
+
 /* ---- migration plan ---- */
 
 /* The link a copy uses. */
@@ -164,6 +204,11 @@ RP_API int32_t rp_migration_plan_num_rounds(const rp_migration_plan *mp);
 /* The round that moves `layer`; -1 when the layer moves nothing (or is out of range).
  * Layers of one round commit together. */
 RP_API int32_t rp_migration_plan_layer_round(const rp_migration_plan *mp, int32_t layer);
+/* The expert local slot `slot` of EP rank `ep_rank` holds at `layer` in the current
+ * placement (`target` false) or the target one (true); -1 for an empty slot, -2 for
+ * indices out of range. Part of the plan's hash. */
+RP_API int32_t rp_migration_plan_slot_expert(const rp_migration_plan *mp, int32_t layer, int32_t ep_rank,
+                                             int32_t slot, bool target);
 
 /* Transfers in execution order: by round, then layer, EP group, destination EP rank and
  * slot. Writes likewise. Index errors: RP_EINVAL. */
@@ -230,30 +275,38 @@ typedef struct rp_migration_result {
     int32_t rounds_committed;   /* rounds < this are in the target placement */
     int64_t bytes_sent, bytes_received, bytes_local;  /* this rank, committed rounds */
     int64_t slots_written;
-    int64_t staging_bytes;      /* staging this rank held */
+    int64_t staging_bytes;      /* staging this rank held, with the undo memory of a
+                                   staged copy that fills several of its slots */
     double seconds;             /* wall time of the call */
     int32_t failed_rank;        /* -1 when it succeeded */
     int32_t failed_layer, failed_expert, failed_peer;  /* -1 when unknown */
 } rp_migration_result;
 
 /* Execute a migration plan. Call on every rank of the transport with the same plan,
- * this rank's registry (its local slots, the plan's expert bytes per layer) and the
- * transport. Steps: (1) the ranks exchange the plan hash, registry layout and call
- * count, and any mismatch or local problem is an error before anything moves
+ * this rank's registry (its local slots, the plan's expert bytes per layer, the slot
+ * identities: rp_registry_set_placement) and the transport. Steps: (1) the ranks
+ * exchange the plan hash, registry layout, call count and weights' version, and each
+ * checks that its slots hold what the plan's current placement says; any mismatch or
+ * local problem (no memory included) is an error on every rank before anything moves
  * ("migration: rank 2 has plan hash 0x..., rank 0 has 0x..."); (2) per round, every
- * expert copy goes into staging, never into a live slot, and carries the checksum
- * computed at its source (rp_checksum_expert of its bytes, routepack/checksum.h; on
- * NCCL by the GPU kernel that equals it); (3) each destination checks every checksum
- * the same way; (4)
- * the ranks exchange success; (5) only if every rank succeeded, each writes the staged
- * bytes into its slots. A failure anywhere in a round (transport error, timeout,
- * checksum mismatch, no memory for staging) writes nothing of that round on any rank,
- * and the error, the same on every rank, names the rank, layer and expert
- * ("migration: rank 1: layer 3 expert 17 from rank 0: checksum mismatch ..."). With
- * several rounds, rounds before the failed one stay committed (result says how many;
- * rp_migration_plan_layer_round maps layers to rounds). `opts` NULL: defaults;
- * `result` may be NULL. Nothing is printed. See docs/migration.md. */
-RP_API rp_status rp_migration_execute(const rp_migration_plan *mp, const rp_registry *reg,
+ * expert copy goes into staging, never into a live slot, after a header that carries
+ * each copy's identity and source checksum (rp_checksum_expert, routepack/checksum.h; on
+ * NCCL by the GPU kernel that equals it) and its own checksum; (3) each destination
+ * checks every header, then every checksum; (4) the ranks exchange success; (5) only if
+ * every rank succeeded, each swaps the staged bytes into its slots (keeping the old ones
+ * to undo with) and checks the slots against the source checksums; (6) the ranks
+ * exchange that: the round stays only if every rank wrote and checked it, and the
+ * written slots take their new identity; otherwise every rank restores its slots. A
+ * failure anywhere in a round (transport error, timeout, checksum mismatch, corrupt or
+ * stale header, no memory, a failed write) leaves that round's old bytes on every rank,
+ * and the error, the same on every rank, names the rank, layer and expert ("migration:
+ * rank 1: layer 3 expert 17 from rank 0: checksum mismatch ..."). With several rounds,
+ * rounds before the failed one stay committed (result says how many;
+ * rp_migration_plan_layer_round maps layers to rounds). The one exception, a rank that
+ * cannot learn the outcome of an exchange, returns RP_ETIMEOUT saying to end the job
+ * (docs/migration.md, "The one window"). `opts` NULL: defaults; `result` may be NULL.
+ * Nothing is printed. See docs/migration.md. */
+RP_API rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg,
                                       rp_transport *t, const rp_migration_exec_options *opts,
                                       rp_migration_result *result, rp_error *err);
 
