@@ -4,6 +4,7 @@
 #include "limits_internal.h"
 #include "sched_internal.h"
 #include "sched_migrate.h"
+#include "stats_internal.h"
 
 #include "routepack/baseline.h"
 
@@ -19,6 +20,12 @@
  * sequence's attention time, token cap enforced; placement contiguous. */
 #define SAFE_DEFAULT "attn_kk+contiguous"
 #define MAX_HISTORY 1024
+/* Multi-rank: a rank's record in each allgather: bytes 0-3 flags, 4-7 the rank's
+ * status (little-endian), 8-15 a hash. */
+#define RECORD 16
+/* The agreed plan is broadcast in pieces of this size into a buffer held by the
+ * scheduler, so a rank that cannot allocate the whole text still takes part. */
+#define PLAN_CHUNK ((size_t)256 * 1024)
 
 /* policy_set: sched_internal.h (the checkpoint, core/sched_state.c, reads it too) */
 
@@ -31,6 +38,8 @@ struct rp_sched {
     char *params_json;       /* NULL: defaults */
     rp_comm comm;
     bool has_comm;
+    unsigned char *gather_buf; /* [comm.size][RECORD]: the step's allgathers */
+    unsigned char *chunk_buf;  /* [PLAN_CHUNK]: the agreed plan's broadcast */
     rp_sandbox_limits limits;
 
     policy_set running;
@@ -306,6 +315,8 @@ void rp_sched_free(rp_sched *s)
     rp_free(ctx, s->spec);
     rp_free(ctx, s->base_dir);
     rp_free(ctx, s->params_json);
+    rp_free(ctx, s->gather_buf);
+    rp_free(ctx, s->chunk_buf);
     rp_free(ctx, s);
 }
 
@@ -337,6 +348,14 @@ rp_status rp_sched_new(rp_context *ctx, const rp_config *cfg, const rp_sched_opt
     if (opts->comm) {
         s->comm = *opts->comm;
         s->has_comm = true;
+        /* held for the scheduler's life: no allocation stands between a rank and a
+         * collective */
+        s->gather_buf = rp_alloc(ctx, (size_t)s->comm.size * RECORD);
+        s->chunk_buf = rp_alloc(ctx, PLAN_CHUNK);
+        if (!s->gather_buf || !s->chunk_buf) {
+            st = rp_fail_nomem(err, "a scheduler");
+            goto fail;
+        }
     }
 
     const rp_policy_config *pc = rp_config_policy(cfg);
@@ -625,7 +644,11 @@ fail:
     if (r->why == RP_CALL_OK) r->why = RP_CALL_ERROR;
 }
 
-/* ---- multi-rank agreement -------------------------------------------------------------- */
+/* ---- multi-rank agreement (docs/distributed.md) ------------------------------------------
+ * Every rank reaches every collective of a step whatever happens to it locally: a local
+ * error travels in the rank's record, and then every rank returns an error and nothing
+ * changes anywhere. The buffers the collectives use are allocated with the scheduler,
+ * so no allocation can keep a rank away from one. */
 
 static void put_u64(unsigned char *p, uint64_t v)
 {
@@ -639,56 +662,96 @@ static uint64_t get_u64(const unsigned char *p)
     return v;
 }
 
-#define RECORD 16
 
-/* Allgather one 16-byte record per rank into *all (rp_alloc'ed). */
-static rp_status gather(rp_sched *s, const unsigned char *mine, unsigned char **all, rp_error *err)
+static bool multi_rank(const rp_sched *s) { return s->has_comm && s->comm.size > 1; }
+
+static void put_status(unsigned char *rec, rp_status st)
 {
-    *all = rp_alloc(s->ctx, (size_t)s->comm.size * RECORD);
-    if (!*all) return rp_fail_nomem(err, "the ranks' records");
-    rp_status st = s->comm.allgather(s->comm.ud, mine, RECORD, *all);
-    if (st != RP_OK) {
-        rp_free(s->ctx, *all);
-        *all = NULL;
-        return rp_fail(err, RP_ETRANSPORT, "sched: allgather across %d ranks failed: %s", s->comm.size, rp_strerror(st));
+    for (int i = 0; i < 4; i++) rec[4 + i] = (unsigned char)((uint32_t)st >> (8 * i));
+}
+
+static rp_status get_status(const unsigned char *rec)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)rec[4 + i] << (8 * i);
+    /* a code this build does not know is still a failure */
+    return v <= (uint32_t)RP_EPLAN ? (rp_status)v : RP_ETRANSPORT;
+}
+
+/* Allgather one record per rank; *all points into the scheduler's buffer. */
+static rp_status gather(rp_sched *s, const unsigned char *mine, const unsigned char **all, rp_error *err)
+{
+    rp_status st = s->comm.allgather(s->comm.ud, mine, RECORD, s->gather_buf);
+    if (st != RP_OK)
+        return rp_fail(err, RP_ETRANSPORT, "sched: allgather across %d ranks failed: %s", s->comm.size,
+                       rp_strerror(st));
+    *all = s->gather_buf;
+    return RP_OK;
+}
+
+/* After a gather: this rank's own error (its message is in err), else the status of the
+ * lowest rank that failed, else RP_OK. */
+static rp_status ranks_failure(rp_sched *s, const unsigned char *all, rp_status mine, int64_t step, const char *phase,
+                               rp_error *err)
+{
+    if (mine != RP_OK) return mine;
+    for (int32_t q = 0; q < s->comm.size; q++) {
+        rp_status st = get_status(all + (size_t)q * RECORD);
+        if (st != RP_OK)
+            return rp_fail(err, st, "sched: step %lld: rank %d failed %s (%s); no rank changes its plan",
+                           (long long)step, (int)q, phase, rp_strerror(st));
     }
     return RP_OK;
 }
 
-/* Every rank takes rank `root`'s plan: its JSON, length first, then the bytes. */
+/* Every rank takes rank `root`'s plan: its JSON length, then the text in pieces. A root
+ * that cannot write its plan sends length 0 and every rank fails; a rank that cannot
+ * hold or parse the text still receives every piece and returns its error (the caller
+ * agrees on the outcome afterwards). */
 static rp_status take_plan_of(rp_sched *s, int32_t root, rp_plan **plan, rp_error *err)
 {
     char *text = NULL;
     size_t len = 0;
     rp_status st = RP_OK;
+    const bool is_root = s->comm.rank == root;
     unsigned char lenbuf[8];
-    if (s->comm.rank == root) {
-        RP_CHECK_GOTO(rp_plan_to_json(*plan, &text, &len, err), st, out);
-        put_u64(lenbuf, (uint64_t)len);
+    memset(lenbuf, 0, sizeof lenbuf);
+    if (is_root) {
+        st = rp_plan_to_json(*plan, &text, &len, err);
+        put_u64(lenbuf, st == RP_OK ? (uint64_t)len : 0);
     }
-    st = s->comm.bcast(s->comm.ud, lenbuf, sizeof lenbuf, root);
-    if (st != RP_OK) {
+    rp_status cst = s->comm.bcast(s->comm.ud, lenbuf, sizeof lenbuf, root);
+    if (cst != RP_OK) {
         st = rp_fail(err, RP_ETRANSPORT, "sched: broadcasting the plan's length from rank %d failed", root);
         goto out;
     }
-    uint64_t n = get_u64(lenbuf);
+    const uint64_t n = get_u64(lenbuf);
     if (n == 0 || n > ((uint64_t)1 << 40)) {
-        st = rp_fail(err, RP_ETRANSPORT, "sched: rank %d sent a plan of %llu bytes", root, (unsigned long long)n);
+        if (st == RP_OK)
+            st = rp_fail(err, RP_ETRANSPORT, "sched: rank %d sent a plan of %llu bytes (it could not write its plan)",
+                         root, (unsigned long long)n);
         goto out;
     }
-    if (s->comm.rank != root) {
+    rp_status local = RP_OK;
+    if (!is_root) {
         text = rp_alloc(s->ctx, (size_t)n + 1);
-        if (!text) {
-            st = rp_fail_nomem(err, "the broadcast plan");
+        if (!text) local = rp_fail_nomem(err, "the broadcast plan");
+    }
+    for (uint64_t at = 0; at < n; at += PLAN_CHUNK) {
+        const size_t piece = n - at < PLAN_CHUNK ? (size_t)(n - at) : PLAN_CHUNK;
+        if (is_root) memcpy(s->chunk_buf, text + at, piece);
+        cst = s->comm.bcast(s->comm.ud, s->chunk_buf, piece, root);
+        if (cst != RP_OK) {
+            st = rp_fail(err, RP_ETRANSPORT, "sched: broadcasting the plan from rank %d failed", root);
             goto out;
         }
+        if (!is_root && text) memcpy(text + at, s->chunk_buf, piece);
     }
-    st = s->comm.bcast(s->comm.ud, text, (size_t)n, root);
-    if (st != RP_OK) {
-        st = rp_fail(err, RP_ETRANSPORT, "sched: broadcasting the plan from rank %d failed", root);
+    if (local != RP_OK) {
+        st = local;
         goto out;
     }
-    if (s->comm.rank != root) {
+    if (!is_root) {
         text[n] = '\0';
         char name[64];
         snprintf(name, sizeof name, "<plan of rank %d>", (int)root);
@@ -699,7 +762,7 @@ static rp_status take_plan_of(rp_sched *s, int32_t root, rp_plan **plan, rp_erro
     }
 out:
     if (text) {
-        if (s->comm.rank == root) rp_text_free(rp_plan_context(*plan), text);
+        if (is_root) rp_text_free(rp_plan_context(*plan), text);
         else rp_free(s->ctx, text);
     }
     return st;
@@ -746,27 +809,44 @@ out:
     return st;
 }
 
-static rp_status decide_swap(rp_sched *s, step_inputs *in, swap_decision *decision, char *reason, size_t reason_len,
-                             rp_error *err)
+/* Whether a staged policy takes over at this step. A due policy is dry-run and, when
+ * that passes, given a fresh ctx.state and its init run again here, before the ranks
+ * agree, so that once they agree to swap nothing local can stop one of them. `local` is
+ * the step's status so far: with several ranks a failed rank still takes part and the
+ * step fails on every rank. */
+static rp_status decide_swap(rp_sched *s, step_inputs *in, rp_status local, swap_decision *decision, char *reason,
+                             size_t reason_len, rp_error *err)
 {
     *decision = SWAP_NONE;
     reason[0] = '\0';
-    bool due = s->staged.count > 0 && (s->staged_at < 0 || in->step >= s->staged_at);
+    bool due = local == RP_OK && s->staged.count > 0 && (s->staged_at < 0 || in->step >= s->staged_at);
     bool ok = false;
     if (due) {
-        rp_status st = dry_run(s, in, &ok, reason, reason_len, err);
-        if (st != RP_OK) return st;
+        local = dry_run(s, in, &ok, reason, reason_len, err);
+        if (local == RP_OK && ok) {
+            rp_error ie;
+            for (int32_t i = 0; i < s->staged.count && ok; i++)
+                if (init_policy(s, s->staged.pol[i], i, &ie) != RP_OK) {
+                    ok = false;
+                    textf(reason, reason_len, "policy '%s': %s", s->staged.name, ie.text);
+                }
+        }
     }
-    if (!s->has_comm || s->comm.size == 1) {
+    if (!multi_rank(s)) {
+        if (local != RP_OK) return local;
         if (due) *decision = ok ? SWAP_DO : SWAP_REFUSE;
         return RP_OK;
     }
-    unsigned char mine[RECORD], *all = NULL;
+    unsigned char mine[RECORD];
+    const unsigned char *all = NULL;
     memset(mine, 0, sizeof mine);
     mine[0] = due;
     mine[1] = ok;
+    put_status(mine, local);
     put_u64(mine + 8, due ? s->staged.hash : 0);
     rp_status st = gather(s, mine, &all, err);
+    if (st != RP_OK) return st;
+    st = ranks_failure(s, all, local, in->step, "before the policy ran", err);
     if (st != RP_OK) return st;
     bool all_due = true, all_ok = true, same = true;
     int32_t failed_rank = -1, other_rank = -1;
@@ -778,17 +858,15 @@ static rp_status decide_swap(rp_sched *s, step_inputs *in, swap_decision *decisi
         if (get_u64(rec + 8) != get_u64(all + 8) && other_rank < 0) other_rank = r;
         same &= get_u64(rec + 8) == get_u64(all + 8);
     }
-    rp_free(s->ctx, all);
     if (!due) *decision = SWAP_NONE;
     else if (!all_due) *decision = SWAP_WAIT;
     else if (!same) {
         *decision = SWAP_REFUSE;
         textf(reason, reason_len, "ranks staged different policies (rank %d's differs from rank 0's); no rank swaps",
-                 (int)other_rank);
+              (int)other_rank);
     } else if (!all_ok) {
         *decision = SWAP_REFUSE;
-        if (ok)
-            textf(reason, reason_len, "the dry run failed on rank %d; no rank swaps", (int)failed_rank);
+        if (ok) textf(reason, reason_len, "the dry run failed on rank %d; no rank swaps", (int)failed_rank);
     } else {
         *decision = SWAP_DO;
     }
@@ -803,140 +881,149 @@ static rp_status copy_batch(rp_context *ctx, const rp_batch *b, rp_batch **out, 
                         rp_batch_group_ids(b), out, err);
 }
 
-rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const rp_routing *routing,
-                        const rp_plan **plan_out, const rp_step_report **report_out, rp_error *err)
+/* The plan this rank proposes: the policy's, or the fallback (rep->fallback, with the
+ * reason). Errors are the step's (no memory, a batch the safe default cannot pack). */
+static rp_status propose(rp_sched *s, policy_set *use, step_inputs *in, rp_step_report *rep, rp_plan **out,
+                         rp_error *err)
 {
-    if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
-    s->errmsg[0] = '\0';
-    /* a step call means the trainer is done with the last step's migration */
-    s->migration.open = false;
-    rp_error local;
-    if (!err) err = &local;
-    rp_error_clear(err);
-    if (!batch || !routing || !plan_out || !report_out)
-        return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: batch, routing and outputs are required"), err);
-    if (rp_batch_num_seqs(batch) < 1)
-        return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: step %lld: the batch has no sequences", (long long)step), err);
-    /* a batch no plan can pack fails here, with its cause, before the scan and the policy */
-    if (rp_limits_check_batch(rp_config_limits(s->cfg), batch, err) != RP_OK) {
+    const int64_t step = in->step;
+    run_result r;
+    run_set(s, use, in, &r);
+    if (r.status != RP_OK) return rp_fail(err, r.status, "sched: step %lld: %s", (long long)step, r.reason);
+    rep->policy_work = r.work;
+    rep->policy_wall_s = r.wall_s;
+    if (r.plan) {
+        *out = r.plan;
+        return RP_OK;
+    }
+    rep->fallback = true;
+    textf(rep->fallback_reason, sizeof rep->fallback_reason, "%s", r.reason);
+    const rp_plan *base = inputs_base(in, err);
+    if (!base) {
+        rp_status st = in->base_status;
         char msg[RP_ERROR_TEXT];
         textf(msg, sizeof msg, "%s", err->text);
-        return fail_keep(s, rp_fail(err, RP_ERANGE, "sched: step %lld: %s", (long long)step, msg), err);
+        return rp_fail(err, st, "sched: step %lld: no valid plan: %s (and the policy failed: %s)", (long long)step,
+                       msg, r.reason);
     }
-    double t0 = now_s();
-    const rp_model *md = rp_config_model(s->cfg);
-    rp_stats *stats = NULL;
+    rp_plan *plan = NULL;
+    rp_status st = rp_lua_plan_compose(s->ctx, s->cfg, base, base, NULL, rp_plan_num_microbatches(base), &plan, err);
+    if (st == RP_OK && in->placement) st = rp_plan_stabilize_slots(plan, in->placement, err);
+    if (st == RP_OK) {
+        st = rp_plan_validate(plan, s->cfg, in->batch, err);
+        if (st != RP_OK) {
+            char msg[RP_ERROR_TEXT];
+            textf(msg, sizeof msg, "%s", err->text);
+            rp_fail(err, st, "sched: step %lld: the fallback plan is not valid for this batch: %s", (long long)step,
+                    msg);
+        }
+    }
+    if (st != RP_OK) {
+        rp_plan_free(plan);
+        return st;
+    }
+    *out = plan;
+    return RP_OK;
+}
+
+/* The cost and the migration plan of `plan` (replacing what *migration held). */
+static rp_status judge(rp_sched *s, step_inputs *in, const rp_plan *plan, rp_step_report *rep,
+                       sched_migration_next *migration, rp_error *err)
+{
+    sched_migration_discard(s->ctx, migration);
+    rp_status st = rp_cost_evaluate(in->cost, plan, &rep->cost, err);
+    if (st != RP_OK) return st;
+    st = sched_migration_prepare(&s->migration, s->ctx, s->cfg, in->placement, plan, migration, rep, err);
+    if (st != RP_OK) {
+        char msg[RP_ERROR_TEXT];
+        textf(msg, sizeof msg, "%s", err->text);
+        return rp_fail(err, st, "sched: step %lld: %s", (long long)in->step, msg);
+    }
+    return RP_OK;
+}
+
+/* Every rank runs the same plan: the ranks gather (status, fallback, plan hash); any
+ * failure fails the step on every rank; when hashes or fallback flags differ, the lowest
+ * rank whose own policy succeeded (rank 0 when none did) broadcasts its plan, and a
+ * third gather makes sure every rank took it before any commits. */
+static rp_status agree(rp_sched *s, step_inputs *in, rp_status local, rp_plan **plan, rp_step_report *rep,
+                       sched_migration_next *migration, rp_error *err)
+{
+    unsigned char mine[RECORD];
+    const unsigned char *all = NULL;
+    memset(mine, 0, sizeof mine);
+    mine[0] = rep->fallback;
+    put_status(mine, local);
+    put_u64(mine + 8, local == RP_OK ? rp_plan_hash(*plan) : 0);
+    rp_status st = gather(s, mine, &all, err);
+    if (st != RP_OK) return st;
+    st = ranks_failure(s, all, local, in->step, "while planning", err);
+    if (st != RP_OK) return st;
+    bool disagree = false;
+    int32_t winner = -1, fell_back = 0;
+    for (int32_t q = 0; q < s->comm.size; q++) {
+        const unsigned char *rec = all + (size_t)q * RECORD;
+        if (get_u64(rec + 8) != get_u64(all + 8) || rec[0] != all[0]) disagree = true;
+        if (rec[0]) fell_back++;
+        else if (winner < 0) winner = q; /* the lowest rank whose policy succeeded */
+    }
+    rep->ranks_fell_back = fell_back;
+    rep->plan_from_rank = winner < 0 ? 0 : winner;
+    if (!disagree) return RP_OK;
+    rep->ranks_disagreed = true;
+    local = take_plan_of(s, rep->plan_from_rank, plan, err);
+    if (local == RP_OK && s->comm.rank != rep->plan_from_rank) local = judge(s, in, *plan, rep, migration, err);
+    put_status(mine, local);
+    st = gather(s, mine, &all, err);
+    if (st != RP_OK) return st;
+    return ranks_failure(s, all, local, in->step, "taking the agreed plan", err);
+}
+
+/* One step from the whole step's statistics (owned; NULL when `prep`, the status of
+ * making them, is an error): rp_sched_step and rp_sched_step_stats share it. */
+static rp_status run_step(rp_sched *s, int64_t step, const rp_batch *batch, rp_stats *stats, rp_status prep,
+                          double t0, const rp_plan **plan_out, const rp_step_report **report_out, rp_error *err)
+{
     rp_cost *cost = NULL;
     rp_batch *copy = NULL;
     step_inputs in;
     memset(&in, 0, sizeof in);
-    run_result r;
-    memset(&r, 0, sizeof r);
     rp_plan *plan = NULL;
     rp_step_report rep;
     memset(&rep, 0, sizeof rep);
     rep.step = step;
     sched_migration_next migration = {0};
-    rp_status st;
+    rp_status st = prep;
 
-    RP_CHECK_GOTO(rp_stats_compute(s->ctx, batch, routing, md->num_experts, s->opts.num_threads, &stats, err), st, out);
-    RP_CHECK_GOTO(rp_cost_new(s->ctx, s->cfg, batch, stats, s->opts.split, &cost, err), st, out);
-    RP_CHECK_GOTO(copy_batch(s->ctx, batch, &copy, err), st, out);
+    if (st == RP_OK) st = rp_cost_new(s->ctx, s->cfg, batch, stats, s->opts.split, &cost, err);
+    if (st == RP_OK) st = copy_batch(s->ctx, batch, &copy, err);
     in.s = s;
     in.step = step;
     in.batch = batch;
     in.stats = stats;
     in.cost = cost;
     in.placement = s->current && rp_plan_has_placement(s->current) ? s->current : NULL;
-    if (s->hist_cap > 0) fill_history(s, &in, 0);
+    if (st == RP_OK && s->hist_cap > 0) fill_history(s, &in, 0);
 
     /* 1. a staged policy takes over at the boundary, after a dry run */
     swap_decision decision;
     char swap_reason[RP_ERROR_TEXT];
-    RP_CHECK_GOTO(decide_swap(s, &in, &decision, swap_reason, sizeof swap_reason, err), st, out);
-    policy_set *use = &s->running;
-    if (decision == SWAP_DO) {
-        /* the dry run's effects on ctx.state are dropped: fresh state, init again */
-        rp_error ie;
-        for (int32_t i = 0; i < s->staged.count && decision == SWAP_DO; i++)
-            if (init_policy(s, s->staged.pol[i], i, &ie) != RP_OK) {
-                decision = SWAP_REFUSE;
-                textf(swap_reason, sizeof swap_reason, "policy '%s': %s", s->staged.name, ie.text);
-            }
-        if (decision == SWAP_DO) use = &s->staged;
-    }
+    RP_CHECK_GOTO(decide_swap(s, &in, st, &decision, swap_reason, sizeof swap_reason, err), st, out);
+    policy_set *use = decision == SWAP_DO ? &s->staged : &s->running;
     if (decision == SWAP_REFUSE) textf(rep.swap_error, sizeof rep.swap_error, "%s", swap_reason);
 
-    /* 2. the policy, or the fallback */
-    run_set(s, use, &in, &r);
-    if (r.status != RP_OK) {
-        st = rp_fail(err, r.status, "sched: step %lld: %s", (long long)step, r.reason);
-        goto out;
-    }
-    rep.policy_work = r.work;
-    rep.policy_wall_s = r.wall_s;
-    if (r.plan) {
-        plan = r.plan;
-    } else {
-        rep.fallback = true;
-        textf(rep.fallback_reason, sizeof rep.fallback_reason, "%s", r.reason);
-        const rp_plan *base = inputs_base(&in, err);
-        if (!base) {
-            st = in.base_status;
-            char msg[RP_ERROR_TEXT];
-            textf(msg, sizeof msg, "%s", err->text);
-            rp_fail(err, st, "sched: step %lld: no valid plan: %s (and the policy failed: %s)", (long long)step, msg,
-                    r.reason);
-            goto out;
-        }
-        RP_CHECK_GOTO(rp_lua_plan_compose(s->ctx, s->cfg, base, base, NULL, rp_plan_num_microbatches(base), &plan, err),
-                      st, out);
-        if (in.placement) RP_CHECK_GOTO(rp_plan_stabilize_slots(plan, in.placement, err), st, out);
-        st = rp_plan_validate(plan, s->cfg, batch, err);
-        if (st != RP_OK) {
-            char msg[RP_ERROR_TEXT];
-            textf(msg, sizeof msg, "%s", err->text);
-            rp_fail(err, st, "sched: step %lld: the fallback plan is not valid for this batch: %s", (long long)step, msg);
-            goto out;
-        }
-    }
+    /* 2. the policy, or the fallback, and what it costs */
+    st = propose(s, use, &in, &rep, &plan, err);
+    if (st == RP_OK) st = judge(s, &in, plan, &rep, &migration, err);
+    rep.ranks_fell_back = rep.fallback ? 1 : 0;
 
     /* 3. every rank runs the same plan */
     rep.plan_from_rank = 0;
-    if (s->has_comm && s->comm.size > 1) {
-        unsigned char mine[RECORD], *all = NULL;
-        memset(mine, 0, sizeof mine);
-        put_u64(mine, rp_plan_hash(plan));
-        mine[8] = rep.fallback;
-        RP_CHECK_GOTO(gather(s, mine, &all, err), st, out);
-        bool disagree = false;
-        int32_t winner = -1;
-        for (int32_t q = 0; q < s->comm.size; q++) {
-            const unsigned char *rec = all + (size_t)q * RECORD;
-            if (get_u64(rec) != get_u64(all) || rec[8] != all[8]) disagree = true;
-            if (!rec[8] && winner < 0) winner = q; /* the lowest rank whose policy succeeded */
-        }
-        rp_free(s->ctx, all);
-        if (winner < 0) winner = 0;
-        rep.plan_from_rank = winner;
-        if (disagree) {
-            rep.ranks_disagreed = true;
-            RP_CHECK_GOTO(take_plan_of(s, winner, &plan, err), st, out);
-        }
-    }
-
-    /* 4. judge it */
-    RP_CHECK_GOTO(rp_cost_evaluate(cost, plan, &rep.cost, err), st, out);
-    st = sched_migration_prepare(&s->migration, s->ctx, s->cfg, in.placement, plan, &migration, &rep, err);
-    if (st != RP_OK) {
-        char msg[RP_ERROR_TEXT];
-        textf(msg, sizeof msg, "%s", err->text);
-        rp_fail(err, st, "sched: step %lld: %s", (long long)step, msg);
-        goto out;
-    }
+    if (multi_rank(s)) st = agree(s, &in, st, &plan, &rep, &migration, err);
+    if (st != RP_OK) goto out;
     rep.plan_hash = rp_plan_hash(plan);
 
-    /* 5. commit: nothing below can fail */
+    /* 4. commit: nothing below can fail */
     if (decision == SWAP_DO) {
         set_free(&s->running);
         s->running = s->staged;
@@ -978,6 +1065,69 @@ out:
     rp_cost_free(cost);
     if (st != RP_OK) fail_keep(s, st, err);
     return st;
+}
+
+/* Checks common to both step calls; an error here is returned at once, on this rank
+ * only: it is a misuse of the call (missing arguments), the same on every rank. */
+static rp_status step_begin(rp_sched *s, int64_t step, const rp_batch *batch, const void *input,
+                            const char *input_name, const rp_plan **plan_out, const rp_step_report **report_out,
+                            rp_error *err)
+{
+    s->errmsg[0] = '\0';
+    /* a step call means the trainer is done with the last step's migration */
+    s->migration.open = false;
+    rp_error_clear(err);
+    if (!batch || !input || !plan_out || !report_out)
+        return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: batch, %s and outputs are required", input_name), err);
+    if (rp_batch_num_seqs(batch) < 1)
+        return fail_keep(s, rp_fail(err, RP_EINVAL, "sched: step %lld: the batch has no sequences", (long long)step),
+                         err);
+    /* a batch no plan can pack fails here, with its cause, before the scan and the policy
+     * (the batch is the whole step's, the same on every rank) */
+    if (rp_limits_check_batch(rp_config_limits(s->cfg), batch, err) != RP_OK) {
+        char msg[RP_ERROR_TEXT];
+        textf(msg, sizeof msg, "%s", err->text);
+        return fail_keep(s, rp_fail(err, RP_ERANGE, "sched: step %lld: %s", (long long)step, msg), err);
+    }
+    return RP_OK;
+}
+
+rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const rp_routing *routing,
+                        const rp_plan **plan_out, const rp_step_report **report_out, rp_error *err)
+{
+    if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
+    rp_error local;
+    if (!err) err = &local;
+    rp_status st = step_begin(s, step, batch, routing, "routing", plan_out, report_out, err);
+    if (st != RP_OK) return st;
+    double t0 = now_s();
+    const rp_model *md = rp_config_model(s->cfg);
+    rp_stats *stats = NULL;
+    st = rp_stats_compute(s->ctx, batch, routing, md->num_experts, s->opts.num_threads, &stats, err);
+    return run_step(s, step, batch, stats, st, t0, plan_out, report_out, err);
+}
+
+rp_status rp_sched_step_stats(rp_sched *s, int64_t step, const rp_batch *batch, const rp_stats *stats,
+                              const rp_plan **plan_out, const rp_step_report **report_out, rp_error *err)
+{
+    if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
+    rp_error local;
+    if (!err) err = &local;
+    rp_status st = step_begin(s, step, batch, stats, "statistics", plan_out, report_out, err);
+    if (st != RP_OK) return st;
+    double t0 = now_s();
+    const rp_model *md = rp_config_model(s->cfg);
+    rp_stats *copy = NULL;
+    if (rp_stats_num_layers(stats) != md->num_layers || rp_stats_num_experts(stats) != md->num_experts ||
+        rp_stats_top_k(stats) != md->top_k)
+        st = rp_fail(err, RP_EINVAL,
+                     "sched: step %lld: the statistics have %d layers, %d experts, top-%d; the config's model has "
+                     "%d, %d, top-%d",
+                     (long long)step, rp_stats_num_layers(stats), rp_stats_num_experts(stats), rp_stats_top_k(stats),
+                     md->num_layers, md->num_experts, md->top_k);
+    if (st == RP_OK) st = rp_stats_check_batch(stats, batch, err);
+    if (st == RP_OK) st = stats_copy(s->ctx, stats, &copy, err);
+    return run_step(s, step, batch, copy, st, t0, plan_out, report_out, err);
 }
 
 /* ---- staging ---------------------------------------------------------------------------- */

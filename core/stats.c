@@ -18,20 +18,7 @@
 #include <emmintrin.h>
 #endif
 
-/* Per-sequence histograms are stored densely as [layer][expert] counts, each sequence
- * in the narrowest of 1, 2 or 4 bytes per count that holds its largest count, or in
- * no bytes at all when every count is zero (an empty sequence). `offset` gives each
- * sequence's byte position, so access is O(1). */
-struct rp_stats {
-    rp_context *ctx;
-    int32_t num_seqs, num_layers, num_experts, top_k;
-    int64_t num_tokens;
-    size_t bytes;            /* everything held, struct included */
-    int64_t *expert_load;    /* [num_layers][num_experts] */
-    uint8_t *width;          /* [num_seqs]: bytes per count, 0 when all are zero */
-    uint64_t *offset;        /* [num_seqs + 1]: byte offset of each sequence's block */
-    unsigned char *hist;
-};
+/* struct rp_stats: stats_internal.h (core/stats_exchange.c reads and builds it too). */
 
 /* ---- the scan ---------------------------------------------------------------- */
 

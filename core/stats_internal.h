@@ -1,10 +1,25 @@
-/* The rp_stats constructor from dense counts, shared by the GPU path of
- * rp_stats_compute and the tests that check it against the CPU scan. Not installed. */
+/* The rp_stats layout and its constructor from dense counts, shared by the GPU path of
+ * rp_stats_compute, the exchange (core/stats_exchange.c) and the tests. Not installed. */
 #ifndef RP_STATS_INTERNAL_H
 #define RP_STATS_INTERNAL_H
 
 #include "internal.h"
 #include "routepack/stats.h"
+
+/* Per-sequence histograms are stored densely as [layer][expert] counts, each sequence
+ * in the narrowest of 1, 2 or 4 bytes per count that holds its largest count, or in
+ * no bytes at all when every count is zero (an empty sequence). `offset` gives each
+ * sequence's byte position, so access is O(1). */
+struct rp_stats {
+    rp_context *ctx;
+    int32_t num_seqs, num_layers, num_experts, top_k;
+    int64_t num_tokens;
+    size_t bytes;            /* everything held, struct included */
+    int64_t *expert_load;    /* [num_layers][num_experts] */
+    uint8_t *width;          /* [num_seqs]: bytes per count, 0 when all are zero */
+    uint64_t *offset;        /* [num_seqs + 1]: byte offset of each sequence's block */
+    unsigned char *hist;
+};
 
 /* Build statistics from dense counts: seq_hist[(s * num_layers + l) * num_experts + e]
  * for num_seqs sequences (NULL when num_seqs is 0) and expert_load[l * num_experts + e].
@@ -25,6 +40,10 @@ typedef void (*stats_row_fn)(void *ud, int32_t seq, uint32_t *counts);
 rp_status stats_from_rows(rp_context *ctx, int32_t num_seqs, int32_t num_layers, int32_t num_experts,
                           int32_t top_k, int64_t num_tokens, stats_row_fn row, void *ud,
                           const int64_t *expert_load, rp_stats **out, rp_error *err);
+
+/* A copy of `stats` allocated through ctx (the scheduler keeps the last step's
+ * inputs). Errors: no memory. */
+rp_status stats_copy(rp_context *ctx, const rp_stats *stats, rp_stats **out, rp_error *err);
 
 /* True when a and b hold the same statistics in the same storage: every count, width,
  * offset, load and size. */

@@ -20,7 +20,11 @@ extern "C" {
 #define RP_POLICY_API 1
 
 /* Collective operations between the ranks of a multi-rank job, supplied by the caller
- * (rp_comm_mpi() wraps an MPI communicator). Each returns RP_OK or an error status. */
+ * (rp_comm_mpi() wraps an MPI communicator; the Python binding builds one from two
+ * callables). Each returns RP_OK or an error status; a failed collective makes the step
+ * fail with RP_ETRANSPORT on that rank (the others see it fail or time out in their own
+ * transport: an rp_comm must not return on one rank and hang on another). What the
+ * scheduler exchanges each step: docs/distributed.md. */
 typedef struct rp_comm {
     int32_t rank, size;
     void *ud;
@@ -91,6 +95,10 @@ typedef struct rp_step_report {
     /* Added after the first version (append only). */
     double policy_wall_s;          /* the policy calls alone (plan(ctx) and converting what
                                       it returned), informational */
+    int32_t ranks_fell_back;       /* ranks whose own policy failed this step (the same on
+                                      every rank; 0 or 1 for a single rank). With several
+                                      ranks, `fallback` is this rank's own policy failing;
+                                      the plan in use is rank plan_from_rank's */
 } rp_step_report;
 
 /* Plan step `step` for `batch` and its routing replay (host memory). On success *plan
@@ -108,6 +116,20 @@ typedef struct rp_step_report {
 RP_API rp_status rp_sched_step(rp_sched *sched, int64_t step, const rp_batch *batch,
                                const rp_routing *routing, const rp_plan **plan,
                                const rp_step_report **report, rp_error *err);
+
+/* rp_sched_step from precomputed statistics, with no routing on the host: the
+ * distributed step (docs/distributed.md). `batch` carries the whole step's lengths and
+ * group ids (in global sequence order); `stats` are the whole step's statistics in the
+ * same order, as rp_stats_merge or rp_stats_merge_serialized make them from the ranks'
+ * parts (borrowed: the scheduler keeps its own copy). Everything else is rp_sched_step's:
+ * the same policy, validation, fallback, hot swap, history, multi-rank agreement and
+ * report, and the same plan as rp_sched_step gives for the routing the statistics were
+ * computed from. Errors (nothing changes): those of rp_sched_step, and statistics that do
+ * not describe the batch or the model (rp_stats_check_batch: sequences, tokens, each
+ * sequence's length; layers, experts, top_k against the config) (RP_EINVAL). */
+RP_API rp_status rp_sched_step_stats(rp_sched *sched, int64_t step, const rp_batch *batch,
+                                     const rp_stats *stats, const rp_plan **plan,
+                                     const rp_step_report **report, rp_error *err);
 
 /* Stage a new policy for hot swap: `source` is its text (`name_or_path` then names it in
  * messages and may be NULL), else `name_or_path` is a policy name on the search path, a

@@ -46,6 +46,90 @@ RP_API int32_t rp_stats_num_experts(const rp_stats *stats);
 /* Bytes the statistics hold (the per-sequence histograms dominate). */
 RP_API size_t rp_stats_bytes(const rp_stats *stats);
 
+/* ---- exchanging statistics between ranks (docs/distributed.md) ----
+ * A rank computes the statistics of the sequences it holds (rp_stats_compute on a batch
+ * of just those sequences), serialises them, and the ranks exchange the bytes; every
+ * rank then merges the parts into the whole step's statistics, which are bit-identical
+ * to rp_stats_compute over the whole batch in global sequence order.
+ *
+ * The serialised form, version 1, little-endian whatever the host:
+ *   offset  bytes  field
+ *   0       8      magic "RPSTATS\0"
+ *   8       4      u32 version (1)
+ *   12      4      u32 header bytes (64)
+ *   16      4      i32 num_seqs (n)
+ *   20      4      i32 num_layers (L)
+ *   24      4      i32 num_experts (E)
+ *   28      4      i32 top_k
+ *   32      8      i64 num_tokens
+ *   40      8      u64 histogram bytes (H)
+ *   48      8      u64 XXH64 (seed 0) of the n + H bytes after the header
+ *   56      8      reserved, 0
+ *   64      n      u8 width of each sequence's counts: 0 (all zero), 1, 2 or 4
+ *   64 + n  H      per sequence with width w > 0, in order: L x E counts ([layer][expert])
+ *                  of w bytes each; H = sum of L * E * w
+ * Total 64 + n + H bytes (rp_stats_serialized_bytes). Expert loads are not sent: the
+ * reader sums them from the counts. */
+#define RP_STATS_WIRE_VERSION 1
+#define RP_STATS_WIRE_HEADER_BYTES 64
+
+/* Bytes rp_stats_serialize writes for these statistics. */
+RP_API size_t rp_stats_serialized_bytes(const rp_stats *stats);
+
+/* Write the serialised form into buf[0 .. buf_bytes). Errors (nothing written): a
+ * buffer smaller than rp_stats_serialized_bytes (RP_ERANGE, naming both sizes), NULL
+ * arguments (RP_EINVAL). */
+RP_API rp_status rp_stats_serialize(const rp_stats *stats, void *buf, size_t buf_bytes,
+                                    rp_error *err);
+
+/* Read statistics back from `bytes` bytes (never trusted): a copy owned by the caller
+ * (rp_stats_free), allocated through ctx, equal in every count, width, load and size
+ * to the statistics that were serialised. Every field is checked before anything is
+ * allocated from it: errors are RP_EFORMAT for a short or long buffer (the size the
+ * header implies against the length given), a wrong magic, a header size other than
+ * 64, a width other than 0/1/2/4, a width wider than the sequence's largest count needs
+ * (the form is canonical), or a sequence whose layers do not each sum to the same
+ * multiple of top_k (each token routes top_k choices at every layer), or counts that do
+ * not sum to num_tokens * top_k; RP_ENOTSUP for a later version; RP_EINVAL for counts
+ * out of range (n < 0, L, E or top_k < 1, num_tokens < 0); RP_ERANGE for sizes that
+ * overflow; RP_ECHECKSUM when the payload does not match its XXH64. err->offset is the
+ * byte offset of the bad field where there is one, err->sequence the bad sequence. */
+RP_API rp_status rp_stats_deserialize(rp_context *ctx, const void *bytes, size_t len,
+                                      rp_stats **out, rp_error *err);
+
+/* Merge per-rank parts into the whole step's statistics: part i holds the sequences
+ * global_ids[i][0 .. rp_stats_num_seqs(parts[i])) (in its own order), and the result
+ * (owned by the caller, allocated through ctx) has num_seqs sequences in global id
+ * order, bit-identical to rp_stats_compute over the whole batch. A part may have no
+ * sequences (its ids may then be NULL). Errors (no result): num_parts < 1 or
+ * num_seqs < 0 (RP_EINVAL); parts that disagree on layers, experts or top_k (RP_EINVAL,
+ * naming the part and both values); a global id out of [0, num_seqs), an id given
+ * twice, or an id in no part (RP_EINVAL, "global sequence id 17 is in parts 0 and 2",
+ * "... is in no part"; err->sequence = the id); sizes that overflow (RP_ERANGE); no
+ * memory. */
+RP_API rp_status rp_stats_merge(rp_context *ctx, int32_t num_parts, const rp_stats *const *parts,
+                                const int32_t *const *global_ids, int32_t num_seqs,
+                                rp_stats **out, rp_error *err);
+
+/* rp_stats_merge of serialised parts, without making each part's statistics first:
+ * part i is bytes[i][0 .. lens[i]), checked exactly as rp_stats_deserialize checks one
+ * (the message starts "part i: "). Same result and errors as deserialising each and
+ * calling rp_stats_merge. */
+RP_API rp_status rp_stats_merge_serialized(rp_context *ctx, int32_t num_parts,
+                                           const void *const *bytes, const size_t *lens,
+                                           const int32_t *const *global_ids, int32_t num_seqs,
+                                           rp_stats **out, rp_error *err);
+
+/* Check that statistics describe `batch`: the same number of sequences, the same
+ * total tokens, and each sequence's histogram at every layer summing to its length x
+ * top_k. Errors (RP_EINVAL, naming the first sequence that differs and both values;
+ * err->sequence): a count or length mismatch. */
+RP_API rp_status rp_stats_check_batch(const rp_stats *stats, const rp_batch *batch, rp_error *err);
+
+/* top_k and num_tokens the statistics were computed with. */
+RP_API int32_t rp_stats_top_k(const rp_stats *stats);
+RP_API int64_t rp_stats_num_tokens(const rp_stats *stats);
+
 /* Token-choices routed to each expert of a layer over the whole batch:
  * [num_experts], borrowed until rp_stats_free. Sums to num_tokens * top_k. */
 RP_API const int64_t *rp_stats_expert_load(const rp_stats *stats, int32_t layer);

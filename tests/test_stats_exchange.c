@@ -1,0 +1,467 @@
+/* Statistics between ranks (core/stats_exchange.c): the serialised form round-trips
+ * bit for bit; random batches split over 2-4 simulated ranks with shuffled global ids
+ * merge into exactly rp_stats_compute over the whole batch (from statistics and from
+ * bytes); every truncation and every flipped byte is refused; crafted bad payloads
+ * with a valid checksum are refused with the right error; missing, duplicate and
+ * out-of-range ids are named; allocation failures fail cleanly; rp_stats_check_batch. */
+#include "internal.h"
+#include "stats_internal.h"
+#include "routepack/routepack.h"
+#include "tap.h"
+#include "test_util.h"
+
+#include <stdlib.h>
+
+static uint64_t rng_state = 0xD1B54A32D192ED03ULL;
+static uint32_t rnd(uint32_t n) { return (uint32_t)((xorshift64(&rng_state) >> 11) % n); }
+
+/* A batch and its routing ids [tokens][layers][k] int32. */
+typedef struct world {
+    int32_t n, layers, k, experts;
+    int32_t *lens;
+    int64_t *cu;
+    int32_t *ids;
+    rp_batch *batch;
+} world;
+
+/* n random sequences; lengths 0 .. 40, with one long sequence routed to expert 0 at
+ * every choice when `wide` (a count above 65535: width 4), and one of 300 tokens (width
+ * 2 when skewed). */
+static void world_make(world *w, rp_context *ctx, int32_t n, int32_t layers, int32_t k, int32_t experts, int wide)
+{
+    memset(w, 0, sizeof *w);
+    w->n = n, w->layers = layers, w->k = k, w->experts = experts;
+    w->lens = calloc((size_t)n + 1, sizeof *w->lens);
+    w->cu = calloc((size_t)n + 1, sizeof *w->cu);
+    for (int32_t s = 0; s < n; s++) w->lens[s] = rnd(5) == 0 ? 0 : (int32_t)rnd(40) + 1;
+    if (n > 1) w->lens[1] = 300;
+    if (wide && n > 2) w->lens[2] = 70000;
+    for (int32_t s = 0; s < n; s++) w->cu[s + 1] = w->cu[s] + w->lens[s];
+    w->ids = calloc((size_t)w->cu[n] * layers * k + 1, sizeof *w->ids);
+    for (int32_t s = 0; s < n; s++)
+        for (int64_t i = w->cu[s] * layers * k; i < w->cu[s + 1] * layers * k; i++)
+            w->ids[i] = (s == 1 || s == 2) && rnd(8) ? 0 : (int32_t)rnd((uint32_t)experts);
+    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
+    rp_batch_new(ctx, n, zero, w->lens, NULL, &w->batch, NULL);
+    free(zero);
+}
+
+static void world_free(world *w)
+{
+    rp_batch_free(w->batch);
+    free(w->lens);
+    free(w->cu);
+    free(w->ids);
+}
+
+static rp_stats *stats_of(rp_context *ctx, const world *w)
+{
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_I32, w->layers, w->k, w->ids);
+    rp_stats *st = NULL;
+    rp_error err;
+    if (rp_stats_compute(ctx, w->batch, &r, w->experts, 1, &st, &err) != RP_OK) diag("compute: %s", err.text);
+    return st;
+}
+
+/* The statistics of the sequences ids[0 .. m) of w, in that order (a rank's part). */
+static rp_stats *part_stats(rp_context *ctx, const world *w, const int32_t *ids, int32_t m)
+{
+    int32_t *lens = calloc((size_t)m + 1, sizeof *lens), *zero = calloc((size_t)m + 1, sizeof *zero);
+    int64_t tokens = 0;
+    for (int32_t i = 0; i < m; i++) lens[i] = w->lens[ids[i]], tokens += lens[i];
+    const int64_t rec = (int64_t)w->layers * w->k;
+    int32_t *local = calloc((size_t)(tokens * rec) + 1, sizeof *local), *p = local;
+    for (int32_t i = 0; i < m; i++) {
+        size_t n = (size_t)(w->lens[ids[i]] * rec);
+        memcpy(p, w->ids + w->cu[ids[i]] * rec, n * sizeof *p);
+        p += n;
+    }
+    rp_batch *b = NULL;
+    rp_stats *st = NULL;
+    rp_error err;
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_I32, w->layers, w->k, local);
+    if (rp_batch_new(ctx, m, zero, lens, NULL, &b, &err) != RP_OK ||
+        rp_stats_compute(ctx, b, &r, w->experts, 2, &st, &err) != RP_OK)
+        diag("part: %s", err.text);
+    rp_batch_free(b);
+    free(lens);
+    free(zero);
+    free(local);
+    return st;
+}
+
+static unsigned char *serialise(const rp_stats *st, size_t *len)
+{
+    *len = rp_stats_serialized_bytes(st);
+    unsigned char *b = malloc(*len);
+    rp_error err;
+    if (rp_stats_serialize(st, b, *len, &err) != RP_OK) diag("serialise: %s", err.text);
+    return b;
+}
+
+static void test_round_trip(rp_context *ctx)
+{
+    int all_same = 1;
+    for (int trial = 0; trial < 6; trial++) {
+        world w;
+        world_make(&w, ctx, 1 + (int32_t)rnd(30), 1 + (int32_t)rnd(4), 1 + (int32_t)rnd(4), 2 + (int32_t)rnd(40),
+                   trial == 0);
+        rp_stats *st = stats_of(ctx, &w), *back = NULL;
+        size_t len;
+        unsigned char *b = serialise(st, &len);
+        rp_error err;
+        if (rp_stats_deserialize(ctx, b, len, &back, &err) != RP_OK) diag("trial %d: %s", trial, err.text);
+        all_same &= back && stats_same(st, back);
+        rp_stats_free(back);
+        rp_stats_free(st);
+        free(b);
+        world_free(&w);
+    }
+    ok(all_same, "serialise then deserialise gives the same statistics (every count, width, load, size)");
+
+    /* the layout is the documented one: header fields little-endian, widths, counts */
+    world w;
+    world_make(&w, ctx, 4, 2, 2, 8, 1);
+    rp_stats *st = stats_of(ctx, &w);
+    size_t len;
+    unsigned char *b = serialise(st, &len);
+    uint64_t H = 0;
+    for (int i = 0; i < 8; i++) H |= (uint64_t)b[40 + i] << (8 * i);
+    ok(memcmp(b, "RPSTATS", 8) == 0 && b[8] == 1 && b[12] == 64 && b[16] == 4 && b[20] == 2 && b[24] == 8 &&
+           b[28] == 2 && len == 64 + 4 + H,
+       "header: magic, version 1, 64 bytes, sequences, layers, experts, top-k, 64 + n + H bytes in all");
+    ok(b[64 + 2] == 4 && b[64 + 1] == 2, "the 70000-token sequence is stored 4 bytes a count, the 300-token one 2");
+    uint32_t c0 = rp_stats_seq_count(st, 2, 1, 0);
+    const unsigned char *h = b + 64 + 4;
+    size_t at = 0;
+    for (int s = 0; s < 2; s++) at += (size_t)16 * b[64 + s];
+    uint32_t wire = (uint32_t)h[at + 32] | (uint32_t)h[at + 33] << 8 | (uint32_t)h[at + 34] << 16 |
+                    (uint32_t)h[at + 35] << 24;
+    ok(wire == c0 && c0 > 65535, "sequence 2 layer 1 expert 0 is %u, little-endian at its place", c0);
+    free(b);
+    rp_stats_free(st);
+    world_free(&w);
+}
+
+static void shuffle(int32_t *a, int32_t n)
+{
+    for (int32_t i = n - 1; i > 0; i--) {
+        int32_t j = (int32_t)rnd((uint32_t)i + 1), t = a[i];
+        a[i] = a[j], a[j] = t;
+    }
+}
+
+static void test_merge_random(rp_context *ctx)
+{
+    int from_stats = 1, from_bytes = 1, trials = 0;
+    for (int trial = 0; trial < 24; trial++) {
+        const int32_t P = 2 + trial % 3;
+        world w;
+        world_make(&w, ctx, 1 + (int32_t)rnd(40), 1 + (int32_t)rnd(3), 1 + (int32_t)rnd(4), 2 + (int32_t)rnd(30),
+                   trial % 8 == 0);
+        rp_stats *whole = stats_of(ctx, &w);
+        /* shuffled ids dealt to ranks in random amounts (some ranks may get none) */
+        int32_t *perm = malloc(sizeof *perm * (size_t)w.n);
+        for (int32_t s = 0; s < w.n; s++) perm[s] = s;
+        shuffle(perm, w.n);
+        int32_t cut[5] = {0};
+        cut[P] = w.n;
+        for (int32_t r = 1; r < P; r++) cut[r] = (int32_t)rnd((uint32_t)w.n + 1);
+        for (int32_t r = 1; r < P; r++)
+            for (int32_t q = r + 1; q < P; q++)
+                if (cut[q] < cut[r]) { int32_t t = cut[q]; cut[q] = cut[r]; cut[r] = t; }
+        rp_stats *parts[4] = {0};
+        const int32_t *ids[4];
+        const void *bytes[4];
+        size_t lens[4];
+        for (int32_t r = 0; r < P; r++) {
+            ids[r] = perm + cut[r];
+            parts[r] = part_stats(ctx, &w, perm + cut[r], cut[r + 1] - cut[r]);
+            bytes[r] = serialise(parts[r], &lens[r]);
+        }
+        rp_stats *m1 = NULL, *m2 = NULL;
+        rp_error err;
+        if (rp_stats_merge(ctx, P, (const rp_stats *const *)parts, ids, w.n, &m1, &err) != RP_OK)
+            diag("merge: %s", err.text);
+        if (rp_stats_merge_serialized(ctx, P, bytes, lens, ids, w.n, &m2, &err) != RP_OK)
+            diag("merge bytes: %s", err.text);
+        from_stats &= m1 && stats_same(m1, whole);
+        from_bytes &= m2 && stats_same(m2, whole);
+        trials++;
+        rp_stats_free(m1);
+        rp_stats_free(m2);
+        for (int32_t r = 0; r < P; r++) {
+            rp_stats_free(parts[r]);
+            free((void *)bytes[r]);
+        }
+        free(perm);
+        rp_stats_free(whole);
+        world_free(&w);
+    }
+    ok(from_stats, "%d random batches over 2-4 ranks with shuffled ids: the merge equals the whole batch's "
+       "statistics bit for bit", trials);
+    ok(from_bytes, "and so does the merge of the serialised parts");
+}
+
+/* Re-sign a payload after editing it (the checksum covers everything after the header). */
+static void resign(unsigned char *b, size_t len)
+{
+    uint64_t h = rp_hash64(b + 64, len - 64, 0);
+    for (int i = 0; i < 8; i++) b[48 + i] = (unsigned char)(h >> (8 * i));
+}
+
+static rp_status load(rp_context *ctx, const unsigned char *b, size_t len, rp_error *err)
+{
+    rp_stats *st = NULL;
+    rp_status s = rp_stats_deserialize(ctx, b, len, &st, err);
+    rp_stats_free(st);
+    if (s == RP_OK && st == NULL) return RP_EINVAL;
+    return s;
+}
+
+static void test_bad_bytes(rp_context *ctx)
+{
+    world w;
+    world_make(&w, ctx, 6, 2, 2, 5, 0);
+    rp_stats *st = stats_of(ctx, &w);
+    size_t len;
+    unsigned char *b = serialise(st, &len);
+    unsigned char *c = malloc(len + 8);
+    rp_error err;
+
+    int truncations = 1;
+    for (size_t n = 0; n < len; n++) {
+        memcpy(c, b, n);
+        truncations &= load(ctx, c, n, &err) != RP_OK;
+    }
+    ok(truncations, "every truncation (0 .. %zu bytes) is refused", len - 1);
+    memcpy(c, b, len);
+    c[len] = 0;
+    ok(load(ctx, c, len + 1, &err) == RP_EFORMAT, "a trailing byte is refused");
+    like(err.text, "bytes were given", "and the message compares the sizes");
+
+    int flips = 1;
+    size_t missed = 0;
+    for (size_t i = 0; i < len; i++)
+        for (int bit = 0; bit < 8; bit++) {
+            memcpy(c, b, len);
+            c[i] ^= (unsigned char)(1u << bit);
+            if (load(ctx, c, len, &err) == RP_OK) flips = 0, missed = i;
+        }
+    ok(flips, "every flipped bit of the %zu bytes is refused (missed byte %zu)", len, missed);
+
+    memcpy(c, b, len);
+    c[48] ^= 1;
+    ok(load(ctx, c, len, &err) == RP_ECHECKSUM, "a wrong checksum is RP_ECHECKSUM");
+    memcpy(c, b, len);
+    c[0] = 'X';
+    ok(load(ctx, c, len, &err) == RP_EFORMAT, "a wrong magic is RP_EFORMAT");
+    memcpy(c, b, len);
+    c[8] = 2;
+    ok(load(ctx, c, len, &err) == RP_ENOTSUP, "version 2 is RP_ENOTSUP");
+    like(err.text, "format version 2", "and names the version");
+    memcpy(c, b, len);
+    c[16] = 0xff, c[17] = 0xff, c[18] = 0xff, c[19] = 0x7f;
+    ok(load(ctx, c, len, &err) == RP_EFORMAT, "2^31-1 sequences in a short buffer is refused before anything is "
+       "allocated");
+    memcpy(c, b, len);
+    c[40] = c[41] = c[42] = c[43] = c[44] = c[45] = c[46] = 0xff, c[47] = 0x7f;
+    ok(load(ctx, c, len, &err) != RP_OK, "a huge histogram size is refused");
+    memcpy(c, b, len);
+    c[56] = 1;
+    ok(load(ctx, c, len, &err) == RP_EFORMAT, "a nonzero reserved field is refused");
+
+    /* crafted payloads with a valid checksum */
+    int32_t s1 = -1;
+    for (int32_t s = 0; s < w.n; s++)
+        if (b[64 + s] == 1) s1 = s;
+    memcpy(c, b, len);
+    c[64 + s1] = 3;
+    resign(c, len);
+    ok(load(ctx, c, len, &err) == RP_EFORMAT && err.sequence == s1, "width 3 is refused, naming sequence %d", s1);
+    like(err.text, "count width 3", "and says so");
+
+    /* sequence s1's counts moved from one layer-0 expert to another at layer 1 only:
+     * find its block and break the equal layer sums */
+    size_t at = 64 + (size_t)w.n;
+    for (int32_t s = 0; s < s1; s++) at += (size_t)w.layers * w.experts * b[64 + s];
+    memcpy(c, b, len);
+    c[at + (size_t)w.experts] += 1; /* layer 1, expert 0: one more choice */
+    resign(c, len);
+    ok(load(ctx, c, len, &err) == RP_EFORMAT && err.sequence == s1, "a layer that routes another number of choices "
+       "is refused");
+    like(err.text, "at layer 1 but", "and names the layer");
+
+    /* widen sequence s1 to 2 bytes a count (same values): not canonical */
+    size_t cells = (size_t)w.layers * w.experts, wide_len = len + cells;
+    unsigned char *d = malloc(wide_len);
+    memcpy(d, b, at);
+    for (size_t i = 0; i < cells; i++) d[at + 2 * i] = b[at + i], d[at + 2 * i + 1] = 0;
+    memcpy(d + at + 2 * cells, b + at + cells, len - at - cells);
+    d[64 + s1] = 2;
+    uint64_t H = 0;
+    for (int i = 0; i < 8; i++) H |= (uint64_t)b[40 + i] << (8 * i);
+    H += cells;
+    for (int i = 0; i < 8; i++) d[40 + i] = (unsigned char)(H >> (8 * i));
+    resign(d, wide_len);
+    ok(load(ctx, d, wide_len, &err) == RP_EFORMAT && err.sequence == s1, "a count stored wider than it needs is "
+       "refused (the form is canonical)");
+    like(err.text, "needs 1", "and says which width it needs");
+    free(d);
+
+    /* num_tokens that does not match the counts */
+    memcpy(c, b, len);
+    c[32] += 1;
+    resign(c, len);
+    ok(load(ctx, c, len, &err) == RP_EFORMAT, "a token count the counts do not add up to is refused");
+    /* top_k 0 */
+    memcpy(c, b, len);
+    c[28] = 0;
+    resign(c, len);
+    ok(load(ctx, c, len, &err) == RP_EINVAL, "top-k 0 is RP_EINVAL");
+
+    ok(load(ctx, NULL, 0, &err) == RP_EFORMAT, "no bytes at all is refused");
+    free(b);
+    free(c);
+    rp_stats_free(st);
+    world_free(&w);
+}
+
+static void test_merge_errors(rp_context *ctx)
+{
+    world w;
+    world_make(&w, ctx, 6, 2, 2, 5, 0);
+    int32_t a[3] = {0, 2, 4}, bb[3] = {1, 3, 5}, dup[3] = {1, 2, 5}, out[3] = {1, 3, 6};
+    rp_stats *pa = part_stats(ctx, &w, a, 3), *pb = part_stats(ctx, &w, bb, 3);
+    const rp_stats *parts[2] = {pa, pb};
+    rp_stats *m = NULL;
+    rp_error err;
+    const int32_t *ids_dup[2] = {a, dup};
+    ok(rp_stats_merge(ctx, 2, parts, ids_dup, 6, &m, &err) == RP_EINVAL && err.sequence == 2 && !m,
+       "an id in two parts is refused");
+    like(err.text, "global sequence id 2 is in parts 0 and 1", "and names the id and both parts");
+    const int32_t *ids_out[2] = {a, out};
+    ok(rp_stats_merge(ctx, 2, parts, ids_out, 6, &m, &err) == RP_EINVAL && err.sequence == 6, "an id out of range is "
+       "refused");
+    like(err.text, "global sequence id 6, outside [0, 6)", "and says so");
+    const int32_t *ids_ok[2] = {a, bb};
+    ok(rp_stats_merge(ctx, 2, parts, ids_ok, 7, &m, &err) == RP_EINVAL && err.sequence == 6, "a missing id is "
+       "refused");
+    like(err.text, "global sequence id 6 is in no part", "and named");
+    ok(rp_stats_merge(ctx, 2, parts, NULL, 6, &m, &err) == RP_EINVAL, "no ids is refused");
+    world w2;
+    world_make(&w2, ctx, 3, 3, 2, 5, 0);
+    int32_t three[3] = {0, 1, 2};
+    rp_stats *pc = part_stats(ctx, &w2, three, 3);
+    const rp_stats *mixed[2] = {pa, pc};
+    const int32_t *ids_mixed[2] = {a, bb};
+    ok(rp_stats_merge(ctx, 2, mixed, ids_mixed, 6, &m, &err) == RP_EINVAL, "parts with other layer counts are "
+       "refused");
+    like(err.text, "part 1 has 3 layers", "and the message names the part");
+    size_t lb;
+    unsigned char *bytes_b = serialise(pb, &lb);
+    size_t la;
+    unsigned char *bytes_a = serialise(pa, &la);
+    bytes_b[70] ^= 1;
+    const void *bl[2] = {bytes_a, bytes_b};
+    size_t ll[2] = {la, lb};
+    ok(rp_stats_merge_serialized(ctx, 2, bl, ll, ids_ok, 6, &m, &err) == RP_ECHECKSUM, "a corrupt part is refused");
+    like(err.text, "part 1: statistics", "and the message names the part");
+    free(bytes_a);
+    free(bytes_b);
+    rp_stats_free(pa);
+    rp_stats_free(pb);
+    rp_stats_free(pc);
+    world_free(&w);
+    world_free(&w2);
+}
+
+static void test_check_batch(rp_context *ctx)
+{
+    world w;
+    world_make(&w, ctx, 5, 2, 2, 5, 0);
+    rp_stats *st = stats_of(ctx, &w);
+    rp_error err;
+    ok(rp_stats_check_batch(st, w.batch, &err) == RP_OK, "statistics describe their own batch");
+    ok(rp_stats_top_k(st) == 2 && rp_stats_num_tokens(st) == rp_batch_num_tokens(w.batch), "top_k and num_tokens");
+    /* the same lengths in another order */
+    int32_t *lens = malloc(sizeof *lens * 5), zero[5] = {0};
+    for (int s = 0; s < 5; s++) lens[s] = w.lens[4 - s];
+    lens[0] = w.lens[1], lens[1] = w.lens[0];
+    for (int s = 2; s < 5; s++) lens[s] = w.lens[s];
+    rp_batch *other = NULL;
+    rp_batch_new(ctx, 5, zero, lens, NULL, &other, NULL);
+    ok(rp_stats_check_batch(st, other, &err) == RP_EINVAL && err.sequence == 0,
+       "a batch with sequences 0 and 1 swapped (lengths %d, %d) is refused at sequence 0", w.lens[0], w.lens[1]);
+    like(err.text, "another order", "and the message suggests why");
+    rp_batch_free(other);
+    rp_batch_new(ctx, 4, zero, lens, NULL, &other, NULL);
+    ok(rp_stats_check_batch(st, other, &err) == RP_EINVAL, "a batch with fewer sequences is refused");
+    rp_batch_free(other);
+    free(lens);
+    rp_stats_free(st);
+    world_free(&w);
+}
+
+static void test_alloc_failures(void)
+{
+    int clean = 1, leaks = 0;
+    long n_ok = 0;
+    for (long n = 1; n < 200; n++) {
+        counting c = {0};
+        rp_context *ctx = NULL;
+        if (rp_context_new(counting_alloc, &c, &ctx) != RP_OK) continue;
+        c.fail_at = 0;
+        world w;
+        rng_state = 42;
+        world_make(&w, ctx, 5, 2, 2, 5, 0);
+        int32_t a[2] = {3, 0}, b[3] = {4, 1, 2};
+        rp_stats *pa = part_stats(ctx, &w, a, 2), *pb = part_stats(ctx, &w, b, 3), *m = NULL, *d = NULL;
+        size_t la, lb;
+        unsigned char *ba = serialise(pa, &la), *bb = serialise(pb, &lb);
+        const void *bytes[2] = {ba, bb};
+        size_t lens[2] = {la, lb};
+        const int32_t *ids[2] = {a, b};
+        const rp_stats *parts[2] = {pa, pb};
+        long live = c.live;
+        c.fail_at = c.calls + n;
+        rp_error err;
+        rp_status s1 = rp_stats_merge_serialized(ctx, 2, bytes, lens, ids, 5, &m, &err);
+        rp_stats_free(m);
+        m = NULL;
+        rp_status s2 = rp_stats_merge(ctx, 2, parts, ids, 5, &m, &err);
+        rp_stats_free(m);
+        rp_status s3 = rp_stats_deserialize(ctx, ba, la, &d, &err);
+        rp_stats_free(d);
+        c.fail_at = 0;
+        if ((s1 != RP_OK && s1 != RP_ENOMEM) || (s2 != RP_OK && s2 != RP_ENOMEM) || (s3 != RP_OK && s3 != RP_ENOMEM))
+            clean = 0;
+        if (c.live != live) leaks++;
+        if (s1 == RP_OK && s2 == RP_OK && s3 == RP_OK) n_ok++;
+        free(ba);
+        free(bb);
+        rp_stats_free(pa);
+        rp_stats_free(pb);
+        world_free(&w);
+        rp_context_free(ctx);
+        if (n_ok > 3) break;
+    }
+    ok(clean, "failing each allocation of merge and deserialise gives RP_ENOMEM or success");
+    is_int(leaks, 0, "and leaks nothing");
+}
+
+int main(void)
+{
+    rp_context *ctx = NULL;
+    rp_context_new(NULL, NULL, &ctx);
+    test_round_trip(ctx);
+    test_merge_random(ctx);
+    test_bad_bytes(ctx);
+    test_merge_errors(ctx);
+    test_check_batch(ctx);
+    test_alloc_failures();
+    rp_context_free(ctx);
+    return tap_done();
+}
