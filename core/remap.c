@@ -652,3 +652,102 @@ out:
     remap_table_free(ctx, &t);
     return st;
 }
+
+/* ---- one GPU's own tokens ------------------------------------------------------------ */
+
+rp_status rp_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, int32_t gpu, const rp_batch *batch,
+                        const rp_routing *routing, rp_split_rule rule, int32_t *phys_ids, int64_t *slot_tokens,
+                        rp_error *err)
+{
+    if (!plan || !routing) return rp_fail(err, RP_EINVAL, "remap: missing plan or routing");
+    rp_context *ctx = rp_plan_context(plan);
+    remap_table t;
+    rp_status st = remap_table_build(ctx, plan, cfg, mb, batch, routing->num_layers, routing->top_k, rule, &t, err);
+    if (st != RP_OK) return st;
+    rp_batch *local = NULL;
+    int32_t *plen = NULL, *rlen = NULL, *iota = NULL, *begin = NULL;
+    int64_t *counts = NULL, *bounds = NULL, *scratch = NULL;
+    const size_t rows = (size_t)t.L * (size_t)t.Q * (size_t)t.P;
+    if (gpu < 0 || gpu >= t.G) {
+        st = rp_fail(err, RP_EINVAL, "remap: GPU %d is out of range (the plan has %d)", gpu, t.G);
+        goto out;
+    }
+    /* The listed sequences as a batch of their own, in list order. */
+    const int32_t m = t.gpu_begin[gpu + 1] - t.gpu_begin[gpu];
+    const int32_t *listed = t.order + t.gpu_begin[gpu];
+    plen = rp_alloc(ctx, sizeof(int32_t) * ((size_t)m + 1));
+    rlen = rp_alloc(ctx, sizeof(int32_t) * ((size_t)m + 1));
+    iota = rp_alloc(ctx, sizeof(int32_t) * ((size_t)m + 1));
+    begin = rp_alloc(ctx, sizeof(int32_t) * ((size_t)t.G + 1));
+    counts = rp_calloc(ctx, (size_t)t.G * (size_t)t.num_keys + 1, sizeof *counts);
+    bounds = rp_calloc(ctx, (size_t)t.G * (size_t)t.share_slots + 1, sizeof *bounds);
+    scratch = rp_calloc(ctx, (size_t)t.num_keys + rows + 1, sizeof *scratch);
+    if (!plen || !rlen || !iota || !begin || !counts || !bounds || !scratch) {
+        st = rp_fail_nomem(err, "remap counters");
+        goto out;
+    }
+    for (int32_t i = 0; i < m; i++) {
+        plen[i] = rp_batch_prompt_lens(batch)[listed[i]];
+        rlen[i] = rp_batch_response_lens(batch)[listed[i]];
+        iota[i] = i;
+    }
+    RP_CHECK_GOTO(rp_batch_new(ctx, m, plen, rlen, NULL, &local, err), st, out);
+    RP_CHECK_GOTO(rp_routing_check_shape(routing, local, t.E, err), st, out);
+    if (rp_batch_num_tokens(local) > 0 && !phys_ids) {
+        st = rp_fail(err, RP_EINVAL, "remap: no output array");
+        goto out;
+    }
+    {
+        bool ids_dev;
+        RP_CHECK_GOTO(gpu_routing_on_device(routing, local, "remap", &ids_dev, err), st, out);
+        if (ids_dev || (phys_ids && gpu_on_device(phys_ids)) || (slot_tokens && gpu_on_device(slot_tokens))) {
+            st = rp_fail(err, RP_ENOTSUP, "remap: one rank's remap runs on the host; its ids or outputs are device "
+                         "memory (use rp_remap on the GPU, or copy them to the host)");
+            goto out;
+        }
+    }
+    /* The table, seen from this GPU alone: its sequences are the local ones 0 .. m-1, the
+     * other GPUs list none (their occurrences never affect this GPU's replicas). */
+    remap_table lt = t;
+    lt.order = iota;
+    lt.num_order = m;
+    lt.num_seqs = m;
+    for (int32_t g = 0; g <= t.G; g++) begin[g] = g <= gpu ? 0 : m;
+    lt.gpu_begin = begin;
+    remap_job job = {&lt, routing, rp_batch_cu_seqlens(local), phys_ids, 0, 1, counts, bounds, scratch,
+                     scratch + t.num_keys, INT64_MAX, 0, 0, 0, 0, 0};
+    job.pass = 1;
+    count_gpu(&job, gpu);
+    if (job.bad_seq != INT64_MAX) {
+        const int32_t s = listed[job.bad_seq];
+        st = rp_fail(err, RP_ERANGE,
+                     "routing: sequence %d token %lld layer %lld choice %lld has expert id %d, but the model has %d "
+                     "experts", s, (long long)job.bad_token, (long long)job.bad_layer, (long long)job.bad_choice,
+                     job.bad_id, t.E);
+        if (err) err->sequence = s, err->expert = job.bad_id;
+        goto out;
+    }
+    for (int32_t x = 0; x < t.num_keys; x++)
+        if (t.key_bofs[x] >= 0)
+            remap_apportion(counts[(size_t)gpu * t.num_keys + x], t.weight + t.key_first[x], t.key_count[x],
+                            bounds + (size_t)gpu * t.share_slots + t.key_bofs[x]);
+    job.pass = 2;
+    assign_gpu(&job, gpu);
+    if (slot_tokens) {
+        const size_t q = (size_t)(gpu / t.ep);
+        for (int32_t l = 0; l < t.L; l++)
+            memcpy(slot_tokens + (size_t)l * t.P, job.slot_tokens + ((size_t)l * t.Q + q) * t.P,
+                   (size_t)t.P * sizeof *slot_tokens);
+    }
+out:
+    rp_batch_free(local);
+    rp_free(ctx, plen);
+    rp_free(ctx, rlen);
+    rp_free(ctx, iota);
+    rp_free(ctx, begin);
+    rp_free(ctx, counts);
+    rp_free(ctx, bounds);
+    rp_free(ctx, scratch);
+    remap_table_free(ctx, &t);
+    return st;
+}

@@ -771,12 +771,120 @@ static void test_alloc_failures(void)
     rp_context_free(cctx);
 }
 
+/* ---- one rank's own tokens (rp_remap_rank) ------------------------------------------- */
+
+static void test_rank(void)
+{
+    uint64_t rng = 0xA0761D6478BD642FULL;
+    const int32_t shapes[][4] = {{1, 4, 4, 3}, {2, 2, 4, 2}, {2, 3, 2, 4}, {4, 2, 8, 2}};
+    int ids_same = 1, counts_sum = 1, calls = 0;
+    for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
+        for (int rule = 0; rule < 2; rule++) {
+            rcase c;
+            const int32_t E = shapes[sh][2] * shapes[sh][3] - 2 > 3 ? shapes[sh][2] * shapes[sh][3] - 2 : 3;
+            if (!rcase_make(&c, &rng, shapes[sh][0], shapes[sh][1], shapes[sh][2], shapes[sh][3], E, 3, 2, 40, 2)) {
+                ok(0, "random case made");
+                rcase_free(&c);
+                continue;
+            }
+            rp_routing r;
+            rp_routing_packed(&r, RP_ID_U8, c.L, c.k, c.ids);
+            const size_t nid = (size_t)(c.tokens * c.L * c.k) + 1, rec = (size_t)c.L * c.k;
+            const int64_t *cu = rp_batch_cu_seqlens(c.batch);
+            const int32_t G = rp_plan_num_gpus(c.plan), ep = rp_plan_ep_size(c.plan), Q = G / ep;
+            int32_t *whole = malloc(nid * sizeof *whole);
+            for (int32_t mb = 0; mb < c.M; mb++) {
+                const int32_t P = rp_remap_num_physical(c.plan, mb);
+                int64_t *wc = malloc((size_t)c.L * Q * P * sizeof *wc), *sum = calloc((size_t)c.L * Q * P, sizeof *sum);
+                rp_error err;
+                rp_remap(c.plan, c.cfg, mb, c.batch, &r, (rp_split_rule)rule, 1, whole, wc, &err);
+                for (int32_t g = 0; g < G; g++) {
+                    int32_t cnt = 0;
+                    const int32_t *seqs = rp_plan_microbatch(c.plan, g, mb, &cnt);
+                    /* this rank's tokens only: the listed sequences' ids, concatenated */
+                    int64_t tok = 0;
+                    for (int32_t i = 0; i < cnt; i++) tok += cu[seqs[i] + 1] - cu[seqs[i]];
+                    uint8_t *mine = malloc((size_t)tok * rec + 1), *p = mine;
+                    for (int32_t i = 0; i < cnt; i++) {
+                        size_t n = (size_t)(cu[seqs[i] + 1] - cu[seqs[i]]) * rec;
+                        memcpy(p, c.ids + (size_t)cu[seqs[i]] * rec, n);
+                        p += n;
+                    }
+                    rp_routing lr;
+                    rp_routing_packed(&lr, RP_ID_U8, c.L, c.k, mine);
+                    int32_t *got = malloc(((size_t)tok * rec + 1) * sizeof *got);
+                    int64_t *gc = malloc((size_t)c.L * P * sizeof *gc);
+                    rp_status st = rp_remap_rank(c.plan, c.cfg, mb, g, c.batch, &lr, (rp_split_rule)rule, got, gc, &err);
+                    if (st != RP_OK) diag("remap_rank: %s", err.text);
+                    ids_same &= st == RP_OK;
+                    int64_t at = 0;
+                    for (int32_t i = 0; i < cnt && st == RP_OK; i++) {
+                        size_t n = (size_t)(cu[seqs[i] + 1] - cu[seqs[i]]) * rec;
+                        ids_same &= memcmp(got + at, whole + (size_t)cu[seqs[i]] * rec, n * sizeof *got) == 0;
+                        at += (int64_t)n;
+                    }
+                    for (int32_t l = 0; l < c.L; l++)
+                        for (int32_t x = 0; x < P; x++) sum[((size_t)l * Q + g / ep) * P + x] += gc[(size_t)l * P + x];
+                    free(got);
+                    free(gc);
+                    free(mine);
+                    calls++;
+                }
+                counts_sum &= memcmp(sum, wc, (size_t)c.L * Q * P * sizeof *sum) == 0;
+                free(wc);
+                free(sum);
+            }
+            free(whole);
+            rcase_free(&c);
+        }
+    ok(ids_same, "rp_remap_rank on each GPU's own tokens (%d calls, every topology and rule): the ids rp_remap gives "
+       "those tokens", calls);
+    ok(counts_sum, "and each GPU's slot counts add up, over its EP group, to rp_remap's");
+
+    /* errors */
+    rcase c;
+    rcase_make(&c, &rng, 1, 4, 4, 3, 10, 3, 2, 12, 2);
+    int32_t cnt = 0, g = 0;
+    while (g < 4 && (rp_plan_microbatch(c.plan, g, 0, &cnt), cnt == 0)) g++;
+    const int32_t *seqs = rp_plan_microbatch(c.plan, g, 0, &cnt);
+    const int64_t *cu = rp_batch_cu_seqlens(c.batch);
+    int64_t tok = 0;
+    int32_t last = -1;
+    for (int32_t i = 0; i < cnt; i++) {
+        tok += cu[seqs[i] + 1] - cu[seqs[i]];
+        if (cu[seqs[i] + 1] > cu[seqs[i]]) last = seqs[i];
+    }
+    uint8_t *mine = calloc((size_t)tok * 6 + 1, 1);
+    int32_t *out = malloc(((size_t)tok * 6 + 1) * sizeof *out);
+    rp_routing lr;
+    rp_routing_packed(&lr, RP_ID_U8, 3, 2, mine);
+    rp_error err;
+    ok(rp_remap_rank(c.plan, c.cfg, 0, 4, c.batch, &lr, RP_SPLIT_EVEN, out, NULL, &err) == RP_EINVAL,
+       "a GPU out of range is refused");
+    like(err.text, "GPU 4 is out of range", "and named");
+    if (tok > 0) {
+        mine[tok * 6 - 1] = 200;
+        ok(rp_remap_rank(c.plan, c.cfg, 0, g, c.batch, &lr, RP_SPLIT_EVEN, out, NULL, &err) == RP_ERANGE &&
+               err.sequence == last,
+           "a bad id is RP_ERANGE naming the global sequence (%d)", last);
+    } else {
+        skip(1, "no tokens on the GPU");
+    }
+    rp_routing_packed(&lr, RP_ID_U8, 2, 2, mine);
+    ok(rp_remap_rank(c.plan, c.cfg, 0, g, c.batch, &lr, RP_SPLIT_EVEN, out, NULL, &err) == RP_EINVAL,
+       "a routing with another layer count is refused");
+    free(mine);
+    free(out);
+    rcase_free(&c);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_hand();
     test_share_quotas();
     test_random();
+    test_rank();
     test_cost_agreement();
     test_determinism();
     test_errors();

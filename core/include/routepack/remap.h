@@ -68,6 +68,26 @@ RP_API rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb,
                           int32_t num_threads, int32_t *phys_ids, int64_t *slot_tokens,
                           rp_error *err);
 
+/* Remap one GPU's own tokens of microbatch `mb`: what rank `gpu` of a distributed job
+ * does (docs/distributed.md) without the other ranks' routing. The tokens are those of
+ * the sequences the plan lists for (gpu, mb) (rp_plan_microbatch), in list order: local
+ * sequence i is the i-th listed, and local token t counts through them in that order
+ * (their THD concatenation). `batch` is the whole step's batch the plan was made for
+ * (lengths only are read); `local_routing` views the listed sequences' ids only, indexed
+ * as a batch of just them (any host layout, as rp_remap takes). Writes
+ * phys_ids[(t * L + layer) * k + j] for every local token: exactly the ids rp_remap
+ * writes for those tokens, because a token's replica depends only on its own GPU's
+ * occurrences. slot_tokens (may be NULL) receives [layer * P + p]: the token-choices this
+ * GPU sends to physical id p of its own EP group (P = rp_remap_num_physical); summed over
+ * the GPUs of EP group q it is rp_remap's slot_tokens row q. Errors (nothing written):
+ * gpu out of range (RP_EINVAL), and those of rp_remap for the table and the ids (the
+ * sequence in an id error is the global one); device memory is RP_ENOTSUP (use rp_remap
+ * on the GPU, or copy the ids to the host). */
+RP_API rp_status rp_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, int32_t gpu,
+                               const rp_batch *batch, const rp_routing *local_routing,
+                               rp_split_rule rule, int32_t *phys_ids, int64_t *slot_tokens,
+                               rp_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -111,8 +111,17 @@ typedef struct rp_step_report {
  * the last good placement (contiguous on the first step). Errors (bad batch or routing,
  * a batch no packing can hold, out of memory, a failed collective) leave the scheduler
  * as it was, except for what the policy wrote into its own ctx.state. With opts->comm
- * every rank must call this for the same steps: each step runs two allgathers, and a
- * broadcast when the ranks' plans differ. */
+ * every rank must call this for the same steps, and every decision is collective
+ * (docs/distributed.md): each step runs two allgathers of 16 bytes per rank; when the
+ * ranks' plans or fallback flags differ, the lowest rank whose own policy succeeded
+ * (rank 0 if none did) broadcasts its plan (two or more broadcasts: the length, then the
+ * JSON text in pieces of 256 KiB) and a third allgather confirms every rank took it. A
+ * policy that fails or hits a limit on some ranks only is not an error: every rank runs
+ * the agreed plan (report->plan_from_rank, ranks_disagreed, ranks_fell_back). An error on
+ * any rank (bad input, no memory, a plan that cannot be sent or parsed) is an error on
+ * every rank: that rank returns its own, the others the same status with "rank R failed",
+ * and no rank changes anything. A failed collective is RP_ETRANSPORT on the rank that saw
+ * it; the others depend on their transport noticing (a timeout), so stop the job. */
 RP_API rp_status rp_sched_step(rp_sched *sched, int64_t step, const rp_batch *batch,
                                const rp_routing *routing, const rp_plan **plan,
                                const rp_step_report **report, rp_error *err);
