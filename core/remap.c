@@ -733,6 +733,15 @@ rp_status rp_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, i
                             bounds + (size_t)gpu * t.share_slots + t.key_bofs[x]);
     job.pass = 2;
     assign_gpu(&job, gpu);
+    if (job.bad_seq != INT64_MAX) { /* an id that changed after pass 1 */
+        const int32_t s = listed[job.bad_seq];
+        st = rp_fail(err, RP_ERANGE,
+                     "routing: sequence %d token %lld layer %lld choice %lld has expert id %d, but the model has %d "
+                     "experts (the routing changed during the call)", s, (long long)job.bad_token,
+                     (long long)job.bad_layer, (long long)job.bad_choice, job.bad_id, t.E);
+        if (err) err->sequence = s, err->expert = job.bad_id;
+        goto out;
+    }
     if (slot_tokens) {
         const size_t q = (size_t)(gpu / t.ep);
         for (int32_t l = 0; l < t.L; l++)
