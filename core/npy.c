@@ -2,6 +2,7 @@
  * integer arrays dumped from Python, with a strict parser of the header dict; and a
  * version 1.0 writer for tests and tools. */
 #include "internal.h"
+#include "npy_internal.h"
 #include "routepack/trace.h"
 
 #include <errno.h>
@@ -233,36 +234,29 @@ static rp_status parse_dict(scanner *s, rp_npy_dtype *dtype, int64_t *shape, int
     return RP_OK;
 }
 
-rp_status rp_npy_open(rp_context *ctx, const char *path, rp_npy **out, rp_error *err)
+/* Parse the .npy bytes m[0, size) named `name` in messages. The array borrows the
+ * bytes: `map` (map_bytes long) is unmapped by rp_npy_close when not NULL, else the
+ * bytes belong to whoever gave them (an .npz archive). */
+rp_status rp_npy_parse(rp_context *ctx, const char *name, const unsigned char *m, int64_t size,
+                       void *map, size_t map_bytes, rp_npy **out, rp_error *err)
 {
-    if (!ctx || !path || !out) return rp_fail(err, RP_EINVAL, "npy: NULL argument");
     rp_status st = RP_OK;
     rp_npy *npy = NULL;
-    void *map = MAP_FAILED;
     int64_t shape[NPY_MAX_DIMS];
-    int fd;
-    int64_t size = 0;
-    if ((st = rp_file_open_regular(path, O_RDONLY, &fd, &size, err)) != RP_OK) return st;
     if (size < 10) {
-        st = rp_fail(err, RP_EFORMAT, "%s: %s (%" PRId64 " bytes), not a .npy file", path,
+        st = rp_fail(err, RP_EFORMAT, "%s: %s (%" PRId64 " bytes), not a .npy file", name,
                      size == 0 ? "empty file" : "too short", size);
         goto out;
     }
-    map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (map == MAP_FAILED) {
-        st = rp_fail(err, RP_EIO, "%s: cannot map: %s", path, strerror(errno));
-        goto out;
-    }
-    const unsigned char *m = map;
     if (memcmp(m, NPY_MAGIC, sizeof NPY_MAGIC) != 0) {
-        st = rp_fail(err, RP_EFORMAT, "%s: bad magic, not a .npy file", path);
+        st = rp_fail(err, RP_EFORMAT, "%s: bad magic, not a .npy file", name);
         if (err) err->offset = 0;
         goto out;
     }
     int major = m[6], minor = m[7];
     if ((major != 1 && major != 2 && major != 3) || minor != 0) {
         st = rp_fail(err, RP_ENOTSUP, "%s: .npy format version %d.%d is not supported (1.0, 2.0 "
-                     "and 3.0 are)", path, major, minor);
+                     "and 3.0 are)", name, major, minor);
         if (err) err->offset = 6;
         goto out;
     }
@@ -272,7 +266,7 @@ rp_status rp_npy_open(rp_context *ctx, const char *path, rp_npy **out, rp_error 
     } else {
         if (size < 12) {
             st = rp_fail(err, RP_EFORMAT, "%s: truncated: the header length needs 12 bytes, the "
-                         "file has %" PRId64, path, size);
+                         "file has %" PRId64, name, size);
             goto out;
         }
         uint32_t v;
@@ -282,14 +276,14 @@ rp_status rp_npy_open(rp_context *ctx, const char *path, rp_npy **out, rp_error 
     int64_t data_offset = 8 + len_bytes + header_len;
     if (data_offset > size) {
         st = rp_fail(err, RP_EFORMAT, "%s: truncated: the header ends at byte %" PRId64 ", but "
-                     "the file has %" PRId64 " bytes (%" PRId64 " missing)", path, data_offset,
+                     "the file has %" PRId64 " bytes (%" PRId64 " missing)", name, data_offset,
                      size, data_offset - size);
         if (err) err->offset = size;
         goto out;
     }
-    scanner sc = {(const char *)m + 8 + len_bytes, (const char *)m + data_offset, path, err, ""};
+    scanner sc = {(const char *)m + 8 + len_bytes, (const char *)m + data_offset, name, err, ""};
     if (memchr(sc.p, '\0', (size_t)header_len)) {
-        st = rp_fail(err, RP_EFORMAT, "%s: bad .npy header: it contains a NUL byte", path);
+        st = rp_fail(err, RP_EFORMAT, "%s: bad .npy header: it contains a NUL byte", name);
         goto out;
     }
     rp_npy_dtype dtype = RP_NPY_I8;
@@ -298,18 +292,18 @@ rp_status rp_npy_open(rp_context *ctx, const char *path, rp_npy **out, rp_error 
     int64_t count = 1, bytes;
     for (int32_t d = 0; d < ndim; d++)
         if (rp_mul_overflow(count, shape[d], &count)) {
-            st = rp_fail(err, RP_ERANGE, "%s: the shape's element count overflows 64 bits", path);
+            st = rp_fail(err, RP_ERANGE, "%s: the shape's element count overflows 64 bits", name);
             goto out;
         }
     if (rp_mul_overflow(count, item_bytes(dtype), &bytes)) {
         st = rp_fail(err, RP_ERANGE, "%s: the data size (%" PRId64 " elements of %d bytes) "
-                     "overflows 64 bits", path, count, item_bytes(dtype));
+                     "overflows 64 bits", name, count, item_bytes(dtype));
         goto out;
     }
     if (bytes != size - data_offset) {
         bool shorter = bytes > size - data_offset;
         st = rp_fail(err, RP_EFORMAT, "%s: %s: the shape needs %" PRId64 " data bytes, the file "
-                     "has %" PRId64 " (%" PRId64 " %s)", path, shorter ? "truncated" : "trailing bytes",
+                     "has %" PRId64 " (%" PRId64 " %s)", name, shorter ? "truncated" : "trailing bytes",
                      bytes, size - data_offset,
                      shorter ? bytes - (size - data_offset) : (size - data_offset) - bytes,
                      shorter ? "missing" : "too many");
@@ -323,7 +317,7 @@ rp_status rp_npy_open(rp_context *ctx, const char *path, rp_npy **out, rp_error 
     }
     npy->ctx = ctx;
     npy->map = map;
-    npy->map_bytes = (size_t)size;
+    npy->map_bytes = map_bytes;
     npy->dtype = dtype;
     npy->ndim = ndim;
     if (ndim) memcpy(npy->shape, shape, (size_t)ndim * sizeof(int64_t));
@@ -331,21 +325,38 @@ rp_status rp_npy_open(rp_context *ctx, const char *path, rp_npy **out, rp_error 
     npy->data = m + data_offset;
     *out = npy;
     npy = NULL;
-    map = MAP_FAILED;
 out:
     if (npy) {
         rp_free(ctx, npy->shape);
         rp_free(ctx, npy);
     }
-    if (map != MAP_FAILED) munmap(map, (size_t)size);
+    return st;
+}
+
+rp_status rp_npy_open(rp_context *ctx, const char *path, rp_npy **out, rp_error *err)
+{
+    if (!ctx || !path || !out) return rp_fail(err, RP_EINVAL, "npy: NULL argument");
+    int fd;
+    int64_t size = 0;
+    rp_status st = rp_file_open_regular(path, O_RDONLY, &fd, &size, err);
+    if (st != RP_OK) return st;
+    if (size < 10) {
+        close(fd);
+        return rp_fail(err, RP_EFORMAT, "%s: %s (%" PRId64 " bytes), not a .npy file", path,
+                       size == 0 ? "empty file" : "too short", size);
+    }
+    void *map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
+    if (map == MAP_FAILED) return rp_fail(err, RP_EIO, "%s: cannot map: %s", path, strerror(errno));
+    st = rp_npy_parse(ctx, path, map, size, map, (size_t)size, out, err);
+    if (st != RP_OK) munmap(map, (size_t)size);
     return st;
 }
 
 void rp_npy_close(rp_npy *npy)
 {
     if (!npy) return;
-    munmap(npy->map, npy->map_bytes);
+    if (npy->map) munmap(npy->map, npy->map_bytes);
     rp_free(npy->ctx, npy->shape);
     rp_free(npy->ctx, npy);
 }

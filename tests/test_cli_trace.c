@@ -214,7 +214,7 @@ int main(void)
     size = file_size(trace);
     is_int(rp("trace import --routing %s --lens %s --experts 64 --out %s", tmp("r64.npy"),
               tmp("lens.npy"), trace), 1, "import onto an existing trace without --append");
-    like(out, "t.rpt exists: pass --append to add this step to it, or --force to replace it",
+    like(out, "t.rpt exists: pass --append to add to it, or --force to replace it",
          "the message says how to add or replace");
     is_int(file_size(trace), size, "the existing trace is untouched");
     is_int(rp("trace import --routing %s --lens %s --experts 64 --step 1 --append --out %s",
@@ -335,8 +335,8 @@ int main(void)
         memcpy(&ids[0], &(uint64_t){UINT64_MAX}, 8);
         write_npy("huge.npy", RP_NPY_U64, 3, shape, ids);
     }
-    is_int(rp("trace import --routing %s --lens %s --experts 64 --out %s", tmp("bad64.npy"), tmp("lens.npy"),
-              trace), 1, "an id out of range");
+    is_int(rp("trace import --routing %s --lens %s --experts 64 --force --out %s", tmp("bad64.npy"),
+              tmp("lens.npy"), trace), 1, "an id out of range (even with --force)");
     like(out, "bad64.npy: token 5 (sequence 0 token 5) layer 1 choice 0 has expert id 64, but --experts is 64",
          "the message gives the position and the id");
     is_int(file_size(trace), before, "a failed import does not touch an existing trace");

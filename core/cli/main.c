@@ -25,15 +25,17 @@ static const cli_command commands[] = {
      "  TRACE.rpt...       one or more traces; the first problem of each is reported\n",
      "routepack trace validate examples/small.rpt"},
     {"trace", "import", cmd_trace_import,
-     "--routing R.npy (--lens L.npy | --prompt-lens P.npy --response-lens Q.npy) "
-     "[--group-ids G.npy] --experts E [--layout L] [--step K] [--append | --force] --out TRACE.rpt",
-     "convert .npy arrays dumped from Python into a trace",
+     "(--routing R.npy (--lens L.npy | --prompt-lens P.npy --response-lens Q.npy) [--group-ids G.npy] "
+     "| --npz RUN.npz) --experts E [--layout L] [--step K] [--append | --force] --out TRACE.rpt",
+     "convert .npy arrays, or a whole run saved by numpy.savez, into a trace",
      "  --routing R.npy    routing replay, sequences back to back\n"
      "  --layout L         packed: [tokens, layers, k] (default); per_layer: [layers, tokens, k]\n"
      "  --lens L.npy       sequence lengths [n], or [n, 2] prompt and response\n"
      "  --prompt-lens P.npy  prompt lengths [n] (with --response-lens, instead of --lens)\n"
      "  --response-lens Q.npy  response lengths [n]\n"
      "  --group-ids G.npy  GRPO group of each sequence (default: one group each)\n"
+     "  --npz RUN.npz      every step of a run from one numpy.savez archive: routing_K,\n"
+     "                     lens_K (or prompt_lens_K, response_lens_K), group_ids_K for step K\n"
      "  --experts E        the model's expert count (required; every id is checked)\n"
      "  --step K           step index to record (default 0; with --append the last + 1)\n"
      "  --append           add the step to the trace (created if missing; shape must match;\n"

@@ -93,6 +93,26 @@ RP_API const void *rp_npy_data(const rp_npy *npy);   /* borrowed, valid until rp
 /* Element i as int64 (bounds-checked by the caller). */
 RP_API int64_t rp_npy_get(const rp_npy *npy, int64_t i);
 
+/* ---- .npz (what numpy.savez writes: a zip of .npy members, stored, zip64 as needed) ---- */
+
+typedef struct rp_npz rp_npz;
+
+/* Map an .npz archive and check every member before returning: the zip structure
+ * (central directory against local headers, zip64 records and extra fields), each
+ * member's CRC-32, and each member's .npy header as rp_npy_open checks it. Compressed
+ * (numpy.savez_compressed) and encrypted members are RP_ENOTSUP with the reason; a
+ * member that is not a .npy, two members of one name, or anything outside the file is
+ * RP_EFORMAT. Members are read in place, never copied. */
+RP_API rp_status rp_npz_open(rp_context *ctx, const char *path, rp_npz **out, rp_error *err);
+RP_API void rp_npz_close(rp_npz *npz);
+RP_API int32_t rp_npz_count(const rp_npz *npz);
+/* Member i's name without ".npy" (the keyword numpy.savez was given), in archive order. */
+RP_API const char *rp_npz_name(const rp_npz *npz, int32_t i);
+/* Member i's array (borrowed, valid until rp_npz_close; never pass it to rp_npy_close). */
+RP_API const rp_npy *rp_npz_array(const rp_npz *npz, int32_t i);
+/* The member of that name (without ".npy"), or NULL. */
+RP_API const rp_npy *rp_npz_find(const rp_npz *npz, const char *name);
+
 /* Write a C-ordered little-endian .npy (version 1.0); for tests and tools. */
 RP_API rp_status rp_npy_write(const char *path, rp_npy_dtype dtype, int32_t ndim, const int64_t *shape,
                        const void *data, rp_error *err);
