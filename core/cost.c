@@ -91,32 +91,12 @@ static rp_status check_config(const rp_config *cfg, rp_error *err)
     return RP_OK;
 }
 
-rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
-                      const rp_stats *stats, rp_split_rule rule, rp_cost **out, rp_error *err)
+rp_status cost_check_inputs(const rp_config *cfg, const rp_batch *batch, rp_error *err)
 {
-    if (!ctx || !cfg || !batch || !stats || !out)
-        return rp_fail(err, RP_EINVAL, "cost: context, config, batch, statistics and output are required");
-    if (rule != RP_SPLIT_EVEN && rule != RP_SPLIT_LOCALITY)
-        return rp_fail(err, RP_EINVAL, "cost: split rule %d is neither RP_SPLIT_EVEN nor RP_SPLIT_LOCALITY",
-                       (int)rule);
     rp_status st = check_config(cfg, err);
     if (st != RP_OK) return st;
-    const rp_topology *t = rp_config_topology(cfg);
-    const rp_hardware *h = rp_config_hardware(cfg);
     const rp_model *md = rp_config_model(cfg);
-    const rp_limits *lim = rp_config_limits(cfg);
-
-    int32_t n = rp_batch_num_seqs(batch);
-    if (n < 1) return rp_fail(err, RP_EINVAL, "cost: the batch is empty (no sequences to plan)");
-    if (rp_stats_num_seqs(stats) != n)
-        return rp_fail(err, RP_EINVAL, "cost: the statistics cover %d sequences, but the batch has %d",
-                       rp_stats_num_seqs(stats), n);
-    if (rp_stats_num_layers(stats) != md->num_layers)
-        return rp_fail(err, RP_EINVAL, "cost: the statistics have %d layers, but the model has %d",
-                       rp_stats_num_layers(stats), md->num_layers);
-    if (rp_stats_num_experts(stats) != md->num_experts)
-        return rp_fail(err, RP_EINVAL, "cost: the statistics have %d experts, but the model has %d",
-                       rp_stats_num_experts(stats), md->num_experts);
+    if (rp_batch_num_seqs(batch) < 1) return rp_fail(err, RP_EINVAL, "cost: the batch is empty (no sequences to plan)");
     /* Token-choice counts per (GPU, mb, layer, expert) are int32: bounded by the batch's
      * tokens times top_k. Sums of L^2 per cell are int64: bounded by tokens * max L. */
     int64_t tokens = rp_batch_num_tokens(batch), choices, sq;
@@ -126,7 +106,34 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
                        "evaluator's limit of 2^31-1", (long long)tokens, md->top_k);
     if (rp_mul_overflow(tokens, rp_batch_max_seq_len(batch), &sq))
         return rp_fail(err, RP_ERANGE, "cost: the batch's sum of squared lengths overflows 64 bits");
+    return RP_OK;
+}
 
+rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                      const rp_stats *stats, rp_split_rule rule, rp_cost **out, rp_error *err)
+{
+    if (!ctx || !cfg || !batch || !stats || !out)
+        return rp_fail(err, RP_EINVAL, "cost: context, config, batch, statistics and output are required");
+    if (rule != RP_SPLIT_EVEN && rule != RP_SPLIT_LOCALITY)
+        return rp_fail(err, RP_EINVAL, "cost: split rule %d is neither RP_SPLIT_EVEN nor RP_SPLIT_LOCALITY",
+                       (int)rule);
+    rp_status st = cost_check_inputs(cfg, batch, err);
+    if (st != RP_OK) return st;
+    const rp_topology *t = rp_config_topology(cfg);
+    const rp_hardware *h = rp_config_hardware(cfg);
+    const rp_model *md = rp_config_model(cfg);
+    const rp_limits *lim = rp_config_limits(cfg);
+
+    int32_t n = rp_batch_num_seqs(batch);
+    if (rp_stats_num_seqs(stats) != n)
+        return rp_fail(err, RP_EINVAL, "cost: the statistics cover %d sequences, but the batch has %d",
+                       rp_stats_num_seqs(stats), n);
+    if (rp_stats_num_layers(stats) != md->num_layers)
+        return rp_fail(err, RP_EINVAL, "cost: the statistics have %d layers, but the model has %d",
+                       rp_stats_num_layers(stats), md->num_layers);
+    if (rp_stats_num_experts(stats) != md->num_experts)
+        return rp_fail(err, RP_EINVAL, "cost: the statistics have %d experts, but the model has %d",
+                       rp_stats_num_experts(stats), md->num_experts);
     rp_cost *c = rp_calloc(ctx, 1, sizeof *c);
     if (!c) return rp_fail_nomem(err, "a cost evaluator");
     c->ctx = ctx;

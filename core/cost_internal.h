@@ -129,6 +129,11 @@ typedef struct group_result {
 } group_result;
 
 /* cost.c */
+
+/* What rp_cost_new refuses of a config and a batch, without statistics: the callers that
+ * scan the routing first (rp_sched_step) check this before the scan, so a batch the
+ * evaluator cannot take is refused at once, not after reading every id. */
+rp_status cost_check_inputs(const rp_config *cfg, const rp_batch *batch, rp_error *err);
 double cost_slot_time(const rp_cost *c, double tokens);
 double cost_cell_attention(const rp_cost *c, int64_t sum_sq, int64_t sum_len, int32_t gpu);
 cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, const int32_t *rep_off,

@@ -110,7 +110,9 @@ typedef struct rp_step_report {
  * batch (a packing cannot be carried over: it names the previous batch's sequences) and
  * the last good placement (contiguous on the first step). Errors (bad batch or routing,
  * a batch no packing can hold, out of memory, a failed collective) leave the scheduler
- * as it was, except for what the policy wrote into its own ctx.state. With opts->comm
+ * as it was, except for what the policy wrote into its own ctx.state; a batch no
+ * packing can hold or the cost model cannot take (more than 2^31-1 token-choices per
+ * layer: RP_ERANGE) is refused before its routing is read. With opts->comm
  * every rank must call this for the same steps, and every decision is collective
  * (docs/distributed.md): each step runs two allgathers of 16 bytes per rank; when the
  * ranks' plans or fallback flags differ, the lowest rank whose own policy succeeded
