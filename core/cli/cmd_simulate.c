@@ -211,8 +211,12 @@ typedef struct sim_policy {
 typedef struct sim_opts {
     const char *config, *trace, *gen, *policies, *report, *watch, *plans;
     int64_t steps, microbatches;
+    int64_t max_memory_bytes;  /* --max-memory: what the estimate may reach */
     bool json;
 } sim_opts;
+
+/* Default of --max-memory (docs/cli.md): the reference configs need well under it. */
+#define SIM_MAX_MEMORY_DEFAULT ((int64_t)4 << 30)
 
 static char *dup_or_null(const char *s)
 {
@@ -222,7 +226,8 @@ static char *dup_or_null(const char *s)
 static int parse_sim_opts(int argc, char **argv, sim_opts *o)
 {
     memset(o, 0, sizeof *o);
-    const char *steps = NULL, *mbs = NULL;
+    o->max_memory_bytes = SIM_MAX_MEMORY_DEFAULT;
+    const char *steps = NULL, *mbs = NULL, *max_mem = NULL;
     bool bad = false;
     for (int i = 0; i < argc && !bad; i++) {
         if (cli_opt(argc, argv, &i, "--config", &o->config, &bad) ||
@@ -233,7 +238,8 @@ static int parse_sim_opts(int argc, char **argv, sim_opts *o)
             cli_opt(argc, argv, &i, "--report", &o->report, &bad) ||
             cli_opt(argc, argv, &i, "--plans", &o->plans, &bad) ||
             cli_opt(argc, argv, &i, "--watch", &o->watch, &bad) ||
-            cli_opt(argc, argv, &i, "--microbatches", &mbs, &bad))
+            cli_opt(argc, argv, &i, "--microbatches", &mbs, &bad) ||
+            cli_opt(argc, argv, &i, "--max-memory", &max_mem, &bad))
             continue;
         if (!strcmp(argv[i], "--json")) {
             o->json = true;
@@ -252,6 +258,10 @@ static int parse_sim_opts(int argc, char **argv, sim_opts *o)
         if (!cli_int("--steps", steps, &o->steps)) return CLI_USAGE;
         if (o->steps < 1 || o->steps > INT32_MAX)
             return cli_usage("--steps must be >= 1, got %s", steps);
+    }
+    if (max_mem) {
+        if (!cli_int("--max-memory", max_mem, &o->max_memory_bytes)) return CLI_USAGE;
+        if (o->max_memory_bytes < 1) return cli_usage("--max-memory must be >= 1 (bytes), got %s", max_mem);
     }
     if (mbs) {
         if (!cli_int("--microbatches", mbs, &o->microbatches)) return CLI_USAGE;
@@ -759,6 +769,99 @@ static void policy_stop(sim_policy *p, int64_t step, const rp_error *err)
     p->sched = NULL;
 }
 
+/* The bytes one evaluation of a plan of `mbs` microbatches takes for this batch
+ * (rp_cost_evaluation_needs on a plan of that shape: everything in microbatch 0 of rank
+ * 0, experts laid out contiguously); 0 with err set when it cannot be told. */
+static size_t evaluation_bytes(rp_context *ctx, const rp_config *cfg, const rp_cost *cost, int32_t num_seqs,
+                               int32_t mbs, rp_error *err)
+{
+    rp_plan *plan = NULL;
+    size_t bytes = 0;
+    int32_t *zeros = calloc((size_t)num_seqs + 1, sizeof *zeros);
+    if (!zeros) {
+        snprintf(err->text, sizeof err->text, "out of memory");
+        return 0;
+    }
+    if (rp_plan_new(ctx, cfg, mbs, &plan, err) == RP_OK && rp_plan_set_packing(plan, num_seqs, zeros, zeros, err) == RP_OK &&
+        rp_plan_set_contiguous(plan, err) == RP_OK && rp_cost_evaluation_needs(cost, plan, NULL, &bytes, err) != RP_OK)
+        bytes = 0;
+    rp_plan_free(plan);
+    free(zeros);
+    return bytes;
+}
+
+/* What the run will hold at once, estimated from the first step's shape before any
+ * scheduler is made (a config inside the documented ranges, as limits.num_microbatches
+ * = 100000 or slots_per_gpu = 10^6, made simulate take gigabytes with no warning): for
+ * each policy two evaluations of a plan of the run's microbatch count (the evaluator
+ * keeps the plan's, and the previous plan's while the next is evaluated), two plans and
+ * the history of expert loads; the statistics of a step; with --report, one more
+ * evaluation. Over --max-memory the run is refused naming the figures and the keys
+ * that set them. CLI_OK, or what to exit with. */
+static int check_memory(rp_context *ctx, const rp_config *cfg, cli_input *in, const sim_opts *o, int np,
+                        int32_t history)
+{
+    rp_batch *batch = NULL;
+    rp_stats *stats = NULL;
+    rp_cost *cost = NULL;
+    rp_routing routing;
+    int64_t step_index;
+    rp_error err;
+    rp_error_clear(&err);
+    int rc = CLI_FAIL;
+    const rp_model *md = rp_config_model(cfg);
+    const rp_topology *tp = rp_config_topology(cfg);
+    int32_t mbs = o->microbatches ? (int32_t)o->microbatches : rp_config_limits(cfg)->num_microbatches;
+    if (mbs < 1) mbs = 1; /* the policy chooses: at least one */
+    if (cli_input_read(in, 0, &batch, &routing, &step_index, &err) != RP_OK ||
+        rp_stats_compute(ctx, batch, &routing, in->num_experts, 0, &stats, &err) != RP_OK ||
+        rp_cost_new(ctx, cfg, batch, stats, RP_SPLIT_EVEN, &cost, &err) != RP_OK) {
+        rc = cli_fail(&err);
+        goto out;
+    }
+    const int32_t n = rp_batch_num_seqs(batch);
+    size_t eval = evaluation_bytes(ctx, cfg, cost, n, mbs, &err);
+    size_t eval1 = mbs > 1 && eval ? evaluation_bytes(ctx, cfg, cost, n, 1, &err) : eval;
+    if (!eval || !eval1) {
+        fprintf(stderr, "routepack: simulate: cannot estimate the memory of a plan of %d microbatches: %s\n", mbs,
+                err.text);
+        goto out;
+    }
+    int64_t slots = 0;
+    for (int32_t g = 0; g < tp->ep_size; g++) slots += tp->slots[g];
+    const double cells = (double)md->num_layers * md->num_experts;
+    const double plan = (double)md->num_layers * (double)slots * 8.0 + (double)tp->num_gpus * mbs * 8.0 + n * 8.0;
+    const double hist = (double)history * cells * 8.0;
+    const double per_policy = 2.0 * (double)eval + 2.0 * plan + hist;
+    const double total = np * per_policy + (double)rp_stats_bytes(stats) + (o->report ? (double)eval : 0.0);
+    if (total <= (double)o->max_memory_bytes) {
+        rc = CLI_OK;
+        goto out;
+    }
+    /* the part the microbatch count adds, the part the slots add (plans and their
+     * evaluations: two each), the rest */
+    const double by_mbs = 2.0 * ((double)eval - (double)eval1) * np;
+    const double by_slots = 4.0 * (double)md->num_layers * (double)slots * 8.0 * np;
+    const char *key = by_mbs >= by_slots && by_mbs >= total / 2
+                          ? (o->microbatches ? "--microbatches" : "limits.num_microbatches")
+                      : by_slots >= total / 2 ? "topology.slots_per_gpu"
+                      : hist * np >= total / 2 ? "the history length (rp_sched_options.history)"
+                                               : "model.num_layers or model.num_experts";
+    fprintf(stderr,
+            "routepack: simulate: the run would hold about %.2f GB at once, more than --max-memory %.2f GB: "
+            "%d polic%s x (2 evaluations of %.2f GB for plans of %d microbatches x %d layers x %d GPUs x %d "
+            "experts, %lld slots a layer; plans %.2f GB; history %.2f GB) + statistics %.2f GB%s; lower %s, or "
+            "raise --max-memory\n",
+            total / 1e9, (double)o->max_memory_bytes / 1e9, np, np == 1 ? "y" : "ies", (double)eval / 1e9, mbs,
+            md->num_layers, tp->num_gpus, md->num_experts, (long long)slots, 2.0 * plan / 1e9, hist / 1e9,
+            (double)rp_stats_bytes(stats) / 1e9, o->report ? " + one evaluation for --report" : "", key);
+out:
+    rp_cost_free(cost);
+    rp_stats_free(stats);
+    rp_batch_free(batch);
+    return rc;
+}
+
 int cmd_simulate(rp_context *ctx, int argc, char **argv)
 {
     sim_opts o;
@@ -811,6 +914,8 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
     const int32_t G = rp_config_topology(cfg)->num_gpus;
     rp_sched_options opts;
     rp_sched_options_default(&opts);
+    if ((rc = check_memory(ctx, cfg, &in, &o, np, opts.history)) != CLI_OK) goto out;
+    rc = CLI_FAIL;
     int loaded = 0;
     for (int i = 0; i < np; i++) {
         sim_policy *p = &pol[i];

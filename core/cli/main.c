@@ -52,7 +52,7 @@ static const cli_command commands[] = {
      "routepack stats examples/small.rpt --step 1"},
     {"simulate", NULL, cmd_simulate,
      "[--config C] [--trace T | --gen SETTINGS] [--policies P1,P2,...] [--steps N] [--json] "
-     "[--report OUT.html] [--plans DIR] [--watch POLICY.lua] [--microbatches M]",
+     "[--report OUT.html] [--plans DIR] [--watch POLICY.lua] [--microbatches M] [--max-memory BYTES]",
      "compare policies side by side over the same steps (no arguments: the bundled example)",
      "  --config C         config (default: the bundled config-small.json)\n"
      "  --trace T          steps to plan (default: the bundled small.rpt)\n"
@@ -65,7 +65,8 @@ static const cli_command commands[] = {
      "  --plans DIR        write each policy's plan of each step to DIR/POLICY/step-K.json\n"
      "                     (DIR is created when its parent exists)\n"
      "  --watch POLICY.lua reload this policy file between steps when it changes\n"
-     "  --microbatches M   fix every plan's microbatch count (default: the config's)\n",
+     "  --microbatches M   fix every plan's microbatch count (default: the config's)\n"
+     "  --max-memory BYTES refuse a run estimated to hold more (default 4294967296: 4 GiB)\n",
      "routepack simulate --policies token_kk+eplb,routepack --report run.html"},
     {"policy", "list", cmd_policy_list, "[--config C] [--json]",
      "the policies found on the search path: name, version, API version, description",
