@@ -300,6 +300,7 @@ cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t
         sc->dst[e] = R == 1 ? rep_rank[rep_off[e]] : c->ep;
     }
     map_segments(c->E, c->ep, sc->dst, sc->seg, sc->ord);
+    cost_count(c, 3 * (int64_t)c->E + 2 * (int64_t)c->ep + 4);
     return (cost_map){sc->dst, sc->seg, sc->ord};
 }
 
@@ -315,6 +316,7 @@ void cost_group_rebuild(const rp_cost *c, const cost_state *st, int32_t m, int32
     const int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + g0) * (size_t)E;
     memset(total, 0, (size_t)E * sizeof *total);
     memset(link, 0, (size_t)4 * ep * sizeof *link);
+    cost_count(c, E + 2 * (int64_t)ep * (E + ep) + 4 * (int64_t)ep);
     for (int32_t src = 0; src < ep; src++) {
         const int32_t *row = cnt + (size_t)src * E;
         for (int32_t e = 0; e < E; e++) total[e] += row[e];
@@ -339,6 +341,7 @@ void cost_delta_aggregates(const rp_cost *c, int32_t g0, int32_t src, const int3
                            cost_map map, int32_t *restrict total, int64_t *restrict link)
 {
     const int32_t ep = c->ep, E = c->E;
+    cost_count(c, 2 * (int64_t)E + 2 * (int64_t)ep);
     if (sign > 0)
         for (int32_t e = 0; e < E; e++) total[e] += h[e];
     else
@@ -367,6 +370,7 @@ void cost_group_delta(const rp_cost *c, cost_state *st, int32_t m, int32_t l, in
     const size_t gq = ((size_t)m * c->L + l) * c->Q + q;
     int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + gpu) * (size_t)E;
     const int32_t *h = (const int32_t *)hist; /* a sequence's counts fit int32 (see rp_cost_new) */
+    cost_count(c, E);
     if (sign > 0)
         for (int32_t e = 0; e < E; e++) cnt[e] += h[e];
     else
@@ -400,6 +404,7 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
         const cost_override *o = (ov < ov_end && ov->expert == e) ? ov : NULL;
         const int32_t nb = rep_off[e + 1] - rep_off[e], R = nb + (o ? o->num_extra : 0);
         const int32_t *base = rep_rank + rep_off[e];
+        cost_count(c, (int64_t)R * (5 + (int64_t)ep * (c->rule == RP_SPLIT_EVEN ? 1 : 3)));
         int32_t *rk = sc->rk;
         double *w = sc->w, *load = sc->load;
         for (int32_t i = 0; i < nb; i++) rk[i] = base[i];
@@ -446,6 +451,7 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
         for (int32_t i = 0; i < R; i++) xa[rk[i]] += cost_slot_time(c, load[i]);
     }
 
+    cost_count(c, E + 2 * (int64_t)ep);
     res->xmax = res->dmax = -1.0;
     res->xarg = res->darg = g0;
     const double base_lat = ep > 1 ? c->nv_lat : 0.0;
@@ -481,6 +487,7 @@ double cost_step_from(const rp_cost *c, const cost_state *st, const double *laye
 {
     double sum = 0.0;
     size_t cells = (size_t)st->M * (size_t)c->L;
+    cost_count(c, (int64_t)cells);
     for (size_t i = 0; i < cells; i++) sum += layer_t[i];
     return c->fwd_bwd * sum + grad_s + st->extra_s;
 }
@@ -504,6 +511,7 @@ void cost_layer_dst(const rp_cost *c, cost_state *st, int32_t l, const int32_t *
                     const int32_t *rep_rank)
 {
     int32_t *dst = st->lay_dst + (size_t)l * c->E;
+    cost_count(c, 3 * (int64_t)c->E + 2 * (int64_t)c->ep + 4);
     for (int32_t e = 0; e < c->E; e++)
         dst[e] = rep_off[e + 1] - rep_off[e] == 1 ? rep_rank[rep_off[e]] : c->ep;
     map_segments(c->E, c->ep, dst, st->lay_seg + (size_t)l * (c->ep + 2), st->lay_ord + (size_t)l * c->E);
@@ -519,6 +527,7 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_
                      const int32_t *rep_rank, double *row)
 {
     (void)st;
+    cost_count(c, (int64_t)c->G + c->E);
     for (int32_t g = 0; g < c->G; g++) row[g] = 0.0;
     const double nv = c->expert_bytes / c->nv_bw + c->nv_lat;
     const double net = c->expert_bytes / c->net_bw + c->net_lat;
@@ -527,7 +536,9 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_
         int32_t first = rep_rank[rep_off[e]];
         for (int32_t i = rep_off[e] + 1; i < rep_off[e + 1]; i++) {
             int32_t r = rep_rank[i];
+            cost_count(c, 1);
             if (r == first) continue;
+            cost_count(c, c->Q);
             for (int32_t q = 0; q < c->Q; q++) {
                 int32_t a = q * c->ep + first, b = q * c->ep + r;
                 double t = c->gpu_node[a] == c->gpu_node[b] ? nv : net;
@@ -543,6 +554,7 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_
 double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row)
 {
     double worst = 0.0;
+    cost_count(c, (int64_t)c->G * c->L);
     for (int32_t g = 0; g < c->G; g++) {
         double sum = 0.0;
         for (int32_t l = 0; l < c->L; l++)
@@ -1047,6 +1059,10 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
         if (n > s->slots_max) s->slots_max = n;
         for (int32_t k = s->slot_begin[j]; k < s->slot_begin[j + 1]; k++) s->slot_rank[k] = j;
     }
+    /* reading the plan, zeroing the counts (calloc) and the slots' ranks */
+    cost_count(c, (int64_t)G * M + 2 * (int64_t)c->N + (int64_t)L * (2 * (int64_t)s->S + 3 * (int64_t)E + s->S) +
+                      rp_plan_num_extra_replicas(plan) + rp_plan_num_share_sets(plan) + (int64_t)M * L * (ep + 1) +
+                      (int64_t)M * L * G * E + s->S);
     RP_CHECK_GOTO(read_packing(c, plan, s, err), st, out);
     RP_CHECK_GOTO(read_placement(c, plan, s, err), st, out);
     RP_CHECK_GOTO(read_levers(c, plan, s, err), st, out);
@@ -1059,12 +1075,14 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     if (old && old->M == M && memcmp(old->seq_rank, s->seq_rank, (size_t)c->N * sizeof *s->seq_rank) == 0 &&
         memcmp(old->seq_mb, s->seq_mb, (size_t)c->N * sizeof *s->seq_mb) == 0) {
         const size_t cells = (size_t)G * M;
+        cost_count(c, 2 * (int64_t)c->N + 3 * (int64_t)cells + (int64_t)M * L * G * E);
         memcpy(s->cell_tokens, old->cell_tokens, cells * sizeof *s->cell_tokens);
         memcpy(s->cell_sq, old->cell_sq, cells * sizeof *s->cell_sq);
         memcpy(s->cell_max, old->cell_max, cells * sizeof *s->cell_max);
         memcpy(s->counts, old->counts, (size_t)M * L * G * E * sizeof *s->counts);
     } else {
         uint32_t *h = sc.hist;
+        cost_count(c, (int64_t)c->N * (1 + 2 * (int64_t)L * E));
         for (int32_t q = 0; q < c->N; q++) {
             int32_t g = s->seq_rank[q], m = s->seq_mb[q];
             int64_t len = c->cu_seqlens[q + 1] - c->cu_seqlens[q];
@@ -1081,6 +1099,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     }
 
     eval_attention(c, s);
+    cost_count(c, (int64_t)M * G + (int64_t)M * L * (c->Q + ep + 1));
     for (int32_t l = 0; l < L; l++)
         cost_layer_dst(c, s, l, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S);
     for (int32_t m = 0; m < M; m++)
@@ -1166,6 +1185,9 @@ static rp_side layer_straggler(const rp_cost *c, const cost_state *s, int32_t m,
 void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
 {
     const int32_t M = s->M, L = c->L, G = c->G, ep = c->ep;
+    /* with cost_bound_step's loops */
+    cost_count(c, (int64_t)M * G + (int64_t)M * L * (3 * (int64_t)c->Q + (int64_t)c->Q * ep + 2 * (int64_t)G + ep + 1) +
+                      (int64_t)L * G);
     memset(out, 0, sizeof *out);
     double attn = 0, disp = 0, expert = 0, a_imb = 0, x_imb = 0, best = -1;
     for (int32_t m = 0; m < M; m++) {
@@ -1241,6 +1263,8 @@ rp_side rp_cost_layer_straggler(const rp_cost *c, int32_t mb, int32_t layer, int
     if (gpu) *gpu = g;
     return side;
 }
+
+int64_t rp_cost_operations(const rp_cost *c) { return c ? c->ops : 0; }
 
 size_t rp_cost_bytes(const rp_cost *c)
 {

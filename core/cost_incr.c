@@ -52,6 +52,7 @@ static void split_counts(const rp_cost *c, cost_state *st, int32_t m, int32_t l,
                          int32_t sign, cost_map map)
 {
     int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + gpu) * (size_t)c->E;
+    cost_count(c, 1 + map.seg[c->ep + 1] - map.seg[c->ep]);
     for (int32_t i = map.seg[c->ep]; i < map.seg[c->ep + 1]; i++) cnt[map.ord[i]] += sign * h[map.ord[i]];
 }
 
@@ -66,6 +67,7 @@ static void trial_group(rp_cost *c, cost_state *st, const seq_move *mv, int32_t 
     const size_t gq = ((size_t)m * L + l) * c->Q + q;
     memcpy(sc->total, st->gtotal + gq * E, (size_t)E * sizeof *sc->total);
     memcpy(sc->link, st->glink + gq * 4 * ep, (size_t)4 * ep * sizeof *sc->link);
+    cost_count(c, E + 4 * (int64_t)ep + 4 * (int64_t)n_mv);
     for (int32_t pass = 0; pass < 2; pass++)
         for (int32_t k = 0; k < n_mv; k++) {
             const int32_t *h = (const int32_t *)(mv[k].hist + (size_t)l * E);
@@ -92,6 +94,7 @@ static double trial_amax(const rp_cost *c, const cost_state *st, int32_t m, int3
 {
     double best = -1.0;
     *arg = 0;
+    cost_count(c, c->G);
     for (int32_t g = 0; g < c->G; g++) {
         double a = (g == gA && m == mA) ? aA : (g == gB && m == mB) ? aB : st->attn[(size_t)g * st->M + m];
         if (a > best) {
@@ -112,6 +115,8 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
     const int32_t L = c->L, G = c->G, E = c->E, M = st->M, ep = c->ep, Q = c->Q;
     const int32_t gA = mv[0].g_from, mA = mv[0].m_from, gB = mv[0].g_to, mB = mv[0].m_to;
 
+    /* reading the histograms, copying the layer times, the per-layer group maxima */
+    cost_count(c, (int64_t)n_mv * L * E + (commit ? 2 * (int64_t)n_mv * L : (int64_t)M * L) + 2 * (int64_t)L * (Q + 2));
     for (int32_t k = 0; k < n_mv; k++)
         for (int32_t l = 0; l < L; l++)
             rp_stats_seq_hist(c->stats, mv[k].seq, l, mv[k].hist + (size_t)l * E);
@@ -205,6 +210,7 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
     for (int32_t i = 0; i < 2; i++) {
         int32_t count = 0, longest = 0;
         const int32_t *list = rp_plan_microbatch(st->plan, cells[i][0], cells[i][1], &count);
+        cost_count(c, count + 1);
         for (int32_t k = 0; k < count; k++) {
             int64_t len = seq_len(c, list[k]);
             if (len > longest) longest = (int32_t)len;
@@ -292,6 +298,17 @@ double rp_cost_try_swap(rp_cost *c, int32_t a, int32_t b)
     return run_moves(c, mv, 2, false);
 }
 
+/* Moving a sequence in the plan shifts the two lists it leaves and joins. */
+static void count_list_shift(const rp_cost *c, const rp_plan *plan, const seq_move *mv, int32_t n_mv)
+{
+    for (int32_t k = 0; k < n_mv; k++) {
+        int32_t from = 0, to = 0;
+        rp_plan_microbatch(plan, mv[k].g_from, mv[k].m_from, &from);
+        rp_plan_microbatch(plan, mv[k].g_to, mv[k].m_to, &to);
+        cost_count(c, (int64_t)from + to + 2);
+    }
+}
+
 static rp_status check_bound(const rp_cost *c, const rp_plan *plan, rp_error *err)
 {
     if (!c) return rp_fail(err, RP_EINVAL, "cost: no evaluator");
@@ -310,6 +327,7 @@ rp_status rp_cost_apply_move(rp_cost *c, rp_plan *plan, int32_t seq, int32_t ran
     seq_move mv;
     bool noop;
     if ((st = check_move(c, seq, rank, mb, &mv, &noop, err)) != RP_OK || noop) return st;
+    count_list_shift(c, plan, &mv, 1);
     if ((st = rp_plan_move_sequence(plan, seq, rank, mb, err)) != RP_OK) return st;
     run_moves(c, &mv, 1, true);
     return RP_OK;
@@ -322,6 +340,7 @@ rp_status rp_cost_apply_swap(rp_cost *c, rp_plan *plan, int32_t a, int32_t b, rp
     seq_move mv[2];
     bool noop;
     if ((st = check_swap(c, a, b, mv, &noop, err)) != RP_OK || noop) return st;
+    count_list_shift(c, plan, mv, 2);
     if ((st = rp_plan_move_sequence(plan, a, mv[0].g_to, mv[0].m_to, err)) != RP_OK) return st;
     if ((st = rp_plan_move_sequence(plan, b, mv[1].g_to, mv[1].m_to, err)) != RP_OK) {
         rp_plan_move_sequence(plan, a, mv[0].g_from, mv[0].m_from, NULL); /* put it back */
@@ -376,6 +395,8 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
     memcpy(sc->row, st->phy2log + (size_t)layer * S, (size_t)S * sizeof(int32_t));
     sc->row[slot] = expert;
     cost_index_layer(E, S, st->slot_rank, sc->row, sc->rep_off, sc->rep_rank);
+    /* the row, its index, the layer times' copy, each microbatch's group maxima */
+    cost_count(c, 3 * (int64_t)S + 2 * (int64_t)E + (commit ? 0 : (int64_t)M * L) + (int64_t)M * (Q + 2));
     if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * sizeof(double));
     for (int32_t m = 0; m < M; m++) {
         const size_t ml = (size_t)m * L + layer;
@@ -407,6 +428,7 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
     double grad = cost_grad_total(c, st, layer, sc->grad_row);
     if (!commit) return cost_step_from(c, st, sc->layer_t, grad);
 
+    cost_count(c, 2 * (int64_t)S + E + G);
     memcpy(st->phy2log + (size_t)layer * S, sc->row, (size_t)S * sizeof(int32_t));
     memcpy(st->rep_off + (size_t)layer * (E + 1), sc->rep_off, (size_t)(E + 1) * sizeof(int32_t));
     memcpy(st->rep_rank + (size_t)layer * S, sc->rep_rank, (size_t)S * sizeof(int32_t));
@@ -436,6 +458,7 @@ rp_status rp_cost_apply_slot(rp_cost *c, rp_plan *plan, int32_t layer, int32_t s
     int32_t *row = c->sc.row;
     memcpy(row, c->st->phy2log + (size_t)layer * S, (size_t)S * sizeof(int32_t));
     row[slot] = expert;
+    cost_count(c, 2 * (int64_t)S + 2 * (int64_t)c->E); /* the plan's row and its replica index */
     if ((st = rp_plan_set_phy2log(plan, layer, row, err)) != RP_OK) return st;
     run_slot(c, layer, slot, expert, true);
     return RP_OK;

@@ -115,7 +115,15 @@ struct rp_cost {
 
     cost_state *st;            /* NULL until an evaluation succeeds */
     cost_scratch sc;
+    /* Elementary operations performed so far (loop iterations of the evaluation, full
+     * and incremental), counted where they happen: what callers charge (rp_cost_operations). */
+    int64_t ops;
 };
+
+/* Count `ops` elementary operations (loop iterations) on the evaluator. The counter is
+ * bookkeeping, not part of what the evaluator computes, so functions that take the
+ * evaluator const count too (it is never a const object: rp_cost_new allocates it). */
+static inline void cost_count(const rp_cost *c, int64_t ops) { ((rp_cost *)c)->ops += ops; }
 
 /* A destination map: dst[e] is the EP rank of expert e's only replica or ep when it is
  * split; ord[seg[d] .. seg[d + 1]) lists the experts of destination d. */

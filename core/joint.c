@@ -42,6 +42,9 @@ static rp_status check_params(const rp_joint_params *p, rp_error *err)
     if (!(p->horizon_steps > 0))
         return rp_fail(err, RP_EINVAL, "joint: horizon_steps = %g, must be > 0 (INFINITY: always re-place)",
                        p->horizon_steps);
+    if (p->refine_max_operations < 0)
+        return rp_fail(err, RP_EINVAL, "joint: refine_max_operations = %lld, must be >= 0 (0: no limit)",
+                       (long long)p->refine_max_operations);
     if (p->refine_evaluations < 0)
         return rp_fail(err, RP_EINVAL, "joint: refine_evaluations = %lld, must be >= 0",
                        (long long)p->refine_evaluations);
@@ -460,10 +463,13 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     if (par->refine_evaluations > 0) {
         rp_search_params sp = rp_search_defaults();
         sp.max_evaluations = par->refine_evaluations;
+        sp.max_operations = par->refine_max_operations;
         sp.seed = par->seed;
         rp_search_result sr;
         RP_CHECK_GOTO(rp_search_local(cost, plan, &sp, &sr, err), st, out);
         rep.refine_evaluations = sr.evaluations;
+        rep.refine_operations = sr.operations;
+        rep.refine_stopped = sr.stopped;
     }
 
     const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;

@@ -654,11 +654,6 @@ static int64_t seq_entries(const rp_model *md, const rp_batch *b)
     return per_seq < md->num_experts ? per_seq : md->num_experts;
 }
 
-static int64_t hist_entries(const rp_lua_host *h)
-{
-    return seq_entries(rp_config_model(h->cfg), h->frame && h->frame->batch ? h->frame->batch : NULL);
-}
-
 int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *b)
 {
     int64_t per_mb = (int64_t)rp_config_topology(cfg)->num_gpus * rp_config_limits(cfg)->max_tokens_per_microbatch;
@@ -700,6 +695,24 @@ static int64_t pay_evaluation(lua_State *L, rp_lua_host *h, rp_cost *cost, const
     return units;
 }
 
+/* After C work on `cost` that began when it had counted `before` operations and of which
+ * `precharged` units were paid up front: charge what was counted beyond that (raises the
+ * limit error when it passes the budget, so a call that ran over fails even though its
+ * work is done). */
+static void charge_counted(lua_State *L, const rp_cost *cost, int64_t before, int64_t precharged)
+{
+    int64_t counted = rp_cost_operations(cost) - before;
+    if (counted > precharged) rp_lua_charge(L, counted - precharged);
+}
+
+/* The operations budget to give C work that counts as it goes: what the call has left,
+ * plus what was paid up front for it. */
+static int64_t operations_budget(lua_State *L, int64_t precharged)
+{
+    int64_t left = rp_sandbox_work_left(L);
+    return left > INT64_MAX - precharged - 1 ? INT64_MAX : left + precharged + 1;
+}
+
 static void check_complete(lua_State *L, const rp_plan *p, const char *fname)
 {
     if (!rp_plan_has_packing(p) || !rp_plan_has_placement(p))
@@ -718,11 +731,13 @@ static int l_evaluate(lua_State *L)
     if (rp_plan_num_seqs(p) != rp_batch_num_seqs(f->batch))
         rp_lua_error(L, "rp.evaluate: the plan packs %d sequences, but the batch has %d", rp_plan_num_seqs(p),
                      rp_batch_num_seqs(f->batch));
-    pay_evaluation(L, h, f->cost, p, "rp.evaluate");
+    int64_t before = rp_cost_operations(f->cost);
+    int64_t paid = pay_evaluation(L, h, f->cost, p, "rp.evaluate");
     rp_cost_summary s;
     rp_error err;
     rp_status st = rp_cost_evaluate(f->cost, p, &s, &err);
     if (st != RP_OK) return rp_lua_fail(L, h, "rp.evaluate", st, &err);
+    charge_counted(L, f->cost, before, paid);
     push_summary(L, &s);
     return 1;
 }
@@ -887,14 +902,13 @@ static int l_local_search(lua_State *L)
     fp.count = 0;
     rp_plan_check(p, h->cfg, f->batch, note_problem, &fp);
     if (fp.count) rp_lua_error(L, "rp.local_search: the plan is not valid: %s", fp.text);
-    /* each candidate is an incremental evaluation touching one sequence's histograms
-     * (or one slot) over the layers */
-    const rp_model *md = rp_config_model(h->cfg);
-    int64_t per_try = (int64_t)md->num_layers * (hist_entries(h) + rp_plan_num_gpus(p) / 4 + 1);
-    int64_t iterations = sp.max_evaluations / sp.sample + 1;
-    pay_evaluation(L, h, f->cost, p, "rp.local_search");
-    rp_lua_charge(L, sp.max_evaluations * per_try +
-                         iterations * (int64_t)md->num_layers * rp_plan_num_microbatches(p));
+    /* The search's work is measured, not estimated: its first evaluation is paid up front
+     * (with its memory); every operation the evaluator counts after that is charged when
+     * the search returns, and the search stops once it has counted what the call has left
+     * (the charge then trips the limit: a search that ran over fails the call). */
+    int64_t before = rp_cost_operations(f->cost);
+    int64_t paid = pay_evaluation(L, h, f->cost, p, "rp.local_search");
+    sp.max_operations = operations_budget(L, paid);
     reclaim(L, h);
     rp_lua_plan_out *holder = rp_lua_push_plan(L);
     rp_error err;
@@ -904,6 +918,7 @@ static int l_local_search(lua_State *L)
     holder->has_packing = holder->has_placement = true;
     rp_search_result r;
     st = rp_search_local(f->cost, holder->plan, &sp, &r, &err);
+    charge_counted(L, f->cost, before, paid);
     if (st != RP_OK) return rp_lua_fail(L, h, "rp.local_search", st, &err);
     lua_createtable(L, 0, 8);
     set_num(L, "initial_s", r.initial_s);
@@ -913,6 +928,7 @@ static int l_local_search(lua_State *L)
     set_num(L, "moves", (double)r.moves);
     set_num(L, "swaps", (double)r.swaps);
     set_num(L, "slots", (double)r.slots);
+    set_num(L, "operations", (double)r.operations);
     return 2;
 }
 
@@ -994,18 +1010,25 @@ static int l_joint(lua_State *L)
     const rp_topology *t = rp_config_topology(h->cfg);
     int64_t n = rp_batch_num_seqs(f->batch), M = rp_lua_expected_microbatches(h->cfg, f->batch);
     int64_t eval = rp_lua_evaluation_units(h->cfg, f->batch);
-    int64_t per_try = (int64_t)md->num_layers * (hist_entries(h) + t->num_gpus / 4 + 1);
     int64_t placement = (int64_t)md->num_layers * (par.place_rounds + 2) * M * md->num_experts *
                         (t->num_gpus / t->ep_size);
-    rp_lua_charge(L, eval + placement + (num_fallbacks > 0 || par.refine_evaluations > 0 ? eval : 0) +
-                         (int64_t)num_fallbacks * (eval + 4 * sort_units(n)) + par.refine_evaluations * per_try +
+    /* the evaluations are paid up front at their estimate and the refinement not at all:
+     * both are measured by the evaluator, and what it counts beyond the estimate is
+     * charged after the call (the refinement stops once it has counted what the call has
+     * left, and the charge then trips the limit) */
+    int64_t evaluations = eval + (num_fallbacks > 0 || par.refine_evaluations > 0 ? eval : 0) +
+                          (int64_t)num_fallbacks * eval;
+    int64_t before = rp_cost_operations(f->cost);
+    rp_lua_charge(L, evaluations + placement + (int64_t)num_fallbacks * 4 * sort_units(n) +
                          par.balance_evaluations * md->num_layers * 8);
+    par.refine_max_operations = operations_budget(L, evaluations);
     reclaim(L, h);
     rp_lua_plan_out *holder = rp_lua_push_plan(L);
     rp_joint_report rep;
     rp_error err;
     rp_status st = rp_joint_plan(&h->plan_ctx, h->cfg, f->batch, f->stats, f->placement, f->cost, &par,
                                  &holder->plan, &rep, &err);
+    charge_counted(L, f->cost, before, evaluations);
     if (st != RP_OK) return rp_lua_fail(L, h, "rp.joint", st, &err);
     holder->has_packing = holder->has_placement = true;
     lua_createtable(L, 0, 10);
@@ -1019,6 +1042,7 @@ static int l_joint(lua_State *L)
     set_num(L, "migration_bytes", rep.migration_bytes);
     set_num(L, "num_microbatches", rep.num_microbatches);
     set_num(L, "layers_replaced", rep.layers_replaced);
+    set_num(L, "refine_operations", (double)rep.refine_operations);
     return 2;
 }
 

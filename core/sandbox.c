@@ -261,6 +261,14 @@ rp_status rp_sandbox_try_charge(lua_State *L, int64_t units)
     return spend(rp_sandbox_of(L), units) ? RP_OK : RP_ELIMIT;
 }
 
+int64_t rp_sandbox_work_left(lua_State *L)
+{
+    rp_sandbox *sb = rp_sandbox_of(L);
+    if (!sb->in_call) return INT64_MAX;
+    if (sb->tripped != TRIP_NONE || sb->work >= sb->limits.max_instructions) return 0;
+    return sb->limits.max_instructions - sb->work;
+}
+
 int rp_sandbox_raise(lua_State *L)
 {
     rp_sandbox *sb = rp_sandbox_of(L);

@@ -106,6 +106,10 @@ void rp_sandbox_charge(lua_State *L, int64_t units);
 /* The non-raising form: charge and return RP_ELIMIT when a limit has tripped; the
  * caller frees what it holds and then calls rp_sandbox_raise(L). */
 rp_status rp_sandbox_try_charge(lua_State *L, int64_t units);
+/* Work units the running call may still charge before the instruction limit trips
+ * (0 once it has; INT64_MAX outside a call): the budget a C function that counts its
+ * work as it goes gives itself, stopping when it is spent. */
+int64_t rp_sandbox_work_left(lua_State *L);
 /* Raise the error of the tripped limit (does not return). */
 int rp_sandbox_raise(lua_State *L);
 /* Call before a C function calls back into Lua: trips the depth limit when the C stack

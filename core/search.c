@@ -8,7 +8,7 @@
 rp_search_params rp_search_defaults(void)
 {
     return (rp_search_params){.max_evaluations = 20000, .sample = 8, .seed = 0,
-                              .moves = true, .swaps = true, .slots = true};
+                              .moves = true, .swaps = true, .slots = true, .max_operations = 0};
 }
 
 /* splitmix64: a seeded stream that is the same on every machine. */
@@ -157,12 +157,17 @@ rp_status rp_search_local(rp_cost *cost, rp_plan *plan, const rp_search_params *
         return rp_fail(err, RP_EINVAL, "search: max_evaluations = %lld, must be >= 0",
                        (long long)params->max_evaluations);
     if (params->sample < 1) return rp_fail(err, RP_EINVAL, "search: sample = %d, must be >= 1", params->sample);
+    if (params->max_operations < 0)
+        return rp_fail(err, RP_EINVAL, "search: max_operations = %lld, must be >= 0 (0: no limit)",
+                       (long long)params->max_operations);
     if (!rp_plan_has_packing(plan) || !rp_plan_has_placement(plan))
         return rp_fail(err, RP_EINVAL, "search: the plan needs both a packing and a placement");
 
     search_state s = {.cost = cost, .plan = plan, .rng = params->seed};
     rp_search_result r = {0};
+    const int64_t ops0 = rp_cost_operations(cost);
     rp_status st = rp_cost_evaluate(cost, plan, &s.sum, err);
+    r.operations = rp_cost_operations(cost) - ops0;
     if (st != RP_OK) return st;
     s.G = rp_plan_num_gpus(plan);
     s.M = rp_plan_num_microbatches(plan);
@@ -180,7 +185,10 @@ rp_status rp_search_local(rp_cost *cost, rp_plan *plan, const rp_search_params *
     if (params->swaps && s.n > 1) kinds[num_kinds++] = CAND_SWAP;
     if (params->slots && s.S > 0 && s.L > 0) kinds[num_kinds++] = CAND_SLOT;
 
-    while (num_kinds > 0 && r.evaluations < params->max_evaluations) {
+    /* the operations budget is checked after every candidate: one candidate's work is
+     * bounded (a few passes over one layer's groups, or one layer over the microbatches) */
+    const int64_t max_ops = params->max_operations > 0 ? params->max_operations : INT64_MAX;
+    while (num_kinds > 0 && r.evaluations < params->max_evaluations && !r.stopped) {
         r.iterations++;
         st = rp_cost_current_summary(cost, &s.sum, err);
         if (st != RP_OK) goto out;
@@ -188,6 +196,10 @@ rp_status rp_search_local(rp_cost *cost, rp_plan *plan, const rp_search_params *
         candidate best = {0};
         bool found = false;
         for (int32_t k = 0; k < params->sample && r.evaluations < params->max_evaluations; k++) {
+            if (rp_cost_operations(cost) - ops0 > max_ops) {
+                r.stopped = true;
+                break;
+            }
             candidate c;
             cand_kind kind = kinds[draw(&s.rng, num_kinds)];
             r.evaluations++;
@@ -206,6 +218,8 @@ rp_status rp_search_local(rp_cost *cost, rp_plan *plan, const rp_search_params *
     }
 out:
     r.final_s = rp_cost_current_s(cost);
+    r.operations = rp_cost_operations(cost) - ops0;
+    if (r.operations > max_ops) r.stopped = true;
     if (result) *result = r;
     return st;
 }

@@ -1015,6 +1015,86 @@ static void test_engine_work(void)
        (long long)(reversed_work - sorted_work));
 }
 
+/* ---- host primitives are charged what they count ---------------------------------------- */
+
+/* The work a step's policy was charged and the number its error message carried. */
+static int64_t charged_and_counted(const char *body, int64_t *counted)
+{
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.max_instructions = INT64_C(4000000000);
+    o.max_wall_s = 120;
+    rp_sched *s = make(body_policy(body), &o);
+    const rp_step_report *rep = step(s, 0, NULL);
+    int64_t work = -1;
+    *counted = -1;
+    if (rep && rep->fallback) {
+        const char *at = strstr(rep->fallback_reason, "counted=");
+        if (at) *counted = strtoll(at + 8, NULL, 10);
+        work = rep->policy_work;
+    } else {
+        diag("expected the probe to report by an error; %s", rep ? "it did not" : "the step failed");
+    }
+    rp_sched_free(s);
+    return work;
+}
+
+/* rp.local_search and rp.joint's refinement are charged the operations the evaluator
+ * counts while they run (units = counted operations, plus at most the evaluation paid
+ * up front), on a few shapes; the old per-candidate estimates were 10-40x below. */
+static void test_primitive_charges(void)
+{
+    int64_t dummy;
+    int64_t base = charged_and_counted("local b = rp.baseline('attn_kk+eplb') error('counted=0')", &dummy);
+    int64_t eval = rp_lua_evaluation_units(cfg, batches[0]);
+    static const struct {
+        int evaluations, sample;
+        bool slots;
+    } shapes[] = {{200, 8, true}, {2000, 8, true}, {2000, 1, true}, {4000, 4, false}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        char body[512];
+        snprintf(body, sizeof body,
+                 "local b = rp.baseline('attn_kk+eplb')\n"
+                 "local _, res = rp.local_search(b, {evaluations = %d, sample = %d, slots = %s})\n"
+                 "error('counted=' .. string.format('%%d', res.operations))",
+                 shapes[i].evaluations, shapes[i].sample, shapes[i].slots ? "true" : "false");
+        int64_t counted = 0, work = charged_and_counted(body, &counted);
+        int64_t charged = work - base;
+        ok(base > 0 && counted > 0 && charged >= counted && charged <= counted + eval + 2000,
+           "rp.local_search (%d candidates, samples of %d%s): charged %lld units for %lld counted operations",
+           shapes[i].evaluations, shapes[i].sample, shapes[i].slots ? "" : ", no slots", (long long)charged,
+           (long long)counted);
+    }
+    int64_t joint_base = charged_and_counted("local p, rep = rp.joint({fallbacks = {}}) error('counted=0')", &dummy);
+    for (int k = 1; k <= 2; k++) {
+        char body[512];
+        snprintf(body, sizeof body,
+                 "local p, rep = rp.joint({fallbacks = {}, refine_evaluations = %d})\n"
+                 "error('counted=' .. string.format('%%d', rep.refine_operations))",
+                 1000 * k);
+        int64_t counted = 0, work = charged_and_counted(body, &counted);
+        int64_t charged = work - joint_base;
+        ok(joint_base > 0 && counted > 0 && charged >= counted - eval && charged <= counted + eval + 2000,
+           "rp.joint's refinement (%d candidates): charged %lld more units for %lld counted operations", 1000 * k,
+           (long long)charged, (long long)counted);
+    }
+
+    /* a search longer than the budget stops where the budget runs out, and the call fails */
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.max_instructions = 3000000;
+    o.max_wall_s = 120;
+    rp_sched *s = make(body_policy("local b = rp.baseline('attn_kk+eplb')\n"
+                                   "return rp.local_search(b, {evaluations = 100000000})"),
+                       &o);
+    const rp_step_report *rep = step(s, 0, NULL);
+    ok(rep && rep->fallback && strstr(rep->fallback_reason, "exceeded the instruction limit (3000000)") &&
+           rep->policy_work < 3000000 + eval + 100000,
+       "a search over the budget stops just past it (%lld units) and the step falls back",
+       rep ? (long long)rep->policy_work : -1LL);
+    rp_sched_free(s);
+}
+
 int main(void)
 {
     rp_error err;
@@ -1042,6 +1122,7 @@ int main(void)
     test_history();
     test_instruction_budget();
     test_engine_work();
+    test_primitive_charges();
     test_errors();
     test_allocation_failures();
     for (int t = 0; t < STEPS; t++) {

@@ -203,10 +203,67 @@ static void test_search(void)
     fixture_free(&f);
 }
 
+/* The search's work is counted where it happens: its operations grow with the candidates
+ * it tries (each at least one layer's pass over the experts), the count is the same on
+ * every run, and an operations budget stops it right after the candidate that passes it. */
+static void test_operations(void)
+{
+    fixture f;
+    rp_error err;
+    if (!fixture_make(&f, 96, 3)) {
+        skip(1, "fixture");
+        return;
+    }
+    int64_t ops[3] = {0};
+    const int64_t evals[3] = {200, 800, 800};
+    bool counted = true;
+    for (int i = 0; i < 3; i++) {
+        rp_plan *p = start_plan(&f);
+        rp_cost *cost = NULL;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &cost, &err);
+        rp_search_params prm = rp_search_defaults();
+        prm.max_evaluations = evals[i];
+        prm.seed = 5;
+        rp_search_result r;
+        int64_t before = rp_cost_operations(cost);
+        counted &= rp_search_local(cost, p, &prm, &r, &err) == RP_OK && !r.stopped &&
+                   r.operations == rp_cost_operations(cost) - before && r.operations >= r.evaluations / 2 * 8;
+        ops[i] = r.operations;
+        rp_cost_free(cost);
+        rp_plan_free(p);
+    }
+    ok(counted, "the result's operations are the evaluator's count over the search");
+    ok(ops[1] > 3 * ops[0], "4x the candidates, more than 3x the operations (%lld, %lld)", (long long)ops[0],
+       (long long)ops[1]);
+    is_int(ops[2], ops[1], "the same search counts the same operations");
+
+    rp_plan *p = start_plan(&f);
+    rp_cost *cost = NULL;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &cost, &err);
+    rp_search_params prm = rp_search_defaults();
+    prm.max_evaluations = 800;
+    prm.seed = 5;
+    prm.max_operations = ops[1] / 4;
+    rp_search_result r;
+    is_int(rp_search_local(cost, p, &prm, &r, &err), RP_OK, "a search with an operations budget");
+    ok(r.stopped && r.evaluations < 800 && r.operations > prm.max_operations &&
+           r.operations < prm.max_operations + ops[1] / 50,
+       "stops just past it (%lld operations for a budget of %lld, %lld candidates)", (long long)r.operations,
+       (long long)prm.max_operations, (long long)r.evaluations);
+    ok(rp_plan_validate(p, f.cfg, f.batch, NULL) == RP_OK && fabs(full_eval(&f, p) - r.final_s) <= 1e-12 * r.final_s,
+       "and leaves a valid plan that scores as reported");
+    prm.max_operations = -1;
+    is_int(rp_search_local(cost, p, &prm, &r, &err), RP_EINVAL, "a negative budget is refused");
+    rp_cost_free(cost);
+    rp_plan_free(p);
+    fixture_free(&f);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_search();
+    test_operations();
     rp_context_free(ctx);
     return tap_done();
 }

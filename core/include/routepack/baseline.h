@@ -63,9 +63,15 @@ typedef struct rp_search_params {
      * expert in one slot of one layer, keeping every expert at least one replica and
      * no EP rank two replicas of one expert. */
     bool moves, swaps, slots;
+    /* A second budget, in the evaluator's operations (rp_cost_operations, counted from
+     * the search's first evaluation on): the search stops after the candidate that
+     * passes it. 0: none. Deterministic like the first (the count does not depend on
+     * the machine); the policy sandbox sets it to the work the call has left. */
+    int64_t max_operations;
 } rp_search_params;
 
-/* Defaults: 20000 evaluations, samples of 8, seed 0, all three neighbourhoods. */
+/* Defaults: 20000 evaluations, samples of 8, seed 0, all three neighbourhoods, no
+ * operations budget. */
 RP_API rp_search_params rp_search_defaults(void);
 
 typedef struct rp_search_result {
@@ -74,6 +80,8 @@ typedef struct rp_search_result {
     int64_t evaluations;     /* candidates drawn (<= max_evaluations) */
     int64_t iterations;
     int64_t moves, swaps, slots; /* changes applied */
+    int64_t operations;      /* the evaluator's operations the search performed, its first evaluation included */
+    bool stopped;            /* max_operations ended it before max_evaluations */
 } rp_search_result;
 
 /* Improve `plan` in place against `cost` (built for the same config and batch).

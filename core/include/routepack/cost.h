@@ -130,6 +130,11 @@ RP_API rp_side rp_cost_layer_straggler(const rp_cost *cost, int32_t mb, int32_t 
                                        int32_t *gpu);
 /* Bytes the evaluator holds (its state for the bound plan included). */
 RP_API size_t rp_cost_bytes(const rp_cost *cost);
+/* Elementary operations (loop iterations over experts, GPUs, slots, cells) the evaluator
+ * has performed since rp_cost_new: full evaluations, trials, applies and summaries, each
+ * counted where its loops run. The difference across a call is its measured work, which
+ * callers that account for work (the policy sandbox) charge. */
+RP_API int64_t rp_cost_operations(const rp_cost *cost);
 /* What rp_cost_evaluate(cost, plan) would take, from the plan's shape alone (nothing is
  * allocated; the work is O(extra replicas)): *bytes, the memory the evaluation
  * allocates (the evaluator holds it afterwards, and the previous plan's meanwhile),

@@ -48,6 +48,9 @@ typedef struct rp_joint_params {
     /* Exact refinement: rp_search_local on the joint plan with this many candidate
      * evaluations (rp_cost_try_* calls; work, never time). 0: none. >= 0. */
     int64_t refine_evaluations;
+    /* The refinement's operations budget (rp_search_params.max_operations): it stops
+     * once the evaluator has counted this many operations. 0: none. >= 0. */
+    int64_t refine_max_operations;
     uint64_t seed;
     /* Baselines (rp_baseline_names) built, evaluated and returned instead of the joint
      * plan when one of them scores better; NULL-terminated. NULL: the default list
@@ -88,6 +91,8 @@ typedef struct rp_joint_report {
     int32_t share_sets, extra_replicas;
     double surrogate_saving_s; /* predicted per-step saving of the re-placed layers */
     int64_t refine_evaluations;
+    int64_t refine_operations;  /* the evaluator's operations in the refinement (rp_search_result) */
+    bool refine_stopped;        /* refine_max_operations ended it early */
 } rp_joint_report;
 
 /* Plan one step jointly (docs/routepack-policy.md gives the algorithm).
