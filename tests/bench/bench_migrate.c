@@ -253,8 +253,8 @@ static void executor_figures(rp_context *ctx)
            s.moved_bytes / 1e6, s.bytes[RP_LINK_LOCAL] / 1e6, best * 1e3, total / best / 1e9);
     printf("    memcpy of the same bytes once, same threads: %.2f GB/s; executor / memcpy %.2f\n",
            total / base / 1e9, base / best);
-    printf("    (the executor copies each byte twice, into staging and then into the slot, and hashes it\n"
-           "     twice, at the source and at the destination)\n");
+    printf("    (the executor copies each byte into staging, swaps it with the slot's old bytes so that the\n"
+           "     commit can be undone, and hashes it three times: at the source, staged, and in the slot)\n");
     printf("    staging per rank: %.1f MB\n", staging / 1e6);
     for (int g = 0; g < G; g++) {
         rp_transport_free(w[g].t);

@@ -171,7 +171,8 @@ static void test_more_faults(rp_context *ctx, rp_transport *t)
         rp_status want;
         const char *text;
     } cases[] = {
-        {"corrupt header", {RP_FAULT_CORRUPT, 0, 0, true}, {0, 0, 0, false}, RP_ETRANSPORT, "is corrupt (header checksum"},
+        {"corrupt header", {RP_FAULT_CORRUPT, 0, 0, true}, {0, 0, 0, false}, RP_ETRANSPORT,
+         "is corrupt (header checksum"},
         {"short header", {RP_FAULT_SHORT, 0, 0, true}, {0, 0, 0, false}, RP_ETRANSPORT, "bytes arrived from rank"},
         {"short message", {RP_FAULT_SHORT, 0, 0, false}, {0, 0, 0, false}, RP_ETRANSPORT, "bytes arrived from rank"},
         {"late header", {RP_FAULT_LATE, 0, 1.0, true}, {0, 0, 0, false}, RP_ETIMEOUT, "before the deadline"},

@@ -1,0 +1,148 @@
+/* The commit of a migration round: staged experts swapped into their slots (further
+ * slots of one staged copy through undo memory), the slots checked against their source
+ * checksums, and the undo when any rank failed. */
+#include "migrate_internal.h"
+
+#include <inttypes.h>
+
+/* A write of the commit: the slot's tensors and where its staged copy lies. */
+static const rp_tensor *write_slot(exec *x, int64_t k, const rp_migration_write **wr, unsigned char **staged,
+                                   int32_t *count)
+{
+    *wr = &x->wr[x->w.writes[k]];
+    *staged = x->staging + x->w.stage_off[(*wr)->transfer];
+    return rp_registry_tensors(x->reg, (*wr)->layer, (*wr)->slot, count);
+}
+
+/* Write a round's staged experts into this rank's slots, so that it can be undone:
+ * each further write of a transfer first keeps the slot's old bytes in undo memory and
+ * copies the staged expert in; then the first write of each transfer swaps staging
+ * with its slot (staging then holds the old bytes). Then every written slot is
+ * checksummed against its source. Failures go into x->mine; parts_done says what to
+ * undo. */
+void migrate_commit_round(exec *x, int32_t round, double deadline)
+{
+    rank_work *w = &x->w;
+    rp_transport *t = x->t;
+    rp_error e;
+    rp_error_clear(&e);
+    sum_batch sums = {0};
+    const int64_t k0 = w->round_writes[round], k1 = w->round_writes[round + 1];
+    for (int64_t k = k0; k < k1; k++) w->parts_done[k] = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t k = k0; k < k1; k++) {
+            const rp_migration_write *wr;
+            unsigned char *staged;
+            int32_t count = 0;
+            const rp_tensor *ts = write_slot(x, k, &wr, &staged, &count);
+            bool swap = w->undo_off[k] < 0;
+            if (swap != (pass == 1)) continue;
+            if (rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_WRITE, NULL) == RP_FAULT_COMMIT_FAIL) {
+                note(&x->mine, RP_ETRANSPORT, round, wr->layer, x->tr[wr->transfer].expert, x->gpu, "layer %d slot "
+                     "%d: writing expert %d into it failed (injected fault)", wr->layer, wr->slot,
+                     x->tr[wr->transfer].expert);
+                return;
+            }
+            size_t off = 0;
+            for (int32_t j = 0; j < count; j++) {
+                rp_status st = RP_OK;
+                if (swap) {
+                    st = t->vt->swap(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
+                } else {
+                    unsigned char *keep = x->undo + w->undo_off[k] + off;
+                    st = t->vt->copy(t, keep, ts[j].data, ts[j].bytes, deadline, &e);
+                    if (st == RP_OK) st = t->vt->copy(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
+                }
+                if (st != RP_OK) {
+                    note(&x->mine, st, round, wr->layer, x->tr[wr->transfer].expert, x->gpu, "layer %d slot %d: "
+                         "writing expert %d into it failed: %s", wr->layer, wr->slot, x->tr[wr->transfer].expert,
+                         inner(&e));
+                    return;
+                }
+                w->parts_done[k] = j + 1;
+                off += ts[j].bytes;
+            }
+        }
+    /* The destination now holds what its source sent: checked in the slots themselves,
+     * so that staging changed after the check, or a write gone wrong, is caught. */
+    int64_t parts = 0;
+    for (int64_t k = k0; k < k1; k++) {
+        int32_t count = 0;
+        rp_registry_tensors(x->reg, x->wr[w->writes[k]].layer, x->wr[w->writes[k]].slot, &count);
+        parts += count;
+    }
+    if (!batch_alloc(x, &sums, k1 - k0, parts)) {
+        note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's commit checksum lists", round);
+        goto out;
+    }
+    for (int64_t k = k0; k < k1; k++) batch_add_slot(x, &sums, x->wr[w->writes[k]].layer, x->wr[w->writes[k]].slot);
+    if (batch_run(x, &sums, deadline, &e) != RP_OK) {
+        note(&x->mine, e.status, round, -1, -1, -1, "round %d: checksumming the %d written slots failed: %s", round,
+             sums.n, inner(&e));
+        goto out;
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        const rp_migration_write *wr = &x->wr[w->writes[k]];
+        const rp_migration_transfer *tr = &x->tr[wr->transfer];
+        uint64_t got = sums.sums[k - k0], want = w->want_sum[wr->transfer];
+        if (got != want) {
+            note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, tr->src_gpu, "layer %d slot %d: after the "
+                 "commit it does not hold expert %d (checksum 0x%016" PRIx64 " in the slot, 0x%016" PRIx64 " at the "
+                 "source): its staged copy changed after it was checked", wr->layer, wr->slot, tr->expert, got, want);
+            goto out;
+        }
+    }
+out:
+    batch_free(x, &sums);
+}
+
+/* Put back what commit_round wrote this round: swap the first writes back, copy the
+ * further ones from undo memory, in the reverse order. */
+rp_status migrate_undo_round(exec *x, int32_t round, double deadline, rp_error *err)
+{
+    rank_work *w = &x->w;
+    rp_transport *t = x->t;
+    for (int pass = 1; pass >= 0; pass--)
+        for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
+            const rp_migration_write *wr;
+            unsigned char *staged;
+            int32_t count = 0;
+            const rp_tensor *ts = write_slot(x, k, &wr, &staged, &count);
+            bool swap = w->undo_off[k] < 0;
+            if (swap != (pass == 1)) continue;
+            size_t off = 0;
+            for (int32_t j = 0; j < w->parts_done[k]; j++) {
+                rp_status st = swap ? t->vt->swap(t, ts[j].data, staged + off, ts[j].bytes, deadline, err)
+                                    : t->vt->copy(t, ts[j].data, x->undo + w->undo_off[k] + off, ts[j].bytes,
+                                                  deadline, err);
+                if (st != RP_OK) {
+                    rp_transport_break(t, "undoing a commit failed");
+                    return rp_fail(err, st, "restoring layer %d slot %d failed (%s): this layer's weights on rank %d "
+                                   "are inconsistent, end the job", wr->layer, wr->slot, inner(err), t->rank);
+                }
+                off += ts[j].bytes;
+            }
+            w->parts_done[k] = 0;
+        }
+    return RP_OK;
+}
+
+/* The round stays: its slots take their experts' identity; the result counts it. */
+void migrate_keep_round(exec *x, int32_t round, rp_migration_result *res)
+{
+    const rank_work *w = &x->w;
+    for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
+        const rp_migration_write *wr = &x->wr[w->writes[k]];
+        rp_slot_identity id = {wr->layer, x->tr[wr->transfer].expert, x->version};
+        rp_registry_set_identity(x->reg, wr->layer, wr->slot, &id, NULL);
+        res->slots_written++;
+    }
+    for (int64_t k = w->round_send[round]; k < w->round_send[round + 1]; k++)
+        res->bytes_sent += x->tr[w->send[k]].bytes;
+    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++)
+        res->bytes_received += x->tr[w->recv[k]].bytes;
+    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++)
+        res->bytes_local += x->tr[w->local[k]].bytes;
+    res->rounds_committed++;
+}
+
