@@ -632,6 +632,43 @@ static void test_identity_checks(rp_context *ctx)
     scene_free(&s);
 }
 
+/* Creating a hub and a transport fails cleanly at each allocation (the exchange room
+ * is taken there), and the rank can be attached afterwards. */
+static void test_transport_alloc(void)
+{
+    oom c;
+    atomic_init(&c.live, 0);
+    atomic_init(&c.calls, 0);
+    c.rank = -1; /* this thread */
+    rp_context *ctx;
+    rp_context_new(oom_alloc, &c, &ctx);
+    long base = atomic_load(&c.live);
+    int failures = 0, clean = 0;
+    for (long n = 1; n < 50; n++) {
+        atomic_store(&c.calls, 0);
+        c.fail_at = n;
+        rp_local_hub *hub = NULL;
+        rp_transport *t = NULL;
+        rp_error err;
+        rp_status st = rp_local_hub_new(ctx, NR, &hub, &err);
+        if (st == RP_OK) st = rp_transport_local_new(hub, 1, &t, &err);
+        c.fail_at = 0;
+        bool reattach = true;
+        if (st != RP_OK && hub) { /* the rank is free again */
+            reattach = rp_transport_local_new(hub, 1, &t, NULL) == RP_OK;
+        }
+        rp_transport_free(t);
+        rp_local_hub_free(hub);
+        if (st == RP_OK) break;
+        failures++;
+        if (st == RP_ENOMEM && reattach && atomic_load(&c.live) == base) clean++;
+        else diag("allocation %ld: %s", n, err.text);
+    }
+    ok(failures >= 4 && failures == clean, "creating a hub and transport: each of %d allocation failures is "
+       "RP_ENOMEM, leaks nothing and leaves the rank free", failures);
+    rp_context_free(ctx);
+}
+
 int main(void)
 {
     rp_context *ctx;
@@ -647,5 +684,6 @@ int main(void)
     test_commit_faults(ctx);
     rp_context_free(ctx);
     test_oom_one_rank();
+    test_transport_alloc();
     return tap_done();
 }
