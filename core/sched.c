@@ -773,12 +773,38 @@ out:
 
 typedef enum swap_decision { SWAP_NONE = 0, SWAP_DO, SWAP_REFUSE, SWAP_WAIT } swap_decision;
 
-/* Dry-run the staged set on the previous step's inputs (this step's when there is none). */
+/* A fresh copy of `from`: every policy loaded again from its own source text with its
+ * params, in a new sandbox, and its init run. A dry run that ran in the set it proves
+ * would leave its globals and upvalues behind in the policy that then takes over; a copy
+ * that is thrown away afterwards leaves nothing. */
+static rp_status set_reload(rp_sched *s, const policy_set *from, policy_set *out, rp_error *err)
+{
+    memset(out, 0, sizeof *out);
+    rp_status st = RP_OK;
+    for (int32_t i = 0; i < from->count; i++) {
+        const rp_policy *pol = from->pol[i];
+        rp_policy *copy = NULL;
+        st = rp_policy_load(s->ctx, s->cfg, pol->source, pol->source_len, pol->info.path[0] ? pol->info.path : NULL,
+                            &s->limits, pol->params_json, false, &copy, err);
+        if (st != RP_OK) break;
+        out->pol[out->count++] = copy;
+        st = init_policy(s, copy, i, err);
+        if (st != RP_OK) break;
+    }
+    if (st != RP_OK) set_free(out);
+    else set_describe(out);
+    return st;
+}
+
+/* Dry-run the staged set on the previous step's inputs (this step's when there is none),
+ * in a fresh copy of it that is thrown away afterwards. */
 static rp_status dry_run(rp_sched *s, step_inputs *now, bool *ok, char *reason, size_t reason_len, rp_error *err)
 {
     step_inputs in;
     memset(&in, 0, sizeof in);
     rp_cost *cost = NULL;
+    policy_set dry;
+    memset(&dry, 0, sizeof dry);
     rp_status st = RP_OK;
     in.s = s;
     in.placement = s->current;
@@ -796,23 +822,32 @@ static rp_status dry_run(rp_sched *s, step_inputs *now, bool *ok, char *reason, 
         in.cost = now->cost;
         in.history = now->history;
     }
-    run_result r;
-    run_set(s, &s->staged, &in, &r);
     /* any failure of the dry run, the engine's out-of-memory included, refuses the
      * staged policy (dropped, with the reason): were it an error of the step, a staged
      * policy that fails every time would fail every later step */
+    rp_error le;
+    if (set_reload(s, &s->staged, &dry, &le) != RP_OK) {
+        *ok = false;
+        textf(reason, reason_len, "the dry run of policy '%s' failed: it did not load again: %s", s->staged.name,
+              le.text);
+        goto out;
+    }
+    run_result r;
+    run_set(s, &dry, &in, &r);
     *ok = r.plan != NULL;
     if (!*ok) textf(reason, reason_len, "the dry run of policy '%s' failed: %s", s->staged.name, r.reason);
     rp_plan_free(r.plan);
 out:
+    set_free(&dry);
     inputs_release(&in);
     rp_cost_free(cost);
     return st;
 }
 
-/* Whether a staged policy takes over at this step. A due policy is dry-run and, when
- * that passes, given a fresh ctx.state and its init run again here, before the ranks
- * agree, so that once they agree to swap nothing local can stop one of them. `local` is
+/* Whether a staged policy takes over at this step. A due policy is dry-run (in a copy
+ * thrown away afterwards) and, when that passes, loaded afresh from its source with its
+ * init run, here, before the ranks agree, so that once they agree to swap nothing local
+ * can stop one of them, and the policy that runs carries nothing from the dry run. `local` is
  * the step's status so far: with several ranks a failed rank still takes part and the
  * step fails on every rank. */
 static rp_status decide_swap(rp_sched *s, step_inputs *in, rp_status local, swap_decision *decision, char *reason,
@@ -825,12 +860,15 @@ static rp_status decide_swap(rp_sched *s, step_inputs *in, rp_status local, swap
     if (due) {
         local = dry_run(s, in, &ok, reason, reason_len, err);
         if (local == RP_OK && ok) {
+            policy_set fresh;
             rp_error ie;
-            for (int32_t i = 0; i < s->staged.count && ok; i++)
-                if (init_policy(s, s->staged.pol[i], i, &ie) != RP_OK) {
-                    ok = false;
-                    textf(reason, reason_len, "policy '%s': %s", s->staged.name, ie.text);
-                }
+            if (set_reload(s, &s->staged, &fresh, &ie) != RP_OK) {
+                ok = false;
+                textf(reason, reason_len, "policy '%s': %s", s->staged.name, ie.text);
+            } else {
+                set_free(&s->staged); /* staged_at stays */
+                s->staged = fresh;
+            }
         }
     }
     if (!multi_rank(s)) {

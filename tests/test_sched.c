@@ -1095,6 +1095,48 @@ static void test_primitive_charges(void)
     rp_sched_free(s);
 }
 
+/* The dry run happens in a copy of the staged policy that is thrown away: neither its
+ * upvalues nor its globals reach the policy that then takes over, which is loaded afresh. */
+static void test_swap_fresh_state(void)
+{
+    static const struct {
+        const char *what, *source;
+    } sticky[] = {
+        {"an upvalue",
+         "local calls = 0\n"
+         "return {name = 'sticky', version = '1.0.0', api = 1, description = 'counts calls in an upvalue',\n"
+         "plan = function(ctx) calls = calls + 1\n"
+         "  if calls > 1 then error('the dry run left calls = ' .. calls) end end}"},
+        {"a global",
+         "return {name = 'sticky', version = '1.0.0', api = 1, description = 'counts calls in a global',\n"
+         "plan = function(ctx) calls = (calls or 0) + 1\n"
+         "  if calls > 1 then error('the dry run left calls = ' .. calls) end end}"},
+        {"init's upvalue",
+         "local inits = 0\n"
+         "return {name = 'sticky', version = '1.0.0', api = 1, description = 'counts inits',\n"
+         "init = function(ctx) inits = inits + 1 end,\n"
+         "plan = function(ctx) if inits ~= 1 then error('init ran ' .. inits .. ' times in this state') end end}"},
+    };
+    for (size_t i = 0; i < sizeof sticky / sizeof sticky[0]; i++) {
+        rp_error err;
+        rp_sched *s = make("token_kk", NULL);
+        step(s, 0, NULL);
+        ok(rp_sched_stage_policy(s, "sticky.lua", sticky[i].source, -1, &err) == RP_OK, "stage a policy with %s",
+           sticky[i].what);
+        const rp_step_report *rep = step(s, 1, NULL);
+        ok(rep && rep->swapped && !rep->fallback && strcmp(rep->policy_name, "sticky") == 0,
+           "it swaps in and its first real call sees no trace of the dry run (%s)", sticky[i].what);
+        if (rep && rep->fallback) diag("%s", rep->fallback_reason);
+        rep = step(s, 2, NULL);
+        if (i < 2)
+            ok(rep && rep->fallback && strstr(rep->fallback_reason, "the dry run left calls = 2"),
+               "while its own state carries over between its calls as before (%s)", sticky[i].what);
+        else
+            ok(rep && !rep->fallback, "init ran once in the state that runs (%s)", sticky[i].what);
+        rp_sched_free(s);
+    }
+}
+
 int main(void)
 {
     rp_error err;
@@ -1114,6 +1156,7 @@ int main(void)
     test_stale_view();
     test_determinism();
     test_swap();
+    test_swap_fresh_state();
     test_views();
     test_plan_userdata();
     test_rp_api();
