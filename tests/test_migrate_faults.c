@@ -281,9 +281,9 @@ static void test_stalls(rp_context *ctx)
         scene_free(&s);
         return;
     }
-    fault_all(&s, w_sender(s.mp, 2), (rp_fault){RP_FAULT_STALL, 0, 0.45, false});
+    fault_all(&s, w_sender(s.mp, 2), (rp_fault){RP_FAULT_STALL, 0, 0.75, false});
     rank_run runs[NR];
-    scene_runs(&s, runs, 0.3);
+    scene_runs(&s, runs, 0.5);
     run_all(runs, NR);
     check_outcome("rank 2 stalls mid-round", &s, runs, RP_ETIMEOUT, 0, true, true);
     check_retry("rank 2 stalls mid-round", &s);
