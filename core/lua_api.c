@@ -1118,6 +1118,36 @@ typedef struct api_job {
     lua_CFunction engine;
 } api_job;
 
+static const luaL_Reg api_funcs[] = {
+    {"argsort", l_argsort},
+    {"topk", l_topk},
+    {"lpt", l_lpt},
+    {"kk", l_kk},
+    {"partition2", l_partition2},
+    {"replicas", l_replicas},
+    {"place", l_place},
+    {"plan", l_plan},
+    {"baseline", l_baseline},
+    {"evaluate", l_evaluate},
+    {"validate", l_validate},
+    {"migration", l_migration},
+    {"local_search", l_local_search},
+    {"joint", l_joint},
+    {"log", l_log},
+    {NULL, NULL},
+};
+
+/* Every rp.* function runs through this: the primitive (upvalue: its index in
+ * api_funcs), then the clock. A primitive charges its work before it runs, but its
+ * wall time is known only after: one that ran past the wall-time limit fails the call
+ * at once, even when the policy would return right after it. */
+static int api_call(lua_State *L)
+{
+    int results = api_funcs[lua_tointeger(L, lua_upvalueindex(1))].func(L);
+    rp_sandbox_check_clock(L);
+    return results;
+}
+
 static int build_api(lua_State *L)
 {
     api_job *job = lua_touserdata(L, 1);
@@ -1130,29 +1160,12 @@ static int build_api(lua_State *L)
     rp_lua_register_views(L, h);
     rp_lua_register_plan(L, h);
 
-    static const luaL_Reg funcs[] = {
-        {"argsort", l_argsort},
-        {"topk", l_topk},
-        {"lpt", l_lpt},
-        {"kk", l_kk},
-        {"partition2", l_partition2},
-        {"replicas", l_replicas},
-        {"place", l_place},
-        {"plan", l_plan},
-        {"baseline", l_baseline},
-        {"evaluate", l_evaluate},
-        {"validate", l_validate},
-        {"migration", l_migration},
-        {"local_search", l_local_search},
-        {"joint", l_joint},
-        {"log", l_log},
-        {NULL, NULL},
-    };
     rp_sandbox_push_env(h->sb);
     lua_getfield(L, -1, "rp");
-    for (const luaL_Reg *r = funcs; r->name; r++) {
-        lua_pushcfunction(L, r->func);
-        lua_setfield(L, -2, r->name);
+    for (int i = 0; api_funcs[i].name; i++) {
+        lua_pushinteger(L, i);
+        lua_pushcclosure(L, api_call, 1);
+        lua_setfield(L, -2, api_funcs[i].name);
     }
     lua_pushinteger(L, RP_POLICY_API);
     lua_setfield(L, -2, "api");

@@ -2,6 +2,7 @@
  * whitelisted environment, and per-call limits enforced by a count hook (docs/sandbox.md;
  * what a policy sees: docs/policies.md, "The sandbox"). */
 #include "sandbox.h"
+#include "sandbox_big.h"
 
 #include <lauxlib.h>
 #include <luajit.h>
@@ -19,6 +20,7 @@ typedef enum trip_kind {
     TRIP_WALL,
     TRIP_MEMORY,
     TRIP_DEPTH,
+    TRIP_OBJECT,
     TRIP_KINDS
 } trip_kind;
 
@@ -30,6 +32,10 @@ enum { REF_ENV, REF_MSGH, REF_GC, REF_ERROR_TEXT, REF_MSG_FIRST, REF_COUNT = REF
 #define CLOCK_EVERY_UNITS 65536
 /* Covers every allocation lua_newstate makes (52 allocations, 12 KB in LuaJIT 2.1). */
 #define BOOT_ARENA_BYTES ((size_t)32 << 10)
+/* Bytes of a string the library wrappers charge one unit for when they scan or compare
+ * it (measured: comparing two long strings runs at ~0.7 GB/s, coercing one to a number
+ * at ~0.25 GB/s, against ~200 M VM instructions a second). */
+#define SCAN_BYTES_PER_UNIT 4
 /* Chunk name of the sandbox's own Lua wrappers; their frames are left out of traces. */
 #define PRELUDE_NAME "=(sandbox)"
 
@@ -37,6 +43,9 @@ struct rp_sandbox {
     rp_context *ctx;
     lua_State *L;
     rp_sandbox_limits limits;
+    size_t object_cap; /* the largest block allowed while armed */
+    double (*clock_s)(void *ud); /* NULL: CLOCK_MONOTONIC */
+    void *clock_ud;
     int refs[REF_COUNT];
     uint64_t prng[4];
 
@@ -48,6 +57,8 @@ struct rp_sandbox {
     bool mem_refused;
     bool alloc_failed; /* the context's allocator failed (the process is out of memory) */
     size_t gc_next; /* live bytes at which the hook runs an emergency collection */
+    rp_big_blocks big; /* which big blocks are strings: the hook period follows them */
+    size_t alloc_rest; /* allocated bytes not yet charged (less than a unit) */
     /* LuaJIT 2.1's lua_newstate crashes when one of its first allocations fails (its
      * cleanup walks a string table not yet allocated). While it runs, a failed
      * allocation is served from this arena instead, and the finished state is then
@@ -60,6 +71,8 @@ struct rp_sandbox {
     bool in_call;
     int64_t work;
     int64_t work_at_clock;
+    int64_t work_at_depth;
+    int hook_period; /* instructions between two hooks now */
     double deadline;
     trip_kind tripped;
     bool rearmed; /* hook set to fire at every instruction */
@@ -71,9 +84,12 @@ struct rp_sandbox {
 
 /* The sandbox's Lua-side wrappers. They are Lua so that the library functions they
  * forward to are called (tail calls) from Lua: no C recursion, instructions are counted
- * and error messages name the function the policy called. */
+ * and error messages name the function the policy called. `charge` pre-charges a
+ * library function's work by the size of its arguments (see charge_args): LuaJIT's own
+ * functions scan or copy whole strings in one call, where no hook fires. */
 static const char prelude_source[] =
-    "local real_xpcall, handler_for, real_format, format_args, real_sort, sort_check = ...\n"
+    "local real_xpcall, handler_for, real_format, format_args, real_sort, sort_check, check_clock,\n"
+    "      charge, real_tonumber, real_sub, real_upper, real_lower, real_reverse, real_rep, real_concat = ...\n"
     "local function xpcall(f, msgh, ...)\n"
     "  return real_xpcall(f, handler_for(msgh), ...)\n"
     "end\n"
@@ -82,9 +98,17 @@ static const char prelude_source[] =
     "end\n"
     "local function sort(t, comp)\n"
     "  sort_check(t, comp)\n"
-    "  return real_sort(t, comp)\n"
+    "  real_sort(t, comp)\n"
+    "  return check_clock()\n"
     "end\n"
-    "return xpcall, format, sort\n";
+    "local function tonumber(...) charge(0, ...) return real_tonumber(...) end\n"
+    "local function sub(...) charge(1, ...) return real_sub(...) end\n"
+    "local function upper(...) charge(0, ...) return real_upper(...) end\n"
+    "local function lower(...) charge(0, ...) return real_lower(...) end\n"
+    "local function reverse(...) charge(0, ...) return real_reverse(...) end\n"
+    "local function rep(...) charge(2, ...) return real_rep(...) end\n"
+    "local function concat(...) charge(3, ...) return real_concat(...) end\n"
+    "return xpcall, format, sort, tonumber, sub, upper, lower, reverse, rep, concat\n";
 
 /* ---- time, budget, trips ------------------------------------------------------------ */
 
@@ -93,6 +117,11 @@ static double monotonic_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static double now_s(const rp_sandbox *sb)
+{
+    return sb->clock_s ? sb->clock_s(sb->clock_ud) : monotonic_s();
 }
 
 rp_sandbox *rp_sandbox_of(lua_State *L)
@@ -127,6 +156,10 @@ static void limit_message(const rp_sandbox_limits *lim, trip_kind kind, char *bu
         break;
     case TRIP_DEPTH:
         snprintf(buf, n, "policy exceeded the call depth limit of %d", (int)lim->max_depth);
+        break;
+    case TRIP_OBJECT:
+        format_bytes(lim->max_object_bytes, size, sizeof size);
+        snprintf(buf, n, "policy exceeded the object size limit of %s", size);
         break;
     default: snprintf(buf, n, "no limit tripped"); break;
     }
@@ -191,6 +224,42 @@ static void trip(rp_sandbox *sb, trip_kind kind)
     if (sb->tripped == TRIP_NONE) sb->tripped = kind;
 }
 
+/* A limit tripped where no error can be raised (in the allocator): make the hook fire
+ * at the next instruction, where it raises. */
+static void trip_soon(rp_sandbox *sb, trip_kind kind)
+{
+    trip(sb, kind);
+    if (sb->in_call && !sb->rearmed && sb->L) {
+        sb->rearmed = true;
+        lua_sethook(sb->L, sandbox_hook, LUA_MASKCOUNT, 1);
+    }
+}
+
+/* The hook period for the longest live string: the instructions between two hooks touch
+ * at most about RP_SANDBOX_TOUCH_BYTES of it (a comparison or a number coercion of a
+ * long string is one instruction with work proportional to its length). Blocks not yet
+ * classified count as strings until the next hook reads their headers. */
+static int period_for(rp_sandbox *sb)
+{
+    if (sb->big.num_pending > 0) return 1;
+    int k = rp_big_largest(&sb->big);
+    if (k < 0) return RP_SANDBOX_HOOK_PERIOD;
+    int shift = RP_BIG_SHIFT + k + 1; /* the class's blocks are below 2^shift bytes */
+    size_t period = shift >= 63 ? 1 : RP_SANDBOX_TOUCH_BYTES >> shift;
+    return period < 1 ? 1 : period > RP_SANDBOX_HOOK_PERIOD ? RP_SANDBOX_HOOK_PERIOD : (int)period;
+}
+
+/* Shorten (from the allocator, at once) or restore (from the hook) the hook period. The
+ * instructions since the last hook are unknown when it is shortened mid-way: the
+ * interval is charged as if complete (the count errs high, never low). */
+static void set_period(rp_sandbox *sb, int period, bool mid_interval)
+{
+    if (!sb->in_call || sb->rearmed || period == sb->hook_period) return;
+    if (mid_interval) sb->work = sb->work > INT64_MAX - sb->hook_period ? INT64_MAX : sb->work + sb->hook_period;
+    sb->hook_period = period;
+    lua_sethook(sb->L, sandbox_hook, LUA_MASKCOUNT, period);
+}
+
 static int gc_collect(lua_State *L)
 {
     lua_gc(L, LUA_GCCOLLECT, 0);
@@ -218,13 +287,17 @@ static void sandbox_hook(lua_State *L, lua_Debug *ar)
     (void)ar;
     if (sb->tripped == TRIP_NONE) {
         lua_Debug deep;
-        sb->work += RP_SANDBOX_HOOK_PERIOD;
+        sb->work += sb->hook_period;
+        bool depth_due = sb->work - sb->work_at_depth >= RP_SANDBOX_HOOK_PERIOD;
         if (sb->work > sb->limits.max_instructions) trip(sb, TRIP_INSTRUCTIONS);
-        else if (monotonic_s() > sb->deadline) trip(sb, TRIP_WALL);
-        else if (lua_getstack(L, sb->limits.max_depth, &deep)) trip(sb, TRIP_DEPTH);
+        else if (now_s(sb) > sb->deadline) trip(sb, TRIP_WALL);
+        else if (depth_due && lua_getstack(L, sb->limits.max_depth, &deep)) trip(sb, TRIP_DEPTH);
         else {
+            if (depth_due) sb->work_at_depth = sb->work;
             sb->work_at_clock = sb->work;
             if (sb->mem_live >= sb->gc_next) collect(sb, L);
+            rp_big_classify(&sb->big);
+            set_period(sb, period_for(sb), false); /* longer again once big strings have died */
             return;
         }
     }
@@ -242,7 +315,7 @@ static bool spend(rp_sandbox *sb, int64_t units)
     }
     if (sb->work - sb->work_at_clock >= CLOCK_EVERY_UNITS) {
         sb->work_at_clock = sb->work;
-        if (monotonic_s() > sb->deadline) {
+        if (now_s(sb) > sb->deadline) {
             trip(sb, TRIP_WALL);
             return false;
         }
@@ -267,6 +340,14 @@ int64_t rp_sandbox_work_left(lua_State *L)
     if (!sb->in_call) return INT64_MAX;
     if (sb->tripped != TRIP_NONE || sb->work >= sb->limits.max_instructions) return 0;
     return sb->limits.max_instructions - sb->work;
+}
+
+void rp_sandbox_check_clock(lua_State *L)
+{
+    rp_sandbox *sb = rp_sandbox_of(L);
+    if (!sb->in_call) return;
+    if (sb->tripped == TRIP_NONE && now_s(sb) > sb->deadline) trip(sb, TRIP_WALL);
+    if (sb->tripped != TRIP_NONE) raise_trip(sb, L);
 }
 
 int rp_sandbox_raise(lua_State *L)
@@ -305,8 +386,23 @@ static void *boot_arena_take(rp_sandbox *sb, size_t size)
     return sb->boot_arena + at;
 }
 
-/* Counts live bytes and refuses growth past the cap; frees and shrinks always pass.
- * A refusal is remembered, so a policy that catches "not enough memory" still fails. */
+
+/* Allocation is work: copying and initialising the bytes (a string rebuilt by each
+ * concatenation costs its length). Charged here without raising; a trip is raised by
+ * the hook at the next instruction. */
+static void charge_bytes(rp_sandbox *sb, size_t bytes)
+{
+    sb->alloc_rest += bytes;
+    int64_t units = (int64_t)(sb->alloc_rest / RP_SANDBOX_BYTES_PER_UNIT);
+    sb->alloc_rest %= RP_SANDBOX_BYTES_PER_UNIT;
+    sb->work = units > INT64_MAX - sb->work ? INT64_MAX : sb->work + units;
+    if (sb->work > sb->limits.max_instructions) trip_soon(sb, TRIP_INSTRUCTIONS);
+}
+
+/* Counts live bytes and refuses growth past the cap and blocks past the object cap;
+ * frees and shrinks always pass. A refusal is remembered, so a policy that catches
+ * "not enough memory" still fails. During a call, allocated bytes are charged as work
+ * and a new big block shortens the hook period at once. */
 static void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
 {
     rp_sandbox *sb = ud;
@@ -317,6 +413,7 @@ static void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size
         if (ptr) {
             if (!boot_block) ctx->alloc(ctx->alloc_ud, ptr, old_size, 0);
             sb->mem_live -= old_size;
+            if (old_size >> RP_BIG_SHIFT) rp_big_removed(&sb->big, ptr, old_size);
         }
         return NULL;
     }
@@ -324,7 +421,12 @@ static void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size
         size_t cap = sb->limits.max_memory_bytes, growth = new_size - old_size;
         if (sb->mem_live > cap || growth > cap - sb->mem_live) {
             sb->mem_refused = true;
-            trip(sb, TRIP_MEMORY);
+            trip_soon(sb, TRIP_MEMORY);
+            return NULL;
+        }
+        if (new_size > sb->object_cap) {
+            sb->mem_refused = true;
+            trip_soon(sb, TRIP_OBJECT);
             return NULL;
         }
     }
@@ -337,8 +439,19 @@ static void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size
             if (!boot_block) ctx->alloc(ctx->alloc_ud, ptr, old_size, 0);
         }
     }
-    if (p) sb->mem_live = sb->mem_live - old_size + new_size;
-    else sb->alloc_failed = true;
+    if (!p) {
+        sb->alloc_failed = true;
+        return NULL;
+    }
+    sb->mem_live = sb->mem_live - old_size + new_size;
+    if (ptr && old_size >> RP_BIG_SHIFT) rp_big_removed(&sb->big, ptr, old_size);
+    if (new_size >> RP_BIG_SHIFT) {
+        rp_big_added(&sb->big, p, new_size);
+        /* hook at the next instruction, which reads the header: a long string must
+         * not live through a whole period of 1000 instructions */
+        if (sb->in_call && sb->hook_period > 1) set_period(sb, 1, true);
+    }
+    if (sb->in_call && new_size > old_size) charge_bytes(sb, new_size - old_size);
     return p;
 }
 
@@ -746,15 +859,105 @@ static int wrapper_argerror(lua_State *L, int arg, const char *fname, const char
 }
 
 /* Checks for the prelude's sort before LuaJIT's (C) sort runs: argument types, the C
- * stack (a comparator may sort again) and the n*log2(n) charge for the C work. */
+ * stack (a comparator may sort again) and the charge for the C work: n*log2(n)
+ * comparisons, each costing the longest string's length when the default order
+ * compares strings. A C function as comparator is refused: its comparisons would run
+ * entirely in C (string.find on long strings ran minutes on 2000 elements). */
 static int sb_sort_check(lua_State *L)
 {
     if (lua_type(L, 1) != LUA_TTABLE) return wrapper_argerror(L, 1, "sort", "table");
     if (!lua_isnoneornil(L, 2) && lua_type(L, 2) != LUA_TFUNCTION)
         return wrapper_argerror(L, 2, "sort", "function");
+    if (lua_iscfunction(L, 2))
+        return error_at_caller(L, "bad argument #2 to 'sort' (a C function as comparator is not available to "
+                                  "policies: its comparisons run where no limit is checked; pass a Lua function)");
     rp_sandbox_check_c_stack(L);
     int64_t n = (int64_t)lua_objlen(L, 1);
-    rp_sandbox_charge(L, n + sort_cost(n));
+    rp_sandbox_charge(L, n);
+    size_t longest = 0;
+    if (lua_isnoneornil(L, 2))
+        for (int64_t i = 1; i <= n; i++) {
+            lua_rawgeti(L, 1, (int)i);
+            if (lua_type(L, -1) == LUA_TSTRING && lua_objlen(L, -1) > longest) longest = lua_objlen(L, -1);
+            lua_pop(L, 1);
+        }
+    int64_t per_comparison = 1 + (int64_t)(longest / SCAN_BYTES_PER_UNIT);
+    int64_t comparisons = sort_cost(n);
+    rp_sandbox_charge(L, comparisons > INT64_MAX / per_comparison ? INT64_MAX : comparisons * per_comparison);
+    return 0;
+}
+
+static int sb_check_clock(lua_State *L)
+{
+    rp_sandbox_check_clock(L);
+    return 0;
+}
+
+/* A string argument's length; a number's longest text (never converted in place:
+ * lua_objlen would turn the argument itself into a string). */
+static size_t arg_len(lua_State *L, int idx)
+{
+    int t = lua_type(L, idx);
+    return t == LUA_TSTRING ? lua_objlen(L, idx) : t == LUA_TNUMBER ? 24 : 0;
+}
+
+/* LuaJIT's string.sub index rule: negative counts from the end, clamped to 1..len. */
+static int64_t sub_position(lua_State *L, int idx, int64_t len, int64_t dflt)
+{
+    if (lua_type(L, idx) != LUA_TNUMBER) return dflt;
+    double v = lua_tonumber(L, idx);
+    if (!(v == v)) return dflt;
+    if (v < 0) v = (double)len + v + 1;
+    return v < 0 ? 0 : v > (double)len + 1 ? len + 1 : (int64_t)v;
+}
+
+/* The prelude's pre-charge: charge(kind, args of the library function). kind 0: one
+ * pass over the first string (tonumber, upper, lower, reverse); 1: string.sub's result;
+ * 2: string.rep's result (up to the object cap: anything longer is refused before it is
+ * built); 3: table.concat's elements and their bytes. Bad arguments are left to the
+ * library function's own error. */
+static int sb_charge_args(lua_State *L)
+{
+    rp_sandbox *sb = rp_sandbox_of(L);
+    int kind = (int)lua_tointeger(L, 1);
+    double bytes = 0;
+    int64_t elements = 0;
+    switch (kind) {
+    case 0: bytes = (double)arg_len(L, 2); break;
+    case 1: {
+        int64_t len = (int64_t)arg_len(L, 2);
+        int64_t i = sub_position(L, 3, len, 1), j = sub_position(L, 4, len, len);
+        if (i < 1) i = 1;
+        if (j > len) j = len;
+        bytes = j >= i ? (double)(j - i + 1) : 0;
+        break;
+    }
+    case 2: {
+        double n = lua_type(L, 3) == LUA_TNUMBER ? lua_tonumber(L, 3) : 0;
+        if (n >= 1) bytes = (double)arg_len(L, 2) * n + (double)arg_len(L, 4) * (n - 1);
+        if (!(bytes <= (double)sb->object_cap)) bytes = (double)sb->object_cap;
+        break;
+    }
+    default: {
+        if (lua_type(L, 2) != LUA_TTABLE) break;
+        int64_t len = (int64_t)lua_objlen(L, 2);
+        double i = lua_type(L, 4) == LUA_TNUMBER ? lua_tonumber(L, 4) : 1;
+        double j = lua_type(L, 5) == LUA_TNUMBER ? lua_tonumber(L, 5) : (double)len;
+        if (i < 1) i = 1;
+        if (j > (double)len + 1) j = (double)len + 1; /* concat stops at the first missing value */
+        if (!(j >= i)) break;
+        elements = (int64_t)(j - i) + 1;
+        rp_sandbox_charge(L, elements);
+        size_t sep = arg_len(L, 3);
+        for (int64_t k = (int64_t)i; k <= (int64_t)j && k <= len; k++) {
+            lua_rawgeti(L, 2, (int)k);
+            bytes += (double)(arg_len(L, -1) + sep);
+            lua_pop(L, 1);
+        }
+        break;
+    }
+    }
+    rp_sandbox_charge(L, 1 + (int64_t)(bytes / SCAN_BYTES_PER_UNIT));
     return 0;
 }
 
@@ -797,6 +1000,9 @@ static int sb_format_args(lua_State *L)
     size_t len;
     if (lua_type(L, 1) != LUA_TSTRING) return top; /* string.format reports it */
     const char *p = lua_tolstring(L, 1, &len), *end = p + len;
+    double bytes = (double)len; /* the output copies the format and the strings */
+    for (int i = 2; i <= top; i++) bytes += (double)arg_len(L, i);
+    rp_sandbox_charge(L, 1 + (int64_t)(bytes / SCAN_BYTES_PER_UNIT));
     while (p < end) {
         if (*p++ != '%') continue;
         if (p < end && *p == '%') {
@@ -826,16 +1032,17 @@ static int sb_format_args(lua_State *L)
 
 /* ---- building the sandbox ----------------------------------------------------------- */
 
+/* LuaJIT's own functions given as they are; tonumber, string.sub/upper/lower/reverse/rep
+ * and table.concat are the prelude's charged wrappers around LuaJIT's. */
 static const char *const base_names[] = {
-    "assert", "error",  "ipairs", "pcall",  "select",   "tonumber",     "type",
+    "assert", "error",  "ipairs", "pcall",  "select",   "type",
     "unpack", "rawequal", "rawget", "rawset", "rawlen", "setmetatable", NULL};
 static const char *const math_names[] = {
     "abs", "acos", "asin", "atan", "atan2", "ceil", "cos", "cosh", "deg", "exp",
     "floor", "fmod", "frexp", "huge", "ldexp", "log", "log10", "max", "min", "modf",
     "pi", "pow", "rad", "sin", "sinh", "sqrt", "tan", "tanh", NULL};
-static const char *const string_names[] = {"byte", "char", "len", "lower", "rep",
-                                           "reverse", "sub", "upper", NULL};
-static const char *const table_names[] = {"concat", "maxn", "remove", NULL};
+static const char *const string_names[] = {"byte", "char", "len", NULL};
+static const char *const table_names[] = {"maxn", "remove", NULL};
 
 /* Copy the whitelisted fields that exist from table `from` into table `to`. */
 static void copy_fields(lua_State *L, int from, int to, const char *const *names)
@@ -876,6 +1083,16 @@ static int build_sandbox(lua_State *L)
         lua_call(L, 1, 0);
     }
     lua_settop(L, 0);
+    /* Learn whether big strings can be told by LuaJIT's header (sandbox_big.c): build
+     * one of known length and look at the block the allocator handed out for it. */
+    static const char probe_bytes[20000];
+    rp_big_classify(&sb->big);
+    lua_pushlstring(L, probe_bytes, sizeof probe_bytes);
+    for (int i = 0; i < sb->big.num_pending; i++)
+        if (rp_big_is_string(sb->big.pending[i], sb->big.pending_size[i]))
+            sb->big.headers_known = true;
+    rp_big_classify(&sb->big);
+    lua_pop(L, 1);
     lua_newtable(L); /* 1: env */
     copy_fields(L, LUA_GLOBALSINDEX, 1, base_names);
     set_function(L, 1, "pairs", sb_pairs);
@@ -902,7 +1119,8 @@ static int build_sandbox(lua_State *L)
     copy_fields(L, 4, 5, string_names);
     rp_sandbox_open_string(L, 5);
 
-    /* The prelude's wrappers: xpcall, string.format, table.sort. */
+    /* The prelude's wrappers: xpcall, string.format, table.sort, and the pre-charged
+     * tonumber, string.sub/upper/lower/reverse/rep and table.concat. */
     if (luaL_loadbuffer(L, prelude_source, sizeof prelude_source - 1, PRELUDE_NAME) != 0)
         return lua_error(L);
     lua_newtable(L);
@@ -913,7 +1131,23 @@ static int build_sandbox(lua_State *L)
     lua_pushcfunction(L, sb_format_args);
     lua_getfield(L, 2, "sort");
     lua_pushcfunction(L, sb_sort_check);
-    lua_call(L, 6, 3);
+    lua_pushcfunction(L, sb_check_clock);
+    lua_pushcfunction(L, sb_charge_args);
+    lua_getglobal(L, "tonumber");
+    lua_getfield(L, 4, "sub");
+    lua_getfield(L, 4, "upper");
+    lua_getfield(L, 4, "lower");
+    lua_getfield(L, 4, "reverse");
+    lua_getfield(L, 4, "rep");
+    lua_getfield(L, 2, "concat");
+    lua_call(L, 15, 10);
+    lua_setfield(L, 3, "concat");
+    lua_setfield(L, 5, "rep");
+    lua_setfield(L, 5, "reverse");
+    lua_setfield(L, 5, "lower");
+    lua_setfield(L, 5, "upper");
+    lua_setfield(L, 5, "sub");
+    lua_setfield(L, 1, "tonumber");
     lua_setfield(L, 3, "sort");
     lua_setfield(L, 5, "format");
     lua_setfield(L, 1, "xpcall");
@@ -959,7 +1193,7 @@ static int build_sandbox(lua_State *L)
 rp_sandbox_limits rp_sandbox_limits_default(void)
 {
     rp_sandbox_limits lim = {RP_SANDBOX_DEFAULT_INSTRUCTIONS, RP_SANDBOX_DEFAULT_WALL_S,
-                             RP_SANDBOX_DEFAULT_MEMORY, RP_SANDBOX_DEFAULT_DEPTH};
+                             RP_SANDBOX_DEFAULT_MEMORY, RP_SANDBOX_DEFAULT_DEPTH, RP_SANDBOX_DEFAULT_OBJECT};
     return lim;
 }
 
@@ -978,6 +1212,9 @@ static rp_status check_limits(const rp_sandbox_limits *lim, rp_error *err)
     if (lim->max_depth < 1 || lim->max_depth > RP_SANDBOX_MAX_DEPTH)
         return rp_fail(err, RP_EINVAL, "sandbox: max_depth is %d; it must be within 1..%d",
                        (int)lim->max_depth, RP_SANDBOX_MAX_DEPTH);
+    if (lim->max_object_bytes != 0 && lim->max_object_bytes < RP_SANDBOX_MIN_OBJECT)
+        return rp_fail(err, RP_EINVAL, "sandbox: max_object_bytes is %zu; it must be 0 (the default) or at least %zu",
+                       lim->max_object_bytes, RP_SANDBOX_MIN_OBJECT);
     return RP_OK;
 }
 
@@ -990,7 +1227,12 @@ rp_status rp_sandbox_new(rp_context *ctx, const rp_sandbox_limits *limits, rp_sa
     rp_sandbox *sb = rp_calloc(ctx, 1, sizeof *sb);
     if (!sb) return rp_fail_nomem(err, "a sandbox");
     sb->ctx = ctx;
+    sb->big.ctx = ctx;
+    if (lim.max_object_bytes == 0) lim.max_object_bytes = RP_SANDBOX_DEFAULT_OBJECT;
+    if (lim.max_object_bytes > lim.max_memory_bytes) lim.max_object_bytes = lim.max_memory_bytes;
     sb->limits = lim;
+    sb->object_cap = lim.max_object_bytes;
+    sb->hook_period = RP_SANDBOX_HOOK_PERIOD;
     sb->gc_next = lim.max_memory_bytes / 2;
     sb->trace_line = -1;
     for (int i = 0; i < REF_COUNT; i++) sb->refs[i] = LUA_NOREF;
@@ -1014,6 +1256,7 @@ rp_status rp_sandbox_new(rp_context *ctx, const rp_sandbox_limits *limits, rp_sa
                  ? rp_fail(err, RP_ELIMIT, "sandbox: a fresh Lua state does not fit in max_memory_bytes %zu",
                            lim.max_memory_bytes)
                  : rp_fail_nomem(err, "a Lua state");
+        rp_big_release(&sb->big);
         rp_free(ctx, sb);
         return st;
     }
@@ -1033,6 +1276,7 @@ rp_status rp_sandbox_new(rp_context *ctx, const rp_sandbox_limits *limits, rp_sa
         else
             st = rp_fail(err, RP_EPOLICY, "sandbox: building the environment failed: %s", msg ? msg : "?");
         lua_close(L);
+        rp_big_release(&sb->big);
         rp_free(ctx, sb);
         return st;
     }
@@ -1045,6 +1289,7 @@ void rp_sandbox_free(rp_sandbox *sb)
 {
     if (!sb) return;
     lua_close(sb->L);
+    rp_big_release(&sb->big);
     rp_free(sb->ctx, sb);
 }
 
@@ -1062,6 +1307,12 @@ size_t rp_sandbox_memory_bytes(const rp_sandbox *sb) { return sb->mem_live; }
 int64_t rp_sandbox_work(const rp_sandbox *sb) { return sb->work; }
 
 const rp_sandbox_limits *rp_sandbox_limits_of(const rp_sandbox *sb) { return &sb->limits; }
+
+void rp_sandbox_set_clock(rp_sandbox *sb, double (*clock_s)(void *ud), void *ud)
+{
+    sb->clock_s = clock_s;
+    sb->clock_ud = ud;
+}
 
 void rp_sandbox_set_max_instructions(rp_sandbox *sb, int64_t max_instructions)
 {
@@ -1093,18 +1344,24 @@ static void jit_off(lua_State *L)
 static void arm(rp_sandbox *sb, uintptr_t stack_base)
 {
     jit_off(sb->L);
-    sb->work = sb->work_at_clock = 0;
+    sb->work = sb->work_at_clock = sb->work_at_depth = 0;
+    sb->alloc_rest = 0;
     sb->tripped = TRIP_NONE;
     sb->rearmed = false;
     sb->mem_refused = false;
     sb->alloc_failed = false;
     sb->where[0] = sb->trace[0] = '\0';
     sb->trace_line = -1;
-    sb->deadline = monotonic_s() + sb->limits.max_wall_s;
+    sb->deadline = now_s(sb) + sb->limits.max_wall_s;
     sb->c_stack_base = stack_base;
     sb->mem_armed = true;
     sb->in_call = true;
-    lua_sethook(sb->L, sandbox_hook, LUA_MASKCOUNT, RP_SANDBOX_HOOK_PERIOD);
+    /* big strings may live from earlier calls (a long string kept in ctx.state); dead
+     * ones are collected first, so that they do not slow this call down */
+    rp_big_classify(&sb->big);
+    if (rp_big_largest(&sb->big) >= 0) collect(sb, sb->L);
+    sb->hook_period = period_for(sb);
+    lua_sethook(sb->L, sandbox_hook, LUA_MASKCOUNT, sb->hook_period);
 }
 
 static void disarm(rp_sandbox *sb)
@@ -1202,6 +1459,13 @@ static rp_status protected_call(rp_sandbox *sb, int func, int nargs, int nresult
     lua_insert(L, func);
     arm(sb, (uintptr_t)__builtin_frame_address(0));
     int status = lua_pcall(L, nargs, nresults, func);
+    /* the clock after the call: C work at its end (a host primitive, a library function)
+     * may have run past the limit with no hook after it; such a call fails even though
+     * it returned */
+    if (status == 0 && sb->tripped == TRIP_NONE && now_s(sb) > sb->deadline) {
+        trip(sb, TRIP_WALL);
+        snprintf(sb->where, sizeof sb->where, "the end of the call");
+    }
     rp_status st = RP_OK;
     if (status != 0 || sb->tripped != TRIP_NONE) st = describe_failure(sb, status, err);
     disarm(sb);

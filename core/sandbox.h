@@ -24,6 +24,13 @@ typedef struct rp_sandbox_limits {
     /* Lua call depth (stack levels, as lua_getstack counts them), 1 ..
      * RP_SANDBOX_MAX_DEPTH. */
     int32_t max_depth;
+    /* The largest single block the state may allocate during a call: the longest string
+     * a policy can build (and the largest array or hash part of one table). One VM
+     * instruction can do work proportional to a string's length (a comparison, a
+     * coercion to a number) with no hook in between, so this bounds what one instruction
+     * costs. 0 means RP_SANDBOX_DEFAULT_OBJECT; else at least RP_SANDBOX_MIN_OBJECT.
+     * Never more than max_memory_bytes in effect. */
+    size_t max_object_bytes;
 } rp_sandbox_limits;
 
 #define RP_SANDBOX_DEFAULT_INSTRUCTIONS INT64_C(200000000)
@@ -32,8 +39,19 @@ typedef struct rp_sandbox_limits {
 #define RP_SANDBOX_DEFAULT_DEPTH 200
 #define RP_SANDBOX_MIN_MEMORY ((size_t)1 << 20)
 #define RP_SANDBOX_MAX_DEPTH 10000
-/* The count hook runs every this many VM instructions. */
+#define RP_SANDBOX_DEFAULT_OBJECT ((size_t)8 << 20)
+#define RP_SANDBOX_MIN_OBJECT ((size_t)64 << 10)
+/* The count hook runs every this many VM instructions, fewer while big objects live
+ * (RP_SANDBOX_TOUCH_BYTES). */
 #define RP_SANDBOX_HOOK_PERIOD 1000
+/* While blocks of 16 KiB or more are live, the hook period shrinks so that the
+ * instructions between two hooks touch at most about this many bytes of strings:
+ * period = min(1000, RP_SANDBOX_TOUCH_BYTES / the largest live block's size class),
+ * at least 1. */
+#define RP_SANDBOX_TOUCH_BYTES ((size_t)8 << 20)
+/* Allocated bytes are work: one unit per this many bytes a call allocates (about the
+ * cost of one VM instruction in copying and initialising them). */
+#define RP_SANDBOX_BYTES_PER_UNIT 16
 /* C stack a call may use below rp_sandbox_call's frame for C functions that call back
  * into Lua (gsub with a function, sort with a comparator, __tostring, ...). Deeper
  * nesting trips the depth limit, so the calling thread needs this much spare stack. */
@@ -76,6 +94,10 @@ int64_t rp_sandbox_work(const rp_sandbox *sb);
 const rp_sandbox_limits *rp_sandbox_limits_of(const rp_sandbox *sb);
 /* The instruction limit of later calls (>= 1; the engine sizes it to the step). */
 void rp_sandbox_set_max_instructions(rp_sandbox *sb, int64_t max_instructions);
+/* The clock the wall-time limit reads, in seconds (monotonic, any origin); NULL restores
+ * CLOCK_MONOTONIC. For tests of the wall-time limit: an injected clock makes them
+ * independent of the machine's speed. Takes effect at the next call. */
+void rp_sandbox_set_clock(rp_sandbox *sb, double (*clock_s)(void *ud), void *ud);
 
 /* Compile `source` (text only: precompiled bytecode is refused) as a chunk named
  * `chunkname` ("policy.lua"; NULL means "policy"), give it the policy environment, run
@@ -112,6 +134,10 @@ rp_status rp_sandbox_try_charge(lua_State *L, int64_t units);
 int64_t rp_sandbox_work_left(lua_State *L);
 /* Raise the error of the tripped limit (does not return). */
 int rp_sandbox_raise(lua_State *L);
+/* Read the clock now and raise the wall-time limit's error if the call's time is up
+ * (or any limit has tripped). Call it after C work that may have run long (a host
+ * primitive, a library function), so that such a call fails even when it returned. */
+void rp_sandbox_check_clock(lua_State *L);
 /* Call before a C function calls back into Lua: trips the depth limit when the C stack
  * below rp_sandbox_call exceeds RP_SANDBOX_C_STACK_BYTES. */
 void rp_sandbox_check_c_stack(lua_State *L);

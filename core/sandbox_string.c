@@ -345,7 +345,9 @@ static int str_find_aux(lua_State *L, int find)
     const char *p = luaL_checklstring(L, 2, &lp);
     ptrdiff_t st = start_index(luaL_optnumber(L, 3, 1), ls);
     if (find && (lua_toboolean(L, 4) || !has_pattern(p, lp))) {
-        /* glibc's memmem is the two-way algorithm: linear, not O(n*m) */
+        /* glibc's memmem is the two-way algorithm: linear, not O(n*m); charged by the
+         * bytes it may scan, since it runs in one call */
+        rp_sandbox_charge(L, 1 + (int64_t)((ls - (size_t)st + lp) / 4));
         const char *q = memmem(s + st, ls - (size_t)st, p, lp);
         if (q) {
             lua_pushinteger(L, q - s + 1);
@@ -418,6 +420,7 @@ static void add_s(match_state *ms, luaL_Buffer *b, const char *s, const char *e)
 {
     size_t l;
     const char *news = lua_tolstring(ms->L, 3, &l);
+    ms->steps += (int64_t)(l / 16); /* copying the replacement */
     for (size_t i = 0; i < l; i++) {
         if (news[i] != L_ESC) {
             luaL_addchar(b, news[i]);

@@ -85,14 +85,14 @@ static void test_limits(void)
         rp_sandbox_limits lim;
         const char *message;
     } bad[] = {
-        {{0, 5, 1 << 26, 200}, "max_instructions is 0; it must be at least 1"},
-        {{-5, 5, 1 << 26, 200}, "max_instructions is -5"},
-        {{1000, 0, 1 << 26, 200}, "max_wall_s is 0; it must be a positive finite"},
-        {{1000, NAN, 1 << 26, 200}, "max_wall_s is nan"},
-        {{1000, INFINITY, 1 << 26, 200}, "max_wall_s is inf"},
-        {{1000, 1, 4096, 200}, "max_memory_bytes is 4096; it must be at least 1048576"},
-        {{1000, 1, 1 << 26, 0}, "max_depth is 0; it must be within 1..10000"},
-        {{1000, 1, 1 << 26, 10001}, "max_depth is 10001"},
+        {{0, 5, 1 << 26, 200, 0}, "max_instructions is 0; it must be at least 1"},
+        {{-5, 5, 1 << 26, 200, 0}, "max_instructions is -5"},
+        {{1000, 0, 1 << 26, 200, 0}, "max_wall_s is 0; it must be a positive finite"},
+        {{1000, NAN, 1 << 26, 200, 0}, "max_wall_s is nan"},
+        {{1000, INFINITY, 1 << 26, 200, 0}, "max_wall_s is inf"},
+        {{1000, 1, 4096, 200, 0}, "max_memory_bytes is 4096; it must be at least 1048576"},
+        {{1000, 1, 1 << 26, 0, 0}, "max_depth is 0; it must be within 1..10000"},
+        {{1000, 1, 1 << 26, 10001, 0}, "max_depth is 10001"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         rp_sandbox *sb = (rp_sandbox *)&bad; /* must stay untouched */
@@ -111,7 +111,7 @@ static void test_limits(void)
     rp_sandbox_free(sb);
     rp_sandbox_free(NULL);
 
-    rp_sandbox_limits small = {1000, 60, RP_SANDBOX_MIN_MEMORY, 200};
+    rp_sandbox_limits small = {1000, 60, RP_SANDBOX_MIN_MEMORY, 200, 0};
     is_int(rp_sandbox_new(ctx, &small, &sb, &err), RP_OK, "a sandbox with the minimum memory cap works");
     is_str(eval(sb, "return 6 * 7"), "42", "and runs a policy");
     rp_sandbox_free(sb);
@@ -774,6 +774,153 @@ static void test_primitives(void)
     rp_sandbox_free(sb);
 }
 
+/* ---- work inside one call of a library function or one VM instruction ---------------- */
+
+/* The injected clock: time stands still until a policy calls rp.expire(), or a test
+ * primitive "runs long" with rp.slow(). */
+static double fake_now;
+static double fake_clock(void *ud)
+{
+    (void)ud;
+    return fake_now;
+}
+
+static int prim_expire(lua_State *L)
+{
+    (void)L;
+    fake_now += 1000;
+    return 0;
+}
+
+static long ticks;
+static int prim_tick(lua_State *L)
+{
+    (void)L;
+    ticks++;
+    return 0;
+}
+
+/* A host primitive whose C work ran past the wall-time limit, then checks the clock. */
+static int prim_slow(lua_State *L)
+{
+    fake_now += 1000;
+    rp_sandbox_check_clock(L);
+    lua_pushliteral(L, "returned");
+    return 1;
+}
+
+static int install_clock_rp(lua_State *L)
+{
+    rp_sandbox *sb = lua_touserdata(L, 1);
+    rp_sandbox_push_env(sb);
+    lua_newtable(L);
+    lua_pushcfunction(L, prim_expire);
+    lua_setfield(L, -2, "expire");
+    lua_pushcfunction(L, prim_tick);
+    lua_setfield(L, -2, "tick");
+    lua_pushcfunction(L, prim_slow);
+    lua_setfield(L, -2, "slow");
+    lua_pushcfunction(L, prim_work);
+    lua_setfield(L, -2, "work");
+    lua_setfield(L, -2, "rp");
+    return 0;
+}
+
+static void test_work_in_one_call(void)
+{
+    /* library functions pre-charge by argument size (LuaJIT's run in one call, where no
+     * hook fires): each of these ran for seconds uncharged */
+    rp_sandbox *sb = new_sandbox(5000000, 0, 64 << 20, 0);
+    hostile(sb, "sort of long strings by the default order",
+            "local s = string.rep('x', 2^18) local t = {} for i = 1, 128 do t[i] = s .. i end table.sort(t)",
+            "ELIMIT: policy exceeded the instruction limit (5000000)");
+    is_str(eval(sb, "local t = {'b', 'a', 'c'} table.sort(t) return table.concat(t)"), "abc",
+           "sorting short strings is cheap");
+    hostile(sb, "a C function as sort comparator", "table.sort({'a', 'b', 'c'}, string.find)",
+            "EPOLICY: policy.lua:1: bad argument #2 to 'sort' (a C function as comparator is not available to policies");
+    hostile(sb, "tonumber of a long string in a loop",
+            "local s = ' 1' .. string.rep(' ', 2^20) for i = 1, 1000 do tonumber(s) end",
+            "ELIMIT: policy exceeded the instruction limit (5000000)");
+    hostile(sb, "plain find over a long string in a loop",
+            "local s = string.rep('x', 2^20) for i = 1, 1000 do string.find(s, 'y', 1, true) end",
+            "ELIMIT: policy exceeded the instruction limit (5000000)");
+    hostile(sb, "re-making an existing long string with sub (no allocation)",
+            "local s = string.rep('x', 2^20) for i = 1, 1000 do local t = s:sub(1, -1) end",
+            "ELIMIT: policy exceeded the instruction limit (5000000)");
+    hostile(sb, "upper of a long string in a loop",
+            "local s = string.rep('X', 2^20) for i = 1, 1000 do local t = s:upper() end",
+            "ELIMIT: policy exceeded the instruction limit (5000000)");
+    hostile(sb, "table.concat of many long strings",
+            "local s = string.rep('x', 2^16) local t = {} for i = 1, 100 do t[i] = s end "
+            "for i = 1, 100 do table.concat(t) end",
+            "ELIMIT: policy exceeded the instruction limit (5000000)");
+    hostile(sb, "re-concatenation: allocated bytes are work",
+            "local s = string.rep('x', 2^20) for i = 1, 1000 do local t = s .. i end",
+            "ELIMIT: policy exceeded the instruction limit (5000000)");
+    is_str(eval(sb, "return ('abc'):sub(2) .. tonumber('12') .. ('x'):rep(3, ',') .. table.concat({1, 2}, '-')"),
+           "bc12x,x,x1-2", "the charged functions still work");
+    rp_sandbox_free(sb);
+
+    /* allocated bytes are counted as work */
+    sb = new_sandbox(0, 0, 64 << 20, 0);
+    lua_State *L = rp_sandbox_state(sb);
+    lua_cpcall(L, install_clock_rp, sb);
+    is_str(eval(sb, "local t = {} for i = 1, 8 do t[i] = {} for j = 1, 2^16 do t[i][j] = j end end return 1"), "1",
+           "a policy allocates 8 tables of 64 K entries");
+    ok(rp_sandbox_work(sb) > 8 * 65536 + 8 * 65536 * 8 / RP_SANDBOX_BYTES_PER_UNIT,
+       "its work counts the instructions and the bytes allocated (%lld)", (long long)rp_sandbox_work(sb));
+    rp_sandbox_free(sb);
+
+    /* the object cap: the longest string a policy can build */
+    sb = new_sandbox(0, 0, 64 << 20, 0);
+    hostile(sb, "a string past the object cap", "return #string.rep('x', 2^23 + 1)",
+            "ELIMIT: policy exceeded the object size limit of 8 MiB");
+    hostile(sb, "concatenation past the object cap", "local s = string.rep('x', 2^22) return #(s .. s .. s)",
+            "ELIMIT: policy exceeded the object size limit of 8 MiB");
+    hostile(sb, "caught and ignored, it still fails",
+            "pcall(string.rep, 'x', 2^23 + 1) return 'survived'", "ELIMIT: policy exceeded the object size limit");
+    is_str(eval(sb, "return #string.rep('x', 2^23 - 64)"), "8388544", "a string just under the cap is fine");
+    rp_sandbox_free(sb);
+    rp_sandbox_limits lim = rp_sandbox_limits_default();
+    lim.max_object_bytes = 1000;
+    rp_sandbox *bad = NULL;
+    rp_error err;
+    ok(rp_sandbox_new(ctx, &lim, &bad, &err) == RP_EINVAL && strstr(err.text, "max_object_bytes is 1000"),
+       "an object cap below 64 KiB is refused");
+
+    /* the injected clock: time is checked after the call and after host primitives */
+    sb = new_sandbox(0, 10, 64 << 20, 0);
+    L = rp_sandbox_state(sb);
+    lua_cpcall(L, install_clock_rp, sb);
+    rp_sandbox_set_clock(sb, fake_clock, NULL);
+    fake_now = 0;
+    like(eval(sb, "rp.expire() return 'a plan'"), "ELIMIT: policy exceeded the wall-time limit of 10 s, at the end of the call",
+         "a call whose time ran out fails even though it returned");
+    like(eval(sb, "local ok = pcall(rp.slow) return 'a plan'"), "ELIMIT: policy exceeded the wall-time limit of 10 s",
+         "a host primitive that ran long fails the call at once, also inside pcall");
+    like(eval(sb, "local t = {} for i = 1, 100 do t[i] = -i end rp.expire() table.sort(t) return 'sorted'"),
+         "ELIMIT: policy exceeded the wall-time limit", "the clock is read after table.sort");
+    is_str(eval(sb, "return 'in time'"), "in time", "a call within its time passes");
+
+    /* Long strings shorten the hook period, so the instructions after the deadline
+     * touch a bounded number of bytes: with two 4 MiB strings alive the loop of
+     * comparisons stops within a few instructions of the clock passing the deadline
+     * (with the period of 1000 it ran ~200 more 4 MiB comparisons). */
+    ticks = 0;
+    like(eval(sb, "local a = string.rep('x', 2^22) .. 'a' local b = string.rep('x', 2^22) .. 'b'\n"
+                  "rp.expire() for i = 1, 1e6 do if a < b then rp.tick() end end"),
+         "ELIMIT: policy exceeded the wall-time limit", "comparisons of long strings stop at the deadline");
+    ok(ticks <= 4, "within a few comparisons of it (%ld)", ticks);
+    ticks = 0;
+    like(eval(sb, "local t = {} for i = 1, 2^18 do t[i] = i end\n"
+                  "rp.expire() for i = 1, 1e6 do rp.tick() end"),
+         "ELIMIT: policy exceeded the wall-time limit", "a loop next to a big table stops at the deadline");
+    ok(ticks > 100, "a big table does not shorten the period (%ld iterations ran: only strings do)", ticks);
+    rp_sandbox_set_clock(sb, NULL, NULL);
+    is_str(eval(sb, "return 'real clock'"), "real clock", "the real clock is back");
+    rp_sandbox_free(sb);
+}
+
 /* ---- determinism -------------------------------------------------------------------- */
 
 static void test_random(void)
@@ -1158,7 +1305,7 @@ typedef struct worker {
 static void *worker_main(void *arg)
 {
     worker *w = arg;
-    rp_sandbox_limits lim = {20000000, 60, 16 << 20, 200};
+    rp_sandbox_limits lim = {20000000, 60, 16 << 20, 200, 0};
     rp_sandbox *sb;
     rp_error err;
     if (rp_sandbox_new(ctx, &lim, &sb, &err) != RP_OK) return NULL;
@@ -1289,7 +1436,7 @@ static void test_memory_accounting(void)
     long base = c.live;
     rp_sandbox *sb;
     rp_error err;
-    rp_sandbox_limits lim = {50000000, 60, 8 << 20, 200};
+    rp_sandbox_limits lim = {50000000, 60, 8 << 20, 200, 0};
     is_int(rp_sandbox_new(cctx, &lim, &sb, &err), RP_OK, "a sandbox on a counting allocator");
     ok(rp_sandbox_memory_bytes(sb) > 0 && (long)rp_sandbox_memory_bytes(sb) < c.live - base,
        "the state's memory is counted through the context (%zu bytes)", rp_sandbox_memory_bytes(sb));
@@ -1323,6 +1470,7 @@ int main(void)
     test_hostile();
     test_errors();
     test_primitives();
+    test_work_in_one_call();
     test_random();
     test_iteration_order();
     test_string_functions();

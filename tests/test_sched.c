@@ -252,7 +252,7 @@ static void test_hostile(void)
     hostile("numeric for", "for i = 1, 1e12 do end", "exceeded the instruction limit");
     hostile("loop in pcall", "pcall(function() while true do end end) return nil", "exceeded the instruction limit");
     hostile("allocation bomb", "local t = {} for i = 1, 1e9 do t[i] = {i, i, i, i} end", "exceeded the memory limit of 32 MiB");
-    hostile("string bomb", "local s = 'x' while true do s = s .. s end", "exceeded the memory limit");
+    hostile("string bomb", "local s = 'x' while true do s = s .. s end", "exceeded the object size limit of 8 MiB");
     hostile("plan copies", "local keep = {} local p = ctx.plan for i = 1, 1e6 do keep[i] = p:copy() end",
             "exceeded the memory limit");
     hostile("string past LuaJIT's largest", "return #string.rep('xx', 2^30)",
@@ -625,8 +625,8 @@ static void test_rp_api(void)
 
 /* ---- out of memory inside a policy call ------------------------------------------------- */
 
-/* The context's allocator refuses every block of 8 MiB or more: a policy asking for a
- * 16 MiB string (well under its 256 MiB cap) finds the process out of memory. */
+/* The context's allocator refuses every block of 4 MiB or more: a policy asking for a
+ * 5 MiB string (well under its 256 MiB and 8 MiB caps) finds the process out of memory. */
 static void *small_blocks_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
 {
     (void)ud;
@@ -635,7 +635,7 @@ static void *small_blocks_alloc(void *ud, void *ptr, size_t old_size, size_t new
         free(ptr);
         return NULL;
     }
-    if (new_size >= (size_t)8 << 20) return NULL;
+    if (new_size >= (size_t)4 << 20) return NULL;
     return realloc(ptr, new_size);
 }
 
@@ -645,7 +645,7 @@ static void test_policy_out_of_memory(void)
     rp_context_new(small_blocks_alloc, NULL, &small);
     rp_sched_options o;
     rp_sched_options_default(&o);
-    o.policy = body_policy("if ctx.step == 0 then return nil end\nlocal s = string.rep('x', 2^24) return nil");
+    o.policy = body_policy("if ctx.step == 0 then return nil end\nlocal s = string.rep('x', 5 * 2^20) return nil");
     o.num_threads = 1;
     rp_sched *s = NULL;
     rp_error err;
