@@ -389,7 +389,10 @@ static void *boot_arena_take(rp_sandbox *sb, size_t size)
 
 /* Allocation is work: copying and initialising the bytes (a string rebuilt by each
  * concatenation costs its length). Charged here without raising; a trip is raised by
- * the hook at the next instruction. */
+ * the hook at the next instruction. Only blocks of 2^RP_BIG_SHIFT bytes or more are
+ * charged: whether LuaJIT allocates a small block (a table's rehash after deletions, a
+ * short string still interned or already collected) depends on its string hash, seeded
+ * per process, and a call's work must be the same on every rank. */
 static void charge_bytes(rp_sandbox *sb, size_t bytes)
 {
     sb->alloc_rest += bytes;
@@ -451,7 +454,7 @@ static void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size
          * not live through a whole period of 1000 instructions */
         if (sb->in_call && sb->hook_period > 1) set_period(sb, 1, true);
     }
-    if (sb->in_call && new_size > old_size) charge_bytes(sb, new_size - old_size);
+    if (sb->in_call && new_size > old_size && new_size >> RP_BIG_SHIFT) charge_bytes(sb, new_size - old_size);
     return p;
 }
 
@@ -659,25 +662,26 @@ static bool is_run_key(const key_entry *e, lua_Integer run)
  * the array. Returns the array's length. */
 static int push_ordered_keys(lua_State *L, int t, const char *who, lua_Integer *run)
 {
-    int n = 0, others = 0;
-    int64_t scanned = 0;
+    /* Nothing below may depend on the order lua_next visits keys in (LuaJIT seeds its
+     * string hash per state): not the work charged, not what is allocated. */
+    int n = 0, others = 0, total = 0;
+    bool mixed = false;
     lua_pushnil(L); /* first pass: check the keys, count those outside the run */
     while (lua_next(L, t)) {
         lua_pop(L, 1);
         key_entry probe;
-        scanned++;
+        total++;
         if (!classify_key(L, -1, &probe)) unordered_key_error(L, who, -1);
         if (is_run_key(&probe, *run)) continue;
-        if (*run > 0 && probe.rank == 0 && probe.number < (double)*run) {
-            *run = 0; /* rare: one sorted array of all keys instead; count again */
-            others = 0;
-            lua_pop(L, 1);
-            lua_pushnil(L);
-            continue;
-        }
+        /* rare: another number sorts among the run: one sorted array of all keys */
+        if (*run > 0 && probe.rank == 0 && probe.number < (double)*run) mixed = true;
         others++;
     }
-    rp_sandbox_charge(L, scanned);
+    if (mixed) {
+        *run = 0;
+        others = total;
+    }
+    rp_sandbox_charge(L, total);
     lua_createtable(L, others, 0);
     int keys = lua_gettop(L);
     lua_pushnil(L);
@@ -692,28 +696,25 @@ static int push_ordered_keys(lua_State *L, int t, const char *who, lua_Integer *
     if (n < 2) return n;
     key_entry small[64], *e = small;
     if (n > 64) e = lua_newuserdata(L, (size_t)n * sizeof *e);
-    bool ordered = true;
     for (int i = 0; i < n; i++) {
         lua_rawgeti(L, keys, i + 1);
         classify_key(L, -1, &e[i]); /* strings stay alive in `keys` */
         lua_pop(L, 1);
         e[i].slot = i + 1;
-        if (i && compare_keys(&e[i - 1], &e[i]) > 0) ordered = false;
     }
-    if (!ordered) {
-        rp_sandbox_charge(L, sort_cost(n));
-        qsort(e, (size_t)n, sizeof *e, compare_entries); /* keys are distinct: a strict order */
-        if (n <= 64 && lua_checkstack(L, n)) { /* reorder in place through the stack */
-            for (int i = 0; i < n; i++) lua_rawgeti(L, keys, e[i].slot);
-            for (int i = n; i >= 1; i--) lua_rawseti(L, keys, i);
-        } else {
-            lua_createtable(L, n, 0);
-            for (int i = 0; i < n; i++) {
-                lua_rawgeti(L, keys, e[i].slot);
-                lua_rawseti(L, -2, i + 1);
-            }
-            lua_replace(L, keys);
+    /* sorted and rebuilt even when lua_next happened to visit them in order */
+    rp_sandbox_charge(L, sort_cost(n));
+    qsort(e, (size_t)n, sizeof *e, compare_entries); /* keys are distinct: a strict order */
+    if (n <= 64 && lua_checkstack(L, n)) { /* reorder in place through the stack */
+        for (int i = 0; i < n; i++) lua_rawgeti(L, keys, e[i].slot);
+        for (int i = n; i >= 1; i--) lua_rawseti(L, keys, i);
+    } else {
+        lua_createtable(L, n, 0);
+        for (int i = 0; i < n; i++) {
+            lua_rawgeti(L, keys, e[i].slot);
+            lua_rawseti(L, -2, i + 1);
         }
+        lua_replace(L, keys);
     }
     lua_settop(L, keys);
     return n;
