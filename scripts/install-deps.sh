@@ -4,6 +4,7 @@
 set -euo pipefail
 packages=(
   build-essential cmake pkg-config          # toolchain
+  clang-14 libclang-rt-14-dev llvm-14       # fuzzers: clang, the libFuzzer runtime, llvm-symbolizer
   libluajit-5.1-dev libjansson-dev          # required libraries
   libopenmpi-dev openmpi-bin                # MPI transport (optional part)
   perl                                      # prove, the TAP harness
