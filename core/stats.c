@@ -271,6 +271,24 @@ static int stage_width(int64_t len, int32_t top_k)
     return len == 0 ? 0 : width_for((uint32_t)(len * top_k));
 }
 
+/* Counts of 2 and 4 bytes sit wherever the sequences before them end (a sequence takes
+ * layers x experts x its width bytes, which may be odd), so they are read and written
+ * byte-wise, never through a uint16_t or uint32_t pointer (a misaligned access is
+ * undefined behaviour). */
+static inline uint32_t load_u16(const unsigned char *p)
+{
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline uint32_t load_u32(const unsigned char *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* Narrow n counts into `width` bytes each. */
 static void store_counts(const uint32_t *counts, size_t n, int width, unsigned char *out)
 {
@@ -279,8 +297,10 @@ static void store_counts(const uint32_t *counts, size_t n, int width, unsigned c
         for (size_t i = 0; i < n; i++) out[i] = (uint8_t)counts[i];
         break;
     case 2: {
-        uint16_t *o = (uint16_t *)out;
-        for (size_t i = 0; i < n; i++) o[i] = (uint16_t)counts[i];
+        for (size_t i = 0; i < n; i++) {
+            uint16_t v = (uint16_t)counts[i];
+            memcpy(out + i * sizeof v, &v, sizeof v);
+        }
         break;
     }
     case 4: memcpy(out, counts, n * sizeof *counts); break;
@@ -715,11 +735,9 @@ void rp_stats_seq_hist(const rp_stats *stats, int32_t seq, int32_t layer, uint32
     case 1:
         for (int32_t i = 0; i < e; i++) counts[i] = row[i];
         break;
-    case 2: {
-        const uint16_t *r = (const uint16_t *)row;
-        for (int32_t i = 0; i < e; i++) counts[i] = r[i];
+    case 2:
+        for (int32_t i = 0; i < e; i++) counts[i] = load_u16(row + 2 * (size_t)i);
         break;
-    }
     case 4: memcpy(counts, row, (size_t)e * sizeof *counts); break;
     default: memset(counts, 0, (size_t)e * sizeof *counts); break;
     }
@@ -732,8 +750,8 @@ uint32_t rp_stats_seq_count(const rp_stats *stats, int32_t seq, int32_t layer, i
     if (expert < 0 || expert >= stats->num_experts) return 0;
     switch (width) {
     case 1: return row[expert];
-    case 2: return ((const uint16_t *)row)[expert];
-    case 4: return ((const uint32_t *)row)[expert];
+    case 2: return load_u16(row + 2 * (size_t)expert);
+    case 4: return load_u32(row + 4 * (size_t)expert);
     default: return 0;
     }
 }
@@ -770,16 +788,12 @@ rp_status rp_stats_microbatch_loads(const rp_stats *stats, const int32_t *seq_mi
         case 1:
             for (size_t c = 0; c < cells; c++) row[c] += h[c];
             break;
-        case 2: {
-            const uint16_t *p = (const uint16_t *)h;
-            for (size_t c = 0; c < cells; c++) row[c] += p[c];
+        case 2:
+            for (size_t c = 0; c < cells; c++) row[c] += load_u16(h + 2 * c);
             break;
-        }
-        case 4: {
-            const uint32_t *p = (const uint32_t *)h;
-            for (size_t c = 0; c < cells; c++) row[c] += p[c];
+        case 4:
+            for (size_t c = 0; c < cells; c++) row[c] += load_u32(h + 4 * c);
             break;
-        }
         default: break;
         }
     }

@@ -104,7 +104,7 @@ for i in "${!pids[@]}"; do
   if ! wait "${pids[$i]}"; then report "${names[$i]}" "$build/fuzz/logs/${names[$i]}.log"; fi
 done
 for h in $harnesses; do
-  runs=$(grep -oE "stat::number_of_executed_units: *[0-9]+" "$build/fuzz/logs/$h.log" | grep -oE "[0-9]+$" || echo "?")
+  runs=$(grep -oE "stat::number_of_executed_units: *[0-9]+" "$build/fuzz/logs/$h.log" | tail -1 | grep -oE "[0-9]+$" || echo "?")
   echo "   $h: $runs inputs"
 done
 end=$(date +%s)

@@ -370,6 +370,35 @@ static void test_compact_widths(rp_context *ctx)
     fixture_free(&f);
 }
 
+/* An odd number of cells (1 layer x 3 experts) puts the 2- and 4-byte counts that follow
+ * a 1-byte sequence at odd offsets: they must read and add up as any other (found by
+ * tests/fuzz/fuzz_routing: the stores and loads were misaligned, undefined behaviour
+ * that UBSan reports). seq 0: 5 tokens (width 1, 3 bytes); seq 1: 300 tokens on expert 0
+ * (width 2 at offset 3); seq 2: 70000 tokens on expert 1 (width 4 at offset 9). */
+static void test_odd_cells(rp_context *ctx)
+{
+    int32_t lens[3] = {5, 300, 70000};
+    fixture f;
+    fixture_init(&f, ctx, 3, lens, 1, 1, 3);
+    const int64_t *cu = rp_batch_cu_seqlens(f.batch);
+    for (int64_t t = 0; t < f.tokens; t++) f.ids[t] = t < cu[1] ? (int32_t)(t % 3) : t < cu[2] ? 0 : 1;
+    rp_routing r;
+    make_view(&f, 0, RP_ID_U8, &r);
+    rp_stats *st = NULL;
+    is_int(rp_stats_compute(ctx, f.batch, &r, 3, 1, &st, NULL), RP_OK, "statistics with 3 cells a sequence");
+    ok(matches_naive(&f, st), "counts at odd offsets decode exactly");
+    is_int(rp_stats_seq_count(st, 1, 0, 0), 300, "a 2-byte count after 3 bytes of 1-byte counts");
+    is_int(rp_stats_seq_count(st, 2, 0, 1), 70000, "a 4-byte count after 3 + 6 bytes");
+    int32_t mb[3] = {0, 0, 1};
+    int64_t loads[2 * 3];
+    is_int(rp_stats_microbatch_loads(st, mb, 2, loads, NULL), RP_OK, "microbatch loads over odd offsets");
+    ok(loads[0] == 2 + 300 && loads[1] == 2 && loads[2] == 1 && loads[3] == 0 && loads[4] == 70000 && loads[5] == 0,
+       "microbatch loads add the odd-offset counts (%lld %lld %lld | %lld %lld %lld)", (long long)loads[0],
+       (long long)loads[1], (long long)loads[2], (long long)loads[3], (long long)loads[4], (long long)loads[5]);
+    rp_stats_free(st);
+    fixture_free(&f);
+}
+
 /* ---- statistics from dense counts (the GPU path's constructor) ---------------- */
 
 /* Naive dense counts of the fixture, in rp_gpu_routing_histograms' layout:
@@ -953,6 +982,7 @@ int main(void)
     test_layouts_and_widths(ctx);
     test_threads(ctx);
     test_compact_widths(ctx);
+    test_odd_cells(ctx);
     test_from_counts(ctx);
     test_microbatches(ctx);
     test_microbatch_blocks(ctx);
