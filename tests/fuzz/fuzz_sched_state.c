@@ -1,8 +1,11 @@
 /* Fuzzes the checkpoint loader (rp_sched_load_state, docs/formats.md "Scheduler
  * state") on a fresh scheduler per input, so a crash replays from its input alone. A
- * state that loads must be one the scheduler can save again, and then go on planning:
- * save -> load -> save gives the same bytes, and the next step runs. */
+ * state that loads must be one the scheduler can save again as the same JSON document
+ * (key order and white space aside), and then go on planning: save -> load -> save gives
+ * the same bytes, and the next step runs. */
 #include "fuzz_util.h"
+
+#include <jansson.h>
 
 static rp_sched *make(void)
 {
@@ -31,6 +34,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size_t saved_len = 0, again_len = 0;
         FUZZ_REQUIRE(rp_sched_save_state(sched, &saved, &saved_len, &err) == RP_OK,
                      "a loaded state does not save: %s", err.text);
+        json_t *in = json_loadb((const char *)data, size, 0, NULL), *out = json_loadb(saved, saved_len, 0, NULL);
+        FUZZ_REQUIRE(in && out && json_equal(in, out), "a loaded state saves as another JSON document");
+        json_decref(in);
+        json_decref(out);
         rp_sched *other = make();
         FUZZ_REQUIRE(rp_sched_load_state(other, saved, saved_len, &err) == RP_OK,
                      "the scheduler's own checkpoint does not load: %s", err.text);
