@@ -671,6 +671,26 @@ int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *b)
  * charged, and its memory (allocated by the evaluator, in the engine's context) must
  * fit what the policy has left of its cap on C-side memory, together with the state
  * the evaluator already holds, or the call fails naming the size. Returns the work. */
+/* Raise unless `bytes` more for the evaluator of `cost` (on top of what it holds) fit
+ * what is left of the C-side budget. `what` names the plan ("this plan (...)"). */
+static void check_evaluator_memory(lua_State *L, rp_lua_host *h, const rp_cost *cost, double bytes, int32_t M,
+                                   const char *what, const char *fname)
+{
+    reclaim(L, h);
+    const rp_model *md = rp_config_model(h->cfg);
+    size_t held = rp_cost_bytes(cost), left = h->plan_live < h->plan_cap ? h->plan_cap - h->plan_live : 0;
+    if (bytes > (double)left || (double)held > (double)left - bytes) {
+        char cap[64];
+        format_mib(h->plan_cap, cap, sizeof cap);
+        rp_lua_error(L,
+                     "%s: evaluating %s (%d microbatches x %d layers x %d GPUs x %d experts) needs %.1f MiB, "
+                     "and the evaluator holds %.1f MiB; %.1f MiB are left of the policy's memory limit of %s (plans "
+                     "and scratch of C calls)",
+                     fname, what, M, md->num_layers, rp_config_topology(h->cfg)->num_gpus, md->num_experts,
+                     bytes / (1 << 20), (double)held / (1 << 20), (double)left / (1 << 20), cap);
+    }
+}
+
 static int64_t pay_evaluation(lua_State *L, rp_lua_host *h, rp_cost *cost, const rp_plan *p, const char *fname)
 {
     int64_t units = 0;
@@ -678,19 +698,7 @@ static int64_t pay_evaluation(lua_State *L, rp_lua_host *h, rp_cost *cost, const
     rp_error err;
     rp_status st = rp_cost_evaluation_needs(cost, p, &units, &bytes, &err);
     if (st != RP_OK) rp_lua_fail(L, h, fname, st, &err);
-    reclaim(L, h);
-    size_t held = rp_cost_bytes(cost), left = h->plan_live < h->plan_cap ? h->plan_cap - h->plan_live : 0;
-    if (bytes > left || held > left - bytes) {
-        char cap[64];
-        format_mib(h->plan_cap, cap, sizeof cap);
-        rp_lua_error(L,
-                     "%s: evaluating this plan (%d microbatches x %d layers x %d GPUs x %d experts) needs %.1f MiB, "
-                     "and the evaluator holds %.1f MiB; %.1f MiB are left of the policy's memory limit of %s (plans "
-                     "and scratch of C calls)",
-                     fname, rp_plan_num_microbatches(p), rp_plan_num_layers(p), rp_plan_num_gpus(p),
-                     rp_plan_num_experts(p), (double)bytes / (1 << 20), (double)held / (1 << 20),
-                     (double)left / (1 << 20), cap);
-    }
+    check_evaluator_memory(L, h, cost, (double)bytes, rp_plan_num_microbatches(p), "this plan", fname);
     rp_lua_charge(L, units);
     return units;
 }
@@ -1018,6 +1026,19 @@ static int l_joint(lua_State *L)
      * left, and the charge then trips the limit) */
     int64_t evaluations = eval + (num_fallbacks > 0 || par.refine_evaluations > 0 ? eval : 0) +
                           (int64_t)num_fallbacks * eval;
+    /* the evaluator's memory for the planner's plans: ctx.plan's, scaled to the
+     * microbatches the planner uses (the fewest the token cap allows, one more when a
+     * baseline retries), checked before it runs */
+    rp_error berr;
+    rp_error_clear(&berr);
+    const rp_plan *base = f->base(f->base_ud, &berr);
+    if (!base) rp_lua_error(L, "rp.joint: %s", berr.text);
+    size_t base_bytes = 0;
+    if (rp_cost_evaluation_needs(f->cost, base, NULL, &base_bytes, &berr) != RP_OK) rp_lua_error(L, "rp.joint: %s", berr.text);
+    int64_t base_mb = rp_plan_num_microbatches(base), joint_mb = par.num_microbatches > 0 ? par.num_microbatches : M + 1;
+    if (joint_mb < base_mb) joint_mb = base_mb;
+    check_evaluator_memory(L, h, f->cost, (double)base_bytes / (double)base_mb * (double)joint_mb, (int32_t)joint_mb,
+                           "the planner's plans", "rp.joint");
     int64_t before = rp_cost_operations(f->cost);
     rp_lua_charge(L, evaluations + placement + (int64_t)num_fallbacks * 4 * sort_units(n) +
                          par.balance_evaluations * md->num_layers * 8);

@@ -959,6 +959,15 @@ static void test_engine_work(void)
              "rp.evaluate: evaluating this plan (64 microbatches x 16 layers x 8 GPUs x 64 experts) needs 2.7 MiB",
              "naming the plan's shape and the memory it needs");
 
+    rep = spread_step(50000000, (size_t)2 << 20, "rp.joint({num_microbatches = 64, fallbacks = {}}) return nil");
+    ok(rep && rep->fallback && strstr(rep->fallback_reason, "rp.joint: evaluating the planner's plans (64 microbatches x 16 "
+                                                           "layers x 8 GPUs x 64 experts) needs"),
+       "so does rp.joint, for the plans it will evaluate, before it runs");
+    if (rep && !strstr(rep->fallback_reason, "rp.joint: evaluating")) diag("%s", rep->fallback_reason);
+    rep = spread_step(50000000, (size_t)2 << 20, "return rp.joint({fallbacks = {}})");
+    ok(rep && !rep->fallback, "an ordinary rp.joint fits the same limit");
+    if (rep && rep->fallback) diag("%s", rep->fallback_reason);
+
     /* a returned plan expands (share sets: one Lua table of 88 shares referenced 32768
      * times) in the policy's capped memory, not the engine's */
     counting cnt = {0};
