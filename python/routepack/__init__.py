@@ -17,6 +17,7 @@ from .errors import (ChecksumError, ConfigError, DeadlineError, Error, FileError
 from .scheduler import (Config, Scheduler, StepResult, can_checkpoint, describe_policy,
                         list_policies)
 from .migration import Migration
+from .distributed import Comm, Stats
 from .trace import TraceReader, TraceStep, TraceWriter
 
 __version__ = "0.1.0"
@@ -30,7 +31,7 @@ def library_path():
 
 __all__ = [
     "Scheduler", "StepResult", "Config", "list_policies", "describe_policy", "can_checkpoint", "TraceReader", "TraceStep",
-    "TraceWriter", "library_path", "Migration",
+    "TraceWriter", "library_path", "Migration", "Comm", "Stats",
     "Error", "ConfigError", "RoutingError", "PolicyError", "LimitError", "PlanError",
     "InvalidArgumentError", "OutOfMemoryError", "FileError", "FormatError", "RangeError",
     "NotSupportedError", "TransportError", "ChecksumError", "DeadlineError", "LibraryError",

@@ -80,7 +80,8 @@ class rp_step_report(Structure):
                 ("policy_version", c_char * 32), ("policy_hash", c_uint64),
                 ("plan_hash", c_uint64), ("plan_from_rank", c_int32),
                 ("ranks_disagreed", c_bool), ("experts_moved", c_int32),
-                ("migration_bytes", c_double), ("migration_s", c_double)]
+                ("migration_bytes", c_double), ("migration_s", c_double),
+                ("policy_wall_s", c_double), ("ranks_fell_back", c_int32)]
 
 
 # migrate.h: RP_NUM_LINKS links, indexed by rp_link (an int-sized enum).
@@ -198,6 +199,26 @@ _SCHED = {
                          PERR]),
     "rp_remap_num_physical": (c_int32, [P, c_int32]),
     "rp_remap_physical_ep_rank": (c_int32, [P, c_int32, c_int32, c_int32]),
+    # the distributed step (docs/distributed.md): statistics as bytes, a step from them,
+    # one rank's remap
+    "rp_stats_compute": (c_int, [P, P, POINTER(rp_routing), c_int32, c_int32, POINTER(P), PERR]),
+    "rp_stats_free": (None, [P]),
+    "rp_stats_num_seqs": (c_int32, [P]),
+    "rp_stats_num_layers": (c_int32, [P]),
+    "rp_stats_num_experts": (c_int32, [P]),
+    "rp_stats_top_k": (c_int32, [P]),
+    "rp_stats_num_tokens": (c_int64, [P]),
+    "rp_stats_expert_load": (PI64, [P, c_int32]),
+    "rp_stats_seq_hist": (None, [P, c_int32, c_int32, POINTER(c_uint32)]),
+    "rp_stats_serialized_bytes": (c_size_t, [P]),
+    "rp_stats_serialize": (c_int, [P, c_void_p, c_size_t, PERR]),
+    "rp_stats_deserialize": (c_int, [P, c_void_p, c_size_t, POINTER(P), PERR]),
+    "rp_stats_merge_serialized": (c_int, [P, c_int32, POINTER(c_void_p), POINTER(c_size_t),
+                                          POINTER(PI32), c_int32, POINTER(P), PERR]),
+    "rp_sched_step_stats": (c_int, [P, c_int64, P, P, POINTER(P),
+                                    POINTER(POINTER(rp_step_report)), PERR]),
+    "rp_remap_rank": (c_int, [P, P, c_int32, c_int32, P, POINTER(rp_routing), c_int, PI32, PI64,
+                              PERR]),
     # the step's migration plan (migrate.h), copied into StepResult.migration
     "rp_sched_migration": (P, [P]),
     "rp_migration_plan_hash": (c_uint64, [P]),

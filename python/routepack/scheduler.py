@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from . import _args, _lib, _routing, errors, migration
+from . import _args, _lib, _routing, distributed, errors, migration
 from ._context import Context, Owned
 from .trace import _new_batch
 
@@ -161,6 +161,38 @@ class StepResult:
             self._lib.rp_batch_free(batch)
         return (phys, counts) if slot_tokens else phys
 
+    def remap_rank(self, rank, microbatch, routing, layout=None, *, slot_tokens=False):
+        """Physical ids [tokens, layers, k] (int32) of one rank's own tokens of one
+        microbatch (C rp_remap_rank): the tokens of ``microbatches[rank][microbatch]``'s
+        sequences in that order (their THD concatenation), given only their routing, in
+        any form step() takes. The same ids remap() gives those tokens. With
+        ``slot_tokens=True`` returns (ids, counts): counts[layer, p] token-choices this
+        rank sends to physical id p of its EP group (int64, P = num_physical[mb])."""
+        rank = _args.integer(rank, "rank", _args.INT32, 0, self.num_gpus - 1)
+        mb = _args.integer(microbatch, "microbatch", _args.INT32, 0, self.num_microbatches - 1)
+        seqs = self.microbatches[rank][mb]
+        lens = _routing.Lengths(np.ascontiguousarray(self._lens.prompt[seqs], dtype=np.int32),
+                                np.ascontiguousarray(self._lens.response[seqs], dtype=np.int32), None)
+        lay, arrays = _routing.normalize(routing, layout)
+        view = _routing.view(lay, arrays, num_layers=self.num_layers, top_k=self._top_k,
+                             num_experts=self.num_experts, lens=lens)
+        T, L, K = lens.num_tokens, self.num_layers, self._top_k
+        P = int(self.num_physical[mb])
+        phys = np.full((T, L, K), -1, dtype=np.int32)
+        counts = np.zeros((L, max(P, 0)), dtype=np.int64)
+        batch = _new_batch(self._lib, self._ctx.handle, self._lens)
+        try:
+            err = _lib.new_error()
+            st = self._lib.rp_remap_rank(self._plan.handle, self._config.handle, mb, rank, batch,
+                                         view.pointer(), _SPLIT[self.split_rule], _i32p(phys),
+                                         _i64p(counts), ctypes.byref(err))
+            if st != errors.OK:
+                _raise_step_error(st, err)
+        finally:
+            self._lib.rp_batch_free(batch)
+        del view
+        return (phys, counts) if slot_tokens else phys
+
     def _remap_view(self, view, batch, num_threads=None):
         """rp_remap over every microbatch of the plan copy into one packed array."""
         lib = self._lib
@@ -268,7 +300,9 @@ class Scheduler:
     name, a path, or "PACKING+PLACEMENT" (None: the config's). Options (rp_sched_options):
     ``split`` ('even' or 'locality'), ``params`` (the policy's params, a dict or JSON
     text; default: the config's policy.params), ``seed``, ``num_threads``, ``history``,
-    ``max_instructions``, ``max_wall_s``, ``max_memory_bytes``, ``max_depth``; and
+    ``max_instructions``, ``max_wall_s``, ``max_memory_bytes``, ``max_depth``,
+    ``comm`` (a routepack.Comm: the ranks of a multi-rank job agree on every plan and
+    every fallback, docs/distributed.md); and
     ``log_level`` ('debug' ..
     'error', None to silence) for the messages the library sends to the `routepack`
     logger.
@@ -286,10 +320,14 @@ class Scheduler:
         if split not in _SPLIT:
             raise errors.InvalidArgumentError("split must be 'even' or 'locality', got %r"
                                               % (split,))
+        comm = options.pop("comm", None)
+        if comm is not None and not isinstance(comm, distributed.Comm):
+            raise errors.InvalidArgumentError("comm must be a routepack.Comm, got %s"
+                                              % type(comm).__name__)
         unknown = sorted(set(options) - set(_OPTION_FIELDS) - {"params", "seed"})
         if unknown:
             raise TypeError("unknown Scheduler option%s: %s (known: split, log_level, params, "
-                            "seed, %s)"
+                            "seed, comm, %s)"
                             % ("s" if len(unknown) > 1 else "", ", ".join(unknown),
                                ", ".join(sorted(_OPTION_FIELDS))))
         self._ctx = Context(log_level)
@@ -314,6 +352,10 @@ class Scheduler:
                 setattr(opts, key, _args.number(options[key], key) if ctype is None
                         else _args.integer(options[key], key, ctype))
         self._num_threads = int(opts.num_threads)
+        # the callbacks must outlive the C scheduler, which copies the rp_comm
+        self.comm = comm
+        if comm is not None:
+            opts.comm = comm.pointer()
         sched = ctypes.c_void_p()
         err = _lib.new_error()
         st = self._lib.rp_sched_new(self._ctx.handle, self.config.handle, ctypes.byref(opts),
@@ -388,6 +430,15 @@ class Scheduler:
         lens, view = _routing.prepare(routing, seq_lens, cu_seqlens, group_ids,
                                       num_layers=cfg.num_layers, top_k=cfg.top_k,
                                       num_experts=cfg.num_experts, layout=layout)
+        res = self._run(step, lens, lambda handle, idx, batch, plan, report, err:
+                        self._lib.rp_sched_step(handle, idx, batch, view.pointer(), plan, report, err),
+                        view if physical else None)
+        del view   # the C library's borrow of the routing ends with the call
+        return res
+
+    def _run(self, step, lens, call, remap_view=None):
+        """One step through `call` (rp_sched_step or rp_sched_step_stats), its result
+        copied out while the C library's borrowed plan and report are valid."""
         with self._lock:
             handle = self._handle()
             idx = (_args.integer(self._next_step, "step (one past the previous)", _args.INT64)
@@ -397,23 +448,84 @@ class Scheduler:
                 plan = ctypes.c_void_p()
                 report = ctypes.POINTER(_lib.rp_step_report)()
                 err = _lib.new_error()
-                st = self._lib.rp_sched_step(handle, idx, batch, view.pointer(),
-                                             ctypes.byref(plan), ctypes.byref(report),
-                                             ctypes.byref(err))
+                if self.comm is not None:
+                    self.comm.last_error = None
+                st = call(handle, idx, batch, ctypes.byref(plan), ctypes.byref(report),
+                          ctypes.byref(err))
                 if st != errors.OK:
+                    cause = self.comm.last_error if self.comm is not None else None
+                    if cause is not None and st == errors.ETRANSPORT:
+                        raise errors.TransportError(
+                            "%s (in the comm callback: %s: %s)" % (_lib.text(err.text) or self._errmsg(),
+                                                                  type(cause).__name__, cause),
+                            st) from cause
                     _raise_step_error(st, err, self._errmsg())
                 res = self._result(plan, report.contents, lens)
                 # Borrowed until the next step: copied now, while it is valid.
                 mp = self._lib.rp_sched_migration(handle)
                 res.migration = migration.copy_plan(self._lib, mp) if mp else None
                 self._next_step = idx + 1
-                if physical:
-                    res.physical_routing, res.slot_tokens = res._remap_view(view, batch)
+                if remap_view is not None:
+                    res.physical_routing, res.slot_tokens = res._remap_view(remap_view, batch)
             finally:
                 self._lib.rp_batch_free(batch)
-        del view   # the C library's borrow of the routing ends with the call
         self.last = res
         return res
+
+    # ---- the distributed step (docs/distributed.md) ----
+
+    def compute_stats(self, seq_lens, routing, cu_seqlens=None, *, layout=None):
+        """This rank's routing statistics (rp_stats_compute) from the routing of its own
+        sequences, in any form step() takes (seq_lens / cu_seqlens of those sequences, in
+        the order of the routing): a routepack.Stats, whose to_bytes() the ranks
+        exchange. Uses the scheduler's config (layers, experts, top_k) and threads."""
+        cfg = self.config
+        lens, view = _routing.prepare(routing, seq_lens, cu_seqlens, None,
+                                      num_layers=cfg.num_layers, top_k=cfg.top_k,
+                                      num_experts=cfg.num_experts, layout=layout)
+        batch = _new_batch(self._lib, self._ctx.handle, lens)
+        try:
+            out = ctypes.c_void_p()
+            err = _lib.new_error()
+            st = self._lib.rp_stats_compute(self._ctx.handle, batch, view.pointer(), cfg.num_experts,
+                                            self._num_threads, ctypes.byref(out), ctypes.byref(err))
+            if st != errors.OK:
+                _raise_step_error(st, err)
+        finally:
+            self._lib.rp_batch_free(batch)
+        del view
+        return distributed.Stats(out, self._ctx)
+
+    def merge_stats(self, parts, global_ids, num_seqs=None):
+        """The whole step's statistics (rp_stats_merge_serialized) from every rank's
+        serialised part (bytes-like, Stats.to_bytes()) and its global sequence ids (one
+        int array per part, in the part's order); ``num_seqs`` defaults to the total. Bit
+        for bit rp_stats_compute over the whole batch. Raises InvalidArgumentError naming
+        a missing, duplicate or out-of-range id; FormatError, ChecksumError or
+        NotSupportedError for bad bytes (the message names the part)."""
+        return distributed.merge(self._ctx, parts, global_ids, num_seqs)
+
+    def stats_from_bytes(self, data):
+        """Stats from one serialised part (rp_stats_deserialize, every field checked)."""
+        return distributed.from_bytes(self._ctx, data)
+
+    def step_from_stats(self, seq_lens, stats, step=None, group_ids=None, cu_seqlens=None):
+        """Plan one step from the whole step's statistics (rp_sched_step_stats), with no
+        routing: ``seq_lens`` / ``cu_seqlens`` / ``group_ids`` of every sequence of the
+        step in global id order (as step() takes them), ``stats`` the merged statistics
+        (a Stats from merge_stats, or the bytes of a whole step's serialised statistics).
+        Everything else is step()'s: the same policy, fallback, swap, agreement with the
+        other ranks (``comm``), report and StepResult (without physical routing: each
+        rank remaps its own tokens with StepResult.remap_rank). Raises
+        InvalidArgumentError when the statistics do not describe the batch."""
+        if step is not None:
+            step = _args.integer(step, "step", _args.INT64)
+        if not isinstance(stats, distributed.Stats):
+            stats = self.stats_from_bytes(stats)
+        lens = _routing.lengths(seq_lens, cu_seqlens, group_ids)
+        handle = stats.handle
+        return self._run(step, lens, lambda sched, idx, batch, plan, report, err:
+                         self._lib.rp_sched_step_stats(sched, idx, batch, handle, plan, report, err))
 
     def _result(self, plan, rep, lens):
         lib = self._lib
@@ -510,6 +622,9 @@ class Scheduler:
         r.plan_wall_s = rep.plan_wall_s
         r.experts_moved = rep.experts_moved
         r.migration_bytes = rep.migration_bytes
+        r.plan_from_rank = int(rep.plan_from_rank)
+        r.ranks_disagreed = bool(rep.ranks_disagreed)
+        r.ranks_fell_back = int(rep.ranks_fell_back)
         r.report = self._report_json()
         return r
 
