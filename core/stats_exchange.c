@@ -38,10 +38,10 @@ static uint32_t count_at(const unsigned char *row, size_t i, int width, bool le)
     case 1: return row[i];
     case 2:
         if (le) return (uint32_t)get_le(row + 2 * i, 2);
-        { uint16_t v; memcpy(&v, row + 2 * i, 2); return v; }
+        return stats_u16_at(row, i);
     case 4:
         if (le) return (uint32_t)get_le(row + 4 * i, 4);
-        { uint32_t v; memcpy(&v, row + 4 * i, 4); return v; }
+        return stats_u32_at(row, i);
     default: return 0;
     }
 }
@@ -319,7 +319,7 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
         else
             for (size_t c = 0; c < cells; c++) {
                 uint32_t v = count_at(from, c, w, true);
-                if (w == 2) { uint16_t h = (uint16_t)v; memcpy(to + 2 * c, &h, 2); }
+                if (w == 2) stats_u16_put(to, c, v);
                 else memcpy(to + 4 * c, &v, 4);
             }
         /* the loads are sums of the counts, as the scan makes them */
@@ -331,10 +331,10 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
                 for (int32_t e = 0; e < E; e++) load[e] += row[e];
                 break;
             case 2:
-                for (int32_t e = 0; e < E; e++) load[e] += ((const uint16_t *)row)[e];
+                for (int32_t e = 0; e < E; e++) load[e] += stats_u16_at(row, (size_t)e);
                 break;
             case 4:
-                for (int32_t e = 0; e < E; e++) load[e] += ((const uint32_t *)row)[e];
+                for (int32_t e = 0; e < E; e++) load[e] += stats_u32_at(row, (size_t)e);
                 break;
             default: break;
             }

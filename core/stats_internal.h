@@ -6,6 +6,8 @@
 #include "internal.h"
 #include "routepack/stats.h"
 
+#include <string.h>
+
 /* Per-sequence histograms are stored densely as [layer][expert] counts, each sequence
  * in the narrowest of 1, 2 or 4 bytes per count that holds its largest count, or in
  * no bytes at all when every count is zero (an empty sequence). `offset` gives each
@@ -20,6 +22,28 @@ struct rp_stats {
     uint64_t *offset;        /* [num_seqs + 1]: byte offset of each sequence's block */
     unsigned char *hist;
 };
+
+/* Count i of a block stored 2 or 4 bytes a count. A block starts wherever the blocks
+ * before it end (L x E x width bytes each), so with an odd L x E it is not aligned:
+ * counts are read and written through memcpy, never a uint16_t or uint32_t pointer
+ * (compilers turn these into plain loads and stores). */
+static inline uint32_t stats_u16_at(const unsigned char *block, size_t i)
+{
+    uint16_t v;
+    memcpy(&v, block + 2 * i, 2);
+    return v;
+}
+static inline uint32_t stats_u32_at(const unsigned char *block, size_t i)
+{
+    uint32_t v;
+    memcpy(&v, block + 4 * i, 4);
+    return v;
+}
+static inline void stats_u16_put(unsigned char *block, size_t i, uint32_t v)
+{
+    uint16_t h = (uint16_t)v;
+    memcpy(block + 2 * i, &h, 2);
+}
 
 /* Build statistics from dense counts: seq_hist[(s * num_layers + l) * num_experts + e]
  * for num_seqs sequences (NULL when num_seqs is 0) and expert_load[l * num_experts + e].
