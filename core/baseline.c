@@ -70,7 +70,7 @@ typedef struct packing_out {
  * then, per rank, dynamic batch size (rearrange_micro_batches: KK over microbatches,
  * their count the largest over ranks of ceil(tokens / cap)). */
 static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, pack_kind kind,
-                         const double *key, int32_t fixed_M, packing_out *out, rp_error *err)
+                         const double *key, int32_t fixed_M, bool equal_size, packing_out *out, rp_error *err)
 {
     const rp_topology *t = rp_config_topology(cfg);
     const int32_t G = t->num_gpus, n = rp_batch_num_seqs(batch);
@@ -98,8 +98,9 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
     for (int32_t s = 0; s < n; s++) key_pad[s] = key[s];
     for (int32_t s = n; s < n_pad; s++) key_pad[s] = 0;
 
-    /* DP level: partition p is rank p. */
-    st = rp_partition_kk(ctx, key_pad, n_pad, G, true, NULL, dp_part, err);
+    /* DP level: partition p is rank p (equal counts: verl's _balance_batch; else plain
+     * KK, where the weightless dummies land anywhere and are dropped below) */
+    st = rp_partition_kk(ctx, key_pad, n_pad, G, equal_size, NULL, dp_part, err);
     if (st != RP_OK) goto out;
     /* Each rank's sequences in verl's local order: ascending id (<= 0.6.0: the
      * partition as returned); >= 0.6.1: ascending (key, id), then the even positions
@@ -264,33 +265,29 @@ out:
 
 /* ---- entry point ---- */
 
-rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
-                           const rp_stats *stats, const rp_plan *previous, const char *name,
-                           int32_t num_microbatches, rp_plan **out, rp_error *err)
+/* The packing kind named by the first `len` bytes of `name`; false when none. */
+static bool packing_kind_of(const char *name, size_t len, pack_kind *kind)
 {
-    if (!ctx || !cfg || !batch || !name || !out)
-        return rp_fail(err, RP_EINVAL, "baseline: context, config, batch, name and output are required");
-    const char *plus = strchr(name, '+');
-    size_t plen = plus ? (size_t)(plus - name) : strlen(name);
-    pack_kind kind;
-    if (plen == 8 && !strncmp(name, "token_kk", 8)) kind = PACK_TOKEN;
-    else if (plen == 7 && !strncmp(name, "verl_kk", 7)) kind = PACK_VERL;
-    else if (plen == 7 && !strncmp(name, "attn_kk", 7)) kind = PACK_ATTN;
-    else kind = (pack_kind)-1;
-    bool eplb = plus && !strcmp(plus + 1, "eplb");
-    bool contiguous = plus && !strcmp(plus + 1, "contiguous");
-    if ((int)kind < 0 || (!eplb && !contiguous))
-        return rp_fail(err, RP_EINVAL,
-                       "baseline: unknown baseline '%s'; a baseline is PACKING+PLACEMENT with packing token_kk, "
-                       "verl_kk or attn_kk and placement contiguous or eplb (e.g. token_kk+eplb)",
-                       name);
+    if (len == 8 && !strncmp(name, "token_kk", 8)) *kind = PACK_TOKEN;
+    else if (len == 7 && !strncmp(name, "verl_kk", 7)) *kind = PACK_VERL;
+    else if (len == 7 && !strncmp(name, "attn_kk", 7)) *kind = PACK_ATTN;
+    else return false;
+    return true;
+}
+
+/* The packing of `kind` as a new plan without a placement. `what` names the caller in
+ * messages. */
+static rp_status build_packing(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                               const rp_stats *stats, pack_kind kind, int32_t num_microbatches,
+                               bool equal_size, const char *what, rp_plan **out, rp_error *err)
+{
     if (num_microbatches < 0)
         return rp_fail(err, RP_EINVAL, "baseline: %d microbatches, must be >= 0", num_microbatches);
     const rp_model *md = rp_config_model(cfg);
     int32_t n = rp_batch_num_seqs(batch);
     if (n < 1) return rp_fail(err, RP_EINVAL, "baseline: the batch is empty (no sequences to pack)");
-    if ((eplb || kind == PACK_ATTN) && !stats)
-        return rp_fail(err, RP_EINVAL, "baseline: %s needs this step's routing statistics", name);
+    if (kind == PACK_ATTN && !stats)
+        return rp_fail(err, RP_EINVAL, "baseline: %s needs this step's routing statistics", what);
     if (stats && (rp_stats_num_seqs(stats) != n || rp_stats_num_layers(stats) != md->num_layers ||
                   rp_stats_num_experts(stats) != md->num_experts))
         return rp_fail(err, RP_EINVAL,
@@ -320,7 +317,7 @@ rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch
             key[s] = kind == PACK_TOKEN ? len : 24576.0 * len + len * len;
         }
     }
-    RP_CHECK_GOTO(pack_kk(ctx, cfg, batch, kind, key, fixed_M, &pk, err), st, out);
+    RP_CHECK_GOTO(pack_kk(ctx, cfg, batch, kind, key, fixed_M, equal_size, &pk, err), st, out);
 
     const int32_t G = rp_config_topology(cfg)->num_gpus;
     size_t cells = (size_t)G * (size_t)pk.M;
@@ -332,6 +329,51 @@ rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch
     for (size_t i = 0, pos = 0; i < cells; pos += (size_t)pk.counts[i], i++) lists[i] = pk.seqs + pos;
     RP_CHECK_GOTO(rp_plan_new(ctx, cfg, pk.M, &plan, err), st, out);
     RP_CHECK_GOTO(rp_plan_set_microbatches(plan, n, (const int32_t *const *)lists, pk.counts, err), st, out);
+    *out = plan;
+    plan = NULL;
+out:
+    rp_plan_free(plan);
+    rp_cost_free(cost);
+    rp_free(ctx, key);
+    rp_free(ctx, lists);
+    rp_free(ctx, pk.counts);
+    rp_free(ctx, pk.seqs);
+    return st;
+}
+
+rp_status rp_baseline_packing(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                              const rp_stats *stats, const char *name, int32_t num_microbatches,
+                              bool equal_size, rp_plan **out, rp_error *err)
+{
+    if (!ctx || !cfg || !batch || !name || !out)
+        return rp_fail(err, RP_EINVAL, "baseline: context, config, batch, name and output are required");
+    pack_kind kind;
+    if (!packing_kind_of(name, strlen(name), &kind))
+        return rp_fail(err, RP_EINVAL, "baseline: unknown packing '%s'; the packings are token_kk, verl_kk and "
+                       "attn_kk", name);
+    return build_packing(ctx, cfg, batch, stats, kind, num_microbatches, equal_size, name, out, err);
+}
+
+rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                           const rp_stats *stats, const rp_plan *previous, const char *name,
+                           int32_t num_microbatches, rp_plan **out, rp_error *err)
+{
+    if (!ctx || !cfg || !batch || !name || !out)
+        return rp_fail(err, RP_EINVAL, "baseline: context, config, batch, name and output are required");
+    const char *plus = strchr(name, '+');
+    pack_kind kind;
+    bool known = packing_kind_of(name, plus ? (size_t)(plus - name) : strlen(name), &kind);
+    bool eplb = plus && !strcmp(plus + 1, "eplb");
+    bool contiguous = plus && !strcmp(plus + 1, "contiguous");
+    if (!known || (!eplb && !contiguous))
+        return rp_fail(err, RP_EINVAL,
+                       "baseline: unknown baseline '%s'; a baseline is PACKING+PLACEMENT with packing token_kk, "
+                       "verl_kk or attn_kk and placement contiguous or eplb (e.g. token_kk+eplb)",
+                       name);
+    if (eplb && !stats) return rp_fail(err, RP_EINVAL, "baseline: %s needs this step's routing statistics", name);
+    rp_plan *plan = NULL;
+    rp_status st;
+    RP_CHECK_GOTO(build_packing(ctx, cfg, batch, stats, kind, num_microbatches, true, name, &plan, err), st, out);
     if (eplb) {
         RP_CHECK_GOTO(place_eplb(ctx, cfg, stats, plan, err), st, out);
         if (previous && rp_plan_has_placement(previous))
@@ -345,10 +387,5 @@ rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch
     plan = NULL;
 out:
     rp_plan_free(plan);
-    rp_cost_free(cost);
-    rp_free(ctx, key);
-    rp_free(ctx, lists);
-    rp_free(ctx, pk.counts);
-    rp_free(ctx, pk.seqs);
     return st;
 }

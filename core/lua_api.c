@@ -874,6 +874,41 @@ static int l_baseline(lua_State *L)
     return 1;
 }
 
+/* rp.kk_packing(name, opts): the two-level Karmarkar-Karp packing of the token_kk,
+ * verl_kk or attn_kk baseline (rp_baseline_packing), a plan with no placement. The three
+ * shipped packing policies are this call. */
+static int l_kk_packing(lua_State *L)
+{
+    lua_settop(L, 2); /* fixed argument slots: scratch is pushed above them */
+    luaL_checkstack(L, 40, "rp.kk_packing");
+    static const char *const known[] = {"num_microbatches", "equal_size", NULL};
+    rp_lua_host *h = rp_lua_host_of(L);
+    const rp_lua_frame *f = need_step(L, h, "rp.kk_packing");
+    const char *name = luaL_checkstring(L, 1);
+    rp_lua_check_opts(L, 2, "rp.kk_packing", known);
+    int32_t M = 0;
+    if (opt(L, 2, "num_microbatches") != LUA_TNIL)
+        M = (int32_t)rp_lua_check_int(L, -1, "rp.kk_packing: opts.num_microbatches", 0, MAX_PARTS);
+    lua_pop(L, 1);
+    bool equal_size = true;
+    if (opt(L, 2, "equal_size") != LUA_TNIL) {
+        if (!lua_isboolean(L, -1))
+            return rp_lua_error(L, "rp.kk_packing: opts.equal_size must be a boolean, got %s", luaL_typename(L, -1));
+        equal_size = lua_toboolean(L, -1);
+    }
+    lua_pop(L, 1);
+    reclaim(L, h);
+    int64_t n = rp_batch_num_seqs(f->batch), G = rp_config_topology(h->cfg)->num_gpus;
+    rp_lua_charge(L, 4 * sort_units(n) + n * G);
+    rp_lua_plan_out *holder = rp_lua_push_plan(L);
+    rp_error err;
+    rp_status st = rp_baseline_packing(&h->plan_ctx, h->cfg, f->batch, f->stats, name, M, equal_size,
+                                       &holder->plan, &err);
+    if (st != RP_OK) return rp_lua_fail(L, h, "rp.kk_packing", st, &err);
+    holder->has_packing = true;
+    return 1;
+}
+
 static int l_local_search(lua_State *L)
 {
     lua_settop(L, 2); /* fixed argument slots: scratch is pushed above them */
@@ -1149,6 +1184,7 @@ static const luaL_Reg api_funcs[] = {
     {"place", l_place},
     {"plan", l_plan},
     {"baseline", l_baseline},
+    {"kk_packing", l_kk_packing},
     {"evaluate", l_evaluate},
     {"validate", l_validate},
     {"migration", l_migration},

@@ -446,6 +446,75 @@ static void test_alloc_failures(void)
     fixture_free(&f);
 }
 
+/* rp_baseline_packing: the packing half alone (what the token_kk, verl_kk and attn_kk
+ * policies run): the baseline's packing exactly with equal_size, no placement, plain KK
+ * over the ranks without it. */
+static void test_packing_alone(void)
+{
+    /* 9 sequences over 4 ranks: one long one, so equal counts per rank cost balance */
+    int32_t lens[9] = {400, 10, 12, 9, 11, 13, 8, 10, 12};
+    fixture f;
+    if (!fixture_make(&f, 1, 1000, "3", 9, lens)) return;
+    static const char *const names[] = {"token_kk", "verl_kk", "attn_kk"};
+    rp_error err;
+    for (int i = 0; i < 3; i++) {
+        char full[64], a[4096], b[4096];
+        snprintf(full, sizeof full, "%s+contiguous", names[i]);
+        rp_plan *pk = NULL, *whole = NULL;
+        ok(rp_baseline_packing(ctx, f.cfg, f.batch, f.stats, names[i], 0, true, &pk, &err) == RP_OK &&
+           rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, full, 0, &whole, &err) == RP_OK,
+           "%s: packing alone and the whole baseline", names[i]);
+        if (pk && whole) {
+            packing_text(pk, a, sizeof a);
+            packing_text(whole, b, sizeof b);
+            is_str(a, b, "%s: the same packing as %s", names[i], full);
+            ok(rp_plan_has_packing(pk) && !rp_plan_has_placement(pk), "%s: a packing, no placement", names[i]);
+        }
+        rp_plan_free(pk);
+        rp_plan_free(whole);
+    }
+    /* equal_size false: the long sequence's rank takes fewer sequences, the others more */
+    rp_plan *eq = NULL, *plain = NULL;
+    ok(rp_baseline_packing(ctx, f.cfg, f.batch, f.stats, "token_kk", 1, true, &eq, &err) == RP_OK &&
+       rp_baseline_packing(ctx, f.cfg, f.batch, f.stats, "token_kk", 1, false, &plain, &err) == RP_OK,
+       "token_kk with and without equal sizes");
+    if (eq && plain) {
+        int32_t most_eq = 0, most_plain = 0, count, with_long_eq = 0, with_long_plain = 0;
+        int64_t worst_eq = 0, worst_plain = 0;
+        for (int32_t g = 0; g < 4; g++) {
+            const int32_t *s = rp_plan_microbatch(eq, g, 0, &count);
+            int64_t tok = 0;
+            for (int32_t j = 0; j < count; j++) tok += lens[s[j]];
+            if (tok > worst_eq) worst_eq = tok;
+            if (count > most_eq) most_eq = count;
+            for (int32_t j = 0; j < count; j++)
+                if (s[j] == 0) with_long_eq = count;
+            s = rp_plan_microbatch(plain, g, 0, &count);
+            tok = 0;
+            for (int32_t j = 0; j < count; j++) tok += lens[s[j]];
+            if (tok > worst_plain) worst_plain = tok;
+            if (count > most_plain) most_plain = count;
+            for (int32_t j = 0; j < count; j++)
+                if (s[j] == 0) with_long_plain = count;
+        }
+        is_int(most_eq, 3, "equal sizes: at most ceil(9 / 4) sequences a rank");
+        ok(with_long_eq >= 2, "equal sizes: the long sequence shares its rank (%d sequences)", with_long_eq);
+        is_int(with_long_plain, 1, "plain KK: the long sequence's rank holds it alone");
+        ok(worst_plain < worst_eq, "so the largest rank is smaller (%lld < %lld tokens)", (long long)worst_plain,
+           (long long)worst_eq);
+    }
+    rp_plan_free(eq);
+    rp_plan_free(plain);
+    rp_plan *bad = NULL;
+    is_int(rp_baseline_packing(ctx, f.cfg, f.batch, f.stats, "token_kk+eplb", 0, true, &bad, &err), RP_EINVAL,
+           "a whole baseline's name is not a packing");
+    like(err.text, "unknown packing 'token_kk+eplb'; the packings are token_kk, verl_kk and attn_kk",
+         "the message lists the packings");
+    is_int(rp_baseline_packing(ctx, f.cfg, f.batch, NULL, "attn_kk", 0, true, &bad, &err), RP_EINVAL,
+           "attn_kk without statistics");
+    fixture_free(&f);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -454,6 +523,7 @@ int main(void)
     test_stability();
     test_bad_input();
     test_alloc_failures();
+    test_packing_alone();
     rp_context_free(ctx);
     return tap_done();
 }

@@ -223,6 +223,30 @@ static void test_routepack_migration(void)
     rp_sched_free(s);
 }
 
+/* token_kk's equal_size param reaches the packing: false gives rp_baseline_packing's
+ * plain-KK packing, and a fixed microbatch count is kept. */
+static void test_packing_params(void)
+{
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.policy = "token_kk";
+    o.num_threads = 1;
+    o.params_json = "{\"equal_size\": false, \"num_microbatches\": 2}";
+    rp_sched *s = NULL;
+    rp_error err;
+    ok(rp_sched_new(ctx, cfg, &o, &s, &err) == RP_OK, "token_kk with params");
+    const rp_plan *p = NULL;
+    const rp_step_report *r = NULL;
+    rp_plan *want = NULL;
+    const test_batch *tb = &batches[0];
+    bool ran = s && rp_sched_step(s, 0, tb->batch, &tb->routing, &p, &r, &err) == RP_OK && !r->fallback;
+    ok(ran && rp_baseline_packing(ctx, cfg, tb->batch, NULL, "token_kk", 2, false, &want, &err) == RP_OK &&
+       same_packing(p, want) && rp_plan_num_microbatches(p) == 2,
+       "equal_size false and num_microbatches 2 give rp_baseline_packing's plain-KK packing of 2 microbatches");
+    rp_plan_free(want);
+    rp_sched_free(s);
+}
+
 int main(void)
 {
     rp_error err;
@@ -244,6 +268,7 @@ int main(void)
     test_matches_baseline("eplb", "attn_kk+eplb", true, true);
     test_matches_baseline("token_kk+eplb", "token_kk+eplb", true, true);
     test_routepack_migration();
+    test_packing_params();
     for (int i = 0; i < num_batches; i++) {
         rp_batch_free(batches[i].batch);
         free(batches[i].ids);

@@ -46,6 +46,16 @@ RP_API rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const r
                                   const rp_stats *stats, const rp_plan *previous, const char *name,
                                   int32_t num_microbatches, rp_plan **out, rp_error *err);
 
+/* The packing half of a baseline, alone: `name` is token_kk, verl_kk or attn_kk, built as
+ * rp_baseline_plan builds it (stats needed by attn_kk only), except that `equal_size`
+ * false replaces verl's equal sequence counts per DP rank by plain Karmarkar-Karp over
+ * the ranks (true gives exactly rp_baseline_plan's packing). The new plan holds the
+ * packing and no placement (caller frees). The shipped policies token_kk, verl_kk and
+ * attn_kk are this call (rp.kk_packing). Errors as rp_baseline_plan's. */
+RP_API rp_status rp_baseline_packing(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                                     const rp_stats *stats, const char *name, int32_t num_microbatches,
+                                     bool equal_size, rp_plan **out, rp_error *err);
+
 /* ---- local search ---- */
 
 typedef struct rp_search_params {
