@@ -1356,11 +1356,12 @@ static void arm(rp_sandbox *sb, uintptr_t stack_base)
     sb->deadline = now_s(sb) + sb->limits.max_wall_s;
     sb->c_stack_base = stack_base;
     sb->mem_armed = true;
-    sb->in_call = true;
     /* big strings may live from earlier calls (a long string kept in ctx.state); dead
-     * ones are collected first, so that they do not slow this call down */
+     * ones are collected first (not charged: the call has not begun), so that they do
+     * not slow this call down */
     rp_big_classify(&sb->big);
     if (rp_big_largest(&sb->big) >= 0) collect(sb, sb->L);
+    sb->in_call = true;
     sb->hook_period = period_for(sb);
     lua_sethook(sb->L, sandbox_hook, LUA_MASKCOUNT, sb->hook_period);
 }
