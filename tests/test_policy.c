@@ -562,6 +562,33 @@ static void test_policy_files(void)
     unlink(at_cap);
 }
 
+/* ---- the clock after a host primitive --------------------------------------------------- */
+
+/* Time stands at 0 for the first read (arming the call) and is 1000 s after it. */
+static int clock_reads;
+static double jumping_clock(void *ud)
+{
+    (void)ud;
+    return clock_reads++ == 0 ? 0 : 1000;
+}
+
+static void test_clock_after_primitive(void)
+{
+    rp_policy *pol = NULL;
+    rp_error err;
+    const char *src = "return {" HEAD "init = function(ctx) rp.argsort({3, 1, 2}) error('not stopped') end, " PLAN "}";
+    rp_status st = rp_policy_load(ctx, cfg, src, strlen(src), "clock.lua", NULL, NULL, false, &pol, &err);
+    ok(st == RP_OK, "a policy whose init calls a primitive loads");
+    if (st != RP_OK) return;
+    rp_sandbox_set_clock(pol->sb, jumping_clock, NULL);
+    clock_reads = 0;
+    st = rp_policy_init(pol, NULL, &err);
+    ok(st == RP_ELIMIT && strstr(err.text, "policy exceeded the wall-time limit of 5 s"),
+       "an rp.* call after which the time is up fails the call at once (%s)", err.text);
+    rp_sandbox_set_clock(pol->sb, NULL, NULL);
+    rp_policy_free(pol);
+}
+
 int main(void)
 {
     rp_error err;
@@ -582,6 +609,7 @@ int main(void)
     test_search_path();
     test_shipped_load();
     test_policy_files();
+    test_clock_after_primitive();
     rp_policy_free(last);
     rp_config_free(cfg);
     rp_context_free(ctx);
