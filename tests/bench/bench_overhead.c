@@ -1,0 +1,212 @@
+/* Planning overhead per rank per step at the reference scale (config-reference.json,
+ * gen-reference.json: 64 ranks, 4096 sequences), on the distributed path
+ * (docs/distributed.md): statistics of the rank's own sequences (1/64 of the batch), the
+ * exchange of the serialised parts (bytes, and time at the config's network bandwidth),
+ * the merge, and rp_sched_step_stats with the config's policy (its policy call and the
+ * engine's work around it), with a placement in use (the second step); the joint
+ * construction alone (rp_joint_plan without fallbacks). CPU times are this thread's, the
+ * minimum of --reps runs. The other ranks' parts are this rank's bytes again, under
+ * shuffled global ids, so no rank ever generates the whole step's routing.
+ * Usage: bench_overhead [--scale N] [--reps R] [--json]; N in 1, 2, 4, 8 divides the
+ * sequences (a quick run). Figures only; nothing is asserted. */
+#include "bench_util.h"
+#include "routepack/routepack.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#define RANKS 64
+
+static double thread_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void die(const char *what, const rp_error *err)
+{
+    fprintf(stderr, "bench_overhead: %s: %s\n", what, err ? err->text : "");
+    exit(1);
+}
+
+int main(int argc, char **argv)
+{
+    int scale = 1, reps = 3, as_json = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--scale") && i + 1 < argc) scale = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--json")) as_json = 1;
+        else {
+            fprintf(stderr, "usage: bench_overhead [--scale 1|2|4|8] [--reps R] [--json]\n");
+            return 2;
+        }
+    }
+    if (scale != 1 && scale != 2 && scale != 4 && scale != 8) {
+        fprintf(stderr, "bench_overhead: --scale must be 1, 2, 4 or 8\n");
+        return 2;
+    }
+    if (reps < 1) reps = 1;
+    rp_context *ctx = NULL;
+    rp_config *cfg = NULL;
+    rp_gen *gen = NULL;
+    rp_error err;
+    const char *gen_path = RP_SOURCE_DIR "/examples/gen-reference.json";
+    if (rp_context_new(NULL, NULL, &ctx) != RP_OK) die("context", NULL);
+    if (rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-reference.json", &cfg, &err) != RP_OK) die("config", &err);
+
+    /* one rank's share of the reference batch: 512 / 64 prompts of 8 responses */
+    json_error_t je;
+    json_t *settings = json_load_file(gen_path, 0, &je);
+    if (!settings) die("gen settings", NULL);
+    const int prompts = 8 / scale;
+    json_object_set_new(settings, "num_prompts", json_integer(prompts));
+    char *text = json_dumps(settings, JSON_COMPACT);
+    json_decref(settings);
+    if (rp_gen_parse(ctx, text, strlen(text), gen_path, RP_SOURCE_DIR "/examples", &gen, &err) != RP_OK)
+        die("gen", &err);
+    free(text);
+    rp_batch *mine = NULL;
+    rp_routing routing;
+    if (rp_gen_step(gen, 0, &mine, &routing, &err) != RP_OK) die("gen step", &err);
+    const rp_model *md = rp_config_model(cfg);
+    const rp_topology *topo = rp_config_topology(cfg);
+    const int32_t m = rp_batch_num_seqs(mine), n = m * RANKS;
+
+    /* 1. this rank's statistics */
+    double stats_s = 1e30;
+    rp_stats *part = NULL;
+    for (int r = 0; r < reps; r++) {
+        rp_stats_free(part);
+        part = NULL;
+        double t0 = thread_s();
+        if (rp_stats_compute(ctx, mine, &routing, md->num_experts, 1, &part, &err) != RP_OK) die("stats", &err);
+        double t = thread_s() - t0;
+        stats_s = t < stats_s ? t : stats_s;
+    }
+
+    /* 2. the exchange: every rank's part to every rank (a ring allgather across nodes) */
+    const size_t part_bytes = rp_stats_serialized_bytes(part);
+    unsigned char *bytes = malloc(part_bytes);
+    if (rp_stats_serialize(part, bytes, part_bytes, &err) != RP_OK) die("serialise", &err);
+    const double exchange_bytes = (double)part_bytes * RANKS;
+    const double exchange_s =
+        (RANKS - 1) * ((double)part_bytes / topo->net_bytes_per_s + topo->net_latency_s);
+
+    /* 3. the merge: part r holds global ids perm[r * m .. (r + 1) * m) */
+    int32_t *perm = malloc(sizeof *perm * (size_t)n);
+    for (int32_t i = 0; i < n; i++) perm[i] = i;
+    for (int32_t i = n - 1; i > 0; i--) {
+        int32_t j = (int32_t)(next_u64() % (uint64_t)(i + 1)), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    const void *parts[RANKS];
+    size_t lens[RANKS];
+    const int32_t *ids[RANKS];
+    for (int r = 0; r < RANKS; r++) parts[r] = bytes, lens[r] = part_bytes, ids[r] = perm + (size_t)r * m;
+    double merge_s = 1e30;
+    rp_stats *whole = NULL;
+    for (int r = 0; r < reps; r++) {
+        rp_stats_free(whole);
+        whole = NULL;
+        double t0 = thread_s();
+        if (rp_stats_merge_serialized(ctx, RANKS, parts, lens, ids, n, &whole, &err) != RP_OK) die("merge", &err);
+        double t = thread_s() - t0;
+        merge_s = t < merge_s ? t : merge_s;
+    }
+
+    /* the whole step's lengths, in global id order */
+    int32_t *pl = malloc(sizeof *pl * (size_t)n), *rl = malloc(sizeof *rl * (size_t)n);
+    for (int r = 0; r < RANKS; r++)
+        for (int32_t i = 0; i < m; i++) {
+            pl[ids[r][i]] = rp_batch_prompt_lens(mine)[i];
+            rl[ids[r][i]] = rp_batch_response_lens(mine)[i];
+        }
+    rp_batch *batch = NULL;
+    if (rp_batch_new(ctx, n, pl, rl, NULL, &batch, &err) != RP_OK) die("batch", &err);
+
+    /* 4. the step from statistics, with a placement in use (the second step) */
+    double policy_s = 1e30, engine_s = 1e30, predicted_s = 0;
+    const rp_plan *first_plan = NULL;
+    rp_plan *previous = NULL;
+    char policy[64] = "";
+    for (int r = 0; r < reps; r++) {
+        rp_sched_options o;
+        rp_sched_options_default(&o);
+        o.num_threads = 1;
+        rp_sched *s = NULL;
+        const rp_plan *p;
+        const rp_step_report *rep;
+        if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) die("scheduler", &err);
+        if (rp_sched_step_stats(s, 0, batch, whole, &first_plan, &rep, &err) != RP_OK) die("step 0", &err);
+        if (!previous && rp_plan_copy(first_plan, &previous, &err) != RP_OK) die("plan copy", &err);
+        if (rp_sched_step_stats(s, 1, batch, whole, &p, &rep, &err) != RP_OK) die("step 1", &err);
+        policy_s = rep->policy_wall_s < policy_s ? rep->policy_wall_s : policy_s;
+        double eng = rep->plan_wall_s - rep->policy_wall_s;
+        engine_s = eng < engine_s ? eng : engine_s;
+        predicted_s = rep->cost.step_s;
+        snprintf(policy, sizeof policy, "%s", rep->policy_name);
+        rp_sched_free(s);
+    }
+
+    /* 5. the joint construction alone, with a placement in use, no fallbacks */
+    double construction_s = 1e30;
+    rp_joint_params jp = rp_joint_defaults();
+    const char *const none[] = {NULL};
+    jp.fallbacks = none;
+    for (int r = 0; r < reps; r++) {
+        rp_plan *jplan = NULL;
+        double t0 = thread_s();
+        if (rp_joint_plan(ctx, cfg, batch, whole, previous, NULL, &jp, &jplan, NULL, &err) != RP_OK)
+            die("joint", &err);
+        double t = thread_s() - t0;
+        construction_s = t < construction_s ? t : construction_s;
+        rp_plan_free(jplan);
+    }
+
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    const double ms = 1e3;
+    const double total_s = stats_s + exchange_s + merge_s + policy_s + engine_s;
+    if (as_json) {
+        printf("{\"scale\": %d, \"ranks\": %d, \"num_seqs\": %d, \"rank_seqs\": %d, \"rank_tokens\": %lld, "
+               "\"policy\": \"%s\", \"part_bytes\": %zu, \"exchange_bytes\": %.0f, \"stats_ms\": %.3f, "
+               "\"exchange_ms\": %.3f, \"merge_ms\": %.3f, \"policy_ms\": %.3f, \"validate_ms\": %.3f, "
+               "\"total_ms\": %.3f, \"predicted_step_ms\": %.3f, \"overhead_percent\": %.4f, "
+               "\"construction_ms\": %.3f, \"peak_rss_mib\": %.1f}\n",
+               scale, RANKS, n, m, (long long)rp_batch_num_tokens(mine), policy, part_bytes, exchange_bytes,
+               stats_s * ms, exchange_s * ms, merge_s * ms, policy_s * ms, engine_s * ms, total_s * ms,
+               predicted_s * ms, 100 * total_s / predicted_s, construction_s * ms, ru.ru_maxrss / 1024.0);
+    } else {
+        printf("bench_overhead: reference config, %d ranks, %d sequences (this rank: %d, %lld tokens), scale 1/%d, "
+               "policy %s; CPU ms of this thread, min of %d\n",
+               RANKS, n, m, (long long)rp_batch_num_tokens(mine), scale, policy, reps);
+        printf("  statistics of the rank's sequences  %10.3f ms\n", stats_s * ms);
+        printf("  exchange: %zu bytes a part, %.0f in all  %10.3f ms at %.0f GB/s (modelled)\n", part_bytes,
+               exchange_bytes, exchange_s * ms, topo->net_bytes_per_s / 1e9);
+        printf("  merge of %d parts                   %10.3f ms\n", RANKS, merge_s * ms);
+        printf("  policy call (step 1, placement in use) %7.3f ms wall\n", policy_s * ms);
+        printf("  engine around it (validate, evaluate, migration) %7.3f ms wall\n", engine_s * ms);
+        printf("  total                                %10.3f ms = %.3f%% of the predicted step (%.1f ms)\n",
+               total_s * ms, 100 * total_s / predicted_s, predicted_s * ms);
+        printf("  joint construction alone (no fallbacks) %7.3f ms\n", construction_s * ms);
+        printf("  peak RSS %.1f MiB\n", ru.ru_maxrss / 1024.0);
+    }
+    rp_plan_free(previous);
+    rp_batch_free(batch);
+    rp_stats_free(whole);
+    rp_stats_free(part);
+    rp_batch_free(mine);
+    rp_gen_free(gen);
+    rp_config_free(cfg);
+    rp_context_free(ctx);
+    free(pl);
+    free(rl);
+    free(perm);
+    free(bytes);
+    return 0;
+}
