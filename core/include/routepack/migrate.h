@@ -230,10 +230,10 @@ typedef struct rp_transport rp_transport;
 RP_API void rp_transport_free(rp_transport *t);
 RP_API int32_t rp_transport_rank(const rp_transport *t);
 RP_API int32_t rp_transport_size(const rp_transport *t);
-/* "local", "mpi" or "nccl". */
+/* "local", "mpi", "nccl" or "callback". */
 RP_API const char *rp_transport_name(const rp_transport *t);
-/* Whether this build has the transport of that name (local always; mpi and nccl when
- * the library was built with them). */
+/* Whether this build has the transport of that name (local and callback always; mpi
+ * and nccl when the library was built with them). */
 RP_API bool rp_transport_built(const char *name);
 /* False after a failure that left the transport unusable (a collective that timed
  * out, an aborted NCCL communicator); every later call fails. */
@@ -248,6 +248,72 @@ RP_API rp_status rp_local_hub_new(rp_context *ctx, int32_t size, rp_local_hub **
 RP_API void rp_local_hub_free(rp_local_hub *hub);
 RP_API rp_status rp_transport_local_new(rp_local_hub *hub, int32_t rank, rp_transport **out,
                                         rp_error *err);
+
+/* Callback transport: the caller's communication library moves the bytes (routepack.torch
+ * passes torch.distributed from Python). The executor drives it as any transport, so
+ * its agreement, checksums and all-or-nothing rounds apply unchanged. */
+
+/* One point-to-point message of a batch. Messages between one pair of ranks with the
+ * same tag must be matched in the order they were started (as MPI, NCCL and gloo do). */
+typedef struct rp_transport_message {
+    int32_t peer;     /* transport rank */
+    int32_t tag;      /* 0 .. 32767 */
+    int32_t send;     /* 1: send `bytes` from buf; 0: receive `bytes` into buf */
+    int32_t payload;  /* 1: expert bytes; 0: a header (checksums, counts) */
+    void *buf;        /* transport memory; valid until finish */
+    size_t bytes;     /* >= 1 */
+} rp_transport_message;
+
+/* Which way a copy callback moves bytes. */
+typedef enum rp_copy_kind {
+    RP_COPY_DEVICE = 0,     /* transport memory to transport memory */
+    RP_COPY_TO_HOST = 1,    /* transport memory to host memory */
+    RP_COPY_FROM_HOST = 2   /* host memory to transport memory */
+} rp_copy_kind;
+
+/* The callbacks (`ud` is the pointer given to rp_transport_callback_new). A fallible one
+ * returns RP_OK or an rp_status (any other value counts as RP_ETRANSPORT) and may write
+ * a NUL-terminated reason into `why` (`why_bytes` bytes), which becomes the error text.
+ * Callbacks run on the thread that called rp_migration_execute. */
+typedef struct rp_transport_callbacks {
+    /* Start every message of a batch without waiting for any (at most one batch is in
+     * flight). On failure, *failed may name the message (index into msgs). Whatever
+     * happens, finish is called before the next batch. */
+    int32_t (*start)(void *ud, const rp_transport_message *msgs, int32_t n, int32_t *failed,
+                     char *why, size_t why_bytes);
+    /* Wait until every message of the batch completed, at most `timeout_s` seconds:
+     * RP_ETIMEOUT when one is still pending (*failed: its index, or -1). */
+    int32_t (*wait)(void *ud, double timeout_s, int32_t *failed, char *why, size_t why_bytes);
+    /* Forget the batch: completed, or abandoned after a failure. Return 1 when no
+     * buffer of the batch is written after this returns, 0 when a receive may still
+     * write one (the transport is then unusable, and the executor never frees that
+     * buffer). */
+    int32_t (*finish)(void *ud);
+    /* Every rank contributes `bytes` host bytes at `mine`; `all` receives size * bytes,
+     * rank-major; at most `timeout_s` seconds. A failure leaves the transport unusable
+     * (a collective cannot be taken back). */
+    int32_t (*allgather)(void *ud, const void *mine, void *all, size_t bytes, double timeout_s,
+                         char *why, size_t why_bytes);
+    /* Memory callbacks: all three NULL for host memory (the context's allocator and
+     * memcpy); all three set for any other memory (CUDA). alloc returns NULL on failure. */
+    void *(*alloc)(void *ud, size_t bytes);
+    void (*free)(void *ud, void *ptr);
+    int32_t (*copy)(void *ud, void *dst, const void *src, size_t bytes, rp_copy_kind kind,
+                    double timeout_s, char *why, size_t why_bytes);
+    /* Largest message the callbacks take; larger payloads are split. 0: no limit. */
+    size_t max_message_bytes;
+} rp_transport_callbacks;
+
+/* A transport whose messages, exchanges and (optionally) memory go through `cb` (the
+ * struct is copied; `ud` is borrowed and passed to every callback). `rank` of `size`
+ * ranks; `memory`: the kind of every buffer it moves (the registry's). Checksums of
+ * non-host memory are computed on host copies made with the copy callback, so they
+ * equal rp_checksum_expert. rp_transport_free calls finish on a batch still in flight,
+ * never anything else. Errors (RP_EINVAL): a required callback missing, memory
+ * callbacks only partly set or missing for CUDA memory, rank or size out of range. */
+RP_API rp_status rp_transport_callback_new(rp_context *ctx, const rp_transport_callbacks *cb,
+                                           void *ud, int32_t rank, int32_t size,
+                                           rp_memory memory, rp_transport **out, rp_error *err);
 
 /* ---- executor ---- */
 
