@@ -2,6 +2,8 @@
 # Tests the Python binding against a CMake build: a venv in BUILD_DIR/python-venv with
 # numpy and pytest from PyPI, the package installed from ./python (bundling that build's
 # libroutepack), then pytest on python/tests. Exit 0 only when tests ran and passed.
+# ROUTEPACK_TEST_TORCH=1 also installs PyTorch from PyPI into that venv (once; pip's cache
+# serves later venvs), so the routepack.torch tests run instead of being skipped.
 # Usage: scripts/test-python.sh [BUILD_DIR] [PYTEST_ARGS...]   (default: build)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,6 +24,11 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$venv/bin/python" -c 'import numpy, pytest' 2>/dev/null; then
   "${pip[@]}" install numpy pytest
+fi
+if [ "${ROUTEPACK_TEST_TORCH:-0}" = 1 ] && ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+  start=$(date +%s)
+  "${pip[@]}" install torch
+  echo "test-python: installed torch from PyPI in $(( $(date +%s) - start )) s"
 fi
 # Always reinstall: the package bundles the library as it is now in $build.
 ROUTEPACK_BUILD_DIR="$build" "${pip[@]}" install --force-reinstall --no-deps "$root/python"

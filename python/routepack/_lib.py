@@ -251,6 +251,10 @@ _OPTIONAL = {
     "rp_policy_describe": (c_int, [P, P, c_char_p, POINTER(c_void_p), POINTER(c_size_t), PERR]),
     "rp_sched_save_state": (c_int, [P, POINTER(c_void_p), POINTER(c_size_t), PERR]),
     "rp_sched_load_state": (c_int, [P, c_char_p, c_size_t, PERR]),
+    # the placement a scheduler starts from (Scheduler.initial_placement)
+    "rp_plan_new": (c_int, [P, P, c_int32, POINTER(P), PERR]),
+    "rp_plan_set_contiguous": (c_int, [P, PERR]),
+    "rp_plan_phy2log": (PI32, [P, c_int32]),
 }
 
 _lock = threading.Lock()

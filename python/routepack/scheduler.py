@@ -679,6 +679,89 @@ class Scheduler:
             self._handle()
             return self._report_json()
 
+    # ---- executing the step's migration (routepack.executor) ----
+
+    def initial_placement(self):
+        """The placement the scheduler starts from, which the first step's migration moves
+        from (rp_plan_set_contiguous: expert e on EP rank floor(e * ep_size / E), spare
+        slots empty): phy2log int32 [layers, total slots], -1 for an empty slot. Load the
+        expert weights into the slots this way before the first step."""
+        lib = self._lib
+        cfg = self.config
+        plan = ctypes.c_void_p()
+        err = _lib.new_error()
+        st = lib.rp_plan_new(self._ctx.handle, cfg.handle, 1, ctypes.byref(plan), ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+        try:
+            st = lib.rp_plan_set_contiguous(plan, ctypes.byref(err))
+            if st != errors.OK:
+                _lib.raise_error(st, err)
+            S = lib.rp_plan_total_slots(plan)
+            return np.stack([np.ctypeslib.as_array(lib.rp_plan_phy2log(plan, l), (S,)).copy()
+                             for l in range(cfg.num_layers)])
+        finally:
+            lib.rp_plan_free(plan)
+
+    def set_migration_options(self, expert_bytes=None, staging_budget_bytes=0):
+        """Expert bytes per MoE layer (what the registry holds: Registry.expert_bytes) and
+        the staging budget in bytes (0: no limit, one round) of the migration plans of
+        later steps (rp_sched_set_migration_options). ``expert_bytes`` None: the model's."""
+        from . import executor
+        xlib = executor.lib()
+        opts = executor.rp_migration_options()
+        arr = None
+        if expert_bytes is not None:
+            arr = np.ascontiguousarray(expert_bytes, dtype=np.int64)
+            if arr.shape != (self.config.num_layers,):
+                raise errors.InvalidArgumentError(
+                    "expert_bytes has shape %s; the model has %d MoE layers"
+                    % (arr.shape, self.config.num_layers))
+            opts.expert_bytes = _i64p(arr)
+        opts.staging_budget_bytes = int(staging_budget_bytes)
+        with self._lock:
+            err = _lib.new_error()
+            st = xlib.rp_sched_set_migration_options(self._handle(), ctypes.byref(opts),
+                                                     ctypes.byref(err))
+            if st != errors.OK:
+                self._fail(st, err)
+
+    def execute_migration(self, registry, transport, timeout_s=60.0, ep_group=-1):
+        """Run the last step's migration plan (rp_sched_migration) with the C executor on
+        this rank's ``registry`` (routepack.executor.Registry) over ``transport``
+        (routepack.executor.CallbackTransport): call on every rank of the transport after
+        the step, before the step's placement is used. Returns a MigrationResult (None
+        when the step moved nothing). Each round is all-or-nothing on every rank; on a
+        failure the scheduler is told (rp_sched_migration_failed: the layers of rounds
+        that did not commit go back to their old placement in the plan in use, so the
+        next step plans from what the weights are) and MigrationFailed is raised, the
+        same on every rank. ``ep_group``: for a transport over one EP group, that group."""
+        from . import executor
+        xlib = executor.lib()
+        with self._lock:
+            handle = self._handle()
+            mp = self._lib.rp_sched_migration(handle)
+            if not mp:
+                return None
+            opts = executor.rp_migration_exec_options()
+            xlib.rp_migration_exec_defaults(ctypes.byref(opts))
+            opts.timeout_s = float(timeout_s)
+            opts.ep_group = int(ep_group)
+            raw = executor.rp_migration_result()
+            err = _lib.new_error()
+            st = xlib.rp_migration_execute(mp, registry.handle, transport.handle,
+                                           ctypes.byref(opts), ctypes.byref(raw),
+                                           ctypes.byref(err))
+            if st == errors.OK:
+                return executor.MigrationResult(raw)
+            text = _lib.text(err.text)
+            result = executor.MigrationResult(raw, st, text)
+            ferr = _lib.new_error()
+            fst = xlib.rp_sched_migration_failed(handle, ctypes.byref(raw), ctypes.byref(ferr))
+            if fst != errors.OK:
+                text += "; the scheduler could not take the failure back: " + _lib.text(ferr.text)
+        raise executor.MigrationFailed(text, st, result)
+
     # ---- checkpoint and resume ----
 
     def state_dict(self):

@@ -1,0 +1,370 @@
+"""Executing a step's expert migration from Python with the C executor
+(rp_migration_execute, core/include/routepack/migrate.h) over a callback transport whose
+messages and exchanges a Python object moves (routepack.torch passes torch.distributed).
+
+Three pieces, none of which needs torch:
+
+- ``Registry``: per MoE layer and local slot of this rank, the buffers that make up the
+  expert held there (weights, optimizer state), as (address, bytes) pairs the caller keeps
+  alive (rp_registry).
+- ``CallbackTransport``: an rp_transport whose start / wait / finish / allgather call the
+  methods of a Python object (the ``Messenger`` protocol below).
+- ``Scheduler.execute_migration`` (scheduler.py) runs the last step's migration plan with
+  them and, on failure, tells the scheduler (rp_sched_migration_failed).
+
+The contract (what a failure leaves behind, staging, rounds) is docs/migration.md."""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, Structure, c_char_p, c_double, c_int, c_int32, c_int64, c_size_t, c_void_p
+
+from . import _lib, errors
+from ._context import Context, Owned
+
+MEMORY = {"host": 0, "cuda": 1}   # rp_memory
+COPY_KINDS = ("device", "to_host", "from_host")   # rp_copy_kind
+
+
+class rp_tensor(Structure):
+    _fields_ = [("data", c_void_p), ("bytes", c_size_t), ("memory", c_int)]
+
+
+class rp_transport_message(Structure):
+    _fields_ = [("peer", c_int32), ("tag", c_int32), ("send", c_int32), ("payload", c_int32),
+                ("buf", c_void_p), ("bytes", c_size_t)]
+
+
+START_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, POINTER(rp_transport_message), c_int32,
+                            POINTER(c_int32), c_void_p, c_size_t)
+WAIT_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_double, POINTER(c_int32), c_void_p, c_size_t)
+FINISH_FN = ctypes.CFUNCTYPE(c_int32, c_void_p)
+ALLGATHER_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_double,
+                                c_void_p, c_size_t)
+ALLOC_FN = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_size_t)
+FREE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
+COPY_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_int, c_double,
+                           c_void_p, c_size_t)
+
+
+class rp_transport_callbacks(Structure):
+    _fields_ = [("start", START_FN), ("wait", WAIT_FN), ("finish", FINISH_FN),
+                ("allgather", ALLGATHER_FN), ("alloc", ALLOC_FN), ("free", FREE_FN),
+                ("copy", COPY_FN), ("max_message_bytes", c_size_t)]
+
+
+class rp_migration_exec_options(Structure):
+    _fields_ = [("timeout_s", c_double), ("staging", c_void_p), ("staging_bytes", c_size_t),
+                ("ep_group", c_int32)]
+
+
+class rp_migration_result(Structure):
+    _fields_ = [("num_rounds", c_int32), ("rounds_committed", c_int32),
+                ("bytes_sent", c_int64), ("bytes_received", c_int64), ("bytes_local", c_int64),
+                ("slots_written", c_int64), ("staging_bytes", c_int64), ("seconds", c_double),
+                ("failed_rank", c_int32), ("failed_layer", c_int32), ("failed_expert", c_int32),
+                ("failed_peer", c_int32)]
+
+
+class rp_slot_identity(Structure):
+    _fields_ = [("layer", c_int32), ("expert", c_int32), ("version", ctypes.c_uint64)]
+
+
+class rp_migration_options(Structure):
+    _fields_ = [("expert_bytes", POINTER(c_int64)), ("staging_budget_bytes", c_int64)]
+
+
+P, PERR = c_void_p, POINTER(_lib.rp_error)
+_FUNCTIONS = {
+    "rp_registry_new": (c_int, [P, c_int32, c_int32, POINTER(P), PERR]),
+    "rp_registry_free": (None, [P]),
+    "rp_registry_set": (c_int, [P, c_int32, c_int32, POINTER(rp_tensor), c_int32, PERR]),
+    "rp_registry_expert_bytes": (c_int64, [P, c_int32]),
+    "rp_registry_check": (c_int, [P, PERR]),
+    "rp_registry_set_identity": (c_int, [P, c_int32, c_int32, POINTER(rp_slot_identity), PERR]),
+    "rp_registry_identity": (c_int, [P, c_int32, c_int32, POINTER(rp_slot_identity), PERR]),
+    "rp_registry_set_version": (None, [P, ctypes.c_uint64]),
+    "rp_transport_callback_new": (c_int, [P, POINTER(rp_transport_callbacks), c_void_p, c_int32,
+                                          c_int32, c_int, POINTER(P), PERR]),
+    "rp_transport_free": (None, [P]),
+    "rp_transport_usable": (ctypes.c_bool, [P]),
+    "rp_migration_exec_defaults": (None, [POINTER(rp_migration_exec_options)]),
+    "rp_migration_execute": (c_int, [P, P, P, POINTER(rp_migration_exec_options),
+                                     POINTER(rp_migration_result), PERR]),
+    "rp_sched_migration_failed": (c_int, [P, POINTER(rp_migration_result), PERR]),
+    "rp_sched_set_migration_options": (c_int, [P, POINTER(rp_migration_options), PERR]),
+    "rp_migration_plan_layer_round": (c_int32, [P, c_int32]),
+}
+
+
+def lib():
+    """The library with the executor's functions declared; LibraryError when it lacks them."""
+    handle = _lib.load()
+    _lib._declare(handle, _FUNCTIONS, optional=True)
+    missing = sorted(n for n in _FUNCTIONS if getattr(handle, n, None) is None)
+    if missing:
+        raise errors.LibraryError("libroutepack at %s has no callback migration executor (lacks "
+                                  "%s): rebuild it from this tree" % (_lib.path(), ", ".join(missing)))
+    return handle
+
+
+class Registry:
+    """rp_registry: the buffers of every (layer, local slot) of this rank.
+
+    ``set(layer, slot, buffers)``: ``buffers`` is a list of (address, bytes) pairs, the
+    same count and sizes at every slot of a layer (weights first, then optimizer state,
+    in one fixed order). The memory is borrowed: the caller keeps it alive and in place
+    while the registry is used. ``memory``: "host" or "cuda" for every buffer."""
+
+    def __init__(self, num_layers, num_slots, memory="host", ctx=None):
+        if memory not in MEMORY:
+            raise errors.InvalidArgumentError("memory must be 'host' or 'cuda', got %r" % (memory,))
+        self._lib = lib()
+        self._ctx = ctx or Context(None)
+        self.memory = memory
+        self.num_layers, self.num_slots = int(num_layers), int(num_slots)
+        handle = c_void_p()
+        err = _lib.new_error()
+        st = self._lib.rp_registry_new(self._ctx.handle, self.num_layers, self.num_slots,
+                                       ctypes.byref(handle), ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+        self._owned = Owned(handle, self._lib.rp_registry_free, [self._ctx])
+
+    @property
+    def handle(self):
+        return self._owned.handle
+
+    def set(self, layer, slot, buffers):
+        arr = (rp_tensor * max(len(buffers), 1))()
+        for i, (addr, nbytes) in enumerate(buffers):
+            arr[i] = rp_tensor(c_void_p(int(addr)), int(nbytes), MEMORY[self.memory])
+        err = _lib.new_error()
+        st = self._lib.rp_registry_set(self.handle, int(layer), int(slot), arr, len(buffers),
+                                       ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+
+    def set_identity(self, layer, slot, expert, version=0):
+        """What (layer, slot) holds: logical ``expert`` of ``layer`` (-1: nothing) at weights
+        ``version``. Set once when the weights are loaded; the executor keeps it from then
+        on and refuses a migration whose current placement disagrees with it."""
+        ident = rp_slot_identity(int(layer), int(expert), int(version) & (2**64 - 1))
+        err = _lib.new_error()
+        st = self._lib.rp_registry_set_identity(self.handle, int(layer), int(slot), ctypes.byref(ident),
+                                                ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+
+    def identity(self, layer, slot):
+        """(layer, expert, version) that (layer, slot) holds (expert -2: never set)."""
+        ident = rp_slot_identity()
+        err = _lib.new_error()
+        st = self._lib.rp_registry_identity(self.handle, int(layer), int(slot), ctypes.byref(ident),
+                                            ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+        return ident.layer, ident.expert, ident.version
+
+    def set_version(self, version):
+        """Every slot's weights version becomes ``version`` (after an optimizer step)."""
+        self._lib.rp_registry_set_version(self.handle, int(version) & (2**64 - 1))
+
+    def expert_bytes(self, layer):
+        """Bytes of one expert at `layer` (all its buffers); -1 when nothing is registered."""
+        return int(self._lib.rp_registry_expert_bytes(self.handle, int(layer)))
+
+    def check(self):
+        """Raise unless every (layer, slot) is registered and no two buffers overlap."""
+        err = _lib.new_error()
+        st = self._lib.rp_registry_check(self.handle, ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+
+    def close(self):
+        self._owned.close()
+
+
+class Message:
+    """One point-to-point message the executor asks for: ``peer`` (transport rank),
+    ``tag`` (0..32767), ``send`` (True: send ``nbytes`` from ``address``; False: receive
+    them into it), ``payload`` (expert bytes rather than a header), ``address`` (memory
+    of the transport's kind, valid until finish), ``nbytes``."""
+
+    __slots__ = ("peer", "tag", "send", "payload", "address", "nbytes")
+
+    def __init__(self, m):
+        self.peer, self.tag = m.peer, m.tag
+        self.send, self.payload = bool(m.send), bool(m.payload)
+        self.address, self.nbytes = m.buf, m.bytes
+
+    def __repr__(self):
+        return "Message(%s %d bytes %s rank %d, tag %d)" % (
+            "send" if self.send else "recv", self.nbytes, "to" if self.send else "from",
+            self.peer, self.tag)
+
+
+class TransportFailure(Exception):
+    """Raised by a Messenger method to fail with a status: ``status`` an rp_status
+    (errors.ETRANSPORT, errors.ETIMEOUT, ...), ``index`` the message that failed or -1."""
+
+    def __init__(self, message, status=errors.ETRANSPORT, index=-1):
+        super().__init__(message)
+        self.status, self.index = status, index
+
+
+def _write_why(buf, size, text):
+    data = text.encode("utf-8", "replace")[: max(int(size) - 1, 0)]
+    if size:
+        ctypes.memmove(buf, data + b"\0", len(data) + 1)
+
+
+class CallbackTransport:
+    """An rp_transport over a Python ``messenger`` with these methods (all ranks call
+    them in the same order; see routepack.torch.TorchMessenger):
+
+    - ``start(messages)``: start every Message of a batch without waiting;
+    - ``wait(timeout_s)``: until every one completed (raise TransportFailure with
+      errors.ETIMEOUT when one is still pending at the deadline);
+    - ``finish()``: forget the batch (completed or abandoned); return False only when a
+      receive may still write an executor buffer after it returns;
+    - ``allgather(data: bytes, timeout_s) -> bytes``: every rank's equal-sized bytes,
+      rank-major;
+    - for memory other than host, also ``alloc(nbytes) -> address``, ``free(address)``,
+      ``copy(dst, src, nbytes, kind)`` with kind one of COPY_KINDS.
+
+    An exception from a method fails the executor's call with its text (any exception:
+    RP_ETRANSPORT; TransportFailure: its status), which the executor turns into a rolled
+    back round on every rank. ``rank``/``size``: this rank in the transport."""
+
+    def __init__(self, messenger, rank, size, memory="host", ctx=None):
+        self._lib = lib()
+        self._ctx = ctx or Context(None)
+        self.messenger = messenger
+        self.rank, self.size, self.memory = int(rank), int(size), memory
+        cb = rp_transport_callbacks()
+        # The ctypes function objects must live as long as the transport: kept on self.
+        self._fns = [START_FN(self._start), WAIT_FN(self._wait), FINISH_FN(self._finish),
+                     ALLGATHER_FN(self._allgather)]
+        cb.start, cb.wait, cb.finish, cb.allgather = self._fns
+        if memory != "host":
+            mem = [ALLOC_FN(self._alloc), FREE_FN(self._free), COPY_FN(self._copy)]
+            self._fns += mem
+            cb.alloc, cb.free, cb.copy = mem
+        cb.max_message_bytes = int(getattr(messenger, "max_message_bytes", 0))
+        self._cb = cb
+        handle = c_void_p()
+        err = _lib.new_error()
+        st = self._lib.rp_transport_callback_new(self._ctx.handle, ctypes.byref(cb), None,
+                                                 self.rank, self.size, MEMORY[memory],
+                                                 ctypes.byref(handle), ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+        self._owned = Owned(handle, self._lib.rp_transport_free, [self._ctx])
+
+    @property
+    def handle(self):
+        return self._owned.handle
+
+    @property
+    def usable(self):
+        """False after a failure that left the transport unusable (a failed exchange)."""
+        return bool(self._lib.rp_transport_usable(self.handle))
+
+    def close(self):
+        self._owned.close()
+
+    # Every callback catches everything: an exception must never unwind through C.
+    def _fail(self, exc, why, why_bytes, failed=None):
+        status = exc.status if isinstance(exc, TransportFailure) else errors.ETRANSPORT
+        if failed is not None and isinstance(exc, TransportFailure):
+            failed[0] = exc.index
+        text = str(exc) or type(exc).__name__
+        if not isinstance(exc, TransportFailure):
+            text = "%s: %s" % (type(exc).__name__, text)
+        _write_why(why, why_bytes, text)
+        return status
+
+    def _start(self, _ud, msgs, n, failed, why, why_bytes):
+        try:
+            self.messenger.start([Message(msgs[i]) for i in range(n)])
+            return errors.OK
+        except BaseException as e:  # noqa: BLE001 (reported to C, which reports it back)
+            return self._fail(e, why, why_bytes, failed)
+
+    def _wait(self, _ud, timeout_s, failed, why, why_bytes):
+        try:
+            self.messenger.wait(float(timeout_s))
+            return errors.OK
+        except BaseException as e:  # noqa: BLE001
+            return self._fail(e, why, why_bytes, failed)
+
+    def _finish(self, _ud):
+        try:
+            return 1 if self.messenger.finish() is not False else 0
+        except BaseException:  # noqa: BLE001 (cannot tell: the buffers may still be written)
+            return 0
+
+    def _allgather(self, _ud, mine, out, nbytes, timeout_s, why, why_bytes):
+        try:
+            data = self.messenger.allgather(ctypes.string_at(mine, nbytes), float(timeout_s))
+            if len(data) != nbytes * self.size:
+                raise TransportFailure("the exchange returned %d bytes, expected %d ranks x %d"
+                                       % (len(data), self.size, nbytes))
+            ctypes.memmove(out, data, len(data))
+            return errors.OK
+        except BaseException as e:  # noqa: BLE001
+            return self._fail(e, why, why_bytes)
+
+    def _alloc(self, _ud, nbytes):
+        try:
+            return self.messenger.alloc(int(nbytes))
+        except BaseException:  # noqa: BLE001 (NULL is the C side's "no memory")
+            return None
+
+    def _free(self, _ud, address):
+        try:
+            self.messenger.free(address)
+        except BaseException:  # noqa: BLE001
+            pass
+
+    def _copy(self, _ud, dst, src, nbytes, kind, timeout_s, why, why_bytes):
+        try:
+            self.messenger.copy(dst, src, int(nbytes), COPY_KINDS[kind])
+            return errors.OK
+        except BaseException as e:  # noqa: BLE001
+            return self._fail(e, why, why_bytes)
+
+
+class MigrationResult:
+    """What rp_migration_execute did on this rank (rp_migration_result): ``num_rounds``,
+    ``rounds_committed`` (rounds before it hold the new placement), ``bytes_sent``,
+    ``bytes_received``, ``bytes_local``, ``slots_written``, ``staging_bytes``,
+    ``seconds``; on failure (the same on every rank) ``failed_rank``, ``failed_layer``,
+    ``failed_expert``, ``failed_peer`` (-1 when unknown), ``status`` and ``error``."""
+
+    def __init__(self, raw, status=errors.OK, error=""):
+        for name, _ in rp_migration_result._fields_:
+            setattr(self, name, getattr(raw, name))
+        self.status, self.error = status, error
+        self._raw = raw
+
+    @property
+    def ok(self):
+        return self.status == errors.OK
+
+    def __repr__(self):
+        return ("MigrationResult(rounds_committed=%d/%d, sent=%d, received=%d, %s)"
+                % (self.rounds_committed, self.num_rounds, self.bytes_sent, self.bytes_received,
+                   "ok" if self.ok else "failed: " + self.error))
+
+
+class MigrationFailed(errors.Error):
+    """A migration that did not complete; ``result`` (a MigrationResult) says which
+    rounds committed. The scheduler was told (its plan in use reverted the layers of the
+    rounds that did not commit); the cause's class is in ``cause``."""
+
+    def __init__(self, message, status, result):
+        super().__init__(message, status)
+        self.result = result
+        self.cause = errors.class_for_status(status)

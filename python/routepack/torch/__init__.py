@@ -1,0 +1,31 @@
+"""routepack.torch: RoutePack's plan executed inside a PyTorch trainer (torch.distributed;
+NCCL on GPUs, gloo on CPUs).
+
+    from routepack.torch import MoELayer, MigrationExecutor, pack_microbatches
+    res = sched.step(...)                     # a routepack.Scheduler step (or DistributedScheduler)
+    executor.execute()                        # expert weights and optimizer state move, all-or-nothing
+    packed = pack_microbatches(res.microbatches, owner, lens, my_ids, {"tokens": t})
+    layer.set_placement(ExpertPlacement.from_step(res, l))   # then forward/backward per microbatch
+    layer.reduce_replica_grads()              # replicas of an expert keep identical weights
+
+Process groups are arguments (default: the world group). docs/torch.md shows the wiring
+in a Megatron- or verl-style trainer. Importing this module imports torch; ``import
+routepack`` alone never does."""
+
+try:
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without torch
+    raise ImportError(
+        "routepack.torch needs PyTorch (pip install 'routepack[torch]' or pip install torch); "
+        "the numpy binding (import routepack) works without it: %s" % e) from e
+
+from .messenger import TorchMessenger
+from .migration import MigrationExecutor, init_optimizer_state, slot_tensors
+from .moe import ExpertPlacement, MoELayer, all_to_all
+from .packing import PackedMicrobatch, pack_microbatches
+
+__all__ = [
+    "TorchMessenger", "MigrationExecutor", "init_optimizer_state", "slot_tensors",
+    "ExpertPlacement", "MoELayer", "all_to_all", "PackedMicrobatch", "pack_microbatches",
+]

@@ -1,0 +1,164 @@
+"""TorchMessenger: the messages and exchanges of the C migration executor moved by
+torch.distributed (routepack.executor.CallbackTransport calls it).
+
+Receives land in buffers this object owns and are copied into the executor's memory only
+when they completed, so a receive abandoned after a failure (gloo and NCCL cannot cancel
+one) never writes the executor's staging: finish() keeps such buffers alive forever and
+reports the transport still safe. Tags carry the executor call number, so a message left
+over from a failed call never matches one of a later call."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from ..executor import TransportFailure
+
+
+class _CudaMemory:
+    """A device address as an object torch.as_tensor takes (__cuda_array_interface__)."""
+
+    def __init__(self, address, nbytes):
+        self.__cuda_array_interface__ = {"shape": (int(nbytes),), "typestr": "|u1",
+                                         "data": (int(address), False), "version": 3}
+
+
+def bytes_at(address, nbytes, device):
+    """A uint8 tensor viewing `nbytes` at `address` (host memory, or device memory of
+    `device` when it is CUDA); the memory is borrowed."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaMemory(address, nbytes), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+def _wait_work(work, deadline, index, timeout_text):
+    """work.wait() until `deadline` (time.monotonic): a timeout raises TransportFailure
+    with ETIMEOUT, another backend error with ETRANSPORT and the backend's words."""
+    left = deadline - time.monotonic()
+    if left <= 0 and not work.is_completed():
+        raise TransportFailure(timeout_text, errors.ETIMEOUT, index)
+    try:
+        work.wait(timeout=timedelta(seconds=max(left, 1e-3)))
+    except RuntimeError as e:
+        if time.monotonic() >= deadline or "imed out" in str(e) or "imeout" in str(e):
+            raise TransportFailure(timeout_text, errors.ETIMEOUT, index) from e
+        raise TransportFailure("%s: %s" % (type(e).__name__, e), errors.ETRANSPORT, index) from e
+
+
+class TorchMessenger:
+    """The executor's messages over ``group`` (a torch.distributed process group; None:
+    the world): point-to-point batches with batch_isend_irecv, exchanges with all_gather
+    over ``control_group`` (default: ``group``; the same ranks), both waited on until the
+    executor's deadline. A separate control group matters on gloo: a receive that times
+    out there closes every connection of its group (gloo signals the error to all its
+    pairs), and the ranks still have to exchange the round's outcome afterwards. ``device``: where messages
+    live (cpu for gloo, the current CUDA device for NCCL; default from the backend)."""
+
+    def __init__(self, group=None, device=None, control_group=None):
+        self.group = group
+        self.control_group = group if control_group is None else control_group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if device is None:
+            backend = dist.get_backend(group)
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+                else torch.device("cpu")
+        self.device = torch.device(device)
+        self.call = 0          # executor calls so far, the same on every rank
+        self._batch = []       # (message, work, buffer)
+        self._orphans = []     # (work, buffer) of abandoned operations, kept alive
+        self._memory = {}      # address -> tensor, for alloc/free of device memory
+
+    def begin_call(self):
+        """Count an executor call (MigrationExecutor does this before each one)."""
+        self.call += 1
+
+    def _peer(self, rank):
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _tag(self, tag):
+        return ((self.call % 65536) << 15) | int(tag)
+
+    # ---- point to point ----
+
+    def start(self, messages):
+        ops, batch = [], []
+        for m in messages:
+            if m.send:
+                # A copy: an abandoned send may still be read after the executor returns.
+                buf = bytes_at(m.address, m.nbytes, self.device).clone()
+                op = dist.P2POp(dist.isend, buf, self._peer(m.peer), self.group, self._tag(m.tag))
+            else:
+                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
+                op = dist.P2POp(dist.irecv, buf, self._peer(m.peer), self.group, self._tag(m.tag))
+            ops.append(op)
+            batch.append([m, None, buf])
+        self._batch = batch
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            if len(works) == len(batch):
+                for entry, w in zip(batch, works):
+                    entry[1] = w
+            else:   # a coalesced backend (NCCL): one handle completes the whole batch
+                for entry in batch:
+                    entry[1] = works[-1] if works else None
+
+    def wait(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        for i, (m, work, buf) in enumerate(self._batch):
+            if work is None:
+                continue
+            # Work.wait with a timeout: gloo's send/recv handles only complete inside wait
+            # (is_completed stays False until then), so they cannot be polled.
+            _wait_work(work, deadline, i, ("rank %d did not take the message before the deadline" if m.send
+                                           else "nothing arrived from rank %d before the deadline") % m.peer)
+            if not m.send:
+                bytes_at(m.address, m.nbytes, self.device).copy_(buf)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def finish(self):
+        for _, work, buf in self._batch:
+            if work is not None and not work.is_completed():
+                self._orphans.append((work, buf))
+        self._batch = []
+        return True   # the executor's buffers are never written from here
+
+    # ---- exchanges ----
+
+    def allgather(self, data, timeout_s):
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        work = dist.all_gather(out, mine, group=self.control_group, async_op=True)
+        try:
+            _wait_work(work, time.monotonic() + timeout_s, -1,
+                       "rank %d timed out in an exchange between ranks" % self.rank)
+        except TransportFailure:
+            self._orphans.append((work, out))
+            raise
+        return b"".join(bytes(o.cpu().numpy()) for o in out)
+
+    # ---- device memory (CUDA registries) ----
+
+    def alloc(self, nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._memory[t.data_ptr()] = t
+        return t.data_ptr()
+
+    def free(self, address):
+        self._memory.pop(address, None)
+
+    def copy(self, dst, src, nbytes, kind):
+        host = torch.device("cpu")
+        src_dev = host if kind == "from_host" else self.device
+        dst_dev = host if kind == "to_host" else self.device
+        bytes_at(dst, nbytes, dst_dev).copy_(bytes_at(src, nbytes, src_dev))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()

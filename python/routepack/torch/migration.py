@@ -1,0 +1,199 @@
+"""MigrationExecutor: a step's expert migration executed on this rank's expert slot tensors
+(weights, optimizer state, master copies) by the C executor (rp_migration_execute) over
+torch.distributed, all-or-nothing per round on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from ..executor import CallbackTransport, Registry
+from .messenger import TorchMessenger
+
+
+def slot_tensors(params, optimizer=None, extra=()):
+    """The tensors that make up the experts of one MoE layer, in one fixed order: each
+    parameter of ``params`` (stacked slot-major: [num_slots, ...]), then each tensor of
+    the optimizer's state of that parameter whose shape equals the parameter's (Adam's
+    exp_avg and exp_avg_sq, SGD's momentum_buffer; scalars such as Adam's step are
+    shared by the slots and do not move), then ``extra`` (e.g. fp32 master copies of the
+    same [num_slots, ...] shape). Every rank must get the same list: create the
+    optimizer state first (init_optimizer_state)."""
+    out = []
+    params = list(params)
+    for p in params:
+        out.append(p)
+    if optimizer is not None:
+        for p in params:
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                v = state[key]
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    out.append(v)
+    out.extend(extra)
+    return out
+
+
+def init_optimizer_state(optimizer):
+    """Create the per-parameter state an optimizer would create at its first step, as
+    that step would (zeros), so expert state exists (and can be registered and moved)
+    before it: Adam, AdamW (with amsgrad), and SGD with momentum (its buffer then starts
+    at zero, which gives the same first step when dampening is 0). Other optimizers:
+    NotSupportedError; register their state after their first step instead."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                fused = group.get("fused") or group.get("capturable")
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                                 else torch.tensor(0.0, dtype=torch.float32))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif isinstance(optimizer, torch.optim.SGD):
+                if group.get("momentum", 0) and group.get("dampening", 0) == 0:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            else:
+                raise errors.NotSupportedError(
+                    "init_optimizer_state knows Adam, AdamW and SGD, not %s: register the "
+                    "expert state after the optimizer's first step" % type(optimizer).__name__)
+
+
+class MigrationExecutor:
+    """Moves expert weights and their optimizer state when a step's placement changes.
+
+    ``scheduler``: the routepack.Scheduler (or DistributedScheduler) whose steps plan the
+    migrations. ``group``: the ranks of the migration (plan GPU g = rank g of the group;
+    None: the world). Creating the executor is collective over ``group``: it makes a
+    private process group (dist.new_group) so migration traffic never mixes with the
+    trainer's, and a transport failure cannot leave the trainer's group out of step.
+    ``timeout_s`` bounds every wait; ``staging_budget_bytes`` caps the staging memory
+    per rank (0: no cap, one round); the plan splits into rounds of whole layers.
+    ``placement``: phy2log [layers, slots] the slots hold when the executor is made
+    (default: Scheduler.initial_placement(), where the trainer loads its experts); the
+    C executor then tracks each slot's identity and refuses a migration whose starting
+    placement differs from what the slots hold.
+
+    register(layer, tensors) for every MoE layer, then sync() (collective-free; tells
+    the scheduler the expert bytes and budget for the migrations of later steps). After
+    each step: execute() on every rank."""
+
+    def __init__(self, scheduler, group=None, *, placement=None, timeout_s=60.0,
+                 staging_budget_bytes=0, device=None):
+        self.scheduler = getattr(scheduler, "scheduler", scheduler)
+        # What the slots hold now (the registry's slot identities): by default the
+        # placement the scheduler starts from, where the trainer loads its experts.
+        self.placement = np.asarray(self.scheduler.initial_placement() if placement is None else placement)
+        self.ranks = list(range(dist.get_world_size())) if group is None else \
+            dist.get_process_group_ranks(group)
+        # Two private groups: messages, and the exchanges that decide each round (which
+        # must survive a failed message: see TorchMessenger).
+        self.group = self._new_group()
+        self.control_group = self._new_group()
+        self.messenger = TorchMessenger(self.group, device=device, control_group=self.control_group)
+        self.timeout_s = float(timeout_s)
+        self.staging_budget_bytes = int(staging_budget_bytes)
+        self._layers = {}
+        self._registry = None
+        self._transport = None
+        self.last = None
+
+    def _new_group(self):
+        return dist.new_group(ranks=self.ranks, use_local_synchronization=True)
+
+    def register(self, layer, tensors):
+        """The expert tensors of MoE layer ``layer`` on this rank: a list of contiguous
+        tensors [num_slots, ...] (slot s's expert is tensor[s] of each), the same list
+        layout on every rank (slot_tensors(params, optimizer) builds it). They are
+        borrowed: keep them alive and in place (optimizer.step updates in place)."""
+        tensors = list(tensors)
+        if not tensors:
+            raise errors.InvalidArgumentError("layer %d: no tensors to register" % layer)
+        slots = tensors[0].shape[0]
+        for i, t in enumerate(tensors):
+            if not t.is_contiguous() or t.dim() < 1 or t.shape[0] != slots:
+                raise errors.InvalidArgumentError(
+                    "layer %d tensor %d: shape %s (contiguous: %s); every tensor must be contiguous "
+                    "and slot-major with %d slots" % (layer, i, tuple(t.shape), t.is_contiguous(), slots))
+            if t.device != tensors[0].device:
+                raise errors.InvalidArgumentError("layer %d: tensors on %s and %s"
+                                                  % (layer, tensors[0].device, t.device))
+        self._layers[int(layer)] = tensors
+
+    def _build(self):
+        """The registry with the tensors' current addresses. It is made once and kept: it
+        carries the slots' identities, which the C executor updates as it commits."""
+        L = self.scheduler.config.num_layers
+        missing = [l for l in range(L) if l not in self._layers]
+        if missing:
+            raise errors.InvalidArgumentError("MoE layers %s have no registered tensors" % missing)
+        slots = self._layers[0][0].shape[0]
+        memory = "cuda" if self._layers[0][0].is_cuda else "host"
+        reg = self._registry
+        fresh = reg is None or reg.memory != memory or reg.num_slots != slots
+        if fresh:
+            reg = Registry(L, slots, memory)
+        for l in range(L):
+            ts = self._layers[l]
+            if ts[0].shape[0] != slots:
+                raise errors.InvalidArgumentError("layer %d has %d slots, layer 0 has %d"
+                                                  % (l, ts[0].shape[0], slots))
+            for s in range(slots):
+                reg.set(l, s, [(t[s].data_ptr(), t[s].numel() * t.element_size()) for t in ts])
+        reg.check()
+        if fresh:
+            rank = self.messenger.rank
+            begin = int(np.concatenate([[0], np.cumsum(self.scheduler.config.slots)])[rank])
+            for l in range(L):
+                for s in range(slots):
+                    reg.set_identity(l, s, int(self.placement[l][begin + s]))
+        if self._transport is None or self._transport.memory != memory:
+            self._transport = CallbackTransport(self.messenger, self.messenger.rank,
+                                                self.messenger.size, memory)
+        self._registry = reg
+        return reg
+
+    def expert_bytes(self):
+        """Bytes of one expert per layer, as registered (int list)."""
+        reg = self._registry or self._build()
+        return [reg.expert_bytes(l) for l in range(reg.num_layers)]
+
+    def sync(self):
+        """Tell the scheduler the registered expert bytes and the staging budget; the
+        migration plans of later steps use them."""
+        self.scheduler.set_migration_options(self.expert_bytes(), self.staging_budget_bytes)
+
+    def execute(self):
+        """Run the last step's migration on every rank (call it on every rank of the group
+        after each step, before the step's placement is used). Returns the
+        routepack.executor.MigrationResult, or None when nothing moves. Raises
+        routepack.executor.MigrationFailed, the same on every rank, when a round failed
+        (exception in a callback, timeout, checksum mismatch): the rounds before it stay
+        committed, the failed round left every rank's tensors intact, and the scheduler
+        has reverted its plan for the rest, so the next step plans from the weights as
+        they are."""
+        if self._transport is not None and not self._transport.usable:
+            raise errors.TransportError(
+                "an earlier migration left the transport unusable (the ranks could not agree on a "
+                "round's outcome, so the weights may differ between ranks): end the job")
+        reg = self._build()   # pointers as they are now (state may have been re-created)
+        self.messenger.begin_call()
+        try:
+            self.last = self.scheduler.execute_migration(reg, self._transport, self.timeout_s)
+        except errors.Error:
+            if self._transport.usable:
+                # Every rank is here (the outcome was agreed): a message that failed may
+                # have closed the message group's connections, so every rank replaces it.
+                old, self.group = self.group, self._new_group()
+                self.messenger.group = self.group
+                try:
+                    dist.destroy_process_group(old)
+                except Exception:  # noqa: BLE001 (a broken group may not shut down cleanly)
+                    pass
+            raise
+        return self.last

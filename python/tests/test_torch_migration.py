@@ -1,0 +1,140 @@
+"""routepack.torch.MigrationExecutor on 4 gloo ranks: expert weights and their Adam state
+follow the placement of every step of a re-placing policy, in one round or in several
+under a staging budget; an exception injected on one rank fails the migration on every
+rank, leaves every byte of the failed rounds as it was, keeps the committed rounds, and
+the scheduler plans the next step from the weights as they are."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="routepack.torch needs PyTorch (pip install torch)")
+
+import torch_world  # noqa: E402
+
+CONFIG = {
+    "topology": {"num_nodes": 2, "gpus_per_node": 2, "ep_size": 4, "slots_per_gpu": 3},
+    "model": {"num_layers": 3, "num_experts": 9, "top_k": 2, "hidden_size": 64,
+              "expert_ffn_size": 32, "num_heads": 4, "num_kv_heads": 4, "head_dim": 16},
+    "limits": {"max_tokens_per_microbatch": 4096},
+}
+L, E, SLOTS = 3, 9, 3
+
+
+def _step_inputs(step):
+    rng = np.random.default_rng(100 + step)
+    lens = rng.integers(4, 40, 16).astype(np.int32)
+    T = int(lens.sum())
+    w = 1.0 / np.arange(1, E + 1) ** (1.5 + step % 2)
+    ids = np.empty((T, L, 2), np.int32)
+    for l in range(L):
+        p = w[rng.permutation(E)]
+        g = np.log(p / p.sum())[None, :] + rng.gumbel(size=(T, E))
+        ids[:, l, :] = np.argsort(-g, axis=1)[:, :2]
+    return lens, ids
+
+
+def _expert_value(layer, expert, tensor, shape):
+    g = torch.Generator().manual_seed(layer * 1000 + expert * 10 + tensor)
+    return torch.randn(shape, generator=g)
+
+
+def _layer_tensors():
+    """Two stacked parameters per layer and their Adam state: 6 tensors per slot."""
+    params = [[torch.nn.Parameter(torch.zeros(SLOTS, 4, 3)), torch.nn.Parameter(torch.zeros(SLOTS, 7))]
+              for _ in range(L)]
+    opt = torch.optim.Adam([p for ps in params for p in ps], lr=1e-3)
+    return params, opt
+
+
+def _fill(tensors_by_layer, phy2log, rank):
+    with torch.no_grad():
+        for l, ts in enumerate(tensors_by_layer):
+            for s in range(SLOTS):
+                e = int(phy2log[l][rank * SLOTS + s])
+                for i, t in enumerate(ts):
+                    t[s].copy_(_expert_value(l, e, i, t[s].shape))
+
+
+def _holds(tensors_by_layer, phy2log, rank, layers):
+    """Whether the slots of `layers` hold exactly their placement's experts."""
+    for l in layers:
+        ts = tensors_by_layer[l]
+        for s in range(SLOTS):
+            e = int(phy2log[l][rank * SLOTS + s])
+            for i, t in enumerate(ts):
+                if not torch.equal(t[s], _expert_value(l, e, i, t[s].shape)):
+                    return False
+    return True
+
+
+def _migrate_rank(rank, world, budget_layers, fail_step, fail_batch):
+    import routepack
+    from routepack.executor import MigrationFailed
+    from routepack.torch import MigrationExecutor, TorchMessenger, init_optimizer_state, slot_tensors
+
+    class Flaky(TorchMessenger):
+        """Raises on rank 2's `fail_batch`-th batch of expert bytes of step `fail_step`."""
+        armed, batches = False, 0
+
+        def start(self, messages):
+            if self.armed and any(m.payload for m in messages):
+                self.batches += 1
+                if self.batches == fail_batch + 1:
+                    self.armed = False
+                    raise RuntimeError("injected: the link to rank %d went down" % messages[0].peer)
+            super().start(messages)
+
+    params, opt = _layer_tensors()
+    init_optimizer_state(opt)
+    tensors = [slot_tensors(ps, opt) for ps in params]
+    assert all(len(ts) == 6 for ts in tensors)   # 2 weights + exp_avg, exp_avg_sq of each
+    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
+    phy2log = sched.initial_placement()   # where the first migration starts
+    _fill(tensors, phy2log, rank)
+    ex = MigrationExecutor(sched, timeout_s=2.0)
+    if rank == 2:
+        ex.messenger.__class__ = Flaky
+    for l in range(L):
+        ex.register(l, tensors[l])
+    per_layer = ex.expert_bytes()[0] * SLOTS
+    ex.staging_budget_bytes = budget_layers * per_layer
+    ex.sync()
+    report = []
+    for step in range(4):
+        res = sched.step(*_step_inputs(step))
+        if rank == 2 and step == fail_step:
+            ex.messenger.armed = True
+        try:
+            r = ex.execute()
+            assert _holds(tensors, res.phy2log, rank, range(L))
+            report.append(("ok", r.rounds_committed if r else 0, r.num_rounds if r else 0))
+            phy2log = res.phy2log
+        except MigrationFailed as e:
+            committed = e.result.rounds_committed
+            done = [l for l in range(L) if 0 <= res.migration.layer_round[l] < committed]
+            rest = [l for l in range(L) if l not in done]
+            assert _holds(tensors, res.phy2log, rank, done)
+            assert _holds(tensors, phy2log, rank, rest)   # every byte as before
+            assert "injected: the link to rank" in str(e) and "rank 2" in str(e)
+            report.append(("failed", committed, e.result.num_rounds, str(e)))
+            new = np.array(res.phy2log)
+            for l in rest:
+                new[l] = phy2log[l]
+            phy2log = new
+    sched.close()
+    return report
+
+
+@pytest.mark.parametrize("budget_layers,fail_batch", [(0, 0), (1, 1)])
+def test_weights_and_adam_state_follow_the_placement_and_a_failure_rolls_back(budget_layers, fail_batch):
+    out = torch_world.run(_migrate_rank, 4, budget_layers, 1, fail_batch)
+    for rank_report in out[1:]:
+        assert [r[:3] for r in rank_report] == [r[:3] for r in out[0]]   # every rank alike
+    kinds = [r[0] for r in out[0]]
+    assert kinds == ["ok", "failed", "ok", "ok"], out[0]
+    assert len(set(r[3] for r in (rep[1] for rep in out))) == 1   # the same error text
+    moved = [r for r in out[0] if r[0] == "ok" and r[2] > 0]
+    assert moved, "the policy moved nothing"
+    if budget_layers:
+        assert max(r[2] for r in out[0]) > 1   # several rounds
+        assert out[0][1][1] >= 1              # the failure came after a committed round

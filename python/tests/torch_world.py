@@ -1,0 +1,64 @@
+"""The one way the routepack.torch tests run a function on N gloo ranks: forked processes,
+a file rendezvous, one CPU thread each; a rank's exception comes back with its traceback,
+and a rank that hangs fails the test after `timeout` seconds instead of hanging it."""
+
+import os
+import queue
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank, world, init_file, fn, args, results):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+        try:
+            out = fn(rank, world, *args)
+            results.put((rank, True, out))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 (reported to the parent)
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run(fn, world, *args, timeout=120):
+    """fn(rank, world, *args) on `world` gloo ranks; returns the results by rank. `fn`
+    must be a module-level function (it is pickled by name)."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="rp-torch-")
+    os.close(fd)
+    os.unlink(init_file)   # the file store creates it
+    procs = [ctx.Process(target=_rank_main, args=(r, world, init_file, fn, args, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out, failures = {}, []
+    try:
+        for _ in range(world):
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                failures.append("ranks %s did not finish within %d s"
+                                % (sorted(set(range(world)) - set(out)), timeout))
+                break
+            if ok:
+                out[rank] = value
+            else:
+                failures.append("rank %d:\n%s" % (rank, value))
+                out[rank] = None
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [out[r] for r in range(world)]
