@@ -1,6 +1,7 @@
 /* Writes the seeds of tests/fuzz/corpus that are made by the library rather than copied
- * from the repository's files: a small trace (fuzz_trace) and scheduler checkpoints
- * (fuzz_sched_state), both for the fuzzers' small config and batch (fuzz_util.h).
+ * from the repository's files: a small trace (fuzz_trace), scheduler checkpoints
+ * (fuzz_sched_state) and serialised statistics (fuzz_stats_wire), for the fuzzers' small
+ * config and batch (fuzz_util.h).
  * Usage: make_corpus CORPUS_DIR   (docs/fuzzing.md, "Seed corpora") */
 #include "fuzz_util.h"
 
@@ -33,6 +34,42 @@ static void trace(void)
     FUZZ_REQUIRE(rp_trace_writer_append(w, 0, batch, &routing, &err) == RP_OK, "%s", err.text);
     FUZZ_REQUIRE(rp_trace_writer_append(w, 1, batch, &routing, &err) == RP_OK, "%s", err.text);
     FUZZ_REQUIRE(rp_trace_writer_close(w, &err) == RP_OK, "%s", err.text);
+}
+
+/* Serialised statistics (the ranks' exchange) of the small batch, and of a batch of 3
+ * cells a sequence whose 2-byte counts follow 1-byte ones at an odd offset. */
+static void stats_wire(void)
+{
+    rp_context *ctx = fuzz_context();
+    const rp_batch *batch;
+    rp_routing routing;
+    fuzz_small_batch(&batch, &routing);
+    rp_error err;
+    rp_batch *odd = NULL;
+    int32_t prompt[2] = {5, 300}, response[2] = {0, 0};
+    FUZZ_REQUIRE(rp_batch_new(ctx, 2, prompt, response, NULL, &odd, &err) == RP_OK, "%s", err.text);
+    static uint8_t odd_ids[305];
+    for (int t = 0; t < 305; t++) odd_ids[t] = (uint8_t)(t < 5 ? t % 3 : 1);
+    rp_routing odd_routing;
+    rp_routing_packed(&odd_routing, RP_ID_U8, 1, 1, odd_ids);
+    const struct {
+        const char *name;
+        const rp_batch *batch;
+        const rp_routing *routing;
+        int32_t experts;
+    } cases[] = {{"small.bin", batch, &routing, 6}, {"odd-offsets.bin", odd, &odd_routing, 3}};
+    for (int i = 0; i < 2; i++) {
+        rp_stats *stats = NULL;
+        FUZZ_REQUIRE(rp_stats_compute(ctx, cases[i].batch, cases[i].routing, cases[i].experts, 1, &stats, &err) == RP_OK,
+                     "%s", err.text);
+        size_t n = rp_stats_serialized_bytes(stats);
+        char *bytes = malloc(n);
+        FUZZ_REQUIRE(bytes && rp_stats_serialize(stats, bytes, n, &err) == RP_OK, "%s", err.text);
+        write_file("fuzz_stats_wire", cases[i].name, bytes, n);
+        free(bytes);
+        rp_stats_free(stats);
+    }
+    rp_batch_free(odd);
 }
 
 /* Keeps a counter and a list in ctx.state, so the checkpoint carries a policy state. */
@@ -101,6 +138,7 @@ int main(int argc, char **argv)
     }
     dir = argv[1];
     trace();
+    stats_wire();
     state("fresh.json", NULL, NULL, 0, false);
     state("pair-3steps.json", NULL, NULL, 3, false);
     state("stateful-staged.json", "stateful.lua", STATEFUL, 3, true);
