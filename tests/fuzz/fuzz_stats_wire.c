@@ -50,8 +50,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
      * docs/fuzzing.md says why. */
     if (size >= HEADER) {
         int64_t n = le32(data + 16), layers = le32(data + 20), experts = le32(data + 24);
-        if (n > 0 && layers > 0 && experts > 0 && (n + 1) * layers * experts > ((int64_t)1 << 24)) return 0;
-        if (layers > 0 && experts > 0 && layers * experts > ((int64_t)1 << 22)) return 0;
+        int64_t cells = layers > 0 && experts > 0 ? layers * experts : 0; /* < 2^62 */
+        if (cells > ((int64_t)1 << 22)) return 0;
+        if (n > 0 && (n + 1) * cells > ((int64_t)1 << 24)) return 0; /* < 2^31 x 2^22 */
     }
     read_back(data, size);
     if (size >= HEADER) {
