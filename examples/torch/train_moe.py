@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 1 examples/torch/train_moe.py            # one GPU: NCCL
 
 Every step: each rank rolls out its own sequences and records their routing (R3); the
-scheduler plans packing and placement from the replay; the expert weights and Adam state
+ranks exchange only their routing statistics and every rank plans the same packing and
+placement from them (DistributedScheduler); the expert weights and Adam state
 migrate (C executor over torch.distributed); each rank fetches the sequences the plan
 gives it (THD packing) and remaps their routing to physical replicas; the MoE layers run
 the plan (replica shares, extra replicas) microbatch by microbatch; replicas' gradients
@@ -28,9 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import routepack
-from routepack.torch import (ExpertPlacement, MigrationExecutor, MoELayer, init_optimizer_state,
-                             pack_microbatches, slot_tensors)
+from routepack.torch import (DistributedScheduler, ExpertPlacement, MigrationExecutor, MoELayer,
+                             init_optimizer_state, pack_microbatches, slot_tensors)
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 16, 32, 2, 8, 2
 
@@ -116,28 +116,6 @@ def sum_loss(logits, tokens, cu_seqlens):
     return F.cross_entropy(logits[idx], tokens[idx + 1], reduction="sum")
 
 
-def plan_step(sched, step, lens, my_ids, my_routing, world, device):
-    """Plan from every rank's routing: gathered to every rank here (the numpy binding's
-    Scheduler.step needs the whole batch's routing)."""
-    T = torch.tensor([my_routing.shape[0]], device=device)
-    sizes = [torch.zeros_like(T) for _ in range(world)]
-    dist.all_gather(sizes, T)
-    width = int(max(s.item() for s in sizes))
-    pad = torch.zeros((width,) + tuple(my_routing.shape[1:]), dtype=my_routing.dtype, device=device)
-    pad[:my_routing.shape[0]] = my_routing
-    parts = [torch.zeros_like(pad) for _ in range(world)]
-    dist.all_gather(parts, pad)
-    ids_of = [None] * len(lens)
-    for r in range(world):
-        r_ids = np.nonzero(np.arange(len(lens)) % world == r)[0]
-        off = 0
-        for s in r_ids:
-            ids_of[s] = parts[r][off:off + lens[s]].cpu().numpy()
-            off += lens[s]
-    routing = np.concatenate(ids_of) if len(lens) else np.zeros((0, LAYERS, TOP_K), np.int32)
-    return sched.step(lens, routing, step=step)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", default="routepack")
@@ -159,7 +137,9 @@ def main():
     torch.set_num_threads(1)
 
     config = config_for(world)
-    sched = routepack.Scheduler(config, policy=args.policy, log_level=None)
+    # Every rank plans the same step from all ranks' routing statistics (only those are
+    # exchanged), agreeing on the plan through torch.distributed.
+    sched = DistributedScheduler(config, policy=args.policy, log_level=None)
     swap_to = args.swap_to
     if swap_to == "auto":
         swap_to = "none" if args.policy == "token_kk+contiguous" else "token_kk+eplb"
@@ -204,7 +184,7 @@ def main():
             my_routing = torch.stack([b.moe.last_routing for b in model.blocks], dim=1).to(torch.int32)
 
         # Plan, migrate, pack.
-        res = plan_step(sched, step, lens, mine, my_routing, world, device)
+        res = sched.step(my_routing, lens[mine], mine, step=step)
         executor.execute()
         placement = [ExpertPlacement.from_step(res, l) for l in range(LAYERS)]
         for l, b in enumerate(model.blocks):
@@ -238,10 +218,10 @@ def main():
         dist.all_gather(walls, wall)
         if rank == 0:
             swapped = "  swapped to %s" % res.policy_name if res.swapped else ""
-            print("step %d  policy %s  predicted %.3f ms  wall %s ms  experts moved %d  loss %.6f%s"
-                  % (step, res.policy_name, res.step_time_s * 1e3,
-                     "/".join("%.0f" % (w.item() * 1e3) for w in walls), res.experts_moved, step_loss, swapped),
-                  flush=True)
+            print("step %d  policy %s  predicted %.3f ms  wall %s ms  experts moved %d  stats sent %d B  "
+                  "loss %.6f%s" % (step, res.policy_name, res.step_time_s * 1e3,
+                                   "/".join("%.0f" % (w.item() * 1e3) for w in walls), res.experts_moved,
+                                   sched.last_exchange_bytes["sent"], step_loss, swapped), flush=True)
 
     # Logical parameters: dense ones as they are, experts gathered by id.
     logical = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if id(p) not in experts}

@@ -1,8 +1,9 @@
 """routepack.torch: RoutePack's plan executed inside a PyTorch trainer (torch.distributed;
 NCCL on GPUs, gloo on CPUs).
 
-    from routepack.torch import MoELayer, MigrationExecutor, pack_microbatches
-    res = sched.step(...)                     # a routepack.Scheduler step (or DistributedScheduler)
+    from routepack.torch import DistributedScheduler, MoELayer, MigrationExecutor, pack_microbatches
+    sched = DistributedScheduler(config)      # every rank; plans from all ranks' statistics
+    res = sched.step(my_routing, my_lens, my_global_ids, my_group_ids)
     executor.execute()                        # expert weights and optimizer state move, all-or-nothing
     packed = pack_microbatches(res.microbatches, owner, lens, my_ids, {"tokens": t})
     layer.set_placement(ExpertPlacement.from_step(res, l))   # then forward/backward per microbatch
@@ -24,8 +25,10 @@ from .messenger import TorchMessenger
 from .migration import MigrationExecutor, init_optimizer_state, slot_tensors
 from .moe import ExpertPlacement, MoELayer, all_to_all
 from .packing import PackedMicrobatch, pack_microbatches
+from .scheduler import DistributedScheduler, TorchComm, all_gather_bytes
 
 __all__ = [
     "TorchMessenger", "MigrationExecutor", "init_optimizer_state", "slot_tensors",
     "ExpertPlacement", "MoELayer", "all_to_all", "PackedMicrobatch", "pack_microbatches",
+    "DistributedScheduler", "TorchComm", "all_gather_bytes",
 ]

@@ -1,0 +1,183 @@
+"""DistributedScheduler: the RoutePack step inside a torch.distributed job. Each rank passes
+only its own sequences' routing replay; statistics are computed where the routing lives
+(the CUDA kernels for CUDA tensors, the C scan for host memory), only their compact bytes
+are exchanged, and every rank plans the same step from them (rp_sched_step_stats), with
+plan hashes and any fallback agreed through torch.distributed (the scheduler's rp_comm)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import routepack
+from .. import _lib, _routing, errors
+from ..distributed import Comm, Stats
+from ..scheduler import _raise_step_error
+from ..trace import _new_batch
+
+_WIDTH = {torch.uint8: 1, torch.int16: 2, torch.int32: 4}   # rp_id_width of a tensor's ids
+
+
+def _device_of(group):
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_bytes(data, group=None, device=None):
+    """Every rank's bytes (any size each), rank-major, on every rank: sizes first, then
+    one all_gather of the parts padded to the largest. Collective over ``group``."""
+    device = device or _device_of(group)
+    world = dist.get_world_size(group)
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
+        torch.zeros(0, dtype=torch.uint8)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(s.item()) for s in sizes]
+    width = max(sizes + [1])
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [bytes(p[:n].cpu().numpy()) for p, n in zip(parts, sizes)]
+
+
+class TorchComm(Comm):
+    """routepack.Comm (the scheduler's rp_comm) over a torch.distributed group: the
+    scheduler's agreement (plan hashes, fallback flags, the agreed plan) travels with
+    all_gather and broadcast. Every rank's scheduler calls it in the same order."""
+
+    def __init__(self, group=None, device=None):
+        self.group = group
+        self.device = device or _device_of(group)
+        super().__init__(self._allgather, self._bcast, dist.get_rank(group), dist.get_world_size(group))
+
+    def _allgather(self, data):
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data else \
+            torch.zeros(0, dtype=torch.uint8, device=self.device)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.group)
+        return [bytes(o.cpu().numpy()) for o in out]
+
+    def _bcast(self, data, root):
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data else \
+            torch.zeros(0, dtype=torch.uint8, device=self.device)
+        src = root if self.group is None else dist.get_global_rank(self.group, root)
+        dist.broadcast(t, src=src, group=self.group)
+        return bytes(t.cpu().numpy())
+
+
+class DistributedScheduler:
+    """A routepack.Scheduler whose every step is planned from all ranks' sequences while
+    each rank holds only its own routing.
+
+    ``config``, ``policy`` and ``options`` are Scheduler's; ``group``: the ranks that plan
+    together (None: the world; rank r of the group is plan GPU r). Creating it is not
+    collective; every step is (every rank calls step() for every step, in order).
+
+    step(routing, seq_lens, global_ids, group_ids=None, step=None) -> StepResult: the plan
+    of the whole step, the same on every rank (plan_hash). ``routing``: this rank's
+    sequences' ids [tokens, layers, k] (a CPU or CUDA tensor of uint8/int16/int32, or a
+    numpy array; CUDA tensors are counted by the CUDA kernels where the library has
+    them), ``seq_lens``: their lengths, ``global_ids``: their ids in the step
+    (0 .. S-1 over all ranks, each id on exactly one rank), ``group_ids``: their GRPO
+    group ids. Physical routing: StepResult.remap_rank on the tokens a rank runs.
+
+    Bytes a rank sends per step: its statistics (64 + n + the histogram bytes,
+    routepack/stats.h), 8 bytes of size, 12 bytes per sequence (id, length, group), and
+    the scheduler's agreement (two all_gathers of 16 bytes, more when ranks disagree);
+    with all_gather it receives every rank's parts, padded to the largest
+    (docs/torch.md)."""
+
+    def __init__(self, config, policy=None, group=None, **options):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.device = _device_of(group)
+        self.comm = TorchComm(group, self.device)
+        self.scheduler = routepack.Scheduler(config, policy, comm=self.comm, **options)
+        self.config = self.scheduler.config
+        if self.config.num_gpus != self.size:
+            raise errors.InvalidArgumentError("the config has %d GPUs; the group has %d ranks"
+                                              % (self.config.num_gpus, self.size))
+        self.last_exchange_bytes = None
+
+    # the executor and trainers reach the plain scheduler's API through here
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+
+    def close(self):
+        self.scheduler.close()
+
+    def _stats(self, routing, lens):
+        """This rank's Stats: the C library's rp_stats_compute on the routing where it lives."""
+        if torch.is_tensor(routing) and routing.is_cuda:
+            return self._stats_cuda(routing, lens)
+        if torch.is_tensor(routing):
+            routing = routing.numpy()
+        return self.scheduler.compute_stats(lens, routing)
+
+    def _stats_cuda(self, routing, lens):
+        cfg = self.config
+        if routing.dtype not in _WIDTH:
+            routing = routing.to(torch.int32)
+        routing = routing.contiguous()
+        T = int(np.sum(lens))
+        if tuple(routing.shape) != (T, cfg.num_layers, cfg.top_k):
+            raise errors.RoutingError("routing has shape %s, expected [tokens, layers, k] = [%d, %d, %d]"
+                                      % (tuple(routing.shape), T, cfg.num_layers, cfg.top_k))
+        view = _lib.rp_routing()
+        view.layout = _routing._LAYOUT_CODE["packed"]
+        view.width = _WIDTH[routing.dtype]
+        view.num_layers, view.top_k = cfg.num_layers, cfg.top_k
+        view.token_stride, view.layer_stride, view.k_stride = routing.stride()
+        view.base = routing.data_ptr() if T else None
+        local = _routing.lengths(np.asarray(lens), None, None)
+        lib = self.scheduler._lib
+        batch = _new_batch(lib, self.scheduler._ctx.handle, local)
+        try:
+            out = ctypes.c_void_p()
+            err = _lib.new_error()
+            st = lib.rp_stats_compute(self.scheduler._ctx.handle, batch, ctypes.byref(view), cfg.num_experts,
+                                      self.scheduler._num_threads, ctypes.byref(out), ctypes.byref(err))
+            if st != errors.OK:
+                _raise_step_error(st, err)
+        finally:
+            lib.rp_batch_free(batch)
+        return Stats(out, self.scheduler._ctx)
+
+    def step(self, routing, seq_lens, global_ids, group_ids=None, step=None):
+        lens = np.asarray(seq_lens.cpu() if torch.is_tensor(seq_lens) else seq_lens, dtype=np.int64)
+        ids = np.asarray(global_ids.cpu() if torch.is_tensor(global_ids) else global_ids, dtype=np.int64)
+        groups = np.zeros(len(lens), np.int64) if group_ids is None else \
+            np.asarray(group_ids.cpu() if torch.is_tensor(group_ids) else group_ids, dtype=np.int64)
+        if not (len(lens) == len(ids) == len(groups)):
+            raise errors.InvalidArgumentError("%d lengths, %d global ids and %d group ids: one of each per "
+                                              "sequence" % (len(lens), len(ids), len(groups)))
+        part = self._stats(routing, lens).to_bytes()
+        # Every collective below runs on every rank, whatever its part holds.
+        meta = np.stack([ids, lens, groups], axis=1).astype(np.int32)
+        metas = all_gather_bytes(meta.tobytes(), self.group, self.device)
+        parts = all_gather_bytes(part, self.group, self.device)
+        self.last_exchange_bytes = {"sent": len(part) + meta.nbytes + 16,
+                                    "received": sum(len(p) for p in parts) + sum(len(m) for m in metas)
+                                    + 16 * self.size}
+        per_rank = [np.frombuffer(m, dtype=np.int32).reshape(-1, 3) for m in metas]
+        S = sum(len(m) for m in per_rank)
+        all_lens = np.zeros(S, np.int32)
+        all_groups = np.zeros(S, np.int32)
+        for m in per_rank:
+            if len(m) and (m[:, 0].min() < 0 or m[:, 0].max() >= S):
+                raise errors.InvalidArgumentError("a global sequence id is outside 0 .. %d" % (S - 1))
+            all_lens[m[:, 0]] = m[:, 1]
+            all_groups[m[:, 0]] = m[:, 2]
+        merged = self.scheduler.merge_stats(parts, [m[:, 0] for m in per_rank], S)
+        try:
+            return self.scheduler.step_from_stats(all_lens, merged, step=step,
+                                                  group_ids=all_groups if group_ids is not None else None)
+        finally:
+            merged.close()

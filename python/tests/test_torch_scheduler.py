@@ -1,0 +1,95 @@
+"""routepack.torch.DistributedScheduler on 3 gloo ranks, each holding only its own
+sequences' routing: the merged statistics equal the single-process ones, every rank gets
+the plan a single process makes from the whole batch (hash, packing, placement), the
+physical routing of each rank's own tokens equals the whole-batch remap, and when one
+rank's policy fails the fallback is collective (every rank still on one plan)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="routepack.torch needs PyTorch (pip install torch)")
+
+import torch_world  # noqa: E402
+from conftest import random_step  # noqa: E402
+
+CONFIG = {
+    "topology": {"num_nodes": 1, "gpus_per_node": 3, "ep_size": 3, "slots_per_gpu": 3},
+    "model": {"num_layers": 2, "num_experts": 7, "top_k": 2, "hidden_size": 64,
+              "expert_ffn_size": 32, "num_heads": 4, "num_kv_heads": 4, "head_dim": 16},
+    "limits": {"max_tokens_per_microbatch": 4096, "num_microbatches": 2},
+}
+
+
+def _batch(step):
+    rng = np.random.default_rng(40 + step)
+    lens, ids = random_step(rng, 17, 2, 2, 7, max_len=30)
+    groups = np.arange(17) // 4
+    return lens, ids, groups
+
+
+def _mine(lens, world, rank, step):
+    """This rank's sequences, in a rank-local order that is not the global one."""
+    rng = np.random.default_rng(step * 10 + rank)
+    own = np.nonzero(np.arange(len(lens)) % world == rank)[0]
+    return rng.permutation(own)
+
+
+def _sched_rank(rank, world, policy, fail_rank):
+    import routepack
+    from routepack.torch import DistributedScheduler
+    options = {"max_instructions": 1} if rank == fail_rank else {}
+    ds = DistributedScheduler(CONFIG, policy=policy, **options)
+    ref = routepack.Scheduler(CONFIG, policy=policy)
+    out = []
+    for step in range(3):
+        lens, ids, groups = _batch(step)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        mine = _mine(lens, world, rank, step)
+        rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
+        res = ds.step(torch.as_tensor(ids[rows]), lens[mine], mine, groups[mine], step=step)
+        want = ref.step(lens, ids, step=step, group_ids=groups)
+        # merged statistics: bit-identical to the single-process scan
+        whole = ref.compute_stats(lens, ids)
+        parts = [ref.compute_stats(lens[_mine(lens, world, r, step)],
+                                   np.concatenate([ids[cu[s]:cu[s + 1]] for s in _mine(lens, world, r, step)]))
+                 .to_bytes() for r in range(world)]
+        merged = ref.merge_stats(parts, [_mine(lens, world, r, step) for r in range(world)], len(lens))
+        same_stats = np.array_equal(merged.expert_load(), whole.expert_load()) and all(
+            np.array_equal(merged.seq_hist(s), whole.seq_hist(s)) for s in range(len(lens)))
+        # this rank's own tokens remapped equal the whole batch's remap
+        whole_phys = res.remap(ids)
+        remap_ok = True
+        for m in range(res.num_microbatches):
+            seqs = res.microbatches[rank][m]
+            if len(seqs):
+                r = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs])
+                remap_ok &= np.array_equal(res.remap_rank(rank, m, ids[r]), whole_phys[r])
+        out.append({"hash": res.plan_hash, "want": want.plan_hash if fail_rank < 0 else None,
+                    "same_plan": fail_rank >= 0 or (
+                        all(np.array_equal(a, b) for a, b in zip(res.phy2log, want.phy2log)) and
+                        all(np.array_equal(x, y) for ra, rb in zip(res.microbatches, want.microbatches)
+                            for x, y in zip(ra, rb))),
+                    "stats": same_stats, "remap": remap_ok, "fallback": res.fallback,
+                    "exchange": ds.last_exchange_bytes})
+    ds.close()
+    ref.close()
+    return out
+
+
+def test_distributed_step_equals_the_single_process_step():
+    out = torch_world.run(_sched_rank, 3, "routepack", -1)
+    for step in range(3):
+        hashes = {o[step]["hash"] for o in out}
+        assert len(hashes) == 1, "ranks planned differently at step %d" % step
+        assert out[0][step]["hash"] == out[0][step]["want"]
+        for o in out:
+            assert o[step]["same_plan"] and o[step]["stats"] and o[step]["remap"]
+            assert o[step]["exchange"]["sent"] > 64
+
+
+def test_one_ranks_policy_failing_falls_back_on_every_rank_alike():
+    out = torch_world.run(_sched_rank, 3, "routepack", 1)
+    for step in range(3):
+        assert len({o[step]["hash"] for o in out}) == 1, "ranks diverged after one rank's policy failed"
+        assert out[1][step]["fallback"]            # rank 1's own policy failed
+        assert all(o[step]["remap"] for o in out)
