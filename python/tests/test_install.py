@@ -59,3 +59,18 @@ def test_installed_copy_bundles_the_library():
     source = Path(os.environ["ROUTEPACK_SOURCE_DIR"]).resolve() / "python"
     assert source not in pkg.parents, "tests imported the source tree, not the installed package"
     assert Path(routepack.library_path()).resolve() == pkg / "libroutepack.so"
+
+
+def test_import_routepack_never_imports_torch():
+    """routepack.torch is optional: the numpy binding loads without it, and without torch
+    importing routepack.torch says how to install it."""
+    p = run_python("import sys, routepack, routepack.executor\n"
+                   "s = routepack.Scheduler\n"
+                   "print('torch' in sys.modules)")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "False"
+    # torch hidden: the ImportError names the extra
+    p = run_python("import sys\nsys.modules['torch'] = None\n"
+                   "try:\n    import routepack.torch\nexcept ImportError as e:\n    print(e)\n")
+    assert p.returncode == 0, p.stderr
+    assert "routepack[torch]" in p.stdout
