@@ -63,6 +63,12 @@ static void part_of_stats(const rp_stats *s, part *p)
                 s->width, s->hist, s->offset[s->num_seqs], false};
 }
 
+/* The model limits of a config (core/config.c), and the most layer x expert cells a
+ * header may declare when no sequence has counts (then no byte vouches for the shape). */
+#define STATS_MAX_LAYERS 65536
+#define STATS_MAX_EXPERTS 65536
+#define STATS_MAX_EMPTY_CELLS ((int64_t)1 << 24)
+
 static int width_needed(uint32_t max_count)
 {
     return max_count == 0 ? 0 : max_count <= UINT8_MAX ? 1 : max_count <= UINT16_MAX ? 2 : 4;
@@ -118,6 +124,23 @@ static rp_status part_of_bytes(const void *bytes, size_t len, const char *who, p
         rp_add_overflow(HEADER + (int64_t)p->num_seqs, (int64_t)p->hist_bytes, &expect) ||
         rp_mul_overflow(p->num_tokens, p->top_k, &choices))
         return rp_fail(err, RP_ERANGE, "%sstatistics: sizes in the header overflow", who);
+    /* The work of reading (and merging) must follow from the bytes, not from the
+     * header's word: the model limits of a config, and layers x experts no larger than
+     * the histogram bytes (a sequence with counts stores every cell at least once), or,
+     * when no sequence has counts, than STATS_MAX_EMPTY_CELLS. Zero-width sequences are
+     * never expanded below. */
+    if (p->num_layers > STATS_MAX_LAYERS || p->num_experts > STATS_MAX_EXPERTS || p->top_k > p->num_experts)
+        return rp_fail(err, RP_EINVAL,
+                       "%sstatistics: %d layers, %d experts, top-%d: outside the model limits (layers and experts "
+                       "at most %d, top-k at most the experts)",
+                       who, p->num_layers, p->num_experts, p->top_k, STATS_MAX_LAYERS);
+    if (p->hist_bytes > 0 ? (uint64_t)cells > p->hist_bytes : cells > STATS_MAX_EMPTY_CELLS) {
+        rp_fail(err, RP_EFORMAT,
+                "%sstatistics: %d layers x %d experts cannot be described by %llu histogram bytes", who,
+                p->num_layers, p->num_experts, (unsigned long long)p->hist_bytes);
+        if (err) err->offset = 20;
+        return RP_EFORMAT;
+    }
     if ((uint64_t)expect != len) {
         rp_fail(err, RP_EFORMAT,
                 "%sstatistics: the header says %d sequences and %llu histogram bytes (%lld bytes in all), but %zu "
@@ -156,7 +179,7 @@ static rp_status part_of_bytes(const void *bytes, size_t len, const char *who, p
         const unsigned char *blk = p->hist + pos;
         uint32_t max = 0;
         int64_t first_sum = 0;
-        for (int32_t l = 0; l < p->num_layers; l++) {
+        for (int32_t l = 0; w > 0 && l < p->num_layers; l++) { /* width 0: no counts, nothing to read */
             const unsigned char *row = blk + (size_t)l * (size_t)p->num_experts * (size_t)w;
             int64_t sum = 0;
             for (int32_t e = 0; e < p->num_experts; e++) {
@@ -323,7 +346,7 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
                 else memcpy(to + 4 * c, &v, 4);
             }
         /* the loads are sums of the counts, as the scan makes them */
-        for (int32_t l = 0; l < L; l++) {
+        for (int32_t l = 0; w > 0 && l < L; l++) {
             int64_t *load = m->expert_load + (size_t)l * E;
             const unsigned char *row = to + (size_t)l * (size_t)E * (size_t)w;
             switch (w) {

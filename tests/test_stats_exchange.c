@@ -323,6 +323,43 @@ static void test_bad_bytes(rp_context *ctx)
     ok(load(ctx, c, len, &err) == RP_EINVAL, "top-k 0 is RP_EINVAL");
 
     ok(load(ctx, NULL, 0, &err) == RP_EFORMAT, "no bytes at all is refused");
+
+    /* The header's shape must be vouched for by the bytes: reading costs layers x
+     * experts per sequence with counts, and loads of layers x experts. Without the
+     * bound, 168 bytes declaring 83,886,082 layers ran for minutes (fuzz_stats_wire). */
+    memcpy(c, b, len);
+    c[20] = 0x02, c[21] = 0x00, c[22] = 0x00, c[23] = 0x05; /* 83,886,082 layers */
+    resign(c, len);
+    ok(load(ctx, c, len, &err) == RP_EINVAL, "83,886,082 layers: over the model limit, refused at once");
+    like(err.text, "outside the model limits", "and says so");
+    {
+        /* a header of empty sequences (no histogram bytes) declaring 65536 x 65536 cells */
+        unsigned char h[64 + 3];
+        memcpy(h, b, 64);
+        h[16] = 3, h[17] = h[18] = h[19] = 0;                   /* 3 sequences */
+        h[20] = 0, h[21] = 0, h[22] = 1, h[23] = 0;             /* 65536 layers */
+        h[24] = 0, h[25] = 0, h[26] = 1, h[27] = 0;             /* 65536 experts */
+        memset(h + 32, 0, 16);                                  /* 0 tokens, 0 histogram bytes */
+        h[64] = h[65] = h[66] = 0;                              /* widths 0 */
+        resign(h, sizeof h);
+        ok(load(ctx, h, sizeof h, &err) == RP_EFORMAT, "2^32 cells and no histogram bytes: refused");
+        like(err.text, "cannot be described by 0 histogram bytes", "naming the shape and the bytes");
+        h[22] = 0, h[21] = 4;                                    /* 1024 layers x 65536: 2^26 cells */
+        h[26] = 0, h[25] = 0, h[24] = 16;                        /* 16 experts: 2^14 cells */
+        resign(h, sizeof h);
+        rp_stats *empty = NULL;
+        ok(rp_stats_deserialize(ctx, h, sizeof h, &empty, &err) == RP_OK && rp_stats_num_seqs(empty) == 3 &&
+           rp_stats_num_layers(empty) == 1024, "a batch of empty sequences of a real shape still reads back");
+        rp_stats_free(empty);
+    }
+    /* counts of a sequence must cover the cells: more cells than histogram bytes */
+    memcpy(c, b, len);
+    {
+        uint32_t experts = (uint32_t)w.experts * 1000;
+        for (int i = 0; i < 4; i++) c[24 + i] = (unsigned char)(experts >> (8 * i));
+    }
+    resign(c, len);
+    ok(load(ctx, c, len, &err) == RP_EFORMAT, "more cells than histogram bytes: refused before reading");
     free(b);
     free(c);
     rp_stats_free(st);

@@ -90,8 +90,11 @@ RP_API rp_status rp_stats_serialize(const rp_stats *stats, void *buf, size_t buf
  * 64, a width other than 0/1/2/4, a width wider than the sequence's largest count needs
  * (the form is canonical), or a sequence whose layers do not each sum to the same
  * multiple of top_k (each token routes top_k choices at every layer), or counts that do
- * not sum to num_tokens * top_k; RP_ENOTSUP for a later version; RP_EINVAL for counts
- * out of range (n < 0, L, E or top_k < 1, num_tokens < 0); RP_ERANGE for sizes that
+ * not sum to num_tokens * top_k, or a shape the bytes cannot describe (L x E above the
+ * histogram bytes, or above 2^24 when no sequence has counts: the work of reading
+ * follows from the bytes, never from the header's word alone); RP_ENOTSUP for a later
+ * version; RP_EINVAL for counts out of range (n < 0, L, E or top_k < 1, L or E above
+ * 65536, top_k above E, num_tokens < 0); RP_ERANGE for sizes that
  * overflow; RP_ECHECKSUM when the payload does not match its XXH64. err->offset is the
  * byte offset of the bad field where there is one, err->sequence the bad sequence. */
 RP_API rp_status rp_stats_deserialize(rp_context *ctx, const void *bytes, size_t len,
