@@ -314,6 +314,29 @@ def _declare(lib, table, optional):
     return missing
 
 
+def _prefer_torch_nccl():
+    """Load the NCCL that PyTorch uses, if its wheel (nvidia-nccl) is installed, before
+    libroutepack. A library built with the NCCL transport depends on libnccl.so.2, and the
+    dynamic loader binds that name to whichever libnccl.so.2 the process loaded first: the
+    toolkit's, loaded for libroutepack, made a later `import torch` fail (undefined
+    symbol ncclCommResume, its NCCL being newer), and RoutePack's NCCL transport must in
+    any case drive the trainer's communicators with the trainer's NCCL. Torch itself is
+    not imported; nothing happens without the wheel."""
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "lib", "libnccl.so.2")
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pass     # then the toolkit's NCCL serves libroutepack, as without torch
+            return
+
+
 def load():
     """The loaded library (a ctypes.CDLL); raises LibraryError naming every place tried."""
     global _loaded
@@ -322,6 +345,7 @@ def load():
     with _lock:
         if _loaded is not None:
             return _loaded[0]
+        _prefer_torch_nccl()
         # The first candidate that exists is the one: a library that is there but does
         # not load (a missing dependency, an undefined symbol, too old) is reported, not
         # silently replaced by another copy found later.

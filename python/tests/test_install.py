@@ -74,3 +74,15 @@ def test_import_routepack_never_imports_torch():
                    "try:\n    import routepack.torch\nexcept ImportError as e:\n    print(e)\n")
     assert p.returncode == 0, p.stderr
     assert "routepack[torch]" in p.stdout
+
+
+def test_torch_imports_after_the_library():
+    """A library built with NCCL depends on libnccl.so.2, which the loader binds to the
+    first one loaded: the toolkit's made `import torch` after `import routepack` fail
+    (undefined symbol ncclCommResume). The binding loads PyTorch's NCCL first."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("PyTorch is not installed")
+    p = run_python("import sys, routepack\nfrom routepack import _lib\n_lib.load()\n"
+                   "assert 'torch' not in sys.modules\nimport torch\nprint(torch.__version__)")
+    assert p.returncode == 0, p.stderr
