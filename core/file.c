@@ -48,26 +48,14 @@ rp_status rp_file_open_regular(const char *path, int flags, int *fd_out, int64_t
     return RP_OK;
 }
 
-rp_status rp_read_file_max(rp_context *ctx, const char *path, size_t max_bytes, char **text, size_t *len,
+rp_status rp_read_fd_whole(rp_context *ctx, int fd, int64_t size, const char *path, char **text, size_t *len,
                            rp_error *err)
 {
-    int fd;
-    int64_t size;
-    rp_status st = rp_file_open_regular(path, O_RDONLY, &fd, &size, err);
-    if (st != RP_OK) return st;
-    char *buf = NULL;
-    if (size < 0 || (uint64_t)size > max_bytes) {
-        st = rp_fail(err, RP_ERANGE, "%s: is %lld bytes; a file read whole may be at most %zu bytes", path,
-                     (long long)size, max_bytes);
-        goto out;
-    }
     /* one byte past the size, so a file growing meanwhile is noticed, and the NUL */
     size_t want = (size_t)size + 1, got = 0;
-    buf = rp_alloc(ctx, want + 1);
-    if (!buf) {
-        st = rp_fail_nomem(err, path);
-        goto out;
-    }
+    char *buf = rp_alloc(ctx, want + 1);
+    if (!buf) return rp_fail_nomem(err, path);
+    rp_status st = RP_OK;
     while (got < want) {
         ssize_t n = read(fd, buf + got, want - got);
         if (n < 0 && errno == EINTR) continue;
@@ -89,6 +77,21 @@ rp_status rp_read_file_max(rp_context *ctx, const char *path, size_t max_bytes, 
     buf = NULL;
 out:
     rp_free(ctx, buf);
+    return st;
+}
+
+rp_status rp_read_file_max(rp_context *ctx, const char *path, size_t max_bytes, char **text, size_t *len,
+                           rp_error *err)
+{
+    int fd;
+    int64_t size;
+    rp_status st = rp_file_open_regular(path, O_RDONLY, &fd, &size, err);
+    if (st != RP_OK) return st;
+    if (size < 0 || (uint64_t)size > max_bytes)
+        st = rp_fail(err, RP_ERANGE, "%s: is %lld bytes; a file read whole may be at most %zu bytes", path,
+                     (long long)size, max_bytes);
+    else
+        st = rp_read_fd_whole(ctx, fd, size, path, text, len, err);
     close(fd);
     return st;
 }

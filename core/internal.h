@@ -69,6 +69,11 @@ const char *rp_file_kind(unsigned mode);
 /* Read a whole regular file, NUL-terminated, into memory from ctx: one larger than
  * max_bytes is RP_ERANGE before anything is allocated, one that grows while it is read
  * is RP_EIO. rp_read_file caps at RP_TEXT_FILE_MAX_BYTES. */
+/* Read the rest of an open regular file of `size` bytes whole, NUL-terminated (caller
+ * frees with rp_free); a file that grew past `size` meanwhile is RP_EIO. `path` names it
+ * in messages. The size cap is the caller's, decided before this allocates. */
+rp_status rp_read_fd_whole(rp_context *ctx, int fd, int64_t size, const char *path, char **text, size_t *len,
+                           rp_error *err);
 rp_status rp_read_file_max(rp_context *ctx, const char *path, size_t max_bytes, char **text, size_t *len,
                            rp_error *err);
 rp_status rp_read_file(rp_context *ctx, const char *path, char **text, size_t *len,

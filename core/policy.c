@@ -792,16 +792,6 @@ rp_status rp_policy_plan(rp_policy *pol, const rp_lua_frame *frame, int32_t num_
 
 /* ---- reading policy files ------------------------------------------------------------ */
 
-static const char *file_kind(mode_t mode)
-{
-    if (S_ISDIR(mode)) return "a directory";
-    if (S_ISFIFO(mode)) return "a FIFO";
-    if (S_ISCHR(mode)) return "a character device";
-    if (S_ISBLK(mode)) return "a block device";
-    if (S_ISSOCK(mode)) return "a socket";
-    return "not a regular file";
-}
-
 /* Read a policy file whole: opened without blocking (a FIFO with no writer would block
  * open() for ever), checked to be a regular file of at most RP_POLICY_MAX_BYTES before
  * anything is allocated, and read up to one byte past its size so that a file that
@@ -811,7 +801,6 @@ static rp_status read_policy_file(rp_context *ctx, const char *path, char **text
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return rp_fail(err, RP_EIO, "policy file '%s': cannot open: %s", path, strerror(errno));
     rp_status st = RP_OK;
-    char *buf = NULL;
     struct stat sb;
     if (fstat(fd, &sb) != 0) {
         st = rp_fail(err, RP_EIO, "policy file '%s': cannot stat: %s", path, strerror(errno));
@@ -819,7 +808,7 @@ static rp_status read_policy_file(rp_context *ctx, const char *path, char **text
     }
     if (!S_ISREG(sb.st_mode)) {
         st = rp_fail(err, RP_EIO, "policy file '%s' is %s; a policy is read from a regular .lua file", path,
-                     file_kind(sb.st_mode));
+                     rp_file_kind((unsigned)sb.st_mode));
         goto out;
     }
     if (sb.st_size < 0 || (uint64_t)sb.st_size > RP_POLICY_MAX_BYTES) {
@@ -827,33 +816,8 @@ static rp_status read_policy_file(rp_context *ctx, const char *path, char **text
                      (long long)sb.st_size, RP_POLICY_MAX_BYTES);
         goto out;
     }
-    size_t want = (size_t)sb.st_size + 1, got = 0;
-    buf = rp_alloc(ctx, want + 1);
-    if (!buf) {
-        st = rp_fail_nomem(err, path);
-        goto out;
-    }
-    while (got < want) {
-        ssize_t n = read(fd, buf + got, want - got);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) {
-            st = rp_fail(err, RP_EIO, "policy file '%s': read error: %s", path, strerror(errno));
-            goto out;
-        }
-        if (n == 0) break;
-        got += (size_t)n;
-    }
-    if (got > (size_t)sb.st_size) {
-        st = rp_fail(err, RP_EIO, "policy file '%s' grew while it was read (from %lld bytes); read it again", path,
-                     (long long)sb.st_size);
-        goto out;
-    }
-    buf[got] = '\0';
-    *text = buf;
-    *len = got;
-    buf = NULL;
+    st = rp_read_fd_whole(ctx, fd, (int64_t)sb.st_size, path, text, len, err);
 out:
-    rp_free(ctx, buf);
     close(fd);
     return st;
 }
@@ -953,7 +917,7 @@ rp_status rp_policy_resolve(rp_context *ctx, const rp_config *cfg, const char *n
     struct stat sb;
     if (stat(p, &sb) == 0 && !S_ISREG(sb.st_mode)) {
         rp_status st = rp_fail(err, RP_EIO, "policy file '%s' is %s; a policy is read from a regular .lua file", p,
-                               file_kind(sb.st_mode));
+                               rp_file_kind((unsigned)sb.st_mode));
         rp_free(ctx, p);
         return st;
     }
