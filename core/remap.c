@@ -541,6 +541,28 @@ static void run_pass(remap_job *jobs, int32_t n, int pass)
     }
 }
 
+
+/* RP_ERANGE naming the first bad id any worker met (lowest sequence, then layer, token,
+ * choice), with `why` appended; RP_OK when none did. `seq_ids` maps the jobs' sequence
+ * indexes to the batch's (NULL: the same). */
+static rp_status report_bad_id(const remap_job *jobs, int32_t workers, int32_t num_experts,
+                               const int32_t *seq_ids, const char *why, rp_error *err)
+{
+    const remap_job *worst = NULL;
+    for (int32_t w = 0; w < workers; w++)
+        if (jobs[w].bad_seq != INT64_MAX &&
+            (!worst || before(jobs[w].bad_seq, jobs[w].bad_layer, jobs[w].bad_token, jobs[w].bad_choice, worst)))
+            worst = &jobs[w];
+    if (!worst) return RP_OK;
+    const int64_t seq = seq_ids ? seq_ids[worst->bad_seq] : worst->bad_seq;
+    rp_fail(err, RP_ERANGE,
+            "routing: sequence %lld token %lld layer %lld choice %lld has expert id %d, but the model has %d "
+            "experts%s", (long long)seq, (long long)worst->bad_token, (long long)worst->bad_layer,
+            (long long)worst->bad_choice, worst->bad_id, num_experts, why);
+    if (err) err->sequence = seq, err->expert = worst->bad_id;
+    return RP_ERANGE;
+}
+
 rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb, const rp_batch *batch,
                    const rp_routing *routing, rp_split_rule rule, int32_t num_threads, int32_t *phys_ids,
                    int64_t *slot_tokens, rp_error *err)
@@ -599,21 +621,7 @@ rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb, const 
                               INT64_MAX, 0, 0, 0, 0, 0};
     }
     run_pass(jobs, workers, 1);
-    {
-        const remap_job *worst = NULL;
-        for (int32_t w = 0; w < workers; w++)
-            if (jobs[w].bad_seq != INT64_MAX &&
-                (!worst || before(jobs[w].bad_seq, jobs[w].bad_layer, jobs[w].bad_token, jobs[w].bad_choice, worst)))
-                worst = &jobs[w];
-        if (worst) {
-            st = rp_fail(err, RP_ERANGE,
-                         "routing: sequence %lld token %lld layer %lld choice %lld has expert id %d, "
-                         "but the model has %d experts", (long long)worst->bad_seq, (long long)worst->bad_token,
-                         (long long)worst->bad_layer, (long long)worst->bad_choice, worst->bad_id, t.E);
-            if (err) err->sequence = worst->bad_seq, err->expert = worst->bad_id;
-            goto out;
-        }
-    }
+    if ((st = report_bad_id(jobs, workers, t.E, NULL, "", err)) != RP_OK) goto out;
     /* share boundaries of every source */
     for (int32_t g = 0; g < t.G; g++)
         for (int32_t x = 0; x < t.num_keys; x++)
@@ -622,23 +630,9 @@ rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb, const 
                                 bounds + (size_t)g * t.share_slots + t.key_bofs[x]);
     if (routing_scan_hook) routing_scan_hook();
     run_pass(jobs, workers, 2);
-    {
-        /* an id that changed after pass 1 (another thread wrote the routing) */
-        const remap_job *worst = NULL;
-        for (int32_t w = 0; w < workers; w++)
-            if (jobs[w].bad_seq != INT64_MAX &&
-                (!worst || before(jobs[w].bad_seq, jobs[w].bad_layer, jobs[w].bad_token, jobs[w].bad_choice, worst)))
-                worst = &jobs[w];
-        if (worst) {
-            st = rp_fail(err, RP_ERANGE,
-                         "routing: sequence %lld token %lld layer %lld choice %lld has expert id %d, "
-                         "but the model has %d experts (the routing changed during the call)",
-                         (long long)worst->bad_seq, (long long)worst->bad_token, (long long)worst->bad_layer,
-                         (long long)worst->bad_choice, worst->bad_id, t.E);
-            if (err) err->sequence = worst->bad_seq, err->expert = worst->bad_id;
-            goto out;
-        }
-    }
+    /* an id that changed after pass 1 (another thread wrote the routing) */
+    if ((st = report_bad_id(jobs, workers, t.E, NULL, " (the routing changed during the call)", err)) != RP_OK)
+        goto out;
     if (slot_tokens) {
         memset(slot_tokens, 0, rows * sizeof *slot_tokens);
         for (int32_t w = 0; w < workers; w++)
@@ -718,30 +712,16 @@ rp_status rp_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, i
                      scratch + t.num_keys, INT64_MAX, 0, 0, 0, 0, 0};
     job.pass = 1;
     count_gpu(&job, gpu);
-    if (job.bad_seq != INT64_MAX) {
-        const int32_t s = listed[job.bad_seq];
-        st = rp_fail(err, RP_ERANGE,
-                     "routing: sequence %d token %lld layer %lld choice %lld has expert id %d, but the model has %d "
-                     "experts", s, (long long)job.bad_token, (long long)job.bad_layer, (long long)job.bad_choice,
-                     job.bad_id, t.E);
-        if (err) err->sequence = s, err->expert = job.bad_id;
-        goto out;
-    }
+    if ((st = report_bad_id(&job, 1, t.E, listed, "", err)) != RP_OK) goto out;
     for (int32_t x = 0; x < t.num_keys; x++)
         if (t.key_bofs[x] >= 0)
             remap_apportion(counts[(size_t)gpu * t.num_keys + x], t.weight + t.key_first[x], t.key_count[x],
                             bounds + (size_t)gpu * t.share_slots + t.key_bofs[x]);
     job.pass = 2;
     assign_gpu(&job, gpu);
-    if (job.bad_seq != INT64_MAX) { /* an id that changed after pass 1 */
-        const int32_t s = listed[job.bad_seq];
-        st = rp_fail(err, RP_ERANGE,
-                     "routing: sequence %d token %lld layer %lld choice %lld has expert id %d, but the model has %d "
-                     "experts (the routing changed during the call)", s, (long long)job.bad_token,
-                     (long long)job.bad_layer, (long long)job.bad_choice, job.bad_id, t.E);
-        if (err) err->sequence = s, err->expert = job.bad_id;
+    /* an id that changed after pass 1 */
+    if ((st = report_bad_id(&job, 1, t.E, listed, " (the routing changed during the call)", err)) != RP_OK)
         goto out;
-    }
     if (slot_tokens) {
         const size_t q = (size_t)(gpu / t.ep);
         for (int32_t l = 0; l < t.L; l++)
