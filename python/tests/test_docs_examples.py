@@ -6,36 +6,23 @@ line for line (for the commands in TIMED, wall times masked: `1.3 ms`, `1.03 GB/
 predicted times are never masked), and a block that ends
 with a line `...` shows the first lines of the output only. Blocks whose output depends
 on the machine or on hand-made inputs are listed in VOLATILE and only checked to run.
-Refresh a block by running its command and pasting."""
+Refresh them all with scripts/regen-docs.sh."""
 
 import os
-import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
 from conftest import REPO, cli_path
 
-# Commands whose output holds wall times, the machine's GPUs, or input made by hand.
-VOLATILE = {
-    "simulate": "plan ms column (wall time); the table is abridged",
-    "policy list": "paths of the install",
-    "policy check": "wall time of the sample steps",
-    "plan validate": "bad.json is hand-made",
-    "version": "CUDA and GPUs of the machine",
-}
+sys.path.insert(0, str(REPO / "scripts"))
+import docblocks  # noqa: E402  (the parser scripts/regen-docs.sh shares)
 
+from docblocks import TIMED, masked, volatile  # noqa: E402
 
-def doc_blocks():
-    files = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
-    for path in files:
-        text = path.read_text()
-        for m in re.finditer(r"```[a-z]*\n(\$ routepack [^\n]*)\n(.*?)```", text, re.S):
-            yield path.name, m.group(1)[2:], m.group(2)
-
-
-BLOCKS = list(doc_blocks())
+BLOCKS = list(docblocks.examples(REPO))
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +34,6 @@ def workdir(tmp_path_factory):
     os.symlink(REPO / "examples", d / "examples")
     os.symlink(REPO / "policies", d / "policies")
     return path, d
-
-
-# Commands that print wall times beside deterministic output.
-TIMED = {"stats"}
-TIMING = re.compile(r"\d+(\.\d+)? (ms|s|GB/s|MB/s)\b")
-
-
-def masked(lines):
-    return [TIMING.sub("<time>", line) for line in lines]
-
-
-def volatile(command):
-    words = shlex.split(command)[1:]
-    return next((why for cmd, why in VOLATILE.items() if words[:len(cmd.split())] == cmd.split()),
-                None)
 
 
 def test_the_docs_have_examples():
@@ -89,4 +61,33 @@ def test_doc_example_output(workdir, doc, command, shown):
     if want and want[-1] == "...":
         want, printed = want[:-1], printed[:len(want) - 1]
     assert printed == want, \
-        "%s: the output of `%s` has changed; paste the new output into the doc" % (doc, command)
+        "%s: the output of `%s` has changed; run scripts/regen-docs.sh" % (doc, command)
+
+
+def test_every_command_in_the_docs_is_an_example_or_listed():
+    """A command shown in the docs either runs here (a `$ routepack` example) or is listed
+    in docblocks.NOT_RUN with where it runs instead (CI, a GPU, a long benchmark)."""
+    unlisted = [(doc, line) for doc, line in docblocks.other_commands(REPO)
+                if docblocks.not_run_reason(line) is None]
+    assert unlisted == [], "make these `$ routepack` examples or list them in scripts/docblocks.py"
+
+
+def test_regen_docs_rewrites_a_stale_output(workdir, tmp_path):
+    """scripts/regen-docs.sh puts back an output that drifted, and --check finds it first."""
+    cli, _ = workdir
+    (tmp_path / "docs").mkdir()
+    for path in docblocks.doc_files(REPO):
+        (tmp_path / path.relative_to(REPO)).write_text(path.read_text())
+    doc = tmp_path / "docs" / "cli.md"
+    good = doc.read_text()
+    doc_examples = [b for b in BLOCKS if b[0] == "cli.md" and not volatile(b[1]) and "plan eval" in b[1]]
+    assert doc_examples, "docs/cli.md shows plan eval"
+    shown = doc_examples[0][2]
+    doc.write_text(good.replace(shown, shown.replace("0", "9", 1), 1))
+    regen = [sys.executable, str(REPO / "scripts" / "regen_docs.py"), "--docs-root", str(tmp_path)]
+    r = subprocess.run(regen + ["--check", cli], capture_output=True, text=True)
+    assert r.returncode == 1 and "differs: cli.md" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(regen + [cli], capture_output=True, text=True)
+    assert r.returncode == 0 and "rewrote: cli.md" in r.stdout, r.stdout + r.stderr
+    assert doc.read_text() == good
+    assert "NOT LISTED" not in r.stdout
