@@ -2,172 +2,11 @@
  * (step / lower bound per step, per-GPU time at the worst step's straggler layer, expert
  * load per GPU), inline CSS, no scripts, nothing fetched. */
 #include "report.h"
-#include "internal.h"
+#include "report_svg.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
-
-/* Okabe-Ito colours (distinguishable with colour-vision deficiencies), then greys. */
-static const char *const policy_colour[] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7",
-                                            "#E69F00", "#56B4E9", "#000000", "#999999"};
-#define NUM_POLICY_COLOURS 8
-/* Line dashes for the ninth policy on, so lines stay apart once colours repeat. */
-static const char *const policy_dash[] = {"", "6 3", "2 3", "8 3 2 3"};
-
-static const char *const side_label[4] = {"attention", "dispatch", "expert", "combine"};
-static const char *const side_colour[4] = {"#4E79A7", "#F28E2B", "#59A14F", "#B07AA1"};
-
-typedef struct buf {
-    rp_context *ctx;
-    char *data;
-    size_t len, cap;
-    bool failed;
-} buf;
-
-static void put(buf *b, const char *fmt, ...) RP_PRINTF(2, 3);
-static void put(buf *b, const char *fmt, ...)
-{
-    if (b->failed) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->data ? b->data + b->len : NULL, b->data ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->failed = true;
-            return;
-        }
-        if (b->data && b->len + (size_t)n < b->cap) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t cap = b->cap ? b->cap : 16384;
-        while (cap <= b->len + (size_t)n) cap *= 2;
-        char *grown = rp_realloc(b->ctx, b->data, cap);
-        if (!grown) {
-            b->failed = true;
-            return;
-        }
-        b->data = grown;
-        b->cap = cap;
-    }
-}
-
-/* Text with &, <, >, " escaped (for element content and attribute values). */
-static void put_text(buf *b, const char *s)
-{
-    for (; s && *s; s++) {
-        switch (*s) {
-        case '&': put(b, "&amp;"); break;
-        case '<': put(b, "&lt;"); break;
-        case '>': put(b, "&gt;"); break;
-        case '"': put(b, "&quot;"); break;
-        default: put(b, "%c", *s);
-        }
-    }
-}
-
-static const char *colour_of(int i)
-{
-    return policy_colour[i % NUM_POLICY_COLOURS];
-}
-
-static const char *dash_of(int i)
-{
-    return policy_dash[(i / NUM_POLICY_COLOURS) % 4];
-}
-
-/* Axis ticks at 1, 2 or 5 times a power of ten, covering [lo, hi] with at most about
- * `target` intervals. */
-typedef struct ticks {
-    double lo, hi, step;
-    int decimals;
-} ticks;
-
-static ticks nice_ticks(double lo, double hi, int target)
-{
-    ticks t;
-    if (!(hi > lo)) hi = lo + (lo != 0 ? fabs(lo) * 0.1 : 1);
-    double raw = (hi - lo) / target, mag = pow(10, floor(log10(raw))), f = raw / mag;
-    t.step = (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
-    t.lo = floor(lo / t.step + 1e-9) * t.step;
-    t.hi = ceil(hi / t.step - 1e-9) * t.step;
-    if (t.hi <= t.lo) t.hi = t.lo + t.step;
-    int d = (int)-floor(log10(t.step) + 1e-9);
-    t.decimals = d > 0 ? d : 0;
-    return t;
-}
-
-/* A plot area inside an SVG, with its value ranges. */
-typedef struct frame {
-    double x0, y0, w, h; /* pixels: top-left corner and size */
-    double xlo, xhi;     /* value range of x (bar charts: slots) */
-    ticks y;
-} frame;
-
-static double px_y(const frame *f, double v)
-{
-    return f->y0 + f->h - (v - f->y.lo) / (f->y.hi - f->y.lo) * f->h;
-}
-
-static double px_x(const frame *f, double v)
-{
-    if (f->xhi == f->xlo) return f->x0 + f->w / 2;
-    return f->x0 + (v - f->xlo) / (f->xhi - f->xlo) * f->w;
-}
-
-/* Y grid lines with labels, the axis title (rotated), and the frame's border. */
-static void put_y_axis(buf *b, const frame *f, const char *title)
-{
-    int n = (int)llround((f->y.hi - f->y.lo) / f->y.step);
-    for (int i = 0; i <= n; i++) {
-        double v = f->y.lo + i * f->y.step, y = px_y(f, v);
-        put(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", f->x0, y,
-            f->x0 + f->w, y);
-        put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.*f</text>\n",
-            f->x0 - 6, y + 4, f->y.decimals, v);
-    }
-    put(b, "<text class=\"axis\" transform=\"translate(%.1f %.1f) rotate(-90)\" text-anchor=\"middle\">",
-        f->x0 - 52, f->y0 + f->h / 2);
-    put_text(b, title);
-    put(b, "</text>\n");
-    put(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\"/>\n", f->x0, f->y0,
-        f->w, f->h);
-}
-
-static void put_x_title(buf *b, const frame *f, const char *title)
-{
-    put(b, "<text class=\"axis\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">", f->x0 + f->w / 2,
-        f->y0 + f->h + 40);
-    put_text(b, title);
-    put(b, "</text>\n");
-}
-
-/* A legend of swatches laid out in rows from (x, y); returns the height used. */
-static double put_legend(buf *b, double x, double y, double width, int n, const char *const *labels,
-                         const char *const *colours, const char *const *dashes, bool lines)
-{
-    const double item_w = 270, row_h = 22;
-    int per_row = (int)(width / item_w);
-    if (per_row < 1) per_row = 1;
-    for (int i = 0; i < n; i++) {
-        double ix = x + (i % per_row) * item_w, iy = y + (i / per_row) * row_h;
-        if (lines)
-            put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2.5\"%s%s%s/>"
-                   "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"/>",
-                ix, iy, ix + 26, iy, colours[i], dashes && dashes[i][0] ? " stroke-dasharray=\"" : "",
-                dashes && dashes[i][0] ? dashes[i] : "", dashes && dashes[i][0] ? "\"" : "", ix + 13, iy,
-                colours[i]);
-        else
-            put(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" height=\"14\" fill=\"%s\"/>", ix + 6, iy - 7,
-                colours[i]);
-        put(b, "<text class=\"legend\" x=\"%.1f\" y=\"%.1f\">", ix + 34, iy + 4);
-        put_text(b, labels[i]);
-        put(b, "</text>\n");
-    }
-    return ((n + per_row - 1) / per_row) * row_h;
-}
 
 static bool charted(const rp_report_policy *p)
 {
@@ -188,11 +27,11 @@ static double layer_time(const rp_report_policy *p, int32_t G)
 
 /* ---- the page's parts ---- */
 
-static void put_head(buf *b, const rp_report *r)
+static void put_head(svg_buf *b, const rp_report *r)
 {
-    put(b, "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>");
-    put_text(b, r->title);
-    put(b, "</title>\n<style>\n"
+    svg_put(b, "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>");
+    svg_text(b, r->title);
+    svg_put(b, "</title>\n<style>\n"
            "body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#222;"
            "background:#fff;margin:0 auto;max-width:1160px;padding:16px 20px 40px;}\n"
            "h1{font-size:26px;margin:8px 0 4px;}h2{font-size:19px;margin:34px 0 6px;"
@@ -211,12 +50,12 @@ static void put_head(buf *b, const rp_report *r)
            ".grid2{display:grid;grid-template-columns:1fr 1fr;gap:10px 20px;}\n"
            "footer{margin-top:36px;font-size:12px;color:#777;}\n"
            "</style>\n</head>\n<body>\n<h1>");
-    put_text(b, r->title);
-    put(b, "</h1>\n");
+    svg_text(b, r->title);
+    svg_put(b, "</h1>\n");
     for (int i = 0; r->context && r->context[i]; i++) {
-        put(b, "<p class=\"ctx\">");
-        put_text(b, r->context[i]);
-        put(b, "</p>\n");
+        svg_put(b, "<p class=\"ctx\">");
+        svg_text(b, r->context[i]);
+        svg_put(b, "</p>\n");
     }
 }
 
@@ -235,16 +74,16 @@ static int best_of(const rp_report *r, size_t offset, bool largest)
     return best;
 }
 
-static void put_summary(buf *b, const rp_report *r)
+static void put_summary(svg_buf *b, const rp_report *r)
 {
-    put(b, "<h2>Summary</h2>\n<p>Means over the steps each policy ran. Step time is the cost "
+    svg_put(b, "<h2>Summary</h2>\n<p>Means over the steps each policy ran. Step time is the cost "
            "model's prediction for forward and backward; the lower bound is the same work with every "
            "term perfectly balanced, so step / lower bound is 1.00 at best. Imbalance is max / mean "
            "across GPUs. Best value in each column in bold.</p>\n");
-    put(b, "<table>\n<tr><th class=\"l\">policy</th><th>step (ms)</th><th>step / lower bound</th>"
+    svg_put(b, "<table>\n<tr><th class=\"l\">policy</th><th>step (ms)</th><th>step / lower bound</th>"
            "<th>speedup vs ");
-    put_text(b, r->baseline ? r->baseline : "baseline");
-    put(b, "</th><th>attention imbalance</th><th>expert imbalance</th><th>fallbacks</th>"
+    svg_text(b, r->baseline ? r->baseline : "baseline");
+    svg_put(b, "</th><th>attention imbalance</th><th>expert imbalance</th><th>fallbacks</th>"
            "<th>migrated / step</th><th>plan time (ms)</th></tr>\n");
     int best_step = best_of(r, offsetof(rp_report_policy, mean_step_s), false);
     int best_ratio = best_of(r, offsetof(rp_report_policy, mean_ratio), false);
@@ -253,39 +92,39 @@ static void put_summary(buf *b, const rp_report *r)
     int best_exp = best_of(r, offsetof(rp_report_policy, expert_imbalance), false);
     for (int i = 0; i < r->num_policies; i++) {
         const rp_report_policy *p = &r->policies[i];
-        put(b, "<tr><td class=\"l\">");
-        if (charted(p)) put(b, "<span class=\"sw\" style=\"background:%s\"></span>", colour_of(i));
-        put_text(b, p->label);
+        svg_put(b, "<tr><td class=\"l\">");
+        if (charted(p)) svg_put(b, "<span class=\"sw\" style=\"background:%s\"></span>", svg_colour(i));
+        svg_text(b, p->label);
         if (p->running) {
-            put(b, " <span style=\"color:#777\">(");
-            put_text(b, p->running);
-            put(b, ")</span>");
+            svg_put(b, " <span style=\"color:#777\">(");
+            svg_text(b, p->running);
+            svg_put(b, ")</span>");
         }
-        put(b, "</td>");
+        svg_put(b, "</td>");
         if (!charted(p)) {
-            put(b, "<td class=\"err\" colspan=\"8\">did not run: ");
-            put_text(b, p->error ? p->error : "unknown error");
-            put(b, "</td></tr>\n");
+            svg_put(b, "<td class=\"err\" colspan=\"8\">did not run: ");
+            svg_text(b, p->error ? p->error : "unknown error");
+            svg_put(b, "</td></tr>\n");
             continue;
         }
         double mb = p->migrated_bytes_per_step;
         const char *unit = mb >= 1e9 ? "GB" : mb >= 1e6 ? "MB" : mb >= 1e3 ? "KB" : "B";
         double scaled = mb >= 1e9 ? mb / 1e9 : mb >= 1e6 ? mb / 1e6 : mb >= 1e3 ? mb / 1e3 : mb;
-        put(b, "<td%s>%.3f</td><td%s>%.3f</td>", i == best_step ? " class=\"best\"" : "",
+        svg_put(b, "<td%s>%.3f</td><td%s>%.3f</td>", i == best_step ? " class=\"best\"" : "",
             p->mean_step_s * 1e3, i == best_ratio ? " class=\"best\"" : "", p->mean_ratio);
-        if (isnan(p->speedup)) put(b, "<td>&ndash;</td>");
-        else put(b, "<td%s>%.3f&times;</td>", i == best_speed ? " class=\"best\"" : "", p->speedup);
-        put(b, "<td%s>%.3f</td><td%s>%.3f</td><td>%d</td><td>%.*f %s</td><td>%.2f</td></tr>\n",
+        if (isnan(p->speedup)) svg_put(b, "<td>&ndash;</td>");
+        else svg_put(b, "<td%s>%.3f&times;</td>", i == best_speed ? " class=\"best\"" : "", p->speedup);
+        svg_put(b, "<td%s>%.3f</td><td%s>%.3f</td><td>%d</td><td>%.*f %s</td><td>%.2f</td></tr>\n",
             i == best_attn ? " class=\"best\"" : "", p->attention_imbalance,
             i == best_exp ? " class=\"best\"" : "", p->expert_imbalance, p->fallbacks,
             unit[0] == 'B' ? 0 : 1, scaled, unit, p->mean_plan_s * 1e3);
         if (p->error) {
-            put(b, "<tr><td></td><td class=\"err\" colspan=\"8\">stopped early: ");
-            put_text(b, p->error);
-            put(b, "</td></tr>\n");
+            svg_put(b, "<tr><td></td><td class=\"err\" colspan=\"8\">stopped early: ");
+            svg_text(b, p->error);
+            svg_put(b, "</td></tr>\n");
         }
     }
-    put(b, "</table>\n");
+    svg_put(b, "</table>\n");
 }
 
 /* How many charted policies after `i` have the same steps as `i` and ratios within
@@ -305,7 +144,7 @@ static int coinciding_after(const rp_report *r, int i, double tol)
     return count;
 }
 
-static void put_ratio_chart(buf *b, const rp_report *r)
+static void put_ratio_chart(svg_buf *b, const rp_report *r)
 {
     const double W = 1120;
     int n = 0;
@@ -335,12 +174,12 @@ static void put_ratio_chart(buf *b, const rp_report *r)
     /* half a step of room at each end, so the first and last markers clear the frame */
     double pad = smax > smin ? 0.5 * (double)(smax - smin) / 12 : 0;
     pad = pad < 0.25 && smax > smin ? 0.25 : pad;
-    frame f = {80, 20, W - 110, 300, (double)smin - pad, (double)smax + pad,
-               nice_ticks(lo, ymax + (ymax - ymin) * 0.05, 6)};
+    svg_frame f = {80, 20, W - 110, 300, (double)smin - pad, (double)smax + pad,
+               svg_ticks_for(lo, ymax + (ymax - ymin) * 0.05, 6)};
     bool any_coincide = false;
     for (int i = 0; i < r->num_policies; i++)
         any_coincide |= charted(&r->policies[i]) && coinciding_after(r, i, (f.y.hi - f.y.lo) * 0.004) > 0;
-    put(b, "<h2>Step time / lower bound, per step</h2>\n<p>How far each policy's predicted step "
+    svg_put(b, "<h2>Step time / lower bound, per step</h2>\n<p>How far each policy's predicted step "
            "time is from the lower bound at every step (1.00 = perfectly balanced).%s%s%s</p>\n",
            from_one ? "" : " The axis does not start at 1.00, so that the policies can be told apart.",
            any_fallback ? " A hollow marker is a step where the policy failed and the last good plan "
@@ -350,23 +189,23 @@ static void put_ratio_chart(buf *b, const rp_report *r)
     int per_row = (int)(f.w / 270);
     double legend_h = ((n + per_row - 1) / per_row) * 22.0;
     double H = f.y0 + f.h + 64 + legend_h;
-    put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
+    svg_put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
            "aria-label=\"step time over lower bound per step\">\n", W, H, W, H);
-    put_y_axis(b, &f, "step time / lower bound");
+    svg_y_axis(b, &f, "step time / lower bound");
     /* x ticks: integer steps, at most about 12 labels */
     int64_t span = smax - smin, every = 1;
     while (span / every > 12) every = every == 1 ? 2 : every == 2 ? 5 : every * 2;
     for (int64_t s = smin; s <= smax; s++) {
         if ((s - smin) % every) continue;
-        double x = px_x(&f, (double)s);
-        put(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>"
+        double x = svg_px_x(&f, (double)s);
+        svg_put(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>"
                "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%lld</text>\n",
             x, f.y0, x, f.y0 + f.h, x, f.y0 + f.h + 18, (long long)s);
     }
-    put_x_title(b, &f, "step");
+    svg_x_title(b, &f, "step");
     if (f.y.lo <= 1 && 1 <= f.y.hi) {
-        double y = px_y(&f, 1);
-        put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#444\" stroke-dasharray=\"4 4\"/>"
+        double y = svg_px_y(&f, 1);
+        svg_put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#444\" stroke-dasharray=\"4 4\"/>"
                "<text class=\"note\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">lower bound</text>\n",
             f.x0, y, f.x0 + f.w, y, f.x0 + f.w - 6, y - 6);
     }
@@ -379,58 +218,58 @@ static void put_ratio_chart(buf *b, const rp_report *r)
          * so it still shows as an outline around them */
         int under = coinciding_after(r, i, (f.y.hi - f.y.lo) * 0.004);
         double width = 2.5 + 2.0 * under;
-        put(b, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%.1f\" stroke-linejoin=\"round\"%s%s%s "
-               "points=\"", colour_of(i), width, dash_of(i)[0] ? " stroke-dasharray=\"" : "", dash_of(i),
-            dash_of(i)[0] ? "\"" : "");
+        svg_put(b, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%.1f\" stroke-linejoin=\"round\"%s%s%s "
+               "points=\"", svg_colour(i), width, svg_dash(i)[0] ? " stroke-dasharray=\"" : "", svg_dash(i),
+            svg_dash(i)[0] ? "\"" : "");
         for (int32_t k = 0; k < p->num_steps; k++)
             if (isfinite(p->ratio[k]))
-                put(b, "%s%.1f,%.1f", k ? " " : "", px_x(&f, (double)p->steps[k]), px_y(&f, p->ratio[k]));
-        put(b, "\"/>\n");
+                svg_put(b, "%s%.1f,%.1f", k ? " " : "", svg_px_x(&f, (double)p->steps[k]), svg_px_y(&f, p->ratio[k]));
+        svg_put(b, "\"/>\n");
         for (int32_t k = 0; k < p->num_steps; k++) {
             if (!isfinite(p->ratio[k])) continue;
             bool fb = p->fallback && p->fallback[k];
-            put(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"%.1f\" fill=\"%s\" stroke=\"%s\" stroke-width=\"2\"/>",
-                px_x(&f, (double)p->steps[k]), px_y(&f, p->ratio[k]), (fb ? 5 : 3.5) + under,
-                fb ? "#fff" : colour_of(i), colour_of(i));
+            svg_put(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"%.1f\" fill=\"%s\" stroke=\"%s\" stroke-width=\"2\"/>",
+                svg_px_x(&f, (double)p->steps[k]), svg_px_y(&f, p->ratio[k]), (fb ? 5 : 3.5) + under,
+                fb ? "#fff" : svg_colour(i), svg_colour(i));
         }
-        put(b, "\n");
+        svg_put(b, "\n");
         if (m < 64) {
             labels[m] = p->label;
-            colours[m] = colour_of(i);
-            dashes[m] = dash_of(i);
+            colours[m] = svg_colour(i);
+            dashes[m] = svg_dash(i);
             m++;
         }
     }
-    put_legend(b, f.x0, f.y0 + f.h + 62, f.w, m, labels, colours, dashes, true);
-    put(b, "</svg>\n");
+    svg_legend(b, f.x0, f.y0 + f.h + 62, f.w, m, labels, colours, dashes, true);
+    svg_put(b, "</svg>\n");
 }
 
 /* One small chart: the forward time of each GPU at the worst step's straggler
  * (microbatch, layer), stacked by side, on a shared scale. */
-static void put_gpu_stack(buf *b, const rp_report *r, int i, double ymax)
+static void put_gpu_stack(svg_buf *b, const rp_report *r, int i, double ymax)
 {
     const rp_report_policy *p = &r->policies[i];
     const int32_t G = r->num_gpus;
     const double W = 560, H = 330;
-    frame f = {78, 46, W - 96, H - 46 - 58, -0.5, G - 0.5, nice_ticks(0, ymax, 5)};
-    put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" aria-label=\"",
+    svg_frame f = {78, 46, W - 96, H - 46 - 58, -0.5, G - 0.5, svg_ticks_for(0, ymax, 5)};
+    svg_put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" aria-label=\"",
         W, H, W, H);
-    put_text(b, p->label);
-    put(b, ": per-GPU time at the worst step's straggler layer\">\n");
-    put(b, "<rect x=\"0\" y=\"4\" width=\"10\" height=\"14\" fill=\"%s\"/><text class=\"title\" x=\"16\" y=\"16\">",
-        colour_of(i));
-    put_text(b, p->label);
-    put(b, "</text>\n<text class=\"note\" x=\"16\" y=\"34\">step %lld (step / lower bound %.3f): "
+    svg_text(b, p->label);
+    svg_put(b, ": per-GPU time at the worst step's straggler layer\">\n");
+    svg_put(b, "<rect x=\"0\" y=\"4\" width=\"10\" height=\"14\" fill=\"%s\"/><text class=\"title\" x=\"16\" y=\"16\">",
+        svg_colour(i));
+    svg_text(b, p->label);
+    svg_put(b, "</text>\n<text class=\"note\" x=\"16\" y=\"34\">step %lld (step / lower bound %.3f): "
            "microbatch %d, layer %d; straggler GPU %d (%s)</text>\n",
         (long long)p->worst_step, p->worst_ratio, p->worst_mb, p->worst_layer, p->worst_gpu,
-        side_label[p->worst_side >= 0 && p->worst_side < 4 ? p->worst_side : 0]);
-    put_y_axis(b, &f, "forward time (ms)");
+        svg_side_label[p->worst_side >= 0 && p->worst_side < 4 ? p->worst_side : 0]);
+    svg_y_axis(b, &f, "forward time (ms)");
     double slot = f.w / G, bw = slot * 0.72;
     int every = G <= 16 ? 1 : G <= 32 ? 2 : G <= 64 ? 4 : (G + 15) / 16;
     if (r->gpus_per_node > 0 && r->gpus_per_node < G)
         for (int32_t g = r->gpus_per_node; g < G; g += r->gpus_per_node) {
             double x = f.x0 + g * slot;
-            put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#bbb\" stroke-dasharray=\"2 3\"/>\n",
+            svg_put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#bbb\" stroke-dasharray=\"2 3\"/>\n",
                 x, f.y0, x, f.y0 + f.h);
         }
     for (int32_t g = 0; g < G; g++) {
@@ -438,31 +277,31 @@ static void put_gpu_stack(buf *b, const rp_report *r, int i, double ymax)
         double x = f.x0 + g * slot + (slot - bw) / 2, base = 0;
         for (int s = 0; s < 4; s++) {
             if (!(v[s] > 0)) continue;
-            double y1 = px_y(&f, base + v[s]), y0 = px_y(&f, base);
-            put(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.2f\" fill=\"%s\"><title>GPU %d %s: %.4f ms</title></rect>",
-                x, y1, bw, y0 - y1, side_colour[s], g, side_label[s], v[s]);
+            double y1 = svg_px_y(&f, base + v[s]), y0 = svg_px_y(&f, base);
+            svg_put(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.2f\" fill=\"%s\"><title>GPU %d %s: %.4f ms</title></rect>",
+                x, y1, bw, y0 - y1, svg_side_colour[s], g, svg_side_label[s], v[s]);
             base += v[s];
         }
         if (g % every == 0)
-            put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%d</text>",
+            svg_put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%d</text>",
                 f.x0 + (g + 0.5) * slot, f.y0 + f.h + 16, g);
         if (g == p->worst_gpu) /* a marker above the straggler's bar */
-            put(b, "<path d=\"M%.1f %.1f l-5 -8 h10 z\" fill=\"#c00\"><title>straggler GPU %d</title></path>",
-                f.x0 + (g + 0.5) * slot, px_y(&f, base) - 3, g);
-        put(b, "\n");
+            svg_put(b, "<path d=\"M%.1f %.1f l-5 -8 h10 z\" fill=\"#c00\"><title>straggler GPU %d</title></path>",
+                f.x0 + (g + 0.5) * slot, svg_px_y(&f, base) - 3, g);
+        svg_put(b, "\n");
     }
-    double lt = layer_time(p, G) * 1e3, y = px_y(&f, lt);
+    double lt = layer_time(p, G) * 1e3, y = svg_px_y(&f, lt);
     /* the shared scale leaves room above the tallest line for this label */
-    put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#222\" stroke-width=\"1.5\" "
+    svg_put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#222\" stroke-width=\"1.5\" "
            "stroke-dasharray=\"6 4\"/><text class=\"note\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">"
            "layer time %.3f ms</text>\n",
         f.x0, y, f.x0 + f.w, y, f.x0 + f.w - 4, y - 5, lt);
-    put(b, "<text class=\"axis\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">GPU</text>\n", f.x0 + f.w / 2,
+    svg_put(b, "<text class=\"axis\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">GPU</text>\n", f.x0 + f.w / 2,
         f.y0 + f.h + 38);
-    put(b, "</svg>\n");
+    svg_put(b, "</svg>\n");
 }
 
-static void put_gpu_stacks(buf *b, const rp_report *r)
+static void put_gpu_stacks(svg_buf *b, const rp_report *r)
 {
     const int32_t G = r->num_gpus;
     double ymax = 0;
@@ -475,9 +314,9 @@ static void put_gpu_stacks(buf *b, const rp_report *r)
     }
     /* headroom, so the tallest layer-time line keeps its label inside the frame */
     ymax *= 1e3;
-    ticks t = nice_ticks(0, ymax, 5);
+    svg_ticks t = svg_ticks_for(0, ymax, 5);
     if (t.hi - ymax < (t.hi - t.lo) * 0.1) ymax += (t.hi - t.lo) * 0.1;
-    put(b, "<h2>Where the worst step's time goes, per GPU</h2>\n<p>For each policy, its worst "
+    svg_put(b, "<h2>Where the worst step's time goes, per GPU</h2>\n<p>For each policy, its worst "
            "step (the largest step / lower bound) at that step's <b>straggler microbatch and layer</b> "
            "(the one whose slowest term is the largest): the forward time of each GPU, stacked "
            "attention, dispatch, expert and combine. Every GPU waits for the slowest at each term "
@@ -485,16 +324,16 @@ static void put_gpu_stacks(buf *b, const rp_report *r)
            "max dispatch + max expert + max combine. All charts share one scale; a red triangle marks "
            "the straggler GPU%s.</p>\n",
            r->gpus_per_node > 0 && r->gpus_per_node < G ? "; dotted lines separate nodes" : "");
-    const char *colours[4] = {side_colour[0], side_colour[1], side_colour[2], side_colour[3]};
-    put(b, "<svg width=\"1120\" height=\"30\" viewBox=\"0 0 1120 30\" role=\"img\" aria-label=\"legend\">\n");
-    put_legend(b, 10, 15, 1100, 4, side_label, colours, NULL, false);
-    put(b, "</svg>\n<div class=\"grid2\">\n");
+    const char *colours[4] = {svg_side_colour[0], svg_side_colour[1], svg_side_colour[2], svg_side_colour[3]};
+    svg_put(b, "<svg width=\"1120\" height=\"30\" viewBox=\"0 0 1120 30\" role=\"img\" aria-label=\"legend\">\n");
+    svg_legend(b, 10, 15, 1100, 4, svg_side_label, colours, NULL, false);
+    svg_put(b, "</svg>\n<div class=\"grid2\">\n");
     for (int i = 0; i < r->num_policies; i++)
         if (charted(&r->policies[i])) put_gpu_stack(b, r, i, ymax);
-    put(b, "</div>\n");
+    svg_put(b, "</div>\n");
 }
 
-static void put_expert_load(buf *b, const rp_report *r)
+static void put_expert_load(svg_buf *b, const rp_report *r)
 {
     const int32_t G = r->num_gpus;
     const double W = 1120;
@@ -507,25 +346,25 @@ static void put_expert_load(buf *b, const rp_report *r)
         for (int32_t g = 0; g < G; g++) ymax = fmax(ymax, p->expert_step[g] * 1e3);
     }
     if (n == 0) return;
-    put(b, "<h2>Expert load per GPU, step %lld</h2>\n<p>At step %lld, the worst step overall (the "
+    svg_put(b, "<h2>Expert load per GPU, step %lld</h2>\n<p>At step %lld, the worst step overall (the "
            "largest step / lower bound averaged over the policies), so that the bars compare: the "
            "forward expert time of each GPU (the grouped GEMMs of the experts in its slots), summed "
            "over the step's microbatches and layers, as the cost model prices it (replica splits, "
            "token shares and GPU speed included). Even bars mean the placement balanced the "
            "experts; the legend gives max / mean across GPUs.</p>\n",
            (long long)r->load_step, (long long)r->load_step);
-    frame f = {80, 20, W - 110, 300, -0.5, G - 0.5, nice_ticks(0, ymax * 1.04, 6)};
+    svg_frame f = {80, 20, W - 110, 300, -0.5, G - 0.5, svg_ticks_for(0, ymax * 1.04, 6)};
     int per_row = (int)(f.w / 270);
     double H = f.y0 + f.h + 64 + ((n + per_row - 1) / per_row) * 22.0;
-    put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
+    svg_put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
            "aria-label=\"expert load per GPU\">\n", W, H, W, H);
-    put_y_axis(b, &f, "expert time, forward (ms)");
+    svg_y_axis(b, &f, "expert time, forward (ms)");
     double slot = f.w / G, group = slot * 0.82, bw = n ? group / n : group;
     int every = G <= 32 ? 1 : G <= 64 ? 2 : (G + 31) / 32;
     if (r->gpus_per_node > 0 && r->gpus_per_node < G)
         for (int32_t g = r->gpus_per_node; g < G; g += r->gpus_per_node) {
             double x = f.x0 + g * slot;
-            put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#bbb\" stroke-dasharray=\"2 3\"/>\n",
+            svg_put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#bbb\" stroke-dasharray=\"2 3\"/>\n",
                 x, f.y0, x, f.y0 + f.h);
         }
     char (*labels)[300] = rp_calloc(b->ctx, (size_t)(n ? n : 1), sizeof *labels);
@@ -539,26 +378,26 @@ static void put_expert_load(buf *b, const rp_report *r)
         double sum = 0, top = 0;
         for (int32_t g = 0; g < G; g++) {
             double v = p->expert_step[g] * 1e3, x = f.x0 + g * slot + (slot - group) / 2 + k * bw;
-            double y = px_y(&f, v);
+            double y = svg_px_y(&f, v);
             sum += v;
             top = fmax(top, v);
-            put(b, "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"><title>",
-                x, y, bw > 1.5 ? bw - 0.5 : bw, px_y(&f, 0) - y, colour_of(i));
-            put_text(b, p->label);
-            put(b, ", GPU %d: %.4f ms</title></rect>\n", g, v);
+            svg_put(b, "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"><title>",
+                x, y, bw > 1.5 ? bw - 0.5 : bw, svg_px_y(&f, 0) - y, svg_colour(i));
+            svg_text(b, p->label);
+            svg_put(b, ", GPU %d: %.4f ms</title></rect>\n", g, v);
         }
         double mean = sum / G;
         snprintf(labels[k], sizeof labels[k], "%s (max/mean %.3f)", p->label, mean > 0 ? top / mean : 1.0);
         lp[k] = labels[k];
-        cp[k] = colour_of(i);
+        cp[k] = svg_colour(i);
         k++;
     }
     for (int32_t g = 0; g < G; g += every)
-        put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%d</text>",
+        svg_put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%d</text>",
             f.x0 + (g + 0.5) * slot, f.y0 + f.h + 18, g);
-    put_x_title(b, &f, "GPU");
-    if (!b->failed) put_legend(b, f.x0, f.y0 + f.h + 62, f.w, k, lp, cp, NULL, false);
-    put(b, "</svg>\n");
+    svg_x_title(b, &f, "GPU");
+    if (!b->failed) svg_legend(b, f.x0, f.y0 + f.h + 62, f.w, k, lp, cp, NULL, false);
+    svg_put(b, "</svg>\n");
     rp_free(b->ctx, labels);
     rp_free(b->ctx, lp);
     rp_free(b->ctx, cp);
@@ -581,7 +420,7 @@ rp_status rp_report_html(rp_context *ctx, const rp_report *r, char **text, size_
                            "per-GPU figures", p->label, p->num_steps);
         ran++;
     }
-    buf b = {ctx, NULL, 0, 0, false};
+    svg_buf b = {ctx, NULL, 0, 0, false};
     put_head(&b, r);
     put_summary(&b, r);
     if (ran > 0) {
@@ -589,9 +428,9 @@ rp_status rp_report_html(rp_context *ctx, const rp_report *r, char **text, size_
         put_gpu_stacks(&b, r);
         put_expert_load(&b, r);
     } else {
-        put(&b, "<p>No policy ran, so there is nothing to chart.</p>\n");
+        svg_put(&b, "<p>No policy ran, so there is nothing to chart.</p>\n");
     }
-    put(&b, "<footer>Written by RoutePack %s. Times are the cost model's predictions "
+    svg_put(&b, "<footer>Written by RoutePack %s. Times are the cost model's predictions "
             "(docs/cost-model.md); the page holds no scripts and loads nothing.</footer>\n</body>\n</html>\n",
         RP_VERSION_STRING);
     if (b.failed) {

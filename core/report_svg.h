@@ -1,0 +1,52 @@
+/* Drawing helpers of the HTML report (core/report_*.c): a growing text buffer, escaped
+ * text, policy and side colours, axis ticks, plot frames, axes and legends. Internal. */
+#ifndef RP_REPORT_SVG_H
+#define RP_REPORT_SVG_H
+
+#include "internal.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+
+typedef struct svg_buf {
+    rp_context *ctx;
+    char *data;
+    size_t len, cap;
+    bool failed; /* an allocation failed: every later put is a no-op */
+} svg_buf;
+
+void svg_put(svg_buf *b, const char *fmt, ...) RP_PRINTF(2, 3);
+/* Text with &, <, >, " escaped (for element content and attribute values). */
+void svg_text(svg_buf *b, const char *s);
+
+extern const char *const svg_side_label[4];
+extern const char *const svg_side_colour[4];
+const char *svg_colour(int policy);
+const char *svg_dash(int policy);
+
+/* Axis ticks at 1, 2 or 5 times a power of ten, covering [lo, hi] with at most about
+ * `target` intervals. */
+typedef struct svg_ticks {
+    double lo, hi, step;
+    int decimals;
+} svg_ticks;
+svg_ticks svg_ticks_for(double lo, double hi, int target);
+
+/* A plot area inside an SVG, with its value ranges. */
+typedef struct svg_frame {
+    double x0, y0, w, h; /* pixels: top-left corner and size */
+    double xlo, xhi;     /* value range of x (bar charts: slots) */
+    svg_ticks y;
+} svg_frame;
+double svg_px_y(const svg_frame *f, double v);
+double svg_px_x(const svg_frame *f, double v);
+
+/* Y grid lines with labels, the axis title (rotated), and the frame's border. */
+void svg_y_axis(svg_buf *b, const svg_frame *f, const char *title);
+void svg_x_title(svg_buf *b, const svg_frame *f, const char *title);
+/* A legend of swatches (or line samples) laid out in rows from (x, y); returns the height
+ * used. */
+double svg_legend(svg_buf *b, double x, double y, double width, int n, const char *const *labels,
+                  const char *const *colours, const char *const *dashes, bool lines);
+
+#endif
