@@ -32,10 +32,17 @@ typedef struct rp_report_policy {
     int32_t worst_mb, worst_layer, worst_gpu;
     rp_side worst_side;
     const double *attention, *dispatch, *expert, *combine; /* [num_gpus] seconds */
-    /* forward expert time of each GPU summed over the microbatches and layers of step
-     * rp_report.load_step [num_gpus], seconds: the expert load the placement left on it;
-     * NULL when the policy did not run that step */
-    const double *expert_step;
+    /* per step [num_steps]: predicted step time and migration time (seconds), bytes
+     * migrated, rounds of the migration plan and the most staging one GPU used in a round
+     * (0 without a migration), plan time (statistics + policy + validation, seconds);
+     * NULL: the per-step time and migration sections leave the policy out */
+    const double *step_s, *migration_s, *migration_bytes, *plan_s;
+    const int32_t *migration_rounds;
+    const int64_t *staging_bytes;
+    /* forward expert time of each GPU at each layer, summed over the microbatches of step
+     * rp_report.load_step, [num_layers * num_gpus] (layer-major), seconds: the expert load
+     * the placement left; NULL when the policy did not run that step */
+    const double *expert_layer;
 } rp_report_policy;
 
 typedef struct rp_report {
@@ -45,6 +52,8 @@ typedef struct rp_report {
     const char *baseline;       /* label the speedups are against; may be NULL */
     int32_t num_gpus;
     int32_t gpus_per_node;      /* for node separators on the per-GPU charts */
+    int32_t ep_size;            /* for EP group separators on the expert load heatmap */
+    int32_t num_layers;         /* MoE layers (rows of rp_report_policy.expert_layer) */
     int32_t num_policies;
     const rp_report_policy *policies;
     int64_t load_step;          /* the step of the expert load chart (one for all policies,
@@ -52,6 +61,8 @@ typedef struct rp_report {
 } rp_report;
 
 /* Render the page. *text is NUL-terminated, allocated through ctx (rp_text_free).
+ * Up to 32 GPUs the expert load is drawn as bars per GPU; above, as a heatmap of GPU x
+ * layer per policy (bars of 64-256 GPUs all look alike).
  * Errors: RP_EINVAL for a report without GPUs, policies or a policy's arrays (named),
  * RP_ENOMEM. Deterministic: the same report gives the same bytes. */
 rp_status rp_report_html(rp_context *ctx, const rp_report *report, char **text, size_t *len,

@@ -1,14 +1,13 @@
 /* The simulation report as one self-contained HTML page: a summary table and SVG charts
  * (step / lower bound per step, per-GPU time at the worst step's straggler layer, expert
  * load per GPU), inline CSS, no scripts, nothing fetched. */
-#include "report.h"
-#include "report_svg.h"
+#include "report_internal.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 
-static bool charted(const rp_report_policy *p)
+bool report_charted(const rp_report_policy *p)
 {
     return p->num_steps > 0;
 }
@@ -65,7 +64,7 @@ static int best_of(const rp_report *r, size_t offset, bool largest)
     int best = -1;
     for (int i = 0; i < r->num_policies; i++) {
         const rp_report_policy *p = &r->policies[i];
-        if (!charted(p)) continue;
+        if (!report_charted(p)) continue;
         double v = *(const double *)((const char *)p + offset);
         if (isnan(v)) continue;
         double w = best < 0 ? 0 : *(const double *)((const char *)&r->policies[best] + offset);
@@ -93,7 +92,7 @@ static void put_summary(svg_buf *b, const rp_report *r)
     for (int i = 0; i < r->num_policies; i++) {
         const rp_report_policy *p = &r->policies[i];
         svg_put(b, "<tr><td class=\"l\">");
-        if (charted(p)) svg_put(b, "<span class=\"sw\" style=\"background:%s\"></span>", svg_colour(i));
+        if (report_charted(p)) svg_put(b, "<span class=\"sw\" style=\"background:%s\"></span>", svg_colour(i));
         svg_text(b, p->label);
         if (p->running) {
             svg_put(b, " <span style=\"color:#777\">(");
@@ -101,7 +100,7 @@ static void put_summary(svg_buf *b, const rp_report *r)
             svg_put(b, ")</span>");
         }
         svg_put(b, "</td>");
-        if (!charted(p)) {
+        if (!report_charted(p)) {
             svg_put(b, "<td class=\"err\" colspan=\"8\">did not run: ");
             svg_text(b, p->error ? p->error : "unknown error");
             svg_put(b, "</td></tr>\n");
@@ -135,7 +134,7 @@ static int coinciding_after(const rp_report *r, int i, double tol)
     int count = 0;
     for (int j = i + 1; j < r->num_policies; j++) {
         const rp_report_policy *q = &r->policies[j];
-        if (!charted(q) || q->num_steps != p->num_steps) continue;
+        if (!report_charted(q) || q->num_steps != p->num_steps) continue;
         bool same = true;
         for (int32_t k = 0; same && k < p->num_steps; k++)
             same = q->steps[k] == p->steps[k] && fabs(q->ratio[k] - p->ratio[k]) <= tol;
@@ -153,7 +152,7 @@ static void put_ratio_chart(svg_buf *b, const rp_report *r)
     bool any_fallback = false;
     for (int i = 0; i < r->num_policies; i++) {
         const rp_report_policy *p = &r->policies[i];
-        if (!charted(p)) continue;
+        if (!report_charted(p)) continue;
         n++;
         for (int32_t k = 0; k < p->num_steps; k++) {
             if (isfinite(p->ratio[k])) {
@@ -178,7 +177,7 @@ static void put_ratio_chart(svg_buf *b, const rp_report *r)
                svg_ticks_for(lo, ymax + (ymax - ymin) * 0.05, 6)};
     bool any_coincide = false;
     for (int i = 0; i < r->num_policies; i++)
-        any_coincide |= charted(&r->policies[i]) && coinciding_after(r, i, (f.y.hi - f.y.lo) * 0.004) > 0;
+        any_coincide |= report_charted(&r->policies[i]) && coinciding_after(r, i, (f.y.hi - f.y.lo) * 0.004) > 0;
     svg_put(b, "<h2>Step time / lower bound, per step</h2>\n<p>How far each policy's predicted step "
            "time is from the lower bound at every step (1.00 = perfectly balanced).%s%s%s</p>\n",
            from_one ? "" : " The axis does not start at 1.00, so that the policies can be told apart.",
@@ -213,7 +212,7 @@ static void put_ratio_chart(svg_buf *b, const rp_report *r)
     int m = 0;
     for (int i = 0; i < r->num_policies; i++) {
         const rp_report_policy *p = &r->policies[i];
-        if (!charted(p)) continue;
+        if (!report_charted(p)) continue;
         /* a line that coincides with lines drawn after it is widened by 2 px for each,
          * so it still shows as an outline around them */
         int under = coinciding_after(r, i, (f.y.hi - f.y.lo) * 0.004);
@@ -307,7 +306,7 @@ static void put_gpu_stacks(svg_buf *b, const rp_report *r)
     double ymax = 0;
     for (int i = 0; i < r->num_policies; i++) {
         const rp_report_policy *p = &r->policies[i];
-        if (!charted(p)) continue;
+        if (!report_charted(p)) continue;
         ymax = fmax(ymax, layer_time(p, G));
         for (int32_t g = 0; g < G; g++)
             ymax = fmax(ymax, p->attention[g] + p->dispatch[g] + p->expert[g] + p->combine[g]);
@@ -329,78 +328,8 @@ static void put_gpu_stacks(svg_buf *b, const rp_report *r)
     svg_legend(b, 10, 15, 1100, 4, svg_side_label, colours, NULL, false);
     svg_put(b, "</svg>\n<div class=\"grid2\">\n");
     for (int i = 0; i < r->num_policies; i++)
-        if (charted(&r->policies[i])) put_gpu_stack(b, r, i, ymax);
+        if (report_charted(&r->policies[i])) put_gpu_stack(b, r, i, ymax);
     svg_put(b, "</div>\n");
-}
-
-static void put_expert_load(svg_buf *b, const rp_report *r)
-{
-    const int32_t G = r->num_gpus;
-    const double W = 1120;
-    int n = 0;
-    double ymax = 0;
-    for (int i = 0; i < r->num_policies; i++) {
-        const rp_report_policy *p = &r->policies[i];
-        if (!charted(p) || !p->expert_step) continue;
-        n++;
-        for (int32_t g = 0; g < G; g++) ymax = fmax(ymax, p->expert_step[g] * 1e3);
-    }
-    if (n == 0) return;
-    svg_put(b, "<h2>Expert load per GPU, step %lld</h2>\n<p>At step %lld, the worst step overall (the "
-           "largest step / lower bound averaged over the policies), so that the bars compare: the "
-           "forward expert time of each GPU (the grouped GEMMs of the experts in its slots), summed "
-           "over the step's microbatches and layers, as the cost model prices it (replica splits, "
-           "token shares and GPU speed included). Even bars mean the placement balanced the "
-           "experts; the legend gives max / mean across GPUs.</p>\n",
-           (long long)r->load_step, (long long)r->load_step);
-    svg_frame f = {80, 20, W - 110, 300, -0.5, G - 0.5, svg_ticks_for(0, ymax * 1.04, 6)};
-    int per_row = (int)(f.w / 270);
-    double H = f.y0 + f.h + 64 + ((n + per_row - 1) / per_row) * 22.0;
-    svg_put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
-           "aria-label=\"expert load per GPU\">\n", W, H, W, H);
-    svg_y_axis(b, &f, "expert time, forward (ms)");
-    double slot = f.w / G, group = slot * 0.82, bw = n ? group / n : group;
-    int every = G <= 32 ? 1 : G <= 64 ? 2 : (G + 31) / 32;
-    if (r->gpus_per_node > 0 && r->gpus_per_node < G)
-        for (int32_t g = r->gpus_per_node; g < G; g += r->gpus_per_node) {
-            double x = f.x0 + g * slot;
-            svg_put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#bbb\" stroke-dasharray=\"2 3\"/>\n",
-                x, f.y0, x, f.y0 + f.h);
-        }
-    char (*labels)[300] = rp_calloc(b->ctx, (size_t)(n ? n : 1), sizeof *labels);
-    const char **lp = rp_calloc(b->ctx, (size_t)(n ? n : 1), sizeof *lp);
-    const char **cp = rp_calloc(b->ctx, (size_t)(n ? n : 1), sizeof *cp);
-    if (!labels || !lp || !cp) b->failed = true;
-    int k = 0;
-    for (int i = 0; i < r->num_policies && !b->failed; i++) {
-        const rp_report_policy *p = &r->policies[i];
-        if (!charted(p) || !p->expert_step) continue;
-        double sum = 0, top = 0;
-        for (int32_t g = 0; g < G; g++) {
-            double v = p->expert_step[g] * 1e3, x = f.x0 + g * slot + (slot - group) / 2 + k * bw;
-            double y = svg_px_y(&f, v);
-            sum += v;
-            top = fmax(top, v);
-            svg_put(b, "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"><title>",
-                x, y, bw > 1.5 ? bw - 0.5 : bw, svg_px_y(&f, 0) - y, svg_colour(i));
-            svg_text(b, p->label);
-            svg_put(b, ", GPU %d: %.4f ms</title></rect>\n", g, v);
-        }
-        double mean = sum / G;
-        snprintf(labels[k], sizeof labels[k], "%s (max/mean %.3f)", p->label, mean > 0 ? top / mean : 1.0);
-        lp[k] = labels[k];
-        cp[k] = svg_colour(i);
-        k++;
-    }
-    for (int32_t g = 0; g < G; g += every)
-        svg_put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%d</text>",
-            f.x0 + (g + 0.5) * slot, f.y0 + f.h + 18, g);
-    svg_x_title(b, &f, "GPU");
-    if (!b->failed) svg_legend(b, f.x0, f.y0 + f.h + 62, f.w, k, lp, cp, NULL, false);
-    svg_put(b, "</svg>\n");
-    rp_free(b->ctx, labels);
-    rp_free(b->ctx, lp);
-    rp_free(b->ctx, cp);
 }
 
 rp_status rp_report_html(rp_context *ctx, const rp_report *r, char **text, size_t *len, rp_error *err)
@@ -414,7 +343,7 @@ rp_status rp_report_html(rp_context *ctx, const rp_report *r, char **text, size_
         const rp_report_policy *p = &r->policies[i];
         if (!p->label) return rp_fail(err, RP_EINVAL, "report: policy %d has no label", i);
         if (p->num_steps < 0) return rp_fail(err, RP_EINVAL, "report: policy '%s' has %d steps", p->label, p->num_steps);
-        if (!charted(p)) continue;
+        if (!report_charted(p)) continue;
         if (!p->steps || !p->ratio || !p->attention || !p->dispatch || !p->expert || !p->combine)
             return rp_fail(err, RP_EINVAL, "report: policy '%s' ran %d steps but lacks its per-step or "
                            "per-GPU figures", p->label, p->num_steps);
@@ -426,7 +355,8 @@ rp_status rp_report_html(rp_context *ctx, const rp_report *r, char **text, size_
     if (ran > 0) {
         put_ratio_chart(&b, r);
         put_gpu_stacks(&b, r);
-        put_expert_load(&b, r);
+        report_steps(&b, r);
+        report_expert_load(&b, r);
     } else {
         svg_put(&b, "<p>No policy ran, so there is nothing to chart.</p>\n");
     }

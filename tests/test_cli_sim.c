@@ -244,6 +244,39 @@ static void test_report(void)
     like(page, "lower bound", "the step / lower bound chart");
     like(page, "Expert load per GPU", "the expert load chart");
     like(page, "forward time (ms)", "axes carry units");
+    /* the per-step sections: one line of 2 points per policy, one table row each */
+    const char *chart = strstr(page, "<h2>Step time with migration, per step");
+    ok(chart != NULL, "the step + migration chart is there");
+    const char *line = chart ? strstr(chart, "<polyline") : NULL;
+    const char *pts = line ? strstr(line, "points=\"") : NULL;
+    int points = 0;
+    for (const char *c = pts ? pts + 8 : NULL; c && *c && *c != '"'; c++) points += *c == ',';
+    is_int(points, 2, "its first line has a point per step");
+    like(page, "<h2>Migration</h2>", "the migration section");
+    int rows = 0;
+    for (const char *c = strstr(page, "<h2>Migration</h2>"); c && (c = strstr(c, " of 2</td><td>")); c++) rows++;
+    is_int(rows, 2, "a row per policy, with the steps that moved");
+    like(page, "<h2>Planning time against step time</h2>", "plan time against step time");
+    ok(strstr(page, "Expert load per GPU and layer") == NULL, "8 GPUs: bars, not a heatmap");
+
+    /* 64 GPUs: a heatmap of GPU x layer per policy, 64 x 16 cells each */
+    const char *cfg64 = tmp("config-64.json");
+    write_file(cfg64, "{\"topology\": {\"num_nodes\": 8, \"gpus_per_node\": 8, \"slots_per_gpu\": 10},\n"
+                      " \"model\": {\"num_layers\": 16, \"num_experts\": 64, \"top_k\": 8, \"hidden_size\": 2048,\n"
+                      "  \"expert_ffn_size\": 1024, \"num_heads\": 16, \"head_dim\": 128},\n"
+                      " \"limits\": {\"max_tokens_per_microbatch\": 16384}}\n");
+    rc = rp("simulate --config '%s' --gen " EX "gen-small.json --steps 1 --policies token_kk+eplb,attn_kk+eplb "
+            "--report '%s'", cfg64, html);
+    is_int(rc, 0, "simulate --report at 64 GPUs succeeds");
+    slurp(html, page, sizeof page);
+    const char *heat = strstr(page, "<h2>Expert load per GPU and layer");
+    ok(heat != NULL, "64 GPUs: the expert load is a heatmap");
+    int cells = 0, maps = 0;
+    for (const char *c = heat; c && (c = strstr(c, "<rect x=")); c++) cells++;
+    for (const char *c = heat; c && (c = strstr(c, ": expert load heatmap")); c++) maps++;
+    is_int(maps, 2, "one heatmap per policy");
+    ok(cells >= 2 * 64 * 16, "every (GPU, layer) cell is drawn (%d rects)", cells);
+    like(heat, "hottest cell GPU", "each names its hottest cell");
 
     rc = rp("simulate --steps 1 --policies token_kk+eplb --report '%s/no/such/dir/r.html'", tmpdir);
     is_int(rc, 2, "a report into a missing folder is a usage error, before the run");

@@ -203,8 +203,8 @@ typedef struct sim_policy {
     int32_t worst_mb, worst_layer, worst_gpu;
     rp_side worst_side;
     double *attention, *dispatch, *expert, *combine; /* [G] each */
-    /* forward expert time of each GPU summed over microbatches and layers, per step run
-     * [steps x G], for the expert load chart */
+    /* forward expert time of each GPU at each layer, summed over microbatches, per step
+     * run [steps x L x G], for the expert load chart */
     double *expert_by_step;
 } sim_policy;
 
@@ -397,13 +397,13 @@ static rp_status track_step(sim_policy *p, rp_cost *cost, const rp_plan *plan, c
     const int32_t M = rp_plan_num_microbatches(plan);
     const double *A = rp_cost_attention_breakdown(cost), *D = rp_cost_dispatch_breakdown(cost);
     const double *X = rp_cost_expert_breakdown(cost), *C = rp_cost_combine_breakdown(cost);
-    double *row = p->expert_by_step + (size_t)last * G;
-    for (int32_t g = 0; g < G; g++) {
-        double total = 0;
-        for (int32_t m = 0; m < M; m++)
-            for (int32_t l = 0; l < L; l++) total += X[((size_t)m * L + l) * G + g];
-        row[g] = total;
-    }
+    double *rows = p->expert_by_step + (size_t)last * L * G;
+    for (int32_t l = 0; l < L; l++)
+        for (int32_t g = 0; g < G; g++) {
+            double total = 0;
+            for (int32_t m = 0; m < M; m++) total += X[((size_t)m * L + l) * G + g];
+            rows[(size_t)l * G + g] = total;
+        }
     if (p->worst >= 0 && !(p->steps[last].cost.ratio > p->steps[p->worst].cost.ratio)) return RP_OK;
     int32_t mb = sum.straggler_mb, layer = sum.straggler_layer;
     if (mb < 0 || mb >= M || layer < 0 || layer >= L)
@@ -593,10 +593,13 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
     int64_t **idx = calloc((size_t)np, sizeof *idx);
     double **ratio = calloc((size_t)np, sizeof *ratio);
     bool **fb = calloc((size_t)np, sizeof *fb);
+    double **per_step = calloc((size_t)np, sizeof *per_step); /* [4 x steps]: step, migration, bytes, plan */
+    int32_t **rounds = calloc((size_t)np, sizeof *rounds);
+    int64_t **staging = calloc((size_t)np, sizeof *staging);
     char (*running)[128] = calloc((size_t)np, sizeof *running);
     char *text = NULL;
     rp_status st = RP_OK;
-    if (!rp || !idx || !ratio || !fb || !running) {
+    if (!rp || !idx || !ratio || !fb || !per_step || !rounds || !staging || !running) {
         st = cli_error(err, RP_ENOMEM, "out of memory building the report");
         goto out;
     }
@@ -612,7 +615,10 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
         idx[i] = malloc((size_t)n * sizeof **idx);
         ratio[i] = malloc((size_t)n * sizeof **ratio);
         fb[i] = malloc((size_t)n * sizeof **fb);
-        if (!idx[i] || !ratio[i] || !fb[i]) {
+        per_step[i] = malloc((size_t)n * 4 * sizeof **per_step);
+        rounds[i] = malloc((size_t)n * sizeof **rounds);
+        staging[i] = malloc((size_t)n * sizeof **staging);
+        if (!idx[i] || !ratio[i] || !fb[i] || !per_step[i] || !rounds[i] || !staging[i]) {
             st = cli_error(err, RP_ENOMEM, "out of memory building the report");
             goto out;
         }
@@ -620,6 +626,12 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
             idx[i][k] = p->steps[k].step;
             ratio[i][k] = p->steps[k].cost.ratio;
             fb[i][k] = p->steps[k].fallback;
+            per_step[i][k] = p->steps[k].cost.step_s;
+            per_step[i][n + k] = p->steps[k].migration_s;
+            per_step[i][2 * n + k] = p->steps[k].migration_bytes;
+            per_step[i][3 * n + k] = p->steps[k].plan_s;
+            rounds[i][k] = p->steps[k].migration_rounds;
+            staging[i][k] = p->steps[k].migration_staging_bytes;
         }
         sim_summary s;
         summarize(p, base, &s);
@@ -634,6 +646,12 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
         r->steps = idx[i];
         r->ratio = ratio[i];
         r->fallback = fb[i];
+        r->step_s = per_step[i];
+        r->migration_s = per_step[i] + n;
+        r->migration_bytes = per_step[i] + 2 * n;
+        r->plan_s = per_step[i] + 3 * n;
+        r->migration_rounds = rounds[i];
+        r->staging_bytes = staging[i];
         r->mean_step_s = s.mean_step_s;
         r->mean_ratio = s.mean_ratio;
         r->speedup = s.speedup;
@@ -669,7 +687,7 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
     for (int i = 0; i < np && load_at >= 0; i++) {
         if (pol[i].num_steps <= load_at || pol[i].worst < 0) continue;
         load_step = pol[i].steps[load_at].step;
-        rp[i].expert_step = pol[i].expert_by_step + (size_t)load_at * t->num_gpus;
+        rp[i].expert_layer = pol[i].expert_by_step + (size_t)load_at * m->num_layers * t->num_gpus;
     }
     char line1[1200], line2[512];
     snprintf(line1, sizeof line1, "config %s; %s %s; %d step%s", config,
@@ -681,7 +699,7 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
              m->num_layers, m->num_experts, m->top_k, rp_config_hardware(cfg)->backward_multiplier);
     const char *context[] = {line1, line2, NULL};
     rp_report report = {"RoutePack simulation", context, base ? SIM_BASELINE : NULL, t->num_gpus,
-                        t->gpus_per_node, np, rp, load_step};
+                        t->gpus_per_node, t->ep_size, m->num_layers, np, rp, load_step};
     size_t len;
     if ((st = rp_report_html(ctx, &report, &text, &len, err)) != RP_OK) goto out;
     FILE *f = fopen(path, "wb");
@@ -694,14 +712,20 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
     if (!ok) st = cli_error(err, RP_EIO, "%s: cannot write the report: %s", path, strerror(errno));
 out:
     rp_text_free(ctx, text);
-    for (int i = 0; i < np && idx && ratio && fb; i++) {
+    for (int i = 0; i < np && idx && ratio && fb && per_step && rounds && staging; i++) {
         free(idx[i]);
         free(ratio[i]);
         free(fb[i]);
+        free(per_step[i]);
+        free(rounds[i]);
+        free(staging[i]);
     }
     free(idx);
     free(ratio);
     free(fb);
+    free(per_step);
+    free(rounds);
+    free(staging);
     free(running);
     free(rp);
     return st;
@@ -911,7 +935,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
         goto out;
     }
 
-    const int32_t G = rp_config_topology(cfg)->num_gpus;
+    const int32_t G = rp_config_topology(cfg)->num_gpus, L = rp_config_model(cfg)->num_layers;
     rp_sched_options opts;
     rp_sched_options_default(&opts);
     if ((rc = check_memory(ctx, cfg, &in, &o, np, opts.history)) != CLI_OK) goto out;
@@ -927,7 +951,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
             p->dispatch = calloc((size_t)G, sizeof(double));
             p->expert = calloc((size_t)G, sizeof(double));
             p->combine = calloc((size_t)G, sizeof(double));
-            p->expert_by_step = calloc((size_t)steps * (size_t)G, sizeof(double));
+            p->expert_by_step = calloc((size_t)steps * (size_t)L * (size_t)G, sizeof(double));
         }
         if (!p->steps || (o.report && (!p->attention || !p->dispatch || !p->expert || !p->combine ||
                                        !p->expert_by_step))) {
