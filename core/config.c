@@ -26,20 +26,29 @@ struct rp_config {
     rp_hardware hardware;
     rp_model model;
     rp_limits limits;
+    rp_execution execution;
     rp_policy_config policy;
     /* owned storage behind the const views above */
     int32_t *slots;
     double *speed;
     rp_eff_point *gemm;
+    rp_eff_point *attention;
     char *policy_name;
     char *params_json;
     char **search_path; /* NULL-terminated */
 };
 
-/* Placeholder curve until the device check calibrates it: grouped-GEMM efficiency of
- * one expert at a given number of tokens (see docs/config.md). */
+/* Default curves (docs/cost-model.md gives the sources). Grouped-GEMM efficiency of one
+ * expert by its tokens: a large BF16 GEMM on an H200 reaches 0.78-0.81 of peak, grouped
+ * MoE kernels at small per-expert batches far less. */
 static const rp_eff_point default_gemm_efficiency[] = {
-    {1, 0.02}, {16, 0.1}, {64, 0.3}, {256, 0.6}, {1024, 0.8}, {4096, 0.85},
+    {1, 0.02}, {16, 0.1}, {64, 0.28}, {256, 0.5}, {1024, 0.68}, {4096, 0.78},
+};
+
+/* Causal FlashAttention forward efficiency by sequence length (FlashAttention-2/3 on
+ * Hopper, head dim 128: it rises about 2x from 512 to 16k tokens). */
+static const rp_eff_point default_attention_efficiency[] = {
+    {512, 0.25}, {1024, 0.35}, {2048, 0.45}, {4096, 0.52}, {8192, 0.56}, {16384, 0.6},
 };
 
 typedef struct loader {
@@ -246,25 +255,33 @@ out:
 
 static const char *const hardware_keys[] = {
     "peak_flops", "hbm_bytes_per_s", "hbm_bytes", "attention_efficiency", "dense_efficiency",
-    "gemm_efficiency", "backward_multiplier", "comment", NULL,
+    "gemm_efficiency", "backward_multiplier", "backward", "token_linear_bytes_per_token",
+    "layer_fixed_us", "comment", NULL,
 };
 
-static rp_status load_gemm_efficiency(loader *ld, json_t *arr)
+static const char *const backward_keys[] = {
+    "attention", "projections", "experts", "token_linear", "communication", "fixed", "comment", NULL,
+};
+
+/* An efficiency curve at `path`: absent, the default; else an array of [x, efficiency]
+ * pairs with x > 0 strictly increasing and efficiency in (0, 1]. `xname` names x in
+ * messages ("tokens", "sequence_length"). */
+static rp_status load_curve(loader *ld, json_t *arr, const char *path, const char *xname,
+                            const rp_eff_point *dflt, size_t num_dflt, rp_eff_point **out, int32_t *count)
 {
-    rp_hardware *h = &ld->cfg->hardware;
-    const char *path = "hardware.gemm_efficiency";
-    size_t n = arr ? json_array_size(arr) : sizeof default_gemm_efficiency / sizeof default_gemm_efficiency[0];
+    size_t n = arr ? json_array_size(arr) : num_dflt;
     if (arr && n == 0)
-        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path, "must have at least one [tokens, efficiency] point");
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path, "must have at least one [%s, efficiency] point",
+                            xname);
     if (n > MAX_GEMM_POINTS)
         return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, path, "has %zu points, more than the %d supported",
                             n, MAX_GEMM_POINTS);
-    ld->cfg->gemm = rp_calloc(ld->ctx, n, sizeof(rp_eff_point));
-    if (!ld->cfg->gemm) return rp_fail_nomem(ld->err, "the GEMM efficiency curve");
-    h->gemm_efficiency = ld->cfg->gemm;
-    h->num_gemm_efficiency = (int32_t)n;
+    rp_eff_point *pts = rp_calloc(ld->ctx, n, sizeof(rp_eff_point));
+    if (!pts) return rp_fail_nomem(ld->err, "an efficiency curve");
+    *out = pts;
+    *count = (int32_t)n;
     if (!arr) {
-        memcpy(ld->cfg->gemm, default_gemm_efficiency, sizeof default_gemm_efficiency);
+        memcpy(pts, dflt, num_dflt * sizeof *pts);
         return RP_OK;
     }
     for (size_t i = 0; i < n; i++) {
@@ -275,24 +292,89 @@ static rp_status load_gemm_efficiency(loader *ld, json_t *arr)
         json_t *point = json_array_get(arr, i);
         if (!json_is_array(point) || json_array_size(point) != 2 ||
             !json_is_number(json_array_get(point, 0)) || !json_is_number(json_array_get(point, 1)))
-            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, ip,
-                                "must be a [tokens, efficiency] pair of numbers");
-        double tokens = json_number_value(json_array_get(point, 0));
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, ip, "must be a [%s, efficiency] pair of numbers",
+                                xname);
+        double x = json_number_value(json_array_get(point, 0));
         double eff = json_number_value(json_array_get(point, 1));
-        if (!(tokens > 0))
-            return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, tp, "(tokens) must be > 0, got %g", tokens);
-        if (i > 0 && !(tokens > ld->cfg->gemm[i - 1].tokens))
+        if (!(x > 0))
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, tp, "(%s) must be > 0, got %g", xname, x);
+        if (i > 0 && !(x > pts[i - 1].tokens))
             return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, tp,
-                                "(tokens) must be greater than the previous point's %g, got %g: points "
-                                "are sorted by tokens, strictly increasing",
-                                ld->cfg->gemm[i - 1].tokens, tokens);
+                                "(%s) must be greater than the previous point's %g, got %g: points "
+                                "are sorted by %s, strictly increasing",
+                                xname, pts[i - 1].tokens, x, xname);
         if (!(eff > 0 && eff <= 1))
             return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, ep,
                                 "(efficiency) must be in (0, 1], got %g", eff);
-        ld->cfg->gemm[i].tokens = tokens;
-        ld->cfg->gemm[i].efficiency = eff;
+        pts[i].tokens = x;
+        pts[i].efficiency = eff;
     }
     return RP_OK;
+}
+
+/* attention_efficiency: one number (a flat curve) or a curve by sequence length. */
+static rp_status load_attention_efficiency(loader *ld, json_t *obj)
+{
+    rp_hardware *h = &ld->cfg->hardware;
+    const char *path = "hardware.attention_efficiency";
+    json_t *v = json_object_get(obj, "attention_efficiency");
+    rp_status st;
+    if (v && !json_is_array(v)) {
+        if (!json_is_number(v))
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path,
+                                "must be a number or an array of [sequence_length, efficiency] pairs, got %s",
+                                rp_jdoc_type_name(v));
+        double eff;
+        if ((st = get_fraction(ld, obj, "hardware", "attention_efficiency", 0.5, &eff)) != RP_OK) return st;
+        const rp_eff_point flat = {1, eff};
+        st = load_curve(ld, NULL, path, "sequence_length", &flat, 1, &ld->cfg->attention,
+                        &h->num_attention_efficiency);
+    } else {
+        st = load_curve(ld, v, path, "sequence_length", default_attention_efficiency,
+                        sizeof default_attention_efficiency / sizeof default_attention_efficiency[0],
+                        &ld->cfg->attention, &h->num_attention_efficiency);
+    }
+    h->attention_efficiency = ld->cfg->attention;
+    return st;
+}
+
+/* backward_multiplier sets every compute term; the backward object overrides terms one
+ * by one. Defaults per term: docs/cost-model.md. */
+static rp_status load_backward(loader *ld, json_t *obj)
+{
+    rp_backward *b = &ld->cfg->hardware.backward;
+    const char *P = "hardware.backward";
+    rp_status st;
+    double all = 0;
+    bool has_all = json_object_get(obj, "backward_multiplier") != NULL;
+    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, "hardware", "backward_multiplier", false, 2.0, 1.0, 1e3, &all,
+                              ld->err),
+                  st, out);
+    *b = (rp_backward){
+        .attention = has_all ? all : 3.0,
+        .projections = all,
+        .experts = all,
+        .token_linear = all,
+        .communication = 1.0,
+        .fixed = all,
+    };
+    json_t *bo;
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld->doc, obj, "hardware", "backward", false, &bo, ld->err), st, out);
+    if (!bo) return RP_OK;
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld->doc, bo, P, backward_keys, ld->err), st, out);
+    RP_CHECK_GOTO(check_comment(ld, bo, P), st, out);
+    struct {
+        const char *key;
+        double *field;
+    } terms[] = {{"attention", &b->attention},       {"projections", &b->projections},
+                 {"experts", &b->experts},           {"token_linear", &b->token_linear},
+                 {"communication", &b->communication}, {"fixed", &b->fixed}};
+    for (size_t i = 0; i < sizeof terms / sizeof terms[0]; i++)
+        RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, bo, P, terms[i].key, false, *terms[i].field, 0.0, 1e3,
+                                  terms[i].field, ld->err),
+                      st, out);
+out:
+    return st;
 }
 
 static rp_status load_hardware(loader *ld, json_t *obj)
@@ -308,17 +390,40 @@ static rp_status load_hardware(loader *ld, json_t *obj)
     RP_CHECK_GOTO(get_positive(ld, obj, P, "peak_flops", 989e12, DBL_MAX, &h->peak_flops), st, out);
     RP_CHECK_GOTO(get_positive(ld, obj, P, "hbm_bytes_per_s", 4.8e12, DBL_MAX, &h->hbm_bytes_per_s), st, out);
     RP_CHECK_GOTO(get_positive(ld, obj, P, "hbm_bytes", 141e9, DBL_MAX, &h->hbm_bytes), st, out);
-    RP_CHECK_GOTO(get_fraction(ld, obj, P, "attention_efficiency", 0.5, &h->attention_efficiency), st, out);
+    RP_CHECK_GOTO(load_attention_efficiency(ld, obj), st, out);
     RP_CHECK_GOTO(get_fraction(ld, obj, P, "dense_efficiency", 0.7, &h->dense_efficiency), st, out);
     json_t *gemm;
     RP_CHECK_GOTO(rp_jdoc_arr(&ld->doc, obj, P, "gemm_efficiency", false, &gemm, ld->err), st, out);
-    RP_CHECK_GOTO(load_gemm_efficiency(ld, gemm), st, out);
-    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "backward_multiplier", false, 2.0, 1.0, 1e3,
-                              &h->backward_multiplier, ld->err),
+    RP_CHECK_GOTO(load_curve(ld, gemm, "hardware.gemm_efficiency", "tokens", default_gemm_efficiency,
+                             sizeof default_gemm_efficiency / sizeof default_gemm_efficiency[0], &ld->cfg->gemm,
+                             &h->num_gemm_efficiency),
                   st, out);
+    h->gemm_efficiency = ld->cfg->gemm;
+    RP_CHECK_GOTO(load_backward(ld, obj), st, out);
+    double us;
+    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "layer_fixed_us", false, 40.0, 0, 1e9, &us, ld->err), st, out);
+    h->layer_fixed_s = us * 1e-6;
 out:
     json_decref(empty);
     return st;
+}
+
+/* token_linear_bytes_per_token defaults to a formula of the model shape: read after the
+ * model. Per token and layer, forward, in elements of bytes_per_param (docs/cost-model.md):
+ * two RMSNorms 2 x 2d, RoPE on q and k 4d, two residual adds 2 x 3d, the router's read d,
+ * permute k x 2d, SwiGLU's activation k x 3f, unpermute and weighted sum k d + d. */
+static rp_status load_token_linear(loader *ld, json_t *obj)
+{
+    rp_hardware *h = &ld->cfg->hardware;
+    const rp_model *m = &ld->cfg->model;
+    double d = m->hidden_size, k = m->top_k, f = m->expert_ffn_size;
+    double dflt = (16.0 * d + 3.0 * k * d + 3.0 * k * f) * m->bytes_per_param;
+    if (!obj) {
+        h->token_linear_bytes_per_token = dflt;
+        return RP_OK;
+    }
+    return rp_jdoc_num(&ld->doc, obj, "hardware", "token_linear_bytes_per_token", false, dflt, 0, DBL_MAX,
+                       &h->token_linear_bytes_per_token, ld->err);
 }
 
 /* ---- model --------------------------------------------------------------------------- */
@@ -388,6 +493,64 @@ static rp_status load_limits(loader *ld, json_t *obj)
                                &l->activation_bytes_per_token),
                   st, out);
 out:
+    return st;
+}
+
+/* ---- execution ----------------------------------------------------------------------- */
+
+static const char *const execution_keys[] = {
+    "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "comment", NULL,
+};
+
+/* A string member that must be one of `names` (NULL-terminated); its index in *out. */
+static rp_status get_choice(loader *ld, json_t *obj, const char *path, const char *key,
+                            const char *const *names, int dflt, int *out)
+{
+    const char *s;
+    rp_status st = rp_jdoc_str(&ld->doc, obj, path, key, false, NULL, &s, ld->err);
+    if (st != RP_OK) return st;
+    if (!s) {
+        *out = dflt;
+        return RP_OK;
+    }
+    char list[256] = "", kp[256];
+    for (int i = 0; names[i]; i++) {
+        if (strcmp(s, names[i]) == 0) {
+            *out = i;
+            return RP_OK;
+        }
+        size_t used = strlen(list);
+        snprintf(list + used, sizeof list - used, "%s\"%s\"", i ? ", " : "", names[i]);
+    }
+    return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, rp_jpath_key(kp, sizeof kp, path, key),
+                        "must be one of %s, got \"%s\"", list, s);
+}
+
+static const char *const sync_names[] = {"group", "global", NULL};
+static const char *const overlap_names[] = {"none", "layer", NULL};
+static const char *const dedup_names[] = {"choice", "gpu", "node", NULL};
+
+static rp_status load_execution(loader *ld, json_t *obj)
+{
+    const char *P = "execution";
+    rp_execution *x = &ld->cfg->execution;
+    rp_status st;
+    json_t *empty = NULL;
+    if (!obj) obj = empty = json_object(); /* every key has a default */
+    if (!obj) return rp_fail_nomem(ld->err, "the execution section");
+    int v;
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld->doc, obj, P, execution_keys, ld->err), st, out);
+    RP_CHECK_GOTO(check_comment(ld, obj, P), st, out);
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "sync", sync_names, RP_SYNC_GROUP, &v), st, out);
+    x->sync = (rp_sync)v;
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "overlap", overlap_names, RP_OVERLAP_NONE, &v), st, out);
+    x->overlap = (rp_overlap)v;
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "dispatch_dedup", dedup_names, RP_DEDUP_GPU, &v), st, out);
+    x->dispatch_dedup = (rp_dispatch_dedup)v;
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "dispatch_bytes_per_element", false, 2, 1, 16, &x->dispatch_bytes_per_element),
+                  st, out);
+out:
+    json_decref(empty);
     return st;
 }
 
@@ -488,7 +651,7 @@ out:
 /* ---- the document -------------------------------------------------------------------- */
 
 static const char *const top_keys[] = {
-    "topology", "hardware", "model", "limits", "policy", "comment", "$schema", NULL,
+    "topology", "hardware", "model", "limits", "execution", "policy", "comment", "$schema", NULL,
 };
 
 void rp_config_free(rp_config *cfg)
@@ -501,6 +664,7 @@ void rp_config_free(rp_config *cfg)
     rp_free(ctx, cfg->params_json);
     rp_free(ctx, cfg->policy_name);
     rp_free(ctx, cfg->gemm);
+    rp_free(ctx, cfg->attention);
     rp_free(ctx, cfg->speed);
     rp_free(ctx, cfg->slots);
     rp_free(ctx, cfg->source);
@@ -534,7 +698,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     }
     ld.doc.name = cfg->source;
 
-    json_t *root = ld.doc.root, *topology, *hardware, *model, *limits, *policy;
+    json_t *root = ld.doc.root, *topology, *hardware, *model, *limits, *execution, *policy;
     const char *s;
     RP_CHECK_GOTO(rp_jdoc_check_keys(&ld.doc, root, "", top_keys, err), st, out);
     RP_CHECK_GOTO(check_comment(&ld, root, ""), st, out);
@@ -543,6 +707,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "hardware", false, &hardware, err), st, out);
     RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "model", true, &model, err), st, out);
     RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "limits", true, &limits, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "execution", false, &execution, err), st, out);
     RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "policy", false, &policy, err), st, out);
 
     /* Document order; slots_per_gpu is checked once the expert count is known. */
@@ -550,7 +715,9 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(load_hardware(&ld, hardware), st, out);
     RP_CHECK_GOTO(load_model(&ld, model), st, out);
     RP_CHECK_GOTO(load_slots(&ld, topology), st, out);
+    RP_CHECK_GOTO(load_token_linear(&ld, hardware), st, out);
     RP_CHECK_GOTO(load_limits(&ld, limits), st, out);
+    RP_CHECK_GOTO(load_execution(&ld, execution), st, out);
     RP_CHECK_GOTO(load_policy(&ld, policy), st, out);
 
     *out = cfg;
@@ -577,5 +744,6 @@ const rp_topology *rp_config_topology(const rp_config *cfg) { return &cfg->topol
 const rp_hardware *rp_config_hardware(const rp_config *cfg) { return &cfg->hardware; }
 const rp_model *rp_config_model(const rp_config *cfg) { return &cfg->model; }
 const rp_limits *rp_config_limits(const rp_config *cfg) { return &cfg->limits; }
+const rp_execution *rp_config_execution(const rp_config *cfg) { return &cfg->execution; }
 const rp_policy_config *rp_config_policy(const rp_config *cfg) { return &cfg->policy; }
 const char *rp_config_source(const rp_config *cfg) { return cfg->source; }

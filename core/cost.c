@@ -9,6 +9,9 @@
 
 #define SLOT_TABLE_MAX 16384
 
+static double curve_at(const rp_eff_point *p, int32_t k, double x);
+static rp_status attention_weights(rp_cost *c, rp_error *err);
+
 /* ---- constants and checks -------------------------------------------------------- */
 
 static rp_status check_positive(rp_error *err, const char *name, double v)
@@ -27,6 +30,25 @@ static rp_status check_fraction(rp_error *err, const char *name, double v)
 {
     if (isfinite(v) && v > 0 && v <= 1) return RP_OK;
     return rp_fail(err, RP_EINVAL, "cost: %s is %g; it must be in (0, 1]", name, v);
+}
+
+/* A curve: at least one point, x > 0 increasing, efficiencies in (0, 1]. */
+static rp_status check_curve(rp_error *err, const char *curve, const rp_eff_point *pts, int32_t n)
+{
+    char name[96];
+    rp_status st;
+    if (n < 1 || !pts) return rp_fail(err, RP_EINVAL, "cost: %s has no points", curve);
+    for (int32_t i = 0; i < n; i++) {
+        const rp_eff_point *p = &pts[i];
+        snprintf(name, sizeof name, "%s[%d] x", curve, i);
+        if ((st = check_positive(err, name, p->tokens)) != RP_OK) return st;
+        snprintf(name, sizeof name, "%s[%d] efficiency", curve, i);
+        if ((st = check_fraction(err, name, p->efficiency)) != RP_OK) return st;
+        if (i > 0 && !(p->tokens > pts[i - 1].tokens))
+            return rp_fail(err, RP_EINVAL, "cost: %s[%d] x %g is not above the previous point's %g", curve, i,
+                           p->tokens, pts[i - 1].tokens);
+    }
+    return RP_OK;
 }
 
 /* Every constant the model divides by or multiplies with: the config reader checks
@@ -56,23 +78,19 @@ static rp_status check_config(const rp_config *cfg, rp_error *err)
         (st = check_nonnegative(err, "topology.net_latency_s", t->net_latency_s)) ||
         (st = check_positive(err, "hardware.peak_flops", h->peak_flops)) ||
         (st = check_positive(err, "hardware.hbm_bytes_per_s", h->hbm_bytes_per_s)) ||
-        (st = check_fraction(err, "hardware.attention_efficiency", h->attention_efficiency)) ||
         (st = check_fraction(err, "hardware.dense_efficiency", h->dense_efficiency)) ||
-        (st = check_nonnegative(err, "hardware.backward_multiplier", h->backward_multiplier)))
+        (st = check_nonnegative(err, "hardware.backward.attention", h->backward.attention)) ||
+        (st = check_nonnegative(err, "hardware.backward.projections", h->backward.projections)) ||
+        (st = check_nonnegative(err, "hardware.backward.experts", h->backward.experts)) ||
+        (st = check_nonnegative(err, "hardware.backward.token_linear", h->backward.token_linear)) ||
+        (st = check_nonnegative(err, "hardware.backward.communication", h->backward.communication)) ||
+        (st = check_nonnegative(err, "hardware.backward.fixed", h->backward.fixed)) ||
+        (st = check_nonnegative(err, "hardware.token_linear_bytes_per_token", h->token_linear_bytes_per_token)) ||
+        (st = check_nonnegative(err, "hardware.layer_fixed_s", h->layer_fixed_s)) ||
+        (st = check_curve(err, "hardware.gemm_efficiency", h->gemm_efficiency, h->num_gemm_efficiency)) ||
+        (st = check_curve(err, "hardware.attention_efficiency", h->attention_efficiency,
+                          h->num_attention_efficiency)))
         return st;
-    if (h->num_gemm_efficiency < 1 || !h->gemm_efficiency)
-        return rp_fail(err, RP_EINVAL, "cost: hardware.gemm_efficiency has no points");
-    for (int32_t i = 0; i < h->num_gemm_efficiency; i++) {
-        const rp_eff_point *p = &h->gemm_efficiency[i];
-        snprintf(name, sizeof name, "hardware.gemm_efficiency[%d] tokens", i);
-        if ((st = check_positive(err, name, p->tokens)) != RP_OK) return st;
-        snprintf(name, sizeof name, "hardware.gemm_efficiency[%d] efficiency", i);
-        if ((st = check_fraction(err, name, p->efficiency)) != RP_OK) return st;
-        if (i > 0 && !(p->tokens > h->gemm_efficiency[i - 1].tokens))
-            return rp_fail(err, RP_EINVAL,
-                           "cost: hardware.gemm_efficiency[%d] tokens %g is not above the previous point's %g",
-                           i, p->tokens, h->gemm_efficiency[i - 1].tokens);
-    }
     if (md->num_layers < 1 || md->num_experts < 1 || md->top_k < 1 || md->hidden_size < 1 ||
         md->expert_ffn_size < 1 || md->num_heads < 1 || md->num_kv_heads < 1 || md->head_dim < 1 ||
         md->bytes_per_param < 1 || md->bytes_per_optimizer_state < 0)
@@ -164,7 +182,9 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
 
     double d = md->hidden_size, f = md->expert_ffn_size, hd = md->num_heads, hkv = md->num_kv_heads,
            dh = md->head_dim, bpp = md->bytes_per_param;
-    c->attn_sq_s = 2.0 * hd * dh / (h->peak_flops * h->attention_efficiency);
+    c->attn_flop_s = 2.0 * hd * dh / h->peak_flops;
+    c->attn_eff = h->attention_efficiency;
+    c->num_attn_eff = h->num_attention_efficiency;
     c->attn_lin_s = 2.0 * d * (2.0 * hd * dh + 2.0 * hkv * dh) / (h->peak_flops * h->dense_efficiency);
     c->expert_token_s = 6.0 * d * f / h->peak_flops;
     c->expert_bytes = 3.0 * d * f * bpp;
@@ -179,7 +199,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->nv_lat = t->nvlink_latency_s;
     c->net_bw = t->net_bytes_per_s;
     c->net_lat = t->net_latency_s;
-    c->fwd_bwd = 1.0 + h->backward_multiplier;
+    c->fwd_bwd = 1.0 + h->backward.experts;
     c->token_cap = lim->max_tokens_per_microbatch;
     c->act_cap = lim->max_activation_bytes;
     c->act_per_token = lim->activation_bytes_per_token;
@@ -192,6 +212,10 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
         return rp_fail_nomem(err, "a cost evaluator");
     }
     for (int32_t i = 0; i < c->slot_table_n; i++) c->slot_table[i] = cost_slot_time(c, (double)i);
+    if ((st = attention_weights(c, err)) != RP_OK) {
+        rp_cost_free(c);
+        return st;
+    }
     *out = c;
     return RP_OK;
 }
@@ -207,6 +231,7 @@ void rp_cost_free(rp_cost *c)
     scratch_free(ctx, &c->sc);
     rp_free(ctx, c->gpu_node);
     rp_free(ctx, c->slot_table);
+    rp_free(ctx, c->seq_quad);
     rp_free(ctx, c);
 }
 
@@ -216,25 +241,61 @@ double rp_cost_attention_s(const rp_cost *c, int64_t seq_len)
 {
     if (!c || seq_len <= 0) return 0.0;
     double len = (double)seq_len;
-    return len * len * c->attn_sq_s + len * c->attn_lin_s;
+    return len * len * c->attn_flop_s / curve_at(c->attn_eff, c->num_attn_eff, len) + len * c->attn_lin_s;
 }
 
-/* Grouped-GEMM efficiency at n tokens: linear between points, flat beyond the ends. */
-static double eff_at(const rp_cost *c, double n)
+/* The quadratic attention work of every sequence, L^2 / eff(L), in fixed point: scaled by
+ * 2^k with k the largest that keeps the batch's total under 2^61, and rounded to an
+ * integer. Cells then sum integers, so a move changes a cell's sum exactly and an
+ * incremental evaluation lands on the bits of a full one; the rounding costs at most
+ * 2^-(k+1) of L^2 / eff per sequence (k >= 19 for a batch of 4096 sequences of 16k
+ * tokens at efficiency 0.25: 1e-6 of a squared token). */
+static rp_status attention_weights(rp_cost *c, rp_error *err)
 {
-    const rp_eff_point *p = c->eff;
-    int32_t k = c->num_eff;
-    if (n <= p[0].tokens) return p[0].efficiency;
-    if (n >= p[k - 1].tokens) return p[k - 1].efficiency;
-    int32_t lo = 0, hi = k - 1; /* p[lo].tokens < n < p[hi].tokens */
+    c->seq_quad = rp_alloc(c->ctx, (size_t)c->N * sizeof *c->seq_quad);
+    if (!c->seq_quad) return rp_fail_nomem(err, "a cost evaluator");
+    double total = 0.0;
+    for (int32_t s = 0; s < c->N; s++) {
+        double len = (double)(c->cu_seqlens[s + 1] - c->cu_seqlens[s]);
+        total += len * len / curve_at(c->attn_eff, c->num_attn_eff, len);
+    }
+    if (!isfinite(total))
+        return rp_fail(err, RP_ERANGE, "cost: the batch's attention work (sum of L^2 / efficiency) is not finite");
+    int k = 0;
+    if (total > 0) {
+        frexp(ldexp(1.0, 61) / total, &k);
+        k -= 1; /* 2^k <= 2^61 / total */
+    }
+    for (int32_t s = 0; s < c->N; s++) {
+        double len = (double)(c->cu_seqlens[s + 1] - c->cu_seqlens[s]);
+        c->seq_quad[s] = llround(ldexp(len * len / curve_at(c->attn_eff, c->num_attn_eff, len), k));
+    }
+    c->attn_quad_s = ldexp(c->attn_flop_s, -k);
+    return RP_OK;
+}
+
+double cost_seq_attention(const rp_cost *c, int32_t seq)
+{
+    return cost_cell_attention(c, c->seq_quad[seq], c->cu_seqlens[seq + 1] - c->cu_seqlens[seq], -1);
+}
+
+/* A curve at x: linear between points, flat beyond the ends. */
+static double curve_at(const rp_eff_point *p, int32_t k, double x)
+{
+    if (x <= p[0].tokens) return p[0].efficiency;
+    if (x >= p[k - 1].tokens) return p[k - 1].efficiency;
+    int32_t lo = 0, hi = k - 1; /* p[lo].tokens < x < p[hi].tokens */
     while (hi - lo > 1) {
         int32_t mid = (lo + hi) / 2;
-        if (p[mid].tokens <= n) lo = mid;
+        if (p[mid].tokens <= x) lo = mid;
         else hi = mid;
     }
-    double frac = (n - p[lo].tokens) / (p[hi].tokens - p[lo].tokens);
+    double frac = (x - p[lo].tokens) / (p[hi].tokens - p[lo].tokens);
     return p[lo].efficiency + (p[hi].efficiency - p[lo].efficiency) * frac;
 }
+
+/* Grouped-GEMM efficiency at n tokens. */
+static double eff_at(const rp_cost *c, double n) { return curve_at(c->eff, c->num_eff, n); }
 
 double cost_slot_time(const rp_cost *c, double n)
 {
@@ -255,9 +316,10 @@ double rp_cost_expert_move_s(const rp_cost *c, bool same_node)
                      : c->expert_move_bytes / c->net_bw + c->net_lat;
 }
 
-double cost_cell_attention(const rp_cost *c, int64_t sum_sq, int64_t sum_len, int32_t gpu)
+double cost_cell_attention(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu)
 {
-    return ((double)sum_sq * c->attn_sq_s + (double)sum_len * c->attn_lin_s) / c->speed[gpu];
+    double a = (double)sum_quad * c->attn_quad_s + (double)sum_len * c->attn_lin_s;
+    return gpu < 0 ? a : a / c->speed[gpu];
 }
 
 /* ---- one (microbatch, layer, EP group) ------------------------------------------ */
@@ -571,9 +633,9 @@ static void state_free(rp_context *ctx, cost_state *s)
     if (!s) return;
     void *arrays[] = {s->slot_begin, s->phy2log, s->rep_off, s->rep_rank, s->ov_begin, s->ov,
                       s->extra_rank, s->share_val, s->extra_count, s->seq_rank, s->seq_mb,
-                      s->cell_tokens, s->cell_sq, s->counts, s->attn,
+                      s->cell_tokens, s->cell_quad, s->counts, s->attn,
                       s->amax, s->aarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
-                      s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_max, s->gtotal,
+                      s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_top, s->gtotal,
                       s->glink, s->lay_dst, s->lay_seg, s->lay_ord};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
     rp_free(ctx, s);
@@ -875,8 +937,8 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->seq_rank = take(ctx, c->N, sizeof(int32_t), false, &bad, &s->bytes);
     s->seq_mb = take(ctx, c->N, sizeof(int32_t), false, &bad, &s->bytes);
     s->cell_tokens = take(ctx, G * M, sizeof(int64_t), true, &bad, &s->bytes);
-    s->cell_sq = take(ctx, G * M, sizeof(int64_t), true, &bad, &s->bytes);
-    s->cell_max = take(ctx, G * M, sizeof(int32_t), true, &bad, &s->bytes);
+    s->cell_quad = take(ctx, G * M, sizeof(int64_t), true, &bad, &s->bytes);
+    s->cell_top = take(ctx, G * M, sizeof(int32_t), true, &bad, &s->bytes);
     s->counts = take(ctx, cells, sizeof(int32_t), true, &bad, &s->bytes);
     s->gtotal = take(ctx, ML * Q * E, sizeof(int32_t), false, &bad, &s->bytes);
     s->glink = take(ctx, ML * Q * 4 * ep, sizeof(int64_t), false, &bad, &s->bytes);
@@ -896,7 +958,7 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->grad_gpu = take(ctx, L * G, sizeof(double), false, &bad, &s->bytes);
     if (bad || !s->slot_begin || !s->slot_rank || !s->phy2log || !s->rep_off || !s->rep_rank ||
         !s->ov_begin || !s->ov || !s->extra_rank || !s->share_val || !s->extra_count ||
-        !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_sq || !s->cell_max ||
+        !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_quad || !s->cell_top ||
         !s->counts || !s->gtotal || !s->glink || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->attn || !s->amax || !s->aarg ||
         !s->expert || !s->dispatch || !s->xmax || !s->dmax || !s->xarg || !s->darg ||
         !s->layer_t || !s->grad_gpu) {
@@ -1020,7 +1082,7 @@ static void eval_attention(const rp_cost *c, cost_state *s)
         s->aarg[m] = 0;
         for (int32_t g = 0; g < c->G; g++) {
             size_t i = (size_t)g * s->M + m;
-            double a = cost_cell_attention(c, s->cell_sq[i], s->cell_tokens[i], g);
+            double a = cost_cell_attention(c, s->cell_quad[i], s->cell_tokens[i], g);
             s->attn[i] = a;
             if (a > s->amax[m]) {
                 s->amax[m] = a;
@@ -1077,19 +1139,21 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
         const size_t cells = (size_t)G * M;
         cost_count(c, 2 * (int64_t)c->N + 3 * (int64_t)cells + (int64_t)M * L * G * E);
         memcpy(s->cell_tokens, old->cell_tokens, cells * sizeof *s->cell_tokens);
-        memcpy(s->cell_sq, old->cell_sq, cells * sizeof *s->cell_sq);
-        memcpy(s->cell_max, old->cell_max, cells * sizeof *s->cell_max);
+        memcpy(s->cell_quad, old->cell_quad, cells * sizeof *s->cell_quad);
+        memcpy(s->cell_top, old->cell_top, cells * sizeof *s->cell_top);
         memcpy(s->counts, old->counts, (size_t)M * L * G * E * sizeof *s->counts);
     } else {
         uint32_t *h = sc.hist;
-        cost_count(c, (int64_t)c->N * (1 + 2 * (int64_t)L * E));
+        cost_count(c, (int64_t)c->N * (1 + 2 * (int64_t)L * E) + (int64_t)G * M);
+        for (size_t i = 0; i < (size_t)G * M; i++) s->cell_top[i] = -1;
         for (int32_t q = 0; q < c->N; q++) {
             int32_t g = s->seq_rank[q], m = s->seq_mb[q];
             int64_t len = c->cu_seqlens[q + 1] - c->cu_seqlens[q];
             size_t cell = (size_t)g * M + m;
             s->cell_tokens[cell] += len;
-            s->cell_sq[cell] += len * len;
-            if (len > s->cell_max[cell]) s->cell_max[cell] = (int32_t)len;
+            s->cell_quad[cell] += c->seq_quad[q];
+            if (s->cell_top[cell] < 0 || cost_seq_attention(c, q) > cost_seq_attention(c, s->cell_top[cell]))
+                s->cell_top[cell] = q;
             for (int32_t l = 0; l < L; l++) {
                 rp_stats_seq_hist(c->stats, q, l, h);
                 int32_t *cnt = s->counts + ((size_t)(m * L + l) * G + g) * E;
@@ -1338,6 +1402,7 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
     const int32_t M = s->M, L = c->L, G = c->G;
     rp_cost_summary sum;
     cost_summary(c, s, &sum);
+    const rp_backward *bw = &rp_config_hardware(c->cfg)->backward;
     strbuf b = {c->ctx, NULL, 0, 0, false};
     sb_printf(&b, "{\n\"summary\": {\"step_s\": %.17g, \"lower_bound_s\": %.17g, \"ratio\": %.17g, "
               "\"attention_s\": %.17g, \"dispatch_s\": %.17g, \"expert_s\": %.17g, \"combine_s\": %.17g, "
@@ -1349,8 +1414,11 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
               sum.expert_imbalance, sum.straggler_gpu, sum.straggler_mb, sum.straggler_layer,
               side_name(sum.straggler_side));
     sb_printf(&b, "\"shape\": {\"num_gpus\": %d, \"num_microbatches\": %d, \"num_layers\": %d, "
-              "\"num_experts\": %d, \"ep_size\": %d, \"backward_multiplier\": %.17g, \"split_rule\": \"%s\"},\n",
-              G, M, L, c->E, c->ep, rp_config_hardware(c->cfg)->backward_multiplier, c->rule == RP_SPLIT_EVEN ? "even" : "locality");
+              "\"num_experts\": %d, \"ep_size\": %d, \"backward\": {\"attention\": %.17g, \"projections\": %.17g, "
+              "\"experts\": %.17g, \"token_linear\": %.17g, \"communication\": %.17g, \"fixed\": %.17g}, "
+              "\"split_rule\": \"%s\"},\n",
+              G, M, L, c->E, c->ep, bw->attention, bw->projections, bw->experts, bw->token_linear,
+              bw->communication, bw->fixed, c->rule == RP_SPLIT_EVEN ? "even" : "locality");
     sb_printf(&b, "\"layers\": [");
     for (int32_t m = 0; m < M; m++) {
         for (int32_t l = 0; l < L; l++) {

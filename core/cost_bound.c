@@ -14,15 +14,19 @@ double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32
     const int32_t M = st->M, G = c->G;
     const size_t ml = (size_t)m * c->L + l;
     double attn = 0.0, expert = 0.0, dispatch = 0.0;
-    int32_t longest = 0;
+    double single = 0.0;
     for (int32_t g = 0; g < G; g++) {
         attn += st->attn[(size_t)g * M + m] * c->speed[g];
         expert += st->expert[ml * G + g] * c->speed[g];
         dispatch += st->dispatch[ml * G + g];
-        if (st->cell_max[(size_t)g * M + m] > longest) longest = st->cell_max[(size_t)g * M + m];
+        int32_t top = st->cell_top[(size_t)g * M + m];
+        if (top >= 0) {
+            double a = cost_seq_attention(c, top);
+            if (a > single) single = a;
+        }
     }
     attn /= c->speed_sum;
-    double single = rp_cost_attention_s(c, longest) / c->speed_max;
+    single /= c->speed_max;
     if (single > attn) attn = single;
     dispatch /= G;
     return attn + dispatch + expert / c->speed_sum + dispatch;

@@ -123,14 +123,14 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
     if (commit) apply_deltas(c, st, mv, n_mv, +1);
 
     /* attention of the two cells */
-    int64_t tokA = st->cell_tokens[(size_t)gA * M + mA], sqA = st->cell_sq[(size_t)gA * M + mA];
-    int64_t tokB = st->cell_tokens[(size_t)gB * M + mB], sqB = st->cell_sq[(size_t)gB * M + mB];
+    int64_t tokA = st->cell_tokens[(size_t)gA * M + mA], sqA = st->cell_quad[(size_t)gA * M + mA];
+    int64_t tokB = st->cell_tokens[(size_t)gB * M + mB], sqB = st->cell_quad[(size_t)gB * M + mB];
     for (int32_t k = 0; k < n_mv; k++) {
         int64_t len = mv[k].len, sign = mv[k].g_from == gA && mv[k].m_from == mA ? 1 : -1;
         tokA -= sign * len;
-        sqA -= sign * len * len;
+        sqA -= sign * c->seq_quad[mv[k].seq];
         tokB += sign * len;
-        sqB += sign * len * len;
+        sqB += sign * c->seq_quad[mv[k].seq];
     }
     double aA = cost_cell_attention(c, sqA, tokA, gA), aB = cost_cell_attention(c, sqB, tokB, gB);
     int32_t ms[2] = {mA, mB}, n_ms = mA == mB ? 1 : 2;
@@ -191,9 +191,9 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
 
     /* commit the rest: cells, maxima, sequence map, bound aggregates */
     st->cell_tokens[(size_t)gA * M + mA] = tokA;
-    st->cell_sq[(size_t)gA * M + mA] = sqA;
+    st->cell_quad[(size_t)gA * M + mA] = sqA;
     st->cell_tokens[(size_t)gB * M + mB] = tokB;
-    st->cell_sq[(size_t)gB * M + mB] = sqB;
+    st->cell_quad[(size_t)gB * M + mB] = sqB;
     st->attn[(size_t)gA * M + mA] = aA;
     st->attn[(size_t)gB * M + mB] = aB;
     for (int32_t i = 0; i < n_ms; i++) {
@@ -205,17 +205,22 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
         st->seq_rank[v->seq] = v->g_to;
         st->seq_mb[v->seq] = v->m_to;
     }
-    /* longest sequence of the two cells, from the (already updated) plan */
+    /* the sequence with the most attention in each of the two cells, from the (already
+     * updated) plan; ties go to the lower sequence id, as in a full evaluation */
     int32_t cells[2][2] = {{gA, mA}, {gB, mB}};
     for (int32_t i = 0; i < 2; i++) {
-        int32_t count = 0, longest = 0;
+        int32_t count = 0, top = -1;
+        double best = -1.0;
         const int32_t *list = rp_plan_microbatch(st->plan, cells[i][0], cells[i][1], &count);
         cost_count(c, count + 1);
         for (int32_t k = 0; k < count; k++) {
-            int64_t len = seq_len(c, list[k]);
-            if (len > longest) longest = (int32_t)len;
+            double a = cost_seq_attention(c, list[k]);
+            if (a > best || (a == best && list[k] < top)) {
+                best = a;
+                top = list[k];
+            }
         }
-        st->cell_max[(size_t)cells[i][0] * M + cells[i][1]] = longest;
+        st->cell_top[(size_t)cells[i][0] * M + cells[i][1]] = top;
     }
     st->step_s = cost_step_from(c, st, st->layer_t, st->grad_s);
     return st->step_s;

@@ -40,8 +40,8 @@ typedef struct cost_state {
 
     int32_t *seq_rank, *seq_mb;    /* [N] */
     int64_t *cell_tokens;          /* [G * M]: sum of L over the cell's sequences */
-    int64_t *cell_sq;              /* [G * M]: sum of L^2 */
-    int32_t *cell_max;             /* [G * M]: longest sequence of the cell */
+    int64_t *cell_quad;            /* [G * M]: sum of the sequences' seq_quad */
+    int32_t *cell_top;             /* [G * M]: the sequence with the most attention, -1 if none */
     int32_t *counts;               /* [M * L * G * E] token-choices */
     int32_t *gtotal;               /* [M * L * Q * E] counts summed over each EP group */
     int64_t *glink;                /* [M * L * Q * 4 * ep] single-replica token-choices sent
@@ -96,7 +96,11 @@ struct rp_cost {
     const int64_t *cu_seqlens;
 
     /* constants, seconds at speed 1 unless said */
-    double attn_sq_s;          /* per L^2: 2 h d_h / (peak * attention_efficiency) */
+    double attn_flop_s;        /* per L^2 / eff(L): 2 h d_h / peak */
+    double attn_quad_s;        /* per unit of seq_quad: attn_flop_s / 2^k */
+    const rp_eff_point *attn_eff;  /* attention efficiency by sequence length */
+    int32_t num_attn_eff;
+    int64_t *seq_quad;         /* [N] L^2 / eff(L) of each sequence, fixed point (cost.c) */
     double attn_lin_s;         /* per L: 2 d (2 h d_h + 2 h_kv d_h) / (peak * dense_efficiency) */
     double expert_token_s;     /* per token at efficiency 1: 6 d f / peak */
     double expert_mem_s;       /* weight read floor: 3 d f bytes_per_param / hbm */
@@ -143,7 +147,10 @@ typedef struct group_result {
  * evaluator cannot take is refused at once, not after reading every id. */
 rp_status cost_check_inputs(const rp_config *cfg, const rp_batch *batch, rp_error *err);
 double cost_slot_time(const rp_cost *c, double tokens);
-double cost_cell_attention(const rp_cost *c, int64_t sum_sq, int64_t sum_len, int32_t gpu);
+/* Attention of a cell from its integer sums; gpu -1: at speed 1. */
+double cost_cell_attention(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu);
+/* Attention of one sequence at speed 1, as the cells count it. */
+double cost_seq_attention(const rp_cost *c, int32_t seq);
 cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, const int32_t *rep_off,
                       const int32_t *rep_rank, bool base, cost_scratch *sc);
 void cost_layer_dst(const rp_cost *c, cost_state *st, int32_t l, const int32_t *rep_off,

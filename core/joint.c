@@ -81,7 +81,7 @@ static rp_status setup(joint *jt, rp_error *err)
     const int32_t near = jt->ep < jt->gpn ? jt->ep : jt->gpn; /* GPUs of a group on one node */
     jt->d_choice = token_bytes * ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
                                   (double)(jt->ep - near) / jt->ep / t->net_bytes_per_s);
-    jt->fwd_bwd = 1.0 + hw->backward_multiplier;
+    jt->fwd_bwd = 1.0 + hw->backward.experts;
     jt->copy_s = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param / t->nvlink_bytes_per_s;
     jt->nv_lat = t->nvlink_latency_s;
     const double expert_bytes = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param;

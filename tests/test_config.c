@@ -47,13 +47,26 @@ static void test_small_example(rp_context *ctx)
     is_double(h->peak_flops, 989e12, 0, "default peak FLOP/s");
     is_double(h->hbm_bytes_per_s, 4.8e12, 0, "default HBM bandwidth");
     is_double(h->hbm_bytes, 141e9, 0, "default HBM capacity");
-    is_double(h->attention_efficiency, 0.5, 0, "default attention efficiency");
+    is_int(h->num_attention_efficiency, 6, "default attention efficiency curve has 6 points");
+    ok(h->attention_efficiency[0].tokens == 512 && h->attention_efficiency[0].efficiency == 0.25,
+       "attention curve starts at 0.25 at 512 tokens");
+    ok(h->attention_efficiency[5].tokens == 16384 && h->attention_efficiency[5].efficiency == 0.6,
+       "attention curve ends at 0.6 at 16384 tokens");
     is_double(h->dense_efficiency, 0.7, 0, "default dense efficiency");
-    is_double(h->backward_multiplier, 2.0, 0, "default backward multiplier");
+    ok(h->backward.attention == 3.0 && h->backward.projections == 2.0 && h->backward.experts == 2.0 &&
+           h->backward.token_linear == 2.0 && h->backward.communication == 1.0 && h->backward.fixed == 2.0,
+       "default backward multipliers: attention 3, GEMMs and elementwise 2, communication 1, fixed 2");
+    is_double(h->token_linear_bytes_per_token, (16.0 * 2048 + 3.0 * 8 * 2048 + 3.0 * 8 * 1024) * 2, 0,
+              "default token-linear bytes = (16 d + 3 k d + 3 k f) x bytes_per_param");
+    is_double(h->layer_fixed_s, 40e-6, 1e-18, "default fixed cost 40 us per (microbatch, layer)");
     is_int(h->num_gemm_efficiency, 6, "default GEMM efficiency curve has 6 points");
     is_double(h->gemm_efficiency[0].tokens, 1, 0, "curve starts at 1 token");
     is_double(h->gemm_efficiency[5].tokens, 4096, 0, "curve ends at 4096 tokens");
-    is_double(h->gemm_efficiency[5].efficiency, 0.85, 0, "efficiency 0.85 at 4096 tokens");
+    is_double(h->gemm_efficiency[5].efficiency, 0.78, 0, "efficiency 0.78 at 4096 tokens");
+    const rp_execution *x = rp_config_execution(cfg);
+    ok(x->sync == RP_SYNC_GROUP && x->overlap == RP_OVERLAP_NONE && x->dispatch_dedup == RP_DEDUP_GPU &&
+           x->dispatch_bytes_per_element == 2,
+       "default execution: sync group, overlap none, dedup per GPU, 2 bytes per element");
 
     const rp_model *m = rp_config_model(cfg);
     is_int(m->num_layers, 16, "small: 16 layers");
@@ -183,8 +196,10 @@ static void test_defaults_and_forms(rp_context *ctx)
     is_int(h->num_gemm_efficiency, 2, "custom GEMM curve");
     is_double(h->gemm_efficiency[1].tokens, 100.5, 0, "curve tokens");
     is_double(h->gemm_efficiency[1].efficiency, 1, 0, "efficiency 1 allowed");
-    is_double(h->backward_multiplier, 3, 0, "backward multiplier");
-    is_double(h->attention_efficiency, 0.5, 0, "unset hardware keys keep defaults");
+    ok(h->backward.attention == 3 && h->backward.experts == 3 && h->backward.fixed == 3 &&
+           h->backward.communication == 1,
+       "backward_multiplier sets every compute term, not communication");
+    is_double(h->attention_efficiency[0].efficiency, 0.25, 0, "unset hardware keys keep defaults");
     const rp_model *m = rp_config_model(cfg);
     is_int(m->top_k, 10, "top_k may equal num_experts");
     is_int(m->bytes_per_optimizer_state, 0, "no optimizer state allowed");
@@ -211,6 +226,69 @@ static void test_defaults_and_forms(rp_context *ctx)
 }
 
 /* The JSON layer alone: positions, paths and getters. */
+/* The cost-model structure keys of issue 14: attention curve, per-term backward,
+ * token-linear bytes, fixed cost, and the execution section. */
+static void test_structure_keys(rp_context *ctx)
+{
+    rp_config *cfg = NULL;
+    rp_error err;
+    const char *text =
+        "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 2},\n"
+        " \"hardware\": {\"attention_efficiency\": [[100, 0.2], [1000.5, 0.7]], \"backward_multiplier\": 1.5,\n"
+        "   \"backward\": {\"attention\": 2.75, \"communication\": 0, \"comment\": \"c\"},\n"
+        "   \"token_linear_bytes_per_token\": 0, \"layer_fixed_us\": 12.5},\n"
+        " \"model\": {\"num_layers\": 2, \"num_experts\": 4, \"top_k\": 2, \"hidden_size\": 64,\n"
+        "   \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16, \"bytes_per_param\": 1},\n"
+        " \"limits\": {\"max_tokens_per_microbatch\": 100},\n"
+        " \"execution\": {\"sync\": \"global\", \"overlap\": \"layer\", \"dispatch_dedup\": \"node\",\n"
+        "   \"dispatch_bytes_per_element\": 1, \"comment\": \"FP8 dispatch\"}}";
+    rp_status st = parse_inline(ctx, text, &cfg, &err);
+    is_int(st, RP_OK, "config with every structure key parses");
+    if (st != RP_OK) {
+        diag("%s", err.text);
+        return;
+    }
+    const rp_hardware *h = rp_config_hardware(cfg);
+    ok(h->num_attention_efficiency == 2 && h->attention_efficiency[1].tokens == 1000.5 &&
+           h->attention_efficiency[1].efficiency == 0.7,
+       "attention efficiency curve by sequence length");
+    ok(h->backward.attention == 2.75 && h->backward.communication == 0, "backward object overrides terms");
+    ok(h->backward.projections == 1.5 && h->backward.experts == 1.5 && h->backward.token_linear == 1.5 &&
+           h->backward.fixed == 1.5,
+       "other compute terms take backward_multiplier");
+    is_double(h->token_linear_bytes_per_token, 0, 0, "token-linear bytes 0 means none, not the default");
+    is_double(h->layer_fixed_s, 12.5e-6, 1e-18, "layer_fixed_us in seconds");
+    const rp_execution *x = rp_config_execution(cfg);
+    ok(x->sync == RP_SYNC_GLOBAL && x->overlap == RP_OVERLAP_LAYER && x->dispatch_dedup == RP_DEDUP_NODE &&
+           x->dispatch_bytes_per_element == 1,
+       "execution: sync global, overlap layer, dedup node, 1 byte per element");
+    rp_config_free(cfg);
+
+    cfg = NULL;
+    text = "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 2},\n"
+           " \"hardware\": {\"attention_efficiency\": 0.4},\n"
+           " \"model\": {\"num_layers\": 2, \"num_experts\": 4, \"top_k\": 2, \"hidden_size\": 64,\n"
+           "   \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},\n"
+           " \"limits\": {\"max_tokens_per_microbatch\": 100},\n"
+           " \"execution\": {\"dispatch_dedup\": \"choice\"}}";
+    st = parse_inline(ctx, text, &cfg, &err);
+    is_int(st, RP_OK, "a number for attention_efficiency parses");
+    if (st == RP_OK) {
+        h = rp_config_hardware(cfg);
+        ok(h->num_attention_efficiency == 1 && h->attention_efficiency[0].efficiency == 0.4,
+           "... as a flat curve of one point");
+        is_double(h->token_linear_bytes_per_token, (16.0 * 64 + 3.0 * 2 * 64 + 3.0 * 2 * 32) * 2, 0,
+                  "token-linear default follows the model shape");
+        ok(h->backward.attention == 3.0 && h->backward.experts == 2.0, "per-term defaults without the shorthand");
+        ok(rp_config_execution(cfg)->dispatch_dedup == RP_DEDUP_CHOICE &&
+               rp_config_execution(cfg)->sync == RP_SYNC_GROUP,
+           "dedup per choice; sync keeps its default");
+    } else {
+        diag("%s", err.text);
+    }
+    rp_config_free(cfg);
+}
+
 static void test_jsonx(void)
 {
     const char *text =
@@ -476,6 +554,7 @@ int main(void)
     test_small_example(ctx);
     test_reference_and_large(ctx);
     test_defaults_and_forms(ctx);
+    test_structure_keys(ctx);
     test_jsonx();
     test_docs_example(ctx);
     test_invalid_suite(ctx);

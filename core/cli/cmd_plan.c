@@ -199,11 +199,13 @@ static void print_eval_text(const char *path, const plan_step *s, const rp_plan 
 {
     const int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan), L = rp_plan_num_layers(plan);
     const rp_topology *t = rp_config_topology(s->cfg);
-    double bwd = rp_config_hardware(s->cfg)->backward_multiplier;
+    const rp_backward *bwd = &rp_config_hardware(s->cfg)->backward;
     printf("%s on step %" PRId64 " of %s (%d sequences, %" PRId64 " tokens): %d ranks x %d microbatch%s, "
            "%d MoE layers\n\n", path, s->step_index, s->in.path, rp_batch_num_seqs(s->batch),
            rp_batch_num_tokens(s->batch), G, M, M == 1 ? "" : "es", L);
-    printf("step time            %10.3f ms  (forward and backward = %.2f x forward)\n", sum->step_s * 1e3, bwd);
+    printf("step time            %10.3f ms  (forward and backward; backward / forward: attention %.2f, "
+           "experts %.2f, communication %.2f)\n",
+           sum->step_s * 1e3, bwd->attention, bwd->experts, bwd->communication);
     printf("lower bound          %10.3f ms\n", sum->lower_bound_s * 1e3);
     printf("step / lower bound   %10.3f\n", sum->ratio);
     printf("  attention          %10.3f ms  } each: sum over microbatches and layers\n", sum->attention_s * 1e3);

@@ -694,9 +694,10 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
              in->trace ? "trace" : "generated from", in->path, steps, steps == 1 ? "" : "s");
     snprintf(line2, sizeof line2,
              "%d GPUs (%d node%s x %d), EP groups of %d; %d MoE layers x %d experts, top-%d; "
-             "backward = %.2f x forward",
+             "backward / forward: attention %.2f, experts %.2f, communication %.2f",
              t->num_gpus, t->num_nodes, t->num_nodes == 1 ? "" : "s", t->gpus_per_node, t->ep_size,
-             m->num_layers, m->num_experts, m->top_k, rp_config_hardware(cfg)->backward_multiplier);
+             m->num_layers, m->num_experts, m->top_k, rp_config_hardware(cfg)->backward.attention,
+             rp_config_hardware(cfg)->backward.experts, rp_config_hardware(cfg)->backward.communication);
     const char *context[] = {line1, line2, NULL};
     rp_report report = {"RoutePack simulation", context, base ? SIM_BASELINE : NULL, t->num_gpus,
                         t->gpus_per_node, t->ep_size, m->num_layers, np, rp, load_step};

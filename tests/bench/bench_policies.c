@@ -171,7 +171,7 @@ static double specialization(const rp_batch *b, const rp_stats *st)
 static void breakdown(const rp_config *cfg, rp_cost *cost, const rp_plan *p, figures *f)
 {
     const int32_t M = rp_plan_num_microbatches(p), L = rp_plan_num_layers(p), G = rp_plan_num_gpus(p);
-    const double fb = 1.0 + rp_config_hardware(cfg)->backward_multiplier;
+    const double fb = 1.0 + rp_config_hardware(cfg)->backward.experts;
     const double *A = rp_cost_attention_breakdown(cost), *X = rp_cost_expert_breakdown(cost),
                  *D = rp_cost_dispatch_breakdown(cost);
     double ea = 0, ex = 0, ed = 0;

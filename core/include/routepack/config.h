@@ -28,23 +28,38 @@ typedef struct rp_topology {
     double net_latency_s;
 } rp_topology;
 
-/* One point of the grouped-GEMM efficiency curve: at `tokens` tokens per expert the
- * GEMM reaches `efficiency` of peak. Linear interpolation between points; flat beyond. */
+/* One point of an efficiency curve: at `tokens` the kernel reaches `efficiency` of peak.
+ * For the grouped-GEMM curve `tokens` is the tokens one expert gets; for the attention
+ * curve it is the sequence length. Linear interpolation between points; flat beyond. */
 typedef struct rp_eff_point {
     double tokens;
     double efficiency;
 } rp_eff_point;
+
+/* Backward time / forward time of each term of the cost model (docs/cost-model.md).
+ * A step costs (1 + multiplier) x forward for each term. */
+typedef struct rp_backward {
+    double attention;      /* FlashAttention backward / forward */
+    double projections;    /* the attention's dense projections (QKV, O) */
+    double experts;        /* the grouped expert GEMMs */
+    double token_linear;   /* norms, RoPE, router, permute, activation, residual adds */
+    double communication;  /* dispatch and combine */
+    double fixed;          /* the fixed cost of one (microbatch, layer) */
+} rp_backward;
 
 /* Hardware constants of one GPU (defaults: H200 SXM, see docs/cost-model.md). */
 typedef struct rp_hardware {
     double peak_flops;            /* dense BF16 FLOP/s */
     double hbm_bytes_per_s;
     double hbm_bytes;             /* memory capacity */
-    double attention_efficiency;  /* fraction of peak that attention reaches */
+    const rp_eff_point *attention_efficiency; /* by sequence length (the `tokens` field) */
+    int32_t num_attention_efficiency;
     double dense_efficiency;      /* fraction of peak for the attention projections */
     const rp_eff_point *gemm_efficiency; /* sorted by tokens */
     int32_t num_gemm_efficiency;
-    double backward_multiplier;   /* backward time / forward time */
+    rp_backward backward;         /* per-term backward / forward */
+    double token_linear_bytes_per_token; /* HBM bytes per token per layer, forward */
+    double layer_fixed_s;         /* fixed cost of one (microbatch, layer) forward on one GPU */
 } rp_hardware;
 
 /* The MoE model. Attention shape drives the dense work; expert shape the sparse work. */
@@ -69,6 +84,31 @@ typedef struct rp_limits {
     double activation_bytes_per_token;  /* activation memory model: bytes per token */
 } rp_limits;
 
+/* How the trainer executes a step: what the cost model prices (docs/cost-model.md). */
+typedef enum rp_sync {
+    RP_SYNC_GROUP = 0,  /* EP groups meet per layer inside the group, across groups once a step */
+    RP_SYNC_GLOBAL = 1  /* every (microbatch, layer) waits for the slowest GPU of the job */
+} rp_sync;
+
+typedef enum rp_overlap {
+    RP_OVERLAP_NONE = 0,  /* compute and communication one after the other */
+    RP_OVERLAP_LAYER = 1  /* per layer max(compute, communication) */
+} rp_overlap;
+
+/* How many copies of a token the expert dispatch sends. */
+typedef enum rp_dispatch_dedup {
+    RP_DEDUP_CHOICE = 0,  /* one per token-choice */
+    RP_DEDUP_GPU = 1,     /* one per distinct destination GPU */
+    RP_DEDUP_NODE = 2     /* one per destination node across nodes, fanned out over NVLink */
+} rp_dispatch_dedup;
+
+typedef struct rp_execution {
+    rp_sync sync;
+    rp_overlap overlap;
+    rp_dispatch_dedup dispatch_dedup;
+    int32_t dispatch_bytes_per_element;  /* 2 for BF16, 1 for FP8 dispatch */
+} rp_execution;
+
 /* The policy to run and its parameters (checked by the policy engine, not here). */
 typedef struct rp_policy_config {
     const char *name;          /* a policy name or a path; never NULL */
@@ -91,6 +131,7 @@ RP_API const rp_topology *rp_config_topology(const rp_config *cfg);
 RP_API const rp_hardware *rp_config_hardware(const rp_config *cfg);
 RP_API const rp_model *rp_config_model(const rp_config *cfg);
 RP_API const rp_limits *rp_config_limits(const rp_config *cfg);
+RP_API const rp_execution *rp_config_execution(const rp_config *cfg);
 RP_API const rp_policy_config *rp_config_policy(const rp_config *cfg);
 /* The file the config came from ("<inline>" when parsed from memory). */
 RP_API const char *rp_config_source(const rp_config *cfg);
