@@ -82,33 +82,9 @@ struct rp_sandbox {
     int32_t trace_line;
 };
 
-/* The sandbox's Lua-side wrappers. They are Lua so that the library functions they
- * forward to are called (tail calls) from Lua: no C recursion, instructions are counted
- * and error messages name the function the policy called. `charge` pre-charges a
- * library function's work by the size of its arguments (see charge_args): LuaJIT's own
- * functions scan or copy whole strings in one call, where no hook fires. */
-static const char prelude_source[] =
-    "local real_xpcall, handler_for, real_format, format_args, real_sort, sort_check, check_clock,\n"
-    "      charge, real_tonumber, real_sub, real_upper, real_lower, real_reverse, real_rep, real_concat = ...\n"
-    "local function xpcall(f, msgh, ...)\n"
-    "  return real_xpcall(f, handler_for(msgh), ...)\n"
-    "end\n"
-    "local function format(fmt, ...)\n"
-    "  return real_format(format_args(fmt, ...))\n"
-    "end\n"
-    "local function sort(t, comp)\n"
-    "  sort_check(t, comp)\n"
-    "  real_sort(t, comp)\n"
-    "  return check_clock()\n"
-    "end\n"
-    "local function tonumber(...) charge(0, ...) return real_tonumber(...) end\n"
-    "local function sub(...) charge(1, ...) return real_sub(...) end\n"
-    "local function upper(...) charge(0, ...) return real_upper(...) end\n"
-    "local function lower(...) charge(0, ...) return real_lower(...) end\n"
-    "local function reverse(...) charge(0, ...) return real_reverse(...) end\n"
-    "local function rep(...) charge(2, ...) return real_rep(...) end\n"
-    "local function concat(...) charge(3, ...) return real_concat(...) end\n"
-    "return xpcall, format, sort, tonumber, sub, upper, lower, reverse, rep, concat\n";
+/* The sandbox's Lua-side wrappers: lua/sandbox_prelude.lua, compiled in as
+ * rp_lua_sandbox_prelude (a generated header; see cmake/EmbedLua.cmake). */
+#include "lua_sandbox_prelude.h"
 
 /* ---- time, budget, trips ------------------------------------------------------------ */
 
@@ -1122,7 +1098,7 @@ static int build_sandbox(lua_State *L)
 
     /* The prelude's wrappers: xpcall, string.format, table.sort, and the pre-charged
      * tonumber, string.sub/upper/lower/reverse/rep and table.concat. */
-    if (luaL_loadbuffer(L, prelude_source, sizeof prelude_source - 1, PRELUDE_NAME) != 0)
+    if (luaL_loadbuffer(L, rp_lua_sandbox_prelude, sizeof rp_lua_sandbox_prelude, PRELUDE_NAME) != 0)
         return lua_error(L);
     lua_newtable(L);
     lua_setfenv(L, -2); /* the prelude reads no globals */
