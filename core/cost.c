@@ -91,6 +91,16 @@ static rp_status check_config(const rp_config *cfg, rp_error *err)
         (st = check_curve(err, "hardware.attention_efficiency", h->attention_efficiency,
                           h->num_attention_efficiency)))
         return st;
+    const rp_execution *x = rp_config_execution(cfg);
+    if ((x->sync != RP_SYNC_GROUP && x->sync != RP_SYNC_GLOBAL) ||
+        (x->overlap != RP_OVERLAP_NONE && x->overlap != RP_OVERLAP_LAYER) ||
+        (x->dispatch_dedup != RP_DEDUP_CHOICE && x->dispatch_dedup != RP_DEDUP_GPU &&
+         x->dispatch_dedup != RP_DEDUP_NODE) ||
+        x->dispatch_bytes_per_element < 1 || x->dispatch_bytes_per_element > 16)
+        return rp_fail(err, RP_EINVAL,
+                       "cost: execution settings are invalid (sync %d, overlap %d, dispatch_dedup %d, "
+                       "dispatch_bytes_per_element %d)",
+                       (int)x->sync, (int)x->overlap, (int)x->dispatch_dedup, x->dispatch_bytes_per_element);
     if (md->num_layers < 1 || md->num_experts < 1 || md->top_k < 1 || md->hidden_size < 1 ||
         md->expert_ffn_size < 1 || md->num_heads < 1 || md->num_kv_heads < 1 || md->head_dim < 1 ||
         md->bytes_per_param < 1 || md->bytes_per_optimizer_state < 0)
@@ -190,7 +200,15 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->expert_bytes = 3.0 * d * f * bpp;
     c->expert_mem_s = c->expert_bytes / h->hbm_bytes_per_s;
     c->expert_move_bytes = 3.0 * d * f * (bpp + md->bytes_per_optimizer_state);
-    c->token_bytes = d * bpp;
+    const rp_execution *x = rp_config_execution(cfg);
+    c->token_bytes = d * x->dispatch_bytes_per_element;
+    c->sync = x->sync;
+    c->overlap = x->overlap;
+    c->dedup = x->dispatch_dedup;
+    c->NQ = c->sync == RP_SYNC_GROUP ? c->Q : 1;
+    c->bwd = h->backward;
+    c->token_linear_s = h->token_linear_bytes_per_token / h->hbm_bytes_per_s;
+    c->fixed_s = h->layer_fixed_s;
     c->eff = h->gemm_efficiency;
     c->num_eff = h->num_gemm_efficiency;
     for (int32_t i = 0; i < c->num_eff; i++)
@@ -199,7 +217,6 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->nv_lat = t->nvlink_latency_s;
     c->net_bw = t->net_bytes_per_s;
     c->net_lat = t->net_latency_s;
-    c->fwd_bwd = 1.0 + h->backward.experts;
     c->token_cap = lim->max_tokens_per_microbatch;
     c->act_cap = lim->max_activation_bytes;
     c->act_per_token = lim->activation_bytes_per_token;
@@ -320,6 +337,40 @@ double cost_cell_attention(const rp_cost *c, int64_t sum_quad, int64_t sum_len, 
 {
     double a = (double)sum_quad * c->attn_quad_s + (double)sum_len * c->attn_lin_s;
     return gpu < 0 ? a : a / c->speed[gpu];
+}
+
+/* The dense phase of a cell: attention, its projections, the token-linear work and the
+ * fixed cost of the layer, each with its own backward multiplier. One function for the
+ * full and the incremental evaluation (same bits). */
+void cost_cell_dense(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu, double *fwd, double *bwd)
+{
+    const double core = (double)sum_quad * c->attn_quad_s, proj = (double)sum_len * c->attn_lin_s;
+    const double lin = (double)sum_len * c->token_linear_s, fixed = c->fixed_s;
+    const double speed = gpu < 0 ? 1.0 : c->speed[gpu];
+    *fwd = (core + proj + lin + fixed) / speed;
+    *bwd = (c->bwd.attention * core + c->bwd.projections * proj + c->bwd.token_linear * lin +
+            c->bwd.fixed * fixed) / speed;
+}
+
+void cost_group_dense(const rp_cost *c, const cost_state *st, int32_t m, int32_t q, int32_t gA, int32_t mA,
+                      double fA, double bA, int32_t gB, int32_t mB, double fB, double bB, double *fmax,
+                      double *bmax, int32_t *farg)
+{
+    const int32_t g0 = q * c->ep, M = st->M;
+    *fmax = *bmax = -1.0;
+    *farg = g0;
+    cost_count(c, c->ep);
+    for (int32_t g = g0; g < g0 + c->ep; g++) {
+        double f, b;
+        if (g == gA && m == mA) f = fA, b = bA;
+        else if (g == gB && m == mB) f = fB, b = bB;
+        else f = st->dense_f[(size_t)g * M + m], b = st->dense_b[(size_t)g * M + m];
+        if (f > *fmax) {
+            *fmax = f;
+            *farg = g;
+        }
+        if (b > *bmax) *bmax = b;
+    }
 }
 
 /* ---- one (microbatch, layer, EP group) ------------------------------------------ */
@@ -538,20 +589,71 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
     }
 }
 
-/* T(m, l) = max_g A + dispatch + max_g X + combine; combine moves the dispatch volume
- * back, so it equals dispatch. One expression for every caller. */
-double cost_layer_time(double amax, double dmax, double xmax)
+/* T(m, l) of one sync domain, forward and backward: the dense phase (its forward and
+ * backward maxima), the experts and, twice, the dispatch (combine moves the same volume
+ * back), each phase at its own backward multiplier. Without overlap the phases follow
+ * one another; with per-layer overlap the layer takes the longer of its compute and its
+ * communication. One expression for every caller. */
+double cost_layer_time(const rp_cost *c, double dfmax, double dbmax, double dmax, double xmax)
 {
-    return amax + dmax + xmax + dmax;
+    const double compute = dfmax + dbmax + (1.0 + c->bwd.experts) * xmax;
+    const double comm = 2.0 * (1.0 + c->bwd.communication) * dmax;
+    if (c->overlap == RP_OVERLAP_LAYER) return compute > comm ? compute : comm;
+    return compute + comm;
 }
 
-double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t, double grad_s)
+void cost_layer_times(const rp_cost *c, const double *dfmax, const double *dbmax, const double *dmax,
+                      const double *xmax, double *out)
+{
+    cost_count(c, c->Q);
+    if (c->sync == RP_SYNC_GROUP) {
+        for (int32_t q = 0; q < c->Q; q++) out[q] = cost_layer_time(c, dfmax[q], dbmax[q], dmax[q], xmax[q]);
+        return;
+    }
+    double f = dfmax[0], b = dbmax[0], d = dmax[0], x = xmax[0];
+    for (int32_t q = 1; q < c->Q; q++) {
+        if (dfmax[q] > f) f = dfmax[q];
+        if (dbmax[q] > b) b = dbmax[q];
+        if (dmax[q] > d) d = dmax[q];
+        if (xmax[q] > x) x = xmax[q];
+    }
+    out[0] = cost_layer_time(c, f, b, d, x);
+}
+
+/* Sum of one sync domain's layer times, in (m, l) order. */
+static double domain_sum(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q)
 {
     double sum = 0.0;
-    size_t cells = (size_t)st->M * (size_t)c->L;
-    cost_count(c, (int64_t)cells);
-    for (size_t i = 0; i < cells; i++) sum += layer_t[i];
-    return c->fwd_bwd * sum + grad_s + st->extra_s;
+    const size_t cells = (size_t)st->M * (size_t)c->L;
+    for (size_t i = 0; i < cells; i++) sum += layer_t[i * c->NQ + q];
+    return sum;
+}
+
+/* The step: under group sync the slowest EP group's own sum over (m, l), under global
+ * sync the sum of the job-wide layer times; then the once-per-step terms. */
+double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t, double grad_s)
+{
+    cost_count(c, (int64_t)st->M * c->L * c->NQ);
+    double worst = 0.0;
+    for (int32_t q = 0; q < c->NQ; q++) {
+        double sum = domain_sum(c, st, layer_t, q);
+        if (q == 0 || sum > worst) worst = sum;
+    }
+    return worst + grad_s + st->extra_s;
+}
+
+int32_t cost_critical_domain(const rp_cost *c, const cost_state *st)
+{
+    int32_t best = 0;
+    double worst = 0.0;
+    for (int32_t q = 0; q < c->NQ; q++) {
+        double sum = domain_sum(c, st, st->layer_t, q);
+        if (q == 0 || sum > worst) {
+            worst = sum;
+            best = q;
+        }
+    }
+    return best;
 }
 
 /* Replicas of every expert of one layer: EP rank of each, in ascending slot order. */
@@ -634,7 +736,7 @@ static void state_free(rp_context *ctx, cost_state *s)
     void *arrays[] = {s->slot_begin, s->phy2log, s->rep_off, s->rep_rank, s->ov_begin, s->ov,
                       s->extra_rank, s->share_val, s->extra_count, s->seq_rank, s->seq_mb,
                       s->cell_tokens, s->cell_quad, s->counts, s->attn,
-                      s->amax, s->aarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
+                      s->dense_f, s->dense_b, s->dfmax, s->dbmax, s->dfarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
                       s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_top, s->gtotal,
                       s->glink, s->lay_dst, s->lay_seg, s->lay_ord};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
@@ -644,7 +746,7 @@ static void state_free(rp_context *ctx, cost_state *s)
 static void scratch_free(rp_context *ctx, cost_scratch *sc)
 {
     void *arrays[] = {sc->hist, sc->x, sc->d, sc->si, sc->ri, sc->se, sc->re, sc->xacc, sc->rk,
-                      sc->w, sc->load, sc->layer_t, sc->rep_off, sc->rep_rank, sc->row,
+                      sc->w, sc->load, sc->layer_t, sc->qdf, sc->qdb, sc->qx, sc->qd, sc->rep_off, sc->rep_rank, sc->row,
                       sc->grad_row, sc->total, sc->link, sc->dst, sc->seg, sc->ord};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
     memset(sc, 0, sizeof *sc);
@@ -690,7 +792,11 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     sc->rk = take(ctx, s->max_replicas, sizeof(int32_t), false, &bad, total);
     sc->w = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
     sc->load = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
-    sc->layer_t = take(ctx, ML, sizeof(double), false, &bad, total);
+    sc->layer_t = take(ctx, ML * c->NQ, sizeof(double), false, &bad, total);
+    sc->qdf = take(ctx, c->Q, sizeof(double), false, &bad, total);
+    sc->qdb = take(ctx, c->Q, sizeof(double), false, &bad, total);
+    sc->qx = take(ctx, c->Q, sizeof(double), false, &bad, total);
+    sc->qd = take(ctx, c->Q, sizeof(double), false, &bad, total);
     sc->rep_off = take(ctx, (int64_t)c->E + 1, sizeof(int32_t), false, &bad, total);
     sc->rep_rank = take(ctx, s->S, sizeof(int32_t), false, &bad, total);
     sc->row = take(ctx, s->S, sizeof(int32_t), false, &bad, total);
@@ -701,7 +807,8 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     sc->seg = take(ctx, (int64_t)c->ep + 2, sizeof(int32_t), false, &bad, total);
     sc->ord = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
     if (bad || !sc->total || !sc->link || !sc->dst || !sc->seg || !sc->ord || !sc->hist || !sc->x || !sc->d || !sc->si || !sc->ri || !sc->se || !sc->re ||
-        !sc->xacc || !sc->rk || !sc->w || !sc->load || !sc->layer_t || !sc->rep_off ||
+        !sc->xacc || !sc->rk || !sc->w || !sc->load || !sc->layer_t || !sc->rep_off || !sc->qdf || !sc->qdb ||
+        !sc->qx || !sc->qd ||
         !sc->rep_rank || !sc->row || !sc->grad_row) {
         scratch_free(ctx, sc);
         return bad ? rp_fail(err, RP_ERANGE, "cost: the plan is too large to evaluate")
@@ -946,20 +1053,24 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->lay_seg = take(ctx, L * (ep + 2), sizeof(int32_t), false, &bad, &s->bytes);
     s->lay_ord = take(ctx, L * E, sizeof(int32_t), false, &bad, &s->bytes);
     s->attn = take(ctx, G * M, sizeof(double), false, &bad, &s->bytes);
-    s->amax = take(ctx, M, sizeof(double), false, &bad, &s->bytes);
-    s->aarg = take(ctx, M, sizeof(int32_t), false, &bad, &s->bytes);
+    s->dense_f = take(ctx, G * M, sizeof(double), false, &bad, &s->bytes);
+    s->dense_b = take(ctx, G * M, sizeof(double), false, &bad, &s->bytes);
+    s->dfmax = take(ctx, M * Q, sizeof(double), false, &bad, &s->bytes);
+    s->dbmax = take(ctx, M * Q, sizeof(double), false, &bad, &s->bytes);
+    s->dfarg = take(ctx, M * Q, sizeof(int32_t), false, &bad, &s->bytes);
     s->expert = take(ctx, ML * G, sizeof(double), false, &bad, &s->bytes);
     s->dispatch = take(ctx, ML * G, sizeof(double), false, &bad, &s->bytes);
     s->xmax = take(ctx, ML * Q, sizeof(double), false, &bad, &s->bytes);
     s->dmax = take(ctx, ML * Q, sizeof(double), false, &bad, &s->bytes);
     s->xarg = take(ctx, ML * Q, sizeof(int32_t), false, &bad, &s->bytes);
     s->darg = take(ctx, ML * Q, sizeof(int32_t), false, &bad, &s->bytes);
-    s->layer_t = take(ctx, ML, sizeof(double), false, &bad, &s->bytes);
+    s->layer_t = take(ctx, ML * c->NQ, sizeof(double), false, &bad, &s->bytes);
     s->grad_gpu = take(ctx, L * G, sizeof(double), false, &bad, &s->bytes);
     if (bad || !s->slot_begin || !s->slot_rank || !s->phy2log || !s->rep_off || !s->rep_rank ||
         !s->ov_begin || !s->ov || !s->extra_rank || !s->share_val || !s->extra_count ||
         !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_quad || !s->cell_top ||
-        !s->counts || !s->gtotal || !s->glink || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->attn || !s->amax || !s->aarg ||
+        !s->counts || !s->gtotal || !s->glink || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->attn || !s->dense_f || !s->dense_b ||
+        !s->dfmax || !s->dbmax || !s->dfarg ||
         !s->expert || !s->dispatch || !s->xmax || !s->dmax || !s->xarg || !s->darg ||
         !s->layer_t || !s->grad_gpu) {
         state_free(ctx, s);
@@ -1034,15 +1145,18 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     need(L * (ep + 2), sizeof(int32_t), &bad, &total);
     need(L * E, sizeof(int32_t), &bad, &total);
     need(G * M, sizeof(double), &bad, &total);
-    need(M, sizeof(double), &bad, &total);
-    need(M, sizeof(int32_t), &bad, &total);
+    need(G * M, sizeof(double), &bad, &total);
+    need(G * M, sizeof(double), &bad, &total);
+    need(M * Q, sizeof(double), &bad, &total);
+    need(M * Q, sizeof(double), &bad, &total);
+    need(M * Q, sizeof(int32_t), &bad, &total);
     need(ML * G, sizeof(double), &bad, &total);
     need(ML * G, sizeof(double), &bad, &total);
     need(ML * Q, sizeof(double), &bad, &total);
     need(ML * Q, sizeof(double), &bad, &total);
     need(ML * Q, sizeof(int32_t), &bad, &total);
     need(ML * Q, sizeof(int32_t), &bad, &total);
-    need(ML, sizeof(double), &bad, &total);
+    need(ML * c->NQ, sizeof(double), &bad, &total);
     need(L * G, sizeof(double), &bad, &total);
     /* scratch_alloc, with max_replicas as read_levers sets it */
     int64_t R = S + most_extras_of(plan);
@@ -1051,7 +1165,8 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     need(R, sizeof(int32_t), &bad, &total);
     need(R, sizeof(double), &bad, &total);
     need(R, sizeof(double), &bad, &total);
-    need(ML, sizeof(double), &bad, &total);
+    need(ML * c->NQ, sizeof(double), &bad, &total);
+    for (int i = 0; i < 4; i++) need(Q, sizeof(double), &bad, &total);
     need(E + 1, sizeof(int32_t), &bad, &total);
     need(S, sizeof(int32_t), &bad, &total);
     need(S, sizeof(int32_t), &bad, &total);
@@ -1074,34 +1189,20 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     return RP_OK;
 }
 
-/* Attention of every cell and the per-microbatch maxima. */
-static void eval_attention(const rp_cost *c, cost_state *s)
+/* Attention and the dense phase of every cell, and the per-(microbatch, group) maxima. */
+static void eval_dense(const rp_cost *c, cost_state *s)
 {
-    for (int32_t m = 0; m < s->M; m++) {
-        s->amax[m] = -1.0;
-        s->aarg[m] = 0;
-        for (int32_t g = 0; g < c->G; g++) {
+    for (int32_t g = 0; g < c->G; g++)
+        for (int32_t m = 0; m < s->M; m++) {
             size_t i = (size_t)g * s->M + m;
-            double a = cost_cell_attention(c, s->cell_quad[i], s->cell_tokens[i], g);
-            s->attn[i] = a;
-            if (a > s->amax[m]) {
-                s->amax[m] = a;
-                s->aarg[m] = g;
-            }
+            s->attn[i] = cost_cell_attention(c, s->cell_quad[i], s->cell_tokens[i], g);
+            cost_cell_dense(c, s->cell_quad[i], s->cell_tokens[i], g, &s->dense_f[i], &s->dense_b[i]);
         }
-    }
-}
-
-/* Largest of the group maxima of (m, l). */
-static void layer_maxima(const rp_cost *c, const double *xmax, const double *dmax, double *xm,
-                         double *dm)
-{
-    *xm = xmax[0];
-    *dm = dmax[0];
-    for (int32_t q = 1; q < c->Q; q++) {
-        if (xmax[q] > *xm) *xm = xmax[q];
-        if (dmax[q] > *dm) *dm = dmax[q];
-    }
+    for (int32_t m = 0; m < s->M; m++)
+        for (int32_t q = 0; q < c->Q; q++) {
+            size_t mq = (size_t)m * c->Q + q;
+            cost_group_dense(c, s, m, q, -1, 0, 0, 0, -1, 0, 0, 0, &s->dfmax[mq], &s->dbmax[mq], &s->dfarg[mq]);
+        }
 }
 
 rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, rp_error *err)
@@ -1162,7 +1263,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
         }
     }
 
-    eval_attention(c, s);
+    eval_dense(c, s);
     cost_count(c, (int64_t)M * G + (int64_t)M * L * (c->Q + ep + 1));
     for (int32_t l = 0; l < L; l++)
         cost_layer_dst(c, s, l, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S);
@@ -1184,9 +1285,8 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
                 s->xarg[gq] = r.xarg;
                 s->darg[gq] = r.darg;
             }
-            double xm, dm;
-            layer_maxima(c, s->xmax + ml * c->Q, s->dmax + ml * c->Q, &xm, &dm);
-            s->layer_t[ml] = cost_layer_time(s->amax[m], dm, xm);
+            cost_layer_times(c, s->dfmax + (size_t)m * c->Q, s->dbmax + (size_t)m * c->Q, s->dmax + ml * c->Q,
+                             s->xmax + ml * c->Q, s->layer_t + ml * c->NQ);
         }
     for (int32_t l = 0; l < L; l++)
         cost_grad_layer(c, s, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S,
@@ -1219,53 +1319,80 @@ out:
 
 /* ---- summary and breakdown ------------------------------------------------------- */
 
-static rp_side layer_straggler(const rp_cost *c, const cost_state *s, int32_t m, int32_t l,
+/* Phase maxima of (m, l) over sync domain q (-1: every group): forward dense phase and
+ * backward, dispatch, experts, and the GPUs that set the forward ones. */
+typedef struct phase_max {
+    double df, db, d, x;
+    int32_t dfarg, darg, xarg;
+} phase_max;
+
+static phase_max domain_phases(const rp_cost *c, const cost_state *s, int32_t m, int32_t l, int32_t q)
+{
+    const size_t ml = (size_t)m * c->L + l, mq = (size_t)m * c->Q;
+    const int32_t q0 = q < 0 ? 0 : q, q1 = q < 0 ? c->Q : q + 1;
+    phase_max p = {-1, -1, -1, -1, 0, 0, 0};
+    for (int32_t k = q0; k < q1; k++) {
+        if (s->dfmax[mq + k] > p.df) p.df = s->dfmax[mq + k], p.dfarg = s->dfarg[mq + k];
+        if (s->dbmax[mq + k] > p.db) p.db = s->dbmax[mq + k];
+        if (s->dmax[ml * c->Q + k] > p.d) p.d = s->dmax[ml * c->Q + k], p.darg = s->darg[ml * c->Q + k];
+        if (s->xmax[ml * c->Q + k] > p.x) p.x = s->xmax[ml * c->Q + k], p.xarg = s->xarg[ml * c->Q + k];
+    }
+    return p;
+}
+
+/* The largest forward phase term of (m, l) in domain q: the dense phase (side attention),
+ * dispatch or experts, and the GPU that sets it; ties to the earlier side. */
+static rp_side layer_straggler(const rp_cost *c, const cost_state *s, int32_t m, int32_t l, int32_t q,
                                int32_t *gpu, double *value)
 {
-    size_t ml = (size_t)m * c->L + l;
-    int32_t xq = 0, dq = 0;
-    for (int32_t q = 1; q < c->Q; q++) {
-        if (s->xmax[ml * c->Q + q] > s->xmax[ml * c->Q + xq]) xq = q;
-        if (s->dmax[ml * c->Q + q] > s->dmax[ml * c->Q + dq]) dq = q;
-    }
-    double a = s->amax[m], d = s->dmax[ml * c->Q + dq], x = s->xmax[ml * c->Q + xq];
+    phase_max p = domain_phases(c, s, m, l, q);
     rp_side side = RP_SIDE_ATTENTION;
-    double best = a;
-    *gpu = s->aarg[m];
-    if (d > best) {
-        best = d;
+    double best = p.df;
+    *gpu = p.dfarg;
+    if (p.d > best) {
+        best = p.d;
         side = RP_SIDE_DISPATCH;
-        *gpu = s->darg[ml * c->Q + dq];
+        *gpu = p.darg;
     }
-    if (x > best) {
-        best = x;
+    if (p.x > best) {
+        best = p.x;
         side = RP_SIDE_EXPERT;
-        *gpu = s->xarg[ml * c->Q + xq];
+        *gpu = p.xarg;
     }
     if (value) *value = best;
     return side;
+}
+
+/* The sync domain that sets the step (-1 under global sync: every GPU). */
+static int32_t summary_domain(const rp_cost *c, const cost_state *s)
+{
+    return c->sync == RP_SYNC_GROUP ? cost_critical_domain(c, s) : -1;
 }
 
 void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
 {
     const int32_t M = s->M, L = c->L, G = c->G, ep = c->ep;
     /* with cost_bound_step's loops */
-    cost_count(c, (int64_t)M * G + (int64_t)M * L * (3 * (int64_t)c->Q + (int64_t)c->Q * ep + 2 * (int64_t)G + ep + 1) +
+    cost_count(c, (int64_t)M * G + (int64_t)M * L * (5 * (int64_t)c->Q + (int64_t)c->Q * ep + 3 * (int64_t)G + ep + 1) +
                       (int64_t)L * G);
     memset(out, 0, sizeof *out);
+    const int32_t dom = summary_domain(c, s);
     double attn = 0, disp = 0, expert = 0, a_imb = 0, x_imb = 0, best = -1;
     for (int32_t m = 0; m < M; m++) {
-        double sum = 0;
-        for (int32_t g = 0; g < G; g++) sum += s->attn[(size_t)g * M + m];
+        double sum = 0, amax = 0;
+        for (int32_t g = 0; g < G; g++) {
+            double a = s->attn[(size_t)g * M + m];
+            sum += a;
+            if (a > amax) amax = a;
+        }
         double mean = sum / G;
-        a_imb += mean > 0 ? s->amax[m] / mean : 1.0;
+        a_imb += mean > 0 ? amax / mean : 1.0;
         for (int32_t l = 0; l < L; l++) {
             size_t ml = (size_t)m * L + l;
-            double xm, dm;
-            layer_maxima(c, s->xmax + ml * c->Q, s->dmax + ml * c->Q, &xm, &dm);
-            attn += s->amax[m];
-            disp += dm;
-            expert += xm;
+            phase_max p = domain_phases(c, s, m, l, dom);
+            attn += p.df + p.db;
+            disp += p.d;
+            expert += p.x;
             for (int32_t q = 0; q < c->Q; q++) {
                 double gsum = 0;
                 for (int32_t r = 0; r < ep; r++) gsum += s->expert[ml * G + (size_t)q * ep + r];
@@ -1274,7 +1401,7 @@ void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
             }
             int32_t gpu;
             double value;
-            rp_side side = layer_straggler(c, s, m, l, &gpu, &value);
+            rp_side side = layer_straggler(c, s, m, l, dom, &gpu, &value);
             if (value > best) {
                 best = value;
                 out->straggler_gpu = gpu;
@@ -1285,10 +1412,10 @@ void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
         }
     }
     out->step_s = s->step_s;
-    out->attention_s = c->fwd_bwd * attn;
-    out->dispatch_s = c->fwd_bwd * disp;
-    out->expert_s = c->fwd_bwd * expert;
-    out->combine_s = c->fwd_bwd * disp;
+    out->attention_s = attn;
+    out->dispatch_s = (1.0 + c->bwd.communication) * disp;
+    out->expert_s = (1.0 + c->bwd.experts) * expert;
+    out->combine_s = out->dispatch_s;
     out->grad_reduce_s = s->grad_s;
     out->extra_copy_s = s->extra_s;
     out->lower_bound_s = cost_bound_step(c, s);
@@ -1315,7 +1442,11 @@ rp_status rp_cost_current_summary(const rp_cost *c, rp_cost_summary *out, rp_err
 double rp_cost_layer_s(const rp_cost *c, int32_t mb, int32_t layer)
 {
     if (!c || !c->st || mb < 0 || mb >= c->st->M || layer < 0 || layer >= c->L) return NAN;
-    return c->st->layer_t[(size_t)mb * c->L + layer];
+    const double *t = c->st->layer_t + ((size_t)mb * c->L + layer) * c->NQ;
+    double worst = t[0];
+    for (int32_t q = 1; q < c->NQ; q++)
+        if (t[q] > worst) worst = t[q];
+    return worst;
 }
 
 rp_side rp_cost_layer_straggler(const rp_cost *c, int32_t mb, int32_t layer, int32_t *gpu)
@@ -1323,7 +1454,7 @@ rp_side rp_cost_layer_straggler(const rp_cost *c, int32_t mb, int32_t layer, int
     int32_t g = -1;
     rp_side side = RP_SIDE_ATTENTION;
     if (c && c->st && mb >= 0 && mb < c->st->M && layer >= 0 && layer < c->L)
-        side = layer_straggler(c, c->st, mb, layer, &g, NULL);
+        side = layer_straggler(c, c->st, mb, layer, -1, &g, NULL);
     if (gpu) *gpu = g;
     return side;
 }
@@ -1413,6 +1544,12 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
               sum.combine_s, sum.grad_reduce_s, sum.extra_copy_s, sum.attention_imbalance,
               sum.expert_imbalance, sum.straggler_gpu, sum.straggler_mb, sum.straggler_layer,
               side_name(sum.straggler_side));
+    static const char *const sync_names[] = {"group", "global"}, *const overlap_names[] = {"none", "layer"},
+                             *const dedup_names[] = {"choice", "gpu", "node"};
+    sb_printf(&b, "\"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\", "
+              "\"dispatch_bytes_per_element\": %d},\n",
+              sync_names[c->sync], overlap_names[c->overlap], dedup_names[c->dedup],
+              rp_config_execution(c->cfg)->dispatch_bytes_per_element);
     sb_printf(&b, "\"shape\": {\"num_gpus\": %d, \"num_microbatches\": %d, \"num_layers\": %d, "
               "\"num_experts\": %d, \"ep_size\": %d, \"backward\": {\"attention\": %.17g, \"projections\": %.17g, "
               "\"experts\": %.17g, \"token_linear\": %.17g, \"communication\": %.17g, \"fixed\": %.17g}, "
@@ -1421,23 +1558,47 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
               bw->communication, bw->fixed, c->rule == RP_SPLIT_EVEN ? "even" : "locality");
     sb_printf(&b, "\"layers\": [");
     for (int32_t m = 0; m < M; m++) {
+        double amax = 0;
+        for (int32_t g = 0; g < G; g++)
+            if (s->attn[(size_t)g * M + m] > amax) amax = s->attn[(size_t)g * M + m];
         for (int32_t l = 0; l < L; l++) {
             size_t ml = (size_t)m * L + l;
-            double xm, dm;
-            layer_maxima(c, s->xmax + ml * c->Q, s->dmax + ml * c->Q, &xm, &dm);
+            phase_max p = domain_phases(c, s, m, l, -1);
             int32_t gpu;
-            rp_side side = layer_straggler(c, s, m, l, &gpu, NULL);
+            rp_side side = layer_straggler(c, s, m, l, -1, &gpu, NULL);
             sb_printf(&b, "%s\n {\"microbatch\": %d, \"layer\": %d, \"time_s\": %.17g, \"attention_s\": %.17g, "
-                      "\"dispatch_s\": %.17g, \"expert_s\": %.17g, \"combine_s\": %.17g, "
-                      "\"lower_bound_s\": %.17g, \"straggler_gpu\": %d, \"straggler_side\": \"%s\"}",
-                      ml ? "," : "", m, l, s->layer_t[ml], s->amax[m], dm, xm, dm,
+                      "\"dense_s\": %.17g, \"dense_backward_s\": %.17g, \"dispatch_s\": %.17g, \"expert_s\": %.17g, "
+                      "\"combine_s\": %.17g, \"lower_bound_s\": %.17g, \"straggler_gpu\": %d, \"straggler_side\": \"%s\"",
+                      ml ? "," : "", m, l, rp_cost_layer_s(c, m, l), amax, p.df, p.db, p.d, p.x, p.d,
                       cost_bound_layer(c, s, m, l), gpu, side_name(side));
+            if (c->sync == RP_SYNC_GROUP) {
+                sb_printf(&b, ", \"group_time_s\": ");
+                sb_array(&b, s->layer_t + ml * c->NQ, (size_t)c->NQ, 1);
+            }
+            sb_printf(&b, "}");
         }
     }
     sb_printf(&b, "],\n\"attention\": [");
     for (int32_t g = 0; g < G; g++) {
         sb_printf(&b, "%s\n ", g ? "," : "");
         sb_array(&b, s->attn + (size_t)g * M, (size_t)M, 1);
+    }
+    /* compute: forward and backward compute of one GPU for one (microbatch, layer): the
+     * dense phase both ways and the experts at their multiplier (what a device times) */
+    sb_printf(&b, "],\n\"compute\": [");
+    for (int32_t m = 0; m < M; m++) {
+        sb_printf(&b, "%s\n [", m ? "," : "");
+        for (int32_t l = 0; l < L; l++) {
+            sb_printf(&b, "%s\n  [", l ? "," : "");
+            for (int32_t g = 0; g < G; g++) {
+                size_t cell = (size_t)g * M + m;
+                double v = s->dense_f[cell] + s->dense_b[cell] +
+                           (1.0 + c->bwd.experts) * s->expert[((size_t)m * L + l) * G + g];
+                sb_printf(&b, "%s%.17g", g ? "," : "", v);
+            }
+            sb_printf(&b, "]");
+        }
+        sb_printf(&b, "]");
     }
     const char *names[3] = {"expert", "dispatch", "combine"};
     const double *arrays[3] = {s->expert, s->dispatch, s->dispatch};

@@ -1,40 +1,59 @@
 /* The lower bound of the cost model: every microbatch and layer with the plan's own work
- * spread perfectly over the GPUs (docs/cost-model.md, "Lower bound"). Computed from the
- * evaluator's per-GPU state on demand, so incremental moves need not maintain it. */
+ * spread perfectly over the GPUs of its sync domain (docs/cost-model.md, "Lower bound").
+ * Computed from the evaluator's per-GPU state on demand, so incremental moves need not
+ * maintain it. */
 #include "cost_internal.h"
 
-/* Forward lower bound of T(m, l), seconds. Each term is at most its counterpart's
- * maximum over GPUs, so the sum is at most T(m, l):
- *   attention  max(sum_g A(g,m) speed_g / sum_g speed_g, a(longest sequence) / max speed)
- *   experts    sum_g X(g,m,l) speed_g / sum_g speed_g  (the same expert work, spread)
- *   dispatch   sum_g D(g,m,l) / G                     (the same traffic, spread)
- *   combine    the same as dispatch */
-double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l)
+/* The (m, l) bound over GPUs [g0, g0 + n), forward and backward seconds. Each phase is at
+ * most its maximum over those GPUs, and the layer time is monotone in every phase, so the
+ * result is at most the domain's T(m, l):
+ *   dense phase  max(sum_g F(g,m) speed_g / sum_g speed_g, the sequence with the most dense
+ *                work alone on the fastest GPU), forward and backward each
+ *   experts      sum_g X(g,m,l) speed_g / sum_g speed_g  (the same expert work, spread)
+ *   dispatch     sum_g D(g,m,l) / n                      (the same traffic, spread) */
+static double bound_over(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t g0, int32_t n)
 {
     const int32_t M = st->M, G = c->G;
     const size_t ml = (size_t)m * c->L + l;
-    double attn = 0.0, expert = 0.0, dispatch = 0.0;
-    double single = 0.0;
-    for (int32_t g = 0; g < G; g++) {
-        attn += st->attn[(size_t)g * M + m] * c->speed[g];
-        expert += st->expert[ml * G + g] * c->speed[g];
-        dispatch += st->dispatch[ml * G + g];
-        int32_t top = st->cell_top[(size_t)g * M + m];
+    double f = 0.0, b = 0.0, x = 0.0, d = 0.0, speed_sum = 0.0, speed_max = 0.0, single_f = 0.0, single_b = 0.0;
+    for (int32_t g = g0; g < g0 + n; g++) {
+        const size_t cell = (size_t)g * M + m;
+        const double s = c->speed[g];
+        speed_sum += s;
+        if (s > speed_max) speed_max = s;
+        f += st->dense_f[cell] * s;
+        b += st->dense_b[cell] * s;
+        x += st->expert[ml * G + g] * s;
+        d += st->dispatch[ml * G + g];
+        int32_t top = st->cell_top[cell];
         if (top >= 0) {
-            double a = cost_seq_attention(c, top);
-            if (a > single) single = a;
+            double sf, sb;
+            cost_cell_dense(c, c->seq_quad[top], c->cu_seqlens[top + 1] - c->cu_seqlens[top], -1, &sf, &sb);
+            if (sf > single_f) single_f = sf;
+            if (sb > single_b) single_b = sb;
         }
     }
-    attn /= c->speed_sum;
-    single /= c->speed_max;
-    if (single > attn) attn = single;
-    dispatch /= G;
-    return attn + dispatch + expert / c->speed_sum + dispatch;
+    f /= speed_sum;
+    b /= speed_sum;
+    if (single_f / speed_max > f) f = single_f / speed_max;
+    if (single_b / speed_max > b) b = single_b / speed_max;
+    return cost_layer_time(c, f, b, d / n, x / speed_sum);
 }
 
-/* The step's lower bound: the layers' bounds with the backward multiplier, the replica
- * gradient reduction at its mean over GPUs, and every extra-replica copy at the number of
- * copies per EP rank that spreads them evenly. */
+/* Bound of (m, l): under global sync the whole job's work spread over all GPUs; under
+ * group sync each group's own work spread over its GPUs, averaged over the groups (the
+ * step is the slowest group's sum, at least the groups' mean). */
+double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l)
+{
+    if (c->sync == RP_SYNC_GLOBAL) return bound_over(c, st, m, l, 0, c->G);
+    double sum = 0.0;
+    for (int32_t q = 0; q < c->Q; q++) sum += bound_over(c, st, m, l, q * c->ep, c->ep);
+    return sum / c->Q;
+}
+
+/* The step's lower bound: the layers' bounds, the replica gradient reduction at its mean
+ * over GPUs, and every extra-replica copy at the number of copies per EP rank that
+ * spreads them evenly. */
 double cost_bound_step(const rp_cost *c, const cost_state *st)
 {
     const int32_t G = c->G, L = c->L, ep = c->ep;
@@ -49,5 +68,5 @@ double cost_bound_step(const rp_cost *c, const cost_state *st)
         for (int32_t j = 0; j < ep; j++) copies += st->extra_count[i * ep + j];
         if (copies > 0) extra += 2.0 * ((double)copies / ep * c->expert_bytes / c->nv_bw + c->nv_lat);
     }
-    return c->fwd_bwd * layers + grad / G + extra;
+    return layers + grad / G + extra;
 }

@@ -88,23 +88,6 @@ static void trial_group(rp_cost *c, cost_state *st, const seq_move *mv, int32_t 
         }
 }
 
-/* Largest attention of microbatch m with cells (gA, mA) and (gB, mB) replaced. */
-static double trial_amax(const rp_cost *c, const cost_state *st, int32_t m, int32_t gA, int32_t mA,
-                         double aA, int32_t gB, int32_t mB, double aB, int32_t *arg)
-{
-    double best = -1.0;
-    *arg = 0;
-    cost_count(c, c->G);
-    for (int32_t g = 0; g < c->G; g++) {
-        double a = (g == gA && m == mA) ? aA : (g == gB && m == mB) ? aB : st->attn[(size_t)g * st->M + m];
-        if (a > best) {
-            best = a;
-            *arg = g;
-        }
-    }
-    return best;
-}
-
 /* Step time after the moves, which exchange sequences between two distinct cells A
  * and B (a move: one sequence A -> B; a swap: one each way). With `commit` the state
  * keeps the result; without it every change to the state is undone. */
@@ -133,19 +116,31 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
         sqB += sign * c->seq_quad[mv[k].seq];
     }
     double aA = cost_cell_attention(c, sqA, tokA, gA), aB = cost_cell_attention(c, sqB, tokB, gB);
+    double fA, bA, fB, bB;
+    cost_cell_dense(c, sqA, tokA, gA, &fA, &bA);
+    cost_cell_dense(c, sqB, tokB, gB, &fB, &bB);
     int32_t ms[2] = {mA, mB}, n_ms = mA == mB ? 1 : 2;
-    double amax[2];
-    int32_t aarg[2];
-    for (int32_t i = 0; i < n_ms; i++) amax[i] = trial_amax(c, st, ms[i], gA, mA, aA, gB, mB, aB, &aarg[i]);
-
-    if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * sizeof(double));
     const int32_t qA = gA / ep, qB = gB / ep;
+    /* dense maxima of the changed (microbatch, group)s: [i][j] for ms[i] and group qs */
+    double dfm[2][2], dbm[2][2];
+    int32_t dfa[2][2];
+    const int32_t NQ = c->NQ;
+    double *layer_t = commit ? st->layer_t : sc->layer_t;
+
+    if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * NQ * sizeof(double));
     for (int32_t i = 0; i < n_ms; i++) {
         const int32_t m = ms[i];
         /* groups of this microbatch that changed */
         int32_t qs[2], n_qs = 0;
         if (m == mA) qs[n_qs++] = qA;
         if (m == mB && !(n_qs && qs[0] == qB)) qs[n_qs++] = qB;
+        memcpy(sc->qdf, st->dfmax + (size_t)m * Q, (size_t)Q * sizeof(double));
+        memcpy(sc->qdb, st->dbmax + (size_t)m * Q, (size_t)Q * sizeof(double));
+        for (int32_t j = 0; j < n_qs; j++) {
+            cost_group_dense(c, st, m, qs[j], gA, mA, fA, bA, gB, mB, fB, bB, &dfm[i][j], &dbm[i][j], &dfa[i][j]);
+            sc->qdf[qs[j]] = dfm[i][j];
+            sc->qdb[qs[j]] = dbm[i][j];
+        }
         for (int32_t l = 0; l < L; l++) {
             const size_t ml = (size_t)m * L + l;
             const int32_t *off = st->rep_off + (size_t)l * (E + 1), *rank = st->rep_rank + (size_t)l * st->S;
@@ -161,30 +156,27 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
                     trial_group(c, st, mv, n_mv, m, l, qs[j], map, &r[j]);
                 }
             }
-            double xm = 0, dm = 0;
-            for (int32_t q = 0; q < Q; q++) {
-                double xq = st->xmax[ml * Q + q], dq = st->dmax[ml * Q + q];
-                for (int32_t j = 0; j < n_qs; j++)
-                    if (qs[j] == q) {
-                        xq = r[j].xmax;
-                        dq = r[j].dmax;
-                    }
-                if (q == 0 || xq > xm) xm = xq;
-                if (q == 0 || dq > dm) dm = dq;
+            memcpy(sc->qx, st->xmax + ml * Q, (size_t)Q * sizeof(double));
+            memcpy(sc->qd, st->dmax + ml * Q, (size_t)Q * sizeof(double));
+            for (int32_t j = 0; j < n_qs; j++) {
+                sc->qx[qs[j]] = r[j].xmax;
+                sc->qd[qs[j]] = r[j].dmax;
             }
-            double t = cost_layer_time(amax[i], dm, xm);
-            if (commit) {
+            cost_layer_times(c, sc->qdf, sc->qdb, sc->qd, sc->qx, layer_t + ml * NQ);
+            if (commit)
                 for (int32_t j = 0; j < n_qs; j++) {
                     st->xmax[ml * Q + qs[j]] = r[j].xmax;
                     st->dmax[ml * Q + qs[j]] = r[j].dmax;
                     st->xarg[ml * Q + qs[j]] = r[j].xarg;
                     st->darg[ml * Q + qs[j]] = r[j].darg;
                 }
-                st->layer_t[ml] = t;
-            } else {
-                sc->layer_t[ml] = t;
-            }
         }
+        if (commit)
+            for (int32_t j = 0; j < n_qs; j++) {
+                st->dfmax[(size_t)m * Q + qs[j]] = dfm[i][j];
+                st->dbmax[(size_t)m * Q + qs[j]] = dbm[i][j];
+                st->dfarg[(size_t)m * Q + qs[j]] = dfa[i][j];
+            }
     }
 
     if (!commit) return cost_step_from(c, st, sc->layer_t, st->grad_s);
@@ -196,10 +188,10 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
     st->cell_quad[(size_t)gB * M + mB] = sqB;
     st->attn[(size_t)gA * M + mA] = aA;
     st->attn[(size_t)gB * M + mB] = aB;
-    for (int32_t i = 0; i < n_ms; i++) {
-        st->amax[ms[i]] = amax[i];
-        st->aarg[ms[i]] = aarg[i];
-    }
+    st->dense_f[(size_t)gA * M + mA] = fA;
+    st->dense_b[(size_t)gA * M + mA] = bA;
+    st->dense_f[(size_t)gB * M + mB] = fB;
+    st->dense_b[(size_t)gB * M + mB] = bB;
     for (int32_t k = 0; k < n_mv; k++) {
         const seq_move *v = &mv[k];
         st->seq_rank[v->seq] = v->g_to;
@@ -401,11 +393,10 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
     sc->row[slot] = expert;
     cost_index_layer(E, S, st->slot_rank, sc->row, sc->rep_off, sc->rep_rank);
     /* the row, its index, the layer times' copy, each microbatch's group maxima */
-    cost_count(c, 3 * (int64_t)S + 2 * (int64_t)E + (commit ? 0 : (int64_t)M * L) + (int64_t)M * (Q + 2));
-    if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * sizeof(double));
+    cost_count(c, 3 * (int64_t)S + 2 * (int64_t)E + (commit ? 0 : (int64_t)M * L * c->NQ) + (int64_t)M * (Q + 2));
+    if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * c->NQ * sizeof(double));
     for (int32_t m = 0; m < M; m++) {
         const size_t ml = (size_t)m * L + layer;
-        double xm = 0, dm = 0;
         cost_map map = cost_dst_map(c, st, m, layer, sc->rep_off, sc->rep_rank, false, sc);
         for (int32_t q = 0; q < Q; q++) {
             group_result r;
@@ -416,8 +407,8 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
             int64_t *link = commit ? st->glink + gq * 4 * ep : sc->link;
             cost_group_rebuild(c, st, m, layer, q, map, total, link);
             cost_group_eval(c, st, m, layer, q, sc->rep_off, sc->rep_rank, map, total, link, x, d, &r, sc);
-            if (q == 0 || r.xmax > xm) xm = r.xmax;
-            if (q == 0 || r.dmax > dm) dm = r.dmax;
+            sc->qx[q] = r.xmax;
+            sc->qd[q] = r.dmax;
             if (commit) {
                 st->xmax[ml * Q + q] = r.xmax;
                 st->dmax[ml * Q + q] = r.dmax;
@@ -425,9 +416,8 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
                 st->darg[ml * Q + q] = r.darg;
             }
         }
-        double t = cost_layer_time(st->amax[m], dm, xm);
-        if (commit) st->layer_t[ml] = t;
-        else sc->layer_t[ml] = t;
+        cost_layer_times(c, st->dfmax + (size_t)m * Q, st->dbmax + (size_t)m * Q, sc->qd, sc->qx,
+                         (commit ? st->layer_t : sc->layer_t) + ml * c->NQ);
     }
     cost_grad_layer(c, st, sc->rep_off, sc->rep_rank, sc->grad_row);
     double grad = cost_grad_total(c, st, layer, sc->grad_row);

@@ -49,14 +49,17 @@ typedef struct cost_state {
     int32_t *lay_dst;              /* [L * E] base destination map (cost_dst_map) */
     int32_t *lay_seg, *lay_ord;    /* [L * (ep + 2)], [L * E]: its experts by destination */
 
-    double *attn;                  /* [G * M] A(g, m), seconds */
-    double *amax;                  /* [M] */
-    int32_t *aarg;                 /* [M] GPU with the largest A */
+    double *attn;                  /* [G * M] A(g, m): attention and projections, forward, seconds */
+    double *dense_f, *dense_b;     /* [G * M] the dense phase of the cell (attention, projections,
+                                      token-linear, fixed), forward and backward, seconds */
+    double *dfmax, *dbmax;         /* [M * Q] their maxima over each EP group */
+    int32_t *dfarg;                /* [M * Q] GPU with the largest forward dense phase */
     double *expert;                /* [M * L * G] X(g, m, l), seconds */
     double *dispatch;              /* [M * L * G]; combine is the same volume reversed */
     double *xmax, *dmax;           /* [M * L * Q] */
     int32_t *xarg, *darg;          /* [M * L * Q] GPU that sets the maximum */
-    double *layer_t;               /* [M * L] T(m, l), forward seconds */
+    double *layer_t;               /* [M * L * NQ] T(m, l) of each sync domain, forward and
+                                      backward seconds (NQ: Q under group sync, 1 under global) */
     double *grad_gpu;              /* [L * G] replica gradient reduction per layer and GPU */
     double grad_s, extra_s, step_s;
     size_t bytes;                  /* allocated for this state */
@@ -70,7 +73,8 @@ typedef struct cost_scratch {
     double *xacc;        /* [ep] */
     int32_t *rk;         /* [max_replicas] */
     double *w, *load;    /* [max_replicas] */
-    double *layer_t;     /* [M * L] */
+    double *layer_t;     /* [M * L * NQ] */
+    double *qdf, *qdb, *qx, *qd; /* [Q] per-group maxima of one (m, l) under trial */
     int32_t *rep_off;    /* [E + 1] a layer's replicas under trial */
     int32_t *rep_rank;   /* [S] */
     int32_t *row;        /* [S] a layer's phy2log under trial */
@@ -113,7 +117,13 @@ struct rp_cost {
     double expert_bytes;       /* 3 d f bytes_per_param: one expert's weights */
     double expert_move_bytes;  /* 3 d f (bytes_per_param + bytes_per_optimizer_state) */
     double nv_bw, nv_lat, net_bw, net_lat;
-    double fwd_bwd;            /* 1 + backward_multiplier */
+    rp_backward bwd;           /* per-term backward / forward */
+    double token_linear_s;     /* per token: token_linear_bytes_per_token / hbm */
+    double fixed_s;            /* per (microbatch, layer) */
+    rp_sync sync;
+    rp_overlap overlap;
+    rp_dispatch_dedup dedup;
+    int32_t NQ;                /* sync domains with a time of their own: Q (group) or 1 (global) */
     int64_t token_cap;
     double act_cap, act_per_token;
 
@@ -149,6 +159,15 @@ rp_status cost_check_inputs(const rp_config *cfg, const rp_batch *batch, rp_erro
 double cost_slot_time(const rp_cost *c, double tokens);
 /* Attention of a cell from its integer sums; gpu -1: at speed 1. */
 double cost_cell_attention(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu);
+/* The dense phase of a cell (attention, projections, token-linear, fixed cost), forward
+ * and backward, from its integer sums; gpu -1: at speed 1. */
+void cost_cell_dense(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu, double *fwd,
+                     double *bwd);
+/* Largest dense phase of GPUs [g0, g0 + n) at microbatch m, cells (gA, mA) and (gB, mB)
+ * replaced by the given values when they are among them (gA -1: none). */
+void cost_group_dense(const rp_cost *c, const cost_state *st, int32_t m, int32_t q, int32_t gA, int32_t mA,
+                      double fA, double bA, int32_t gB, int32_t mB, double fB, double bB, double *fmax,
+                      double *bmax, int32_t *farg);
 /* Attention of one sequence at speed 1, as the cells count it. */
 double cost_seq_attention(const rp_cost *c, int32_t seq);
 cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, const int32_t *rep_off,
@@ -165,7 +184,12 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
                      const int32_t *rep_off, const int32_t *rep_rank, cost_map map,
                      const int32_t *total, const int64_t *link, double *x_out, double *d_out,
                      group_result *res, cost_scratch *sc);
-double cost_layer_time(double amax, double dmax, double xmax);
+/* Forward and backward time of one (m, l) from its phase maxima (forward seconds) under
+ * the configured overlap. */
+double cost_layer_time(const rp_cost *c, double dfmax, double dbmax, double dmax, double xmax);
+/* T of every sync domain at one (m, l) from the per-group maxima (arrays of Q): out[NQ]. */
+void cost_layer_times(const rp_cost *c, const double *dfmax, const double *dbmax, const double *dmax,
+                      const double *xmax, double *out);
 double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t,
                       double grad_s);
 void cost_index_layer(int32_t E, int32_t S, const int32_t *slot_rank_of, const int32_t *phy2log,
@@ -174,6 +198,8 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_
                      const int32_t *rep_rank, double *row);
 double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row);
 void cost_summary(const rp_cost *c, const cost_state *st, rp_cost_summary *out);
+/* The sync domain with the largest sum of layer times (0 under global sync). */
+int32_t cost_critical_domain(const rp_cost *c, const cost_state *st);
 
 /* cost_bound.c */
 double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l);

@@ -79,8 +79,9 @@ static const char *HAND_CFG =
     "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": 2, \"slots_per_gpu\": %d,"
     "  \"gpu_speed\": %s, \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000,"
     "  \"net_bytes_per_s\": 4, \"net_latency_us\": 1000000},"
-    " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48, \"attention_efficiency\": 0.5,"
-    "  \"dense_efficiency\": 1, \"gemm_efficiency\": [[1, 0.5], [4, 1]], \"backward_multiplier\": 2},"
+    " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48,"
+    "  \"dense_efficiency\": 1, \"gemm_efficiency\": [[1, 0.5], [4, 1]], %s},"
+    " \"execution\": {%s},"
     " \"model\": {\"num_layers\": 2, \"num_experts\": 4, \"top_k\": 2, \"hidden_size\": 4,"
     "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"num_kv_heads\": 1, \"head_dim\": 2,"
     "  \"bytes_per_param\": 2, \"bytes_per_optimizer_state\": 12},"
@@ -98,11 +99,25 @@ static const uint8_t HAND_IDS[] = {
     3, 1, 1, 2,  2, 3, 1, 3,  0, 3, 0, 1,              /* s2 */
 };
 
-static bool hand_fixture(fixture *f, int nodes, int per_node, int slots, const char *speed)
+/* The hand cases' hardware terms and execution as the first model had them: one backward
+ * multiplier of 2 for every term, no token-linear work, no fixed cost, one global
+ * synchronisation, a copy per token-choice. */
+static const char *const HAND_HW =
+    "\"attention_efficiency\": 0.5, \"backward_multiplier\": 2, \"backward\": {\"communication\": 2},"
+    " \"token_linear_bytes_per_token\": 0, \"layer_fixed_us\": 0";
+static const char *const HAND_EXEC = "\"sync\": \"global\", \"dispatch_dedup\": \"choice\"";
+
+static bool hand_fixture_with(fixture *f, int nodes, int per_node, int slots, const char *speed, const char *hw,
+                              const char *exec)
 {
     char json[2048];
-    snprintf(json, sizeof json, HAND_CFG, nodes, per_node, slots, speed);
+    snprintf(json, sizeof json, HAND_CFG, nodes, per_node, slots, speed, hw, exec);
     return fixture_make(f, json, 3, HAND_LENS, HAND_IDS, 2, 2, 4);
+}
+
+static bool hand_fixture(fixture *f, int nodes, int per_node, int slots, const char *speed)
+{
+    return hand_fixture_with(f, nodes, per_node, slots, speed, HAND_HW, HAND_EXEC);
 }
 
 static rp_plan *plan_of(const fixture *f, int32_t M, const int32_t *rank, const int32_t *mb,
@@ -153,8 +168,8 @@ static void test_hand_one_node(void)
      *  GPU0 sends 6, receives 8: 8.5 on both.  T(0,1) = 6.625 + 8.5 + 7.5 + 8.5 = 31.125
      * step = 3 (21.125 + 31.125) = 156.75 */
     is_double(s.step_s, 156.75, REL(0, 156.75), "step time");
-    is_double(rp_cost_layer_s(c, 0, 0), 21.125, REL(0, 21.125), "T(0,0)");
-    is_double(rp_cost_layer_s(c, 0, 1), 31.125, REL(0, 31.125), "T(0,1)");
+    is_double(rp_cost_layer_s(c, 0, 0), 3 * (21.125), 3 * (REL(0, 21.125)), "T(0,0)");
+    is_double(rp_cost_layer_s(c, 0, 1), 3 * (31.125), 3 * (REL(0, 31.125)), "T(0,1)");
     is_double(s.attention_s, 39.75, REL(0, 39.75), "attention term 3 x 2 x 6.625");
     is_double(s.dispatch_s, 36.0, REL(0, 36.0), "dispatch term 3 x (3.5 + 8.5)");
     is_double(s.combine_s, 36.0, REL(0, 36.0), "combine term equals dispatch");
@@ -238,13 +253,13 @@ static void test_hand_replicas(void)
      *  dispatch = 4.5 + 0.5 = 5.  T(0,0) = 6.625 + 5 + 8.95 + 5 = 25.575
      *  step = 3 (25.575 + 31.125) + 6.5 = 176.6 */
     is_double(s.grad_reduce_s, 6.5, 1e-12, "gradient reduction of one extra replica");
-    is_double(rp_cost_layer_s(even, 0, 0), 25.575, 1e-12 * 25.575, "T(0,0), even split");
+    is_double(rp_cost_layer_s(even, 0, 0), 3 * (25.575), 3 * (1e-12 * 25.575), "T(0,0), even split");
     is_double(s.step_s, 176.6, 1e-12 * 176.6, "step, even split");
     /* Locality: each source keeps its expert-2 choices on its own replica: loads 2 / 3.
      *  X0 = 3.75 + 2.7 + t(2) = 2.25 -> 8.7; X1 = t(3) + 3.75 = 6.45; sends 1 and 3:
      *  dispatch 3.5.  T(0,0) = 6.625 + 3.5 + 8.7 + 3.5 = 22.325; step = 3 x 53.45 + 6.5 */
     is_int(rp_cost_evaluate(local, p, &s, &err), RP_OK, "locality split evaluates");
-    is_double(rp_cost_layer_s(local, 0, 0), 22.325, 1e-12 * 22.325, "T(0,0), locality split");
+    is_double(rp_cost_layer_s(local, 0, 0), 3 * (22.325), 3 * (1e-12 * 22.325), "T(0,0), locality split");
     is_double(s.step_s, 166.85, 1e-12 * 166.85, "step, locality split");
 
     /* Explicit shares 1/4, 3/4 override either rule: loads 1.25 and 3.75.
@@ -256,9 +271,9 @@ static void test_hand_replicas(void)
     is_int(rp_plan_set_shares(p, 0, 0, 2, shares, 2, &err), RP_OK, "shares set");
     double t00 = 6.625 + 4.25 + (6.45 + 22.5 / 13) + 4.25;
     is_int(rp_cost_evaluate(local, p, &s, &err), RP_OK, "explicit shares evaluate");
-    is_double(rp_cost_layer_s(local, 0, 0), t00, 1e-12 * t00, "T(0,0) with explicit shares (locality rule)");
+    is_double(rp_cost_layer_s(local, 0, 0), 3 * (t00), 3 * (1e-12 * t00), "T(0,0) with explicit shares (locality rule)");
     rp_cost_evaluate(even, p, &s, &err);
-    is_double(rp_cost_layer_s(even, 0, 0), t00, 1e-12 * t00, "... and the same under the even rule");
+    is_double(rp_cost_layer_s(even, 0, 0), 3 * t00, 3e-12 * t00, "... and the same under the even rule");
     is_double(rp_cost_expert_breakdown(even)[1], 16.875 / 5.75 + 3.75, 1e-12 * 7, "X1 with shares");
     rp_plan_free(p);
     rp_cost_free(even);
@@ -286,7 +301,7 @@ static void test_hand_extra_replica(void)
      *  the copy spread over both EP ranks: 2 (0.5 x 48/8 + 0.5) = 7;
      *  bound = 3 (20.2875 + 27.5125) + 7 = 150.4 */
     is_double(s.extra_copy_s, 13.0, 1e-12, "extra copy: weights over and gradient back");
-    is_double(rp_cost_layer_s(c, 0, 1), 29.325, 1e-12 * 29.325, "T(0,1) with the extra replica");
+    is_double(rp_cost_layer_s(c, 0, 1), 3 * (29.325), 3 * (1e-12 * 29.325), "T(0,1) with the extra replica");
     is_double(s.step_s, 164.35, 1e-12 * 164.35, "step with an extra replica");
     is_double(s.lower_bound_s, 150.4, 1e-12 * 150.4, "bound spreads the extra copy");
     rp_plan_free(p);
@@ -303,7 +318,9 @@ static void test_locality_nodes(void)
         "  \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000, \"net_bytes_per_s\": 4,"
         "  \"net_latency_us\": 1000000},"
         " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48, \"attention_efficiency\": 0.5,"
-        "  \"dense_efficiency\": 1, \"gemm_efficiency\": [[1, 0.5], [4, 1]], \"backward_multiplier\": 2},"
+        "  \"dense_efficiency\": 1, \"gemm_efficiency\": [[1, 0.5], [4, 1]], \"backward_multiplier\": 2,"
+        "  \"backward\": {\"communication\": 2}, \"token_linear_bytes_per_token\": 0, \"layer_fixed_us\": 0},"
+        " \"execution\": {\"sync\": \"global\", \"dispatch_dedup\": \"choice\"},"
         " \"model\": {\"num_layers\": 1, \"num_experts\": 4, \"top_k\": 1, \"hidden_size\": 4,"
         "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"head_dim\": 2},"
         " \"limits\": {\"max_tokens_per_microbatch\": 100}}";
@@ -332,6 +349,152 @@ static void test_locality_nodes(void)
     rp_plan_free(p);
     rp_cost_free(local);
     rp_cost_free(even);
+    fixture_free(&f);
+}
+
+/* Issue 14's terms on the one-node hand case (forward values as in test_hand_one_node):
+ *   GPU0 holds s0 (4 tokens): attention core L^2/8 = 2, projections L = 4
+ *   GPU1 holds s1, s2 (5 tokens): core (4 + 9)/8 = 1.625, projections 5
+ *   experts L0 X = 6.45, 7.5; L1 7.5, 6; dispatch L0 3.5, L1 8.5 on both GPUs
+ * token-linear 48 bytes per token over 48 B/s = 1 s per token; fixed 0.25 s;
+ * backward: attention 3, projections 1, experts 2, token-linear 1, communication 1, fixed 0. */
+static const char *const TERMS_HW =
+    "\"attention_efficiency\": 0.5, \"backward\": {\"attention\": 3, \"projections\": 1, \"experts\": 2,"
+    " \"token_linear\": 1, \"communication\": 1, \"fixed\": 0}, \"token_linear_bytes_per_token\": 48,"
+    " \"layer_fixed_us\": 250000";
+
+static void test_hand_terms(void)
+{
+    const char *exec[2] = {"\"sync\": \"global\", \"dispatch_dedup\": \"choice\"",
+                           "\"sync\": \"global\", \"dispatch_dedup\": \"choice\", \"overlap\": \"layer\""};
+    for (int v = 0; v < 2; v++) {
+        fixture f;
+        ok(hand_fixture_with(&f, 1, 2, 2, "1", TERMS_HW, exec[v]), "terms fixture, overlap %s", v ? "layer" : "none");
+        rp_cost *c = NULL;
+        rp_error err;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+        rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+        rp_cost_summary s;
+        is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+        /* dense forward: GPU0 2 + 4 + 4 + 0.25 = 10.25, GPU1 1.625 + 5 + 5 + 0.25 = 11.875
+         * dense backward: GPU0 3 x 2 + 4 + 4 + 0 = 14, GPU1 3 x 1.625 + 5 + 5 = 14.875
+         * no overlap: T(0,0) = 11.875 + 14.875 + 3 x 7.5 + 2 x 2 x 3.5 = 63.25
+         *             T(0,1) = 26.75 + 22.5 + 2 x 2 x 8.5 = 83.25; step 146.5
+         * overlap:    T(0,0) = max(49.25, 14) = 49.25, T(0,1) = max(49.25, 34) = 49.25; step 98.5 */
+        double t0 = v ? 49.25 : 63.25, t1 = v ? 49.25 : 83.25;
+        is_double(rp_cost_layer_s(c, 0, 0), t0, 1e-12 * t0, "T(0,0) with per-term backward, token-linear, fixed");
+        is_double(rp_cost_layer_s(c, 0, 1), t1, 1e-12 * t1, "T(0,1)");
+        is_double(s.step_s, t0 + t1, 1e-12 * (t0 + t1), "step");
+        is_double(s.attention_s, 53.5, 1e-12 * 53.5, "dense phase term 2 x (11.875 + 14.875)");
+        is_double(s.expert_s, 45.0, 1e-12 * 45, "expert term (1 + 2) x (7.5 + 7.5)");
+        is_double(s.dispatch_s, 24.0, 1e-12 * 24, "dispatch term (1 + 1) x (3.5 + 8.5)");
+        /* bound: dense 25.5 both layers (means 11.0625 + 14.4375 beat s0 alone, 10.25 + 14);
+         * experts means 6.975 and 6.75; dispatch 3.5 and 8.5.
+         * none: 25.5 + 20.925 + 14 + 25.5 + 20.25 + 34 = 140.175; layer: 46.425 + 45.75 */
+        double lb = v ? 92.175 : 140.175;
+        is_double(s.lower_bound_s, lb, 1e-12 * lb, "lower bound");
+        char *text = NULL;
+        size_t len = 0;
+        is_int(rp_cost_breakdown_json(c, &text, &len, &err), RP_OK, "breakdown JSON");
+        json_error_t jerr;
+        json_t *root = text ? json_loadb(text, len, 0, &jerr) : NULL;
+        json_t *cmp = json_object_get(root, "compute"), *x = json_object_get(root, "execution");
+        /* compute(g, 0, 0): GPU0 10.25 + 14 + 3 x 6.45 = 43.6; GPU1 11.875 + 14.875 + 22.5 = 49.25 */
+        is_double(json_number_value(json_array_get(json_array_get(json_array_get(cmp, 0), 0), 0)), 43.6, 1e-12,
+                  "compute[mb 0][layer 0][gpu 0]");
+        is_double(json_number_value(json_array_get(json_array_get(json_array_get(cmp, 0), 0), 1)), 49.25, 1e-12,
+                  "compute[mb 0][layer 0][gpu 1]");
+        is_str(json_string_value(json_object_get(x, "sync")), "global", "execution.sync");
+        is_str(json_string_value(json_object_get(x, "overlap")), v ? "layer" : "none", "execution.overlap");
+        is_str(json_string_value(json_object_get(x, "dispatch_dedup")), "choice", "execution.dispatch_dedup");
+        json_decref(root);
+        rp_text_free(ctx, text);
+        rp_plan_free(p);
+        rp_cost_free(c);
+        fixture_free(&f);
+    }
+}
+
+/* The attention curve by length: eff 0.25 at 2 tokens, 1 at 4, linear between; the core
+ * is 2 L^2 h d_h / (peak eff(L)) = L^2 / (16 eff(L)). */
+static void test_hand_attention_curve(void)
+{
+    fixture f;
+    const char *hw = "\"attention_efficiency\": [[2, 0.25], [4, 1]], \"backward_multiplier\": 2, "
+                     "\"backward\": {\"communication\": 2}, \"token_linear_bytes_per_token\": 0, \"layer_fixed_us\": 0";
+    ok(hand_fixture_with(&f, 1, 2, 2, "1", hw, HAND_EXEC), "attention curve fixture");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    is_double(rp_cost_attention_s(c, 2), 1.0 + 2, 1e-15, "a(2) = 4 / (16 x 0.25) + 2");
+    is_double(rp_cost_attention_s(c, 3), 0.9 + 3, 1e-15, "a(3) = 9 / (16 x 0.625) + 3: eff interpolated");
+    is_double(rp_cost_attention_s(c, 4), 1.0 + 4, 1e-15, "a(4) = 16 / 16 + 4");
+    is_double(rp_cost_attention_s(c, 8), 4.0 + 8, 1e-15, "flat beyond the last point");
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_evaluate(c, p, NULL, &err);
+    const double *A = rp_cost_attention_breakdown(c);
+    is_double(A[0], 5.0, 1e-12, "A(GPU0) = a(4)");
+    is_double(A[1], 6.9, 1e-12, "A(GPU1) = a(2) + a(3): each sequence at its own efficiency");
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+/* Group synchronisation: 4 GPUs in 2 EP groups of 2; s0 on GPU0, s1 on GPU1 (group 0),
+ * s2 on GPU2 (group 1), GPU3 idle. Forward, per group and layer:
+ *   group 0: L0 A 6, D 3.5, X 5.25 -> 18.25; L1 A 6, D 6.5, X 5.4 -> 24.4; sum 42.65
+ *   group 1: L0 A 4.125, D 4.5, X 4.2 -> 17.325; L1 4.125, 2.5, 4.2 -> 13.325; sum 30.65
+ *   group step = 3 x 42.65; global: L0 6 + 2 x 4.5 + 5.25 = 20.25, L1 24.4 -> 3 x 44.65
+ * bounds: group, the mean of each group's own balanced layers:
+ *   3 x (18.25 + 24.4 + (4.125 + 9 + 3.6) + (4.125 + 5 + 3.6)) / 2 = 108.15
+ *   global: L0 6 + 2 x 4 + 4.425, L1 6 + 2 x 4.5 + 4.5: 3 x 37.925 = 113.775 */
+static void test_hand_sync(void)
+{
+    static const int32_t rank[3] = {0, 1, 2}, mb[3] = {0, 0, 0};
+    const char *exec[2] = {"\"sync\": \"group\", \"dispatch_dedup\": \"choice\"", HAND_EXEC};
+    const double step[2] = {3 * 42.65, 3 * 44.65}, bound[2] = {108.15, 113.775};
+    for (int v = 0; v < 2; v++) {
+        fixture f;
+        ok(hand_fixture_with(&f, 1, 4, 2, "1", HAND_HW, exec[v]), "sync %s fixture", v ? "global" : "group");
+        rp_cost *c = NULL;
+        rp_error err;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+        rp_plan *p = plan_of(&f, 1, rank, mb, CONTIG4);
+        rp_cost_summary s;
+        is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+        is_double(s.step_s, step[v], 1e-12 * step[v], "step under sync %s", v ? "global" : "group");
+        is_double(s.lower_bound_s, bound[v], 1e-12 * bound[v], "lower bound under sync %s", v ? "global" : "group");
+        is_double(rp_cost_layer_s(c, 0, 0), v ? 3 * 20.25 : 3 * 18.25, 1e-12 * 60, "T(0,0): %s",
+                  v ? "job-wide phase maxima" : "the slowest group's");
+        if (!v) {
+            is_int(s.straggler_side, RP_SIDE_DISPATCH, "straggler of the critical group: dispatch");
+            ok(s.straggler_gpu == 0 && s.straggler_layer == 1, "... GPU 0 at layer 1");
+            is_double(s.attention_s + s.expert_s + s.dispatch_s + s.combine_s, step[0], 1e-12 * step[0],
+                      "the critical group's terms add up to the step");
+        }
+        rp_plan_free(p);
+        rp_cost_free(c);
+        fixture_free(&f);
+    }
+}
+
+/* FP8 dispatch: a token-choice is d x 1 byte = 4 B, 0.5 s over NVLink; on the one-node
+ * hand case dispatch becomes 1.5 + 0.5 = 2 at L0 and 4 + 0.5 = 4.5 at L1. */
+static void test_hand_dispatch_bytes(void)
+{
+    fixture f;
+    ok(hand_fixture_with(&f, 1, 2, 2, "1", HAND_HW,
+                         "\"sync\": \"global\", \"dispatch_dedup\": \"choice\", \"dispatch_bytes_per_element\": 1"),
+       "FP8 dispatch fixture");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_evaluate(c, p, NULL, &err);
+    const double *D = rp_cost_dispatch_breakdown(c);
+    ok(D[0] == 2.0 && D[1] == 2.0 && D[2] == 4.5 && D[3] == 4.5, "dispatch at 1 byte per element: 2, 2, 4.5, 4.5");
+    rp_plan_free(p);
+    rp_cost_free(c);
     fixture_free(&f);
 }
 
@@ -422,7 +585,7 @@ static void test_bound_tight(void)
 {
     fixture f;
     char json[2048];
-    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1");
+    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1", HAND_HW, HAND_EXEC);
     char *one = strstr(json, "\"num_layers\": 2");
     one[14] = '1';
     int32_t lens[2] = {8, 8}, rank[2] = {0, 1}, mb[2] = {0, 0};
@@ -533,16 +696,21 @@ static int32_t rnd_int(rng *r, int32_t n) { return (int32_t)(rnd(r) % (uint64_t)
 static const char *RANDOM_CFG =
     "{\"topology\": {\"num_nodes\": 2, \"gpus_per_node\": 4, \"ep_size\": %d, \"slots_per_gpu\": %d,"
     "  \"gpu_speed\": %s},"
-    " \"hardware\": {\"peak_flops\": 1e9, \"hbm_bytes_per_s\": 1e9,"
+    " \"hardware\": {\"peak_flops\": 1e9, \"hbm_bytes_per_s\": 1e9, \"layer_fixed_us\": 2,"
+    "  \"attention_efficiency\": [[4, 0.2], [16, 0.45], [40, 0.7]],"
     "  \"gemm_efficiency\": [[1, 0.05], [8, 0.3], [32, 0.9]]},"
+    " \"execution\": {%s},"
     " \"model\": {\"num_layers\": 3, \"num_experts\": 12, \"top_k\": 3, \"hidden_size\": 64,"
     "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"num_kv_heads\": 2, \"head_dim\": 16},"
     " \"limits\": {\"max_tokens_per_microbatch\": %d}}";
 
+/* The execution settings of the random fixtures (JSON members of "execution"). */
+static const char *random_execution = "";
+
 static bool random_fixture(fixture *f, rng *r, int ep, int slots, const char *speed, int cap)
 {
     char json[2048];
-    snprintf(json, sizeof json, RANDOM_CFG, ep, slots, speed, cap);
+    snprintf(json, sizeof json, RANDOM_CFG, ep, slots, speed, random_execution, cap);
     int32_t lens[RN];
     int64_t tokens = 0;
     for (int i = 0; i < RN; i++) {
@@ -870,7 +1038,7 @@ static void test_json(void)
         json_t *l0 = json_array_get(layers, 0);
         is_str(json_string_value(json_object_get(l0, "straggler_side")), "expert", "layer 0 straggler side");
         is_int(json_integer_value(json_object_get(l0, "straggler_gpu")), 1, "layer 0 straggler GPU");
-        is_double(json_number_value(json_object_get(l0, "lower_bound_s")), 20.2875, 1e-12, "layer 0 bound");
+        is_double(json_number_value(json_object_get(l0, "lower_bound_s")), 3 * 20.2875, 1e-12, "layer 0 bound (forward and backward)");
         is_double(json_number_value(json_array_get(json_array_get(json_object_get(root, "attention"), 1), 0)), 6.625,
                   1e-12, "attention[gpu 1][mb 0]");
         json_t *x = json_object_get(root, "expert");
@@ -1084,7 +1252,7 @@ static void test_bad_plans(void)
     /* the token cap: 6 tokens per microbatch; moving s1 (2 tokens) onto s0 (4) fits,
      * moving s2 (3) does not */
     char json[2048];
-    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1");
+    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1", HAND_HW, HAND_EXEC);
     char *cap = strstr(json, "\"max_tokens_per_microbatch\": 100");
     memcpy(cap + 29, "6  ", 3);
     fixture capped;
@@ -1104,7 +1272,7 @@ static void test_bad_plans(void)
     fixture_free(&capped);
 
     /* the activation memory cap: 10 bytes per token, 60 bytes: again 6 tokens */
-    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1");
+    snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1", HAND_HW, HAND_EXEC);
     cap = strstr(json, "\"max_tokens_per_microbatch\": 100");
     const char *act = "\"max_tokens_per_microbatch\": 100, \"max_activation_bytes\": 60, "
                       "\"activation_bytes_per_token\": 10}}";
@@ -1262,14 +1430,32 @@ int main(void)
     test_hand_replicas();
     test_hand_extra_replica();
     test_locality_nodes();
+    test_hand_terms();
+    test_hand_attention_curve();
+    test_hand_sync();
+    test_hand_dispatch_bytes();
     test_units();
     test_straggler();
     test_bound_tight();
     test_migration();
-    test_bound_random();
+    /* every (sync, overlap) pair, with the three dispatch de-duplications among them */
+    static const char *const executions[] = {
+        "\"sync\": \"global\", \"overlap\": \"none\", \"dispatch_dedup\": \"choice\"",
+        "\"sync\": \"global\", \"overlap\": \"layer\", \"dispatch_dedup\": \"gpu\"",
+        "\"sync\": \"group\", \"overlap\": \"none\", \"dispatch_dedup\": \"node\"",
+        "\"sync\": \"group\", \"overlap\": \"layer\", \"dispatch_dedup\": \"gpu\"",
+        "\"sync\": \"group\", \"overlap\": \"none\", \"dispatch_dedup\": \"choice\", "
+        "\"dispatch_bytes_per_element\": 1",
+    };
+    for (size_t i = 0; i < sizeof executions / sizeof executions[0]; i++) {
+        random_execution = executions[i];
+        diag("execution: {%s}", random_execution);
+        test_bound_random();
+        test_incremental();
+    }
+    random_execution = "";
     test_same_packing();
     test_evaluation_needs();
-    test_incremental();
     test_json();
     test_bad_constants();
     test_bad_batch();

@@ -956,7 +956,7 @@ static void test_engine_work(void)
     ok(rep && rep->fallback, "rp.evaluate of a plan over the memory limit fails the call");
     if (rep)
         like(rep->fallback_reason,
-             "rp.evaluate: evaluating this plan (64 microbatches x 16 layers x 8 GPUs x 64 experts) needs 2.7 MiB",
+             "rp.evaluate: evaluating this plan (64 microbatches x 16 layers x 8 GPUs x 64 experts) needs 2.8 MiB",
              "naming the plan's shape and the memory it needs");
 
     rep = spread_step(50000000, (size_t)2 << 20, "rp.joint({num_microbatches = 64, fallbacks = {}}) return nil");

@@ -206,10 +206,19 @@ static void print_eval_text(const char *path, const plan_step *s, const rp_plan 
     printf("step time            %10.3f ms  (forward and backward; backward / forward: attention %.2f, "
            "experts %.2f, communication %.2f)\n",
            sum->step_s * 1e3, bwd->attention, bwd->experts, bwd->communication);
+    const rp_execution *x = rp_config_execution(s->cfg);
+    static const char *const sync_words[] = {"group (the slowest EP group's own sum)", "global (every layer waits for the slowest GPU)"};
+    static const char *const dedup_words[] = {"per token-choice", "per destination GPU", "per destination node"};
+    printf("execution            sync %s, overlap %s, dispatch %s at %d byte%s per element\n",
+           sync_words[x->sync], x->overlap == RP_OVERLAP_LAYER ? "layer" : "none", dedup_words[x->dispatch_dedup],
+           x->dispatch_bytes_per_element, x->dispatch_bytes_per_element == 1 ? "" : "s");
     printf("lower bound          %10.3f ms\n", sum->lower_bound_s * 1e3);
     printf("step / lower bound   %10.3f\n", sum->ratio);
-    printf("  attention          %10.3f ms  } each: sum over microbatches and layers\n", sum->attention_s * 1e3);
-    printf("  dispatch           %10.3f ms  } of the slowest GPU's term\n", sum->dispatch_s * 1e3);
+    printf("  dense (attention)  %10.3f ms  } each: sum over microbatches and layers of the slowest\n",
+           sum->attention_s * 1e3);
+    printf("  dispatch           %10.3f ms  } GPU's term (in the slowest group under group sync);\n",
+           sum->dispatch_s * 1e3);
+    printf("                                   with overlap they add up to more than the step\n");
     printf("  expert             %10.3f ms\n", sum->expert_s * 1e3);
     printf("  combine            %10.3f ms\n", sum->combine_s * 1e3);
     printf("  gradient reduce    %10.3f ms  (extra, for replicas)\n", sum->grad_reduce_s * 1e3);
@@ -235,7 +244,7 @@ static void print_eval_text(const char *path, const plan_step *s, const rp_plan 
             }
         }
     }
-    printf("slowest layers (forward):\n   mb  layer   time ms  straggler\n");
+    printf("slowest layers (forward and backward):\n   mb  layer   time ms  straggler\n");
     for (int k = 0; k < 5 && top[k] >= 0; k++) {
         int32_t gpu;
         rp_side side = rp_cost_layer_straggler(cost, top[k] / L, top[k] % L, &gpu);
@@ -245,7 +254,7 @@ static void print_eval_text(const char *path, const plan_step *s, const rp_plan 
 
     const double *A = rp_cost_attention_breakdown(cost), *D = rp_cost_dispatch_breakdown(cost);
     const double *X = rp_cost_expert_breakdown(cost), *C = rp_cost_combine_breakdown(cost);
-    printf("\nper microbatch (forward; sides: how many layers each side decides):\n"
+    printf("\nper microbatch (time forward and backward; sides: how many layers each side decides):\n"
            "   mb  max tokens  time ms  attention max/mean  attention/dispatch/expert\n");
     for (int32_t m = 0; m < M; m++) {
         double time = 0, amax = 0, asum = 0;
