@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from . import kernels
 
 
 class _AllToAll(torch.autograd.Function):
@@ -127,8 +128,12 @@ class MoELayer(nn.Module):
     Parameters (this rank's): ``router.weight`` [E, hidden] (dense: the trainer reduces its
     gradient over data parallel ranks, as for attention), ``w_in`` [num_slots, hidden, ffn]
     and ``w_out`` [num_slots, ffn, hidden]: slot s holds the expert the placement puts in
-    this rank's slot s (expert(x) = silu(x @ w_in) @ w_out). ``ep_group``: the EP group's
-    process group (None: the world); its rank r is EP rank r of the plan.
+    this rank's slot s (expert(x) = silu(x @ w_in) @ w_out). ``gated=True``: SwiGLU experts,
+    ``w_in`` [num_slots, hidden, 2 ffn] (gate, then up) and expert(x) = (silu(x @ w_gate) *
+    (x @ w_up)) @ w_out. ``expert_kernel``: kernels.LOOP (default: one GEMM per expert) or
+    kernels.GROUPED (torch._grouped_mm, one launch per projection; check it on the device
+    with kernels.choose_expert_kernel). ``ep_group``: the EP group's process group (None:
+    the world); its rank r is EP rank r of the plan.
 
     Per step: set_placement(placement) (collective: fetches the weights of this step's
     extra replicas), then per microbatch forward(x, routing, physical, microbatch) on
@@ -136,7 +141,7 @@ class MoELayer(nn.Module):
     last microbatch reduce_replica_grads() (collective) before the optimizer step."""
 
     def __init__(self, hidden_size, ffn_size, num_experts, top_k, num_slots, *, ep_group=None,
-                 dtype=torch.float32, device=None):
+                 dtype=torch.float32, device=None, gated=False, expert_kernel=kernels.LOOP):
         super().__init__()
         self.hidden_size, self.ffn_size = int(hidden_size), int(ffn_size)
         self.num_experts, self.top_k, self.num_slots = int(num_experts), int(top_k), int(num_slots)
@@ -144,7 +149,9 @@ class MoELayer(nn.Module):
         self.ep_rank = dist.get_rank(ep_group)
         self.ep_size = dist.get_world_size(ep_group)
         self.router = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
-        self.w_in = nn.Parameter(torch.empty(num_slots, hidden_size, ffn_size, dtype=dtype, device=device))
+        self.gated, self.expert_kernel = bool(gated), expert_kernel
+        in_width = 2 * ffn_size if gated else ffn_size
+        self.w_in = nn.Parameter(torch.empty(num_slots, hidden_size, in_width, dtype=dtype, device=device))
         self.w_out = nn.Parameter(torch.empty(num_slots, ffn_size, hidden_size, dtype=dtype, device=device))
         self.placement = None
         self.last_routing = None
@@ -300,11 +307,16 @@ class MoELayer(nn.Module):
 
     def _expert_compute(self, rows, per_expert, weights):
         """Each local expert on its rows (rows grouped by local expert, per_expert[j] rows
-        for expert j). A grouped GEMM (Megatron's GroupedMLP) replaces this loop on GPUs."""
-        outs = []
-        for chunk, (w_in, w_out) in zip(torch.split(rows, per_expert), weights):
-            outs.append(F.silu(chunk @ w_in) @ w_out)
-        return torch.cat(outs) if outs else rows.new_zeros((0, self.hidden_size))
+        for expert j): kernels.expert_mlp with this layer's expert_kernel (the grouped GEMM
+        of Megatron's GroupedMLP, or one GEMM per expert)."""
+        if not weights:
+            return rows.new_zeros((0, self.hidden_size))
+        if len(weights) == self.num_slots:   # no extra replicas: the slots as they are
+            w_in, w_out = self.w_in, self.w_out
+        else:
+            w_in = torch.stack([w for w, _ in weights])
+            w_out = torch.stack([w for _, w in weights])
+        return kernels.expert_mlp(rows, per_expert, w_in, w_out, self.expert_kernel)
 
     def forward(self, x, routing=None, physical=None, microbatch=0):
         """``x`` [T, hidden]; ``routing`` [T, k] int: the replayed experts (None: the

@@ -1,0 +1,585 @@
+"""routepack.calibrate: measure, on one GPU, the figures the cost model takes from the
+hardware (docs/calibration.md), per model shape of the given configs, and write them as
+calibration.json, which a config loads with ``"calibration": "path"``.
+
+    python -m routepack.calibrate --config examples/config-small.json ... --out calibration.json
+
+Per shape (key ``d<hidden>_f<ffn>_h<heads>_kv<kv heads>_dh<head dim>``):
+- gemm_efficiency: eff(n) of the grouped SwiGLU expert GEMM in one launch
+  (torch._grouped_mm where it runs, else one GEMM per expert; gemm_kernel says which), n
+  token-choices per expert, uniform counts over 8, 16 and 32 local experts (the median
+  over the three); skewed counts are timed against the curve's prediction (detail file);
+- attention_efficiency: causal varlen attention forward of a packed microbatch of
+  sequences of one length, 512 .. 32k (attention_kernel says which fused kernel; an
+  unfused kernel's figure is never written: no fused kernel is an error);
+- dense_efficiency: the QKV and output projections at 16k tokens;
+- backward: fwd+bwd / fwd - 1 of attention, projections and experts;
+- hbm_bytes_per_s: a device-to-device copy;
+- layer_fixed_us: a whole layer's forward (routepack.torch.cell.LayerCell) at 16 tokens,
+  less what the model predicts for its compute from the figures above.
+Efficiencies are fractions of the config's hardware.peak_flops (default: the H200 SXM
+datasheet's 989e12 dense BF16), recorded as peak_flops. Timings: CUDA events, warmup
+calls, medians. Exit status 0 when every value was measured and the file written; 1
+otherwise, naming each value that could not be (the file is then not written).
+
+``--fake`` measures a synthetic device with known figures instead (FakeDevice), on any
+machine and without torch: the tests check that the program recovers them."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+DEFAULT_PEAK_FLOPS = 989e12      # H200 SXM dense BF16 (docs/cost-model.md)
+DEFAULT_HBM_BYTES_PER_S = 4.8e12
+FORMAT, VERSION = "routepack-calibration", 1
+
+PROFILES = {
+    # tokens per expert, local expert counts, attention lengths, tokens per packed
+    # attention microbatch, tokens of the dense projections, bytes of the HBM copy
+    "device": dict(gemm_tokens=[1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
+                   gemm_experts=[8, 16, 32], max_gemm_rows=1 << 17,
+                   attention_lengths=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+                   attention_tokens=32768, dense_tokens=16384, copy_bytes=1 << 31,
+                   skew_tokens=1024, fixed_tokens=16, warmup=2, reps=7),
+    # for CPU tests: tiny, same code paths
+    "tiny": dict(gemm_tokens=[1, 4, 16], gemm_experts=[2, 4], max_gemm_rows=1 << 8,
+                 attention_lengths=[8, 16, 32], attention_tokens=32, dense_tokens=16,
+                 copy_bytes=1 << 16, skew_tokens=8, fixed_tokens=4, warmup=1, reps=3),
+}
+BACKWARD_MIN_TOKENS = 256      # expert backward ratio: median over n >= this (all if none)
+BACKWARD_MIN_LENGTH = 2048     # attention backward ratio: median over L >= this (all if none)
+
+
+class MeasurementError(Exception):
+    """A value that could not be measured; the message names it."""
+
+
+def shape_key(model):
+    return "d%d_f%d_h%d_kv%d_dh%d" % (model["hidden_size"], model["expert_ffn_size"], model["num_heads"],
+                                      model["num_kv_heads"], model["head_dim"])
+
+
+SHAPE_FIELDS = ("hidden_size", "expert_ffn_size", "num_heads", "num_kv_heads", "head_dim")
+
+
+def shapes_from_configs(paths):
+    """{shape key: {shape fields, peak_flops, bytes_per_param, configs}} of the configs'
+    models, in order of first appearance."""
+    shapes = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+        model = cfg.get("model", {})
+        missing = [k for k in SHAPE_FIELDS if k not in model]
+        if "num_kv_heads" in missing and "num_heads" in model:   # the config default
+            model = dict(model, num_kv_heads=model["num_heads"])
+            missing.remove("num_kv_heads")
+        if missing:
+            raise ValueError("%s: model has no %s" % (path, ", ".join(missing)))
+        hw = cfg.get("hardware", {})
+        peak = float(hw.get("peak_flops", DEFAULT_PEAK_FLOPS))
+        key = shape_key(model)
+        if key in shapes:
+            if shapes[key]["peak_flops"] != peak:
+                raise ValueError("%s: shape %s with peak_flops %g, but %s has %g" % (
+                    path, key, peak, shapes[key]["configs"][0], shapes[key]["peak_flops"]))
+            shapes[key]["configs"].append(str(path))
+            continue
+        entry = {k: int(model[k]) for k in SHAPE_FIELDS}
+        entry.update(peak_flops=peak, bytes_per_param=int(model.get("bytes_per_param", 2)),
+                     configs=[str(path)])
+        shapes[key] = entry
+    return shapes
+
+
+# ---- the model's formulas (docs/cost-model.md), which turn times into efficiencies ----
+
+def interp(curve, x):
+    """The cost model's curve lookup: linear between points, flat beyond both ends."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return curve[-1][1]
+
+
+def expert_flops(s, n):
+    return 6.0 * n * s["hidden_size"] * s["expert_ffn_size"]
+
+
+def attention_flops(s, length):
+    return 2.0 * length * length * s["num_heads"] * s["head_dim"]
+
+
+def projection_flops(s, tokens):
+    hd, kvd = s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]
+    return 2.0 * tokens * s["hidden_size"] * (2 * hd + 2 * kvd)
+
+
+def expert_seconds(s, n, gemm_curve, hbm):
+    """t(n) of the cost model: compute, or the weights read once, whichever is longer."""
+    if n <= 0:
+        return 0.0
+    floor = 3.0 * s["hidden_size"] * s["expert_ffn_size"] * s["bytes_per_param"] / hbm
+    return max(expert_flops(s, n) / (s["peak_flops"] * interp(gemm_curve, n)), floor)
+
+
+def tiny_layer_seconds(s, tokens, fig):
+    """What the model predicts for LayerCell's forward at ``tokens`` tokens in one
+    sequence routed top-1 to one expert, without the fixed cost."""
+    peak = s["peak_flops"]
+    return (attention_flops(s, tokens) / (peak * interp(fig["attention_efficiency"], tokens))
+            + projection_flops(s, tokens) / (peak * fig["dense_efficiency"])
+            + expert_seconds(s, tokens, fig["gemm_efficiency"], fig["hbm_bytes_per_s"]))
+
+
+def skewed_counts(total, experts):
+    """Zipf-like counts (weight 1/(j+1)), summing to total: a hot expert and a long tail."""
+    w = [1.0 / (j + 1) for j in range(experts)]
+    counts = [int(total * x / sum(w)) for x in w]
+    counts[0] += total - sum(counts)
+    return counts
+
+
+# ---- devices ----
+
+class FakeDevice:
+    """A synthetic device whose figures are known: each time is what the cost model
+    predicts from ``truth`` (curves sampled at the profile's points, so interpolation is
+    exact), plus the fixed cost for a whole layer. No torch needed."""
+
+    name, torch_version, cuda_version = "fake device", "none", "none"
+    gemm_kernel, attention_kernel = "fake_grouped_gemm", "fake_flash_varlen"
+    kernel_notes = ["fake device: every time is computed from known figures"]
+
+    def __init__(self, profile):
+        p = PROFILES[profile]
+        self.truth = dict(
+            gemm_efficiency=[[n, round(0.8 * n / (n + 256.0), 6)] for n in p["gemm_tokens"]],
+            attention_efficiency=[[L, round(0.7 * L / (L + 2048.0), 6)] for L in p["attention_lengths"]],
+            dense_efficiency=0.75, backward={"attention": 2.5, "projections": 2.0, "experts": 2.25},
+            hbm_bytes_per_s=4.0e12, layer_fixed_us=40.0)
+
+    def prepare(self, shape):
+        pass
+
+    def experts(self, s, counts, backward):
+        t = sum(expert_flops(s, n) / (s["peak_flops"] * interp(self.truth["gemm_efficiency"], n))
+                for n in counts)
+        return t * (1 + self.truth["backward"]["experts"]) if backward else t
+
+    def attention(self, s, length, tokens, backward):
+        t = (tokens // length) * attention_flops(s, length) / (
+            s["peak_flops"] * interp(self.truth["attention_efficiency"], length))
+        return t * (1 + self.truth["backward"]["attention"]) if backward else t
+
+    def projections(self, s, tokens, backward):
+        t = projection_flops(s, tokens) / (s["peak_flops"] * self.truth["dense_efficiency"])
+        return t * (1 + self.truth["backward"]["projections"]) if backward else t
+
+    def copy(self, nbytes):
+        return 2 * nbytes / self.truth["hbm_bytes_per_s"]
+
+    def tiny_layer(self, s, tokens):
+        return self.truth["layer_fixed_us"] * 1e-6 + tiny_layer_seconds(s, tokens, self.truth)
+
+
+class TorchDevice:
+    """One CUDA device (or, for tests, the CPU) measured through torch."""
+
+    def __init__(self, device, profile):
+        import torch
+        from routepack.torch import kernels
+        self.torch, self.kernels = torch, kernels
+        self.device = torch.device(device)
+        self.dtype = torch.bfloat16
+        self.p = PROFILES[profile]
+        cuda = self.device.type == "cuda"
+        self.name = torch.cuda.get_device_name(self.device) if cuda else "cpu"
+        self.torch_version = torch.__version__
+        self.cuda_version = str(torch.version.cuda) if cuda else "none"
+        self.gemm_kernel, why = kernels.choose_expert_kernel(self.device, self.dtype)
+        self.kernel_notes = ["experts: %s (%s)" % (self.gemm_kernel, why)]
+        self.attention_kernel, notes = kernels.choose_attention_kernel(self.device, self.dtype)
+        self.kernel_notes += ["attention: passed over %s" % n for n in notes]
+        self._cache = {}
+
+    def _time(self, fn):
+        from routepack.torch.cell import median_seconds
+        return median_seconds(fn, self.device, self.p["warmup"], self.p["reps"])
+
+    def _randn(self, *shape, scale=1.0, grad=False):
+        t = (self.torch.randn(*shape, device=self.device, dtype=self.torch.float32) * scale).to(self.dtype)
+        return t.requires_grad_() if grad else t
+
+    def prepare(self, shape):
+        self._cache = {}
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+
+    def _fwd_bwd(self, fn, leaves, backward):
+        torch = self.torch
+        if not backward:
+            def run():
+                with torch.no_grad():
+                    fn()
+            return self._time(run)
+        out = fn()
+        grad = torch.randn_like(out)
+
+        def run_bwd():
+            o = fn()
+            o.backward(grad)
+            for t in leaves:
+                t.grad = None
+        return self._time(run_bwd)
+
+    def experts(self, s, counts, backward):
+        d, f = s["hidden_size"], s["expert_ffn_size"]
+        E, N = len(counts), sum(counts)
+        key = ("w", E)
+        if key not in self._cache:
+            self._cache = {k: v for k, v in self._cache.items() if k[0] != "w"}
+            self._cache[key] = (self._randn(E, d, 2 * f, scale=d ** -0.5, grad=True),
+                                self._randn(E, f, d, scale=f ** -0.5, grad=True))
+        w_in, w_out = self._cache[key]
+        x = self._randn(N, d, grad=True)
+        return self._fwd_bwd(lambda: self.kernels.expert_mlp(x, counts, w_in, w_out, self.gemm_kernel),
+                             [x, w_in, w_out], backward)
+
+    def attention(self, s, length, tokens, backward):
+        if self.attention_kernel is None:
+            raise MeasurementError("no fused varlen attention kernel runs here")
+        h, hkv, dh = s["num_heads"], s["num_kv_heads"], s["head_dim"]
+        n = tokens // length
+        T = n * length
+        q, k, v = (self._randn(T, heads, dh, grad=True) for heads in (h, hkv, hkv))
+        cu = self.torch.arange(n + 1, device=self.device, dtype=self.torch.int32) * length
+        return self._fwd_bwd(lambda: self.kernels.varlen_attention(q, k, v, cu, length, self.attention_kernel),
+                             [q, k, v], backward)
+
+    def projections(self, s, tokens, backward):
+        d, hd, kvd = s["hidden_size"], s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]
+        x = self._randn(tokens, d, grad=True)
+        a = self._randn(tokens, hd, grad=True)
+        w_qkv = self._randn(hd + 2 * kvd, d, scale=d ** -0.5, grad=True)
+        w_o = self._randn(d, hd, scale=hd ** -0.5, grad=True)
+        F = self.torch.nn.functional
+        # two separate GEMMs, as in a layer; summed so one backward runs both
+        return self._fwd_bwd(lambda: F.linear(x, w_qkv).sum(-1, keepdim=True) + F.linear(a, w_o),
+                             [x, a, w_qkv, w_o], backward)
+
+    def copy(self, nbytes):
+        src = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+        dst = self.torch.empty_like(src)
+        return self._time(lambda: dst.copy_(src))
+
+    def tiny_layer(self, s, tokens):
+        from routepack.torch.cell import LayerCell
+        if self.attention_kernel is None:
+            raise MeasurementError("no fused varlen attention kernel runs here")
+        cell = LayerCell(s, 1, attention_kernel=self.attention_kernel, expert_kernel=self.gemm_kernel,
+                         dtype=self.dtype, device=self.device)
+        inputs = cell.inputs([tokens], [tokens])
+        with self.torch.no_grad():
+            return self._time(lambda: cell.step(inputs, backward=False))
+
+
+# ---- the calibration ----
+
+def _eff(flops, seconds, peak, what):
+    if not seconds > 0:
+        raise MeasurementError("%s: the time measured is %r s" % (what, seconds))
+    eff = flops / (seconds * peak)
+    if eff > 1.0:
+        raise MeasurementError("%s: efficiency %.3f exceeds 1: hardware.peak_flops %g is below what this "
+                               "device reached" % (what, eff, peak))
+    return eff
+
+
+def _median_ratio(rows, key_min, what):
+    """The median backward / forward ratio over the samples at or above key_min (all when
+    none is); a negative one (backward faster than nothing) is a measurement error."""
+    chosen = [r for x, r in rows if x >= key_min] or [r for _, r in rows]
+    ratio = statistics.median(chosen)
+    if not ratio >= 0:
+        raise MeasurementError("%s backward: (forward+backward) / forward - 1 = %.3g < 0: the timings are "
+                               "noise" % (what, ratio))
+    return ratio
+
+
+class Calibration:
+    """Runs every measurement of every shape on ``device`` (FakeDevice or TorchDevice)
+    within ``budget_s`` seconds; collects the figures, the detail and the failures."""
+
+    def __init__(self, device, profile, budget_s=170.0, log=None):
+        self.dev, self.p = device, PROFILES[profile]
+        self.deadline = time.monotonic() + budget_s
+        self.failures = []
+        self.log = log or (lambda msg: None)
+
+    def _measure(self, what, fn):
+        if time.monotonic() > self.deadline:
+            raise MeasurementError("%s: the time budget ran out before it" % what)
+        try:
+            return fn()
+        except MeasurementError:
+            raise
+        except Exception as e:  # noqa: BLE001 - named, reported, exit status 1
+            raise MeasurementError("%s: %s: %s" % (what, type(e).__name__, str(e).splitlines()[0][:300])) from e
+
+    def shape(self, key, s):
+        """(entry for calibration.json or None, detail) of one shape."""
+        dev, p = self.dev, self.p
+        dev.prepare(s)
+        peak = s["peak_flops"]
+        out = {k: s[k] for k in SHAPE_FIELDS}
+        detail = {"configs": s["configs"]}
+        failed = []
+
+        def attempt(name, fn):
+            try:
+                return fn()
+            except MeasurementError as e:
+                failed.append("%s %s: %s" % (key, name, e))
+                self.failures.append(failed[-1])
+                self.log("  FAILED " + failed[-1])
+                return None
+
+        # grouped expert GEMM, uniform counts: eff(n) per local expert count
+        def gemm():
+            per_n, ratios, samples = {}, [], []
+            for E in p["gemm_experts"]:
+                for n in p["gemm_tokens"]:
+                    if n * E > p["max_gemm_rows"]:
+                        continue
+                    what = "grouped expert GEMM (%d experts x %d tokens)" % (E, n)
+                    counts = [n] * E
+                    tf = self._measure(what, lambda: dev.experts(s, counts, False))
+                    tb = self._measure(what + " backward", lambda: dev.experts(s, counts, True))
+                    eff = _eff(E * expert_flops(s, n), tf, peak, what)
+                    per_n.setdefault(n, []).append(eff)
+                    ratios.append((n, tb / tf - 1))
+                    samples.append({"experts": E, "tokens": n, "forward_s": tf, "forward_backward_s": tb,
+                                    "efficiency": eff})
+            curve = [[n, statistics.median(per_n[n])] for n in sorted(per_n)]
+            detail["gemm_uniform"] = samples
+            return curve, _median_ratio(ratios, BACKWARD_MIN_TOKENS, "grouped expert GEMM")
+
+        got = attempt("gemm_efficiency", gemm)
+        if got:
+            out["gemm_efficiency"], bwd_experts = got
+            out["gemm_kernel"] = dev.gemm_kernel
+        # attention by length
+        def attention():
+            if dev.attention_kernel is None or dev.attention_kernel == "math_reference":
+                # an unfused kernel's figure would tell the model attention costs several
+                # times what the trainer's FlashAttention costs: never written
+                raise MeasurementError("no fused varlen attention kernel ran: %s" % "; ".join(dev.kernel_notes))
+            curve, ratios, samples = [], [], []
+            for L in p["attention_lengths"]:
+                tokens = max(p["attention_tokens"], L)
+                what = "varlen attention (length %d, %d tokens)" % (L, tokens)
+                tf = self._measure(what, lambda: dev.attention(s, L, tokens, False))
+                tb = self._measure(what + " backward", lambda: dev.attention(s, L, tokens, True))
+                eff = _eff((tokens // L) * attention_flops(s, L), tf, peak, what)
+                curve.append([L, eff])
+                ratios.append((L, tb / tf - 1))
+                samples.append({"length": L, "tokens": tokens, "forward_s": tf, "forward_backward_s": tb,
+                                "efficiency": eff})
+            detail["attention"] = samples
+            return curve, _median_ratio(ratios, BACKWARD_MIN_LENGTH, "attention")
+
+        got = attempt("attention_efficiency", attention)
+        if got:
+            out["attention_efficiency"], bwd_attention = got
+            out["attention_kernel"] = dev.attention_kernel
+
+        def dense():
+            T = p["dense_tokens"]
+            what = "QKV and output projections (%d tokens)" % T
+            tf = self._measure(what, lambda: dev.projections(s, T, False))
+            tb = self._measure(what + " backward", lambda: dev.projections(s, T, True))
+            return _eff(projection_flops(s, T), tf, peak, what), _median_ratio([(T, tb / tf - 1)], T, what)
+
+        got = attempt("dense_efficiency", dense)
+        if got:
+            out["dense_efficiency"], bwd_proj = got
+        if all(k in out for k in ("gemm_efficiency", "attention_efficiency", "dense_efficiency")):
+            out["backward"] = {"attention": bwd_attention, "projections": bwd_proj, "experts": bwd_experts}
+        else:
+            failed.append("%s backward: needs the attention, projection and expert measurements" % key)
+
+        def hbm():
+            t = self._measure("HBM copy", lambda: dev.copy(p["copy_bytes"]))
+            if not t > 0:
+                raise MeasurementError("HBM copy: the time measured is %r s" % t)
+            return 2.0 * p["copy_bytes"] / t
+
+        got = attempt("hbm_bytes_per_s", hbm)
+        if got:
+            out["hbm_bytes_per_s"] = got
+
+        def skew():
+            E, n = p["gemm_experts"][len(p["gemm_experts"]) // 2], p["skew_tokens"]
+            counts = skewed_counts(n * E, E)
+            what = "grouped expert GEMM, skewed counts %s" % counts
+            tf = self._measure(what, lambda: dev.experts(s, counts, False))
+            predicted = sum(expert_flops(s, c) / (peak * interp(out["gemm_efficiency"], c)) for c in counts if c)
+            detail["gemm_skewed"] = {"counts": counts, "forward_s": tf, "predicted_s": predicted,
+                                     "measured_over_predicted": tf / predicted}
+
+        def fixed():
+            T = p["fixed_tokens"]
+            t = self._measure("a whole layer's forward at %d tokens" % T, lambda: dev.tiny_layer(s, T))
+            predicted = tiny_layer_seconds(s, T, out)
+            detail["layer_fixed"] = {"tokens": T, "measured_s": t, "predicted_compute_s": predicted}
+            return max(t - predicted, 0.0) * 1e6
+
+        if all(k in out for k in ("gemm_efficiency", "attention_efficiency", "dense_efficiency",
+                                  "hbm_bytes_per_s")):
+            attempt("gemm_skewed (detail only)", skew)
+            got = attempt("layer_fixed_us", fixed)
+            if got is not None:
+                out["layer_fixed_us"] = got
+        else:
+            failed.append("%s layer_fixed_us: needs every other measurement first" % key)
+            self.failures.append(failed[-1])
+        return (None if failed else out), detail
+
+    def run(self, shapes):
+        entries, details = {}, {}
+        for key, s in shapes.items():
+            self.log("shape %s (peak %g FLOP/s; from %s)" % (key, s["peak_flops"], ", ".join(s["configs"])))
+            t0 = time.monotonic()
+            entry, detail = self.shape(key, s)
+            detail["seconds"] = time.monotonic() - t0
+            details[key] = detail
+            if entry is not None:
+                entry["peak_flops"] = s["peak_flops"]
+                entries[key] = entry
+                self.log(summary(key, entry))
+        return entries, details
+
+
+def summary(key, e):
+    g = e["gemm_efficiency"]
+    a = e["attention_efficiency"]
+    return ("  %s: gemm eff %s (%s); attention eff %s (%s); dense eff %.3f; backward attention %.2f, "
+            "projections %.2f, experts %.2f; HBM %.3g B/s; layer fixed %.1f us" % (
+                key, ", ".join("%d:%.3f" % (n, x) for n, x in g), e["gemm_kernel"],
+                ", ".join("%d:%.3f" % (n, x) for n, x in a), e["attention_kernel"], e["dense_efficiency"],
+                e["backward"]["attention"], e["backward"]["projections"], e["backward"]["experts"],
+                e["hbm_bytes_per_s"], e["layer_fixed_us"]))
+
+
+def _figures(value):
+    """Measured figures to 6 significant digits (more than any timing here resolves), so
+    a file reads cleanly and the fake device's figures come back exactly."""
+    if isinstance(value, float):
+        return float("%.6g" % value)
+    if isinstance(value, dict):
+        return {k: _figures(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_figures(v) for v in value]
+    return value
+
+
+def dumps(doc):
+    """calibration.json text: one key a line, each curve on one line."""
+    lines = ["{"]
+    head = [k for k in doc if k != "shapes"]
+    for k in head:
+        lines.append(" %s: %s," % (json.dumps(k), json.dumps(doc[k])))
+    lines.append(' "shapes": {')
+    keys = list(doc["shapes"])
+    for i, key in enumerate(keys):
+        entry = doc["shapes"][key]
+        lines.append("  %s: {" % json.dumps(key))
+        fields = ["   %s: %s" % (json.dumps(k), json.dumps(v)) for k, v in entry.items()]
+        lines.append(",\n".join(fields))
+        lines.append("  }" + ("," if i + 1 < len(keys) else ""))
+    lines.append(" }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def document(dev, entries, created=None):
+    return {"format": FORMAT, "version": VERSION, "device": dev.name, "torch": dev.torch_version,
+            "cuda": dev.cuda_version,
+            "created": created or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "shapes": _figures(entries)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m routepack.calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", action="append", required=True, help="a config whose model shape to measure")
+    ap.add_argument("--out", default="calibration.json")
+    ap.add_argument("--detail", help="every sample and the skewed-count check as JSON")
+    ap.add_argument("--device", default="cuda", help="torch device (default cuda; cpu only for tests)")
+    ap.add_argument("--profile", default="device", choices=sorted(PROFILES))
+    ap.add_argument("--budget-s", type=float, default=170.0, help="time for all measurements")
+    ap.add_argument("--fake", action="store_true", help="a synthetic device with known figures (tests)")
+    ap.add_argument("--created", help="the created field (default: now)")
+    args = ap.parse_args(argv)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    try:
+        shapes = shapes_from_configs(args.config)
+    except (OSError, ValueError) as e:
+        print("calibrate: %s" % e, file=sys.stderr)
+        return 1
+    start = time.monotonic()
+    if args.fake:
+        dev = FakeDevice(args.profile)
+    else:
+        try:
+            import torch
+        except ImportError as e:
+            print("calibrate: needs PyTorch (%s); --fake runs without it" % e, file=sys.stderr)
+            return 1
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            print("calibrate: torch %s sees no CUDA device" % torch.__version__, file=sys.stderr)
+            return 1
+        dev = TorchDevice(args.device, args.profile)
+    log("calibrate: %s, torch %s, CUDA %s; experts: %s; attention: %s" % (
+        dev.name, dev.torch_version, dev.cuda_version, dev.gemm_kernel, dev.attention_kernel))
+    for note in dev.kernel_notes:
+        log("  " + note)
+    cal = Calibration(dev, args.profile, args.budget_s - (time.monotonic() - start), log)
+    entries, details = cal.run(shapes)
+    if args.detail:
+        with open(args.detail, "w", encoding="utf-8") as fh:
+            json.dump({"device": dev.name, "kernels": dev.kernel_notes, "shapes": details,
+                       "failures": cal.failures}, fh, indent=1)
+    for key, d in details.items():
+        sk = d.get("gemm_skewed")
+        if sk:
+            log("  %s: skewed counts %s: measured / predicted from eff(n) %.3f" % (
+                key, sk["counts"], sk["measured_over_predicted"]))
+    if cal.failures:
+        for f in cal.failures:
+            print("calibrate: not measured: %s" % f, file=sys.stderr)
+        print("calibrate: %s not written (%d values could not be measured)" % (args.out, len(cal.failures)),
+              file=sys.stderr)
+        return 1
+    tmp = args.out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(dumps(document(dev, entries, "1970-01-01T00:00:00Z" if args.fake and not args.created
+                                else args.created)))
+    os.replace(tmp, args.out)
+    log("calibrate: wrote %s (%d shapes) in %.1f s" % (args.out, len(entries), time.monotonic() - start))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
