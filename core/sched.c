@@ -72,6 +72,13 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+static double thread_cpu_s(void)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0.0;
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 static uint64_t mix64(uint64_t x)
 {
     x += 0x9E3779B97F4A7C15ULL;
@@ -506,6 +513,7 @@ typedef struct run_result {
     rp_plan *plan;       /* merged, stable, valid; NULL on failure */
     int64_t work;
     double wall_s;       /* in the policy calls */
+    double cpu_s;        /* the same, this thread's CPU time */
     rp_call_failure why;
     rp_status status;
     char reason[RP_ERROR_TEXT];
@@ -585,9 +593,10 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
         int64_t work = 0;
         if (s->opts.max_instructions == 0)
             rp_sandbox_set_max_instructions(ps->pol[i]->sb, step_instructions(s, in->batch));
-        double t0 = now_s();
+        double t0 = now_s(), c0 = thread_cpu_s();
         rp_status st = rp_policy_plan(ps->pol[i], &frame, n, 0, &got, &r->why, &work, &err);
         r->wall_s += now_s() - t0;
+        r->cpu_s += thread_cpu_s() - c0;
         r->work += work;
         if (st != RP_OK) {
             /* whatever failed inside the policy's call, out of memory included, is the
@@ -931,6 +940,7 @@ static rp_status propose(rp_sched *s, policy_set *use, step_inputs *in, rp_step_
     if (r.status != RP_OK) return rp_fail(err, r.status, "sched: step %lld: %s", (long long)step, r.reason);
     rep->policy_work = r.work;
     rep->policy_wall_s = r.wall_s;
+    rep->policy_cpu_s = r.cpu_s;
     if (r.plan) {
         *out = r.plan;
         return RP_OK;

@@ -32,7 +32,9 @@ int main(void)
         return tap_done();
     }
     const char *keys[] = {"stats_ms", "exchange_bytes", "exchange_ms", "merge_ms", "policy_ms", "validate_ms",
-                          "total_ms", "predicted_step_ms", "construction_ms", "part_bytes", "ranks", "peak_rss_mib"};
+                          "total_ms", "predicted_step_ms", "construction_ms", "part_bytes", "ranks", "peak_rss_mib",
+                          "policy_wall_ms", "checked_construction_ms", "fallback_check_ms", "fallback_changed",
+                          "rank_peak_mib", "rank_routing_bytes", "step_routing_bytes", "stats_bytes"};
     int all = 1;
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!(num(o, keys[i]) >= 0)) all = 0, diag("missing or negative: %s", keys[i]);
@@ -43,6 +45,16 @@ int main(void)
        num(o, "total_ms"));
     ok(num(o, "predicted_step_ms") > 0,
        "a predicted step time");
+    ok(json_is_string(json_object_get(o, "fallback_chosen")) &&
+           (num(o, "fallback_changed") == 0 || num(o, "fallback_changed") == 1),
+       "the fallback check names its choice and whether it changed the plan");
+    /* every rank has this rank's sequences again, so the step's routing is 64 times its own */
+    ok(num(o, "rank_routing_bytes") > 0 && num(o, "rank_routing_bytes") * num(o, "ranks") == num(o, "step_routing_bytes"),
+       "a rank holds its own routing (%.0f bytes), 1/%.0f of the step's (%.0f)", num(o, "rank_routing_bytes"),
+       num(o, "ranks"), num(o, "step_routing_bytes"));
+    ok(num(o, "rank_peak_mib") * 1048576.0 < num(o, "step_routing_bytes"),
+       "the rank's peak memory (%.1f MiB) is below the step's routing (%.1f MiB): it never held it",
+       num(o, "rank_peak_mib"), num(o, "step_routing_bytes") / 1048576.0);
 
     /* this rank's part, computed here: the reference settings with one prompt */
     rp_context *ctx = NULL;

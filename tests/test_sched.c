@@ -131,7 +131,8 @@ static void test_shipped(void)
         if (rep && rep->fallback) diag("%s", rep->fallback_reason);
         ok(rep && strcmp(rep->policy_name, names[i]) == 0 && rep->cost.step_s > 0 &&
                rep->cost.ratio >= 1 - 1e-9 && rep->plan_hash == rp_plan_hash(plan) && rep->policy_work > 0 &&
-               rep->step == 0 && rep->policy_wall_s >= 0 && rep->policy_wall_s <= rep->plan_wall_s,
+               rep->step == 0 && rep->policy_wall_s >= 0 && rep->policy_wall_s <= rep->plan_wall_s &&
+               rep->policy_cpu_s > 0 && rep->policy_cpu_s <= rep->policy_wall_s + 0.01,
            "%s: the report names the policy and carries the plan's figures", names[i]);
         rep = step(s, 1, &plan);
         ok(rep && !rep->fallback && rep->migration_s >= 0 && rep->experts_moved >= 0, "%s: a second step", names[i]);

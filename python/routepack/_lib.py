@@ -81,7 +81,8 @@ class rp_step_report(Structure):
                 ("plan_hash", c_uint64), ("plan_from_rank", c_int32),
                 ("ranks_disagreed", c_bool), ("experts_moved", c_int32),
                 ("migration_bytes", c_double), ("migration_s", c_double),
-                ("policy_wall_s", c_double), ("ranks_fell_back", c_int32)]
+                ("policy_wall_s", c_double), ("ranks_fell_back", c_int32),
+                ("policy_cpu_s", c_double)]
 
 
 # migrate.h: RP_NUM_LINKS links, indexed by rp_link (an int-sized enum).

@@ -4,8 +4,11 @@
  * exchange of the serialised parts (bytes, and time at the config's network bandwidth),
  * the merge, and rp_sched_step_stats with the config's policy (its policy call and the
  * engine's work around it), with a placement in use (the second step); the joint
- * construction alone (rp_joint_plan without fallbacks). CPU times are this thread's, the
- * minimum of --reps runs. The other ranks' parts are this rank's bytes again, under
+ * construction alone (rp_joint_plan without fallbacks) and with the shipped policy's fallback
+ * check (its cost, and whether it changed the plan). CPU times are this thread's (the policy
+ * runs in it: rp_step_report.policy_cpu_s), the minimum of --reps runs. Memory: the peak RSS
+ * of this process, which does one rank's work, and the routing it holds (its own sequences)
+ * against the whole step's. The other ranks' parts are this rank's bytes again, under
  * shuffled global ids, so no rank ever generates the whole step's routing.
  * Usage: bench_overhead [--scale N] [--reps R] [--json]; N in 1, 2, 4, 8 divides the
  * sequences (a quick run). Figures only; nothing is asserted. */
@@ -129,8 +132,10 @@ int main(int argc, char **argv)
     rp_batch *batch = NULL;
     if (rp_batch_new(ctx, n, pl, rl, NULL, &batch, &err) != RP_OK) die("batch", &err);
 
-    /* 4. the step from statistics, with a placement in use (the second step) */
-    double policy_s = 1e30, engine_s = 1e30, predicted_s = 0;
+    /* 4. the step from statistics, with a placement in use (the second step): the policy's
+     * calls in CPU time of this thread (rep->policy_cpu_s; the policy runs here) and the
+     * engine's work around them (the step's CPU time less the policy's) */
+    double policy_s = 1e30, policy_wall_s = 1e30, engine_s = 1e30, predicted_s = 0;
     const rp_plan *first_plan = NULL;
     rp_plan *previous = NULL;
     char policy[64] = "";
@@ -144,43 +149,67 @@ int main(int argc, char **argv)
         if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) die("scheduler", &err);
         if (rp_sched_step_stats(s, 0, batch, whole, &first_plan, &rep, &err) != RP_OK) die("step 0", &err);
         if (!previous && rp_plan_copy(first_plan, &previous, &err) != RP_OK) die("plan copy", &err);
+        double t0 = thread_s();
         if (rp_sched_step_stats(s, 1, batch, whole, &p, &rep, &err) != RP_OK) die("step 1", &err);
-        policy_s = rep->policy_wall_s < policy_s ? rep->policy_wall_s : policy_s;
-        double eng = rep->plan_wall_s - rep->policy_wall_s;
+        double step_cpu = thread_s() - t0;
+        policy_s = rep->policy_cpu_s < policy_s ? rep->policy_cpu_s : policy_s;
+        policy_wall_s = rep->policy_wall_s < policy_wall_s ? rep->policy_wall_s : policy_wall_s;
+        double eng = step_cpu - rep->policy_cpu_s;
         engine_s = eng < engine_s ? eng : engine_s;
         predicted_s = rep->cost.step_s;
         snprintf(policy, sizeof policy, "%s", rep->policy_name);
         rp_sched_free(s);
     }
 
-    /* 5. the joint construction alone, with a placement in use, no fallbacks */
-    double construction_s = 1e30;
+    /* 5. the joint construction alone, with a placement in use, no fallbacks; then with the
+     * shipped policy's fallback check (policies/routepack.lua's list): what the check costs
+     * and whether it changed the plan on this batch */
+    double construction_s = 1e30, checked_s = 1e30;
     rp_joint_params jp = rp_joint_defaults();
     const char *const none[] = {NULL};
-    jp.fallbacks = none;
+    const char *const shipped[] = {"token_kk+contiguous", "token_kk+eplb", "verl_kk+eplb", "attn_kk+eplb", NULL};
+    rp_joint_report jrep;
+    memset(&jrep, 0, sizeof jrep);
     for (int r = 0; r < reps; r++) {
-        rp_plan *jplan = NULL;
-        double t0 = thread_s();
-        if (rp_joint_plan(ctx, cfg, batch, whole, previous, NULL, &jp, &jplan, NULL, &err) != RP_OK)
-            die("joint", &err);
-        double t = thread_s() - t0;
-        construction_s = t < construction_s ? t : construction_s;
-        rp_plan_free(jplan);
+        for (int checked = 0; checked < 2; checked++) {
+            rp_plan *jplan = NULL;
+            jp.fallbacks = checked ? shipped : none;
+            double t0 = thread_s();
+            if (rp_joint_plan(ctx, cfg, batch, whole, previous, NULL, &jp, &jplan, checked ? &jrep : NULL, &err) !=
+                RP_OK)
+                die("joint", &err);
+            double t = thread_s() - t0;
+            double *best = checked ? &checked_s : &construction_s;
+            *best = t < *best ? t : *best;
+            rp_plan_free(jplan);
+        }
     }
+    const int check_changed = strcmp(jrep.chosen, "joint") != 0;
+
+    /* memory: this process is one rank; it holds its own routing only, never the step's */
+    const double id_bytes = routing.width == RP_ID_U8 ? 1 : routing.width == RP_ID_U16 ? 2 : 4;
+    const double rank_routing_bytes =
+        (double)rp_batch_num_tokens(mine) * routing.num_layers * routing.top_k * id_bytes;
+    const double step_routing_bytes = (double)rp_batch_num_tokens(batch) * routing.num_layers * routing.top_k * id_bytes;
 
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    const double ms = 1e3;
+    const double ms = 1e3, mib = 1.0 / (1 << 20);
     const double total_s = stats_s + exchange_s + merge_s + policy_s + engine_s;
     if (as_json) {
         printf("{\"scale\": %d, \"ranks\": %d, \"num_seqs\": %d, \"rank_seqs\": %d, \"rank_tokens\": %lld, "
                "\"policy\": \"%s\", \"part_bytes\": %zu, \"exchange_bytes\": %.0f, \"stats_ms\": %.3f, "
-               "\"exchange_ms\": %.3f, \"merge_ms\": %.3f, \"policy_ms\": %.3f, \"validate_ms\": %.3f, "
-               "\"total_ms\": %.3f, \"predicted_step_ms\": %.3f, \"overhead_percent\": %.4f, "
-               "\"construction_ms\": %.3f, \"peak_rss_mib\": %.1f}\n",
+               "\"exchange_ms\": %.3f, \"merge_ms\": %.3f, \"policy_ms\": %.3f, \"policy_wall_ms\": %.3f, "
+               "\"validate_ms\": %.3f, \"total_ms\": %.3f, \"predicted_step_ms\": %.3f, \"overhead_percent\": %.4f, "
+               "\"construction_ms\": %.3f, \"checked_construction_ms\": %.3f, \"fallback_check_ms\": %.3f, "
+               "\"fallback_chosen\": \"%s\", \"fallback_changed\": %d, \"peak_rss_mib\": %.1f, "
+               "\"rank_peak_mib\": %.1f, \"rank_routing_bytes\": %.0f, \"step_routing_bytes\": %.0f, "
+               "\"stats_bytes\": %zu}\n",
                scale, RANKS, n, m, (long long)rp_batch_num_tokens(mine), policy, part_bytes, exchange_bytes,
-               stats_s * ms, exchange_s * ms, merge_s * ms, policy_s * ms, engine_s * ms, total_s * ms,
-               predicted_s * ms, 100 * total_s / predicted_s, construction_s * ms, ru.ru_maxrss / 1024.0);
+               stats_s * ms, exchange_s * ms, merge_s * ms, policy_s * ms, policy_wall_s * ms, engine_s * ms,
+               total_s * ms, predicted_s * ms, 100 * total_s / predicted_s, construction_s * ms, checked_s * ms,
+               (checked_s - construction_s) * ms, jrep.chosen, check_changed, ru.ru_maxrss / 1024.0,
+               ru.ru_maxrss / 1024.0, rank_routing_bytes, step_routing_bytes, rp_stats_bytes(whole));
     } else {
         printf("bench_overhead: reference config, %d ranks, %d sequences (this rank: %d, %lld tokens), scale 1/%d, "
                "policy %s; CPU ms of this thread, min of %d\n",
@@ -189,12 +218,18 @@ int main(int argc, char **argv)
         printf("  exchange: %zu bytes a part, %.0f in all  %10.3f ms at %.0f GB/s (modelled)\n", part_bytes,
                exchange_bytes, exchange_s * ms, topo->net_bytes_per_s / 1e9);
         printf("  merge of %d parts                   %10.3f ms\n", RANKS, merge_s * ms);
-        printf("  policy call (step 1, placement in use) %7.3f ms wall\n", policy_s * ms);
-        printf("  engine around it (validate, evaluate, migration) %7.3f ms wall\n", engine_s * ms);
+        printf("  policy calls (step 1, placement in use) %7.3f ms (wall %.3f ms)\n", policy_s * ms,
+               policy_wall_s * ms);
+        printf("  engine around them (validate, evaluate, migration) %7.3f ms\n", engine_s * ms);
         printf("  total                                %10.3f ms = %.3f%% of the predicted step (%.1f ms)\n",
                total_s * ms, 100 * total_s / predicted_s, predicted_s * ms);
         printf("  joint construction alone (no fallbacks) %7.3f ms\n", construction_s * ms);
-        printf("  peak RSS %.1f MiB\n", ru.ru_maxrss / 1024.0);
+        printf("  with the fallback check (4 baselines)   %7.3f ms: the check %.3f ms, chose %s (%s the plan)\n",
+               checked_s * ms, (checked_s - construction_s) * ms, jrep.chosen, check_changed ? "changed" : "kept");
+        printf("  peak RSS of this rank %.1f MiB; it holds its own routing (%.1f MiB), never the step's (%.1f MiB); "
+               "the step's statistics %.1f MiB\n",
+               ru.ru_maxrss / 1024.0, rank_routing_bytes * mib, step_routing_bytes * mib,
+               rp_stats_bytes(whole) * mib);
     }
     rp_plan_free(previous);
     rp_batch_free(batch);

@@ -99,6 +99,9 @@ typedef struct rp_step_report {
                                       every rank; 0 or 1 for a single rank). With several
                                       ranks, `fallback` is this rank's own policy failing;
                                       the plan in use is rank plan_from_rank's */
+    double policy_cpu_s;           /* the same calls in CPU time of the calling thread (the
+                                      policy runs there): what they cost when other work
+                                      shares the cores, informational */
 } rp_step_report;
 
 /* Plan step `step` for `batch` and its routing replay (host memory). On success *plan
