@@ -442,6 +442,56 @@ static void test_check_batch(rp_context *ctx)
     world_free(&w);
 }
 
+/* stats_copy (the scheduler keeps the last step's statistics): the same statistics in
+ * fresh storage, widths 0, 1, 2 and 4 included; failing each allocation gives RP_ENOMEM
+ * and leaks nothing. */
+static void test_copy(rp_context *ctx)
+{
+    int all_same = 1, fresh = 1;
+    for (int trial = 0; trial < 6; trial++) {
+        world w;
+        world_make(&w, ctx, 1 + (int32_t)rnd(30), 1 + (int32_t)rnd(4), 1 + (int32_t)rnd(4), 2 + (int32_t)rnd(40),
+                   trial < 2);
+        rp_stats *st = stats_of(ctx, &w), *copy = NULL;
+        rp_error err;
+        if (stats_copy(ctx, st, &copy, &err) != RP_OK) diag("trial %d: %s", trial, err.text);
+        all_same &= copy && stats_same(st, copy);
+        fresh &= copy && copy->hist != st->hist && copy->width != st->width && copy->offset != st->offset &&
+                 copy->expert_load != st->expert_load;
+        rp_stats_free(st);
+        /* the copy outlives the original */
+        all_same &= copy && rp_stats_seq_count(copy, 0, 0, 0) <= (uint32_t)(w.lens[0] * w.k);
+        rp_stats_free(copy);
+        world_free(&w);
+    }
+    ok(all_same, "stats_copy gives the same statistics (every count, width, offset, load, size)");
+    ok(fresh, "in storage of its own");
+
+    int clean = 1, leaks = 0, done = 0;
+    for (long n = 1; n < 20 && !done; n++) {
+        counting c = {0};
+        rp_context *cc = NULL;
+        if (rp_context_new(counting_alloc, &c, &cc) != RP_OK) continue;
+        world w;
+        world_make(&w, cc, 6, 2, 2, 5, 0);
+        rp_stats *st = stats_of(cc, &w), *copy = NULL;
+        long live = c.live;
+        c.fail_at = c.calls + n;
+        rp_error err;
+        rp_status r = stats_copy(cc, st, &copy, &err);
+        c.fail_at = 0;
+        if (r != RP_OK && (r != RP_ENOMEM || copy)) clean = 0;
+        if (r == RP_OK) done = 1, clean &= stats_same(st, copy);
+        rp_stats_free(copy);
+        if (c.live != live) leaks++;
+        rp_stats_free(st);
+        world_free(&w);
+        rp_context_free(cc);
+    }
+    ok(clean && done, "failing each allocation of stats_copy gives RP_ENOMEM (then success)");
+    is_int(leaks, 0, "and leaks nothing");
+}
+
 static void test_alloc_failures(void)
 {
     int clean = 1, leaks = 0;
@@ -498,6 +548,7 @@ int main(void)
     test_bad_bytes(ctx);
     test_merge_errors(ctx);
     test_check_batch(ctx);
+    test_copy(ctx);
     test_alloc_failures();
     rp_context_free(ctx);
     return tap_done();
