@@ -36,6 +36,7 @@ struct rp_config {
     char *policy_name;
     char *params_json;
     char **search_path; /* NULL-terminated */
+    char *initial_placement;
 };
 
 /* Default curves (docs/cost-model.md gives the sources). Grouped-GEMM efficiency of one
@@ -556,7 +557,7 @@ out:
 
 /* ---- policy -------------------------------------------------------------------------- */
 
-static const char *const policy_keys[] = {"name", "params", "search_path", "comment", NULL};
+static const char *const policy_keys[] = {"name", "params", "search_path", "initial_placement", "comment", NULL};
 
 /* Copy jansson's malloc'd text into context memory. */
 static char *dup_json(loader *ld, json_t *value)
@@ -642,6 +643,29 @@ static rp_status load_policy(loader *ld, json_t *obj)
         memcpy(full + prefix, dir, len + 1);
         cfg->search_path[i] = full;
     }
+
+    /* the placement in use before the first step: "contiguous" or a plan file, relative
+     * to the config file like the search path (read by the scheduler, not here) */
+    const char *initial;
+    RP_CHECK_GOTO(rp_jdoc_str(&ld->doc, obj, P, "initial_placement", false, "contiguous", &initial, ld->err), st,
+                  out);
+    if (!*initial) {
+        st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "policy.initial_placement",
+                          "must be \"contiguous\" or a plan file, not empty");
+        goto out;
+    }
+    {
+        size_t prefix = (initial[0] == '/' || !strcmp(initial, "contiguous")) ? 0 : ld->dir_len;
+        size_t len = strlen(initial);
+        cfg->initial_placement = rp_alloc(ctx, prefix + len + 1);
+        if (!cfg->initial_placement) {
+            st = rp_fail_nomem(ld->err, "policy.initial_placement");
+            goto out;
+        }
+        memcpy(cfg->initial_placement, ld->dir, prefix);
+        memcpy(cfg->initial_placement + prefix, initial, len + 1);
+        p->initial_placement = cfg->initial_placement;
+    }
     st = RP_OK;
 out:
     json_decref(empty);
@@ -662,6 +686,7 @@ void rp_config_free(rp_config *cfg)
         for (size_t i = 0; cfg->search_path[i]; i++) rp_free(ctx, cfg->search_path[i]);
     rp_free(ctx, cfg->search_path);
     rp_free(ctx, cfg->params_json);
+    rp_free(ctx, cfg->initial_placement);
     rp_free(ctx, cfg->policy_name);
     rp_free(ctx, cfg->gemm);
     rp_free(ctx, cfg->attention);

@@ -48,6 +48,7 @@ struct rp_sched {
     int64_t staged_at;       /* -1: the next step */
 
     rp_plan *current;        /* the plan in use */
+    rp_plan *initial;        /* the placement in use before the first step */
     bool has_step;
     int64_t last_step;
     rp_batch *prev_batch;    /* the last step's inputs, for dry runs */
@@ -313,6 +314,7 @@ void rp_sched_free(rp_sched *s)
     set_free(&s->running);
     set_free(&s->staged);
     rp_plan_free(s->current);
+    rp_plan_free(s->initial);
     sched_migration_free(&s->migration, ctx);
     rp_batch_free(s->prev_batch);
     rp_stats_free(s->prev_stats);
@@ -347,6 +349,7 @@ rp_status rp_sched_new(rp_context *ctx, const rp_config *cfg, const rp_sched_opt
     s->opts.policy = NULL;
     s->opts.params_json = NULL;
     s->opts.comm = NULL;
+    s->opts.initial_placement = NULL;
     s->staged_at = -1;
     s->limits = rp_sandbox_limits_default();
     if (opts->max_instructions > 0) s->limits.max_instructions = opts->max_instructions;
@@ -405,6 +408,7 @@ rp_status rp_sched_new(rp_context *ctx, const rp_config *cfg, const rp_sched_opt
             goto fail;
         }
     }
+    RP_CHECK_GOTO(sched_initial_placement(ctx, cfg, opts->initial_placement, &s->initial, err), st, fail);
     RP_CHECK_GOTO(load_set(s, s->spec, s->base_dir, s->params_json, NULL, &s->running, err), st, fail);
     *out = s;
     return RP_OK;
@@ -421,7 +425,7 @@ typedef struct step_inputs {
     const rp_batch *batch;
     const rp_stats *stats;
     rp_cost *cost;
-    const rp_plan *placement;  /* in use; NULL on the first step */
+    const rp_plan *placement;  /* in use: the initial placement on the first step */
     rp_lua_history history;
     rp_plan *dflt;             /* the safe default for this batch, made on first use */
     rp_plan *base;             /* dflt's packing + the placement in use */
@@ -438,7 +442,7 @@ static void inputs_release(step_inputs *in)
 }
 
 /* What runs when the policy gives nothing: the safe default packing of this batch and
- * the placement in use (contiguous on the first step). */
+ * the placement in use (the initial placement on the first step). */
 static const rp_plan *inputs_base(step_inputs *in, rp_error *err)
 {
     if (!in->base_tried) {
@@ -816,7 +820,7 @@ static rp_status dry_run(rp_sched *s, step_inputs *now, bool *ok, char *reason, 
     memset(&dry, 0, sizeof dry);
     rp_status st = RP_OK;
     in.s = s;
-    in.placement = s->current;
+    in.placement = s->current && rp_plan_has_placement(s->current) ? s->current : s->initial;
     if (s->prev_batch) {
         RP_CHECK_GOTO(rp_cost_new(s->ctx, s->cfg, s->prev_batch, s->prev_stats, s->opts.split, &cost, err), st, out);
         in.step = s->last_step;
@@ -1051,7 +1055,7 @@ static rp_status run_step(rp_sched *s, int64_t step, const rp_batch *batch, rp_s
     in.batch = batch;
     in.stats = stats;
     in.cost = cost;
-    in.placement = s->current && rp_plan_has_placement(s->current) ? s->current : NULL;
+    in.placement = s->current && rp_plan_has_placement(s->current) ? s->current : s->initial;
     if (st == RP_OK && s->hist_cap > 0) fill_history(s, &in, 0);
 
     /* 1. a staged policy takes over at the boundary, after a dry run */

@@ -147,6 +147,14 @@ typedef struct sched_fields {
 
 void sched_fields_of(rp_sched *sched, sched_fields *f);
 
+/* The placement in use before the first step (core/sched_initial.c): `source` is
+ * "contiguous" or a plan file whose placement is taken; NULL or "": the config's
+ * policy.initial_placement. *out is a one-microbatch plan with a placement only (owned
+ * by the caller). Errors: an unreadable file, one without a placement or with an invalid
+ * one for the config (named), no memory. */
+rp_status sched_initial_placement(rp_context *ctx, const rp_config *cfg, const char *source, rp_plan **out,
+                                  rp_error *err);
+
 /* The step's flat metrics as a new JSON object (core/sched_metrics.c); NULL when out of
  * memory. The report JSON's "metrics" and simulate --json's per-step "metrics". */
 struct json_t *rp_step_metrics_json(const rp_step_report *r);

@@ -130,12 +130,17 @@ static bool same_placement(const rp_plan *a, const rp_plan *b)
 static rp_plan *baseline(const test_batch *tb, const char *name)
 {
     rp_stats *stats = NULL;
-    rp_plan *p = NULL;
+    rp_plan *p = NULL, *contiguous = NULL;
     rp_error err;
+    /* the placement in use at a scheduler's first step: contiguous (slots renumbered
+     * against it) */
+    if (rp_plan_new(ctx, cfg, 1, &contiguous, &err) != RP_OK || rp_plan_set_contiguous(contiguous, &err) != RP_OK)
+        diag("contiguous placement: %s", err.text);
     if (rp_stats_compute(ctx, tb->batch, &tb->routing, rp_config_model(cfg)->num_experts, 1, &stats, &err) == RP_OK &&
-        rp_baseline_plan(ctx, cfg, tb->batch, stats, NULL, name, 0, &p, &err) != RP_OK)
+        rp_baseline_plan(ctx, cfg, tb->batch, stats, contiguous, name, 0, &p, &err) != RP_OK)
         diag("baseline %s on %s: %s", name, tb->name, err.text);
     rp_stats_free(stats);
+    rp_plan_free(contiguous);
     return p;
 }
 
@@ -177,8 +182,8 @@ static void test_policy(const char *policy)
     rp_sched_free(s2);
 }
 
-/* Each batch in a fresh scheduler (first step: no slot renumbering), against the C
- * baseline of the same name. */
+/* Each batch in a fresh scheduler (first step: slots renumbered against the contiguous
+ * placement in use), against the C baseline of the same name. */
 static void test_matches_baseline(const char *policy, const char *base, bool packing, bool placement)
 {
     bool same = true;

@@ -7,6 +7,7 @@
 #include "tap.h"
 #include "test_util.h"
 
+#include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,11 +110,14 @@ static bool same_packing(const rp_plan *a, const rp_plan *b)
 static rp_plan *baseline(int t, const char *name)
 {
     rp_stats *stats = NULL;
-    rp_plan *p = NULL;
+    rp_plan *p = NULL, *contiguous = NULL;
     rp_error err;
-    if (rp_stats_compute(ctx, batches[t], &routings[t], 64, 1, &stats, &err) == RP_OK)
-        rp_baseline_plan(ctx, cfg, batches[t], stats, NULL, name, 0, &p, &err);
+    /* a fresh scheduler's placement in use is the contiguous one */
+    if (rp_plan_new(ctx, cfg, 1, &contiguous, &err) == RP_OK && rp_plan_set_contiguous(contiguous, &err) == RP_OK &&
+        rp_stats_compute(ctx, batches[t], &routings[t], 64, 1, &stats, &err) == RP_OK)
+        rp_baseline_plan(ctx, cfg, batches[t], stats, contiguous, name, 0, &p, &err);
     rp_stats_free(stats);
+    rp_plan_free(contiguous);
     return p;
 }
 
@@ -1147,6 +1151,142 @@ static void test_swap_fresh_state(void)
     }
 }
 
+
+/* ---- the placement in use from the first step ------------------------------------------ */
+
+static bool placements_equal(const rp_plan *a, const rp_plan *b)
+{
+    if (!a || !b || !rp_plan_has_placement(a) || !rp_plan_has_placement(b)) return false;
+    for (int32_t l = 0; l < rp_plan_num_layers(a); l++)
+        if (memcmp(rp_plan_phy2log(a, l), rp_plan_phy2log(b, l), (size_t)rp_plan_total_slots(a) * 4) != 0)
+            return false;
+    return true;
+}
+
+static void test_initial_placement(void)
+{
+    rp_error err;
+    /* default: contiguous, seen by the policy at step 0 */
+    rp_sched *s = make(body_policy("assert(ctx.placement ~= nil, 'no placement in use at step 0')\n"
+                                   "for l = 0, 15 do for j = 0, 7 do local ex = ctx.placement.experts(l, j)\n"
+                                   "  assert(#ex == 8 and ex[1] == 8 * j and ex[8] == 8 * j + 7) end end\n"
+                                   "local s, b, n = rp.migration(ctx.plan)\n"
+                                   "assert(s == 0 and b == 0 and n == 0)"),
+                       NULL);
+    const rp_plan *plan = NULL;
+    const rp_step_report *rep = step(s, 0, &plan);
+    ok(rep && !rep->fallback, "step 0: ctx.placement is the contiguous placement in use (nothing to migrate to keep it)");
+    if (rep && rep->fallback) diag("%s", rep->fallback_reason);
+    rp_sched_free(s);
+
+    /* a plan file: an EPLB placement saved from a step */
+    s = make("token_kk+eplb", NULL);
+    rep = step(s, 2, &plan);
+    char path[600];
+    snprintf(path, sizeof path, "%s/initial-plan.json", tmp);
+    ok(rep && rp_plan_save(plan, path, &err) == RP_OK, "save an EPLB plan as the initial placement");
+    rp_plan *eplb = NULL;
+    if (plan) rp_plan_copy(plan, &eplb, NULL);
+    rp_sched_free(s);
+
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.initial_placement = path;
+    s = make("token_kk", &o);
+    rep = step(s, 0, &plan);
+    ok(rep && placements_equal(plan, eplb) && rep->experts_moved == 0 && rep->migration_bytes == 0,
+       "a packing-only policy keeps the plan file's placement from step 0, and nothing migrates");
+    rp_sched_free(s);
+    /* the same scheduler without the option moves nothing either, from contiguous */
+    s = make("token_kk", NULL);
+    rep = step(s, 0, &plan);
+    ok(rep && !placements_equal(plan, eplb) && rep->migration_bytes == 0,
+       "without it the placement in use is contiguous");
+    rp_sched_free(s);
+    /* EPLB from the plan file's placement: its slots are renumbered against it, and the
+     * migration counted is from it */
+    s = make("token_kk+eplb", &o);
+    rep = step(s, 2, &plan);
+    ok(rep && placements_equal(plan, eplb) && rep->experts_moved == 0 && rep->migration_bytes == 0,
+       "EPLB on the batch its initial placement came from moves nothing");
+    rp_sched_free(s);
+
+    /* the config key, relative to the config's directory */
+    char cfg_path[600];
+    snprintf(cfg_path, sizeof cfg_path, "%s/config-initial.json", tmp);
+    /* config-small.json with the key added */
+    json_t *root = json_load_file(RP_SOURCE_DIR "/examples/config-small.json", 0, NULL);
+    json_t *pol = root ? json_object_get(root, "policy") : NULL;
+    if (root && !pol) json_object_set_new(root, "policy", pol = json_object());
+    if (pol) json_object_set_new(pol, "initial_placement", json_string("initial-plan.json"));
+    if (!root || json_dump_file(root, cfg_path, 0) != 0) diag("cannot write %s", cfg_path);
+    json_decref(root);
+    rp_config *c2 = NULL;
+    rp_sched *s2 = NULL;
+    rp_sched_options o2;
+    rp_sched_options_default(&o2);
+    o2.policy = "token_kk";
+    o2.num_threads = 1;
+    ok(rp_config_load(ctx, cfg_path, &c2, &err) == RP_OK &&
+           !strcmp(rp_config_policy(c2)->initial_placement, path),
+       "policy.initial_placement is read relative to the config's directory");
+    const rp_plan *p2 = NULL;
+    const rp_step_report *r2 = NULL;
+    ok(c2 && rp_sched_new(ctx, c2, &o2, &s2, &err) == RP_OK &&
+           rp_sched_step(s2, 0, batches[0], &routings[0], &p2, &r2, &err) == RP_OK && placements_equal(p2, eplb) &&
+           r2->migration_bytes == 0,
+       "a scheduler made from that config starts from the file's placement");
+    rp_sched_free(s2);
+    rp_config_free(c2);
+    ok(rp_config_policy(cfg)->initial_placement && !strcmp(rp_config_policy(cfg)->initial_placement, "contiguous"),
+       "policy.initial_placement defaults to \"contiguous\"");
+    root = json_load_file(RP_SOURCE_DIR "/examples/config-small.json", 0, NULL);
+    pol = root ? json_object_get(root, "policy") : NULL;
+    if (root && !pol) json_object_set_new(root, "policy", pol = json_object());
+    if (pol) json_object_set_new(pol, "initial_placement", json_string(""));
+    char *doc = root ? json_dumps(root, 0) : NULL;
+    json_decref(root);
+    c2 = NULL;
+    ok(doc && rp_config_parse(ctx, doc, strlen(doc), "<inline>", &c2, &err) != RP_OK &&
+           strstr(err.text, "policy.initial_placement"),
+       "an empty policy.initial_placement is refused, naming the key");
+    rp_config_free(c2);
+    free(doc);
+
+    /* errors: a missing file, a file without a placement */
+    o.initial_placement = "/nonexistent/plan.json";
+    o.policy = "token_kk";
+    s = NULL;
+    ok(rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK && strstr(err.text, "/nonexistent/plan.json") && !s,
+       "an unreadable initial placement fails rp_sched_new, naming the file");
+    snprintf(path, sizeof path, "%s/packing-only.json", tmp);
+    rp_plan *packing_only = NULL;
+    rp_plan_new(ctx, cfg, 1, &packing_only, &err);
+    int32_t n = rp_batch_num_seqs(batches[0]);
+    int32_t *zeros = calloc((size_t)n, sizeof *zeros);
+    rp_plan_set_packing(packing_only, n, zeros, zeros, &err);
+    free(zeros);
+    rp_plan_save(packing_only, path, &err);
+    rp_plan_free(packing_only);
+    o.initial_placement = path;
+    ok(rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK && strstr(err.text, "has no \"placement\""),
+       "a plan file without a placement is refused: %s", err.text);
+    rp_plan_free(eplb);
+
+    /* the joint policy at step 0 charges the migration from the placement in use: it
+     * keeps most of the contiguous layout where EPLB rewrites it (before, it re-placed
+     * every layer at step 0 with no migration test) */
+    rp_sched *joint = make("routepack", NULL), *ep = make("token_kk+eplb", NULL);
+    const rp_step_report *rj = step(joint, 0, NULL);
+    double joint_bytes = rj ? rj->migration_bytes : -1;
+    const rp_step_report *re = step(ep, 0, NULL);
+    ok(rj && re && joint_bytes < 0.5 * re->migration_bytes,
+       "routepack's step 0 moves %.1f GB, less than half of EPLB's re-placement (%.1f GB)", joint_bytes / 1e9,
+       re ? re->migration_bytes / 1e9 : -1.0);
+    rp_sched_free(joint);
+    rp_sched_free(ep);
+}
+
 int main(void)
 {
     rp_error err;
@@ -1161,6 +1301,7 @@ int main(void)
     unsetenv("RP_POLICY_PATH");
     make_batches();
     test_shipped();
+    test_initial_placement();
     test_omitted();
     test_hostile();
     test_stale_view();

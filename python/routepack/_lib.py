@@ -59,7 +59,8 @@ class rp_sched_options(Structure):
                 ("history", c_int32), ("max_instructions", c_int64), ("max_wall_s", c_double),
                 ("max_memory_bytes", c_size_t), ("max_depth", c_int32), ("comm", c_void_p),
                 ("params_json", c_char_p), ("seed", c_uint64),
-                ("_reserved", c_char * 512)]
+                ("initial_placement", c_char_p),
+                ("_reserved", c_char * 504)]
 
 
 class rp_cost_summary(Structure):

@@ -299,7 +299,9 @@ class Scheduler:
     ``config``: a path, a JSON text or a dict (docs/config.md). ``policy``: a policy
     name, a path, or "PACKING+PLACEMENT" (None: the config's). Options (rp_sched_options):
     ``split`` ('even' or 'locality'), ``params`` (the policy's params, a dict or JSON
-    text; default: the config's policy.params), ``seed``, ``num_threads``, ``history``,
+    text; default: the config's policy.params), ``seed``, ``initial_placement``
+    ("contiguous" or a plan file whose placement is in use before the first step;
+    default: the config's policy.initial_placement), ``num_threads``, ``history``,
     ``max_instructions``, ``max_wall_s``, ``max_memory_bytes``, ``max_depth``,
     ``comm`` (a routepack.Comm: the ranks of a multi-rank job agree on every plan and
     every fallback, docs/distributed.md); and
@@ -324,10 +326,10 @@ class Scheduler:
         if comm is not None and not isinstance(comm, distributed.Comm):
             raise errors.InvalidArgumentError("comm must be a routepack.Comm, got %s"
                                               % type(comm).__name__)
-        unknown = sorted(set(options) - set(_OPTION_FIELDS) - {"params", "seed"})
+        unknown = sorted(set(options) - set(_OPTION_FIELDS) - {"params", "seed", "initial_placement"})
         if unknown:
             raise TypeError("unknown Scheduler option%s: %s (known: split, log_level, params, "
-                            "seed, comm, %s)"
+                            "seed, initial_placement, comm, %s)"
                             % ("s" if len(unknown) > 1 else "", ", ".join(unknown),
                                ", ".join(sorted(_OPTION_FIELDS))))
         self._ctx = Context(log_level)
@@ -347,6 +349,10 @@ class Scheduler:
             opts.params_json = self._params_bytes
         if "seed" in options:
             opts.seed = _args.integer(options.pop("seed"), "seed", _args.UINT64)
+        initial = options.pop("initial_placement", None)
+        if initial is not None:
+            self._initial_bytes = _args.c_path(initial, "initial_placement")
+            opts.initial_placement = self._initial_bytes
         for key, ctype in _OPTION_FIELDS.items():
             if key in options:
                 setattr(opts, key, _args.number(options[key], key) if ctype is None

@@ -266,3 +266,23 @@ def test_list_policies():
 def test_plan_json_before_the_first_step():
     with routepack.Scheduler(SMALL_CONFIG) as s:
         assert s.plan_json() is None
+
+
+def test_initial_placement_from_a_plan_file(step1, tmp_path):
+    """The placement in use before the first step comes from a plan file: a packing-only
+    policy keeps it at step 0 and nothing migrates; without it the start is contiguous."""
+    rec = step1
+    with routepack.Scheduler(SMALL_CONFIG, policy="token_kk+eplb") as s:
+        s.step(rec.lengths, rec.routing, step=0)
+        plan = json.loads(s.plan_json())
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    with routepack.Scheduler(SMALL_CONFIG, policy="token_kk", initial_placement=path) as s:
+        r = s.step(rec.lengths, rec.routing, step=0)
+        kept = json.loads(s.plan_json())["placement"]
+    assert kept == plan["placement"] and r.migration_bytes == 0 and r.experts_moved == 0
+    with routepack.Scheduler(SMALL_CONFIG, policy="token_kk") as s:
+        s.step(rec.lengths, rec.routing, step=0)
+        assert json.loads(s.plan_json())["placement"] != plan["placement"]
+    with pytest.raises(routepack.Error, match="nope.json"):
+        routepack.Scheduler(SMALL_CONFIG, policy="token_kk", initial_placement=tmp_path / "nope.json")

@@ -114,6 +114,10 @@ typedef struct rp_policy_config {
     const char *name;          /* a policy name or a path; never NULL */
     const char *params_json;   /* the "params" object as JSON text; "{}" when absent */
     const char *const *search_path;  /* directories, NULL-terminated */
+    /* Added after the first version (append only). */
+    const char *initial_placement;   /* the placement in use before the first step:
+                                        "contiguous" (default) or a plan file's path,
+                                        made relative to the config's directory; never NULL */
 } rp_policy_config;
 
 typedef struct rp_config rp_config;

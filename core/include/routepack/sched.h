@@ -53,6 +53,12 @@ typedef struct rp_sched_options {
      * {"eplb": {"mode": "global"}}. */
     const char *params_json;
     uint64_t seed;             /* mixed with the step into math.random's seed and ctx.seed */
+    /* The placement in use before the first step: "contiguous" or a plan file (JSON,
+     * its placement taken, its packing ignored); NULL: the config's
+     * policy.initial_placement (default "contiguous"). The policy (ctx.placement), the
+     * fallback and the migration of the first step all start from it; a checkpoint's
+     * plan in use (rp_sched_load_state) replaces it. */
+    const char *initial_placement;
 } rp_sched_options;
 
 /* Fill `opts` with the defaults. */
