@@ -22,8 +22,8 @@
 #define CONFIG EX "config-small.json"
 #define TRACE EX "small.rpt"
 
-static const char *const default_policies[] = {"token_kk+contiguous", "token_kk+eplb", "verl_kk+eplb",
-                                               "attn_kk+eplb", "routepack"};
+static const char *const default_policies[] = {"token_kk+contiguous", "token_kk+eplb", "token_kk+eplb_periodic",
+                                               "verl_kk+eplb", "attn_kk+eplb", "routepack"};
 
 static char tmpdir[64];
 static char out[1 << 20], err[1 << 16];
@@ -131,13 +131,21 @@ static void test_default_run(void)
     for (size_t i = 0; i < sizeof default_policies / sizeof *default_policies; i++) {
         const char *line = line_starting(out, default_policies[i]);
         ok(line != NULL, "a row for %s", default_policies[i]);
-        double step_ms = 0, ratio = 0;
-        if (line) sscanf(line + strlen(default_policies[i]), "%lf %lf", &step_ms, &ratio);
+        double step_ms = 0, ratio = 0, shared = 0;
+        if (line) sscanf(line + strlen(default_policies[i]), "%lf %lf %lf", &step_ms, &ratio, &shared);
         ok(step_ms > 0 && ratio >= 1 - 1e-9, "%s: step %.3f ms, step / lower bound %.3f >= 1",
            default_policies[i], step_ms, ratio);
+        ok(shared >= ratio - 1e-9, "%s: step / shared bound %.3f >= step / its own bound %.3f",
+           default_policies[i], shared, ratio);
     }
-    const char *base = line_starting(out, "token_kk+eplb");
-    ok(base && strstr(base, "1.000x"), "the baseline's speedup against itself is 1.000x");
+    /* the speedups are against the best baseline, named under the table */
+    const char *named = strstr(out, "speedup: the best\nbaseline's (");
+    char best[64] = "";
+    if (named) sscanf(named + strlen("speedup: the best\nbaseline's ("), "%63[^)]", best);
+    const char *base = best[0] ? line_starting(out, best) : NULL;
+    ok(base && strstr(base, "1.000x"), "the best baseline (%s) is named and its speedup against itself is 1.000x",
+       best);
+    ok(strstr(out, "\nverdict: ") != NULL, "simulate ends with a verdict line");
     ok(strstr(err, "simulate: step") == NULL, "no progress line when stderr is not a terminal");
 }
 
@@ -209,12 +217,18 @@ static void test_json(void)
         is_double(json_number_value(json_object_get(s, "mean_migration_ms")), mean_mig, 1e-6 * mean_mig + 1e-12,
                   "%s: mean_migration_ms is the mean of the steps", name);
         ok(json_number_value(json_object_get(st0, "ratio")) >= 1 - 1e-9, "%s: step / lower bound >= 1", name);
-        if (i == 0)
-            is_double(json_number_value(json_object_get(s, "speedup")), 1.0, 1e-12,
-                      "the baseline's speedup is 1");
+        ok(json_number_value(json_object_get(st0, "shared_ratio")) >=
+               json_number_value(json_object_get(st0, "ratio")) - 1e-9,
+           "%s: step / shared bound >= step / own bound", name);
     }
-    is_double(json_number_value(json_object_get(json_object_get(json_array_get(pols, 1), "summary"), "speedup")),
-              total[0] / total[1], 1e-6, "speedup: the baseline's step + migration time over the policy's");
+    /* both are baselines: the best on step + migration is the one speedups compare with */
+    int best = total[1] < total[0];
+    is_str(json_string_value(json_object_get(root, "baseline")),
+           json_string_value(json_object_get(json_array_get(pols, best), "policy")),
+           "\"baseline\" names the best baseline on step + migration");
+    for (int k = 0; k < 2; k++)
+        is_double(json_number_value(json_object_get(json_object_get(json_array_get(pols, k), "summary"), "speedup")),
+                  total[best] / total[k], 1e-6, "speedup %d: the best baseline's step + migration time over the policy's", k);
     json_decref(root);
 
     rc = rp("simulate --steps 1 --json --microbatches 3 --policies token_kk+eplb");
@@ -281,6 +295,51 @@ static void test_report(void)
     rc = rp("simulate --steps 1 --policies token_kk+eplb --report '%s/no/such/dir/r.html'", tmpdir);
     is_int(rc, 2, "a report into a missing folder is a usage error, before the run");
     like(err, "no/such/dir does not exist (No such file or directory); create it first", "which says so");
+}
+
+
+/* The verdict line and object: the fastest policy on step + migration over the common
+ * steps, its margin over the best baseline, and the non-baseline's fallbacks. */
+static void test_verdict(void)
+{
+    const char *flaky = tmp("flaky2.lua");
+    write_file(flaky, "return {\n  name = 'flaky', version = '0.1.0', api = 1,\n"
+                      "  description = 'fails at step 1', params = {},\n"
+                      "  plan = function(ctx)\n    if ctx.step == 1 then error('flaky at step 1') end\n"
+                      "    return rp.baseline('attn_kk+eplb')\n  end,\n}\n");
+    int rc = rp("simulate --steps 3 --json --policies token_kk+contiguous,token_kk+eplb,'%s'", flaky);
+    json_t *root = json_loads(out, 0, NULL);
+    json_t *pols = json_object_get(root, "policies");
+    double total[3] = {0, 0, 0};
+    for (size_t i = 0; i < 3; i++) {
+        json_t *steps = json_object_get(json_array_get(pols, i), "steps"), *st;
+        size_t k;
+        json_array_foreach(steps, k, st) total[i] += json_number_value(json_object_get(st, "step_ms")) +
+                                                     json_number_value(json_object_get(st, "migration_ms"));
+    }
+    int fastest = total[0] <= total[1] && total[0] <= total[2] ? 0 : total[1] <= total[2] ? 1 : 2;
+    int best_base = total[0] <= total[1] ? 0 : 1;
+    json_t *v = json_object_get(root, "verdict");
+    ok(rc == 0 && v, "--json has a verdict object");
+    is_str(json_string_value(json_object_get(v, "fastest")),
+           json_string_value(json_object_get(json_array_get(pols, fastest), "policy")),
+           "verdict.fastest: the least step + migration over the run");
+    is_str(json_string_value(json_object_get(v, "best_baseline")),
+           json_string_value(json_object_get(json_array_get(pols, best_base), "policy")),
+           "verdict.best_baseline: the best of the baselines");
+    is_double(json_number_value(json_object_get(v, "margin_over_best_baseline")),
+              total[best_base] / total[fastest] - 1, 1e-6, "verdict.margin_over_best_baseline");
+    like(json_string_value(json_object_get(v, "text")), "flaky2.lua fell back at 1 of 3 steps",
+         "the verdict says the policy fell back, and how often");
+    json_decref(root);
+
+    rc = rp("simulate --steps 2 --policies token_kk+contiguous,'%s'", flaky);
+    const char *line = strstr(out, "\nverdict: ");
+    const char *end = line ? strchr(line + 1, '\n') : NULL;
+    ok(rc == 0 && end && end[1] == '\0', "the table output ends with the verdict line");
+    ok(line && (strstr(line, "faster than the best baseline token_kk+contiguous") ||
+                strstr(line, "the baseline token_kk+contiguous is the fastest")),
+       "it names the best baseline: %s", line ? line + 1 : "(none)");
 }
 
 static void test_bad_policies(void)
@@ -597,6 +656,7 @@ int main(void)
     }
     test_default_run();
     test_json();
+    test_verdict();
     test_report();
     test_bad_policies();
     test_inputs();

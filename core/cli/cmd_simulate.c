@@ -17,11 +17,28 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* The baseline users run today; speedups are measured against it. */
-#define SIM_BASELINE "token_kk+eplb"
-
-static const char *const default_policies[] = {"token_kk+contiguous", "token_kk+eplb",
+static const char *const default_policies[] = {"token_kk+contiguous", "token_kk+eplb", "token_kk+eplb_periodic",
                                                "verl_kk+eplb", "attn_kk+eplb", "routepack", NULL};
+
+/* The shipped baselines' components (docs/baselines.md): a policy made only of these
+ * ("token_kk+eplb_periodic", "eplb") is a baseline; speedups and the verdict compare
+ * every policy against the best of them on step + migration over the run. */
+static const char *const baseline_parts[] = {"token_kk", "verl_kk", "attn_kk", "contiguous", "eplb",
+                                             "eplb_periodic", NULL};
+
+static bool is_baseline_part(const char *name, size_t len)
+{
+    for (const char *const *b = baseline_parts; *b; b++)
+        if (strlen(*b) == len && !strncmp(*b, name, len)) return true;
+    return false;
+}
+
+static bool is_baseline_spec(const char *spec)
+{
+    const char *plus = strchr(spec, '+');
+    if (!plus) return is_baseline_part(spec, strlen(spec));
+    return is_baseline_part(spec, (size_t)(plus - spec)) && is_baseline_part(plus + 1, strlen(plus + 1));
+}
 
 /* ---- shared helpers ---- */
 
@@ -426,16 +443,63 @@ static rp_status track_step(sim_policy *p, rp_cost *cost, const rp_plan *plan, c
 
 typedef struct sim_summary {
     double mean_step_s, mean_lb_s, mean_ratio, speedup, attn_imb, expert_imb, migrated, migration_s, plan_s;
+    double mean_shared_ratio; /* mean of step / the step's shared bound (NAN without one) */
     int32_t fallbacks, swaps;
     int32_t worst; /* index of the step with the largest step / lower bound (the first) */
 } sim_summary;
 
-static void summarize(const sim_policy *p, const sim_policy *base, sim_summary *s)
+/* The shared lower bound of step i: the least of the own lower bounds of every plan
+ * made for that step (each is at most its own plan's step time, so the least is at most
+ * every plan's step time: one bound all plans of the step share). docs/cli.md. */
+static double shared_bound(const sim_policy *pol, int np, int32_t i)
+{
+    double lb = INFINITY;
+    for (int j = 0; j < np; j++)
+        if (pol[j].num_steps > i && pol[j].steps[i].cost.lower_bound_s < lb) lb = pol[j].steps[i].cost.lower_bound_s;
+    return lb;
+}
+
+/* The steps every policy that ran at all ran (a policy that stopped early shortens the
+ * comparison for all, so totals compare like with like). */
+static int32_t common_steps(const sim_policy *pol, int np)
+{
+    int32_t n = -1;
+    for (int i = 0; i < np; i++)
+        if (pol[i].num_steps > 0 && (n < 0 || pol[i].num_steps < n)) n = pol[i].num_steps;
+    return n < 0 ? 0 : n;
+}
+
+/* Step + migration time summed over the first n steps. */
+static double run_total(const sim_policy *p, int32_t n)
+{
+    double t = 0;
+    for (int32_t i = 0; i < n && i < p->num_steps; i++) t += p->steps[i].cost.step_s + p->steps[i].migration_s;
+    return t;
+}
+
+/* The baseline with the least step + migration over the common steps; NULL if none ran. */
+static const sim_policy *best_baseline(const sim_policy *pol, int np)
+{
+    const int32_t n = common_steps(pol, np);
+    const sim_policy *best = NULL;
+    for (int i = 0; i < np; i++)
+        if (pol[i].num_steps > 0 && is_baseline_spec(pol[i].spec) &&
+            (!best || run_total(&pol[i], n) < run_total(best, n)))
+            best = &pol[i];
+    return best;
+}
+
+/* The summary of policy p over its steps; speedup against `base`; mean step / shared
+ * bound over the run's policies `pol`. */
+static void summarize_shared(const sim_policy *p, const sim_policy *pol, int np, const sim_policy *base,
+                             sim_summary *s)
 {
     memset(s, 0, sizeof *s);
     int32_t n = p->num_steps;
+    s->mean_shared_ratio = pol ? 0.0 : NAN;
     for (int32_t i = 0; i < n; i++) {
         const step_rec *r = &p->steps[i];
+        if (pol) s->mean_shared_ratio += r->cost.step_s / shared_bound(pol, np, i);
         s->mean_step_s += r->cost.step_s;
         s->mean_lb_s += r->cost.lower_bound_s;
         s->mean_ratio += r->cost.ratio;
@@ -451,6 +515,7 @@ static void summarize(const sim_policy *p, const sim_policy *base, sim_summary *
     if (n > 0) {
         s->mean_step_s /= n, s->mean_lb_s /= n, s->mean_ratio /= n, s->attn_imb /= n;
         s->expert_imb /= n, s->migrated /= n, s->migration_s /= n, s->plan_s /= n;
+        if (pol) s->mean_shared_ratio /= n;
     }
     /* over the steps both ran, so a policy that stopped early is compared fairly; a step
      * waits for its migration too (the cost model overlaps it with nothing) */
@@ -466,6 +531,72 @@ static void summarize(const sim_policy *p, const sim_policy *base, sim_summary *
     }
 }
 
+/* The verdict of a run (docs/cli.md): the fastest policy on step + migration over the
+ * common steps, how it compares with the best baseline, and whether it fell back. */
+typedef struct sim_verdict {
+    const sim_policy *fastest, *best_base, *best_other; /* best_other: fastest non-baseline */
+    int32_t steps;
+    double fastest_s, base_s, other_s;                 /* totals over `steps` */
+} sim_verdict;
+
+static void make_verdict(const sim_policy *pol, int np, sim_verdict *v)
+{
+    memset(v, 0, sizeof *v);
+    v->steps = common_steps(pol, np);
+    v->best_base = best_baseline(pol, np);
+    for (int i = 0; i < np; i++) {
+        const sim_policy *p = &pol[i];
+        if (p->num_steps == 0) continue;
+        double t = run_total(p, v->steps);
+        if (!v->fastest || t < v->fastest_s) v->fastest = p, v->fastest_s = t;
+        if (!is_baseline_spec(p->spec) && (!v->best_other || t < v->other_s)) v->best_other = p, v->other_s = t;
+    }
+    if (v->best_base) v->base_s = run_total(v->best_base, v->steps);
+}
+
+static int32_t fallbacks_of(const sim_policy *p)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < p->num_steps; i++) n += p->steps[i].fallback;
+    return n;
+}
+
+/* One line, no newline: "verdict: ..." */
+static void verdict_text(const sim_verdict *v, char *buf, size_t n)
+{
+    if (!v->fastest) {
+        snprintf(buf, n, "verdict: no policy ran");
+        return;
+    }
+    const double per = v->steps > 0 ? 1e3 / v->steps : 0;
+    char fb[160];
+    const sim_policy *judged = v->best_other ? v->best_other : v->fastest;
+    int32_t f = fallbacks_of(judged);
+    if (f == 0) snprintf(fb, sizeof fb, "%s never fell back", judged->spec);
+    else snprintf(fb, sizeof fb, "%s fell back at %d of %d steps", judged->spec, f, judged->num_steps);
+    if (!v->best_base) {
+        snprintf(buf, n, "verdict: %s is the fastest on step + migration (%.3f ms a step over %d steps); no baseline "
+                 "ran; %s", v->fastest->spec, v->fastest_s * per, v->steps, fb);
+        return;
+    }
+    if (!is_baseline_spec(v->fastest->spec)) {
+        snprintf(buf, n,
+                 "verdict: %s is the fastest on step + migration, %.1f%% faster than the best baseline %s "
+                 "(%.3f vs %.3f ms a step over %d steps); %s",
+                 v->fastest->spec, (v->base_s / v->fastest_s - 1) * 100, v->best_base->spec, v->fastest_s * per,
+                 v->base_s * per, v->steps, fb);
+    } else if (v->best_other) {
+        snprintf(buf, n,
+                 "verdict: the baseline %s is the fastest on step + migration (%.3f ms a step over %d steps); "
+                 "%s is %.1f%% slower (%.3f ms); %s",
+                 v->fastest->spec, v->fastest_s * per, v->steps, v->best_other->spec,
+                 (v->other_s / v->base_s - 1) * 100, v->other_s * per, fb);
+    } else {
+        snprintf(buf, n, "verdict: the baseline %s is the fastest on step + migration (%.3f ms a step over %d "
+                 "steps); only baselines ran", v->fastest->spec, v->fastest_s * per, v->steps);
+    }
+}
+
 static void print_table(const sim_policy *pol, int np, const sim_policy *base, const char *config,
                         const cli_input *in, int32_t steps, const rp_config *cfg)
 {
@@ -478,8 +609,8 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
            m->num_layers, m->num_experts, m->top_k);
     int w = 6;
     for (int i = 0; i < np; i++) w = (int)strlen(pol[i].spec) > w ? (int)strlen(pol[i].spec) : w;
-    printf("%-*s  %9s  %8s  %9s  %8s  %9s  %10s  %9s  %13s  %8s\n", w, "policy", "step ms", "step/LB",
-           "migr. ms", "speedup", "attn imb", "expert imb", "fallbacks", "migrated/step", "plan ms");
+    printf("%-*s  %9s  %8s  %9s  %9s  %8s  %9s  %10s  %9s  %13s  %8s\n", w, "policy", "step ms", "step/LB",
+           "step/sLB", "migr. ms", "speedup", "attn imb", "expert imb", "fallbacks", "migrated/step", "plan ms");
     for (int i = 0; i < np; i++) {
         const sim_policy *p = &pol[i];
         if (p->num_steps == 0) {
@@ -487,21 +618,28 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
             continue;
         }
         sim_summary s;
-        summarize(p, base, &s);
+        summarize_shared(p, pol, np, base, &s);
         char speed[32], mig[32];
         if (isnan(s.speedup)) snprintf(speed, sizeof speed, "-");
         else snprintf(speed, sizeof speed, "%.3fx", s.speedup);
-        printf("%-*s  %9.3f  %8.3f  %9.3f  %8s  %9.3f  %10.3f  %9d  %13s  %8.2f%s\n", w, p->spec,
-               s.mean_step_s * 1e3, s.mean_ratio, s.migration_s * 1e3, speed, s.attn_imb, s.expert_imb, s.fallbacks,
-               cli_human_bytes(s.migrated, mig, sizeof mig), s.plan_s * 1e3,
+        printf("%-*s  %9.3f  %8.3f  %9.3f  %9.3f  %8s  %9.3f  %10.3f  %9d  %13s  %8.2f%s\n", w, p->spec,
+               s.mean_step_s * 1e3, s.mean_ratio, s.mean_shared_ratio, s.migration_s * 1e3, speed, s.attn_imb,
+               s.expert_imb, s.fallbacks, cli_human_bytes(s.migrated, mig, sizeof mig), s.plan_s * 1e3,
                p->error ? "  (stopped early)" : "");
     }
     printf("\nstep ms: mean predicted step time (forward + backward); step/LB: mean of step time /\n"
-           "lower bound; migr. ms: mean predicted expert migration time per step; speedup: %s's\n"
-           "step + migration time / the policy's, over the steps both ran%s;\n"
+           "the plan's own lower bound (its imbalance); step/sLB: mean of step time / the step's\n"
+           "shared bound (the least of all plans' own bounds for that step: comparable across\n"
+           "policies); migr. ms: mean predicted expert migration time per step; speedup: the best\n"
+           "baseline's (%s) step + migration time / the policy's, over the steps both ran;\n"
            "imbalance: max/mean over GPUs (attention per microbatch, experts per microbatch, layer\n"
            "and EP group), mean over steps; plan ms: statistics + policy + validation per step.\n",
-           SIM_BASELINE, base ? "" : " (not run)");
+           base ? base->spec : "none ran");
+    sim_verdict v;
+    make_verdict(pol, np, &v);
+    char line[1024];
+    verdict_text(&v, line, sizeof line);
+    printf("\n%s\n", line);
 }
 
 static json_t *step_json(const step_rec *r)
@@ -539,35 +677,42 @@ static bool print_json(const sim_policy *pol, int np, const sim_policy *base, co
     const rp_model *m = rp_config_model(cfg);
     json_t *arr = json_array();
     json_t *root = json_pack("{s:s, s:i, s:s, s:{s:s, s:s, s:i}, s:{s:i, s:i, s:i, s:i, s:i, s:i, s:i},"
-                             " s:o?, s:s, s:o}",
+                             " s:o?, s:o, s:o}",
                              "format", "routepack-simulate", "version", 1, "config", config, "input",
                              "kind", in->trace ? "trace" : "gen", "path", in->path, "steps", steps,
                              "shape", "num_gpus", t->num_gpus, "num_nodes", t->num_nodes,
                              "gpus_per_node", t->gpus_per_node, "ep_size", t->ep_size, "num_layers",
                              m->num_layers, "num_experts", m->num_experts, "top_k", m->top_k,
                              "microbatches", microbatches > 0 ? json_integer(microbatches) : NULL,
-                             "baseline", SIM_BASELINE, "policies", arr);
+                             "baseline", base ? json_string(base->spec) : json_null(), "policies", arr);
     if (!root) return false;
     bool good = true;
     for (int i = 0; i < np && good; i++) {
         const sim_policy *p = &pol[i];
         json_t *steps_arr = json_array();
-        for (int32_t k = 0; steps_arr && k < p->num_steps; k++)
-            if (json_array_append_new(steps_arr, step_json(&p->steps[k])) != 0) good = false;
+        for (int32_t k = 0; steps_arr && k < p->num_steps; k++) {
+            json_t *sj = step_json(&p->steps[k]);
+            const double shared = shared_bound(pol, np, k);
+            if (!sj || json_object_set_new(sj, "shared_lower_bound_ms", json_real(shared * 1e3)) != 0 ||
+                json_object_set_new(sj, "shared_ratio", json_real(p->steps[k].cost.step_s / shared)) != 0 ||
+                json_array_append_new(steps_arr, sj) != 0)
+                good = false;
+        }
         json_t *summary = NULL;
         if (p->num_steps > 0) {
             sim_summary s;
-            summarize(p, base, &s);
-            summary = json_pack("{s:i, s:f, s:f, s:f, s:f, s:o, s:f, s:f, s:i, s:i, s:f, s:f, s:I, s:f}",
+            summarize_shared(p, pol, np, base, &s);
+            summary = json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:o, s:f, s:f, s:i, s:i, s:f, s:f, s:I, s:f, s:b}",
                                 "steps", p->num_steps, "mean_step_ms", s.mean_step_s * 1e3,
                                 "mean_migration_ms", s.migration_s * 1e3,
                                 "mean_lower_bound_ms", s.mean_lb_s * 1e3, "mean_ratio", s.mean_ratio,
+                                "mean_shared_ratio", s.mean_shared_ratio,
                                 "speedup", isnan(s.speedup) ? json_null() : json_real(s.speedup),
                                 "attention_imbalance", s.attn_imb, "expert_imbalance", s.expert_imb,
                                 "fallbacks", s.fallbacks, "swaps", s.swaps, "migrated_bytes_per_step",
                                 s.migrated, "mean_plan_ms", s.plan_s * 1e3, "worst_step",
                                 (json_int_t)p->steps[s.worst].step, "worst_ratio",
-                                p->steps[s.worst].cost.ratio);
+                                p->steps[s.worst].cost.ratio, "baseline", is_baseline_spec(p->spec));
             if (!summary) good = false;
         }
         json_t *o = json_pack("{s:s, s:s, s:s?, s:o, s:o}", "policy", p->spec, "status",
@@ -576,6 +721,18 @@ static bool print_json(const sim_policy *pol, int np, const sim_policy *base, co
                               steps_arr ? steps_arr : json_array());
         if (!o || json_array_append_new(arr, o) != 0) good = false;
     }
+    sim_verdict v;
+    make_verdict(pol, np, &v);
+    char line[1024];
+    verdict_text(&v, line, sizeof line);
+    json_t *vj = json_pack("{s:s, s:s?, s:s?, s:i, s:o, s:b, s:i}", "text", line, "fastest",
+                           v.fastest ? v.fastest->spec : NULL, "best_baseline", v.best_base ? v.best_base->spec : NULL,
+                           "steps", v.steps,
+                           "margin_over_best_baseline",
+                           v.fastest && v.best_base ? json_real(v.base_s / v.fastest_s - 1) : json_null(),
+                           "fastest_is_baseline", v.fastest && is_baseline_spec(v.fastest->spec),
+                           "fastest_fallbacks", v.fastest ? fallbacks_of(v.fastest) : 0);
+    if (!vj || json_object_set_new(root, "verdict", vj) != 0) good = false;
     if (good)
         good = json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(9)) == 0 &&
                putchar('\n') != EOF;
@@ -634,7 +791,7 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
             staging[i][k] = p->steps[k].migration_staging_bytes;
         }
         sim_summary s;
-        summarize(p, base, &s);
+        summarize_shared(p, pol, np, base, &s);
         const step_rec *last = &p->steps[n - 1];
         if (!strcmp(last->policy_name, p->spec))
             snprintf(running[i], sizeof running[i], "%s", last->policy_version);
@@ -699,7 +856,9 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
              m->num_layers, m->num_experts, m->top_k, rp_config_hardware(cfg)->backward.attention,
              rp_config_hardware(cfg)->backward.experts, rp_config_hardware(cfg)->backward.communication);
     const char *context[] = {line1, line2, NULL};
-    rp_report report = {"RoutePack simulation", context, base ? SIM_BASELINE : NULL, t->num_gpus,
+    char base_label[160];
+    snprintf(base_label, sizeof base_label, "the best baseline, %s", base ? base->spec : "");
+    rp_report report = {"RoutePack simulation", context, base ? base_label : NULL, t->num_gpus,
                         t->gpus_per_node, t->ep_size, m->num_layers, np, rp, load_step};
     size_t len;
     if ((st = rp_report_html(ctx, &report, &text, &len, err)) != RP_OK) goto out;
@@ -1036,9 +1195,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
     }
     cli_progress_end();
 
-    const sim_policy *base = NULL;
-    for (int i = 0; i < np; i++)
-        if (!strcmp(pol[i].spec, SIM_BASELINE) && pol[i].num_steps > 0) base = &pol[i];
+    const sim_policy *base = best_baseline(pol, np);
     if (o.json) {
         if (!print_json(pol, np, base, config, &in, steps, cfg, o.microbatches)) {
             fprintf(stderr, "routepack: could not write the JSON output\n");
