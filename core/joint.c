@@ -16,7 +16,8 @@ rp_joint_params rp_joint_defaults(void)
 {
     return (rp_joint_params){.num_microbatches = 0, .pack = true, .place = true, .prompt_spread = 0.5,
                              .balance_evaluations = 0, .place_rounds = 4, .shares = true, .max_extra_per_rank = 1,
-                             .horizon_steps = 10.0, .refine_evaluations = 0, .seed = 0, .fallbacks = NULL};
+                             .horizon_steps = 10.0, .refine_evaluations = 0, .seed = 0, .fallbacks = NULL,
+                             .persistence = 1.0};
 }
 
 static bool known_baseline(const char *name)
@@ -42,6 +43,8 @@ static rp_status check_params(const rp_joint_params *p, rp_error *err)
     if (!(p->horizon_steps > 0))
         return rp_fail(err, RP_EINVAL, "joint: horizon_steps = %g, must be > 0 (INFINITY: always re-place)",
                        p->horizon_steps);
+    if (!(p->persistence >= 0 && p->persistence <= 1))
+        return rp_fail(err, RP_EINVAL, "joint: persistence = %g, must be in [0, 1]", p->persistence);
     if (p->refine_max_operations < 0)
         return rp_fail(err, RP_EINVAL, "joint: refine_max_operations = %lld, must be >= 0 (0: no limit)",
                        (long long)p->refine_max_operations);
@@ -305,7 +308,8 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
         if (!isinf(H)) {
             double p_fresh = persistent_score(jt, l, lay, share_max, scratch);
             double p_kept = persistent_score(jt, l, &kept, share_max, scratch);
-            double saving = (s_kept - s_fresh) + (H - 1) * (p_kept - p_fresh);
+            /* the persistent part counts only as far as earlier moves' savings held */
+            double saving = (s_kept - s_fresh) + (H - 1) * jt->par->persistence * (p_kept - p_fresh);
             double cost = joint_layer_migration_s(jt, old, lay) - joint_layer_migration_s(jt, old, &kept);
             fresh = saving > cost;
         }

@@ -67,6 +67,7 @@ void rp_lua_host_bind(rp_lua_host *host, const rp_lua_frame *frame)
                "policy '%s': %lld log records dropped in this call (a call may log %d records or %lld bytes)",
                host->policy_name, (long long)host->log_dropped, RP_LUA_LOG_RECORDS, (long long)RP_LUA_LOG_BYTES);
     host->log_records = host->log_bytes = host->log_dropped = 0;
+    if (frame) memset(&host->decision, 0, sizeof host->decision);
     host->frame = frame;
     host->generation++;
 }
@@ -975,6 +976,46 @@ static int l_local_search(lua_State *L)
     return 2;
 }
 
+/* rp.decision(tbl): the policy's account of this step's migration decision, into the
+ * step report (rp_step_report's persistence fields; docs/policies.md). Keys:
+ * persistence (in [0, 1]), observations (>= 0), predicted_saving_s, realised_saving_s
+ * (optional: absent when no earlier change was scored). The last call of a step wins. */
+static int l_decision(lua_State *L)
+{
+    static const char *const known[] = {"persistence", "observations", "predicted_saving_s", "realised_saving_s",
+                                        NULL};
+    rp_lua_host *h = rp_lua_host_of(L);
+    need_step(L, h, "rp.decision");
+    luaL_checktype(L, 1, LUA_TTABLE);
+    rp_lua_check_opts(L, 1, "rp.decision", known);
+    rp_lua_charge(L, 16);
+    rp_lua_decision d;
+    memset(&d, 0, sizeof d);
+    d.set = true;
+    d.persistence = -1;
+    if (opt(L, 1, "persistence") != LUA_TNIL) {
+        d.persistence = check_num(L, -1, "rp.decision: persistence");
+        if (!(d.persistence >= 0 && d.persistence <= 1))
+            rp_lua_error(L, "rp.decision: persistence must be within [0, 1], got %g", d.persistence);
+    }
+    lua_pop(L, 1);
+    if (opt(L, 1, "observations") != LUA_TNIL)
+        d.observations = (int32_t)rp_lua_check_int(L, -1, "rp.decision: observations", 0, INT32_MAX);
+    lua_pop(L, 1);
+    if (opt(L, 1, "predicted_saving_s") != LUA_TNIL)
+        d.predicted_saving_s = check_num(L, -1, "rp.decision: predicted_saving_s");
+    lua_pop(L, 1);
+    if (opt(L, 1, "realised_saving_s") != LUA_TNIL) {
+        d.realised_saving_s = check_num(L, -1, "rp.decision: realised_saving_s");
+        d.realised_scored = true;
+    }
+    lua_pop(L, 1);
+    if (!isfinite(d.predicted_saving_s) || !isfinite(d.realised_saving_s))
+        rp_lua_error(L, "rp.decision: savings must be finite numbers");
+    h->decision = d;
+    return 0;
+}
+
 /* rp.joint(opts): the joint planner (rp_joint_plan, docs/routepack-policy.md) on this
  * step's batch, statistics and cost model, migration-aware against the placement in use.
  * Returns the plan and a report table. */
@@ -984,7 +1025,7 @@ static int l_joint(lua_State *L)
     luaL_checkstack(L, 40, "rp.joint");
     static const char *const known[] = {"num_microbatches", "pack", "place", "prompt_spread", "balance_evaluations",
                                         "place_rounds", "shares", "max_extra_per_rank", "horizon",
-                                        "refine_evaluations", "fallbacks", "expected_loads", NULL};
+                                        "refine_evaluations", "fallbacks", "expected_loads", "persistence", NULL};
     rp_lua_host *h = rp_lua_host_of(L);
     const rp_lua_frame *f = need_step(L, h, "rp.joint");
     rp_lua_check_opts(L, 1, "rp.joint", known);
@@ -1012,6 +1053,8 @@ static int l_joint(lua_State *L)
         par.max_extra_per_rank = (int32_t)rp_lua_check_int(L, -1, "rp.joint: opts.max_extra_per_rank", 0, 64);
     lua_pop(L, 1);
     if (opt(L, 1, "horizon") != LUA_TNIL) par.horizon_steps = check_num(L, -1, "rp.joint: opts.horizon");
+    lua_pop(L, 1);
+    if (opt(L, 1, "persistence") != LUA_TNIL) par.persistence = check_num(L, -1, "rp.joint: opts.persistence");
     lua_pop(L, 1);
     if (opt(L, 1, "refine_evaluations") != LUA_TNIL)
         par.refine_evaluations = rp_lua_check_int(L, -1, "rp.joint: opts.refine_evaluations", 0, MAX_EVALUATIONS);
@@ -1190,6 +1233,7 @@ static const luaL_Reg api_funcs[] = {
     {"migration", l_migration},
     {"local_search", l_local_search},
     {"joint", l_joint},
+    {"decision", l_decision},
     {"log", l_log},
     {NULL, NULL},
 };

@@ -36,6 +36,17 @@ typedef struct rp_lua_frame {
 /* One per sandbox. Plans and scratch that the policy's C calls allocate go through
  * plan_ctx, whose live bytes are capped (the sandbox's memory limit), so a policy cannot
  * exhaust memory through C objects the Lua allocator does not see. */
+/* A policy's account of its migration decision this step (rp.decision): the step
+ * report's persistence fields (routepack/sched.h). */
+typedef struct rp_lua_decision {
+    bool set;
+    double persistence;          /* the persistence estimate the decision used, [0, 1] */
+    int32_t observations;        /* scored steps behind it (0: the prior) */
+    double predicted_saving_s;   /* this step's placement change: its saving on this batch */
+    bool realised_scored;
+    double realised_saving_s;    /* an earlier change's saving on this batch */
+} rp_lua_decision;
+
 typedef struct rp_lua_host {
     rp_context *ctx;             /* the engine's context */
     rp_context plan_ctx;
@@ -51,6 +62,9 @@ typedef struct rp_lua_host {
     /* rp.log in the running call: records and bytes sent, records dropped past the
      * per-call limits (RP_LUA_LOG_RECORDS, RP_LUA_LOG_BYTES) */
     int64_t log_records, log_bytes, log_dropped;
+    /* rp.decision in the running call (cleared when a call starts): what the policy
+     * says about its migration decision, copied into the step report */
+    rp_lua_decision decision;
 } rp_lua_host;
 
 /* What rp.log may send to the context's log in one call (one step of one policy): a

@@ -515,6 +515,7 @@ static void push_history(rp_sched *s, int64_t step, const rp_stats *stats)
 
 typedef struct run_result {
     rp_plan *plan;       /* merged, stable, valid; NULL on failure */
+    rp_lua_decision decision; /* the last rp.decision of the set's policies */
     int64_t work;
     double wall_s;       /* in the policy calls */
     double cpu_s;        /* the same, this thread's CPU time */
@@ -601,6 +602,7 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
         rp_status st = rp_policy_plan(ps->pol[i], &frame, n, 0, &got, &r->why, &work, &err);
         r->wall_s += now_s() - t0;
         r->cpu_s += thread_cpu_s() - c0;
+        if (ps->pol[i]->host.decision.set) r->decision = ps->pol[i]->host.decision;
         r->work += work;
         if (st != RP_OK) {
             /* whatever failed inside the policy's call, out of memory included, is the
@@ -945,6 +947,14 @@ static rp_status propose(rp_sched *s, policy_set *use, step_inputs *in, rp_step_
     rep->policy_work = r.work;
     rep->policy_wall_s = r.wall_s;
     rep->policy_cpu_s = r.cpu_s;
+    if (r.plan && r.decision.set) {
+        rep->has_decision = true;
+        rep->persistence = r.decision.persistence;
+        rep->persistence_observations = r.decision.observations;
+        rep->predicted_saving_s = r.decision.predicted_saving_s;
+        rep->realised_scored = r.decision.realised_scored;
+        rep->realised_saving_s = r.decision.realised_saving_s;
+    }
     if (r.plan) {
         *out = r.plan;
         return RP_OK;

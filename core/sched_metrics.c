@@ -9,7 +9,8 @@
 json_t *rp_step_metrics_json(const rp_step_report *r)
 {
     const rp_cost_summary *c = &r->cost;
-    return json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:f, s:f, s:i, s:i, s:i}",
+    return json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:f, s:f, s:i, s:i, s:i,"
+                     " s:f, s:i, s:f, s:f, s:i}",
                      "step_time_ms", c->step_s * 1e3,
                      "lower_bound_ms", c->lower_bound_s * 1e3,
                      "step_over_lower_bound", c->ratio,
@@ -28,5 +29,11 @@ json_t *rp_step_metrics_json(const rp_step_report *r)
                      "policy_ms", r->policy_wall_s * 1e3,
                      "fallback", r->fallback ? 1 : 0,
                      "swapped", r->swapped ? 1 : 0,
-                     "ranks_disagreed", r->ranks_disagreed ? 1 : 0);
+                     "ranks_disagreed", r->ranks_disagreed ? 1 : 0,
+                     /* the policy's migration decision (rp.decision); -1: it gave none */
+                     "persistence", r->has_decision ? r->persistence : -1.0,
+                     "persistence_observations", (int)r->persistence_observations,
+                     "predicted_saving_ms", r->predicted_saving_s * 1e3,
+                     "realised_saving_ms", r->realised_saving_s * 1e3,
+                     "realised_scored", r->realised_scored ? 1 : 0);
 }

@@ -19,7 +19,7 @@
 
 local P = {
   name = "routepack",
-  version = "0.3.0",
+  version = "0.4.0",
   api = 1,
   description = "joint policy: attention-, token- and expert-balanced packing, migration-aware placement with per-microbatch shares and replicas, checked against the baselines",
   params = {
@@ -59,6 +59,18 @@ local P = {
       type = "boolean", default = true,
       doc = "check the plan against the four baselines and return the best under the cost model",
     },
+    persistence = {
+      type = "number", default = -1, min = -1, max = 1,
+      doc = "fraction of a re-placement's saving expected to hold on later steps; -1: measured from the realised savings of earlier moves (prior `persistence_prior`)",
+    },
+    persistence_prior = {
+      type = "number", default = 0, min = 0, max = 1,
+      doc = "the persistence assumed before any earlier move has been scored",
+    },
+    persistence_window = {
+      type = "integer", default = 16, min = 1, max = 1000,
+      doc = "scored steps (realised against predicted saving) the persistence estimate averages over",
+    },
   },
 }
 
@@ -88,8 +100,61 @@ local function expected_loads(ctx)
   return sum
 end
 
+-- ---- persistence from history (docs/routepack-policy.md, "Persistence from history") ----
+-- ctx.state.move: the last placement change this policy made: the placement before it,
+-- the one after it, and what it saved on its own step's batch (both scored by the cost
+-- model with that step's packing, no levers). On every later step (up to `horizon`) the
+-- two placements are scored again with that step's packing: the realised saving. The
+-- estimate is sum(realised) / sum(predicted) over the last `persistence_window` scored
+-- steps, within [0, 1]; before any, `persistence_prior`.
+
+local function score(packing, placement)
+  return rp.evaluate(rp.plan({packing = packing, placement = placement})).step_s
+end
+
+local function estimate(ctx)
+  local p, obs = ctx.params, ctx.state.observed
+  if p.persistence >= 0 then return p.persistence, 0 end
+  if not obs or #obs == 0 then return p.persistence_prior, 0 end
+  local r, q = 0, 0
+  for i = 1, #obs do r = r + obs[i][1]; q = q + obs[i][2] end
+  if q <= 0 then return p.persistence_prior, #obs end
+  return math.max(0, math.min(1, r / q)), #obs
+end
+
+local function observe(ctx, realised, predicted)
+  local obs = ctx.state.observed or {}
+  obs[#obs + 1] = {realised, predicted}
+  while #obs > ctx.params.persistence_window do table.remove(obs, 1) end
+  ctx.state.observed = obs
+end
+
+-- Score the open move on this step's batch, and open a new one when `plan` changes the
+-- placement in use. Returns the realised saving (nil when nothing was scored) and the
+-- predicted saving of this step's change (0 when none).
+local function measure(ctx, plan)
+  local st, packing = ctx.state, plan:packing()
+  local realised
+  local move = st.move
+  if move and move.age < ctx.params.horizon then
+    realised = score(packing, move.before) - score(packing, move.after)
+    observe(ctx, realised, move.predicted)
+    move.age = move.age + 1
+  end
+  local predicted = 0
+  local _, bytes = rp.migration(plan)
+  if bytes > 0 then
+    local before, after = ctx.placement.table(), plan:placement()
+    predicted = score(packing, before) - score(packing, after)
+    -- a change that does not even pay on its own batch is not a prediction to test
+    st.move = predicted > 0 and {before = before, after = after, predicted = predicted, age = 0} or nil
+  end
+  return realised, predicted
+end
+
 local function joint(ctx)
   local p = ctx.params
+  local persistence, observations = estimate(ctx)
   local plan = rp.joint({
     num_microbatches = p.num_microbatches,
     prompt_spread = p.prompt_spread,
@@ -101,7 +166,11 @@ local function joint(ctx)
     refine_evaluations = p.search_evaluations,
     fallbacks = p.fallbacks and FALLBACKS or {},
     expected_loads = expected_loads(ctx),
+    persistence = persistence,
   })
+  local realised, predicted = measure(ctx, plan)
+  rp.decision({persistence = persistence, observations = observations, predicted_saving_s = predicted,
+               realised_saving_s = realised})
   return plan
 end
 

@@ -64,6 +64,13 @@ typedef struct rp_joint_params {
      * follows a lasting shift in popularity does. NULL: this step's own loads (which
      * assumes they persist). Finite, >= 0. Borrowed for the call. */
     const double *expected_loads;
+    /* Added after the first version (append only). */
+    /* The fraction of a re-placement's persistent saving expected to hold on the coming
+     * steps, in [0, 1]: the rule counts (horizon_steps - 1) x persistence x the
+     * persistent saving. 1 (the default) takes the prediction at its word; the shipped
+     * policy measures it from the realised savings of its earlier moves
+     * (docs/routepack-policy.md, "Persistence from history"). */
+    double persistence;
 } rp_joint_params;
 
 /* Defaults: the full joint planner, prompt_spread 0.5, no balance evaluations,

@@ -108,6 +108,18 @@ typedef struct rp_step_report {
     double policy_cpu_s;           /* the same calls in CPU time of the calling thread (the
                                       policy runs there): what they cost when other work
                                       shares the cores, informational */
+    /* The policy's account of its migration decision (rp.decision; the shipped
+     * routepack policy gives it, docs/routepack-policy.md "Persistence from history").
+     * has_decision false: the policy gave none (the fields below are 0). */
+    bool has_decision;
+    double persistence;            /* the fraction of a move's saving expected to hold on
+                                      later steps that the decision used, [0, 1] */
+    int32_t persistence_observations; /* scored steps behind it; 0: the prior */
+    double predicted_saving_s;     /* this step's placement change: what it saves on this
+                                      step's batch (0: no change) */
+    bool realised_scored;          /* an earlier change was scored on this batch */
+    double realised_saving_s;      /* its saving on this batch (the placement after it
+                                      against the one before, this step's packing) */
 } rp_step_report;
 
 /* Plan step `step` for `batch` and its routing replay (host memory). On success *plan

@@ -1,0 +1,190 @@
+/* Persistence from history: the routepack policy scores each placement change it made
+ * again on the batches that came next (the placement after it against the one before,
+ * that step's packing), reports predicted and realised savings per step (rp.decision ->
+ * rp_step_report, metrics), and feeds sum(realised) / sum(predicted) to the joint
+ * planner's migration rule (rp_joint_params.persistence). */
+#include "routepack/routepack.h"
+#include "tap.h"
+#include "test_util.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define STEPS 8
+static rp_context *ctx;
+static rp_config *cfg;
+static rp_batch *batches[STEPS];
+static rp_routing routings[STEPS];
+static void *ids[STEPS];
+static char tmp[256];
+
+static rp_sched *make(const char *policy, const char *params)
+{
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.policy = policy;
+    o.params_json = params;
+    o.num_threads = 1;
+    rp_sched *s = NULL;
+    rp_error err;
+    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new(%s): %s", policy, err.text);
+    return s;
+}
+
+/* The estimate the policy should have used at each step, recomputed from the reports
+ * of the steps before it. */
+static void test_estimate_from_reports(void)
+{
+    rp_sched *s = make("routepack", "{\"persistence_prior\": 1}");
+    double sum_r = 0, sum_p = 0, open_pred = 0;
+    int obs = 0, moves = 0, scored = 0, mismatches = 0, ran = 0;
+    for (int t = 0; t < STEPS && s; t++) {
+        const rp_plan *p = NULL;
+        const rp_step_report *r = NULL;
+        rp_error err;
+        if (rp_sched_step(s, t, batches[t], &routings[t], &p, &r, &err) != RP_OK || r->fallback || !r->has_decision) {
+            diag("step %d: %s", t, r && r->fallback ? r->fallback_reason : err.text);
+            break;
+        }
+        ran++;
+        double want = obs == 0 || sum_p <= 0 ? 1.0 : fmax(0, fmin(1, sum_r / sum_p));
+        if (fabs(r->persistence - want) > 1e-9 || r->persistence_observations != obs) {
+            diag("step %d: persistence %.6f over %d observations; recomputed %.6f over %d", t, r->persistence,
+                 r->persistence_observations, want, obs);
+            mismatches++;
+        }
+        if (r->realised_scored) {
+            scored++;
+            sum_r += r->realised_saving_s;
+            sum_p += open_pred;
+            obs++;
+        }
+        if (r->predicted_saving_s > 0) {
+            moves++;
+            open_pred = r->predicted_saving_s;
+        }
+        if (r->migration_bytes == 0 && r->predicted_saving_s != 0) mismatches++;
+    }
+    is_int(ran, STEPS, "routepack ran %d steps, each with a decision in the report", STEPS);
+    ok(moves > 0 && scored > 0, "with the prior 1 it moves (%d changes) and scores them later (%d steps)", moves,
+       scored);
+    is_int(mismatches, 0, "each step's persistence is sum(realised) / sum(predicted) of the steps before it, in [0, 1]");
+    rp_sched_free(s);
+}
+
+/* The measured estimate reaches the planner: a fixed persistence 0 re-places less than
+ * persistence 1 from the same start. */
+static void test_rule(void)
+{
+    rp_sched *one = make("routepack", "{\"persistence\": 1}"), *zero = make("routepack", "{\"persistence\": 0}");
+    double bytes1 = 0, bytes0 = 0;
+    bool ran = one && zero;
+    for (int t = 0; t < STEPS && ran; t++) {
+        const rp_plan *p = NULL;
+        const rp_step_report *r1 = NULL, *r0 = NULL;
+        rp_error err;
+        ran = rp_sched_step(one, t, batches[t], &routings[t], &p, &r1, &err) == RP_OK &&
+              rp_sched_step(zero, t, batches[t], &routings[t], &p, &r0, &err) == RP_OK;
+        if (ran) {
+            bytes1 += r1->migration_bytes;
+            bytes0 += r0->migration_bytes;
+            ran = r1->persistence == 1 && r0->persistence == 0;
+        }
+    }
+    ok(ran && bytes0 < bytes1, "persistence 0 migrates less than 1 (%.1f GB against %.1f GB over %d steps)",
+       bytes0 / 1e9, bytes1 / 1e9, STEPS);
+    rp_sched_free(one);
+    rp_sched_free(zero);
+
+    /* out of range */
+    rp_joint_params par = rp_joint_defaults();
+    ok(par.persistence == 1.0, "rp_joint_defaults: persistence 1 (the prediction at its word)");
+}
+
+/* rp.decision: into the report and its metrics; checked arguments */
+static void test_decision_api(void)
+{
+    char path[600];
+    snprintf(path, sizeof path, "%s/decider.lua", tmp);
+    FILE *f = fopen(path, "w");
+    fputs("return {name = 'decider', version = '1.0.0', api = 1, description = 'probe',\n"
+          "plan = function(ctx)\n"
+          "  if ctx.step == 1 then rp.decision({persistence = 2}) end\n"
+          "  rp.decision({persistence = 0.25, observations = 3, predicted_saving_s = 0.002, realised_saving_s = 0.001})\n"
+          "end}\n",
+          f);
+    fclose(f);
+    rp_sched *s = make(path, NULL);
+    const rp_plan *p = NULL;
+    const rp_step_report *r = NULL;
+    rp_error err;
+    ok(s && rp_sched_step(s, 0, batches[0], &routings[0], &p, &r, &err) == RP_OK && r->has_decision &&
+           r->persistence == 0.25 && r->persistence_observations == 3 && r->predicted_saving_s == 0.002 &&
+           r->realised_scored && r->realised_saving_s == 0.001,
+       "rp.decision fills the step report's decision fields");
+    char *text = NULL;
+    json_t *root = NULL;
+    if (s && rp_sched_report_json(s, &text, NULL, &err) == RP_OK) root = json_loads(text, 0, NULL);
+    json_t *m = json_object_get(root, "metrics");
+    ok(m && json_real_value(json_object_get(m, "persistence")) == 0.25 &&
+           fabs(json_real_value(json_object_get(m, "predicted_saving_ms")) - 2.0) < 1e-12 &&
+           fabs(json_real_value(json_object_get(m, "realised_saving_ms")) - 1.0) < 1e-12 &&
+           json_integer_value(json_object_get(m, "realised_scored")) == 1 &&
+           json_integer_value(json_object_get(m, "persistence_observations")) == 3,
+       "and the metrics: persistence, predicted_saving_ms, realised_saving_ms, realised_scored, observations");
+    json_decref(root);
+    rp_text_free(ctx, text);
+    ok(s && rp_sched_step(s, 1, batches[1], &routings[1], &p, &r, &err) == RP_OK && r->fallback &&
+           strstr(r->fallback_reason, "rp.decision: persistence must be within [0, 1], got 2"),
+       "a persistence out of [0, 1] is the policy's error");
+    rp_sched_free(s);
+    s = make("token_kk+eplb", NULL);
+    text = NULL;
+    root = NULL;
+    if (s && rp_sched_step(s, 0, batches[0], &routings[0], &p, &r, &err) == RP_OK &&
+        rp_sched_report_json(s, &text, NULL, &err) == RP_OK)
+        root = json_loads(text, 0, NULL);
+    ok(r && !r->has_decision && json_real_value(json_object_get(json_object_get(root, "metrics"), "persistence")) == -1,
+       "a policy that gives no decision: has_decision false, persistence -1 in the metrics");
+    json_decref(root);
+    rp_text_free(ctx, text);
+    rp_sched_free(s);
+}
+
+int main(void)
+{
+    rp_error err;
+    rp_gen *gen = NULL;
+    rp_context_new(NULL, NULL, &ctx);
+    if (rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-small.json", &cfg, &err) != RP_OK ||
+        rp_gen_load(ctx, RP_SOURCE_DIR "/examples/gen-small.json", &gen, &err) != RP_OK) {
+        ok(0, "setup: %s", err.text);
+        return tap_done();
+    }
+    for (int t = 0; t < STEPS; t++)
+        if (!(ids[t] = gen_step_copy(gen, t, &batches[t], &routings[t], &err))) {
+            ok(0, "gen step %d: %s", t, err.text);
+            return tap_done();
+        }
+    snprintf(tmp, sizeof tmp, "/tmp/rp_test_persistence_XXXXXX");
+    if (!mkdtemp(tmp)) return 1;
+    unsetenv("RP_POLICY_PATH");
+    test_estimate_from_reports();
+    test_rule();
+    test_decision_api();
+    for (int t = 0; t < STEPS; t++) {
+        rp_batch_free(batches[t]);
+        free(ids[t]);
+    }
+    rp_gen_free(gen);
+    rp_config_free(cfg);
+    rp_context_free(ctx);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmp);
+    if (system(cmd) != 0) diag("could not remove %s", tmp);
+    return tap_done();
+}
