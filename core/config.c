@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "jsonx.h"
 #include "routepack/config.h"
+#include "routepack/memory.h"
 
 #include <float.h>
 #include <stdio.h>
@@ -18,6 +19,8 @@
 #define MAX_HEADS 65536
 #define MAX_GEMM_POINTS 4096
 #define MAX_SEARCH_PATH 1024
+/* 10^15 parameters: far beyond any model, and every byte count stays exact in a double. */
+#define MAX_DENSE_PARAMS ((int64_t)1000000000000000)
 
 struct rp_config {
     rp_context *ctx;
@@ -431,7 +434,8 @@ static rp_status load_token_linear(loader *ld, json_t *obj)
 
 static const char *const model_keys[] = {
     "num_layers", "num_experts", "top_k", "hidden_size", "expert_ffn_size", "num_heads",
-    "num_kv_heads", "head_dim", "bytes_per_param", "bytes_per_optimizer_state", "comment", NULL,
+    "num_kv_heads", "head_dim", "bytes_per_param", "bytes_per_optimizer_state", "bytes_per_grad",
+    "dense_params", "comment", NULL,
 };
 
 static rp_status load_model(loader *ld, json_t *obj)
@@ -459,6 +463,18 @@ static rp_status load_model(loader *ld, json_t *obj)
     RP_CHECK_GOTO(get_i32(ld, obj, P, "bytes_per_param", false, 2, 1, 16, &m->bytes_per_param), st, out);
     RP_CHECK_GOTO(get_i32(ld, obj, P, "bytes_per_optimizer_state", false, 12, 0, 256,
                           &m->bytes_per_optimizer_state),
+                  st, out);
+    /* Megatron keeps FP32 main gradients for BF16 weights (its distributed-optimizer
+     * table: 18 bytes per parameter = 2 weight + 4 grad + 12 optimizer; docs/config.md). */
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "bytes_per_grad", false, 4, 0, 16, &m->bytes_per_grad), st, out);
+    /* Default: what the shape gives, the attention projections and the router of every
+     * layer; embeddings, norms, shared experts and dense layers need the explicit key. */
+    double dense = (double)m->num_layers * ((double)m->hidden_size * m->head_dim * (2.0 * m->num_heads +
+                                                                                   2.0 * m->num_kv_heads) +
+                                            (double)m->hidden_size * m->num_experts);
+    int64_t dense_dflt = dense < (double)MAX_DENSE_PARAMS ? (int64_t)dense : MAX_DENSE_PARAMS;
+    RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "dense_params", false, dense_dflt, 0, MAX_DENSE_PARAMS,
+                              &m->dense_params, ld->err),
                   st, out);
 out:
     return st;
@@ -500,7 +516,8 @@ out:
 /* ---- execution ----------------------------------------------------------------------- */
 
 static const char *const execution_keys[] = {
-    "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "comment", NULL,
+    "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "optimizer_sharding",
+    "staging_budget_bytes", "comment", NULL,
 };
 
 /* A string member that must be one of `names` (NULL-terminated); its index in *out. */
@@ -530,6 +547,7 @@ static rp_status get_choice(loader *ld, json_t *obj, const char *path, const cha
 static const char *const sync_names[] = {"group", "global", NULL};
 static const char *const overlap_names[] = {"none", "layer", NULL};
 static const char *const dedup_names[] = {"choice", "gpu", "node", NULL};
+static const char *const sharding_names[] = {"none", "dp", NULL};
 
 static rp_status load_execution(loader *ld, json_t *obj)
 {
@@ -550,9 +568,36 @@ static rp_status load_execution(loader *ld, json_t *obj)
     x->dispatch_dedup = (rp_dispatch_dedup)v;
     RP_CHECK_GOTO(get_i32(ld, obj, P, "dispatch_bytes_per_element", false, 2, 1, 16, &x->dispatch_bytes_per_element),
                   st, out);
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "optimizer_sharding", sharding_names, RP_OPTIMIZER_SHARDING_NONE, &v), st,
+                  out);
+    x->optimizer_sharding = (rp_optimizer_sharding)v;
+    /* 0, the scheduler's default: no limit, every migration in one round. */
+    RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "staging_budget_bytes", false, 0, 0, (int64_t)1 << 53,
+                              &x->staging_budget_bytes, ld->err),
+                  st, out);
 out:
     json_decref(empty);
     return st;
+}
+
+/* The slots, dense parameters and staging must fit before any plan adds extra replicas:
+ * a config whose GPUs cannot hold them is refused here, naming the keys to change. */
+static rp_status check_memory(loader *ld, json_t *topology)
+{
+    rp_gpu_memory mem;
+    rp_status st = rp_memory_peak(ld->cfg, NULL, &mem, ld->err);
+    if (st != RP_OK || mem.total_bytes <= mem.capacity_bytes) return st;
+    char what[RP_ERROR_TEXT / 2];
+    rp_memory_describe(&mem, what, sizeof what);
+    const rp_execution *x = &ld->cfg->execution;
+    const char *path = json_object_get(topology, "slots_per_gpu") ? "topology.slots_per_gpu" : "topology";
+    return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, path,
+                        "does not fit in GPU memory: %s; lower topology.slots_per_gpu%s%s or raise "
+                        "hardware.hbm_bytes",
+                        what,
+                        x->optimizer_sharding == RP_OPTIMIZER_SHARDING_NONE
+                            ? ", set execution.optimizer_sharding \"dp\"" : "",
+                        x->staging_budget_bytes == 0 ? ", set execution.staging_budget_bytes" : "");
 }
 
 /* ---- policy -------------------------------------------------------------------------- */
@@ -743,6 +788,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(load_token_linear(&ld, hardware), st, out);
     RP_CHECK_GOTO(load_limits(&ld, limits), st, out);
     RP_CHECK_GOTO(load_execution(&ld, execution), st, out);
+    RP_CHECK_GOTO(check_memory(&ld, topology), st, out);
     RP_CHECK_GOTO(load_policy(&ld, policy), st, out);
 
     *out = cfg;

@@ -1,6 +1,7 @@
 /* The cost model: per-sequence attention, per-slot expert time, dispatch and combine
  * traffic, and the full evaluation of a plan with its breakdown (docs/cost-model.md). */
 #include "cost_internal.h"
+#include "routepack/memory.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -199,7 +200,8 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->expert_token_s = 6.0 * d * f / h->peak_flops;
     c->expert_bytes = 3.0 * d * f * bpp;
     c->expert_mem_s = c->expert_bytes / h->hbm_bytes_per_s;
-    c->expert_move_bytes = 3.0 * d * f * (bpp + md->bytes_per_optimizer_state);
+    /* weights plus the receiver's shard of the optimizer state (routepack/memory.h) */
+    c->expert_move_bytes = (double)rp_memory_expert_move_bytes(cfg);
     const rp_execution *x = rp_config_execution(cfg);
     c->token_bytes = d * x->dispatch_bytes_per_element;
     c->sync = x->sync;

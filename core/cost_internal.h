@@ -115,7 +115,7 @@ struct rp_cost {
     int32_t slot_table_n;
     double token_bytes;        /* d * bytes_per_param: one token-choice on the wire */
     double expert_bytes;       /* 3 d f bytes_per_param: one expert's weights */
-    double expert_move_bytes;  /* 3 d f (bytes_per_param + bytes_per_optimizer_state) */
+    double expert_move_bytes;  /* rp_memory_expert_move_bytes: weights + optimizer shard */
     double nv_bw, nv_lat, net_bw, net_lat;
     rp_backward bwd;           /* per-term backward / forward */
     double token_linear_s;     /* per token: token_linear_bytes_per_token / hbm */

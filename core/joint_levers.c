@@ -3,6 +3,7 @@
  * one (microbatch, layer), each added only where the surrogate saving exceeds its copy
  * time (docs/routepack-policy.md, "Shares and extra replicas"). */
 #include "joint_internal.h"
+#include "memory_internal.h"
 
 #include <math.h>
 #include <string.h>
@@ -47,7 +48,21 @@ typedef struct lever_state {
     int32_t *reps;         /* [E] replicated experts, heaviest first */
     double *rtot;          /* [E] */
     double *fill_a, *fill_c; /* [(ep + 1) * Q] minmax_fill's lines */
+    /* Memory (docs/cost-model.md, "Memory per GPU"): a GPU keeps every extra replica of
+     * the step, once per (layer, expert), so each EP rank may take only as many new ones
+     * as its free memory holds. */
+    int64_t *room;         /* [ep] extra replicas that still fit */
+    int32_t *fresh;        /* [ep] extras of this (mb, layer) not held in an earlier one */
+    unsigned char *held;   /* bit (l E + e) ep + j: rank j holds e at layer l this step;
+                              NULL when too large: every extra counts as new */
 } lever_state;
+
+static bool held_extra(const joint *jt, const lever_state *ls, int32_t l, int32_t e, int32_t j)
+{
+    if (!ls->held) return false;
+    size_t bit = ((size_t)l * jt->E + e) * jt->ep + j;
+    return ls->held[bit >> 3] & (1u << (bit & 7));
+}
 
 static inline double gspeed(const joint *jt, int32_t q, int32_t j) { return jt->speed[q * jt->ep + j]; }
 
@@ -211,7 +226,7 @@ static void reset_even(const joint *jt, lever_state *ls, int32_t l)
             ls->w[(size_t)e * ep + i] = 1.0 / R;
         }
     }
-    for (int32_t j = 0; j < ep; j++) ls->extra_count[j] = 0;
+    for (int32_t j = 0; j < ep; j++) ls->extra_count[j] = 0, ls->fresh[j] = 0;
     ls->n_extra = 0;
 }
 
@@ -291,7 +306,7 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
             }
             int32_t cool[2], ncool = 0;
             for (int32_t j = 0; j < ep; j++) {
-                if (ls->extra_count[j] >= par->max_extra_per_rank) continue;
+                if (ls->extra_count[j] >= par->max_extra_per_rank || ls->fresh[j] >= ls->room[j]) continue;
                 int32_t at = ncool < 2 ? ncool++ : 2;
                 while (at > 0 && ls->rank_u[cool[at - 1]] > ls->rank_u[j]) {
                     if (at < 2) cool[at] = cool[at - 1];
@@ -338,6 +353,7 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
             ls->explicit_shares[best_e] = true;
             contribute(jt, ls, m, l, best_e, +1);
             ls->extra_count[best_j]++;
+            if (!held_extra(jt, ls, l, best_e, best_j)) ls->fresh[best_j]++;
             ls->extra_e[ls->n_extra] = best_e;
             ls->extra_r[ls->n_extra] = best_j;
             ls->n_extra++;
@@ -383,6 +399,28 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
     ls.fill_a = rp_alloc(ctx, ((size_t)ep + 1) * Q * sizeof *ls.fill_a);
     ls.fill_c = rp_alloc(ctx, ((size_t)ep + 1) * Q * sizeof *ls.fill_c);
     int32_t *order = rp_alloc(ctx, ((size_t)max_extras + 1) * sizeof *order);
+    ls.room = rp_alloc(ctx, (size_t)ep * sizeof *ls.room);
+    ls.fresh = rp_calloc(ctx, (size_t)ep, sizeof *ls.fresh);
+    rp_gpu_memory *mem = rp_alloc(ctx, (size_t)ep * sizeof *mem);
+    const size_t held_bits = (size_t)jt->L * (size_t)E * (size_t)ep;
+    if (held_bits <= ((size_t)1 << 30)) {
+        ls.held = rp_calloc(ctx, held_bits / 8 + 1, 1);
+        if (!ls.held) {
+            st = rp_fail_nomem(err, "joint: extra replicas");
+            goto out;
+        }
+    }
+    if (!ls.room || !ls.fresh || !mem) {
+        st = rp_fail_nomem(err, "joint: extra replicas");
+        goto out;
+    }
+    RP_CHECK_GOTO(memory_per_rank(jt->cfg, NULL, mem, err), st, out);
+    const double extra_bytes = memory_extra_replica_bytes(jt->cfg);
+    for (int32_t j = 0; j < ep; j++) {
+        double free_bytes = mem[j].capacity_bytes - mem[j].total_bytes;
+        double n = free_bytes > 0 && extra_bytes > 0 ? floor(free_bytes / extra_bytes) : 0;
+        ls.room[j] = n < (double)INT32_MAX ? (int64_t)n : INT32_MAX;
+    }
     if (!ls.cnt || !ls.base || !ls.rank || !ls.w || !ls.explicit_shares || !ls.U || !ls.tq || !ls.base_load ||
         !ls.wt || !ls.best_w || !ls.rk || !ls.rank_u || !ls.extra_count || !ls.extra_e || !ls.extra_r || !ls.reps ||
         !ls.rtot || !ls.fill_a || !ls.fill_c || !order) {
@@ -406,6 +444,13 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
                 int32_t k = order[i];
                 RP_CHECK_GOTO(rp_plan_add_extra_replica(plan, m, l, ls.extra_e[k], ls.extra_r[k], err), st, out);
                 (*extras)++;
+                if (!held_extra(jt, &ls, l, ls.extra_e[k], ls.extra_r[k])) {
+                    ls.room[ls.extra_r[k]]--;
+                    if (ls.held) {
+                        size_t bit = ((size_t)l * E + ls.extra_e[k]) * ep + ls.extra_r[k];
+                        ls.held[bit >> 3] |= (unsigned char)(1u << (bit & 7));
+                    }
+                }
             }
             for (int32_t e = 0; e < E; e++) {
                 if (!ls.explicit_shares[e]) continue;
@@ -414,6 +459,10 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
             }
         }
 out:
+    rp_free(ctx, ls.room);
+    rp_free(ctx, ls.fresh);
+    rp_free(ctx, ls.held);
+    rp_free(ctx, mem);
     rp_free(ctx, ls.cnt);
     rp_free(ctx, ls.base);
     rp_free(ctx, ls.rank);

@@ -2,6 +2,7 @@
  * copies between GPUs, their sources (same GPU, same node, least-loaded remote), rounds
  * of whole layers within a staging budget, bytes per link and the predicted time. */
 #include "internal.h"
+#include "routepack/memory.h"
 #include "routepack/migrate.h"
 
 #include <string.h>
@@ -189,10 +190,9 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
                        (long long)opts->staging_budget_bytes);
     int64_t model_bytes = 0;
     if (!opts->expert_bytes) {
-        int64_t a;
-        if (rp_mul_overflow(3, model->hidden_size, &a) || rp_mul_overflow(a, model->expert_ffn_size, &a) ||
-            rp_mul_overflow(a, (int64_t)model->bytes_per_param + model->bytes_per_optimizer_state, &model_bytes))
-            return rp_fail(err, RP_ERANGE, "migration: the model's expert size overflows");
+        /* weights plus the receiver's shard of the optimizer state; within int64 for
+         * every config the loader accepts */
+        model_bytes = rp_memory_expert_move_bytes(cfg);
     }
     for (int32_t l = 0; l < L; l++) {
         int64_t b = opts->expert_bytes ? opts->expert_bytes[l] : model_bytes;

@@ -1,6 +1,7 @@
 /* Plan validation: every violation of the packing, the placement and the levers against
  * a config and a batch, each reported with its own precise message. */
 #include "internal.h"
+#include "memory_internal.h"
 #include "routepack/plan.h"
 
 #include <math.h>
@@ -337,12 +338,38 @@ static void check_levers(const rp_plan *plan, const rp_config *cfg, reporter *r)
     }
 }
 
+/* Every GPU must hold its slots, dense parameters, staging and the plan's extra replicas
+ * (docs/cost-model.md, "Memory per GPU"). The config alone fits (rp_config_parse checks
+ * it), so in practice this catches extra replicas that tip a GPU over. */
+static void check_memory(const rp_plan *plan, const rp_config *cfg, reporter *r)
+{
+    /* another expert count was reported by check_shape; the extras cannot be counted */
+    if (rp_plan_num_experts(plan) != rp_config_model(cfg)->num_experts) return;
+    rp_context *ctx = rp_plan_context(plan);
+    const int32_t ep = rp_plan_ep_size(plan);
+    rp_gpu_memory *per_rank = rp_alloc(ctx, (size_t)ep * sizeof *per_rank);
+    if (!per_rank || memory_per_rank(cfg, plan, per_rank, NULL) != RP_OK) {
+        report_nomem(r, "memory per GPU"); /* the shape was checked: only memory can fail */
+        rp_free(ctx, per_rank);
+        return;
+    }
+    for (int32_t j = 0; j < ep; j++) {
+        if (per_rank[j].total_bytes <= per_rank[j].capacity_bytes) continue;
+        char what[RP_ERROR_TEXT - 64];
+        rp_memory_describe(&per_rank[j], what, sizeof what);
+        report(r, -1, -1, "plan: %s%s", what,
+               rp_plan_num_gpus(plan) > ep ? " (and the same EP rank in every EP group)" : "");
+    }
+    rp_free(ctx, per_rank);
+}
+
 static int32_t check(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch, reporter *r)
 {
     if (!check_shape(plan, cfg, r)) return r->count;
     if (rp_plan_has_packing(plan)) check_packing(plan, cfg, batch, r);
     if (rp_plan_has_placement(plan)) check_placement(plan, cfg, r);
     check_levers(plan, cfg, r);
+    check_memory(plan, cfg, r);
     return r->count;
 }
 

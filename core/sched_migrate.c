@@ -37,7 +37,9 @@ rp_status sched_migration_prepare(const sched_migration *m, rp_context *ctx, con
         from = contiguous;
     }
     if (same_placement(from, plan)) goto out;
-    rp_migration_options o = {m->expert_bytes, m->staging_budget_bytes};
+    /* until the trainer sets options, the budget the memory check counted */
+    rp_migration_options o = {m->expert_bytes, m->options_set ? m->staging_budget_bytes
+                                                              : rp_config_execution(cfg)->staging_budget_bytes};
     RP_CHECK_GOTO(rp_migration_plan_new(ctx, cfg, from, plan, &o, &mp, err), st, out);
     rp_migration_summary sum;
     rp_migration_plan_summary(mp, &sum);
@@ -115,6 +117,7 @@ rp_status sched_migration_set_options(sched_migration *m, rp_context *ctx, const
     rp_free(ctx, m->expert_bytes);
     m->expert_bytes = bytes;
     m->staging_budget_bytes = opts ? opts->staging_budget_bytes : 0;
+    m->options_set = opts != NULL;
     return RP_OK;
 }
 

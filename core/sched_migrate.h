@@ -11,6 +11,7 @@
 typedef struct sched_migration {
     int64_t *expert_bytes;         /* [num_layers]; NULL: the model's bytes per expert */
     int64_t staging_budget_bytes;  /* 0: one round */
+    bool options_set;              /* false: the config's execution.staging_budget_bytes */
     rp_migration_plan *plan;       /* the last step's; NULL when its placement did not change */
     int32_t *from_phy2log;         /* [num_layers][total_slots]: the placement before that step */
     bool open;                     /* the plan may still be executed or reported failed: no

@@ -79,6 +79,13 @@ static void test_small_example(rp_context *ctx)
     is_int(m->head_dim, 128, "small: head dim 128");
     is_int(m->bytes_per_param, 2, "default bytes per parameter");
     is_int(m->bytes_per_optimizer_state, 12, "default optimizer bytes per parameter");
+    is_int(m->bytes_per_grad, 4, "default gradient bytes per parameter: FP32 main grads");
+    /* 16 layers x (attention projections d dh (2h + 2hkv) + router d E) */
+    ok(m->dense_params == (int64_t)16 * (2048LL * 128 * (2 * 16 + 2 * 16) + 2048LL * 64),
+       "default dense parameters: attention projections and routers of every layer (%lld)",
+       (long long)m->dense_params);
+    ok(x->optimizer_sharding == RP_OPTIMIZER_SHARDING_NONE, "default optimizer sharding: none");
+    ok(x->staging_budget_bytes == 0, "default staging budget: 0, no limit (the scheduler's default)");
 
     const rp_limits *l = rp_config_limits(cfg);
     is_int(l->max_tokens_per_microbatch, 16384, "small: 16384 tokens per microbatch");
@@ -128,10 +135,22 @@ static void test_reference_and_large(rp_context *ctx)
         is_int(t->num_nodes, 32, "large: 32 nodes");
         is_int(t->ep_size, 64, "large: EP 64 across nodes");
         is_int(t->num_ep_groups, 4, "large: 4 EP groups");
-        is_int(t->slots[100], 5, "large: 5 slots per GPU");
-        is_int(m->num_layers, 58, "large: 58 layers");
-        is_int(m->num_experts, 256, "large: 256 experts");
-        is_int(m->hidden_size, 7168, "large: hidden 7168");
+        is_int(t->slots[100], 3, "large: 3 slots per GPU");
+        is_int(m->num_layers, 45, "large: 45 layers");
+        is_int(m->num_experts, 128, "large: 128 experts");
+        is_int(m->hidden_size, 4096, "large: hidden 4096");
+        ok(rp_config_execution(cfg)->optimizer_sharding == RP_OPTIMIZER_SHARDING_DP, "large: distributed optimizer");
+        rp_config_free(cfg);
+    } else {
+        diag("%s", err.text);
+    }
+
+    /* every bundled example fits its GPUs (rp_config_parse refuses one that does not) */
+    st = rp_config_load(ctx, EXAMPLES "config-large-ep8.json", &cfg, &err);
+    is_int(st, RP_OK, "config-large-ep8.json loads: it fits in GPU memory");
+    if (st == RP_OK) {
+        is_int(rp_config_topology(cfg)->ep_size, 8, "large-ep8: EP 8 in-node");
+        is_int(rp_config_execution(cfg)->staging_budget_bytes, 2000000000, "large-ep8: 2 GB staging budget");
         rp_config_free(cfg);
     } else {
         diag("%s", err.text);

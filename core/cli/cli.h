@@ -69,6 +69,9 @@ int cmd_policy_check(rp_context *ctx, int argc, char **argv);
 int cmd_plan_baseline(rp_context *ctx, int argc, char **argv);
 int cmd_plan_eval(rp_context *ctx, int argc, char **argv);
 int cmd_plan_validate(rp_context *ctx, int argc, char **argv);
+int cmd_memory(rp_context *ctx, int argc, char **argv);
+/* One GPU's memory figures as a JSON object (cmd_memory.c; NULL when out of memory). */
+struct json_t *cli_memory_json(const rp_gpu_memory *m);
 
 /* ---- shared by simulate, policy and plan (defined in cmd_simulate.c) ---- */
 

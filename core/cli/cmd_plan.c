@@ -342,6 +342,10 @@ int cmd_plan_eval(rp_context *ctx, int argc, char **argv)
                                              "input", s.in.path, "step", (json_int_t)s.step_index, "plan",
                                              o.plan, "plan_hash", hash, "breakdown", breakdown)
                                  : NULL;
+        /* the busiest GPU's memory with the plan's extra replicas (routepack memory) */
+        rp_gpu_memory mem;
+        if (root && rp_memory_peak(s.cfg, plan, &mem, &err) == RP_OK)
+            json_object_set_new(root, "memory", cli_memory_json(&mem));
         if (!root || json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(17)) != 0 ||
             putchar('\n') == EOF) {
             fprintf(stderr, "routepack: could not write the JSON output\n");

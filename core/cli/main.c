@@ -113,6 +113,13 @@ static const cli_command commands[] = {
      "  --gen SETTINGS     ... or against a step generated in memory\n"
      "  --step K           which step, counted from 0 (default 0)\n",
      "routepack plan validate --config examples/config-small.json plan.json"},
+    {"memory", NULL, cmd_memory, "[--config C] [--plan PLAN.json] [--json]",
+     "memory per GPU: expert slots, dense parameters, optimizer state, extra replicas, staging",
+     "  --config C         config (default: the bundled config-small.json)\n"
+     "  --plan PLAN.json   also count this plan's extra replicas\n"
+     "  --json             the figures as JSON instead of the table\n"
+     "                     (exit 1 when a GPU needs more than hardware.hbm_bytes)\n",
+     "routepack memory --config examples/config-reference.json"},
 };
 #define NUM_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -43,7 +43,8 @@ class rp_model(Structure):
     _fields_ = [("num_layers", c_int32), ("num_experts", c_int32), ("top_k", c_int32),
                 ("hidden_size", c_int32), ("expert_ffn_size", c_int32),
                 ("num_heads", c_int32), ("num_kv_heads", c_int32), ("head_dim", c_int32),
-                ("bytes_per_param", c_int32), ("bytes_per_optimizer_state", c_int32)]
+                ("bytes_per_param", c_int32), ("bytes_per_optimizer_state", c_int32),
+                ("bytes_per_grad", c_int32), ("dense_params", c_int64)]
 
 
 class rp_limits(Structure):

@@ -32,7 +32,7 @@ static const scale scales[] = {
     {"reference", {"config-reference.json", NULL}, {"Qwen3-30B-A3B-like, 64 GPUs, EP 8 in-node", NULL}, 48, 128, 512,
      8, 1.0, 2000, 20480, 0, NULL},
     {"large", {"config-large.json", "config-large-ep8.json"},
-     {"DeepSeek-V3-like, 256 GPUs, EP 64 across 8 nodes", "DeepSeek-V3-like, 256 GPUs, EP 8 in-node"}, 58, 256, 512, 8,
+     {"GLM-4.5-Air-like, 256 GPUs, EP 64 across 8 nodes", "GLM-4.5-Air-like, 256 GPUs, EP 8 in-node"}, 45, 128, 512, 8,
      0.25, 500, 5120, 8192,
      "lengths (prompts x 0.25, responses median 500, cap 5120) and the microbatch cap (8192) are scaled by 1/4: the "
      "full batch (about 13M tokens, 6 G routing ids) is too big to generate quickly on a 2-core, 24 GiB machine"},

@@ -74,6 +74,8 @@ typedef struct rp_model {
     int32_t head_dim;         /* d_h */
     int32_t bytes_per_param;          /* weights as trained (2 for BF16) */
     int32_t bytes_per_optimizer_state;/* optimizer bytes per parameter kept beside it */
+    int32_t bytes_per_grad;           /* gradient buffer bytes per parameter (4: FP32 main grads) */
+    int64_t dense_params;             /* parameters outside the routed experts, held by every GPU */
 } rp_model;
 
 /* Limits of one microbatch. */
@@ -102,11 +104,22 @@ typedef enum rp_dispatch_dedup {
     RP_DEDUP_NODE = 2     /* one per destination node across nodes, fanned out over NVLink */
 } rp_dispatch_dedup;
 
+/* Where optimizer state lives (docs/cost-model.md, "Memory per GPU"). */
+typedef enum rp_optimizer_sharding {
+    RP_OPTIMIZER_SHARDING_NONE = 0, /* every GPU keeps the whole state of what it holds */
+    RP_OPTIMIZER_SHARDING_DP = 1    /* Megatron's distributed optimizer: state sharded over the
+                                       data-parallel replicas of each parameter (an expert slot's
+                                       over the num_ep_groups GPUs that hold it, a dense
+                                       parameter's over all GPUs) */
+} rp_optimizer_sharding;
+
 typedef struct rp_execution {
     rp_sync sync;
     rp_overlap overlap;
     rp_dispatch_dedup dispatch_dedup;
     int32_t dispatch_bytes_per_element;  /* 2 for BF16, 1 for FP8 dispatch */
+    rp_optimizer_sharding optimizer_sharding;
+    int64_t staging_budget_bytes;  /* migration staging per GPU; 0: no limit (one round) */
 } rp_execution;
 
 /* The policy to run and its parameters (checked by the policy engine, not here). */

@@ -112,8 +112,8 @@ typedef enum rp_link {
 
 typedef struct rp_migration_options {
     /* [num_layers] bytes of one expert at each layer (every tensor the registry holds
-     * for it: rp_registry_expert_bytes). NULL: the model's 3 d f (bytes_per_param +
-     * bytes_per_optimizer_state) at every layer. */
+     * for it: rp_registry_expert_bytes). NULL: the model's at every layer, its weights
+     * and the receiver's shard of its optimizer state (rp_memory_expert_move_bytes). */
     const int64_t *expert_bytes;
     /* Staging memory each GPU may use at once, in bytes; 0: no limit (one round, the
      * whole migration all-or-nothing). A round holds whole layers, so the budget must

@@ -19,5 +19,6 @@
 #include "routepack/sched.h"
 #include "routepack/migrate.h"
 #include "routepack/joint.h"
+#include "routepack/memory.h"
 
 #endif

@@ -213,7 +213,8 @@ RP_API rp_status rp_sched_migration_failed(rp_sched *sched, const struct rp_migr
 /* Expert bytes per layer and staging budget of the migration plans of later steps;
  * opts->expert_bytes must be what the registry holds (rp_registry_expert_bytes) or the
  * executor refuses the plan; NULL opts or expert_bytes: the model's (docs/migration.md).
- * The array is copied. Errors (nothing changes): bytes <= 0, a negative budget
+ * NULL opts, and before any call: the config's execution.staging_budget_bytes (what the
+ * memory check counts). The array is copied. Errors (nothing changes): bytes <= 0, a negative budget
  * (RP_EINVAL). A budget below one layer's need makes the step fail (RP_ERANGE). */
 RP_API rp_status rp_sched_set_migration_options(rp_sched *sched,
                                                 const struct rp_migration_options *opts, rp_error *err);
