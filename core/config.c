@@ -1,5 +1,6 @@
 /* The configuration: one JSON document read with jansson, validated key by key into
  * the topology, hardware, model, limits and policy structs (docs/config.md). */
+#include "calibration.h"
 #include "internal.h"
 #include "jsonx.h"
 #include "routepack/config.h"
@@ -720,8 +721,33 @@ out:
 /* ---- the document -------------------------------------------------------------------- */
 
 static const char *const top_keys[] = {
-    "topology", "hardware", "model", "limits", "execution", "policy", "comment", "$schema", NULL,
+    "topology", "hardware", "model", "limits", "execution", "policy", "calibration", "comment", "$schema", NULL,
 };
+
+/* "calibration": a calibration.json path, relative to the config's directory: its entry
+ * for the model's shape fills the hardware keys the config leaves out (core/calibration.c). */
+static rp_status load_calibration(loader *ld, json_t *root, json_t *hardware)
+{
+    const char *rel;
+    rp_status st = rp_jdoc_str(&ld->doc, root, "", "calibration", false, NULL, &rel, ld->err);
+    if (st != RP_OK || !rel) return st;
+    if (!*rel) return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "calibration", "must be a path, got \"\"");
+    size_t dir_len = rel[0] == '/' ? 0 : ld->dir_len, n = strlen(rel);
+    char *path = rp_alloc(ld->ctx, dir_len + n + 1);
+    if (!path) return rp_fail_nomem(ld->err, "the calibration path");
+    memcpy(path, ld->dir, dir_len);
+    memcpy(path + dir_len, rel, n + 1);
+    char key[128];
+    calib_shape shape = {0};
+    calib_shape_key(key, sizeof key, &ld->cfg->model);
+    st = calib_read(ld->ctx, path, key, &shape, ld->err);
+    if (st == RP_OK)
+        st = calib_apply(ld->ctx, path, key, &shape, hardware, &ld->cfg->hardware, &ld->cfg->gemm,
+                         &ld->cfg->attention, ld->err);
+    calib_shape_free(ld->ctx, &shape);
+    rp_free(ld->ctx, path);
+    return st;
+}
 
 void rp_config_free(rp_config *cfg)
 {
@@ -786,6 +812,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(load_model(&ld, model), st, out);
     RP_CHECK_GOTO(load_slots(&ld, topology), st, out);
     RP_CHECK_GOTO(load_token_linear(&ld, hardware), st, out);
+    RP_CHECK_GOTO(load_calibration(&ld, root, hardware), st, out);
     RP_CHECK_GOTO(load_limits(&ld, limits), st, out);
     RP_CHECK_GOTO(load_execution(&ld, execution), st, out);
     RP_CHECK_GOTO(check_memory(&ld, topology), st, out);
