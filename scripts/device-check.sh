@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# RoutePack device check: on a machine with an NVIDIA GPU, build with CUDA (and NCCL
-# when found), run every GPU test, the NCCL migration test and the kernel benchmark,
-# and print their figures. Finishes in under 5 minutes (each step has a time limit).
+# RoutePack device check: on a machine with an NVIDIA GPU, in this order:
+#   1. calibration: python -m routepack.calibrate writes calibration.json for the model
+#      shapes of the bundled configs (at most 3 minutes; docs/calibration.md);
+#   2. build with CUDA (and NCCL when found), run every GPU test, the NCCL migration test
+#      and the kernel benchmark;
+#   3. fidelity: time each (microbatch, GPU) cell of the plans in
+#      examples/fidelity/cells-small.json (at most 2 minutes), then print Kendall tau and
+#      MAPE against the cost model's predictions, with the defaults and with the fresh
+#      calibration (communication cannot be measured on one GPU: compute only);
+#   4. the torch example on one GPU (torchrun --nproc-per-node 1, NCCL).
+# Prints every figure. Finishes within 10 minutes: every step's limit is cut to what is
+# left of one budget. Sections 1, 3 and 4 need python3 with torch and numpy (the image's).
+# calibration.json, its detail and the fidelity files land in BUILD_DIR, and in $OUT too
+# when that is set (the device tool brings $OUT back).
 #
 # Dependencies on a bare, offline GPU machine. The build needs LuaJIT and jansson
 # (and pkg-config to find them); a GPU machine with only the CUDA toolkit lacks them.
@@ -22,19 +33,22 @@
 #
 # Usage: scripts/device-check.sh [--fetch-deps] [BUILD_DIR]   (default build-device)
 # Exit status: 0 everything ran and passed, or no GPU (it says "no NVIDIA GPU" and
-# checks nothing); 1 the build failed or a tool is missing; 2 a test or the benchmark
-# failed (the summary names it).
+# checks nothing); 1 the build failed or a tool is missing; 2 a test, the benchmark, the
+# calibration, the fidelity check or the torch example failed (the summary names it).
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 deps="$root/build-deps"
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
-# The whole check must end within 5 minutes: every step's limit is cut to what is left
-# of this budget (285 s, a margin for the summary), so the sum can never exceed it.
-budget=${RP_DEVICE_CHECK_BUDGET:-285}
+# The whole check must end within 10 minutes: every step's limit is cut to what is left
+# of this budget (570 s, a margin for the summary), so the sum can never exceed it.
+budget=${RP_DEVICE_CHECK_BUDGET:-570}
+# The build, tests and benchmark leave `reserve` seconds of it to the fidelity check and the
+# torch example (RP_DEVICE_CHECK_RESERVE, default 210).
+reserve=0
 left() { # left LIMIT: the smaller of LIMIT and the seconds left of the budget (at least 1)
-  local rest=$((budget - $(elapsed)))
+  local rest=$((budget - reserve - $(elapsed)))
   [ "$rest" -lt 1 ] && rest=1
   [ "$1" -lt "$rest" ] && echo "$1" || echo "$rest"
 }
@@ -89,7 +103,44 @@ if [ -z "$gpu_line" ]; then
   exit 0
 fi
 say "GPU: $gpu_line"
+mkdir -p "$build"
+failed=()
+py=${PYTHON:-python3}
+keep() { # copy result files into $OUT when the device tool gave one
+  [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && cp -f "$@" "$OUT"/ 2>/dev/null
+  return 0
+}
+have_torch=0
+if torch_line=$("$py" -c 'import numpy, torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPU", torch.cuda.is_available())' 2>&1); then
+  have_torch=1
+  say "python: $("$py" --version 2>&1), $torch_line"
+else
+  say "python: $py cannot import numpy and torch: calibration, fidelity and the torch example cannot run"
+  printf '%s\n' "$torch_line" | tail -n 3 | sed 's/^/  /'
+  failed+=("python with torch and numpy (missing)")
+fi
 
+# ---- calibration (first, at most 180 s) ------------------------------------------------
+calibration="$build/calibration.json"
+if [ $have_torch = 1 ]; then
+  say "calibration: python -m routepack.calibrate (at most 180 s)"
+  cal_configs=()
+  for c in "$root"/examples/config-*.json; do cal_configs+=(--config "$c"); done
+  rm -f "$calibration"
+  cal_limit=$(left 180)
+  (cd "$root" && PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" timeout "$cal_limit" "$py" -m routepack.calibrate \
+     "${cal_configs[@]}" --out "$calibration" --detail "$build/calibration-detail.json" \
+     --budget-s $((cal_limit > 20 ? cal_limit - 15 : 5)))
+  rc=$?
+  keep "$calibration" "$build/calibration-detail.json"
+  if [ $rc -ne 0 ]; then
+    failed+=("calibration (exit $rc)")
+  else
+    say "calibration: wrote $calibration ($(elapsed) s so far)"
+  fi
+fi
+
+reserve=${RP_DEVICE_CHECK_RESERVE:-210}
 # ---- 2. toolchain ----------------------------------------------------------------------
 nvcc=$(command -v nvcc || true)
 [ -n "$nvcc" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc; }
@@ -101,7 +152,6 @@ arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | he
 case $arch in [0-9][0-9]|[0-9][0-9][0-9]) ;; *) arch=90 ;; esac
 
 # ---- 3. LuaJIT and jansson -------------------------------------------------------------
-mkdir -p "$build"
 cmake_args=()
 # RP_DEVICE_CHECK_CARRIED=1 uses build-deps/ and its pkgconf even where the machine has
 # its own (to test the carried path on a machine that has the packages).
@@ -169,7 +219,7 @@ if ! timeout "$(left 120)" cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUIL
 fi
 grep -E '^-- +(CUDA|NCCL|LuaJIT|jansson) ' "$build/configure.log"
 grep -q 'CUDA        ON' "$build/configure.log" || { say "device-check: CMake did not enable CUDA"; exit 1; }
-targets=()
+targets=(routepack routepack_cli) # the library and the CLI: the Python binding and the fidelity score
 for t in test_gpu_stats test_gpu_kernels test_migrate_nccl test_remap test_checksum bench_gpu; do
   if [ -f "$root/tests/$t.c" ] || [ -f "$root/tests/bench/$t.c" ]; then targets+=("$t"); fi
 done
@@ -182,7 +232,6 @@ if ! timeout "$(left 200)" cmake --build "$build" -j"$jobs" --target "${targets[
 fi
 
 # ---- 6. tests -------------------------------------------------------------------------------
-failed=()
 run_tap() { # run one TAP program, print it, judge it
   local name=$1 exe=$2 limit=$3 out rc
   [ -x "$exe" ] || return 0
@@ -214,6 +263,49 @@ if [ -x "$build/bench/bench_gpu" ]; then
   fi
 else
   failed+=("bench_gpu (not built)")
+fi
+
+# ---- 8. fidelity (at most 120 s of timing) ---------------------------------------------------
+reserve=0
+export ROUTEPACK_LIBRARY="$build/core/libroutepack.so" ROUTEPACK_CLI="$build/routepack"
+export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+cells="$root/examples/fidelity/cells-small.json"
+measured="$build/fidelity-measured.json"
+if [ $have_torch = 1 ]; then
+  say "fidelity: timing the cells of $(basename "$cells") ($(elapsed) s so far)"
+  fid_limit=$(left 130)
+  (cd "$root" && timeout "$fid_limit" "$py" -m routepack.fidelity measure --cells "$cells" --out "$measured" \
+     --budget-s $((fid_limit > 20 ? fid_limit - 10 : 5)))
+  rc=$?
+  keep "$measured"
+  if [ $rc -ne 0 ]; then
+    failed+=("fidelity measure (exit $rc)")
+  fi
+  if [ -f "$measured" ]; then
+    say "fidelity with the default hardware figures (the predictions in the cells file)"
+    (cd "$root" && timeout "$(left 30)" "$py" -m routepack.fidelity score --cells "$cells" --measured "$measured" \
+       --config examples/config-small.json --trace examples/small.rpt --json "$build/fidelity-default.json") ||
+      failed+=("fidelity score, defaults")
+    if [ -f "$calibration" ]; then
+      say "fidelity after calibration (config-small.json + $(basename "$calibration"))"
+      (cd "$root" && timeout "$(left 30)" "$py" -m routepack.fidelity score --cells "$cells" --measured "$measured" \
+         --config examples/config-small.json --trace examples/small.rpt --calibration "$calibration" \
+         --json "$build/fidelity-calibrated.json") || failed+=("fidelity score, calibrated")
+    fi
+    keep "$build/fidelity-default.json" "$build/fidelity-calibrated.json"
+  fi
+fi
+
+# ---- 9. the torch example on one GPU -----------------------------------------------------------
+if [ $have_torch = 1 ]; then
+  say "torch example: torchrun --nproc-per-node 1 examples/torch/train_moe.py ($(elapsed) s so far)"
+  ex_out=$(cd "$root" && timeout "$(left 90)" "$py" -m torch.distributed.run --nproc-per-node 1 \
+           examples/torch/train_moe.py --steps 6 2>&1)
+  rc=$?
+  printf '%s\n' "$ex_out" | tail -n 20 | sed 's/^/  /'
+  if [ $rc -ne 0 ] || ! printf '%s\n' "$ex_out" | grep -q '^final loss'; then
+    failed+=("torch example (exit $rc)")
+  fi
 fi
 
 say "done in $(elapsed) s"

@@ -249,7 +249,10 @@ static void calibration(void)
             printf("    L %6d: %9.3f ms  efficiency %.3f\n", lens[i], ta[i] * 1e3, flops / ta[i] / PEAK_FLOPS);
             eff_sum += flops / PEAK_FLOPS, w_sum += ta[i];
         }
-        printf("  \"attention_efficiency\": %.3f,   (time-weighted over the lengths above)\n", eff_sum / w_sum);
+        /* printed as a figure, never as a config entry: an unfused kernel's efficiency
+         * is not the trainer's (calibration.json holds fused kernels' figures) */
+        printf("  unfused attention efficiency %.3f (time-weighted over the lengths above; a lower bound,\n"
+               "  not a value for hardware.attention_efficiency: see docs/calibration.md)\n", eff_sum / w_sum);
     } else {
         printf("  attention_efficiency: not measured (%s)\n", why);
     }
