@@ -34,7 +34,11 @@ static const char *load_ex(const char *src, const char *params, bool any_api)
     rp_error_clear(&err);
     rp_policy_free(last);
     last = NULL;
-    rp_status st = rp_policy_load(ctx, cfg, src, strlen(src), "dir/policy.lua", NULL, params, any_api, &last, &err);
+    /* the default limits, but wall time out of reach: a loop must stop at the instruction
+     * limit, which 200 M instructions reach in seconds on a loaded machine */
+    rp_sandbox_limits limits = rp_sandbox_limits_default();
+    limits.max_wall_s = 3600;
+    rp_status st = rp_policy_load(ctx, cfg, src, strlen(src), "dir/policy.lua", &limits, params, any_api, &last, &err);
     if (st == RP_OK) result[0] = '\0';
     else snprintf(result, sizeof result, "%d|%s", (int)st, err.text);
     return result;
