@@ -421,39 +421,38 @@ cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t
 
 /* The integer aggregates of group q at (m, l), from the per-GPU counts: each expert's
  * token-choices over the group, and the token-choices of single-replica experts each
- * GPU sends and receives inside its node and across nodes (link[4 * ep]: send intra,
- * send inter, receive intra, receive inter). Integers, so a move can update them by
- * its own histogram and land on exactly these values. */
+ * GPU sends to each other GPU of the group (pair[src * ep + dst]; the diagonal stays 0).
+ * Integers, so a move can update them by its own histogram and land on exactly these
+ * values. */
 void cost_group_rebuild(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
-                        cost_map map, int32_t *total, int64_t *link)
+                        cost_map map, int32_t *total, int32_t *pair)
 {
     const int32_t ep = c->ep, E = c->E, g0 = q * ep;
     const int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + g0) * (size_t)E;
     memset(total, 0, (size_t)E * sizeof *total);
-    memset(link, 0, (size_t)4 * ep * sizeof *link);
+    memset(pair, 0, (size_t)ep * ep * sizeof *pair);
     cost_count(c, E + 2 * (int64_t)ep * (E + ep) + 4 * (int64_t)ep);
     for (int32_t src = 0; src < ep; src++) {
         const int32_t *row = cnt + (size_t)src * E;
         for (int32_t e = 0; e < E; e++) total[e] += row[e];
         for (int32_t d = 0; d < ep; d++) {
             if (d == src) continue;
-            int64_t sum = 0;
+            int32_t sum = 0;
             for (int32_t i = map.seg[d]; i < map.seg[d + 1]; i++) sum += row[map.ord[i]];
-            if (c->gpu_node[g0 + src] == c->gpu_node[g0 + d]) {
-                link[src] += sum;
-                link[2 * ep + d] += sum;
-            } else {
-                link[ep + src] += sum;
-                link[3 * ep + d] += sum;
-            }
+            pair[(size_t)src * ep + d] = sum;
         }
     }
 }
 
-/* The change of a group's totals and links when EP rank `src` of the group (first GPU
- * g0) gains sign x hist. Integers: undone exactly by the opposite sign. */
-void cost_delta_aggregates(const rp_cost *c, int32_t g0, int32_t src, const int32_t *restrict h, int32_t sign,
-                           cost_map map, int32_t *restrict total, int64_t *restrict link)
+void cost_group_tokens(const rp_cost *c, const cost_state *st, int32_t m, int32_t q, int64_t *tok)
+{
+    for (int32_t r = 0; r < c->ep; r++) tok[r] = st->cell_tokens[(size_t)(q * c->ep + r) * st->M + m];
+}
+
+/* The change of a group's totals and pairs when EP rank `src` of the group gains
+ * sign x hist. Integers: undone exactly by the opposite sign. */
+void cost_delta_aggregates(const rp_cost *c, int32_t src, const int32_t *restrict h, int32_t sign, cost_map map,
+                           int32_t *restrict total, int32_t *restrict pair)
 {
     const int32_t ep = c->ep, E = c->E;
     cost_count(c, 2 * (int64_t)E + 2 * (int64_t)ep);
@@ -463,17 +462,9 @@ void cost_delta_aggregates(const rp_cost *c, int32_t g0, int32_t src, const int3
         for (int32_t e = 0; e < E; e++) total[e] -= h[e];
     for (int32_t d = 0; d < ep; d++) {
         if (d == src) continue;
-        int64_t sum = 0;
+        int32_t sum = 0;
         for (int32_t i = map.seg[d]; i < map.seg[d + 1]; i++) sum += h[map.ord[i]];
-        if (!sum) continue;
-        sum *= sign;
-        if (c->gpu_node[g0 + src] == c->gpu_node[g0 + d]) {
-            link[src] += sum;
-            link[2 * ep + d] += sum;
-        } else {
-            link[ep + src] += sum;
-            link[3 * ep + d] += sum;
-        }
+        pair[(size_t)src * ep + d] += sign * sum;
     }
 }
 
@@ -490,7 +481,99 @@ void cost_group_delta(const rp_cost *c, cost_state *st, int32_t m, int32_t l, in
         for (int32_t e = 0; e < E; e++) cnt[e] += h[e];
     else
         for (int32_t e = 0; e < E; e++) cnt[e] -= h[e];
-    cost_delta_aggregates(c, q * ep, gpu % ep, h, sign, map, st->gtotal + gq * E, st->glink + gq * 4 * ep);
+    cost_delta_aggregates(c, gpu % ep, h, sign, map, st->gtotal + gq * E, st->gpair + gq * ep * ep);
+}
+
+/* Copies of a source's tokens that reach one destination (a GPU or a node) when `choices`
+ * of its token-choices go there, sent once per token (execution.dispatch_dedup gpu or
+ * node). The statistics hold per-sequence expert histograms, not which choices share a
+ * token, so this is an expectation: a token can send at most m = min(top_k, experts the
+ * destination holds) of its choices there; with each of those m chances taken
+ * independently at p = choices / (tokens m), tokens (1 - (1 - p)^m) tokens send at least
+ * one. Exact when m = 1 and when every token sends m choices there; always between
+ * choices / m and min(choices, tokens). */
+static double dedup_copies(double choices, double tokens, int32_t m)
+{
+    if (!(choices > 0) || m <= 1 || !(tokens > 0)) return choices;
+    double p = choices / (tokens * m);
+    if (p >= 1.0) return tokens;
+    return -tokens * expm1(m * log1p(-p));
+}
+
+/* min(top_k, slots of EP ranks [r0, r1)): the most choices a token can send there. */
+static int32_t dedup_limit(const rp_cost *c, const cost_state *st, int32_t r0, int32_t r1)
+{
+    int64_t slots = st->slot_begin[r1] - st->slot_begin[r0];
+    return slots < c->top_k ? (int32_t)slots : c->top_k;
+}
+
+/* Token copies each GPU of the group (first GPU g0) sends and receives inside its node
+ * (sc->si, sc->ri) and across nodes (sc->se, sc->re) at one (m, l), from the
+ * token-choices between each pair of GPUs (the single-replica experts' integer pairs plus
+ * the split experts' shares) and each source's tokens, under the configured
+ * de-duplication (docs/cost-model.md, "Dispatch and combine"). */
+static void group_traffic(const rp_cost *c, const cost_state *st, int32_t g0, const int32_t *pair,
+                          const double *sp, const int64_t *tokens, cost_scratch *sc)
+{
+    const int32_t ep = c->ep, gpn = c->gpn;
+    double *si = sc->si, *ri = sc->ri, *se = sc->se, *re = sc->re;
+    for (int32_t r = 0; r < ep; r++) si[r] = ri[r] = se[r] = re[r] = 0.0;
+    for (int32_t src = 0; src < ep; src++) {
+        const int32_t node = c->gpu_node[g0 + src];
+        const double n = (double)tokens[src];
+        if (c->dedup != RP_DEDUP_NODE) {
+            for (int32_t d = 0; d < ep; d++) {
+                if (d == src) continue;
+                double ch = (double)pair[(size_t)src * ep + d] + sp[(size_t)src * ep + d];
+                if (!(ch > 0)) continue;
+                double v = c->dedup == RP_DEDUP_GPU ? dedup_copies(ch, n, dedup_limit(c, st, d, d + 1)) : ch;
+                if (c->gpu_node[g0 + d] == node) {
+                    si[src] += v;
+                    ri[d] += v;
+                } else {
+                    se[src] += v;
+                    re[d] += v;
+                }
+            }
+            continue;
+        }
+        /* per node: the group's GPUs of one node are a contiguous run [d0, d1) */
+        for (int32_t d0 = 0; d0 < ep;) {
+            const int32_t dn = c->gpu_node[g0 + d0];
+            int32_t d1 = d0;
+            double to_node = 0.0;
+            while (d1 < ep && c->gpu_node[g0 + d1] == dn) {
+                if (d1 != src) to_node += (double)pair[(size_t)src * ep + d1] + sp[(size_t)src * ep + d1];
+                d1++;
+            }
+            if (dn == node) { /* own node: NVLink, one copy per destination GPU */
+                for (int32_t d = d0; d < d1; d++) {
+                    if (d == src) continue;
+                    double v = dedup_copies((double)pair[(size_t)src * ep + d] + sp[(size_t)src * ep + d], n,
+                                            dedup_limit(c, st, d, d + 1));
+                    si[src] += v;
+                    ri[d] += v;
+                }
+            } else if (to_node > 0) {
+                /* one copy per token over the network to the GPU of that node with the
+                 * source's local index (else the node's first GPU in the group), which
+                 * forwards one copy per destination GPU over NVLink */
+                int32_t land = (int32_t)((int64_t)dn * gpn + (g0 + src) % gpn) - g0;
+                if (land < d0 || land >= d1) land = d0;
+                double v = dedup_copies(to_node, n, dedup_limit(c, st, d0, d1));
+                se[src] += v;
+                re[land] += v;
+                for (int32_t d = d0; d < d1; d++) {
+                    if (d == land) continue;
+                    double f = dedup_copies((double)pair[(size_t)src * ep + d] + sp[(size_t)src * ep + d], n,
+                                            dedup_limit(c, st, d, d + 1));
+                    si[land] += f;
+                    ri[d] += f;
+                }
+            }
+            d0 = d1;
+        }
+    }
 }
 
 /* Expert and dispatch time of every GPU of group q at (m, l), from the group's integer
@@ -499,16 +582,17 @@ void cost_group_delta(const rp_cost *c, cost_state *st, int32_t m, int32_t l, in
  * the same integers, so their results agree bit for bit. */
 void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
                      const int32_t *rep_off, const int32_t *rep_rank, cost_map map,
-                     const int32_t *total, const int64_t *link, double *x_out, double *d_out,
-                     group_result *res, cost_scratch *sc)
+                     const int32_t *total, const int32_t *pair, const int64_t *tokens, double *x_out,
+                     double *d_out, group_result *res, cost_scratch *sc)
 {
     const int32_t *dst = map.dst;
     const int32_t ep = c->ep, E = c->E, g0 = q * ep;
     const int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + g0) * (size_t)E;
-    double *xa = sc->xacc, *si = sc->si, *ri = sc->ri, *se = sc->se, *re = sc->re;
+    double *xa = sc->xacc, *sp = sc->sp;
     const cost_override *ov = st->ov + st->ov_begin[m * c->L + l];
     const cost_override *ov_end = st->ov + st->ov_begin[m * c->L + l + 1];
-    for (int32_t r = 0; r < ep; r++) xa[r] = si[r] = ri[r] = se[r] = re[r] = 0.0;
+    for (int32_t r = 0; r < ep; r++) xa[r] = 0.0;
+    memset(sp, 0, (size_t)ep * ep * sizeof *sp);
 
     for (int32_t e = 0; e < E; e++) {
         if (dst[e] < ep) {
@@ -552,13 +636,7 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
                 else continue;
                 if (!fixed) load[i] += part;
                 if (rk[i] == src || part == 0.0) continue;
-                if (c->gpu_node[g0 + rk[i]] == node) {
-                    si[src] += part;
-                    ri[rk[i]] += part;
-                } else {
-                    se[src] += part;
-                    re[rk[i]] += part;
-                }
+                sp[(size_t)src * ep + rk[i]] += part;
             }
         }
         if (fixed)
@@ -566,14 +644,15 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
         for (int32_t i = 0; i < R; i++) xa[rk[i]] += cost_slot_time(c, load[i]);
     }
 
-    cost_count(c, E + 2 * (int64_t)ep);
+    cost_count(c, E + 2 * (int64_t)ep + 3 * (int64_t)ep * ep);
+    group_traffic(c, st, g0, pair, sp, tokens, sc);
+    const double *si = sc->si, *ri = sc->ri, *se = sc->se, *re = sc->re;
     res->xmax = res->dmax = -1.0;
     res->xarg = res->darg = g0;
     const double base_lat = ep > 1 ? c->nv_lat : 0.0;
     for (int32_t r = 0; r < ep; r++) {
         double x = xa[r] / c->speed[g0 + r];
-        double send_in = (double)link[r] + si[r], send_out = (double)link[ep + r] + se[r];
-        double recv_in = (double)link[2 * ep + r] + ri[r], recv_out = (double)link[3 * ep + r] + re[r];
+        double send_in = si[r], send_out = se[r], recv_in = ri[r], recv_out = re[r];
         double intra = send_in > recv_in ? send_in : recv_in;
         double inter = send_out > recv_out ? send_out : recv_out;
         double d = intra * c->token_bytes / c->nv_bw + inter * c->token_bytes / c->net_bw + base_lat +
@@ -740,7 +819,7 @@ static void state_free(rp_context *ctx, cost_state *s)
                       s->cell_tokens, s->cell_quad, s->counts, s->attn,
                       s->dense_f, s->dense_b, s->dfmax, s->dbmax, s->dfarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
                       s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_top, s->gtotal,
-                      s->glink, s->lay_dst, s->lay_seg, s->lay_ord};
+                      s->gpair, s->lay_dst, s->lay_seg, s->lay_ord};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
     rp_free(ctx, s);
 }
@@ -749,7 +828,7 @@ static void scratch_free(rp_context *ctx, cost_scratch *sc)
 {
     void *arrays[] = {sc->hist, sc->x, sc->d, sc->si, sc->ri, sc->se, sc->re, sc->xacc, sc->rk,
                       sc->w, sc->load, sc->layer_t, sc->qdf, sc->qdb, sc->qx, sc->qd, sc->rep_off, sc->rep_rank, sc->row,
-                      sc->grad_row, sc->total, sc->link, sc->dst, sc->seg, sc->ord};
+                      sc->grad_row, sc->total, sc->pair, sc->sp, sc->tok, sc->dst, sc->seg, sc->ord};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
     memset(sc, 0, sizeof *sc);
 }
@@ -804,11 +883,13 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     sc->row = take(ctx, s->S, sizeof(int32_t), false, &bad, total);
     sc->grad_row = take(ctx, c->G, sizeof(double), false, &bad, total);
     sc->total = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
-    sc->link = take(ctx, 4 * (int64_t)c->ep, sizeof(int64_t), false, &bad, total);
+    sc->pair = take(ctx, (int64_t)c->ep * c->ep, sizeof(int32_t), false, &bad, total);
+    sc->sp = take(ctx, (int64_t)c->ep * c->ep, sizeof(double), false, &bad, total);
+    sc->tok = take(ctx, c->ep, sizeof(int64_t), false, &bad, total);
     sc->dst = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
     sc->seg = take(ctx, (int64_t)c->ep + 2, sizeof(int32_t), false, &bad, total);
     sc->ord = take(ctx, c->E, sizeof(int32_t), false, &bad, total);
-    if (bad || !sc->total || !sc->link || !sc->dst || !sc->seg || !sc->ord || !sc->hist || !sc->x || !sc->d || !sc->si || !sc->ri || !sc->se || !sc->re ||
+    if (bad || !sc->total || !sc->pair || !sc->sp || !sc->tok || !sc->dst || !sc->seg || !sc->ord || !sc->hist || !sc->x || !sc->d || !sc->si || !sc->ri || !sc->se || !sc->re ||
         !sc->xacc || !sc->rk || !sc->w || !sc->load || !sc->layer_t || !sc->rep_off || !sc->qdf || !sc->qdb ||
         !sc->qx || !sc->qd ||
         !sc->rep_rank || !sc->row || !sc->grad_row) {
@@ -1050,7 +1131,7 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->cell_top = take(ctx, G * M, sizeof(int32_t), true, &bad, &s->bytes);
     s->counts = take(ctx, cells, sizeof(int32_t), true, &bad, &s->bytes);
     s->gtotal = take(ctx, ML * Q * E, sizeof(int32_t), false, &bad, &s->bytes);
-    s->glink = take(ctx, ML * Q * 4 * ep, sizeof(int64_t), false, &bad, &s->bytes);
+    s->gpair = take(ctx, ML * Q * ep * ep, sizeof(int32_t), false, &bad, &s->bytes);
     s->lay_dst = take(ctx, L * E, sizeof(int32_t), false, &bad, &s->bytes);
     s->lay_seg = take(ctx, L * (ep + 2), sizeof(int32_t), false, &bad, &s->bytes);
     s->lay_ord = take(ctx, L * E, sizeof(int32_t), false, &bad, &s->bytes);
@@ -1071,7 +1152,7 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     if (bad || !s->slot_begin || !s->slot_rank || !s->phy2log || !s->rep_off || !s->rep_rank ||
         !s->ov_begin || !s->ov || !s->extra_rank || !s->share_val || !s->extra_count ||
         !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_quad || !s->cell_top ||
-        !s->counts || !s->gtotal || !s->glink || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->attn || !s->dense_f || !s->dense_b ||
+        !s->counts || !s->gtotal || !s->gpair || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->attn || !s->dense_f || !s->dense_b ||
         !s->dfmax || !s->dbmax || !s->dfarg ||
         !s->expert || !s->dispatch || !s->xmax || !s->dmax || !s->xarg || !s->darg ||
         !s->layer_t || !s->grad_gpu) {
@@ -1142,7 +1223,7 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     need(G * M, sizeof(int32_t), &bad, &total);
     need(cells, sizeof(int32_t), &bad, &total);
     need(ML * Q * E, sizeof(int32_t), &bad, &total);
-    need(ML * Q * 4 * ep, sizeof(int64_t), &bad, &total);
+    need(ML * Q * ep * ep, sizeof(int32_t), &bad, &total);
     need(L * E, sizeof(int32_t), &bad, &total);
     need(L * (ep + 2), sizeof(int32_t), &bad, &total);
     need(L * E, sizeof(int32_t), &bad, &total);
@@ -1174,7 +1255,9 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     need(S, sizeof(int32_t), &bad, &total);
     need(G, sizeof(double), &bad, &total);
     need(E, sizeof(int32_t), &bad, &total);
-    need(4 * ep, sizeof(int64_t), &bad, &total);
+    need(ep * ep, sizeof(int32_t), &bad, &total);
+    need(ep * ep, sizeof(double), &bad, &total);
+    need(ep, sizeof(int64_t), &bad, &total);
     need(E, sizeof(int32_t), &bad, &total);
     need(ep + 2, sizeof(int32_t), &bad, &total);
     need(E, sizeof(int32_t), &bad, &total);
@@ -1278,9 +1361,10 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
                 group_result r;
                 size_t gq = ml * c->Q + q;
                 int32_t *total = s->gtotal + gq * E;
-                int64_t *link = s->glink + gq * 4 * ep;
-                cost_group_rebuild(c, s, m, l, q, map, total, link);
-                cost_group_eval(c, s, m, l, q, off, rank, map, total, link, s->expert + ml * G + (size_t)q * ep,
+                int32_t *pair = s->gpair + gq * ep * ep;
+                cost_group_rebuild(c, s, m, l, q, map, total, pair);
+                cost_group_tokens(c, s, m, q, sc.tok);
+                cost_group_eval(c, s, m, l, q, off, rank, map, total, pair, sc.tok, s->expert + ml * G + (size_t)q * ep,
                                 s->dispatch + ml * G + (size_t)q * ep, &r, &sc);
                 s->xmax[gq] = r.xmax;
                 s->dmax[gq] = r.dmax;

@@ -66,7 +66,8 @@ static void trial_group(rp_cost *c, cost_state *st, const seq_move *mv, int32_t 
     const int32_t E = c->E, ep = c->ep, L = c->L;
     const size_t gq = ((size_t)m * L + l) * c->Q + q;
     memcpy(sc->total, st->gtotal + gq * E, (size_t)E * sizeof *sc->total);
-    memcpy(sc->link, st->glink + gq * 4 * ep, (size_t)4 * ep * sizeof *sc->link);
+    memcpy(sc->pair, st->gpair + gq * ep * ep, (size_t)ep * ep * sizeof *sc->pair);
+    cost_group_tokens(c, st, m, q, sc->tok);
     cost_count(c, E + 4 * (int64_t)ep + 4 * (int64_t)n_mv);
     for (int32_t pass = 0; pass < 2; pass++)
         for (int32_t k = 0; k < n_mv; k++) {
@@ -76,7 +77,8 @@ static void trial_group(rp_cost *c, cost_state *st, const seq_move *mv, int32_t 
                 if (mk != m || g / ep != q) continue;
                 int32_t sign = side ? 1 : -1;
                 if (pass == 0) {
-                    cost_delta_aggregates(c, q * ep, g % ep, h, sign, map, sc->total, sc->link);
+                    sc->tok[g % ep] += sign * mv[k].len;
+                    cost_delta_aggregates(c, g % ep, h, sign, map, sc->total, sc->pair);
                     split_counts(c, st, m, l, g, h, sign, map);
                 } else {
                     split_counts(c, st, m, l, g, h, -sign, map);
@@ -84,7 +86,7 @@ static void trial_group(rp_cost *c, cost_state *st, const seq_move *mv, int32_t 
             }
             if (pass == 0 && k == n_mv - 1)
                 cost_group_eval(c, st, m, l, q, st->rep_off + (size_t)l * (E + 1), st->rep_rank + (size_t)l * st->S,
-                                map, sc->total, sc->link, sc->x, sc->d, res, sc);
+                                map, sc->total, sc->pair, sc->tok, sc->x, sc->d, res, sc);
         }
 }
 
@@ -117,6 +119,10 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
     }
     double aA = cost_cell_attention(c, sqA, tokA, gA), aB = cost_cell_attention(c, sqB, tokB, gB);
     double fA, bA, fB, bB;
+    if (commit) { /* the groups' evaluation below reads the cells' tokens */
+        st->cell_tokens[(size_t)gA * M + mA] = tokA;
+        st->cell_tokens[(size_t)gB * M + mB] = tokB;
+    }
     cost_cell_dense(c, sqA, tokA, gA, &fA, &bA);
     cost_cell_dense(c, sqB, tokB, gB, &fB, &bB);
     int32_t ms[2] = {mA, mB}, n_ms = mA == mB ? 1 : 2;
@@ -149,8 +155,9 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
             for (int32_t j = 0; j < n_qs; j++) {
                 const size_t gq = ml * Q + qs[j];
                 if (commit) {
+                    cost_group_tokens(c, st, m, qs[j], sc->tok);
                     cost_group_eval(c, st, m, l, qs[j], off, rank, map, st->gtotal + gq * E,
-                                    st->glink + gq * 4 * ep, st->expert + ml * G + (size_t)qs[j] * ep,
+                                    st->gpair + gq * ep * ep, sc->tok, st->expert + ml * G + (size_t)qs[j] * ep,
                                     st->dispatch + ml * G + (size_t)qs[j] * ep, &r[j], sc);
                 } else {
                     trial_group(c, st, mv, n_mv, m, l, qs[j], map, &r[j]);
@@ -404,9 +411,10 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
             double *x = commit ? st->expert + ml * G + (size_t)q * ep : sc->x;
             double *d = commit ? st->dispatch + ml * G + (size_t)q * ep : sc->d;
             int32_t *total = commit ? st->gtotal + gq * E : sc->total;
-            int64_t *link = commit ? st->glink + gq * 4 * ep : sc->link;
-            cost_group_rebuild(c, st, m, layer, q, map, total, link);
-            cost_group_eval(c, st, m, layer, q, sc->rep_off, sc->rep_rank, map, total, link, x, d, &r, sc);
+            int32_t *pair = commit ? st->gpair + gq * ep * ep : sc->pair;
+            cost_group_rebuild(c, st, m, layer, q, map, total, pair);
+            cost_group_tokens(c, st, m, q, sc->tok);
+            cost_group_eval(c, st, m, layer, q, sc->rep_off, sc->rep_rank, map, total, pair, sc->tok, x, d, &r, sc);
             sc->qx[q] = r.xmax;
             sc->qd[q] = r.dmax;
             if (commit) {

@@ -44,8 +44,8 @@ typedef struct cost_state {
     int32_t *cell_top;             /* [G * M]: the sequence with the most attention, -1 if none */
     int32_t *counts;               /* [M * L * G * E] token-choices */
     int32_t *gtotal;               /* [M * L * Q * E] counts summed over each EP group */
-    int64_t *glink;                /* [M * L * Q * 4 * ep] single-replica token-choices sent
-                                      and received per GPU: intra, inter, intra, inter */
+    int32_t *gpair;                /* [M * L * Q * ep * ep] single-replica token-choices each GPU
+                                      of the group sends to each other: [src * ep + dst] */
     int32_t *lay_dst;              /* [L * E] base destination map (cost_dst_map) */
     int32_t *lay_seg, *lay_ord;    /* [L * (ep + 2)], [L * E]: its experts by destination */
 
@@ -81,7 +81,9 @@ typedef struct cost_scratch {
     double *grad_row;    /* [G] */
     size_t bytes;        /* allocated for the scratch space */
     int32_t *total;      /* [E] a group's totals under trial */
-    int64_t *link;       /* [4 * ep] a group's links under trial */
+    int32_t *pair;       /* [ep * ep] a group's pairs under trial */
+    double *sp;          /* [ep * ep] split experts' token-choices between GPUs of a group */
+    int64_t *tok;        /* [ep] tokens of a group's cells at one microbatch */
     int32_t *dst;        /* [E] a destination map built on the fly */
     int32_t *seg, *ord;  /* [ep + 2], [E]: experts grouped by destination */
 } cost_scratch;
@@ -175,15 +177,17 @@ cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t
 void cost_layer_dst(const rp_cost *c, cost_state *st, int32_t l, const int32_t *rep_off,
                     const int32_t *rep_rank);
 void cost_group_rebuild(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
-                        cost_map map, int32_t *total, int64_t *link);
-void cost_delta_aggregates(const rp_cost *c, int32_t g0, int32_t src, const int32_t *restrict h, int32_t sign,
-                           cost_map map, int32_t *restrict total, int64_t *restrict link);
+                        cost_map map, int32_t *total, int32_t *pair);
+void cost_delta_aggregates(const rp_cost *c, int32_t src, const int32_t *restrict h, int32_t sign, cost_map map,
+                           int32_t *restrict total, int32_t *restrict pair);
+/* Tokens of group q's cells at microbatch m, into tok[ep]. */
+void cost_group_tokens(const rp_cost *c, const cost_state *st, int32_t m, int32_t q, int64_t *tok);
 void cost_group_delta(const rp_cost *c, cost_state *st, int32_t m, int32_t l, int32_t gpu,
                       const uint32_t *hist, int32_t sign, cost_map map);
 void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
                      const int32_t *rep_off, const int32_t *rep_rank, cost_map map,
-                     const int32_t *total, const int64_t *link, double *x_out, double *d_out,
-                     group_result *res, cost_scratch *sc);
+                     const int32_t *total, const int32_t *pair, const int64_t *tokens, double *x_out,
+                     double *d_out, group_result *res, cost_scratch *sc);
 /* Forward and backward time of one (m, l) from its phase maxima (forward seconds) under
  * the configured overlap. */
 double cost_layer_time(const rp_cost *c, double dfmax, double dbmax, double dmax, double xmax);

@@ -498,6 +498,77 @@ static void test_hand_dispatch_bytes(void)
     fixture_free(&f);
 }
 
+/* Dispatch once per destination GPU on the one-node hand case (each GPU holds 2 experts,
+ * top-2, so a token sends at most m = 2 choices to a GPU): a source with n tokens sending
+ * c choices sends n (1 - (1 - c / 2n)^2) copies.
+ *   L0: GPU0 (4 tokens) 3 choices: 4 (1 - (5/8)^2) = 2.4375; GPU1 (5 tokens) 3: 2.55
+ *       D = 2.55 + 0.5 = 3.05 on both GPUs (one sends what the other receives)
+ *   L1: GPU0 6 choices: 4 (1 - (1/4)^2) = 3.75; GPU1 8: 5 (1 - 0.2^2) = 4.8; D = 5.3 */
+static void test_hand_dedup_gpu(void)
+{
+    fixture f;
+    ok(hand_fixture_with(&f, 1, 2, 2, "1", HAND_HW, "\"sync\": \"global\", \"dispatch_dedup\": \"gpu\""),
+       "dedup per GPU fixture");
+    rp_cost *c = NULL;
+    rp_error err;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+    rp_cost_evaluate(c, p, NULL, &err);
+    const double *D = rp_cost_dispatch_breakdown(c);
+    is_double(D[0], 3.05, 1e-12, "L0 GPU0: receives 2.55 copies");
+    is_double(D[1], 3.05, 1e-12, "L0 GPU1: sends 2.55 copies");
+    is_double(D[2], 5.3, 1e-12, "L1 GPU0");
+    is_double(D[3], 5.3, 1e-12, "L1 GPU1");
+    rp_plan_free(p);
+    rp_cost_free(c);
+    fixture_free(&f);
+}
+
+/* Dispatch across nodes: 2 nodes x 2 GPUs in one EP group, one expert per GPU, top-2.
+ * One sequence of 2 tokens on GPU0: token 0 -> experts 2, 3; token 1 -> experts 2, 0.
+ * GPU0 sends 2 choices to GPU2 and 1 to GPU3, both on node 1. A copy is 8 bytes: 1 s over
+ * NVLink, 2 s over the network; latencies 0.5 and 1.
+ *   choice, and gpu (each GPU holds one expert: no token has two choices for one GPU):
+ *     GPU0 sends 3 over the network: 6 + 0.5 + 1 = 7.5; GPU2 receives 2: 5.5; GPU3 1: 3.5
+ *   node: 3 choices for node 1 (2 experts there, m = 2): 2 (1 - (1 - 3/4)^2) = 1.875 copies
+ *     over the network to GPU2 (GPU0's local index on node 1), which forwards GPU3's one
+ *     copy over NVLink: GPU0 3.75 + 1.5 = 5.25; GPU2 1 + 3.75 + 1.5 = 6.25; GPU3 1 + 0.5 */
+static void test_hand_dedup_node(void)
+{
+    static const char *cfg =
+        "{\"topology\": {\"num_nodes\": 2, \"gpus_per_node\": 2, \"ep_size\": 4, \"slots_per_gpu\": 1,"
+        "  \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000, \"net_bytes_per_s\": 4,"
+        "  \"net_latency_us\": 1000000},"
+        " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48, \"token_linear_bytes_per_token\": 0},"
+        " \"execution\": {\"dispatch_dedup\": \"%s\"},"
+        " \"model\": {\"num_layers\": 1, \"num_experts\": 4, \"top_k\": 2, \"hidden_size\": 4,"
+        "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"head_dim\": 2},"
+        " \"limits\": {\"max_tokens_per_microbatch\": 100}}";
+    const char *modes[3] = {"choice", "gpu", "node"};
+    const double want[3][4] = {{7.5, 0.5, 5.5, 3.5}, {7.5, 0.5, 5.5, 3.5}, {5.25, 0.5, 6.25, 1.5}};
+    for (int v = 0; v < 3; v++) {
+        char json[2048];
+        snprintf(json, sizeof json, cfg, modes[v]);
+        int32_t lens[1] = {2}, rank[1] = {0}, mb[1] = {0};
+        uint8_t ids[4] = {2, 3, 2, 0};
+        int32_t p2l[4] = {0, 1, 2, 3};
+        fixture f;
+        ok(fixture_make(&f, json, 1, lens, ids, 1, 2, 4), "two-node fixture, dedup %s", modes[v]);
+        rp_cost *c = NULL;
+        rp_error err;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+        rp_plan *p = plan_of(&f, 1, rank, mb, p2l);
+        is_int(rp_cost_evaluate(c, p, NULL, &err), RP_OK, "evaluates");
+        const double *D = rp_cost_dispatch_breakdown(c);
+        ok(D && fabs(D[0] - want[v][0]) < 1e-12 && fabs(D[1] - want[v][1]) < 1e-12 &&
+               fabs(D[2] - want[v][2]) < 1e-12 && fabs(D[3] - want[v][3]) < 1e-12,
+           "dedup %s: dispatch %g %g %g %g", modes[v], D ? D[0] : -1, D ? D[1] : -1, D ? D[2] : -1, D ? D[3] : -1);
+        rp_plan_free(p);
+        rp_cost_free(c);
+        fixture_free(&f);
+    }
+}
+
 static void test_units(void)
 {
     fixture f;
@@ -1434,6 +1505,8 @@ int main(void)
     test_hand_attention_curve();
     test_hand_sync();
     test_hand_dispatch_bytes();
+    test_hand_dedup_gpu();
+    test_hand_dedup_node();
     test_units();
     test_straggler();
     test_bound_tight();
