@@ -479,10 +479,6 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;
     if (*fallbacks || par->refine_evaluations > 0) {
         scored mine, best = {0}, s;
-        RP_CHECK_GOTO(score_plan(&jt, plan, previous_placed, &mine, err), st, out);
-        rep.evaluated = true;
-        rep.joint_step_s = mine.step_s;
-        rep.joint_ratio = mine.ratio;
         const char *best_name = NULL;
         for (const char *const *n = fallbacks; *n; n++) {
             RP_CHECK_GOTO(rp_baseline_plan(ctx, cfg, batch, stats, previous_placed, *n, 0, &cand, err), st, out);
@@ -497,6 +493,14 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
             }
             cand = NULL;
         }
+        /* The joint plan is scored last, so the evaluator stays bound to its packing: the
+         * engine's evaluation of the returned plan (the same evaluator, through rp.joint)
+         * then reuses the per-microbatch counts instead of reading every histogram again.
+         * The order changes no score (each is a full evaluation). */
+        RP_CHECK_GOTO(score_plan(&jt, plan, previous_placed, &mine, err), st, out);
+        rep.evaluated = true;
+        rep.joint_step_s = mine.step_s;
+        rep.joint_ratio = mine.ratio;
         scored chosen = mine;
         if (best_name) {
             rep.best_fallback_step_s = best.step_s;

@@ -617,6 +617,50 @@ static void test_alloc_failures(void)
     fixture_free(&f);
 }
 
+/* ---- the evaluator the caller passes: the returned plan's packing stays bound ---- */
+
+/* rp_joint_plan with the caller's evaluator (rp.joint passes the engine's) leaves it bound
+ * to the joint plan's packing, so evaluating the returned plan again (the engine does)
+ * reuses the counts: it counts fewer operations than an evaluation that reads every
+ * histogram. */
+static void test_evaluator_reuse(void)
+{
+    rp_gen *g = small_gen(300, 16);
+    fixture f;
+    int reused = 0, ran = 0;
+    if (g && gen_fixture(&f, g, 0)) {
+        rp_cost *c = NULL;
+        rp_plan *p = NULL, *other = NULL;
+        rp_joint_report rep;
+        rp_joint_params par = rp_joint_defaults();
+        rp_error err;
+        if (rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err) == RP_OK &&
+            rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, c, &par, &p, &rep, &err) == RP_OK &&
+            strcmp(rep.chosen, "joint") == 0 &&
+            rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "attn_kk+eplb", 0, &other, &err) == RP_OK) {
+            ran = 1;
+            int64_t o0 = rp_cost_operations(c);
+            rp_cost_evaluate(c, p, NULL, NULL);
+            int64_t after_joint = rp_cost_operations(c) - o0;
+            rp_cost_evaluate(c, other, NULL, NULL);
+            o0 = rp_cost_operations(c);
+            rp_cost_evaluate(c, p, NULL, NULL);
+            int64_t after_other = rp_cost_operations(c) - o0;
+            reused = after_joint < after_other;
+            if (!reused) diag("operations: %lld after the planner, %lld after another packing", (long long)after_joint,
+                              (long long)after_other);
+        } else {
+            diag("setup: %s", err.text);
+        }
+        rp_plan_free(p);
+        rp_plan_free(other);
+        rp_cost_free(c);
+        fixture_free(&f);
+    }
+    rp_gen_free(g);
+    ok(ran && reused, "the caller's evaluator stays bound to the returned plan's packing (its counts are reused)");
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -627,6 +671,7 @@ int main(void)
     test_options();
     test_bad_input();
     test_alloc_failures();
+    test_evaluator_reuse();
     rp_context_free(ctx);
     return tap_done();
 }

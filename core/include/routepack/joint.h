@@ -109,7 +109,9 @@ typedef struct rp_joint_report {
  * - `cost`: an evaluator for this config, batch and statistics, or NULL (one is made
  *   with the even split rule and freed); passing one shares its lower-bound cache and
  *   its split rule. Afterwards it is bound to whichever plan it evaluated last:
- *   evaluate the returned plan before using it incrementally.
+ *   evaluate the returned plan before using it incrementally. With fallbacks, the joint
+ *   candidate is evaluated last, so when it is returned that evaluation reuses the
+ *   per-microbatch counts (a cheaper evaluation, same result).
  * - `params`: NULL for the defaults.
  * The plan is new (caller frees with rp_plan_free) and valid for cfg and batch
  * (rp_plan_validate). Deterministic: the same inputs give the same plan, bit for bit,
