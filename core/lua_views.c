@@ -470,6 +470,8 @@ static int model_index(lua_State *L, rp_lua_host *h, const char *k)
     if (field(k, "head_dim")) return push_int(L, m->head_dim);
     if (field(k, "bytes_per_param")) return push_int(L, m->bytes_per_param);
     if (field(k, "bytes_per_optimizer_state")) return push_int(L, m->bytes_per_optimizer_state);
+    if (field(k, "bytes_per_grad")) return push_int(L, m->bytes_per_grad);
+    if (field(k, "dense_params")) return push_int(L, (double)m->dense_params);
     return 0;
 }
 

@@ -289,6 +289,50 @@ static void test_joint_within_memory(void)
     temp_dir_remove(tmpdir);
 }
 
+/* The scheduler plans migrations with the config's staging budget (what the memory check
+ * counts) until the trainer sets its own. */
+static void test_sched_budget(void)
+{
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 8, \"ep_size\": 8, \"slots_per_gpu\": 10},"
+             " \"model\": {\"num_layers\": 16, \"num_experts\": 64, \"top_k\": 8, \"hidden_size\": 2048,"
+             "  \"expert_ffn_size\": 1024, \"num_heads\": 16, \"head_dim\": 128},"
+             " \"limits\": {\"max_tokens_per_microbatch\": 16384}, \"execution\": {\"staging_budget_bytes\": 1}}");
+    rp_config *cfg = NULL;
+    rp_trace *trace = NULL;
+    rp_sched *s = NULL;
+    rp_batch *batch = NULL;
+    rp_routing r;
+    rp_error err;
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.policy = "token_kk+eplb";
+    o.num_threads = 1;
+    if (rp_config_parse(ctx, json, strlen(json), "<budget>", &cfg, &err) != RP_OK ||
+        rp_trace_open(ctx, RP_SOURCE_DIR "/examples/small.rpt", 0, &trace, &err) != RP_OK ||
+        rp_trace_read_step(trace, 0, &batch, &r, &err) != RP_OK || rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) {
+        skip(4, "setup");
+        diag("%s", err.text);
+    } else {
+        const rp_plan *plan;
+        const rp_step_report *rep;
+        ok(rp_sched_step(s, 0, batch, &r, &plan, &rep, &err) == RP_ERANGE, "a 1-byte budget from the config");
+        like(err.text, "the staging budget of 1 bytes", "fails the step that migrates");
+        ok(rp_sched_set_migration_options(s, NULL, &err) == RP_OK &&
+               rp_sched_step(s, 0, batch, &r, &plan, &rep, &err) == RP_ERANGE,
+           "NULL options: still the config's budget");
+        rp_migration_options mo = {NULL, 0};
+        ok(rp_sched_set_migration_options(s, &mo, &err) == RP_OK &&
+               rp_sched_step(s, 0, batch, &r, &plan, &rep, &err) == RP_OK && rep->migration_bytes > 0,
+           "the trainer's own budget (0: none) wins");
+    }
+    rp_sched_free(s);
+    rp_batch_free(batch);
+    rp_trace_close(trace);
+    rp_config_free(cfg);
+}
+
 /* routepack memory: the figures of every example, the refusal of the old EP 8 layout. */
 static void test_cli(void)
 {
@@ -314,6 +358,7 @@ int main(void)
     test_config_refused();
     test_extra_replicas();
     test_joint_within_memory();
+    test_sched_budget();
     test_cli();
     rp_context_free(ctx);
     return tap_done();

@@ -47,6 +47,13 @@ class rp_model(Structure):
                 ("bytes_per_grad", c_int32), ("dense_params", c_int64)]
 
 
+class rp_execution(Structure):
+    # routepack/config.h: the enums are C ints.
+    _fields_ = [("sync", c_int), ("overlap", c_int), ("dispatch_dedup", c_int),
+                ("dispatch_bytes_per_element", c_int32), ("optimizer_sharding", c_int),
+                ("staging_budget_bytes", c_int64)]
+
+
 class rp_limits(Structure):
     _fields_ = [("max_tokens_per_microbatch", c_int64), ("num_microbatches", c_int32),
                 ("max_activation_bytes", c_double), ("activation_bytes_per_token", c_double)]
@@ -148,6 +155,7 @@ _REQUIRED = {
     "rp_config_free": (None, [P]),
     "rp_config_topology": (POINTER(rp_topology), [P]),
     "rp_config_model": (POINTER(rp_model), [P]),
+    "rp_config_execution": (POINTER(rp_execution), [P]),
     "rp_config_limits": (POINTER(rp_limits), [P]),
     # batch
     "rp_batch_new": (c_int, [P, c_int32, PI32, PI32, PI32, POINTER(P), PERR]),

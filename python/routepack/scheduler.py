@@ -88,6 +88,10 @@ class Config:
         self.num_layers = model.num_layers
         self.num_experts = model.num_experts
         self.top_k = model.top_k
+        execution = self._lib.rp_config_execution(handle).contents
+        # what the memory check counts (docs/cost-model.md, "Memory per GPU")
+        self.optimizer_sharding = ("none", "dp")[execution.optimizer_sharding]
+        self.staging_budget_bytes = execution.staging_budget_bytes
 
     @property
     def handle(self):
@@ -709,10 +713,14 @@ class Scheduler:
         finally:
             lib.rp_plan_free(plan)
 
-    def set_migration_options(self, expert_bytes=None, staging_budget_bytes=0):
+    def set_migration_options(self, expert_bytes=None, staging_budget_bytes=None):
         """Expert bytes per MoE layer (what the registry holds: Registry.expert_bytes) and
         the staging budget in bytes (0: no limit, one round) of the migration plans of
-        later steps (rp_sched_set_migration_options). ``expert_bytes`` None: the model's."""
+        later steps (rp_sched_set_migration_options). ``expert_bytes`` None: the model's;
+        ``staging_budget_bytes`` None: the config's execution.staging_budget_bytes, the
+        budget the memory check counts."""
+        if staging_budget_bytes is None:
+            staging_budget_bytes = self.config.staging_budget_bytes
         from . import executor
         xlib = executor.lib()
         opts = executor.rp_migration_options()

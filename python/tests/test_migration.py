@@ -146,3 +146,24 @@ def test_same_steps_give_the_same_migration(moving, small_trace):
     again = run(small_trace, MOVING, steps=1)[0].migration
     assert again.hash == moving[0].migration.hash
     np.testing.assert_array_equal(again.transfers, moving[0].migration.transfers)
+
+
+def test_the_config_staging_budget_is_the_default(small_trace, tmp_path):
+    """execution.staging_budget_bytes (what the memory check counts) is the budget until
+    the trainer sets one; set_migration_options() without a budget keeps it."""
+    import json
+    cfg = json.loads(SMALL_CONFIG.read_text())
+    cfg["execution"] = {"optimizer_sharding": "dp", "staging_budget_bytes": 1}
+    path = tmp_path / "budget.json"
+    path.write_text(json.dumps(cfg))
+    t = small_trace[0]
+    with routepack.Scheduler(str(path), policy=MOVING) as s:
+        assert s.config.staging_budget_bytes == 1
+        assert s.config.optimizer_sharding == "dp"
+        with pytest.raises(routepack.Error, match="staging budget of 1 bytes"):
+            s.step(t.lengths, t.routing, group_ids=t.group_ids)
+        s.set_migration_options()
+        with pytest.raises(routepack.Error, match="staging budget of 1 bytes"):
+            s.step(t.lengths, t.routing, group_ids=t.group_ids)
+        s.set_migration_options(staging_budget_bytes=0)
+        assert s.step(t.lengths, t.routing, group_ids=t.group_ids).migration_bytes > 0

@@ -73,7 +73,8 @@ class MigrationExecutor:
     private process group (dist.new_group) so migration traffic never mixes with the
     trainer's, and a transport failure cannot leave the trainer's group out of step.
     ``timeout_s`` bounds every wait; ``staging_budget_bytes`` caps the staging memory
-    per rank (0: no cap, one round); the plan splits into rounds of whole layers.
+    per rank (0: no cap, one round; None: the config's execution.staging_budget_bytes,
+    which the memory check counts); the plan splits into rounds of whole layers.
     ``placement``: phy2log [layers, slots] the slots hold when the executor is made
     (default: Scheduler.initial_placement(), where the trainer loads its experts); the
     C executor then tracks each slot's identity and refuses a migration whose starting
@@ -84,7 +85,7 @@ class MigrationExecutor:
     each step: execute() on every rank."""
 
     def __init__(self, scheduler, group=None, *, placement=None, timeout_s=60.0,
-                 staging_budget_bytes=0, device=None):
+                 staging_budget_bytes=None, device=None):
         self.scheduler = getattr(scheduler, "scheduler", scheduler)
         # What the slots hold now (the registry's slot identities): by default the
         # placement the scheduler starts from, where the trainer loads its experts.
@@ -97,7 +98,8 @@ class MigrationExecutor:
         self.control_group = self._new_group()
         self.messenger = TorchMessenger(self.group, device=device, control_group=self.control_group)
         self.timeout_s = float(timeout_s)
-        self.staging_budget_bytes = int(staging_budget_bytes)
+        # None: the config's execution.staging_budget_bytes (what the memory check counts)
+        self.staging_budget_bytes = None if staging_budget_bytes is None else int(staging_budget_bytes)
         self._layers = {}
         self._registry = None
         self._transport = None
