@@ -228,12 +228,20 @@ def measure(doc, device="cuda", budget_s=110.0, warmup=2, reps=5, log=print):
                     return _measured(doc, seconds, expert_kernel, attention_kernel, complete, device)
                 cell = doc["cells"][i]
                 n_local = max(len(cell["expert_counts"]), 1)
-                if n_local not in layers:
-                    layers[n_local] = LayerCell(doc["shape"], n_local, attention_kernel=attention_kernel,
-                                                expert_kernel=expert_kernel, dtype=dtype, device=dev)
-                layer = layers[n_local]
-                inputs = layer.inputs(cell["lengths"], cell["expert_counts"])
-                seconds[str(i)] = median_seconds(lambda: layer.step(inputs), dev, warmup, reps)
+                try:
+                    if n_local not in layers:
+                        layers[n_local] = LayerCell(doc["shape"], n_local, attention_kernel=attention_kernel,
+                                                    expert_kernel=expert_kernel, dtype=dtype, device=dev)
+                    layer = layers[n_local]
+                    inputs = layer.inputs(cell["lengths"], cell["expert_counts"])
+                    seconds[str(i)] = median_seconds(lambda: layer.step(inputs), dev, warmup, reps)
+                except Exception as e:  # noqa: BLE001 - what was measured still comes back
+                    log("fidelity: cell %d (%d sequences, %d token-choices) failed: %s: %s" % (
+                        i, len(cell["lengths"]), sum(cell["expert_counts"]), type(e).__name__,
+                        str(e).splitlines()[0][:300] if str(e) else ""))
+                    out = _measured(doc, seconds, expert_kernel, attention_kernel, complete, device)
+                    out["error"] = "cell %d: %s: %s" % (i, type(e).__name__, str(e)[:300])
+                    return out
         complete += 1
     return _measured(doc, seconds, expert_kernel, attention_kernel, complete, device)
 

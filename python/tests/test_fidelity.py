@@ -155,3 +155,27 @@ def test_committed_cells_still_price():
     assert sync in ("group", "global")
     for p, cells in zip(doc["plans"], pred):
         assert np.shape(cells) == np.shape(p["predicted"]) and all(x > 0 for row in cells for x in row)
+
+
+def _measure_failing(rank, world, doc):
+    from routepack.torch import cell as cellmod
+    real = cellmod.LayerCell.inputs
+
+    def inputs(self, lengths, counts):
+        if sum(counts) == 7:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, lengths, counts)
+    cellmod.LayerCell.inputs = inputs
+    return fidelity.measure(doc, device="cpu", budget_s=300, warmup=0, reps=1, log=lambda m: None)
+
+
+def test_measure_keeps_what_it_timed_when_a_cell_fails():
+    pytest.importorskip("torch", reason="the device step needs PyTorch")
+    import torch_world
+    doc = {"shape": dict(hidden_size=16, expert_ffn_size=8, num_heads=2, num_kv_heads=1, head_dim=8),
+           "cells": [{"lengths": [3], "expert_counts": [2, 1]}, {"lengths": [4], "expert_counts": [5, 2]},
+                     {"lengths": [2], "expert_counts": [1, 1]}],
+           "plans": [{"cells": [[0]]}, {"cells": [[1, 2]]}]}
+    out = torch_world.run(_measure_failing, 1, doc)[0]
+    assert out["plans_complete"] == 1 and sorted(out["seconds"]) == ["0"]
+    assert "cell 1" in out["error"] and "injected" in out["error"]

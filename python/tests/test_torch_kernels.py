@@ -117,3 +117,18 @@ def test_layer_cell_steps_with_and_without_tokens():
     got = torch_world.run(_cell_steps, 1, cases)[0]
     for (lengths, counts), (ys, zs, t) in zip(cases, got):
         assert ys == (sum(lengths), 16) and zs == (sum(counts), 16) and t > 0
+
+
+def test_rmsnorm_fallback_equals_torch():
+    from routepack.torch import cell
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(2))
+    mine = cell._RMSNorm(16)
+    with torch.no_grad():
+        mine.weight.copy_(torch.linspace(0.5, 1.5, 16))
+    if hasattr(torch.nn, "RMSNorm"):
+        ref = torch.nn.RMSNorm(16, eps=1e-6)
+        with torch.no_grad():
+            ref.weight.copy_(mine.weight)
+        torch.testing.assert_close(mine(x), ref(x), rtol=1e-5, atol=1e-5)
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * mine.weight
+    torch.testing.assert_close(mine(x), want, rtol=1e-5, atol=1e-5)

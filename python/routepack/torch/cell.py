@@ -36,7 +36,10 @@ def single_rank_group(device):
         fd, path = tempfile.mkstemp(prefix="rp-cell-")
         os.close(fd)
         os.unlink(path)
-        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        dev = torch.device(device)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":   # NCCL binds its communicator to the current device
+            torch.cuda.set_device(dev.index if dev.index is not None else torch.cuda.current_device())
         dist.init_process_group(backend, init_method="file://" + path, rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise RuntimeError("LayerCell runs on one rank; torch.distributed has %d" % dist.get_world_size())
@@ -71,6 +74,21 @@ def median_seconds(fn, device, warmup=2, reps=7):
     return statistics.median(times)
 
 
+class _RMSNorm(nn.Module):
+    """nn.RMSNorm for a torch that predates it (2.4)."""
+
+    def __init__(self, d, eps=1e-6, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype) * self.weight
+
+
+RMSNorm = getattr(nn, "RMSNorm", _RMSNorm)
+
+
 class LayerCell(nn.Module):
     """One layer of one GPU for one microbatch. ``shape``: dict with hidden_size,
     expert_ffn_size, num_heads, num_kv_heads, head_dim (a config's model section);
@@ -87,10 +105,10 @@ class LayerCell(nn.Module):
         self.attention_kernel = attention_kernel
         self.device, self.dtype = torch.device(device), dtype
         kw = dict(dtype=dtype, device=device)
-        self.norm1 = nn.RMSNorm(d, **kw)
+        self.norm1 = RMSNorm(d, **kw)
         self.qkv = nn.Linear(d, (h + 2 * hkv) * dh, bias=False, **kw)
         self.proj = nn.Linear(h * dh, d, bias=False, **kw)
-        self.norm2 = nn.RMSNorm(d, **kw)
+        self.norm2 = RMSNorm(d, **kw)
         group = single_rank_group(device)
         self.moe = MoELayer(d, f, self.num_local, 1, self.num_local, ep_group=group, gated=True,
                             expert_kernel=expert_kernel, **kw)
