@@ -146,7 +146,9 @@ def _sdpa_flash(q, k, v, cu, max_len):
     by_len = {}
     for s, n in zip(starts, lens):
         by_len.setdefault(n, []).append(s)
-    gqa = k.shape[1] != q.shape[1]
+    # KV heads repeated for GQA: SDPA's flash backend refuses enable_gqa in some torch
+    # versions, and the flash kernel then does the same FLOPs
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         for n, ss in by_len.items():
             if n == 0:
@@ -155,7 +157,7 @@ def _sdpa_flash(q, k, v, cu, max_len):
                    + torch.arange(n, device=q.device)).reshape(-1)
             qb, kb, vb = (t.index_select(0, idx).view(len(ss), n, t.shape[1], t.shape[2]).transpose(1, 2)
                           for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
             out = out.index_copy(0, idx, o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]))
     return out
 
