@@ -68,6 +68,7 @@ void rp_lua_host_bind(rp_lua_host *host, const rp_lua_frame *frame)
                host->policy_name, (long long)host->log_dropped, RP_LUA_LOG_RECORDS, (long long)RP_LUA_LOG_BYTES);
     host->log_records = host->log_bytes = host->log_dropped = 0;
     if (frame) memset(&host->decision, 0, sizeof host->decision);
+    if (frame) host->fallback_checks = host->fallback_changes = 0;
     host->frame = frame;
     host->generation++;
 }
@@ -1130,6 +1131,10 @@ static int l_joint(lua_State *L)
     charge_counted(L, f->cost, before, evaluations);
     if (st != RP_OK) return rp_lua_fail(L, h, "rp.joint", st, &err);
     holder->has_packing = holder->has_placement = true;
+    if (num_fallbacks > 0) {
+        h->fallback_checks++;
+        if (strcmp(rep.chosen, "joint") != 0) h->fallback_changes++;
+    }
     lua_createtable(L, 0, 10);
     lua_pushstring(L, rep.chosen);
     lua_setfield(L, -2, "chosen");

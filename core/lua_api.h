@@ -65,6 +65,9 @@ typedef struct rp_lua_host {
     /* rp.decision in the running call (cleared when a call starts): what the policy
      * says about its migration decision, copied into the step report */
     rp_lua_decision decision;
+    /* rp.joint's fallback check in the running call (cleared when a call starts): calls
+     * that ran it, and of them those where a baseline beat the joint plan */
+    int32_t fallback_checks, fallback_changes;
 } rp_lua_host;
 
 /* What rp.log may send to the context's log in one call (one step of one policy): a

@@ -516,6 +516,7 @@ static void push_history(rp_sched *s, int64_t step, const rp_stats *stats)
 typedef struct run_result {
     rp_plan *plan;       /* merged, stable, valid; NULL on failure */
     rp_lua_decision decision; /* the last rp.decision of the set's policies */
+    int32_t fallback_checks, fallback_changes; /* rp.joint's checks, over the set */
     int64_t work;
     double wall_s;       /* in the policy calls */
     double cpu_s;        /* the same, this thread's CPU time */
@@ -603,6 +604,8 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
         r->wall_s += now_s() - t0;
         r->cpu_s += thread_cpu_s() - c0;
         if (ps->pol[i]->host.decision.set) r->decision = ps->pol[i]->host.decision;
+        r->fallback_checks += ps->pol[i]->host.fallback_checks;
+        r->fallback_changes += ps->pol[i]->host.fallback_changes;
         r->work += work;
         if (st != RP_OK) {
             /* whatever failed inside the policy's call, out of memory included, is the
@@ -947,6 +950,10 @@ static rp_status propose(rp_sched *s, policy_set *use, step_inputs *in, rp_step_
     rep->policy_work = r.work;
     rep->policy_wall_s = r.wall_s;
     rep->policy_cpu_s = r.cpu_s;
+    if (r.plan) {
+        rep->fallback_checks = r.fallback_checks;
+        rep->fallback_check_changes = r.fallback_changes;
+    }
     if (r.plan && r.decision.set) {
         rep->has_decision = true;
         rep->persistence = r.decision.persistence;

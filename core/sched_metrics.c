@@ -10,7 +10,7 @@ json_t *rp_step_metrics_json(const rp_step_report *r)
 {
     const rp_cost_summary *c = &r->cost;
     return json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:f, s:f, s:i, s:i, s:i,"
-                     " s:f, s:i, s:f, s:f, s:i}",
+                     " s:f, s:i, s:f, s:f, s:i, s:i, s:i}",
                      "step_time_ms", c->step_s * 1e3,
                      "lower_bound_ms", c->lower_bound_s * 1e3,
                      "step_over_lower_bound", c->ratio,
@@ -35,5 +35,8 @@ json_t *rp_step_metrics_json(const rp_step_report *r)
                      "persistence_observations", (int)r->persistence_observations,
                      "predicted_saving_ms", r->predicted_saving_s * 1e3,
                      "realised_saving_ms", r->realised_saving_s * 1e3,
-                     "realised_scored", r->realised_scored ? 1 : 0);
+                     "realised_scored", r->realised_scored ? 1 : 0,
+                     /* rp.joint's fallback check: how often it ran, how often it changed the plan */
+                     "fallback_checks", (int)r->fallback_checks,
+                     "fallback_check_changes", (int)r->fallback_check_changes);
 }

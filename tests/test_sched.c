@@ -1288,6 +1288,45 @@ static void test_initial_placement(void)
     rp_sched_free(ep);
 }
 
+/* rp.joint's fallback check in the step report: the calls that ran it, and those where a
+ * baseline won. The probe calls rp.joint three times: the defaults (whether a baseline
+ * wins there is learnt from a probe that fails when one does: at step 0 on this config
+ * token_kk+contiguous can, as it migrates nothing), no fallbacks (no check), and 16
+ * microbatches forced where the cap allows fewer (a baseline wins: asserted). A policy
+ * without rp.joint counts nothing. */
+static void test_fallback_check_counts(void)
+{
+    rp_sched *s = make(body_policy("local p, r = rp.joint({})\n"
+                                   "assert(r.chosen == 'joint', 'a baseline won: ' .. r.chosen)\n"
+                                   "return p"),
+                       NULL);
+    const rp_step_report *rep = step(s, 0, NULL);
+    const int first_changes = rep && rep->fallback ? 1 : 0;
+    rp_sched_free(s);
+    s = make(body_policy("local p1, r1 = rp.joint({})\n"
+                         "local p2, r2 = rp.joint({fallbacks = {}})\n"
+                         "local p3, r3 = rp.joint({num_microbatches = 16})\n"
+                         "assert(r3.chosen ~= 'joint', 'forced microbatches: the joint plan won')\n"
+                         "return p1"),
+             NULL);
+    rep = step(s, 0, NULL);
+    ok(rep && !rep->fallback && rep->fallback_checks == 2 && rep->fallback_check_changes == 1 + first_changes,
+       "the report counts rp.joint's fallback checks (2) and those a baseline won (%d)", 1 + first_changes);
+    if (rep && rep->fallback) diag("%s", rep->fallback_reason);
+    char *json = NULL, want[64];
+    size_t len = 0;
+    snprintf(want, sizeof want, "\"fallback_check_changes\": %d", 1 + first_changes);
+    ok(s && rp_sched_report_json(s, &json, &len, NULL) == RP_OK && json && strstr(json, "\"fallback_checks\": 2") &&
+           strstr(json, want),
+       "and so do the step's metrics");
+    rp_text_free(ctx, json);
+    rp_sched_free(s);
+    s = make("token_kk", NULL);
+    rep = step(s, 0, NULL);
+    ok(rep && rep->fallback_checks == 0 && rep->fallback_check_changes == 0, "a policy without rp.joint: none");
+    rp_sched_free(s);
+}
+
 int main(void)
 {
     rp_error err;
@@ -1320,6 +1359,7 @@ int main(void)
     test_primitive_charges();
     test_errors();
     test_allocation_failures();
+    test_fallback_check_counts();
     for (int t = 0; t < STEPS; t++) {
         rp_batch_free(batches[t]);
         free(ids[t]);

@@ -120,6 +120,12 @@ typedef struct rp_step_report {
     bool realised_scored;          /* an earlier change was scored on this batch */
     double realised_saving_s;      /* its saving on this batch (the placement after it
                                       against the one before, this step's packing) */
+    /* rp.joint's fallback check (docs/routepack-policy.md): the policy's calls that ran
+     * it this step, and of them those where a baseline scored better than the joint
+     * plan and was returned instead (0 and 0 for a policy that does not call rp.joint,
+     * or when the step fell back) */
+    int32_t fallback_checks;
+    int32_t fallback_check_changes;
 } rp_step_report;
 
 /* Plan step `step` for `batch` and its routing replay (host memory). On success *plan
