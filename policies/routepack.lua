@@ -24,7 +24,7 @@ local P = {
   description = "joint policy: attention-, token- and expert-balanced packing, migration-aware placement with per-microbatch shares and replicas, checked against the baselines",
   params = {
     horizon = {
-      type = "integer", default = 10, min = 1, max = 1000000,
+      type = "integer", default = 3, min = 1, max = 1000000,
       doc = "steps over which a new placement must pay back the time its migration takes",
     },
     search_evaluations = {

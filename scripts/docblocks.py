@@ -32,6 +32,7 @@ TIMING = re.compile(r"\d+(\.\d+)? (ms|s|GB/s|MB/s)\b")
 NOT_RUN = {
     "scripts/install-deps.sh": "installs system packages; .ci/run runs it",
     "scripts/test.sh": "the test suite itself; .ci/run runs it",
+    "scripts/results.sh": "long: the measurements behind docs/results.md (10-20 minutes of CPU)",
     "cmake ": "the build; .ci/run configures and builds",
     "CC=clang cmake": "the fuzz build; .ci/run builds and runs the fuzzers",
     "build-fuzz/": "long: libFuzzer runs; scripts/fuzz.sh in .ci/run",

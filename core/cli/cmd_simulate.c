@@ -1059,7 +1059,17 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
         return CLI_FAIL;
     }
     const char *config = o.config ? o.config : ex_config;
-    if (!o.trace && !o.gen) o.trace = ex_trace, o.gen = ex_gen;
+    static char ex_sim[4096 + 32];
+    if (!o.trace && !o.gen) {
+        o.trace = ex_trace, o.gen = ex_gen;
+        /* simulate's own example, next to the example config: steps generated at a batch
+         * size where a step outweighs a re-placement (examples/gen-example.json); the
+         * bundled trace stays the other commands' example */
+        const char *slash = strrchr(ex_config, '/');
+        snprintf(ex_sim, sizeof ex_sim, "%.*s/gen-example.json", slash ? (int)(slash - ex_config) : 1,
+                 slash ? ex_config : ".");
+        if (!o.config && access(ex_sim, R_OK) == 0) o.trace = NULL, o.gen = ex_sim;
+    }
 
     rp_config *cfg = NULL;
     cli_input in;

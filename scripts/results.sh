@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Produce docs/results.md and README.md's Results section from measurements, in one go:
+#   1. `routepack simulate --json` on the bundled example and on generated traces of the
+#      small scale (examples/gen-results-small.json) with seeds the defaults were not tuned
+#      on (21: 8 steps, 22: 24 steps), every default policy, compared against the best
+#      baseline on step + migration (docs/cli.md);
+#   2. the horizon and persistence sweep the routepack policy's defaults were chosen by
+#      (tuning seed 11: 2, 8 and 24 steps, and the bundled example): routepack with its
+#      params set otherwise, as policy files in the work folder;
+#   3. optionally the single-step benchmark (tests/bench/bench_policies --markdown);
+#   then scripts/results.py renders the figures into the two files.
+# Other issues add a section by adding a step here that writes markdown to
+# $work/section-NAME.md (appended in name order), or a renderer in scripts/results.py
+# (SECTIONS there).
+#
+# Usage: scripts/results.sh [--quick] [--reference] [--bench small|all|none] [BUILD_DIR]
+#   --quick      the 24-step traces become 8 steps (minutes less; for a look, not for the docs)
+#   --reference  also the reference shape (config-reference.json) with a reduced batch
+#                (gen-reference.json at 32 prompts x 8), 8 steps, seed 21
+#   --bench      bench_policies scale to run (default none: keep its section out)
+# Work files (traces, JSON) go to $RP_RESULTS_DIR (default /tmp/routepack-results);
+# traces already there with the same settings are reused.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+quick=0 reference=0 bench=none
+while [ $# -gt 0 ]; do
+  case $1 in
+    --quick) quick=1 ;;
+    --reference) reference=1 ;;
+    --bench) bench=$2; shift ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -*) echo "results.sh: unknown option $1" >&2; exit 2 ;;
+    *) break ;;
+  esac
+  shift
+done
+build=${1:-build}
+case $build in /*) ;; *) build="$root/$build" ;; esac
+[ -f "$build/CMakeCache.txt" ] || cmake -S "$root" -B "$build" -DRP_WITH_CUDA=OFF >/dev/null
+cmake --build "$build" -j"$(nproc)" --target routepack_cli >/dev/null
+if [ "$bench" != none ]; then cmake --build "$build" -j"$(nproc)" --target bench_policies >/dev/null; fi
+rp="$build/routepack"
+work=${RP_RESULTS_DIR:-/tmp/routepack-results}
+mkdir -p "$work"
+ex="$root/examples"
+long=24
+[ $quick = 1 ] && long=8
+
+# trace NAME SETTINGS SEED STEPS: generated once per settings file content and seed
+trace() {
+  local name=$1 settings=$2 seed=$3 steps=$4
+  local key
+  key=$(cat "$settings" | cksum | cut -d' ' -f1)
+  local out="$work/$name-$key-s$seed-n$steps.rpt"
+  if [ ! -f "$out" ]; then
+    echo "results: generating $name seed $seed, $steps steps" >&2
+    "$rp" trace gen "$settings" --out "$out.part" --steps "$steps" --seed "$seed" >/dev/null
+    mv "$out.part" "$out"
+  fi
+  echo "$out"
+}
+
+# simulate RUN ARGS...: JSON into $work/RUN.json, the table into $work/RUN.txt
+simulate() {
+  local run=$1; shift
+  echo "results: simulate $run" >&2
+  "$rp" simulate --json "$@" > "$work/$run.json"
+}
+
+# 1. the comparison on unseen seeds
+simulate example
+small8=$(trace small "$ex/gen-results-small.json" 21 8)
+small24=$(trace small "$ex/gen-results-small.json" 22 "$long")
+simulate small-8 --config "$ex/config-small.json" --trace "$small8"
+simulate small-$long --config "$ex/config-small.json" --trace "$small24"
+if [ $reference = 1 ]; then
+  python3 - "$ex/gen-reference.json" "$work/gen-reference-reduced.json" "$ex" <<'EOF'
+import json, sys
+g = json.load(open(sys.argv[1]))
+g["num_prompts"] = 32
+for k in ("counts_file",):
+    g["experts"][k] = sys.argv[3] + "/" + g["experts"][k]
+g["lengths"]["prompt"]["csv"] = sys.argv[3] + "/" + g["lengths"]["prompt"]["csv"]
+json.dump(g, open(sys.argv[2], "w"))
+EOF
+  ref8=$(trace reference "$work/gen-reference-reduced.json" 21 8)
+  simulate reference-8 --config "$ex/config-reference.json" --trace "$ref8"
+fi
+
+# 2. the sweep: routepack with other horizon / persistence settings, as policy files
+variants=()
+for v in "h1 1 -1" "h3 3 -1" "h10 10 -1" "h10-rho1 10 1" "h10-prior1 10 -1 1"; do
+  set -- $v
+  file="$work/routepack-$1.lua"
+  python3 - "$root/policies/routepack.lua" "$file" "$2" "$3" "${4:-}" <<'EOF'
+import re, sys
+src = open(sys.argv[1]).read()
+def default(text, param, value):
+    pat = r"(\n    %s = \{\n      type = \"[a-z]+\", default = )([-0-9.]+)" % param
+    new, n = re.subn(pat, lambda m: m.group(1) + value, text)
+    if n != 1:
+        sys.exit("results.sh: cannot set the default of %s in routepack.lua" % param)
+    return new
+src = default(src, "horizon", sys.argv[3])
+src = default(src, "persistence", sys.argv[4])
+if sys.argv[5]:
+    src = default(src, "persistence_prior", sys.argv[5])
+open(sys.argv[2], "w").write(src)
+EOF
+  variants+=("$file")
+done
+list=$(IFS=,; echo "token_kk+contiguous,token_kk+eplb_periodic,routepack,${variants[*]}")
+tune24=$(trace small "$ex/gen-results-small.json" 11 "$long")
+simulate sweep-example --policies "$list"
+simulate sweep-small-2 --config "$ex/config-small.json" --trace "$tune24" --steps 2 --policies "$list"
+simulate sweep-small-8 --config "$ex/config-small.json" --trace "$tune24" --steps 8 --policies "$list"
+[ $quick = 1 ] || simulate sweep-small-24 --config "$ex/config-small.json" --trace "$tune24" --policies "$list"
+
+# 3. the single-step benchmark
+if [ "$bench" != none ]; then
+  echo "results: bench_policies --scale $bench" >&2
+  "$build/bench/bench_policies" --scale "$bench" --markdown "$work/bench.md" > "$work/bench.txt"
+fi
+
+python3 "$root/scripts/results.py" "$work" "$root" --long "$long" \
+  $( [ $reference = 1 ] && echo --reference ) $( [ "$bench" != none ] && echo --bench "$bench" )
