@@ -80,7 +80,8 @@ static void test_estimate_from_reports(void)
  * persistence 1 from the same start. */
 static void test_rule(void)
 {
-    rp_sched *one = make("routepack", "{\"persistence\": 1}"), *zero = make("routepack", "{\"persistence\": 0}");
+    rp_sched *one = make("routepack", "{\"persistence\": 1, \"horizon\": 10}"),
+             *zero = make("routepack", "{\"persistence\": 0, \"horizon\": 10}");
     double bytes1 = 0, bytes0 = 0;
     bool ran = one && zero;
     for (int t = 0; t < STEPS && ran; t++) {
