@@ -49,8 +49,9 @@ def test_output_that_is_a_folder(cli, tmp_path):
 def test_plans_dir(cli, tmp_path):
     plans = tmp_path / "plans"
     policies = ["token_kk+eplb", "routepack"]
+    # the trace the plans are checked against (simulate's own default is gen-example.json)
     r = run(cli, "simulate", "--json", "--steps", 2, "--policies", ",".join(policies),
-            "--plans", plans)
+            "--config", SMALL_CONFIG, "--trace", SMALL_TRACE, "--plans", plans)
     assert r.returncode == 0, r.stderr
     run_json = json.loads(r.stdout)
     for pol in run_json["policies"]:
