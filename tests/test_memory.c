@@ -87,6 +87,39 @@ static void test_hand_computed(void)
     rp_config_free(cfg);
 }
 
+/* A migration copy moves the weights and the receiver's shard of the optimizer state:
+ * the migration planner's default expert bytes follow the sharding. */
+static void test_migration_bytes(void)
+{
+    const char *execs[2] = {"{}", "{\"optimizer_sharding\": \"dp\"}"};
+    const int64_t per_copy[2] = {96 * 14, 96 * 2 + 96 * 12 / 2};
+    for (int i = 0; i < 2; i++) {
+        rp_config *cfg = tiny(execs[i], 141e9);
+        rp_plan *from = NULL, *to = NULL;
+        rp_migration_plan *mp = NULL;
+        rp_error err;
+        /* contiguous (experts 0, 1 on EP rank 0; 2, 3 on rank 1), then experts 0 and 2
+         * swap places at layer 0: two copies in each of the two EP groups */
+        const int32_t rank0[] = {2, 1}, rank1[] = {0, 3};
+        bool made = cfg && rp_plan_new(ctx, cfg, 1, &from, &err) == RP_OK &&
+                    rp_plan_set_contiguous(from, &err) == RP_OK && rp_plan_copy(from, &to, &err) == RP_OK &&
+                    rp_plan_set_gpu_experts(to, 0, 0, rank0, 2, &err) == RP_OK &&
+                    rp_plan_set_gpu_experts(to, 0, 1, rank1, 2, &err) == RP_OK &&
+                    rp_migration_plan_new(ctx, cfg, from, to, NULL, &mp, &err) == RP_OK;
+        ok(made, "%s: a migration plan", i ? "dp" : "none");
+        if (made) {
+            rp_migration_summary sum;
+            rp_migration_plan_summary(mp, &sum);
+            is_int(sum.moved_bytes, 4 * per_copy[i], "%s: 4 copies of %lld bytes", i ? "dp" : "none",
+                   (long long)per_copy[i]);
+        }
+        rp_migration_plan_free(mp);
+        rp_plan_free(to);
+        rp_plan_free(from);
+        rp_config_free(cfg);
+    }
+}
+
 /* Uneven slots: the busiest GPU is the one with the most slots. */
 static void test_uneven_slots(void)
 {
@@ -355,6 +388,7 @@ int main(void)
     if (rp_context_new(NULL, NULL, &ctx) != RP_OK) return 1;
     test_hand_computed();
     test_uneven_slots();
+    test_migration_bytes();
     test_config_refused();
     test_extra_replicas();
     test_joint_within_memory();
