@@ -263,6 +263,15 @@ double rp_cost_attention_s(const rp_cost *c, int64_t seq_len)
     return len * len * c->attn_flop_s / curve_at(c->attn_eff, c->num_attn_eff, len) + len * c->attn_lin_s;
 }
 
+double rp_cost_dense_s(const rp_cost *c, int64_t seq_len)
+{
+    if (!c || seq_len <= 0) return 0.0;
+    double len = (double)seq_len;
+    double core = len * len * c->attn_flop_s / curve_at(c->attn_eff, c->num_attn_eff, len);
+    double proj = len * c->attn_lin_s, lin = len * c->token_linear_s;
+    return (1.0 + c->bwd.attention) * core + (1.0 + c->bwd.projections) * proj + (1.0 + c->bwd.token_linear) * lin;
+}
+
 /* The quadratic attention work of every sequence, L^2 / eff(L), in fixed point: scaled by
  * 2^k with k the largest that keeps the batch's total under 2^61, and rounded to an
  * integer. Cells then sum integers, so a move changes a cell's sum exactly and an

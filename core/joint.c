@@ -80,11 +80,22 @@ static rp_status setup(joint *jt, rp_error *err)
         if (t->speed[g] > jt->speed_max) jt->speed_max = t->speed[g];
     }
     jt->cap = rp_limits_token_cap(rp_config_limits(jt->cfg));
-    const double token_bytes = (double)md->hidden_size * md->bytes_per_param;
+    const rp_execution *x = rp_config_execution(jt->cfg);
+    const double token_bytes = (double)md->hidden_size * x->dispatch_bytes_per_element;
     const int32_t near = jt->ep < jt->gpn ? jt->ep : jt->gpn; /* GPUs of a group on one node */
-    jt->d_choice = token_bytes * ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
-                                  (double)(jt->ep - near) / jt->ep / t->net_bytes_per_s);
-    jt->fwd_bwd = 1.0 + hw->backward.experts;
+    /* de-duplication for a token whose K choices spread evenly over the group: K / ep of
+     * them per GPU, at most m = min(K, slots of a rank) each (docs/cost-model.md, dd) */
+    double dedup = 1.0;
+    if (x->dispatch_dedup != RP_DEDUP_CHOICE && jt->K > 1) {
+        int32_t m = t->slots[0] < jt->K ? t->slots[0] : jt->K;
+        double p = (double)jt->K / jt->ep / (m > 0 ? m : 1);
+        dedup = p >= 1.0 ? (double)jt->ep / jt->K : -expm1(m * log1p(-p)) * jt->ep / jt->K;
+    }
+    jt->d_choice = (1.0 + hw->backward.communication) * dedup * token_bytes *
+                   ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
+                    (double)(jt->ep - near) / jt->ep / t->net_bytes_per_s);
+    jt->overlap = x->overlap == RP_OVERLAP_LAYER;
+    jt->x_mult = 1.0 + hw->backward.experts;
     jt->copy_s = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param / t->nvlink_bytes_per_s;
     jt->nv_lat = t->nvlink_latency_s;
     const double expert_bytes = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param;
@@ -97,7 +108,7 @@ static rp_status setup(joint *jt, rp_error *err)
     if (jt->t_table_n < 1) jt->t_table_n = 1;
     jt->t_slope = rp_cost_expert_s(jt->cost, 1e12) / 1e12;
     jt->t_mem = rp_cost_expert_s(jt->cost, 1e-9);
-    jt->t_choice = jt->t_slope;
+    jt->t_choice = jt->x_mult * jt->t_slope;
 
     int64_t S = 0;
     for (int32_t j = 0; j < jt->ep; j++) S += t->slots[j];
@@ -255,7 +266,7 @@ static double persistent_score(const joint *jt, int32_t l, const joint_layer *la
     }
     double sum = 0;
     for (int32_t m = 0; m < jt->M; m++) sum += joint_mb_value(jt, m, most * share_max[m]);
-    return jt->fwd_bwd * sum + joint_layer_grad_s(jt, lay, rank_load);
+    return sum + joint_layer_grad_s(jt, lay, rank_load);
 }
 
 /* Placement of every layer: a fresh one, and (with a previous plan) the previous one

@@ -26,8 +26,8 @@ typedef struct balancer {
     int32_t *mb_begin, *by_len; /* each microbatch's sequences, ascending length */
     uint32_t *h;           /* [E] */
     double *row;           /* [2 * ep] trial rows */
-    double w_x, w_a, w_t;  /* forward seconds per token-choice of the hottest rank,
-                              per second of the slowest cell's attention (x L), per
+    double w_x, w_a, w_t;  /* step seconds per token-choice of the hottest rank,
+                              per second of the slowest cell's dense work (x L), per
                               token of the fullest cell (dispatch and combine) */
 } balancer;
 
@@ -281,7 +281,7 @@ rp_status joint_balance(joint *jt, const joint_layer *ref, int64_t budget, int64
     for (int32_t s = 0; s < N; s++) {
         int64_t n = rp_batch_seq_len(jt->batch, s);
         size_t c = (size_t)jt->seq_gpu[s] * M + jt->seq_mb[s];
-        b.attn[s] = rp_cost_attention_s(jt->cost, n);
+        b.attn[s] = rp_cost_dense_s(jt->cost, n);
         b.A[c] += b.attn[s];
         b.tok[c] += n;
         len[s] = (double)n;

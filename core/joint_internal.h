@@ -33,13 +33,16 @@ typedef struct joint {
     bool uniform_speed;
     int64_t cap;                /* token cap of one cell, the activation cap included */
 
-    /* Surrogate unit costs, forward, seconds. */
+    /* Surrogate unit costs, forward and backward (step seconds), each term at its own
+     * backward multiplier as the cost model has them. */
     double t_choice;            /* expert work of one token-choice at full efficiency */
-    double d_choice;            /* sending one token-choice to another GPU of the group */
+    double d_choice;            /* sending one token-choice to another GPU of the group, de-duplicated
+                                   as the config says (for an even spread of a token's choices) */
+    bool overlap;               /* execution.overlap layer: a layer costs max(compute, communication) */
     /* Per microbatch, the token-choices the busiest GPU sends (its tokens x top-k): the
      * dispatch floor that rank loads compete with (joint_mb_value). [M] */
     double *send_max;
-    double fwd_bwd;             /* 1 + backward multiplier */
+    double x_mult;              /* 1 + backward.experts: forward expert seconds to step seconds */
     double copy_s;              /* weights of one extra replica over NVLink */
     double nv_lat;
     double move_nv_s, move_net_s; /* migrating one expert (weights and optimizer state) */
@@ -60,13 +63,16 @@ typedef struct joint {
     const int32_t *node_of_rank; /* [ep] node of EP rank j (GPU j of group 0) */
 } joint;
 
-/* Surrogate forward time of one (microbatch, layer) whose busiest rank receives
- * `load` token-choices (per unit speed): its expert work, and dispatch and combine,
- * which wait for the busier of the largest send and the largest receive. */
+/* Surrogate time (forward and backward) of one (microbatch, layer) whose busiest rank
+ * receives `load` token-choices (per unit speed): its expert work, and dispatch and
+ * combine, which wait for the busier of the largest send and the largest receive; with
+ * per-layer overlap, the longer of the two. */
 static inline double joint_mb_value(const joint *jt, int32_t m, double load)
 {
     double send = jt->send_max ? jt->send_max[m] : 0.0;
-    return jt->t_choice * load + 2.0 * jt->d_choice * (load > send ? load : send);
+    double compute = jt->t_choice * load, comm = 2.0 * jt->d_choice * (load > send ? load : send);
+    if (jt->overlap) return compute > comm ? compute : comm;
+    return compute + comm;
 }
 
 static inline const int64_t *grp_row(const joint *jt, int32_t m, int32_t q, int32_t l)

@@ -334,8 +334,8 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
                     double nm = trial_max(jt, ls, e, ls->rk, R + 1, ls->wt);
                     int32_t k_after = ls->extra_count[j2] + 1 > kmax ? ls->extra_count[j2] + 1 : kmax;
                     double copy = 2.0 * ((k_after - kmax) * jt->copy_s + (kmax == 0 ? jt->nv_lat : 0.0));
-                    /* net saving, forward seconds */
-                    double gain = joint_mb_value(jt, m, cur) - joint_mb_value(jt, m, nm) - copy / jt->fwd_bwd;
+                    /* net saving, step seconds */
+                    double gain = joint_mb_value(jt, m, cur) - joint_mb_value(jt, m, nm) - copy;
                     if (gain > best_gain) {
                         best_gain = gain;
                         best_e = e;
@@ -367,7 +367,7 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
     double copy = kmax > 0 ? 2.0 * (kmax * jt->copy_s + jt->nv_lat) : 0.0;
     bool any = ls->n_extra > 0;
     for (int32_t e = 0; e < E && !any; e++) any = ls->explicit_shares[e];
-    if (any && !(exact_max(jt, ls, m, l, acc) + copy / jt->fwd_bwd < even_exact)) reset_even(jt, ls, l);
+    if (any && !(exact_max(jt, ls, m, l, acc) + copy / jt->x_mult < even_exact)) reset_even(jt, ls, l);
 }
 
 rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *extras, rp_error *err)

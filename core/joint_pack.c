@@ -41,7 +41,7 @@ out:
  *
  *   Phi = sum_m [ L max_g A(g, m) + alpha max_g tok(g, m) + gamma max_q Tok(m, q) ]
  *
- * (forward seconds: attention of every layer; dispatch and combine of the tokens a GPU
+ * (step seconds: the dense work of every layer; dispatch and combine of the tokens a GPU
  * sends; the expert work and receive volume of an EP group's tokens, spread over its
  * ranks), plus the prompt-spreading penalty. Among equal raises the emptiest cell
  * relative to the mean cell wins (then the lower microbatch and GPU). The first
@@ -91,7 +91,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
             goto out;
         }
         len[s] = (double)n;
-        attn[s] = rp_cost_attention_s(jt->cost, n);
+        attn[s] = rp_cost_dense_s(jt->cost, n);
         sum_a += attn[s];
         sum_len += len[s];
     }

@@ -127,8 +127,12 @@ static double total_value(const joint *jt, const double *rmax)
     return sum;
 }
 
-/* From forward seconds summed over microbatches to step seconds. */
-static double to_seconds(const joint *jt, double forward) { return forward * jt->fwd_bwd; }
+/* Surrogate values are step seconds already (joint_mb_value). */
+static double to_seconds(const joint *jt, double value)
+{
+    (void)jt;
+    return value;
+}
 
 double joint_place_score(const joint *jt, int32_t l, const joint_layer *lay, double *scratch)
 {
@@ -480,8 +484,7 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             for (int32_t s = jt->slot_begin[j]; s < jt->slot_begin[j + 1]; s++)
                 if (anchor->phy2log[s] >= 0) held[(size_t)j * E + anchor->phy2log[s]] = 1;
     }
-    const double to_forward = 1.0 / jt->fwd_bwd; /* values are forward seconds */
-    const double pen = copy_penalty * to_forward;
+    const double pen = copy_penalty; /* values are step seconds */
     for (int32_t round = 0; round < rounds; round++) {
         layer_loads(jt, l, lay, U);
         rank_maxima(jt, U, rmax);
@@ -583,7 +586,7 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             double grad_new = joint_layer_grad_s(jt, lay, row);
             lay->phy2log[pb] = f;
             joint_layer_index(jt, lay);
-            v += (grad_new - grad_now) * to_forward;
+            v += grad_new - grad_now; /* step seconds, as the values */
             if (v < best_v) {
                 best_v = v;
                 ba = pb, bxa = e, bb = -1, bxb = -1;

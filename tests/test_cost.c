@@ -376,6 +376,8 @@ static void test_hand_terms(void)
         rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
         rp_cost_summary s;
         is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+        /* s0 alone: (1 + 3) 2 + (1 + 1) 4 + (1 + 1) 4, forward and backward, no fixed cost */
+        is_double(rp_cost_dense_s(c, 4), 24.0, 1e-12, "rp_cost_dense_s: a sequence's dense work, each term at its multiplier");
         /* dense forward: GPU0 2 + 4 + 4 + 0.25 = 10.25, GPU1 1.625 + 5 + 5 + 0.25 = 11.875
          * dense backward: GPU0 3 x 2 + 4 + 4 + 0 = 14, GPU1 3 x 1.625 + 5 + 5 = 14.875
          * no overlap: T(0,0) = 11.875 + 14.875 + 3 x 7.5 + 2 x 2 x 3.5 = 63.25

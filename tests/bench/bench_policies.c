@@ -91,6 +91,10 @@ static void die(const char *what, const rp_error *err)
     exit(1);
 }
 
+/* --execution: members of an "execution" object put into every config (the examples
+ * leave the section out; a config that has one is refused rather than half-merged). */
+static const char *execution_members = NULL;
+
 static rp_config *load_config(rp_context *ctx, const char *file, int64_t cap_override)
 {
     char path[1024];
@@ -110,6 +114,13 @@ static rp_config *load_config(rp_context *ctx, const char *file, int64_t cap_ove
         char tail[1 << 16];
         snprintf(tail, sizeof tail, "%s", end);
         snprintf(at, sizeof text - (size_t)(at - text), "%lld%s", (long long)cap_override, tail);
+    }
+    if (execution_members) {
+        char *open = strchr(text, '{');
+        if (!open || strstr(text, "\"execution\"")) die("--execution: the config already has an execution section", NULL);
+        char tail[1 << 16];
+        snprintf(tail, sizeof tail, "%s", open + 1);
+        snprintf(open + 1, sizeof text - (size_t)(open + 1 - text), "\"execution\": {%s}, %s", execution_members, tail);
     }
     rp_config *cfg = NULL;
     rp_error err;
@@ -599,13 +610,15 @@ static void usage(void)
     printf("usage: bench_policies [--scale small|reference|large|all] [--domain mix|c4|tulu] [--sigma S]\n"
            "                      [--concentration C] [--steps N] [--prompts N] [--seed S] [--threads N]\n"
            "                      [--refine N] [--repeat N] [--tradeoff] [--markdown FILE] [--csv FILE] [--svg FILE]\n"
+           "                      [--execution MEMBERS]\n"
            "Without --domain/--sigma/--concentration/--steps every scale runs its default batches (a sweep of\n"
            "response spread 0.6/1.0/1.4 over two drifting steps, C4 and Tulu alone, concentration 2/32/128);\n"
            "with any of them, one batch with the given settings (defaults mix, 1.0, 8, 1 step).\n"
            "Default: --scale small. --prompts overrides the scale's prompt count (512 at the reference scale).\n"
            "--tradeoff prints plan time vs quality on the first batch of each scale. --refine adds exact local search to the\n"
            "joint policies. Times are CPU times of this thread; --repeat N (default 3) times the joint construction N\n"
-           "times and reports the least, which a shared machine disturbs least.\n");
+           "times and reports the least, which a shared machine disturbs least.\n"
+           "--execution '\"sync\": \"global\", \"overlap\": \"layer\"' adds an execution section to every config.\n");
 }
 
 int main(int argc, char **argv)
@@ -656,6 +669,8 @@ int main(int argc, char **argv)
             csv_path = v, i++;
         } else if (!strcmp(a, "--svg")) {
             svg_path = v, i++;
+        } else if (!strcmp(a, "--execution")) {
+            execution_members = v, i++;
         } else {
             fprintf(stderr, "bench_policies: unknown option %s (--help)\n", a);
             return 2;

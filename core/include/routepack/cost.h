@@ -62,6 +62,10 @@ RP_API void rp_cost_free(rp_cost *cost);
 /* Forward time of one layer's attention for a sequence of `seq_len` tokens on a GPU of
  * relative speed 1 (causal attention plus QKV/O projections). */
 RP_API double rp_cost_attention_s(const rp_cost *cost, int64_t seq_len);
+/* Forward and backward time of one layer's dense work for a sequence of `seq_len` tokens
+ * on a GPU of speed 1: attention, projections and the token-linear work, each at its own
+ * backward multiplier (the fixed cost per layer is not a sequence's). */
+RP_API double rp_cost_dense_s(const rp_cost *cost, int64_t seq_len);
 /* Forward time of one expert slot processing `tokens` tokens at speed 1. */
 RP_API double rp_cost_expert_s(const rp_cost *cost, double tokens);
 /* Time to move one expert (weights and optimizer state) over NVLink (same node) or
