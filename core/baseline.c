@@ -75,6 +75,22 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
     const rp_topology *t = rp_config_topology(cfg);
     const int32_t G = t->num_gpus, n = rp_batch_num_seqs(batch);
     const int64_t cap = rp_limits_token_cap(rp_config_limits(cfg));
+    const rp_trainer *tr = rp_config_trainer(cfg);
+    const int32_t multiple = tr->microbatch_multiple;
+    if (tr->equal_sequences_per_rank) {
+        /* verl's DataProto.chunk: the batch must divide over the ranks, no dummies */
+        if (n % G != 0)
+            return rp_fail(err, RP_EINVAL,
+                           "baseline: the batch has %d sequences, which do not divide over the %d DP ranks; "
+                           "trainer.equal_sequences_per_rank needs the same count on every rank (verl's "
+                           "DataProto.chunk): give the step a multiple of %d sequences or turn the key off",
+                           n, G, G);
+        equal_size = true;
+    }
+    if (fixed_M > 0 && fixed_M % multiple != 0)
+        return rp_fail(err, RP_EINVAL,
+                       "baseline: %d microbatches is not a multiple of %d (trainer.microbatch_multiple)", fixed_M,
+                       multiple);
     /* verl needs the batch to divide over the ranks; pad with weightless dummies. */
     const int32_t per_rank = (int32_t)(((int64_t)n + G - 1) / G);
     int64_t n_pad64 = (int64_t)per_rank * G;
@@ -138,6 +154,8 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
         if (want > M) M = (int32_t)want;
     }
     if (M < 1) M = 1;
+    /* verl's num_batches_divided_by: round the count up to the multiple */
+    if (M % multiple != 0) M += multiple - M % multiple;
 
     /* Per rank: KK over M microbatches on the key, within the cap (the repair pass is
      * ours: verl does not check the cap). If a rank cannot be repaired and the count
@@ -158,13 +176,13 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
             if (kst != RP_OK) bad_rank = g;
         }
         if (bad_rank < 0) break;
-        if (fixed_M > 0 || M >= max_local) {
+        if (fixed_M > 0 || M >= max_local || M > INT32_MAX / G - multiple) {
             rp_fail(err, RP_ERANGE, "baseline: rank %d cannot split its sequences into %d microbatches within the "
                     "cap of %lld tokens (%s)", bad_rank, M, (long long)cap, kk_err.text);
             st = RP_ERANGE;
             goto out;
         }
-        M++;
+        M += multiple;
         rp_log(ctx, RP_LOG_INFO, "baseline: rank %d does not fit its microbatches under the cap; trying %d", bad_rank, M);
     }
 

@@ -31,6 +31,7 @@ struct rp_config {
     rp_model model;
     rp_limits limits;
     rp_execution execution;
+    rp_trainer trainer;
     rp_policy_config policy;
     /* owned storage behind the const views above */
     int32_t *slots;
@@ -601,6 +602,37 @@ static rp_status check_memory(loader *ld, json_t *topology)
                         x->staging_budget_bytes == 0 ? ", set execution.staging_budget_bytes" : "");
 }
 
+/* ---- trainer ------------------------------------------------------------------------- */
+
+static const char *const trainer_keys[] = {"equal_sequences_per_rank", "microbatch_multiple", "comment", NULL};
+
+/* The trainer's demands on a packing; read after the limits (a fixed microbatch count
+ * must be a multiple of microbatch_multiple). */
+static rp_status load_trainer(loader *ld, json_t *obj)
+{
+    const char *P = "trainer";
+    rp_trainer *tr = &ld->cfg->trainer;
+    rp_status st;
+    json_t *empty = NULL;
+    if (!obj) obj = empty = json_object(); /* every key has a default */
+    if (!obj) return rp_fail_nomem(ld->err, "the trainer section");
+    RP_CHECK_GOTO(rp_jdoc_check_keys(&ld->doc, obj, P, trainer_keys, ld->err), st, out);
+    RP_CHECK_GOTO(check_comment(ld, obj, P), st, out);
+    RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "equal_sequences_per_rank", false, false,
+                               &tr->equal_sequences_per_rank, ld->err),
+                  st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "microbatch_multiple", false, 1, 1, 1 << 20, &tr->microbatch_multiple), st,
+                  out);
+    int32_t fixed = ld->cfg->limits.num_microbatches;
+    if (fixed > 0 && fixed % tr->microbatch_multiple != 0)
+        st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "trainer.microbatch_multiple",
+                          "is %d, but limits.num_microbatches fixes %d microbatches, not a multiple of %d",
+                          tr->microbatch_multiple, fixed, tr->microbatch_multiple);
+out:
+    json_decref(empty);
+    return st;
+}
+
 /* ---- policy -------------------------------------------------------------------------- */
 
 static const char *const policy_keys[] = {"name", "params", "search_path", "initial_placement", "comment", NULL};
@@ -721,7 +753,8 @@ out:
 /* ---- the document -------------------------------------------------------------------- */
 
 static const char *const top_keys[] = {
-    "topology", "hardware", "model", "limits", "execution", "policy", "calibration", "comment", "$schema", NULL,
+    "topology", "hardware", "model", "limits", "execution", "trainer", "policy", "calibration", "comment",
+    "$schema", NULL,
 };
 
 /* "calibration": a calibration.json path, relative to the config's directory: its entry
@@ -794,7 +827,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     }
     ld.doc.name = cfg->source;
 
-    json_t *root = ld.doc.root, *topology, *hardware, *model, *limits, *execution, *policy;
+    json_t *root = ld.doc.root, *topology, *hardware, *model, *limits, *execution, *trainer, *policy;
     const char *s;
     RP_CHECK_GOTO(rp_jdoc_check_keys(&ld.doc, root, "", top_keys, err), st, out);
     RP_CHECK_GOTO(check_comment(&ld, root, ""), st, out);
@@ -804,6 +837,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "model", true, &model, err), st, out);
     RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "limits", true, &limits, err), st, out);
     RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "execution", false, &execution, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "trainer", false, &trainer, err), st, out);
     RP_CHECK_GOTO(rp_jdoc_obj(&ld.doc, root, "", "policy", false, &policy, err), st, out);
 
     /* Document order; slots_per_gpu is checked once the expert count is known. */
@@ -815,6 +849,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(load_calibration(&ld, root, hardware), st, out);
     RP_CHECK_GOTO(load_limits(&ld, limits), st, out);
     RP_CHECK_GOTO(load_execution(&ld, execution), st, out);
+    RP_CHECK_GOTO(load_trainer(&ld, trainer), st, out);
     RP_CHECK_GOTO(check_memory(&ld, topology), st, out);
     RP_CHECK_GOTO(load_policy(&ld, policy), st, out);
 
@@ -843,5 +878,6 @@ const rp_hardware *rp_config_hardware(const rp_config *cfg) { return &cfg->hardw
 const rp_model *rp_config_model(const rp_config *cfg) { return &cfg->model; }
 const rp_limits *rp_config_limits(const rp_config *cfg) { return &cfg->limits; }
 const rp_execution *rp_config_execution(const rp_config *cfg) { return &cfg->execution; }
+const rp_trainer *rp_config_trainer(const rp_config *cfg) { return &cfg->trainer; }
 const rp_policy_config *rp_config_policy(const rp_config *cfg) { return &cfg->policy; }
 const char *rp_config_source(const rp_config *cfg) { return cfg->source; }

@@ -254,6 +254,8 @@ void rp_cost_free(rp_cost *c)
     rp_free(ctx, c);
 }
 
+const rp_config *rp_cost_config(const rp_cost *c) { return c->cfg; }
+
 /* ---- unit costs ------------------------------------------------------------------ */
 
 double rp_cost_attention_s(const rp_cost *c, int64_t seq_len)

@@ -190,12 +190,24 @@ static rp_status pack(joint *jt, rp_error *err)
         rp_plan_free(base);
         return RP_OK;
     }
+    const rp_trainer *tr = rp_config_trainer(jt->cfg);
+    const int32_t multiple = tr->microbatch_multiple;
+    if (tr->equal_sequences_per_rank && jt->N % jt->G != 0)
+        return rp_fail(err, RP_EINVAL,
+                       "joint: the batch has %d sequences, which do not divide over the %d DP ranks; "
+                       "trainer.equal_sequences_per_rank needs the same count on every rank (verl's "
+                       "DataProto.chunk): give the step a multiple of %d sequences or turn the key off",
+                       jt->N, jt->G, jt->G);
+    if (fixed > 0 && fixed % multiple != 0)
+        return rp_fail(err, RP_EINVAL, "joint: %d microbatches is not a multiple of %d (trainer.microbatch_multiple)",
+                       fixed, multiple);
     if (fixed > 0) return joint_pack(jt, fixed, err);
     int64_t tokens = rp_batch_num_tokens(jt->batch), per = (int64_t)jt->G * jt->cap;
     int64_t M = (tokens + per - 1) / per;
     if (M < 1) M = 1;
-    for (;; M++) {
-        if (M > INT32_MAX / jt->G || M > (int64_t)jt->N + 1)
+    if (M % multiple != 0) M += multiple - M % multiple; /* verl's num_batches_divided_by */
+    for (;; M += multiple) {
+        if (M > INT32_MAX / jt->G - multiple || M > (int64_t)jt->N + multiple)
             return rp_fail(err, RP_ERANGE, "joint: the batch does not fit under the caps with up to %lld microbatches",
                            (long long)(M - 1));
         rp_status st = joint_pack(jt, (int32_t)M, err);

@@ -46,7 +46,8 @@ out:
  * ranks), plus the prompt-spreading penalty. Among equal raises the emptiest cell
  * relative to the mean cell wins (then the lower microbatch and GPU). The first
  * sequences each set a microbatch's level; shorter ones fill under the levels at no
- * raise, so the long sequences end up together and every microbatch balanced. */
+ * raise, so the long sequences end up together and every microbatch balanced. Under
+ * trainer.equal_sequences_per_rank a rank holding N / G sequences takes no more. */
 rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
 {
     rp_context *ctx = jt->ctx;
@@ -76,7 +77,10 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
     double *gamin = rp_calloc(ctx, (size_t)M * Q, sizeof *gamin);
     int64_t *gtmin = rp_calloc(ctx, (size_t)M * Q, sizeof *gtmin);
     int32_t *pcount = NULL;
-    if (!len || !attn || !order || !prompt || !A || !tok || !TQ || !amax || !tmax || !tqmax || !amin || !tmin ||
+    /* trainer.equal_sequences_per_rank: a rank takes N / G sequences, then no more */
+    int32_t *rank_count = rp_calloc(ctx, (size_t)G, sizeof *rank_count);
+    const int32_t rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G : INT32_MAX;
+    if (!rank_count || !len || !attn || !order || !prompt || !A || !tok || !TQ || !amax || !tmax || !tqmax || !amin || !tmin ||
         !tqmin || !gamin || !gtmin) {
         st = rp_fail_nomem(err, "joint packing");
         goto out;
@@ -146,7 +150,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
                 for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
-                    if (t1 > jt->cap) continue;
+                    if (t1 > jt->cap || rank_count[g] >= rank_quota) continue;
                     const double a1 = (A[c] + a) / jt->speed[g];
                     double inc = inc_q;
                     if (a1 > am) inc += L * (a1 - am);
@@ -164,7 +168,8 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
         }
         if (bg < 0) {
             st = rp_fail(err, RP_ERANGE, "joint: sequence %d (%lld tokens) fits in no cell of %d microbatches under "
-                         "the cap of %lld tokens", s, (long long)ni, M, (long long)jt->cap);
+                         "the cap of %lld tokens%s", s, (long long)ni, M, (long long)jt->cap,
+                         rank_quota < INT32_MAX ? " on a rank below its quota (trainer.equal_sequences_per_rank)" : "");
             if (err) err->sequence = s;
             goto out;
         }
@@ -172,6 +177,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
         const int32_t q = bg / ep;
         A[c] += a;
         tok[c] += ni;
+        rank_count[bg]++;
         TQ[(size_t)bm * Q + q] += ni;
         const double a1 = A[c] / jt->speed[bg];
         if (a1 > amax[bm]) amax[bm] = a1;
@@ -215,5 +221,6 @@ out:
     rp_free(ctx, gamin);
     rp_free(ctx, gtmin);
     rp_free(ctx, pcount);
+    rp_free(ctx, rank_count);
     return st;
 }

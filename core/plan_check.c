@@ -104,6 +104,33 @@ static void describe_place(char *buf, size_t size, size_t *used, int32_t list, i
     if (w > 0) *used += (size_t)w;
 }
 
+/* trainer.equal_sequences_per_rank: every DP rank runs n / G sequences (verl's
+ * DataProto.chunk splits the batch into G equal chunks). */
+static void check_equal_sequences(const rp_plan *plan, int32_t n, reporter *r)
+{
+    int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan);
+    if (n % G != 0) {
+        report(r, -1, -1,
+               "plan: the batch has %d sequences, which do not divide over the %d DP ranks "
+               "(trainer.equal_sequences_per_rank needs the same count on every rank)",
+               n, G);
+        return;
+    }
+    for (int32_t g = 0; g < G; g++) {
+        int64_t count = 0;
+        for (int32_t m = 0; m < M; m++) {
+            int32_t c;
+            rp_plan_microbatch(plan, g, m, &c);
+            count += c;
+        }
+        if (count != n / G)
+            report(r, -1, -1,
+                   "plan: rank %d runs %lld sequences, but trainer.equal_sequences_per_rank needs %d on every rank "
+                   "(%d sequences over %d DP ranks)",
+                   g, (long long)count, n / G, n, G);
+    }
+}
+
 static void check_packing(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch,
                           reporter *r)
 {
@@ -117,6 +144,13 @@ static void check_packing(const rp_plan *plan, const rp_config *cfg, const rp_ba
         report(r, -1, -1,
                "plan: the plan runs %d microbatches per rank, but the config fixes %d (limits.num_microbatches)",
                M, lim->num_microbatches);
+
+    const rp_trainer *tr = rp_config_trainer(cfg);
+    if (M % tr->microbatch_multiple != 0)
+        report(r, -1, -1,
+               "plan: the plan runs %d microbatches per rank, not a multiple of %d (trainer.microbatch_multiple)", M,
+               tr->microbatch_multiple);
+    if (tr->equal_sequences_per_rank) check_equal_sequences(plan, batch ? rp_batch_num_seqs(batch) : n, r);
 
     int32_t batch_n = batch ? rp_batch_num_seqs(batch) : 0;
     const int64_t cap = lim->max_tokens_per_microbatch;

@@ -38,6 +38,7 @@ typedef struct search_state {
     rp_plan *plan;
     uint64_t rng;
     int32_t G, M, L, E, ep, S, n;
+    bool same_rank_moves; /* moves keep each rank's sequence count */
     const int32_t *slot_begin;
     rp_cost_summary sum;
 } search_state;
@@ -69,6 +70,14 @@ static bool make_candidate(search_state *s, cand_kind kind, bool aimed, candidat
     case CAND_MOVE: {
         c->a = pick_seq(s, aimed);
         int32_t rank = rp_plan_seq_rank(s->plan, c->a), mb = rp_plan_seq_microbatch(s->plan, c->a);
+        if (s->same_rank_moves) {
+            /* trainer.equal_sequences_per_rank: another microbatch of the same rank */
+            if (s->M < 2) return false;
+            int32_t other = draw(&s->rng, s->M - 1);
+            c->b = rank;
+            c->c = other >= mb ? other + 1 : other;
+            return true;
+        }
         int32_t cells = s->G * s->M;
         if (cells < 2) return false;
         /* any other cell, uniformly */
@@ -177,6 +186,7 @@ rp_status rp_search_local(rp_cost *cost, rp_plan *plan, const rp_search_params *
     s.S = rp_plan_total_slots(plan);
     s.n = rp_plan_num_seqs(plan);
     s.slot_begin = rp_plan_slot_begin(plan);
+    s.same_rank_moves = rp_config_trainer(rp_cost_config(cost))->equal_sequences_per_rank;
     r.initial_s = r.final_s = rp_cost_current_s(cost);
 
     cand_kind kinds[3];

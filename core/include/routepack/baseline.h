@@ -41,7 +41,11 @@ RP_API const char *const *rp_baseline_names(void);
  * The plan is new (caller frees with rp_plan_free) and valid for cfg and batch.
  * Errors: an unknown name (RP_EINVAL listing the names), an empty batch, a sequence
  * longer than the cap (RP_ERANGE naming it), a fixed microbatch count the caps cannot
- * meet (RP_ERANGE naming the rank), missing statistics, statistics of another shape. */
+ * meet (RP_ERANGE naming the rank), missing statistics, statistics of another shape.
+ * The config's trainer constraints hold: with equal_sequences_per_rank a batch that does
+ * not divide over the DP ranks is RP_EINVAL (naming both counts and the key); the count
+ * is rounded up to trainer.microbatch_multiple, and a fixed count that is not a multiple
+ * is RP_EINVAL. */
 RP_API rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
                                   const rp_stats *stats, const rp_plan *previous, const char *name,
                                   int32_t num_microbatches, rp_plan **out, rp_error *err);
@@ -49,7 +53,8 @@ RP_API rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const r
 /* The packing half of a baseline, alone: `name` is token_kk, verl_kk or attn_kk, built as
  * rp_baseline_plan builds it (stats needed by attn_kk only), except that `equal_size`
  * false replaces verl's equal sequence counts per DP rank by plain Karmarkar-Karp over
- * the ranks (true gives exactly rp_baseline_plan's packing). The new plan holds the
+ * the ranks (true gives exactly rp_baseline_plan's packing; the config's
+ * trainer.equal_sequences_per_rank forces true). The new plan holds the
  * packing and no placement (caller frees). The shipped policies token_kk, verl_kk and
  * attn_kk are this call (rp.kk_packing). Errors as rp_baseline_plan's. */
 RP_API rp_status rp_baseline_packing(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
@@ -69,7 +74,9 @@ typedef struct rp_search_params {
     int32_t sample;
     uint64_t seed;
     /* Neighbourhoods. Sequence moves (to another rank or microbatch) and swaps keep
-     * every cap (the cost model refuses what breaks one); slot changes replace the
+     * every cap (the cost model refuses what breaks one), and under the config's
+     * trainer.equal_sequences_per_rank a move stays inside its rank (another microbatch),
+     * so every rank keeps its count; slot changes replace the
      * expert in one slot of one layer, keeping every expert at least one replica and
      * no EP rank two replicas of one expert. */
     bool moves, swaps, slots;

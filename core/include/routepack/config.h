@@ -122,6 +122,16 @@ typedef struct rp_execution {
     int64_t staging_budget_bytes;  /* migration staging per GPU; 0: no limit (one round) */
 } rp_execution;
 
+/* What the trainer demands of a packing (docs/config.md, "trainer"); every packer
+ * (baselines, joint planner, local search) honours these and rp_plan_validate checks them. */
+typedef struct rp_trainer {
+    /* every DP rank runs the same number of sequences (verl's DataProto.chunk) */
+    bool equal_sequences_per_rank;
+    /* the microbatch count is a multiple of this, >= 1 (verl's
+     * rearrange_micro_batches(num_batches_divided_by=...): the virtual pipeline stages) */
+    int32_t microbatch_multiple;
+} rp_trainer;
+
 /* The policy to run and its parameters (checked by the policy engine, not here). */
 typedef struct rp_policy_config {
     const char *name;          /* a policy name or a path; never NULL */
@@ -149,6 +159,7 @@ RP_API const rp_hardware *rp_config_hardware(const rp_config *cfg);
 RP_API const rp_model *rp_config_model(const rp_config *cfg);
 RP_API const rp_limits *rp_config_limits(const rp_config *cfg);
 RP_API const rp_execution *rp_config_execution(const rp_config *cfg);
+RP_API const rp_trainer *rp_config_trainer(const rp_config *cfg);
 RP_API const rp_policy_config *rp_config_policy(const rp_config *cfg);
 /* The file the config came from ("<inline>" when parsed from memory). */
 RP_API const char *rp_config_source(const rp_config *cfg);

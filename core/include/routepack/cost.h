@@ -58,6 +58,8 @@ RP_API rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_bat
                              const rp_stats *stats, rp_split_rule rule, rp_cost **out,
                              rp_error *err);
 RP_API void rp_cost_free(rp_cost *cost);
+/* The config the evaluator was built for (borrowed from rp_cost_new's caller). */
+RP_API const rp_config *rp_cost_config(const rp_cost *cost);
 
 /* Forward time of one layer's attention for a sequence of `seq_len` tokens on a GPU of
  * relative speed 1 (causal attention plus QKV/O projections). */

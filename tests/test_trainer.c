@@ -1,0 +1,416 @@
+/* The trainer's constraints on a packing (config "trainer"): equal sequence counts per
+ * DP rank (verl's DataProto.chunk) and a microbatch count that is a multiple of N
+ * (verl's num_batches_divided_by). Config errors, validation messages, and every packer
+ * (the baselines, the joint planner, the local search) under each constraint, with
+ * hand-checked small cases. */
+#include "internal.h"
+#include "routepack/routepack.h"
+#include "tap.h"
+#include "test_util.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static rp_context *ctx;
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
+static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
+
+typedef struct fixture {
+    rp_config *cfg;
+    rp_batch *batch;
+    uint8_t *ids;
+    rp_stats *stats;
+} fixture;
+
+/* 4 GPUs on one node in EP groups of `ep`, 2 layers of 8 experts, top-2, cap `cap`
+ * tokens, `trainer` the trainer section's body ("" for none). */
+static bool fixture_make(fixture *f, int ep, int cap, const char *trainer, int32_t n, const int32_t *lens)
+{
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": %d, \"slots_per_gpu\": %d},"
+             " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
+             "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
+             " \"limits\": {\"max_tokens_per_microbatch\": %d}%s%s%s}",
+             ep, 8 / ep + 1, cap, *trainer ? ", \"trainer\": {" : "", trainer, *trainer ? "}" : "");
+    rp_error err;
+    memset(f, 0, sizeof *f);
+    if (rp_config_parse(ctx, json, strlen(json), "<test>", &f->cfg, &err) != RP_OK) {
+        diag("config: %s", err.text);
+        return false;
+    }
+    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
+    rp_status st = rp_batch_new(ctx, n, lens, zero, NULL, &f->batch, &err);
+    free(zero);
+    if (st != RP_OK) return false;
+    int64_t tokens = rp_batch_num_tokens(f->batch);
+    f->ids = malloc((size_t)tokens * 4 + 1); /* 2 layers x top-2 */
+    for (int64_t t = 0; t < tokens * 2; t++) {
+        uint8_t a = (uint8_t)(rnd(3) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
+        if (b == a) b = (uint8_t)((a + 1) % 8);
+        f->ids[2 * t] = a;
+        f->ids[2 * t + 1] = b;
+    }
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 2, 2, f->ids);
+    if (rp_stats_compute(ctx, f->batch, &r, 8, 1, &f->stats, &err) != RP_OK) {
+        diag("stats: %s", err.text);
+        return false;
+    }
+    return true;
+}
+
+static void fixture_free(fixture *f)
+{
+    rp_stats_free(f->stats);
+    free(f->ids);
+    rp_batch_free(f->batch);
+    rp_config_free(f->cfg);
+}
+
+static int32_t rank_count(const rp_plan *p, int32_t g)
+{
+    int32_t total = 0;
+    for (int32_t m = 0; m < rp_plan_num_microbatches(p); m++) {
+        int32_t c;
+        rp_plan_microbatch(p, g, m, &c);
+        total += c;
+    }
+    return total;
+}
+
+static bool counts_equal(const rp_plan *p)
+{
+    for (int32_t g = 1; g < rp_plan_num_gpus(p); g++)
+        if (rank_count(p, g) != rank_count(p, 0)) return false;
+    return true;
+}
+
+/* ---- config ---- */
+
+static rp_status parse(const char *json, rp_config **cfg, rp_error *err)
+{
+    return rp_config_parse(ctx, json, strlen(json), "t.json", cfg, err);
+}
+
+#define BASE_CONFIG                                                                                           \
+    "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4},"                                              \
+    " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"                \
+    "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
+
+static void test_config(void)
+{
+    rp_config *cfg = NULL;
+    rp_error err;
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}}", &cfg, &err), RP_OK,
+           "a config without a trainer section");
+    if (cfg) {
+        const rp_trainer *tr = rp_config_trainer(cfg);
+        ok(!tr->equal_sequences_per_rank && tr->microbatch_multiple == 1,
+           "defaults: no equal counts, microbatch multiple 1");
+        rp_config_free(cfg);
+        cfg = NULL;
+    }
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64, \"num_microbatches\": 4},"
+                 " \"trainer\": {\"equal_sequences_per_rank\": true, \"microbatch_multiple\": 2, \"comment\": \"x\"}}",
+                 &cfg, &err),
+           RP_OK, "both keys set");
+    if (cfg) {
+        const rp_trainer *tr = rp_config_trainer(cfg);
+        ok(tr->equal_sequences_per_rank && tr->microbatch_multiple == 2, "read as given");
+        rp_config_free(cfg);
+        cfg = NULL;
+    }
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64, \"num_microbatches\": 3},"
+                 " \"trainer\": {\"microbatch_multiple\": 2}}",
+                 &cfg, &err),
+           RP_EINVAL, "a fixed microbatch count that is not a multiple is refused");
+    like(err.text, "trainer.microbatch_multiple is 2, but limits.num_microbatches fixes 3 microbatches, not a "
+                   "multiple of 2",
+         "naming both keys and both numbers");
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}, \"trainer\": {\"microbatch_multiple\": 0}}",
+                 &cfg, &err),
+           RP_ERANGE, "microbatch_multiple 0 is out of range");
+    like(err.text, "trainer.microbatch_multiple", "named");
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64},"
+                 " \"trainer\": {\"equal_sequences_per_rank\": 1}}",
+                 &cfg, &err),
+           RP_EINVAL, "equal_sequences_per_rank must be a boolean");
+    like(err.text, "trainer.equal_sequences_per_rank must be true or false", "named");
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64},"
+                 " \"trainer\": {\"equal_sequence_per_rank\": true}}",
+                 &cfg, &err),
+           RP_EINVAL, "a misspelt key");
+    like(err.text, "did you mean 'equal_sequences_per_rank'", "with the suggestion");
+}
+
+/* ---- validation ---- */
+
+typedef struct messages {
+    char text[8][RP_ERROR_TEXT];
+    int n;
+} messages;
+
+static void collect(void *ud, const char *msg)
+{
+    messages *m = ud;
+    if (m->n < 8) snprintf(m->text[m->n], sizeof m->text[0], "%s", msg);
+    m->n++;
+}
+
+static void test_validation(void)
+{
+    static const int32_t lens[8] = {10, 10, 10, 10, 10, 10, 10, 10};
+    fixture f;
+    rp_error err;
+    if (!fixture_make(&f, 4, 100, "\"equal_sequences_per_rank\": true, \"microbatch_multiple\": 2", 8, lens)) {
+        skip(9, "fixture");
+        return;
+    }
+    /* 3 microbatches, rank 0 runs 3 sequences, rank 1 one */
+    rp_plan *p = NULL;
+    rp_plan_new(ctx, f.cfg, 3, &p, &err);
+    int32_t rank[8] = {0, 0, 0, 1, 2, 2, 3, 3}, mb[8] = {0, 1, 2, 0, 0, 1, 0, 1};
+    rp_plan_set_packing(p, 8, rank, mb, &err);
+    rp_plan_set_contiguous(p, &err);
+    messages m = {.n = 0};
+    is_int(rp_plan_check(p, f.cfg, f.batch, collect, &m), 3, "three violations");
+    is_str(m.text[0], "plan: the plan runs 3 microbatches per rank, not a multiple of 2 (trainer.microbatch_multiple)",
+           "the microbatch multiple, with the count and the key");
+    is_str(m.text[1],
+           "plan: rank 0 runs 3 sequences, but trainer.equal_sequences_per_rank needs 2 on every rank (8 sequences "
+           "over 4 DP ranks)",
+           "rank 0's count");
+    is_str(m.text[2],
+           "plan: rank 1 runs 1 sequences, but trainer.equal_sequences_per_rank needs 2 on every rank (8 sequences "
+           "over 4 DP ranks)",
+           "rank 1's count");
+    is_int(rp_plan_validate(p, f.cfg, f.batch, &err), RP_EPLAN, "rp_plan_validate refuses it");
+    like(err.text, "plan: 3 problems; first: the plan runs 3 microbatches", "with the first problem");
+    rp_plan_free(p);
+
+    /* the same packing over 2 microbatches, counts equal: valid */
+    p = NULL;
+    rp_plan_new(ctx, f.cfg, 2, &p, &err);
+    int32_t rank2[8] = {0, 0, 1, 1, 2, 2, 3, 3}, mb2[8] = {0, 1, 0, 1, 0, 1, 0, 1};
+    rp_plan_set_packing(p, 8, rank2, mb2, &err);
+    rp_plan_set_contiguous(p, &err);
+    is_int(rp_plan_validate(p, f.cfg, f.batch, &err), RP_OK, "equal counts in 2 microbatches pass");
+    rp_plan_free(p);
+    fixture_free(&f);
+
+    /* 7 sequences over 4 ranks */
+    if (!fixture_make(&f, 4, 100, "\"equal_sequences_per_rank\": true", 7, lens)) {
+        skip(2, "fixture");
+        return;
+    }
+    p = NULL;
+    rp_plan_new(ctx, f.cfg, 1, &p, &err);
+    int32_t rank3[7] = {0, 0, 1, 1, 2, 2, 3}, mb3[7] = {0};
+    rp_plan_set_packing(p, 7, rank3, mb3, &err);
+    rp_plan_set_contiguous(p, &err);
+    is_int(rp_plan_validate(p, f.cfg, f.batch, &err), RP_EPLAN, "7 sequences over 4 ranks cannot be valid");
+    is_str(err.text,
+           "plan: the batch has 7 sequences, which do not divide over the 4 DP ranks "
+           "(trainer.equal_sequences_per_rank needs the same count on every rank)",
+           "one message naming both numbers and the key");
+    rp_plan_free(p);
+    fixture_free(&f);
+}
+
+/* ---- the packers ---- */
+
+/* 100, then seven of 10 tokens (hand-checked below). */
+static const int32_t SKEW[8] = {100, 10, 10, 10, 10, 10, 10, 10};
+
+static void test_baselines_hand(void)
+{
+    fixture f;
+    rp_error err;
+    rp_plan *p = NULL;
+    /* Without the constraint, plain KK over the ranks on tokens (equal_size false) puts
+     * the 100-token sequence alone on a rank and the seven others over three ranks:
+     * counts 1, 2, 2, 3 in some order. */
+    if (!fixture_make(&f, 4, 1000, "", 8, SKEW)) {
+        skip(8, "fixture");
+        return;
+    }
+    is_int(rp_baseline_packing(ctx, f.cfg, f.batch, f.stats, "token_kk", 0, false, &p, &err), RP_OK,
+           "token_kk without equal_size, no constraint");
+    if (p) {
+        int32_t r0 = rp_plan_seq_rank(p, 0);
+        is_int(rank_count(p, r0), 1, "the long sequence runs alone on its rank");
+        ok(!counts_equal(p), "so the counts differ");
+        rp_plan_free(p);
+        p = NULL;
+    }
+    fixture_free(&f);
+
+    /* With it: 2 per rank, so the long one shares its rank with a 10 (KK with equal
+     * sizes: the largest pairs with a smallest), and the cap of 1000 gives verl one
+     * microbatch; a multiple of 2 makes it 2, one sequence each. */
+    if (!fixture_make(&f, 4, 1000, "\"equal_sequences_per_rank\": true, \"microbatch_multiple\": 2", 8, SKEW)) {
+        skip(6, "fixture");
+        return;
+    }
+    is_int(rp_baseline_packing(ctx, f.cfg, f.batch, f.stats, "token_kk", 0, false, &p, &err), RP_OK,
+           "token_kk asked for equal_size false, under the constraint");
+    if (p) {
+        ok(counts_equal(p) && rank_count(p, 0) == 2, "every rank runs 2 sequences (the constraint wins)");
+        is_int(rp_plan_num_microbatches(p), 2, "2 microbatches: verl's 1 rounded up to the multiple");
+        int32_t r0 = rp_plan_seq_rank(p, 0), c0, c1;
+        rp_plan_microbatch(p, r0, 0, &c0);
+        rp_plan_microbatch(p, r0, 1, &c1);
+        ok(c0 == 1 && c1 == 1, "the long sequence's rank splits its 2 over the 2 microbatches");
+        is_int(rp_plan_validate(p, f.cfg, f.batch, &err), RP_OK, "valid under the constraints");
+        rp_plan_free(p);
+        p = NULL;
+    }
+    is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk+eplb", 3, &p, &err), RP_EINVAL,
+           "an explicit count of 3 is refused");
+    like(err.text, "baseline: 3 microbatches is not a multiple of 2 (trainer.microbatch_multiple)", "saying why");
+    fixture_free(&f);
+}
+
+static void test_every_packer(void)
+{
+    static const char *const trainers[] = {
+        "\"equal_sequences_per_rank\": true",
+        "\"microbatch_multiple\": 3",
+        "\"equal_sequences_per_rank\": true, \"microbatch_multiple\": 2",
+    };
+    static const char *const packings[] = {"token_kk", "verl_kk", "attn_kk"};
+    int32_t lens[24];
+    for (int t = 0; t < 3; t++) {
+        for (int i = 0; i < 24; i++) lens[i] = 3 + (int32_t)rnd(60);
+        fixture f;
+        rp_error err;
+        if (!fixture_make(&f, 2, 70, trainers[t], 24, lens)) {
+            skip(10, "fixture");
+            continue;
+        }
+        const rp_trainer *tr = rp_config_trainer(f.cfg);
+        for (const char *const *b = rp_baseline_names(); *b; b++) {
+            rp_plan *p = NULL;
+            rp_status st = rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, *b, 0, &p, &err);
+            ok(st == RP_OK && rp_plan_num_microbatches(p) % tr->microbatch_multiple == 0 &&
+                   (!tr->equal_sequences_per_rank || counts_equal(p)) && rp_plan_validate(p, f.cfg, f.batch, NULL) == RP_OK,
+               "{%s}: %s honours it (%d microbatches)", trainers[t], *b, p ? rp_plan_num_microbatches(p) : -1);
+            rp_plan_free(p);
+        }
+        for (int k = 0; k < 3; k++) {
+            rp_plan *p = NULL;
+            rp_status st = rp_baseline_packing(ctx, f.cfg, f.batch, f.stats, packings[k], 0, false, &p, &err);
+            ok(st == RP_OK && rp_plan_num_microbatches(p) % tr->microbatch_multiple == 0 &&
+                   (!tr->equal_sequences_per_rank || counts_equal(p)) && rp_plan_validate(p, f.cfg, f.batch, NULL) == RP_OK,
+               "{%s}: rp_baseline_packing %s (equal_size false) honours it", trainers[t], packings[k]);
+            rp_plan_free(p);
+        }
+        /* the joint planner, with its balancing swaps and a local search that moves */
+        rp_joint_params jp = rp_joint_defaults();
+        jp.refine_evaluations = 400;
+        rp_plan *p = NULL;
+        rp_joint_report rep;
+        rp_status st = rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &jp, &p, &rep, &err);
+        if (st != RP_OK) diag("joint: %s", err.text);
+        ok(st == RP_OK && rp_plan_num_microbatches(p) % tr->microbatch_multiple == 0 &&
+               (!tr->equal_sequences_per_rank || counts_equal(p)) && rp_plan_validate(p, f.cfg, f.batch, NULL) == RP_OK,
+           "{%s}: the joint planner honours it (%d microbatches, chose %s)", trainers[t],
+           p ? rp_plan_num_microbatches(p) : -1, st == RP_OK ? rep.chosen : "-");
+        rp_plan_free(p);
+        fixture_free(&f);
+    }
+}
+
+/* The joint planner's own packing (no fallbacks to hide behind), and the search alone. */
+static void test_joint_and_search(void)
+{
+    int32_t lens[32];
+    for (int i = 0; i < 32; i++) lens[i] = i < 4 ? 60 : 3 + (int32_t)rnd(20);
+    fixture f;
+    rp_error err;
+    if (!fixture_make(&f, 2, 80, "\"equal_sequences_per_rank\": true, \"microbatch_multiple\": 2", 32, lens)) {
+        skip(5, "fixture");
+        return;
+    }
+    static const char *const none[] = {NULL};
+    rp_joint_params jp = rp_joint_defaults();
+    jp.fallbacks = none;
+    jp.refine_evaluations = 2000;
+    rp_plan *p = NULL;
+    rp_joint_report rep;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &jp, &p, &rep, &err), RP_OK,
+           "the joint planner without fallbacks");
+    if (p) {
+        ok(counts_equal(p) && rank_count(p, 0) == 8, "8 sequences on every rank after packing, swaps and search");
+        ok(rp_plan_num_microbatches(p) % 2 == 0, "an even microbatch count (%d)", rp_plan_num_microbatches(p));
+        is_int(rp_plan_validate(p, f.cfg, f.batch, &err), RP_OK, "valid");
+        rp_plan_free(p);
+    }
+    jp.num_microbatches = 3;
+    p = NULL;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &jp, &p, &rep, &err), RP_EINVAL,
+           "an explicit odd count is refused");
+    like(err.text, "joint: 3 microbatches is not a multiple of 2 (trainer.microbatch_multiple)", "saying why");
+    rp_plan_free(p);
+    fixture_free(&f);
+
+    /* the search's moves keep each rank's count */
+    if (!fixture_make(&f, 2, 80, "\"equal_sequences_per_rank\": true", 32, lens)) {
+        skip(2, "fixture");
+        return;
+    }
+    p = NULL;
+    rp_cost *cost = NULL;
+    rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk+contiguous", 0, &p, &err);
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &cost, &err);
+    rp_search_params sp = rp_search_defaults();
+    sp.swaps = false; /* moves alone */
+    sp.slots = false;
+    sp.max_evaluations = 3000;
+    rp_search_result sr;
+    is_int(rp_search_local(cost, p, &sp, &sr, &err), RP_OK, "a search of moves only");
+    ok(counts_equal(p) && rp_plan_validate(p, f.cfg, f.batch, NULL) == RP_OK,
+       "moves stay inside a rank: counts equal, plan valid (%lld moves applied)", (long long)sr.moves);
+    rp_cost_free(cost);
+    rp_plan_free(p);
+    fixture_free(&f);
+}
+
+static void test_not_divisible(void)
+{
+    static const int32_t lens[10] = {10, 20, 30, 40, 50, 10, 20, 30, 40, 50};
+    fixture f;
+    rp_error err;
+    if (!fixture_make(&f, 2, 100, "\"equal_sequences_per_rank\": true", 10, lens)) {
+        skip(4, "fixture");
+        return;
+    }
+    rp_plan *p = NULL;
+    is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "verl_kk+contiguous", 0, &p, &err), RP_EINVAL,
+           "a baseline refuses 10 sequences over 4 ranks");
+    is_str(err.text,
+           "baseline: the batch has 10 sequences, which do not divide over the 4 DP ranks; "
+           "trainer.equal_sequences_per_rank needs the same count on every rank (verl's DataProto.chunk): give "
+           "the step a multiple of 4 sequences or turn the key off",
+           "naming both numbers and the key");
+    rp_joint_params jp = rp_joint_defaults();
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &jp, &p, NULL, &err), RP_EINVAL,
+           "so does the joint planner");
+    like(err.text, "joint: the batch has 10 sequences, which do not divide over the 4 DP ranks", "in the same words");
+    fixture_free(&f);
+}
+
+int main(void)
+{
+    rp_context_new(NULL, NULL, &ctx);
+    test_config();
+    test_validation();
+    test_baselines_hand();
+    test_every_packer();
+    test_joint_and_search();
+    test_not_divisible();
+    rp_context_free(ctx);
+    return tap_done();
+}
