@@ -108,8 +108,8 @@ static rp_status check_comment(loader *ld, json_t *obj, const char *path)
 /* ---- topology ------------------------------------------------------------------------ */
 
 static const char *const topology_keys[] = {
-    "num_nodes", "gpus_per_node", "ep_size", "dp_size", "slots_per_gpu", "gpu_speed",
-    "nvlink_bytes_per_s", "nvlink_latency_us", "net_bytes_per_s", "net_latency_us",
+    "num_nodes", "gpus_per_node", "tensor_parallel_size", "expert_tensor_parallel_size", "ep_size", "dp_size",
+    "slots_per_gpu", "gpu_speed", "nvlink_bytes_per_s", "nvlink_latency_us", "net_bytes_per_s", "net_latency_us",
     "comment", NULL,
 };
 
@@ -130,24 +130,67 @@ static rp_status load_topology(loader *ld, json_t *obj)
                             "has %lld GPUs (num_nodes %d x gpus_per_node %d), more than the %d supported",
                             (long long)t->num_nodes * t->gpus_per_node, t->num_nodes, t->gpus_per_node,
                             MAX_GPUS);
-    t->num_gpus = (int32_t)num_gpus;
+    t->physical_gpus_per_node = t->gpus_per_node;
 
-    RP_CHECK_GOTO(get_i32(ld, obj, P, "ep_size", false, t->gpus_per_node, 1, t->num_gpus, &t->ep_size),
+    /* Megatron-Core's rank order tp-cp-ep-dp-pp (docs/config.md): a TP group is TP
+     * consecutive GPUs inside a node and is one DP rank, the unit every plan indexes as a
+     * "GPU"; an ETP group is ETP consecutive GPUs inside a TP group. */
+    int32_t tp, etp;
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "tensor_parallel_size", false, 1, 1, t->gpus_per_node, &tp), st, out);
+    if (t->gpus_per_node % tp != 0)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.tensor_parallel_size",
+                            "must divide gpus_per_node, %d, got %d: a TP group stays inside a node", t->gpus_per_node,
+                            tp);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "expert_tensor_parallel_size", false, tp, 1, tp, &etp), st, out);
+    if (tp % etp != 0)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.expert_tensor_parallel_size",
+                            "must divide tensor_parallel_size, %d, got %d: an ETP group lies inside one DP rank "
+                            "(a TP group)", tp, etp);
+    t->tensor_parallel_size = tp;
+    t->expert_tensor_parallel_size = etp;
+    t->gpus_per_node /= tp;
+    t->num_gpus = (int32_t)(num_gpus / tp);
+
+    /* ep_size is Megatron's expert_model_parallel_size: EP ranks, each an ETP group. An EP
+     * group must hold whole DP ranks; the planner's EP group counts DP ranks. */
+    int32_t ep;
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "ep_size", false, t->physical_gpus_per_node / etp, 1,
+                          (int32_t)(num_gpus / etp), &ep),
                   st, out);
-    if (t->num_gpus % t->ep_size != 0)
+    t->expert_parallel_size = ep;
+    if (tp > 1 && ((int64_t)ep * etp) % tp != 0)
         return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
-                            "must divide the number of GPUs, %d (num_nodes %d x gpus_per_node %d), got %d",
-                            t->num_gpus, t->num_nodes, t->gpus_per_node, t->ep_size);
+                            "is %d EP ranks x %d GPUs (expert_tensor_parallel_size) = %lld GPUs, not a multiple "
+                            "of tensor_parallel_size %d: an EP group must hold whole DP ranks",
+                            ep, etp, (long long)ep * etp, tp);
+    t->ep_size = (int32_t)((int64_t)ep * etp / tp);
+    if (t->num_gpus % t->ep_size != 0) {
+        if (tp == 1 && etp == 1)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
+                                "must divide the number of GPUs, %d (num_nodes %d x gpus_per_node %d), got %d",
+                                t->num_gpus, t->num_nodes, t->physical_gpus_per_node, ep);
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
+                            "must give EP groups that divide the GPUs: %d EP ranks x %d GPUs (expert_tensor_parallel_size) "
+                            "= %lld GPUs, but the topology has %lld (num_nodes %d x gpus_per_node %d)",
+                            ep, etp, (long long)ep * etp, (long long)num_gpus, t->num_nodes,
+                            t->physical_gpus_per_node);
+    }
     t->num_ep_groups = t->num_gpus / t->ep_size;
 
     int64_t dp;
     RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "dp_size", false, t->num_gpus, 1, INT32_MAX, &dp, ld->err),
                   st, out);
-    if (dp != t->num_gpus)
+    if (dp != t->num_gpus) {
+        if (tp == 1)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.dp_size",
+                                "must equal the number of GPUs, %d, got %lld: each GPU is one data-parallel "
+                                "rank when tensor_parallel_size is 1 (omit dp_size)",
+                                t->num_gpus, (long long)dp);
         return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.dp_size",
-                            "must equal the number of GPUs, %d, got %lld: each GPU is one data-parallel "
-                            "rank, and a tensor- or pipeline-parallel group counts as one GPU (omit dp_size)",
-                            t->num_gpus, (long long)dp);
+                            "must equal the GPUs over tensor_parallel_size, %lld / %d = %d, got %lld: each TP "
+                            "group is one data-parallel rank (omit dp_size)",
+                            (long long)num_gpus, tp, t->num_gpus, (long long)dp);
+    }
     t->dp_size = t->num_gpus;
 
     size_t n = (size_t)t->num_gpus;
@@ -221,19 +264,32 @@ static rp_status load_slots(loader *ld, json_t *obj)
                                             ld->err),
                           st, out);
             slots[g] = (int32_t)s;
+            int32_t sub = t->tensor_parallel_size / t->expert_tensor_parallel_size;
+            if (s % sub != 0)
+                return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, ip,
+                                    "is %lld, but DP rank %zu holds %d EP ranks (tensor_parallel_size %d / "
+                                    "expert_tensor_parallel_size %d): give it a multiple of %d, split evenly over them",
+                                    (long long)s, g, sub, t->tensor_parallel_size, t->expert_tensor_parallel_size, sub);
         }
     } else {
         if (v && !json_is_number(v))
             return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path,
                                 "must be an integer or an array of %d integers, got %s", t->num_gpus,
                                 rp_jdoc_type_name(v));
-        /* Default: exactly enough slots to hold every expert once, no spare. */
-        int64_t dflt = (m->num_experts + t->ep_size - 1) / t->ep_size;
+        /* Default: exactly enough slots to hold every expert once, no spare. The number
+         * is per EP rank; a DP rank holds TP / ETP of them. */
+        int64_t dflt = (m->num_experts + t->expert_parallel_size - 1) / t->expert_parallel_size;
         if (dflt > MAX_SLOTS_PER_GPU) dflt = MAX_SLOTS_PER_GPU;
         int32_t s;
         RP_CHECK_GOTO(get_i32(ld, obj, "topology", "slots_per_gpu", false, dflt, 1, MAX_SLOTS_PER_GPU, &s),
                       st, out);
-        for (size_t g = 0; g < n; g++) slots[g] = s;
+        int64_t per_rank = (int64_t)s * (t->tensor_parallel_size / t->expert_tensor_parallel_size);
+        if (per_rank > MAX_SLOTS_PER_GPU)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, path,
+                                "is %d per EP rank, %lld per DP rank (%d EP ranks of it), more than the %d supported",
+                                s, (long long)per_rank, t->tensor_parallel_size / t->expert_tensor_parallel_size,
+                                MAX_SLOTS_PER_GPU);
+        for (size_t g = 0; g < n; g++) slots[g] = (int32_t)per_rank;
     }
     /* One placement is shared by every EP group (the expert gradient reduction pairs the
      * same slot across groups), so EP rank j must have the same slot count in each. */

@@ -219,6 +219,22 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->nv_lat = t->nvlink_latency_s;
     c->net_bw = t->net_bytes_per_s;
     c->net_lat = t->net_latency_s;
+    /* Tensor parallelism (docs/cost-model.md, "TP and ETP"): the unit is a DP rank, a TP
+     * group of tp GPUs. Its dense work splits over them (heads for attention and the
+     * projections, sequence parallelism for the token-linear work); each expert's GEMMs
+     * split over an ETP group of etp GPUs, and the rank's tp / etp ETP groups are priced
+     * as sharing its experts evenly, so a slot's time divides by tp too; its traffic runs
+     * over its tp GPUs' links; each ETP group all-gathers the tokens its experts take
+     * (and reduce-scatters them back), etp - 1 copies of each over NVLink. */
+    const double tp = t->tensor_parallel_size, etp = t->expert_tensor_parallel_size;
+    c->attn_flop_s /= tp;
+    c->attn_lin_s /= tp;
+    c->token_linear_s /= tp;
+    c->expert_token_s /= tp;
+    c->expert_mem_s /= tp;
+    c->nv_bw *= tp;
+    c->net_bw *= tp;
+    c->etp_gather_s = (etp - 1.0) * c->token_bytes / c->nv_bw;
     c->token_cap = lim->max_tokens_per_microbatch;
     c->act_cap = lim->max_activation_bytes;
     c->act_per_token = lim->activation_bytes_per_token;
@@ -602,12 +618,14 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
     double *xa = sc->xacc, *sp = sc->sp;
     const cost_override *ov = st->ov + st->ov_begin[m * c->L + l];
     const cost_override *ov_end = st->ov + st->ov_begin[m * c->L + l + 1];
-    for (int32_t r = 0; r < ep; r++) xa[r] = 0.0;
+    double *xtok = xa + ep; /* tokens each rank's experts take, for the ETP all-gather */
+    for (int32_t r = 0; r < ep; r++) xa[r] = xtok[r] = 0.0;
     memset(sp, 0, (size_t)ep * ep * sizeof *sp);
 
     for (int32_t e = 0; e < E; e++) {
         if (dst[e] < ep) {
             xa[dst[e]] += slot_time_int(c, total[e]);
+            xtok[dst[e]] += (double)total[e];
             continue;
         }
         while (ov < ov_end && ov->expert < e) ov++;
@@ -652,7 +670,10 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
         }
         if (fixed)
             for (int32_t i = 0; i < R; i++) load[i] = (double)total[e] * w[i];
-        for (int32_t i = 0; i < R; i++) xa[rk[i]] += cost_slot_time(c, load[i]);
+        for (int32_t i = 0; i < R; i++) {
+            xa[rk[i]] += cost_slot_time(c, load[i]);
+            xtok[rk[i]] += load[i];
+        }
     }
 
     cost_count(c, E + 2 * (int64_t)ep + 3 * (int64_t)ep * ep);
@@ -667,7 +688,7 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
         double intra = send_in > recv_in ? send_in : recv_in;
         double inter = send_out > recv_out ? send_out : recv_out;
         double d = intra * c->token_bytes / c->nv_bw + inter * c->token_bytes / c->net_bw + base_lat +
-                   (inter > 0 ? c->net_lat : 0.0);
+                   (inter > 0 ? c->net_lat : 0.0) + xtok[r] * c->etp_gather_s;
         x_out[r] = x;
         d_out[r] = d;
         if (x > res->xmax) {
@@ -880,7 +901,7 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     sc->ri = take(ctx, c->ep, sizeof(double), false, &bad, total);
     sc->se = take(ctx, c->ep, sizeof(double), false, &bad, total);
     sc->re = take(ctx, c->ep, sizeof(double), false, &bad, total);
-    sc->xacc = take(ctx, c->ep, sizeof(double), false, &bad, total);
+    sc->xacc = take(ctx, 2 * (int64_t)c->ep, sizeof(double), false, &bad, total); /* times, then tokens */
     sc->rk = take(ctx, s->max_replicas, sizeof(int32_t), false, &bad, total);
     sc->w = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
     sc->load = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
@@ -1255,7 +1276,8 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     /* scratch_alloc, with max_replicas as read_levers sets it */
     int64_t R = S + most_extras_of(plan);
     need(2 * L * E, sizeof(uint32_t), &bad, &total);
-    for (int i = 0; i < 7; i++) need(ep, sizeof(double), &bad, &total);
+    for (int i = 0; i < 6; i++) need(ep, sizeof(double), &bad, &total);
+    need(2 * ep, sizeof(double), &bad, &total); /* xacc */
     need(R, sizeof(int32_t), &bad, &total);
     need(R, sizeof(double), &bad, &total);
     need(R, sizeof(double), &bad, &total);

@@ -70,7 +70,7 @@ typedef struct cost_scratch {
     uint32_t *hist;      /* [2 * L * E] histograms of the moved sequences */
     double *x, *d;       /* [ep] per-GPU results of a group under trial */
     double *si, *ri, *se, *re; /* [ep] bytes sent/received, intra/inter node */
-    double *xacc;        /* [ep] */
+    double *xacc;        /* [2 * ep]: expert time, then tokens taken, of each rank */
     int32_t *rk;         /* [max_replicas] */
     double *w, *load;    /* [max_replicas] */
     double *layer_t;     /* [M * L * NQ] */
@@ -122,6 +122,7 @@ struct rp_cost {
     rp_backward bwd;           /* per-term backward / forward */
     double token_linear_s;     /* per token: token_linear_bytes_per_token / hbm */
     double fixed_s;            /* per (microbatch, layer) */
+    double etp_gather_s;       /* per token a DP rank's experts take: the ETP all-gather over NVLink */
     rp_sync sync;
     rp_overlap overlap;
     rp_dispatch_dedup dedup;

@@ -604,9 +604,16 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
     const rp_model *m = rp_config_model(cfg);
     printf("routepack simulate: %s, %s %s, %d step%s\n", config, in->trace ? "trace" : "generated from",
            in->path, steps, steps == 1 ? "" : "s");
-    printf("  %d GPUs (%d node%s x %d), EP groups of %d; %d MoE layers x %d experts, top-%d\n\n",
-           t->num_gpus, t->num_nodes, t->num_nodes == 1 ? "" : "s", t->gpus_per_node, t->ep_size,
-           m->num_layers, m->num_experts, m->top_k);
+    if (t->tensor_parallel_size > 1) /* the plan's "GPUs" are DP ranks (TP groups) */
+        printf("  %d DP ranks of TP %d, ETP %d (%d GPUs, %d node%s x %d), EP groups of %d DP ranks; %d MoE layers "
+               "x %d experts, top-%d\n\n",
+               t->num_gpus, t->tensor_parallel_size, t->expert_tensor_parallel_size,
+               t->num_gpus * t->tensor_parallel_size, t->num_nodes, t->num_nodes == 1 ? "" : "s",
+               t->physical_gpus_per_node, t->ep_size, m->num_layers, m->num_experts, m->top_k);
+    else
+        printf("  %d GPUs (%d node%s x %d), EP groups of %d; %d MoE layers x %d experts, top-%d\n\n",
+               t->num_gpus, t->num_nodes, t->num_nodes == 1 ? "" : "s", t->gpus_per_node, t->ep_size,
+               m->num_layers, m->num_experts, m->top_k);
     int w = 6;
     for (int i = 0; i < np; i++) w = (int)strlen(pol[i].spec) > w ? (int)strlen(pol[i].spec) : w;
     printf("%-*s  %9s  %8s  %9s  %9s  %8s  %9s  %10s  %9s  %13s  %8s\n", w, "policy", "step ms", "step/LB",

@@ -36,7 +36,9 @@ class rp_topology(Structure):
                 ("dp_size", c_int32), ("ep_size", c_int32), ("num_ep_groups", c_int32),
                 ("slots", POINTER(c_int32)), ("speed", POINTER(c_double)),
                 ("nvlink_bytes_per_s", c_double), ("nvlink_latency_s", c_double),
-                ("net_bytes_per_s", c_double), ("net_latency_s", c_double)]
+                ("net_bytes_per_s", c_double), ("net_latency_s", c_double),
+                ("tensor_parallel_size", c_int32), ("expert_tensor_parallel_size", c_int32),
+                ("expert_parallel_size", c_int32), ("physical_gpus_per_node", c_int32)]
 
 
 class rp_model(Structure):

@@ -9,23 +9,30 @@
 extern "C" {
 #endif
 
-/* The machine. GPUs are numbered node-major (GPU g sits on node g / gpus_per_node);
- * each GPU is one data-parallel rank, so dp_size == num_gpus. EP groups are contiguous
- * blocks of ep_size GPUs (they may span nodes). A tensor- or pipeline-parallel group
- * counts as one GPU: those dimensions are outside the model. */
+/* The machine, as the planner sees it: its unit (a "GPU" in every plan, cost and report)
+ * is one data-parallel rank, which is a tensor-parallel group of tensor_parallel_size
+ * physical GPUs (one GPU when TP is 1). Ranks follow Megatron-Core's order tp-cp-ep-dp-pp:
+ * DP rank g is physical GPUs [g * tp, (g + 1) * tp), node-major, so it sits on node
+ * g / gpus_per_node. EP groups are contiguous blocks of ep_size DP ranks (they may span
+ * nodes). The physical counts are kept in the fields at the end. Pipeline and context
+ * parallelism are outside the model: a PP group counts as one DP rank. */
 typedef struct rp_topology {
     int32_t num_nodes;
-    int32_t gpus_per_node;
-    int32_t num_gpus;        /* num_nodes * gpus_per_node */
+    int32_t gpus_per_node;   /* DP ranks per node: physical_gpus_per_node / tensor_parallel_size */
+    int32_t num_gpus;        /* DP ranks: num_nodes * gpus_per_node */
     int32_t dp_size;         /* == num_gpus */
-    int32_t ep_size;         /* GPUs per EP group; divides num_gpus */
+    int32_t ep_size;         /* DP ranks per EP group; divides num_gpus */
     int32_t num_ep_groups;   /* num_gpus / ep_size */
-    const int32_t *slots;    /* [num_gpus] expert slots per MoE layer on each GPU */
-    const double *speed;     /* [num_gpus] relative compute speed, 1.0 nominal */
+    const int32_t *slots;    /* [num_gpus] expert slots per MoE layer on each DP rank (all of its EP ranks) */
+    const double *speed;     /* [num_gpus] relative compute speed of each DP rank, 1.0 nominal */
     double nvlink_bytes_per_s;   /* per GPU, per direction, inside a node */
     double nvlink_latency_s;
     double net_bytes_per_s;      /* per GPU, per direction, across nodes */
     double net_latency_s;
+    int32_t tensor_parallel_size;        /* physical GPUs of one DP rank (a TP group), >= 1 */
+    int32_t expert_tensor_parallel_size; /* GPUs that share each expert's GEMMs (an ETP group); divides TP */
+    int32_t expert_parallel_size;        /* Megatron's EP size: EP ranks (ETP groups) per EP group */
+    int32_t physical_gpus_per_node;      /* GPUs per node as configured */
 } rp_topology;
 
 /* One point of an efficiency curve: at `tokens` the kernel reaches `efficiency` of peak.

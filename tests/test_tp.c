@@ -1,0 +1,310 @@
+/* Tensor and expert-tensor parallelism (topology.tensor_parallel_size,
+ * expert_tensor_parallel_size): the topology mapping (a DP rank is a TP group, EP ranks
+ * are ETP groups), its config errors, the cost model's divisors against hand-computed
+ * figures, and bound <= step (and try == full evaluation) on random plans with TP/ETP > 1. */
+#include "internal.h"
+#include "routepack/routepack.h"
+#include "tap.h"
+#include "test_util.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static rp_context *ctx;
+static uint64_t rng_state = 0x243F6A8885A308D3ULL;
+static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
+
+#define MODEL                                                                                               \
+    " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"              \
+    "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"                                     \
+    " \"limits\": {\"max_tokens_per_microbatch\": 100000}"
+
+static rp_config *config(const char *topology, const char *extra, rp_error *err)
+{
+    char json[2048];
+    snprintf(json, sizeof json, "{\"topology\": {%s}," MODEL "%s}", topology, extra);
+    rp_config *cfg = NULL;
+    if (rp_config_parse(ctx, json, strlen(json), "t.json", &cfg, err) != RP_OK) return NULL;
+    return cfg;
+}
+
+static void test_mapping(void)
+{
+    rp_error err;
+    rp_config *cfg = config("\"num_nodes\": 2, \"gpus_per_node\": 8, \"tensor_parallel_size\": 4,"
+                            " \"expert_tensor_parallel_size\": 1, \"ep_size\": 8",
+                            "", &err);
+    ok(cfg != NULL, "TP 4, ETP 1, EP 8 on 2 x 8 GPUs");
+    if (cfg) {
+        const rp_topology *t = rp_config_topology(cfg);
+        ok(t->num_gpus == 4 && t->dp_size == 4 && t->gpus_per_node == 2 && t->physical_gpus_per_node == 8,
+           "4 DP ranks (TP groups), 2 per node, 8 GPUs per node");
+        ok(t->ep_size == 2 && t->num_ep_groups == 2 && t->expert_parallel_size == 8,
+           "an EP group of 8 EP ranks x 1 GPU is 2 DP ranks; 2 groups");
+        ok(t->slots[0] == 4 && t->slots[3] == 4, "slots default to ceil(8 / 8) = 1 per EP rank, 4 per DP rank");
+        rp_config_free(cfg);
+    }
+    cfg = config("\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 2", "", &err);
+    ok(cfg != NULL, "TP 2 alone");
+    if (cfg) {
+        const rp_topology *t = rp_config_topology(cfg);
+        ok(t->expert_tensor_parallel_size == 2 && t->expert_parallel_size == 4 && t->ep_size == 4 &&
+               t->slots[0] == 2,
+           "ETP defaults to TP (Megatron), EP to the node's 4 ETP groups, 2 slots per EP rank = per DP rank");
+        rp_config_free(cfg);
+    }
+    struct {
+        const char *topology, *message;
+        rp_status status;
+    } bad[] = {
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 3",
+         "topology.tensor_parallel_size must divide gpus_per_node, 8, got 3: a TP group stays inside a node",
+         RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 16",
+         "topology.tensor_parallel_size", RP_ERANGE},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 4, \"expert_tensor_parallel_size\": 3",
+         "topology.expert_tensor_parallel_size must divide tensor_parallel_size, 4, got 3", RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 4, \"expert_tensor_parallel_size\": 1,"
+         " \"ep_size\": 2",
+         "topology.ep_size is 2 EP ranks x 1 GPUs (expert_tensor_parallel_size) = 2 GPUs, not a multiple of "
+         "tensor_parallel_size 4: an EP group must hold whole DP ranks",
+         RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 2, \"expert_tensor_parallel_size\": 1,"
+         " \"ep_size\": 6",
+         "topology.ep_size must give EP groups that divide the GPUs: 6 EP ranks x 1 GPUs "
+         "(expert_tensor_parallel_size) = 6 GPUs, but the topology has 8",
+         RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 2, \"dp_size\": 8",
+         "topology.dp_size must equal the GPUs over tensor_parallel_size, 8 / 2 = 4, got 8", RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 2, \"expert_tensor_parallel_size\": 1,"
+         " \"slots_per_gpu\": [4, 4, 3, 4]",
+         "topology.slots_per_gpu[2] is 3, but DP rank 2 holds 2 EP ranks", RP_EINVAL},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(&err, 0, sizeof err);
+        rp_config *c = config(bad[i].topology, "", &err);
+        ok(!c && err.status == bad[i].status && strstr(err.text, bad[i].message), "refused: %s", bad[i].message);
+        if (!strstr(err.text, bad[i].message)) diag("got: %s", err.text);
+        rp_config_free(c);
+    }
+}
+
+/* ---- hand-computed divisors ---- */
+
+typedef struct setup {
+    rp_config *cfg;
+    rp_batch *batch;
+    rp_stats *stats;
+    rp_plan *plan;
+    rp_cost *cost;
+    uint8_t *ids;
+} setup;
+
+static const int32_t LENS[4] = {30, 20, 10, 40};
+
+/* 2 DP ranks, 4 slots each (experts 0-3 on rank 0, 4-7 on rank 1), sequences 0, 1 on
+ * rank 0 and 2, 3 on rank 1 in one microbatch; every token picks experts 0 and 5 at both
+ * layers: each rank sends its 50 tokens' choice of the other rank's expert, and expert 0
+ * and 5 each take all 100 tokens. */
+static bool setup_make(setup *s, const char *topology)
+{
+    rp_error err;
+    memset(s, 0, sizeof *s);
+    s->cfg = config(topology, "", &err);
+    if (!s->cfg) {
+        diag("config: %s", err.text);
+        return false;
+    }
+    int32_t zero[4] = {0};
+    if (rp_batch_new(ctx, 4, LENS, zero, NULL, &s->batch, &err) != RP_OK) return false;
+    s->ids = malloc(100 * 4);
+    for (int t = 0; t < 100 * 2; t++) {
+        s->ids[2 * t] = 0;
+        s->ids[2 * t + 1] = 5;
+    }
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 2, 2, s->ids);
+    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return false;
+    int32_t rank[4] = {0, 0, 1, 1}, mb[4] = {0};
+    if (rp_plan_new(ctx, s->cfg, 1, &s->plan, &err) != RP_OK || rp_plan_set_packing(s->plan, 4, rank, mb, &err) ||
+        rp_plan_set_contiguous(s->plan, &err) || rp_cost_new(ctx, s->cfg, s->batch, s->stats, RP_SPLIT_EVEN, &s->cost, &err) ||
+        rp_cost_evaluate(s->cost, s->plan, NULL, &err)) {
+        diag("setup: %s", err.text);
+        return false;
+    }
+    return true;
+}
+
+static void setup_free(setup *s)
+{
+    rp_cost_free(s->cost);
+    rp_plan_free(s->plan);
+    rp_stats_free(s->stats);
+    free(s->ids);
+    rp_batch_free(s->batch);
+    rp_config_free(s->cfg);
+}
+
+static bool close_to(double a, double b) { return fabs(a - b) <= 1e-12 * fabs(b) + 1e-21; }
+
+static void test_divisors(void)
+{
+    setup one, tp, fold;
+    /* TP 1: 2 GPUs; TP 2 ETP 2: 4 GPUs in 2 TP groups, each one EP rank of 4 slots;
+     * TP 2 ETP 1 (folding): 4 GPUs, 4 EP ranks of 2 slots, 2 per DP rank. Same plan shape. */
+    bool ok1 = setup_make(&one, "\"num_nodes\": 1, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": 4");
+    bool ok2 = setup_make(&tp, "\"num_nodes\": 1, \"gpus_per_node\": 4, \"tensor_parallel_size\": 2, \"ep_size\": 2,"
+                               " \"slots_per_gpu\": 4");
+    bool ok3 = setup_make(&fold, "\"num_nodes\": 1, \"gpus_per_node\": 4, \"tensor_parallel_size\": 2,"
+                                 " \"expert_tensor_parallel_size\": 1, \"ep_size\": 4, \"slots_per_gpu\": 2");
+    if (!ok1 || !ok2 || !ok3) {
+        skip(9, "setup");
+        goto out;
+    }
+    const double peak = 989e12, nv = 450e9, lat = 3e-6, d = 64, f = 32, h = 4, dh = 16, bpe = 2;
+    /* attention of the 30-token sequence: 2 L^2 h dh / (peak eff(L)) with eff flat 0.25
+     * below 512, plus projections 2 L d (2 h dh + 2 h dh) / (peak 0.7) */
+    double attn1 = 2.0 * 30 * 30 * h * dh / (peak * 0.25) + 2.0 * 30 * d * (4 * h * dh) / (peak * 0.7);
+    ok(close_to(rp_cost_attention_s(one.cost, 30), attn1), "TP 1: attention of 30 tokens, by hand (%.6g s)", attn1);
+    ok(close_to(rp_cost_attention_s(tp.cost, 30), attn1 / 2), "TP 2: half of it");
+    /* an expert slot of 100 tokens: 6 n d f / (peak eff(100)), eff(100) = 0.28 + 36/192 x 0.22 */
+    double slot1 = 6.0 * 100 * d * f / (peak * (0.28 + 36.0 / 192 * 0.22));
+    ok(close_to(rp_cost_expert_s(one.cost, 100), slot1), "TP 1: expert slot of 100 tokens, by hand (%.6g s)", slot1);
+    ok(close_to(rp_cost_expert_s(tp.cost, 100), slot1 / 2) && close_to(rp_cost_expert_s(fold.cost, 100), slot1 / 2),
+       "TP 2: half, with ETP 2 (split GEMM) and ETP 1 (two EP ranks pooled) alike");
+    const double *x1 = rp_cost_expert_breakdown(one.cost), *x2 = rp_cost_expert_breakdown(tp.cost);
+    ok(close_to(x1[0], slot1) && close_to(x2[0], slot1 / 2) && close_to(x2[1], slot1 / 2),
+       "rank 0's and rank 1's expert time (expert 0 and 5, 100 tokens each): halved under TP 2");
+    /* dispatch: 50 choices each way over NVLink, d bpe bytes each, plus the latency */
+    const double *d1 = rp_cost_dispatch_breakdown(one.cost), *d2 = rp_cost_dispatch_breakdown(tp.cost),
+                 *d3 = rp_cost_dispatch_breakdown(fold.cost);
+    double a2a = 50 * d * bpe / nv;
+    ok(close_to(d1[0], a2a + lat), "TP 1: dispatch of rank 0 = 50 d bpe / bw_nv + lat, by hand");
+    ok(close_to(d3[0], a2a / 2 + lat) && close_to(d3[1], a2a / 2 + lat),
+       "TP 2 ETP 1: the all-to-all over 2 GPUs' links: half, no all-gather");
+    /* ETP 2: each ETP group all-gathers the 100 tokens its expert takes: (2 - 1) copies,
+     * over the DP rank's 2 GPUs' NVLink */
+    double gather = 100 * (2 - 1) * d * bpe / (2 * nv);
+    ok(close_to(d2[0], a2a / 2 + gather + lat) && close_to(d2[1], a2a / 2 + gather + lat),
+       "TP 2 ETP 2: plus the ETP all-gather, 100 tokens x 1 copy x d bpe / (2 bw_nv)");
+    ok(close_to(rp_cost_expert_move_s(tp.cost, true) - lat, (rp_cost_expert_move_s(one.cost, true) - lat) / 2),
+       "moving an expert into a DP rank of 2 GPUs: twice the bandwidth");
+out:
+    if (ok1) setup_free(&one);
+    if (ok2) setup_free(&tp);
+    if (ok3) setup_free(&fold);
+}
+
+/* ---- random plans ---- */
+
+static void test_random(void)
+{
+    static const char *const syncs[] = {"group", "global"}, *const overlaps[] = {"none", "layer"};
+    int bad_bound = 0, bad_try = 0, cases = 0;
+    for (int it = 0; it < 40; it++) {
+        int nodes = 1 + (int)rnd(2), gpn = 8, tp = 1 << (1 + rnd(2)), etp = 1 << rnd(tp == 2 ? 2 : 3);
+        int ep_gpus_min = tp, ep = (ep_gpus_min << rnd(2)) / etp; /* EP group of tp or 2 tp GPUs */
+        char topo[512], extra[256];
+        snprintf(topo, sizeof topo,
+                 "\"num_nodes\": %d, \"gpus_per_node\": %d, \"tensor_parallel_size\": %d,"
+                 " \"expert_tensor_parallel_size\": %d, \"ep_size\": %d, \"slots_per_gpu\": %d",
+                 nodes, gpn, tp, etp, ep, (8 + ep - 1) / ep + (int)rnd(2));
+        snprintf(extra, sizeof extra, ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\"}", syncs[rnd(2)],
+                 overlaps[rnd(2)]);
+        rp_error err;
+        rp_config *cfg = config(topo, extra, &err);
+        if (!cfg) {
+            diag("config %s: %s", topo, err.text);
+            bad_bound++;
+            continue;
+        }
+        const rp_topology *t = rp_config_topology(cfg);
+        int32_t n = 8 + (int32_t)rnd(24), lens[32], zero[32] = {0};
+        for (int i = 0; i < n; i++) lens[i] = 1 + (int32_t)rnd(300);
+        rp_batch *batch = NULL;
+        rp_batch_new(ctx, n, lens, zero, NULL, &batch, &err);
+        int64_t tokens = rp_batch_num_tokens(batch);
+        uint8_t *ids = malloc((size_t)tokens * 4);
+        for (int64_t k = 0; k < tokens * 2; k++) {
+            uint8_t a = (uint8_t)(rnd(4) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
+            if (b == a) b = (uint8_t)((a + 1) % 8);
+            ids[2 * k] = a;
+            ids[2 * k + 1] = b;
+        }
+        rp_routing r;
+        rp_routing_packed(&r, RP_ID_U8, 2, 2, ids);
+        rp_stats *stats = NULL;
+        rp_stats_compute(ctx, batch, &r, 8, 1, &stats, &err);
+        int32_t M = 1 + (int32_t)rnd(3), rank[32], mb[32];
+        for (int i = 0; i < n; i++) rank[i] = (int32_t)rnd((uint32_t)t->num_gpus), mb[i] = (int32_t)rnd((uint32_t)M);
+        rp_plan *plan = NULL;
+        rp_plan_new(ctx, cfg, M, &plan, &err);
+        rp_plan_set_packing(plan, n, rank, mb, &err);
+        /* a random placement: the experts shuffled over the first 8 slots, a random
+         * extra replica where a rank does not hold the expert yet */
+        int32_t S = rp_plan_total_slots(plan), phy[64];
+        const int32_t *sb = rp_plan_slot_begin(plan);
+        for (int32_t l = 0; l < 2; l++) {
+            for (int32_t p = 0; p < S; p++) phy[p] = p < 8 ? p : -1;
+            for (int32_t p = 7; p > 0; p--) {
+                int32_t q = (int32_t)rnd((uint32_t)p + 1), tmp = phy[p];
+                phy[p] = phy[q];
+                phy[q] = tmp;
+            }
+            for (int32_t p = 8; p < S; p++) {
+                int32_t e = (int32_t)rnd(8), j = 0;
+                while (sb[j + 1] <= p) j++;
+                bool held = false;
+                for (int32_t k = sb[j]; k < sb[j + 1]; k++) held |= phy[k] == e;
+                if (!held) phy[p] = e;
+            }
+            rp_plan_set_phy2log(plan, l, phy, &err);
+        }
+        rp_cost *cost = NULL;
+        rp_cost_summary sum;
+        if (rp_plan_validate(plan, cfg, batch, &err) != RP_OK ||
+            rp_cost_new(ctx, cfg, batch, stats, it % 2 ? RP_SPLIT_LOCALITY : RP_SPLIT_EVEN, &cost, &err) != RP_OK ||
+            rp_cost_evaluate(cost, plan, &sum, &err) != RP_OK) {
+            diag("case %d (%s): %s", it, topo, err.text);
+            bad_bound++;
+        } else {
+            cases++;
+            if (!(sum.lower_bound_s <= sum.step_s * (1 + 1e-12))) {
+                bad_bound++;
+                diag("case %d (%s%s): bound %.9g > step %.9g", it, topo, extra, sum.lower_bound_s, sum.step_s);
+            }
+            /* a move tried, applied, and evaluated afresh */
+            int32_t s = (int32_t)rnd((uint32_t)n), g = (int32_t)rnd((uint32_t)t->num_gpus), m = (int32_t)rnd((uint32_t)M);
+            double tried = rp_cost_try_move(cost, s, g, m);
+            if (isfinite(tried) && rp_cost_apply_move(cost, plan, s, g, m, &err) == RP_OK) {
+                rp_cost *fresh = NULL;
+                rp_cost_summary fs;
+                rp_cost_new(ctx, cfg, batch, stats, it % 2 ? RP_SPLIT_LOCALITY : RP_SPLIT_EVEN, &fresh, &err);
+                if (rp_cost_evaluate(fresh, plan, &fs, &err) != RP_OK || fs.step_s != tried) {
+                    bad_try++;
+                    diag("case %d: try %.17g, full %.17g", it, tried, fs.step_s);
+                }
+                rp_cost_free(fresh);
+            }
+        }
+        rp_cost_free(cost);
+        rp_plan_free(plan);
+        rp_stats_free(stats);
+        free(ids);
+        rp_batch_free(batch);
+        rp_config_free(cfg);
+    }
+    ok(bad_bound == 0 && cases == 40, "bound <= step on %d random plans with TP in {2, 4}, ETP | TP", cases);
+    ok(bad_try == 0, "a tried move equals a full evaluation of the moved plan, bit for bit");
+}
+
+int main(void)
+{
+    rp_context_new(NULL, NULL, &ctx);
+    test_mapping();
+    test_divisors();
+    test_random();
+    rp_context_free(ctx);
+    return tap_done();
+}
