@@ -110,6 +110,19 @@ static void fill(const rp_config *cfg, int32_t g, int64_t extras, rp_gpu_memory 
     out->staging_bytes = x->staging_budget_bytes > 0
                              ? (double)x->staging_budget_bytes
                              : (double)t->slots[g] * m->num_layers * (double)rp_memory_expert_move_bytes(cfg);
+    /* Tensor parallelism (docs/cost-model.md, "TP and ETP"): DP rank g is a TP group of
+     * TP GPUs. Each holds 1/TP of the dense parameters, and its share of the rank's
+     * expert slots: slots / (TP / ETP) of one EP rank, each expert split over ETP GPUs,
+     * so 1/TP of the rank's expert bytes (a set staging budget is per GPU already). */
+    const double tp = t->tensor_parallel_size;
+    out->expert_weight_bytes /= tp;
+    out->expert_grad_bytes /= tp;
+    out->expert_optimizer_bytes /= tp;
+    out->dense_weight_bytes /= tp;
+    out->dense_grad_bytes /= tp;
+    out->dense_optimizer_bytes /= tp;
+    out->extra_replica_bytes /= tp;
+    if (x->staging_budget_bytes == 0) out->staging_bytes /= tp;
     out->total_bytes = out->expert_weight_bytes + out->expert_grad_bytes + out->expert_optimizer_bytes +
                        out->dense_weight_bytes + out->dense_grad_bytes + out->dense_optimizer_bytes +
                        out->extra_replica_bytes + out->staging_bytes;

@@ -196,6 +196,31 @@ out:
     if (ok3) setup_free(&fold);
 }
 
+/* Memory per GPU: a DP rank of TP GPUs holds the same as one GPU at TP 1, over TP. */
+static void test_memory(void)
+{
+    rp_error err;
+    rp_config *one = config("\"num_nodes\": 1, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": 4", "", &err);
+    rp_config *tp = config("\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 4,"
+                           " \"expert_tensor_parallel_size\": 1, \"ep_size\": 8, \"slots_per_gpu\": 1",
+                           "", &err);
+    rp_gpu_memory a, b;
+    if (!one || !tp || rp_memory_gpu(one, NULL, 0, &a, &err) != RP_OK || rp_memory_gpu(tp, NULL, 0, &b, &err) != RP_OK) {
+        skip(2, "configs");
+    } else {
+        /* both: 2 DP ranks of 4 slots; TP 4: each GPU one EP rank of 1 slot */
+        ok(close_to(b.expert_weight_bytes, a.expert_weight_bytes / 4) &&
+               close_to(b.expert_grad_bytes, a.expert_grad_bytes / 4) &&
+               close_to(b.staging_bytes, a.staging_bytes / 4),
+           "TP 4, ETP 1: a GPU holds its one slot of the DP rank's 4 (%.0f of %.0f bytes of expert weights)",
+           b.expert_weight_bytes, a.expert_weight_bytes);
+        ok(close_to(b.dense_weight_bytes, a.dense_weight_bytes / 4) && close_to(b.total_bytes, a.total_bytes / 4),
+           "and a quarter of the dense parameters");
+    }
+    rp_config_free(one);
+    rp_config_free(tp);
+}
+
 /* ---- random plans ---- */
 
 static void test_random(void)
@@ -304,6 +329,7 @@ int main(void)
     rp_context_new(NULL, NULL, &ctx);
     test_mapping();
     test_divisors();
+    test_memory();
     test_random();
     rp_context_free(ctx);
     return tap_done();
