@@ -5,6 +5,7 @@
 #define RP_REPORT_H
 
 #include "routepack/cost.h"
+#include "routepack/memory.h"
 
 /* One policy of a simulation. Every pointer is borrowed for the duration of the call. */
 typedef struct rp_report_policy {
@@ -43,6 +44,9 @@ typedef struct rp_report_policy {
      * rp_report.load_step, [num_layers * num_gpus] (layer-major), seconds: the expert load
      * the placement left; NULL when the policy did not run that step */
     const double *expert_layer;
+    /* the most memory one GPU needed at any step of the run (rp_memory_peak of each step's
+     * plan); NULL: the memory section leaves the policy out */
+    const rp_gpu_memory *memory;
 } rp_report_policy;
 
 typedef struct rp_report {
@@ -58,6 +62,7 @@ typedef struct rp_report {
     const rp_report_policy *policies;
     int64_t load_step;          /* the step of the expert load chart (one for all policies,
                                    so their bars compare: the CLI takes the worst overall) */
+    const char *verdict;        /* one line shown first (simulate's verdict); may be NULL */
 } rp_report;
 
 /* Render the page. *text is NUL-terminated, allocated through ctx (rp_text_free).

@@ -48,6 +48,8 @@ static void put_head(svg_buf *b, const rp_report *r)
            "svg .grid{stroke:#e6e6e6;stroke-width:1;}svg .frame{fill:none;stroke:#999;stroke-width:1;}\n"
            ".grid2{display:grid;grid-template-columns:1fr 1fr;gap:10px 20px;}\n"
            "footer{margin-top:36px;font-size:12px;color:#777;}\n"
+           "p.verdict{font-size:16px;font-weight:600;background:#f3f7fb;border-left:4px solid #0072B2;"
+           "padding:8px 12px;margin:12px 0;}\n"
            "</style>\n</head>\n<body>\n<h1>");
     svg_text(b, r->title);
     svg_put(b, "</h1>\n");
@@ -351,12 +353,18 @@ rp_status rp_report_html(rp_context *ctx, const rp_report *r, char **text, size_
     }
     svg_buf b = {ctx, NULL, 0, 0, false};
     put_head(&b, r);
+    if (r->verdict) {
+        svg_put(&b, "<p class=\"verdict\">");
+        svg_text(&b, r->verdict);
+        svg_put(&b, "</p>\n");
+    }
     put_summary(&b, r);
     if (ran > 0) {
         put_ratio_chart(&b, r);
         put_gpu_stacks(&b, r);
         report_steps(&b, r);
         report_expert_load(&b, r);
+        report_memory(&b, r);
     } else {
         svg_put(&b, "<p>No policy ran, so there is nothing to chart.</p>\n");
     }

@@ -13,4 +13,7 @@ void report_steps(svg_buf *b, const rp_report *r);
 /* The expert load the placements left at rp_report.load_step: bars or heatmaps. */
 void report_expert_load(svg_buf *b, const rp_report *r);
 
+/* Memory per GPU: the busiest GPU of each policy's run against the capacity. */
+void report_memory(svg_buf *b, const rp_report *r);
+
 #endif

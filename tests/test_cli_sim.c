@@ -278,6 +278,19 @@ static void test_report(void)
     is_int(rows, 2, "a row per policy, with the steps that moved");
     like(page, "<h2>Planning time against step time</h2>", "plan time against step time");
     ok(strstr(page, "Expert load per GPU and layer") == NULL, "8 GPUs: bars, not a heatmap");
+    const char *verdict = strstr(page, "<p class=\"verdict\">verdict: ");
+    const char *summary = strstr(page, "<h2>Summary</h2>");
+    ok(verdict && summary && verdict < summary, "the verdict comes first, before the summary");
+    const char *text = verdict ? verdict + strlen("<p class=\"verdict\">") : NULL;
+    const char *text_end = text ? strstr(text, "</p>") : NULL;
+    const char *said = strstr(out, "verdict: ");
+    ok(said && text_end && !strncmp(said, text, (size_t)(text_end - text)) && said[text_end - text] == '\n',
+       "the same verdict simulate prints");
+    const char *mem = strstr(page, "<h2>Memory per GPU</h2>");
+    int mem_rows = 0;
+    for (const char *c = mem; c && (c = strstr(c, "<tr><td class=\"l\">")); c++) mem_rows++;
+    is_int(mem_rows, 2, "the memory section has a row per policy");
+    like(mem ? mem : "", "hbm_bytes", "against the GPU's capacity");
 
     /* 64 GPUs: a heatmap of GPU x layer per policy, 64 x 16 cells each */
     const char *cfg64 = tmp("config-64.json");

@@ -5,7 +5,7 @@
 #include "internal.h"
 #include "sched_internal.h"
 #include "report.h"
-#include "sched_internal.h"
+#include "routepack/memory.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -223,6 +223,9 @@ typedef struct sim_policy {
     /* forward expert time of each GPU at each layer, summed over microbatches, per step
      * run [steps x L x G], for the expert load chart */
     double *expert_by_step;
+    /* the most memory any GPU needed at any step (rp_memory_peak of each plan), for --report */
+    rp_gpu_memory memory_peak;
+    bool have_memory;
 } sim_policy;
 
 typedef struct sim_opts {
@@ -410,6 +413,9 @@ static rp_status track_step(sim_policy *p, rp_cost *cost, const rp_plan *plan, c
     rp_cost_summary sum;
     rp_status st = rp_cost_evaluate(cost, plan, &sum, err);
     if (st != RP_OK) return st;
+    rp_gpu_memory mem;
+    if ((st = rp_memory_peak(cfg, plan, &mem, err)) != RP_OK) return st;
+    if (!p->have_memory || mem.total_bytes > p->memory_peak.total_bytes) p->memory_peak = mem, p->have_memory = true;
     const int32_t G = rp_config_topology(cfg)->num_gpus, L = rp_config_model(cfg)->num_layers;
     const int32_t M = rp_plan_num_microbatches(plan);
     const double *A = rp_cost_attention_breakdown(cost), *D = rp_cost_dispatch_breakdown(cost);
@@ -816,6 +822,7 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
         r->plan_s = per_step[i] + 3 * n;
         r->migration_rounds = rounds[i];
         r->staging_bytes = staging[i];
+        r->memory = p->have_memory ? &p->memory_peak : NULL;
         r->mean_step_s = s.mean_step_s;
         r->mean_ratio = s.mean_ratio;
         r->speedup = s.speedup;
@@ -865,8 +872,12 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
     const char *context[] = {line1, line2, NULL};
     char base_label[160];
     snprintf(base_label, sizeof base_label, "the best baseline, %s", base ? base->spec : "");
+    sim_verdict verdict;
+    char verdict_line[1024];
+    make_verdict(pol, np, &verdict);
+    verdict_text(&verdict, verdict_line, sizeof verdict_line);
     rp_report report = {"RoutePack simulation", context, base ? base_label : NULL, t->num_gpus,
-                        t->gpus_per_node, t->ep_size, m->num_layers, np, rp, load_step};
+                        t->gpus_per_node, t->ep_size, m->num_layers, np, rp, load_step, verdict_line};
     size_t len;
     if ((st = rp_report_html(ctx, &report, &text, &len, err)) != RP_OK) goto out;
     FILE *f = fopen(path, "wb");
