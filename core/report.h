@@ -21,6 +21,8 @@ typedef struct rp_report_policy {
     /* summary over its steps */
     double mean_step_s;
     double mean_ratio;
+    double mean_shared_ratio;   /* mean of step / the step's shared bound (the least own bound
+                                   of all plans of that step); NAN when not known */
     double speedup;             /* against the baseline; NAN when there is none */
     double attention_imbalance, expert_imbalance;
     int32_t fallbacks, swaps;

@@ -79,15 +79,18 @@ static void put_summary(svg_buf *b, const rp_report *r)
 {
     svg_put(b, "<h2>Summary</h2>\n<p>Means over the steps each policy ran. Step time is the cost "
            "model's prediction for forward and backward; the lower bound is the same work with every "
-           "term perfectly balanced, so step / lower bound is 1.00 at best. Imbalance is max / mean "
+           "term perfectly balanced, so step / lower bound is 1.00 at best (the plan's own imbalance); "
+           "the shared bound of a step is the least of all plans' own bounds for that step, so step / "
+           "shared bound ranks plans as step time does. Imbalance is max / mean "
            "across GPUs. Best value in each column in bold.</p>\n");
     svg_put(b, "<table>\n<tr><th class=\"l\">policy</th><th>step (ms)</th><th>step / lower bound</th>"
-           "<th>speedup vs ");
+           "<th>step / shared bound</th><th>speedup vs ");
     svg_text(b, r->baseline ? r->baseline : "baseline");
     svg_put(b, "</th><th>attention imbalance</th><th>expert imbalance</th><th>fallbacks</th>"
            "<th>migrated / step</th><th>plan time (ms)</th></tr>\n");
     int best_step = best_of(r, offsetof(rp_report_policy, mean_step_s), false);
     int best_ratio = best_of(r, offsetof(rp_report_policy, mean_ratio), false);
+    int best_shared = best_of(r, offsetof(rp_report_policy, mean_shared_ratio), false);
     int best_speed = best_of(r, offsetof(rp_report_policy, speedup), true);
     int best_attn = best_of(r, offsetof(rp_report_policy, attention_imbalance), false);
     int best_exp = best_of(r, offsetof(rp_report_policy, expert_imbalance), false);
@@ -103,7 +106,7 @@ static void put_summary(svg_buf *b, const rp_report *r)
         }
         svg_put(b, "</td>");
         if (!report_charted(p)) {
-            svg_put(b, "<td class=\"err\" colspan=\"8\">did not run: ");
+            svg_put(b, "<td class=\"err\" colspan=\"9\">did not run: ");
             svg_text(b, p->error ? p->error : "unknown error");
             svg_put(b, "</td></tr>\n");
             continue;
@@ -113,6 +116,8 @@ static void put_summary(svg_buf *b, const rp_report *r)
         double scaled = mb >= 1e9 ? mb / 1e9 : mb >= 1e6 ? mb / 1e6 : mb >= 1e3 ? mb / 1e3 : mb;
         svg_put(b, "<td%s>%.3f</td><td%s>%.3f</td>", i == best_step ? " class=\"best\"" : "",
             p->mean_step_s * 1e3, i == best_ratio ? " class=\"best\"" : "", p->mean_ratio);
+        if (isnan(p->mean_shared_ratio)) svg_put(b, "<td>&ndash;</td>");
+        else svg_put(b, "<td%s>%.3f</td>", i == best_shared ? " class=\"best\"" : "", p->mean_shared_ratio);
         if (isnan(p->speedup)) svg_put(b, "<td>&ndash;</td>");
         else svg_put(b, "<td%s>%.3f&times;</td>", i == best_speed ? " class=\"best\"" : "", p->speedup);
         svg_put(b, "<td%s>%.3f</td><td%s>%.3f</td><td>%d</td><td>%.*f %s</td><td>%.2f</td></tr>\n",
@@ -120,7 +125,7 @@ static void put_summary(svg_buf *b, const rp_report *r)
             i == best_exp ? " class=\"best\"" : "", p->expert_imbalance, p->fallbacks,
             unit[0] == 'B' ? 0 : 1, scaled, unit, p->mean_plan_s * 1e3);
         if (p->error) {
-            svg_put(b, "<tr><td></td><td class=\"err\" colspan=\"8\">stopped early: ");
+            svg_put(b, "<tr><td></td><td class=\"err\" colspan=\"9\">stopped early: ");
             svg_text(b, p->error);
             svg_put(b, "</td></tr>\n");
         }

@@ -262,6 +262,7 @@ static void test_report(void)
        "nothing loaded from elsewhere");
     like(page, "attn_kk+eplb", "the policies are named");
     like(page, "lower bound", "the step / lower bound chart");
+    like(page, "<th>step / shared bound</th>", "the summary shows step / shared bound next to each plan's own ratio");
     like(page, "Expert load per GPU", "the expert load chart");
     like(page, "forward time (ms)", "axes carry units");
     /* the per-step sections: one line of 2 points per policy, one table row each */

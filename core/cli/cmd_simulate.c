@@ -825,6 +825,7 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
         r->memory = p->have_memory ? &p->memory_peak : NULL;
         r->mean_step_s = s.mean_step_s;
         r->mean_ratio = s.mean_ratio;
+        r->mean_shared_ratio = s.mean_shared_ratio;
         r->speedup = s.speedup;
         r->attention_imbalance = s.attn_imb;
         r->expert_imbalance = s.expert_imb;
