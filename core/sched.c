@@ -53,6 +53,10 @@ struct rp_sched {
     int64_t last_step;
     rp_batch *prev_batch;    /* the last step's inputs, for dry runs */
     rp_stats *prev_stats;
+    /* the statistics of the step before prev_stats, kept (only on the path from
+     * statistics) so the next step's copy reuses their storage: stats_copy_reusing */
+    rp_stats *spare_stats;
+    bool keep_spare;
 
     int32_t hist_cap, hist_count, hist_head; /* ring; head = next slot to write */
     int64_t *hist_steps;
@@ -318,6 +322,7 @@ void rp_sched_free(rp_sched *s)
     sched_migration_free(&s->migration, ctx);
     rp_batch_free(s->prev_batch);
     rp_stats_free(s->prev_stats);
+    rp_stats_free(s->spare_stats);
     rp_free(ctx, s->hist_steps);
     rp_free(ctx, s->hist_loads);
     rp_free(ctx, s->hist_ptrs);
@@ -1113,7 +1118,10 @@ static rp_status run_step(rp_sched *s, int64_t step, const rp_batch *batch, rp_s
     s->current = plan;
     plan = NULL;
     rp_batch_free(s->prev_batch);
-    rp_stats_free(s->prev_stats);
+    rp_stats_free(s->spare_stats);
+    s->spare_stats = NULL;
+    if (s->keep_spare) s->spare_stats = s->prev_stats;
+    else rp_stats_free(s->prev_stats);
     s->prev_batch = copy;
     s->prev_stats = stats;
     copy = NULL;
@@ -1182,6 +1190,7 @@ rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const 
     const rp_model *md = rp_config_model(s->cfg);
     rp_stats *stats = NULL;
     st = rp_stats_compute(s->ctx, batch, routing, md->num_experts, s->opts.num_threads, &stats, err);
+    s->keep_spare = false;
     return run_step(s, step, batch, stats, st, t0, plan_out, report_out, err);
 }
 
@@ -1204,7 +1213,8 @@ rp_status rp_sched_step_stats(rp_sched *s, int64_t step, const rp_batch *batch, 
                      (long long)step, rp_stats_num_layers(stats), rp_stats_num_experts(stats), rp_stats_top_k(stats),
                      md->num_layers, md->num_experts, md->top_k);
     if (st == RP_OK) st = rp_stats_check_batch(stats, batch, err);
-    if (st == RP_OK) st = stats_copy(s->ctx, stats, &copy, err);
+    s->keep_spare = true;
+    if (st == RP_OK) st = stats_copy_reusing(s->ctx, stats, &s->spare_stats, &copy, err);
     return run_step(s, step, batch, copy, st, t0, plan_out, report_out, err);
 }
 

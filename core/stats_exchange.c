@@ -573,3 +573,34 @@ rp_status stats_copy(rp_context *ctx, const rp_stats *stats, rp_stats **out, rp_
     *out = c;
     return RP_OK;
 }
+
+rp_status stats_copy_reusing(rp_context *ctx, const rp_stats *stats, rp_stats **spare, rp_stats **out, rp_error *err)
+{
+    rp_stats *c = *spare;
+    const int32_t n = stats->num_seqs;
+    if (!c || c->ctx != ctx || c->num_seqs != n || c->num_layers != stats->num_layers ||
+        c->num_experts != stats->num_experts) {
+        rp_stats_free(c);
+        *spare = NULL;
+        return stats_copy(ctx, stats, out, err);
+    }
+    /* the spare's arrays have the right sizes but the histograms' bytes: fit those (a
+     * realloc within memory already touched mostly), then copy as stats_copy does */
+    const size_t cells = (size_t)stats->num_layers * (size_t)stats->num_experts;
+    const size_t hist_bytes = (size_t)stats->offset[n];
+    if ((size_t)c->offset[n] != hist_bytes) {
+        unsigned char *h = rp_realloc(ctx, c->hist, hist_bytes > 0 ? hist_bytes : 1);
+        if (!h) return rp_fail_nomem(err, "a copy of the statistics");
+        c->hist = h;
+    }
+    c->top_k = stats->top_k;
+    c->num_tokens = stats->num_tokens;
+    memcpy(c->expert_load, stats->expert_load, cells * sizeof(int64_t));
+    memcpy(c->width, stats->width, (size_t)n);
+    memcpy(c->offset, stats->offset, ((size_t)n + 1) * sizeof(uint64_t));
+    memcpy(c->hist, stats->hist, hist_bytes);
+    c->bytes = sizeof *c + cells * sizeof(int64_t) + ((size_t)n + 1) + ((size_t)n + 1) * sizeof(uint64_t) + hist_bytes;
+    *out = c;
+    *spare = NULL;
+    return RP_OK;
+}

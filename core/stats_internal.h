@@ -69,6 +69,14 @@ rp_status stats_from_rows(rp_context *ctx, int32_t num_seqs, int32_t num_layers,
  * inputs). Errors: no memory. */
 rp_status stats_copy(rp_context *ctx, const rp_stats *stats, rp_stats **out, rp_error *err);
 
+/* stats_copy into the storage of *spare (statistics no longer needed; NULL: none) when
+ * its sequences, layers and experts match, so a caller that copies every step (the
+ * scheduler) writes into memory it already touched instead of new pages; *spare is then
+ * taken (NULL), or freed when it does not fit. On error (no memory) *spare stays as it
+ * was and nothing is returned. */
+rp_status stats_copy_reusing(rp_context *ctx, const rp_stats *stats, rp_stats **spare, rp_stats **out,
+                             rp_error *err);
+
 /* True when a and b hold the same statistics in the same storage: every count, width,
  * offset, load and size. */
 bool stats_same(const rp_stats *a, const rp_stats *b);

@@ -492,6 +492,72 @@ static void test_copy(rp_context *ctx)
     is_int(leaks, 0, "and leaks nothing");
 }
 
+/* stats_copy_reusing: into a spare of the same shape (its storage taken, histograms of
+ * another size refitted), or a fresh copy when the shape differs (the spare freed); the
+ * same statistics either way; a failed refit leaves the spare as it was. */
+static void test_copy_reusing(rp_context *ctx)
+{
+    int same = 1, reused = 1;
+    for (int trial = 0; trial < 6; trial++) {
+        world a, b;
+        int32_t n = 2 + (int32_t)rnd(20), layers = 1 + (int32_t)rnd(4), k = 1 + (int32_t)rnd(3), e = 4 + (int32_t)rnd(20);
+        world_make(&a, ctx, n, layers, k, e, trial % 2);
+        world_make(&b, ctx, n, layers, k, e, (trial + 1) % 2); /* other lengths: other widths */
+        rp_stats *sa = stats_of(ctx, &a), *sb = stats_of(ctx, &b), *spare = NULL, *copy = NULL;
+        stats_copy(ctx, sa, &spare, NULL);
+        rp_stats *was = spare;
+        rp_error err;
+        if (stats_copy_reusing(ctx, sb, &spare, &copy, &err) != RP_OK) diag("%s", err.text);
+        same &= copy && stats_same(sb, copy);
+        reused &= copy == was && spare == NULL;
+        rp_stats_free(copy);
+        rp_stats_free(sa);
+        rp_stats_free(sb);
+        world_free(&a);
+        world_free(&b);
+    }
+    ok(same, "stats_copy_reusing gives the same statistics (every count, width, offset, load, size)");
+    ok(reused, "in the spare's storage, which it takes");
+
+    world a, b;
+    world_make(&a, ctx, 5, 2, 2, 6, 0);
+    world_make(&b, ctx, 7, 2, 2, 6, 0);
+    rp_stats *sa = stats_of(ctx, &a), *sb = stats_of(ctx, &b), *spare = NULL, *copy = NULL;
+    stats_copy(ctx, sa, &spare, NULL);
+    ok(stats_copy_reusing(ctx, sb, &spare, &copy, NULL) == RP_OK && copy && stats_same(sb, copy) && !spare,
+       "another shape: a fresh copy, the spare freed");
+    rp_stats_free(copy);
+    rp_stats_free(sa);
+    rp_stats_free(sb);
+    world_free(&a);
+    world_free(&b);
+
+    /* a failing refit: the spare stays, nothing leaks */
+    counting c = {0};
+    rp_context *cc = NULL;
+    int clean = 0;
+    if (rp_context_new(counting_alloc, &c, &cc) == RP_OK) {
+        world x, y;
+        world_make(&x, cc, 6, 2, 2, 5, 0);
+        world_make(&y, cc, 6, 2, 2, 5, 1); /* a width-4 sequence: larger histograms */
+        rp_stats *sx = stats_of(cc, &x), *sy = stats_of(cc, &y), *sp = NULL, *out = NULL;
+        stats_copy(cc, sx, &sp, NULL);
+        rp_stats *was = sp;
+        long live = c.live;
+        c.fail_at = c.calls + 1;
+        rp_status r = stats_copy_reusing(cc, sy, &sp, &out, NULL);
+        c.fail_at = 0;
+        clean = r == RP_ENOMEM && !out && sp == was && stats_same(sx, sp) && c.live == live;
+        rp_stats_free(sp);
+        rp_stats_free(sx);
+        rp_stats_free(sy);
+        world_free(&x);
+        world_free(&y);
+        rp_context_free(cc);
+    }
+    ok(clean, "a failed refit gives RP_ENOMEM and leaves the spare as it was");
+}
+
 static void test_alloc_failures(void)
 {
     int clean = 1, leaks = 0;
@@ -549,6 +615,7 @@ int main(void)
     test_merge_errors(ctx);
     test_check_batch(ctx);
     test_copy(ctx);
+    test_copy_reusing(ctx);
     test_alloc_failures();
     rp_context_free(ctx);
     return tap_done();
