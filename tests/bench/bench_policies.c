@@ -91,8 +91,9 @@ static void die(const char *what, const rp_error *err)
     exit(1);
 }
 
-/* --execution: members of an "execution" object put into every config (the examples
- * leave the section out; a config that has one is refused rather than half-merged). */
+/* --execution: members put into every config's "execution" object (added when the
+ * config has none; a member the config already sets is a duplicate key, refused by the
+ * config reader). */
 static const char *execution_members = NULL;
 
 static rp_config *load_config(rp_context *ctx, const char *file, int64_t cap_override)
@@ -116,11 +117,16 @@ static rp_config *load_config(rp_context *ctx, const char *file, int64_t cap_ove
         snprintf(at, sizeof text - (size_t)(at - text), "%lld%s", (long long)cap_override, tail);
     }
     if (execution_members) {
-        char *open = strchr(text, '{');
-        if (!open || strstr(text, "\"execution\"")) die("--execution: the config already has an execution section", NULL);
+        char *section = strstr(text, "\"execution\"");
+        char *open = section ? strchr(section, '{') : strchr(text, '{');
+        if (!open) die("--execution: the config is not a JSON object", NULL);
         char tail[1 << 16];
         snprintf(tail, sizeof tail, "%s", open + 1);
-        snprintf(open + 1, sizeof text - (size_t)(open + 1 - text), "\"execution\": {%s}, %s", execution_members, tail);
+        if (section)
+            snprintf(open + 1, sizeof text - (size_t)(open + 1 - text), "%s, %s", execution_members, tail);
+        else
+            snprintf(open + 1, sizeof text - (size_t)(open + 1 - text), "\"execution\": {%s}, %s", execution_members,
+                     tail);
     }
     rp_config *cfg = NULL;
     rp_error err;
