@@ -31,6 +31,16 @@ rp_status rp_gpu_microbatch_loads(const rp_routing *routing_dev, const int64_t *
     return rp_fail(err, RP_ENOTSUP, "gpu: %s", NO_CUDA);
 }
 
+rp_status rp_gpu_router_shift(const rp_routing *old_dev, const rp_routing *new_dev,
+                              const int64_t *cu_seqlens_dev, int32_t num_seqs, int32_t num_experts,
+                              int64_t *layer_changed, int64_t *seq_changed, int64_t *expert_old,
+                              int64_t *expert_lost, int64_t *expert_arrived, rp_error *err)
+{
+    (void)old_dev, (void)new_dev, (void)cu_seqlens_dev, (void)num_seqs, (void)num_experts;
+    (void)layer_changed, (void)seq_changed, (void)expert_old, (void)expert_lost, (void)expert_arrived;
+    return rp_fail(err, RP_ENOTSUP, "gpu: %s", NO_CUDA);
+}
+
 rp_status rp_gpu_dev_upload(const void *host, size_t bytes, void **dev, rp_error *err)
 {
     (void)host, (void)bytes, (void)dev;

@@ -1321,6 +1321,31 @@ static const char *side_words(rp_side side)
 
 static void hex64(char *buf, uint64_t v) { snprintf(buf, 17, "%016llx", (unsigned long long)v); }
 
+rp_status rp_sched_attach_shift(rp_sched *s, const rp_shift *shift, rp_error *err)
+{
+    if (!s || !shift) return rp_fail(err, RP_EINVAL, "sched: scheduler and router shift are required");
+    if (!s->has_report || !s->prev_batch) return rp_fail(err, RP_EINVAL, "sched: no step has run yet");
+    const rp_model *md = rp_config_model(s->cfg);
+    const int32_t n = rp_batch_num_seqs(s->prev_batch);
+    const int64_t choices = rp_batch_num_tokens(s->prev_batch) * md->num_layers * md->top_k;
+    if (rp_shift_num_seqs(shift) != n || rp_shift_choices(shift) != choices)
+        return rp_fail(err, RP_EINVAL,
+                       "sched: the router shift covers %d sequences and %lld token-choices, but step %lld has "
+                       "%d sequences and %lld token-choices",
+                       rp_shift_num_seqs(shift), (long long)rp_shift_choices(shift), (long long)s->report.step, n,
+                       (long long)choices);
+    if (rp_shift_num_layers(shift) != md->num_layers || rp_shift_num_experts(shift) != md->num_experts ||
+        rp_shift_top_k(shift) != md->top_k)
+        return rp_fail(err, RP_EINVAL,
+                       "sched: the router shift has %d layers x %d experts x top-%d, but the model has %d x %d x "
+                       "top-%d",
+                       rp_shift_num_layers(shift), rp_shift_num_experts(shift), rp_shift_top_k(shift),
+                       md->num_layers, md->num_experts, md->top_k);
+    s->report.shift = rp_shift_summarize(shift);
+    s->report.has_shift = true;
+    return RP_OK;
+}
+
 rp_status rp_sched_report_json(const rp_sched *s, char **text, size_t *len, rp_error *err)
 {
     if (!s || !text) return rp_fail(err, RP_EINVAL, "sched: scheduler and output are required");
@@ -1347,6 +1372,19 @@ rp_status rp_sched_report_json(const rp_sched *s, char **text, size_t *len, rp_e
                              "ranks_disagreed", r->ranks_disagreed, "experts_moved", (int)r->experts_moved,
                              "migration_bytes", r->migration_bytes, "migration_s", r->migration_s, "policy_wall_s",
                              r->policy_wall_s);
+    if (root && r->has_shift) {
+        const rp_shift_summary *m = &r->shift;
+        json_t *shift = json_pack("{s:I, s:I, s:f, s:f, s:i, s:f, s:i, s:f, s:i, s:i}", "choices",
+                                  (json_int_t)m->choices, "changed", (json_int_t)m->changed, "fraction",
+                                  m->fraction, "max_layer_fraction", m->max_layer_fraction, "max_layer",
+                                  (int)m->max_layer, "max_seq_fraction", m->max_seq_fraction, "max_seq",
+                                  (int)m->max_seq, "max_expert_lost_fraction", m->max_expert_lost_fraction,
+                                  "max_expert_layer", (int)m->max_expert_layer, "max_expert", (int)m->max_expert);
+        if (!shift || json_object_set_new(root, "router_shift", shift) != 0) {
+            json_decref(root);
+            root = NULL;
+        }
+    }
     if (!root || json_object_set_new(root, "metrics", rp_step_metrics_json(r)) != 0) {
         json_decref(root);
         return rp_fail_nomem(err, "the step report");

@@ -9,7 +9,7 @@
 json_t *rp_step_metrics_json(const rp_step_report *r)
 {
     const rp_cost_summary *c = &r->cost;
-    return json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:f, s:f, s:i, s:i, s:i,"
+    json_t *m = json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:f, s:f, s:i, s:i, s:i,"
                      " s:f, s:i, s:f, s:f, s:i, s:i, s:i}",
                      "step_time_ms", c->step_s * 1e3,
                      "lower_bound_ms", c->lower_bound_s * 1e3,
@@ -39,4 +39,15 @@ json_t *rp_step_metrics_json(const rp_step_report *r)
                      /* rp.joint's fallback check: how often it ran, how often it changed the plan */
                      "fallback_checks", (int)r->fallback_checks,
                      "fallback_check_changes", (int)r->fallback_check_changes);
+    /* router shift: only once the trainer attached it (rp_sched_attach_shift) */
+    if (m && r->has_shift &&
+        (json_object_set_new(m, "router_shift_fraction", json_real(r->shift.fraction)) != 0 ||
+         json_object_set_new(m, "router_shift_max_layer_fraction", json_real(r->shift.max_layer_fraction)) != 0 ||
+         json_object_set_new(m, "router_shift_max_seq_fraction", json_real(r->shift.max_seq_fraction)) != 0 ||
+         json_object_set_new(m, "router_shift_max_expert_lost_fraction",
+                             json_real(r->shift.max_expert_lost_fraction)) != 0)) {
+        json_decref(m);
+        return NULL;
+    }
+    return m;
 }

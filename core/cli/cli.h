@@ -63,6 +63,9 @@ int cmd_trace_info(rp_context *ctx, int argc, char **argv);
 int cmd_trace_validate(rp_context *ctx, int argc, char **argv);
 int cmd_trace_import(rp_context *ctx, int argc, char **argv);
 int cmd_stats(rp_context *ctx, int argc, char **argv);
+/* `stats --shift OLD.rpt NEW.rpt` (core/cli/cmd_shift.c). */
+int cmd_stats_shift(rp_context *ctx, const char *old_path, const char *new_path, int64_t step, int32_t threads,
+                    bool json);
 int cmd_simulate(rp_context *ctx, int argc, char **argv);
 int cmd_policy_list(rp_context *ctx, int argc, char **argv);
 int cmd_policy_check(rp_context *ctx, int argc, char **argv);

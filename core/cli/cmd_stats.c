@@ -174,9 +174,9 @@ static bool print_json(const char *path, int32_t step, int32_t num_steps, const 
 
 int cmd_stats(rp_context *ctx, int argc, char **argv)
 {
-    const char *path = NULL, *value;
+    const char *path = NULL, *new_path = NULL, *value;
     int64_t step = 0, threads = 0;
-    bool json = false, bad = false;
+    bool json = false, bad = false, shift = false;
     for (int i = 0; i < argc; i++) {
         if (cli_opt(argc, argv, &i, "--step", &value, &bad)) {
             if (bad || !cli_int("--step", value, &step)) return CLI_USAGE;
@@ -186,14 +186,23 @@ int cmd_stats(rp_context *ctx, int argc, char **argv)
                 return cli_usage("--threads must be in [0, 1024] (0: all CPUs), got %lld", (long long)threads);
         } else if (!strcmp(argv[i], "--json")) {
             json = true;
+        } else if (!strcmp(argv[i], "--shift")) {
+            shift = true;
         } else if (argv[i][0] == '-' && argv[i][1]) {
             return cli_usage("stats: unknown option '%s'", argv[i]);
+        } else if (new_path) {
+            return cli_usage("stats takes at most two traces, got '%s', '%s' and '%s'", path, new_path, argv[i]);
         } else if (path) {
-            return cli_usage("stats takes one TRACE.rpt, got '%s' and '%s'", path, argv[i]);
+            new_path = argv[i];
         } else {
             path = argv[i];
         }
     }
+    if (shift) {
+        if (!new_path) return cli_usage("stats --shift needs two traces: OLD.rpt (replayed) and NEW.rpt");
+        return cmd_stats_shift(ctx, path, new_path, step, (int32_t)threads, json);
+    }
+    if (new_path) return cli_usage("stats takes one TRACE.rpt, got '%s' and '%s' (two traces need --shift)", path, new_path);
     if (!path) return cli_usage("stats needs a TRACE.rpt file");
 
     struct timespec t0;

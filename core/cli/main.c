@@ -43,9 +43,12 @@ static const cli_command commands[] = {
      "  --force            replace an existing trace (default: refuse to overwrite it)\n"
      "  --out TRACE.rpt    the trace to write (required)\n",
      "routepack trace import --routing routing.npy --lens lens.npy --experts 64 --out run.rpt"},
-    {"stats", NULL, cmd_stats, "TRACE.rpt [--step K] [--json] [--threads N]",
-     "routing statistics: expert loads, skew, per-sequence histograms",
+    {"stats", NULL, cmd_stats, "TRACE.rpt [--step K] [--json] [--threads N] | --shift OLD.rpt NEW.rpt [...]",
+     "routing statistics: expert loads, skew, per-sequence histograms; router shift",
      "  TRACE.rpt          the trace\n"
+     "  --shift OLD NEW    router shift instead: the share of OLD's token-choices (the replayed\n"
+     "                     routing) whose expert is not in NEW's top-k for the same tokens\n"
+     "                     (the training forward's), per layer, expert and sequence\n"
      "  --step K           which step, counted from 0 (default 0)\n"
      "  --json             the statistics as JSON instead of the table\n"
      "  --threads N        threads of the scan, 0 to 1024 (default 0: all CPUs)\n",

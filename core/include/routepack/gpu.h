@@ -45,6 +45,18 @@ RP_API rp_status rp_gpu_microbatch_loads(const rp_routing *routing_dev, const in
                                   const int32_t *seq_microbatch_dev, int32_t num_microbatches,
                                   int64_t *loads, rp_error *err);
 
+/* Router shift counts (routepack/shift.h) from two routing views in device memory (both
+ * packed, any strides, the same layers and top-k; `cu_seqlens_dev` on the device). Writes,
+ * on the host, layer_changed[num_layers], seq_changed[num_seqs] and the [num_layers *
+ * num_experts] expert_old, expert_lost and expert_arrived, equal to rp_shift_compute's
+ * CPU counts. An id out of range is RP_ERANGE with the CPU's message (the first in the
+ * old routing, else the first in the new one) and the outputs are not written.
+ * Synchronises the default stream before returning. */
+RP_API rp_status rp_gpu_router_shift(const rp_routing *old_dev, const rp_routing *new_dev,
+                                     const int64_t *cu_seqlens_dev, int32_t num_seqs, int32_t num_experts,
+                                     int64_t *layer_changed, int64_t *seq_changed, int64_t *expert_old,
+                                     int64_t *expert_lost, int64_t *expert_arrived, rp_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,6 +9,7 @@
 #include "routepack/trace.h"
 #include "routepack/gen.h"
 #include "routepack/stats.h"
+#include "routepack/shift.h"
 #include "routepack/gpu.h"
 #include "routepack/remap.h"
 #include "routepack/checksum.h"

@@ -11,6 +11,7 @@
 
 #include "routepack/cost.h"
 #include "routepack/plan.h"
+#include "routepack/shift.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -126,6 +127,8 @@ typedef struct rp_step_report {
      * or when the step fell back) */
     int32_t fallback_checks;
     int32_t fallback_check_changes;
+    bool has_shift;                /* router shift attached (rp_sched_attach_shift) */
+    rp_shift_summary shift;        /* its summary; zero until attached */
 } rp_step_report;
 
 /* Plan step `step` for `batch` and its routing replay (host memory). On success *plan
@@ -224,6 +227,19 @@ RP_API rp_status rp_sched_migration_failed(rp_sched *sched, const struct rp_migr
  * (RP_EINVAL). A budget below one layer's need makes the step fail (RP_ERANGE). */
 RP_API rp_status rp_sched_set_migration_options(rp_sched *sched,
                                                 const struct rp_migration_options *opts, rp_error *err);
+
+/* Attach router-shift diagnostics to the last step's report: the training forward's
+ * own top-k ids only exist once the step's plan has run, so the trainer computes
+ * rp_shift_compute(step batch, replayed routing, forward's ids) afterwards and hands it
+ * here. The report (rp_step_report.has_shift, .shift), rp_sched_report_json
+ * ("router_shift") and the flat metrics (router_shift_*) then carry its summary, until
+ * the next step (which starts without). Attaching again replaces it. The shift is only
+ * read (not kept). Errors (nothing changes): no step yet, a shift of another batch or
+ * model (sequences, choices, layers, experts or top-k differ from the last step's batch
+ * and the config: RP_EINVAL naming both values). Multi-rank: compute the shift of the
+ * whole step (every rank's sequences), or attach each rank's own; the scheduler does not
+ * exchange it. */
+RP_API rp_status rp_sched_attach_shift(rp_sched *sched, const rp_shift *shift, rp_error *err);
 
 /* The report of the last step as JSON (rp_text_free). */
 RP_API rp_status rp_sched_report_json(const rp_sched *sched, char **text, size_t *len,
