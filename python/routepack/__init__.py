@@ -19,6 +19,7 @@ from .scheduler import (Config, Scheduler, StepResult, can_checkpoint, describe_
 from .migration import Migration
 from .distributed import Comm, Stats
 from .trace import TraceReader, TraceStep, TraceWriter
+from .shift import RouterShift, router_shift
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,7 @@ def library_path():
 
 __all__ = [
     "Scheduler", "StepResult", "Config", "list_policies", "describe_policy", "can_checkpoint", "TraceReader", "TraceStep",
-    "TraceWriter", "library_path", "Migration", "Comm", "Stats",
+    "TraceWriter", "library_path", "Migration", "Comm", "Stats", "RouterShift", "router_shift",
     "Error", "ConfigError", "RoutingError", "PolicyError", "LimitError", "PlanError",
     "InvalidArgumentError", "OutOfMemoryError", "FileError", "FormatError", "RangeError",
     "NotSupportedError", "TransportError", "ChecksumError", "DeadlineError", "LibraryError",

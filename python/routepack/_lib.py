@@ -83,6 +83,14 @@ class rp_cost_summary(Structure):
                 ("straggler_side", c_int)]
 
 
+class rp_shift_summary(Structure):
+    _fields_ = [("choices", c_int64), ("changed", c_int64), ("fraction", c_double),
+                ("max_layer_fraction", c_double), ("max_layer", c_int32),
+                ("max_seq_fraction", c_double), ("max_seq", c_int32),
+                ("max_expert_lost_fraction", c_double), ("max_expert_layer", c_int32),
+                ("max_expert", c_int32)]
+
+
 class rp_step_report(Structure):
     _fields_ = [("step", c_int64), ("cost", rp_cost_summary), ("plan_wall_s", c_double),
                 ("policy_work", c_int64), ("fallback", c_bool),
@@ -268,6 +276,24 @@ _OPTIONAL = {
     "rp_plan_new": (c_int, [P, P, c_int32, POINTER(P), PERR]),
     "rp_plan_set_contiguous": (c_int, [P, PERR]),
     "rp_plan_phy2log": (PI32, [P, c_int32]),
+    # router shift (routepack/shift.h; routepack.shift)
+    "rp_shift_compute": (c_int, [P, P, POINTER(rp_routing), POINTER(rp_routing), c_int32, c_int32,
+                                 POINTER(P), PERR]),
+    "rp_shift_free": (None, [P]),
+    "rp_shift_num_seqs": (c_int32, [P]),
+    "rp_shift_num_layers": (c_int32, [P]),
+    "rp_shift_num_experts": (c_int32, [P]),
+    "rp_shift_top_k": (c_int32, [P]),
+    "rp_shift_choices": (c_int64, [P]),
+    "rp_shift_changed": (c_int64, [P]),
+    "rp_shift_layer_changed": (PI64, [P]),
+    "rp_shift_seq_changed": (PI64, [P]),
+    "rp_shift_seq_choices": (PI64, [P]),
+    "rp_shift_expert_old": (PI64, [P]),
+    "rp_shift_expert_lost": (PI64, [P]),
+    "rp_shift_expert_arrived": (PI64, [P]),
+    "rp_shift_summarize": (rp_shift_summary, [P]),
+    "rp_sched_attach_shift": (c_int, [P, P, PERR]),
 }
 
 _lock = threading.Lock()

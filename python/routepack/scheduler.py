@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from . import _args, _lib, _routing, distributed, errors, migration
+from . import _args, _lib, _routing, distributed, errors, migration, shift
 from ._context import Context, Owned
 from .trace import _new_batch
 
@@ -129,7 +129,9 @@ class StepResult:
         lower_bound_ms, step_over_lower_bound, attention/dispatch/expert/combine_ms,
         attention_imbalance, expert_imbalance, expert_balancedness (vLLM's mean/max),
         migration_bytes, migration_ms, experts_moved, plan_ms, policy_ms, fallback,
-        swapped, ranks_disagreed (0 or 1). The same keys as `routepack simulate --json`
+        swapped, ranks_disagreed (0 or 1); after Scheduler.attach_shift also
+        router_shift_fraction, router_shift_max_layer_fraction,
+        router_shift_max_seq_fraction, router_shift_max_expert_lost_fraction. The same keys as `routepack simulate --json`
         per step (both come from the C report); docs/python.md defines each.
 
             wandb.log(res.metrics(), step=step)       # or writer.add_scalars(...)
@@ -536,6 +538,39 @@ class Scheduler:
         handle = stats.handle
         return self._run(step, lens, lambda sched, idx, batch, plan, report, err:
                          self._lib.rp_sched_step_stats(sched, idx, batch, handle, plan, report, err))
+
+    # ---- router shift (routepack.shift) ----
+
+    def attach_shift(self, old_routing, new_routing, *, layout=None, new_layout=None):
+        """Router shift of the last step, attached to its report: ``old_routing`` the
+        step's replayed routing, ``new_routing`` the training forward's own top-k ids for the
+        same tokens (each in any form step() takes; the last step's lengths). Computes
+        rp_shift_compute, hands it to rp_sched_attach_shift, and refreshes ``last.report``
+        so ``last.metrics()`` has the router_shift_* keys. Returns the RouterShift. Call it
+        after the step's forward (the new ids exist only then), before the next step.
+        Raises InvalidArgumentError before any step, RoutingError for routings that do
+        not match the step (shapes, an id out of range)."""
+        if self.last is None:
+            raise errors.InvalidArgumentError("attach_shift: no step has run yet")
+        cfg = self.config
+        res = self.last
+        lens = res._lens
+        old_view = _routing.view(*_routing.normalize(old_routing, layout), num_layers=cfg.num_layers,
+                                 top_k=cfg.top_k, num_experts=cfg.num_experts, lens=lens)
+        new_view = _routing.view(*_routing.normalize(new_routing, new_layout), num_layers=cfg.num_layers,
+                                 top_k=cfg.top_k, num_experts=cfg.num_experts, lens=lens)
+        with self._lock:
+            handle, out = shift.compute(self._lib, self._ctx.handle, lens, old_view, new_view,
+                                        cfg.num_experts, self._num_threads)
+            try:
+                err = _lib.new_error()
+                st = self._lib.rp_sched_attach_shift(self._handle(), handle, ctypes.byref(err))
+                if st != errors.OK:
+                    self._fail(st, err)
+            finally:
+                self._lib.rp_shift_free(handle)
+            res.report = self._report_json()
+        return out
 
     def _result(self, plan, rep, lens):
         lib = self._lib

@@ -6,9 +6,14 @@ line for line (for the commands in TIMED, wall times masked: `1.3 ms`, `1.03 GB/
 predicted times are never masked), and a block that ends
 with a line `...` shows the first lines of the output only. Blocks whose output depends
 on the machine or on hand-made inputs are listed in VOLATILE and only checked to run.
-Refresh them all with scripts/regen-docs.sh."""
+Refresh them all with scripts/regen-docs.sh.
+
+Python blocks (```python) whose first line is `# doc-test: <what>` are run too, each in a
+fresh namespace (skipped, with the reason, when they import torch and torch is missing);
+they assert what they show."""
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -91,3 +96,23 @@ def test_regen_docs_rewrites_a_stale_output(workdir, tmp_path):
     assert r.returncode == 0 and "rewrote: cli.md" in r.stdout, r.stdout + r.stderr
     assert doc.read_text() == good
     assert "NOT LISTED" not in r.stdout
+
+
+def python_blocks():
+    for path in docblocks.doc_files(REPO):
+        for m in re.finditer(r"```python\n(# doc-test: ([^\n]*)\n.*?)```", path.read_text(), re.S):
+            yield path.name, m.group(2), m.group(1)
+
+
+PY_BLOCKS = list(python_blocks())
+
+
+def test_the_docs_have_python_examples():
+    assert any(doc == "torch.md" for doc, _, _ in PY_BLOCKS)
+
+
+@pytest.mark.parametrize("doc,what,code", PY_BLOCKS, ids=["%s:%s" % (d, w[:40]) for d, w, _ in PY_BLOCKS])
+def test_doc_python_example(doc, what, code):
+    if re.search(r"^\s*(import torch|from routepack\.torch)", code, re.M):
+        pytest.importorskip("torch")
+    exec(compile(code, "%s (%s)" % (doc, what), "exec"), {"__name__": "doc_example"})

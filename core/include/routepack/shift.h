@@ -2,7 +2,7 @@
  * replayed routing (the rollout's, or the old policy's) for the same tokens. The
  * stability signal of MoE RL (Zhang et al., arXiv 2510.23027, "router shift"); the
  * per-token RSPO weights built on it are routepack.torch.router_shift_weights
- * (docs/torch.md). Definitions: docs/stats.md, "Router shift". */
+ * (docs/torch.md). Definitions: docs/router-shift.md. */
 #ifndef ROUTEPACK_SHIFT_H
 #define ROUTEPACK_SHIFT_H
 

@@ -8,6 +8,7 @@ NCCL on GPUs, gloo on CPUs).
     packed = pack_microbatches(res.microbatches, owner, lens, my_ids, {"tokens": t})
     layer.set_placement(ExpertPlacement.from_step(res, l))   # then forward/backward per microbatch
     layer.reduce_replica_grads()              # replicas of an expert keep identical weights
+    w = router_shift_weights(old_topk_ids, router_logits)   # RSPO trust weights per token
 
 Process groups are arguments (default: the world group). docs/torch.md shows the wiring
 in a Megatron- or verl-style trainer. Importing this module imports torch; ``import
@@ -25,10 +26,11 @@ from .messenger import TorchMessenger
 from .migration import MigrationExecutor, init_optimizer_state, slot_tensors
 from .moe import ExpertPlacement, MoELayer, all_to_all
 from .packing import PackedMicrobatch, pack_microbatches
+from .router_shift import router_shift_weights
 from .scheduler import DistributedScheduler, TorchComm, all_gather_bytes
 
 __all__ = [
     "TorchMessenger", "MigrationExecutor", "init_optimizer_state", "slot_tensors",
     "ExpertPlacement", "MoELayer", "all_to_all", "PackedMicrobatch", "pack_microbatches",
-    "DistributedScheduler", "TorchComm", "all_gather_bytes",
+    "DistributedScheduler", "TorchComm", "all_gather_bytes", "router_shift_weights",
 ]
