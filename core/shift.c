@@ -43,40 +43,50 @@ typedef struct worker {
     int64_t *layer_changed, *expert_old, *expert_lost, *expert_arrived; /* partial counts */
     uint32_t *in_new, *in_old;  /* [experts]: stamp of the (token, layer) holding the expert */
     int32_t *old_ids, *new_ids; /* [k]: the ids of the current (token, layer), read once */
+    const unsigned char **old_at, **new_at; /* [layers]: the current sequence's rows */
     uint32_t stamp;
     int32_t bad_seq;         /* first sequence of this range with an id out of range, or -1 */
 } worker;
 
-/* Read k ids of one (token, layer) into ids[], once each; false if one is out of range. */
-static bool load_row(const rp_routing *r, const void *at, int64_t t, int32_t k, uint32_t experts,
-                     int32_t *ids)
+/* Read k ids of one (token, layer) into ids[], once each; false if one is out of range.
+ * The width switch is per row, not per id. */
+static inline bool load_row(rp_id_width width, const void *at, int64_t k_stride, int32_t k, uint32_t experts,
+                            int32_t *ids)
 {
-    for (int32_t j = 0; j < k; j++) {
-        int32_t id = rp_id_load(at, r->width, t * r->token_stride + j * r->k_stride);
-        if ((uint32_t)id >= experts) return false;
-        ids[j] = id;
+    uint32_t bad = 0;
+    switch (width) {
+    case RP_ID_U8:
+        for (int32_t j = 0; j < k; j++) ids[j] = ((const uint8_t *)at)[j * k_stride];
+        break;
+    case RP_ID_U16:
+        for (int32_t j = 0; j < k; j++) ids[j] = ((const uint16_t *)at)[j * k_stride];
+        break;
+    default:
+        for (int32_t j = 0; j < k; j++) ids[j] = ((const int32_t *)at)[j * k_stride];
+        break;
     }
-    return true;
+    for (int32_t j = 0; j < k; j++) bad |= (uint32_t)ids[j] >= experts;
+    return bad == 0;
 }
 
-/* One sequence; false at the first id out of range (its counts are then discarded with
- * the whole result). */
+/* One sequence, tokens outside layers (a packed [tokens, layers, k] view is then read in
+ * order); false at the first id out of range (the whole result is then discarded). */
 static bool shift_seq(worker *w, int32_t s)
 {
     const pass *p = w->p;
-    const int32_t k = p->k;
+    const int32_t k = p->k, layers = p->layers;
     const int64_t len = p->cu[s + 1] - p->cu[s];
+    const rp_routing *o = p->old_r, *n = p->new_r;
+    const int64_t o_ts = o->token_stride * (int64_t)o->width, n_ts = n->token_stride * (int64_t)n->width;
+    for (int32_t l = 0; l < layers; l++) {
+        w->old_at[l] = rp_routing_at(o, p->cu, s, l);
+        w->new_at[l] = rp_routing_at(n, p->cu, s, l);
+    }
     int64_t seq_changed = 0;
-    for (int32_t l = 0; l < p->layers; l++) {
-        const void *old_at = rp_routing_at(p->old_r, p->cu, s, l);
-        const void *new_at = rp_routing_at(p->new_r, p->cu, s, l);
-        int64_t *old_row = w->expert_old + (size_t)l * p->experts;
-        int64_t *lost_row = w->expert_lost + (size_t)l * p->experts;
-        int64_t *arrived_row = w->expert_arrived + (size_t)l * p->experts;
-        int64_t layer_changed = 0;
-        for (int64_t t = 0; t < len; t++) {
-            if (!load_row(p->old_r, old_at, t, k, p->experts, w->old_ids) ||
-                !load_row(p->new_r, new_at, t, k, p->experts, w->new_ids))
+    for (int64_t t = 0; t < len; t++) {
+        for (int32_t l = 0; l < layers; l++) {
+            if (!load_row(o->width, w->old_at[l] + t * o_ts, o->k_stride, k, p->experts, w->old_ids) ||
+                !load_row(n->width, w->new_at[l] + t * n_ts, n->k_stride, k, p->experts, w->new_ids))
                 return false;
             /* set membership by stamps: O(k) per (token, layer) whatever k is */
             if (++w->stamp == 0) {
@@ -85,20 +95,27 @@ static bool shift_seq(worker *w, int32_t s)
                 w->stamp = 1;
             }
             const uint32_t stamp = w->stamp;
+            const size_t row = (size_t)l * p->experts;
+            int64_t changed = 0;
             for (int32_t j = 0; j < k; j++) w->in_new[w->new_ids[j]] = stamp;
             for (int32_t j = 0; j < k; j++) w->in_old[w->old_ids[j]] = stamp;
+            /* branch-free: which choices changed is data, not a predictable branch */
+            int64_t *old_row = w->expert_old + row, *lost_row = w->expert_lost + row;
+            int64_t *arrived_row = w->expert_arrived + row;
             for (int32_t j = 0; j < k; j++) {
                 int32_t e = w->old_ids[j];
+                int64_t lost = w->in_new[e] != stamp;
                 old_row[e]++;
-                if (w->in_new[e] != stamp) lost_row[e]++, layer_changed++;
+                lost_row[e] += lost;
+                changed += lost;
             }
             for (int32_t j = 0; j < k; j++) {
                 int32_t e = w->new_ids[j];
-                if (w->in_old[e] != stamp) arrived_row[e]++;
+                arrived_row[e] += w->in_old[e] != stamp;
             }
+            w->layer_changed[l] += changed;
+            seq_changed += changed;
         }
-        w->layer_changed[l] += layer_changed;
-        seq_changed += layer_changed;
     }
     p->seq_changed[s] = seq_changed;
     return true;
@@ -293,6 +310,7 @@ rp_status rp_shift_compute(rp_context *ctx, const rp_batch *batch, const rp_rout
     int32_t *ids = NULL;
     pthread_t *threads = NULL;
     bool *started = NULL;
+    const unsigned char **rows = NULL;
     if (!sh) return rp_fail_nomem(err, "router shift");
     workers = rp_calloc(ctx, (size_t)nthreads, sizeof *workers);
     partial = rp_calloc(ctx, (size_t)nthreads * (3 * cells + (size_t)layers), sizeof *partial);
@@ -300,7 +318,8 @@ rp_status rp_shift_compute(rp_context *ctx, const rp_batch *batch, const rp_rout
     ids = rp_alloc(ctx, (size_t)nthreads * 2 * (size_t)k * sizeof *ids);
     threads = rp_alloc(ctx, (size_t)nthreads * sizeof *threads);
     started = rp_calloc(ctx, (size_t)nthreads, sizeof *started);
-    if (!workers || !partial || !marks || !ids || !threads || !started) {
+    rows = rp_alloc(ctx, (size_t)nthreads * 2 * (size_t)layers * sizeof *rows);
+    if (!workers || !partial || !marks || !ids || !threads || !started || !rows) {
         st = rp_fail_nomem(err, "router shift");
         goto out;
     }
@@ -319,6 +338,8 @@ rp_status rp_shift_compute(rp_context *ctx, const rp_batch *batch, const rp_rout
             .in_old = marks + (size_t)i * 2 * num_experts + num_experts,
             .old_ids = ids + (size_t)i * 2 * k,
             .new_ids = ids + (size_t)i * 2 * k + k,
+            .old_at = rows + (size_t)i * 2 * layers,
+            .new_at = rows + (size_t)i * 2 * layers + layers,
             .bad_seq = -1,
         };
     }
@@ -354,6 +375,7 @@ out:
     rp_free(ctx, ids);
     rp_free(ctx, threads);
     rp_free(ctx, started);
+    rp_free(ctx, rows);
     rp_shift_free(sh);
     return st;
 }
