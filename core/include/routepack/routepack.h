@@ -21,5 +21,6 @@
 #include "routepack/migrate.h"
 #include "routepack/joint.h"
 #include "routepack/memory.h"
+#include "routepack/virtual_experts.h"
 
 #endif
