@@ -1,6 +1,7 @@
 /* Baseline plans as users run them today: verl's Karmarkar-Karp packing and contiguous
  * or EPLB placement, from the primitives (docs/baselines.md: where each differs). */
 #include "internal.h"
+#include "routepack/virtual_experts.h"
 #include "limits_internal.h"
 #include "routepack/baseline.h"
 #include "routepack/primitives.h"
@@ -10,7 +11,8 @@
 
 static const char *const baseline_names[] = {
     "token_kk+contiguous", "token_kk+eplb", "verl_kk+contiguous",
-    "verl_kk+eplb",        "attn_kk+contiguous", "attn_kk+eplb", NULL,
+    "verl_kk+eplb",        "attn_kk+contiguous", "attn_kk+eplb", "token_kk+virtual_experts",
+    "verl_kk+virtual_experts", "attn_kk+virtual_experts", NULL,
 };
 
 const char *const *rp_baseline_names(void) { return baseline_names; }
@@ -383,11 +385,17 @@ rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch
     bool known = packing_kind_of(name, plus ? (size_t)(plus - name) : strlen(name), &kind);
     bool eplb = plus && !strcmp(plus + 1, "eplb");
     bool contiguous = plus && !strcmp(plus + 1, "contiguous");
-    if (!known || (!eplb && !contiguous))
+    /* Megatron's virtual-expert balancer: contiguous placement, balanced per forward */
+    bool vexp = plus && !strcmp(plus + 1, "virtual_experts");
+    if (!known || (!eplb && !contiguous && !vexp))
         return rp_fail(err, RP_EINVAL,
                        "baseline: unknown baseline '%s'; a baseline is PACKING+PLACEMENT with packing token_kk, "
-                       "verl_kk or attn_kk and placement contiguous or eplb (e.g. token_kk+eplb)",
+                       "verl_kk or attn_kk and placement contiguous, eplb or virtual_experts (e.g. token_kk+eplb)",
                        name);
+    if (vexp) {
+        rp_status vst = rp_vexp_check_config(cfg, err);
+        if (vst != RP_OK) return vst;
+    }
     if (eplb && !stats) return rp_fail(err, RP_EINVAL, "baseline: %s needs this step's routing statistics", name);
     rp_plan *plan = NULL;
     rp_status st;
@@ -398,6 +406,7 @@ rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch
             RP_CHECK_GOTO(rp_plan_stabilize_slots(plan, previous, err), st, out);
     } else {
         RP_CHECK_GOTO(rp_plan_set_contiguous(plan, err), st, out);
+        if (vexp) RP_CHECK_GOTO(rp_plan_set_balancing(plan, RP_BALANCING_VIRTUAL_EXPERTS, err), st, out);
     }
     /* Built to be valid; say so plainly if it is not. */
     RP_CHECK_GOTO(rp_plan_validate(plan, cfg, batch, err), st, out);

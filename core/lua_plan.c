@@ -48,9 +48,12 @@ rp_status rp_lua_plan_compose(rp_context *into, const rp_config *cfg, const rp_p
                                                counts, err),
                       st, out);
     }
-    if (placement)
+    if (placement) {
         for (int32_t l = 0; l < rp_plan_num_layers(placement); l++)
             RP_CHECK_GOTO(rp_plan_set_phy2log(plan, l, rp_plan_phy2log(placement, l), err), st, out);
+        /* per-forward balancing is how the placement runs: it travels with it */
+        RP_CHECK_GOTO(rp_plan_set_balancing(plan, rp_plan_balancing(placement), err), st, out);
+    }
     if (levers) {
         for (int32_t i = 0; i < rp_plan_num_extra_replicas(levers); i++) {
             int32_t mb, layer, expert, ep_rank;
@@ -716,7 +719,7 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
 {
     static const char *const keys[] = {"format", "version", "num_gpus", "ep_size", "num_layers", "num_experts",
                                        "num_microbatches", "num_seqs", "packing", "placement", "extra_replicas",
-                                       "shares", NULL};
+                                       "shares", "per_forward_balancing", NULL};
     static const char *const extra_keys[] = {"microbatch", "layer", "expert", "ep_rank", NULL};
     static const char *const share_keys[] = {"microbatch", "layer", "expert", "shares", NULL};
     const rp_config *cfg = host->cfg;
@@ -790,6 +793,18 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
     const int32_t *phy = NULL;
     if (get_key(L, idx, "placement") != LUA_TNIL) phy = read_placement(L, lua_gettop(L), what, cfg, host->slot_begin);
     else lua_pushnil(L);
+    rp_balancing balancing = RP_BALANCING_NONE;
+    if (get_key(L, idx, "per_forward_balancing") != LUA_TNIL) {
+        const char *b = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+        if (!b || (strcmp(b, "none") != 0 && strcmp(b, "virtual_experts") != 0))
+            rp_lua_error(L, "%s.per_forward_balancing must be \"none\" or \"virtual_experts\", got %s", what,
+                         b ? b : luaL_typename(L, -1));
+        if (!phy)
+            rp_lua_error(L, "%s.per_forward_balancing goes with a placement (it is how the placement runs): give "
+                         "placement too", what);
+        if (strcmp(b, "virtual_experts") == 0) balancing = RP_BALANCING_VIRTUAL_EXPERTS;
+    }
+    lua_pop(L, 1);
 
     int extras_idx = 0, shares_idx = 0;
     size_t num_extras = 0, num_shares = 0;
@@ -846,6 +861,8 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
             st = rp_plan_set_phy2log(out->plan, l, phy + (size_t)l * S, &err);
             if (st != RP_OK) rp_lua_fail(L, host, what, st, &err);
         }
+        st = rp_plan_set_balancing(out->plan, balancing, &err);
+        if (st != RP_OK) rp_lua_fail(L, host, what, st, &err);
     }
     for (size_t i = 0; i < num_extras; i++) {
         lua_rawgeti(L, extras_idx, (int)i + 1);

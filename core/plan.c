@@ -43,6 +43,7 @@ struct rp_plan {
     int32_t num_extras, cap_extras;
     share_set *shares;     /* sorted by (mb, layer, expert), unique keys */
     int32_t num_shares, cap_shares;
+    rp_balancing balancing;
 };
 
 /* ---- shape ----------------------------------------------------------------------- */
@@ -628,6 +629,27 @@ rp_status rp_plan_set_shares(rp_plan *plan, int32_t mb, int32_t layer, int32_t e
     return RP_OK;
 }
 
+rp_status rp_plan_set_balancing(rp_plan *plan, rp_balancing balancing, rp_error *err)
+{
+    if (!plan) return rp_fail(err, RP_EINVAL, "plan: no plan");
+    if (!rp_balancing_name(balancing))
+        return rp_fail(err, RP_EINVAL, "plan: per-forward balancing %d is not one of none (0), virtual_experts (1)",
+                       (int)balancing);
+    plan->balancing = balancing;
+    return RP_OK;
+}
+
+rp_balancing rp_plan_balancing(const rp_plan *plan) { return plan ? plan->balancing : RP_BALANCING_NONE; }
+
+const char *rp_balancing_name(rp_balancing balancing)
+{
+    switch (balancing) {
+    case RP_BALANCING_NONE: return "none";
+    case RP_BALANCING_VIRTUAL_EXPERTS: return "virtual_experts";
+    }
+    return NULL;
+}
+
 void rp_plan_clear_levers(rp_plan *plan)
 {
     rp_free(plan->ctx, plan->extras);
@@ -766,6 +788,8 @@ uint64_t rp_plan_hash(const rp_plan *plan)
         size_t cells = (size_t)plan->num_layers * plan->total_slots;
         for (size_t i = 0; i < cells; i++) hash_i32(&h, plan->phy2log[i]);
     }
+    /* only when set, so the hashes of plans without it stay what they were */
+    if (plan->balancing != RP_BALANCING_NONE) hash_i32(&h, 0x62616c00 | (int32_t)plan->balancing);
     hash_i32(&h, plan->num_extras);
     for (int32_t i = 0; i < plan->num_extras; i++) {
         const extra_replica *x = &plan->extras[i];

@@ -2,6 +2,7 @@
  * a config and a batch, each reported with its own precise message. */
 #include "internal.h"
 #include "memory_internal.h"
+#include "routepack/virtual_experts.h"
 #include "routepack/plan.h"
 
 #include <math.h>
@@ -397,6 +398,41 @@ static void check_memory(const rp_plan *plan, const rp_config *cfg, reporter *r)
     rp_free(ctx, per_rank);
 }
 
+/* What Megatron's virtual-expert balancer requires of the plan it runs with: the
+ * config's limits, num_experts / ep_size experts on each EP rank (with every expert
+ * placed, which check_placement reports, that is every expert once) and no levers (it
+ * makes its own replicas every forward). */
+static void check_balancing(const rp_plan *plan, const rp_config *cfg, reporter *r)
+{
+    if (rp_plan_balancing(plan) != RP_BALANCING_VIRTUAL_EXPERTS) return;
+    rp_error err;
+    if (rp_vexp_check_config(cfg, &err) != RP_OK) {
+        report(r, -1, -1, "plan: per_forward_balancing virtual_experts: %s", err.text);
+        return;
+    }
+    int32_t num_extras = rp_plan_num_extra_replicas(plan), num_sets = rp_plan_num_share_sets(plan);
+    if (num_extras || num_sets)
+        report(r, -1, -1, "plan: per_forward_balancing virtual_experts makes its own replicas each forward, but the "
+               "plan also has %d extra replica%s and %d share set%s", num_extras, num_extras == 1 ? "" : "s",
+               num_sets, num_sets == 1 ? "" : "s");
+    if (!rp_plan_has_placement(plan)) return;
+    int32_t E = rp_config_model(cfg)->num_experts, ep = rp_plan_ep_size(plan), L = rp_plan_num_layers(plan);
+    int32_t per_rank = E / ep;
+    const int32_t *slot_begin = rp_plan_slot_begin(plan);
+    for (int32_t l = 0; l < L; l++) {
+        const int32_t *p2l = rp_plan_phy2log(plan, l);
+        for (int32_t j = 0; j < ep; j++) {
+            int32_t held = 0;
+            for (int32_t s = slot_begin[j]; s < slot_begin[j + 1]; s++) held += p2l[s] >= 0;
+            if (held != per_rank) {
+                report(r, -1, -1, "plan: per_forward_balancing virtual_experts needs %d experts (num_experts / "
+                       "ep_size) on every EP rank, but layer %d EP rank %d holds %d", per_rank, l, j, held);
+                return;
+            }
+        }
+    }
+}
+
 static int32_t check(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch, reporter *r)
 {
     if (!check_shape(plan, cfg, r)) return r->count;
@@ -404,6 +440,7 @@ static int32_t check(const rp_plan *plan, const rp_config *cfg, const rp_batch *
     if (rp_plan_has_placement(plan)) check_placement(plan, cfg, r);
     check_levers(plan, cfg, r);
     check_memory(plan, cfg, r);
+    check_balancing(plan, cfg, r);
     return r->count;
 }
 

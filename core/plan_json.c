@@ -24,7 +24,7 @@ static const char *plural(size_t n)
 
 static const char *const plan_keys[] = {
     "format", "version", "num_gpus", "ep_size", "num_microbatches", "num_layers", "num_experts",
-    "num_seqs", "packing", "placement", "extra_replicas", "shares", NULL,
+    "num_seqs", "packing", "placement", "extra_replicas", "shares", "per_forward_balancing", NULL,
 };
 static const char *const extra_keys[] = {"microbatch", "layer", "expert", "ep_rank", NULL};
 static const char *const share_keys[] = {"microbatch", "layer", "expert", "shares", NULL};
@@ -350,6 +350,16 @@ rp_status rp_plan_parse(rp_context *ctx, const rp_config *cfg, const char *text,
     if (placement) RP_CHECK_GOTO(read_placement(&doc, placement, plan, err), st, out);
     if (extras) RP_CHECK_GOTO(read_extras(&doc, extras, plan, err), st, out);
     if (shares) RP_CHECK_GOTO(read_shares(&doc, shares, plan, err), st, out);
+    const char *balancing = NULL;
+    RP_CHECK_GOTO(rp_jdoc_str(&doc, root, "", "per_forward_balancing", false, NULL, &balancing, err), st, out);
+    if (balancing && strcmp(balancing, "none") != 0) {
+        if (strcmp(balancing, "virtual_experts") != 0) {
+            st = rp_jdoc_fail(&doc, err, RP_EINVAL, "per_forward_balancing",
+                              "must be \"none\" or \"virtual_experts\", got \"%.64s\"", balancing);
+            goto out;
+        }
+        RP_CHECK_GOTO(rp_plan_set_balancing(plan, RP_BALANCING_VIRTUAL_EXPERTS, err), st, out);
+    }
 out:
     rp_jdoc_free(&doc);
     if (st != RP_OK) {
@@ -598,7 +608,10 @@ rp_status rp_plan_to_json(const rp_plan *plan, char **text, size_t *len, rp_erro
     put_member(&o, "num_microbatches", json_integer(rp_plan_num_microbatches(plan)), false);
     put_member(&o, "num_layers", json_integer(rp_plan_num_layers(plan)), false);
     bool more = has_packing || has_placement || has_extras || has_shares;
-    put_member(&o, "num_experts", json_integer(rp_plan_num_experts(plan)), !more);
+    bool balanced = rp_plan_balancing(plan) != RP_BALANCING_NONE;
+    put_member(&o, "num_experts", json_integer(rp_plan_num_experts(plan)), !more && !balanced);
+    if (balanced)
+        put_member(&o, "per_forward_balancing", json_string(rp_balancing_name(rp_plan_balancing(plan))), !more);
     if (has_packing) {
         put_member(&o, "num_seqs", json_integer(rp_plan_num_seqs(plan)), false);
         put_lines(&o, "packing", packing_lines(plan), !(has_placement || has_extras || has_shares));

@@ -122,6 +122,7 @@ static bool same_packing(const rp_plan *a, const rp_plan *b)
 static bool same_placement(const rp_plan *a, const rp_plan *b)
 {
     if (!a || !b || !rp_plan_has_placement(a) || !rp_plan_has_placement(b)) return false;
+    if (rp_plan_balancing(a) != rp_plan_balancing(b)) return false; /* how the placement runs */
     for (int32_t l = 0; l < rp_plan_num_layers(a); l++)
         if (memcmp(rp_plan_phy2log(a, l), rp_plan_phy2log(b, l), (size_t)rp_plan_total_slots(a) * 4) != 0) return false;
     return true;
@@ -263,7 +264,8 @@ int main(void)
     make_batches();
     static const char *policies[] = {"token_kk", "verl_kk",       "attn_kk",      "eplb",
                                      "contiguous", "routepack", "token_kk+eplb", "verl_kk+eplb",
-                                     "attn_kk+eplb", "token_kk+contiguous"};
+                                     "attn_kk+eplb", "token_kk+contiguous", "virtual_experts",
+                                     "token_kk+virtual_experts"};
     for (size_t i = 0; i < sizeof policies / sizeof policies[0]; i++) test_policy(policies[i]);
     test_matches_baseline("token_kk", "token_kk+contiguous", true, true);
     test_matches_baseline("verl_kk", "verl_kk+contiguous", true, true);
@@ -272,6 +274,8 @@ int main(void)
     test_matches_baseline("verl_kk+eplb", "verl_kk+eplb", true, true);
     test_matches_baseline("eplb", "attn_kk+eplb", true, true);
     test_matches_baseline("token_kk+eplb", "token_kk+eplb", true, true);
+    test_matches_baseline("token_kk+virtual_experts", "token_kk+virtual_experts", true, true);
+    test_matches_baseline("virtual_experts", "attn_kk+virtual_experts", false, true);
     test_routepack_migration();
     test_packing_params();
     for (int i = 0; i < num_batches; i++) {

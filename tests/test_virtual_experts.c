@@ -290,6 +290,91 @@ static void test_expert_bytes(void)
     is_double(rp_vexp_expert_bytes(&m), 3.0 * 2048 * 768 * 2, 0, "expert bytes = 3 d f bpp (9,437,184 B)");
 }
 
+static rp_config *load_cfg(int nodes, int gpn, int ep, const char *slots, int E)
+{
+    char json[1024];
+    snprintf(json, sizeof json, CFG, nodes, gpn, ep, slots, E);
+    rp_config *cfg = NULL;
+    rp_error err;
+    if (rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, &err) != RP_OK) diag("config: %s", err.text);
+    return cfg;
+}
+
+static void collect(void *ud, const char *message)
+{
+    char *buf = ud;
+    size_t n = strlen(buf);
+    snprintf(buf + n, 2048 - n, "%s\n", message);
+}
+
+/* The plan flag: set, copied, written and read back, hashed, validated. */
+static void test_plan_flag(void)
+{
+    rp_config *cfg = load_cfg(1, 4, 4, "3", 8); /* 2 experts per rank, 1 spare slot */
+    rp_plan *plan = NULL, *copy = NULL, *back = NULL;
+    rp_error err;
+    if (!cfg || rp_plan_new(ctx, cfg, 1, &plan, &err) != RP_OK || rp_plan_set_contiguous(plan, &err) != RP_OK) {
+        ok(0, "plan: %s", err.text);
+        rp_config_free(cfg);
+        return;
+    }
+    is_int(rp_plan_balancing(plan), RP_BALANCING_NONE, "a new plan has no per-forward balancing");
+    uint64_t h0 = rp_plan_hash(plan);
+    is_int(rp_plan_set_balancing(plan, (rp_balancing)7, &err), RP_EINVAL, "an unknown balancing is refused");
+    is_int(rp_plan_set_balancing(plan, RP_BALANCING_VIRTUAL_EXPERTS, &err), RP_OK, "virtual experts set");
+    ok(rp_plan_hash(plan) != h0, "the flag changes the plan hash");
+    is_int(rp_plan_check(plan, cfg, NULL, NULL, NULL), 0, "a contiguous plan with virtual experts is valid");
+    ok(rp_plan_copy(plan, &copy, &err) == RP_OK && rp_plan_balancing(copy) == RP_BALANCING_VIRTUAL_EXPERTS,
+       "a copy keeps the flag");
+    char *text = NULL;
+    size_t len = 0;
+    ok(rp_plan_to_json(plan, &text, &len, &err) == RP_OK && strstr(text, "\"per_forward_balancing\": \"virtual_experts\""),
+       "the JSON says per_forward_balancing virtual_experts");
+    ok(text && rp_plan_parse(ctx, cfg, text, len, "<plan>", &back, &err) == RP_OK &&
+       rp_plan_balancing(back) == RP_BALANCING_VIRTUAL_EXPERTS && rp_plan_hash(back) == rp_plan_hash(plan),
+       "read back: the same flag and hash");
+    rp_text_free(ctx, text);
+    rp_plan_free(back);
+    back = NULL;
+    const char *bad = "{\"format\": \"routepack-plan\", \"version\": 1, \"num_gpus\": 4, \"ep_size\": 4,"
+                      " \"num_layers\": 2, \"num_experts\": 8, \"per_forward_balancing\": \"moonep\"}";
+    is_int(rp_plan_parse(ctx, cfg, bad, strlen(bad), "<plan>", &back, &err), RP_EINVAL, "an unknown balancing name is refused");
+    like(err.text, "per_forward_balancing must be \"none\" or \"virtual_experts\", got \"moonep\"", "message");
+    rp_plan_free(back);
+
+    /* levers and uneven ownership are refused with the flag */
+    char msgs[2048] = "";
+    rp_plan_add_extra_replica(copy, 0, 0, 0, 1, &err);
+    ok(rp_plan_check(copy, cfg, NULL, collect, msgs) > 0, "extra replicas with virtual experts: invalid");
+    like(msgs, "makes its own replicas each forward, but the plan also has 1 extra replica", "message names the levers");
+    const int32_t lopsided[] = {0, 1, -1, 2, 3, -1, 4, 5, 6, 7, -1, -1}; /* rank 2 three, rank 3 one */
+    rp_plan_clear_levers(copy);
+    rp_plan_set_phy2log(copy, 1, lopsided, &err);
+    msgs[0] = 0;
+    ok(rp_plan_check(copy, cfg, NULL, collect, msgs) > 0, "uneven ownership with virtual experts: invalid");
+    like(msgs, "needs 2 experts (num_experts / ep_size) on every EP rank, but layer 1 EP rank 2 holds 3", "message names the layer and rank");
+    rp_plan_set_balancing(copy, RP_BALANCING_NONE, &err);
+    is_int(rp_plan_check(copy, cfg, NULL, NULL, NULL), 0, "the same placement without the flag is valid");
+    rp_plan_free(copy);
+    rp_plan_free(plan);
+    rp_config_free(cfg);
+
+    /* an EP group spanning nodes: the plan is refused, and so is the baseline */
+    cfg = load_cfg(2, 2, 4, "2", 8);
+    plan = NULL;
+    if (cfg && rp_plan_new(ctx, cfg, 1, &plan, &err) == RP_OK && rp_plan_set_contiguous(plan, &err) == RP_OK) {
+        rp_plan_set_balancing(plan, RP_BALANCING_VIRTUAL_EXPERTS, &err);
+        msgs[0] = 0;
+        ok(rp_plan_check(plan, cfg, NULL, collect, msgs) == 1, "virtual experts on EP groups spanning nodes: invalid");
+        like(msgs, "an EP group of 4 GPUs spans nodes of 2 GPUs", "message names the group and the node");
+    } else {
+        ok(0, "plan: %s", err.text);
+        ok(0, "(skipped)");
+    }
+    rp_plan_free(plan);
+    rp_config_free(cfg);
+}
+
 /* Every allocation of rp_vexp_new failing in turn: RP_ENOMEM, nothing leaked. */
 static void test_alloc_failures(void)
 {
@@ -328,6 +413,7 @@ int main(void)
     test_config_limits();
     test_expert_bytes();
     test_alloc_failures();
+    test_plan_flag();
     rp_context_free(ctx);
     return tap_done();
 }

@@ -127,6 +127,24 @@ RP_API int32_t rp_plan_replicas(const rp_plan *plan, int32_t mb, int32_t layer, 
 RP_API int32_t rp_plan_num_extra_replicas(const rp_plan *plan);
 RP_API void rp_plan_extra_replica(const rp_plan *plan, int32_t i, int32_t *mb, int32_t *layer,
                                   int32_t *expert, int32_t *ep_rank);
+/* Per-forward balancing the trainer runs with this plan, inside every EP group
+ * (docs/baselines.md, "Virtual experts (MoonEP)"). RP_BALANCING_VIRTUAL_EXPERTS:
+ * Megatron-Core's virtual-expert balancer re-balances each (microbatch, layer) forward's
+ * expert load from its exact histogram; the cost model prices the plan that way, and
+ * validation requires what the balancer requires (routepack/virtual_experts.h): the
+ * config's limits, every expert once per layer with num_experts / ep_size on each EP
+ * rank, no extra replicas or shares. Part of the plan's JSON ("per_forward_balancing")
+ * and hash. A new plan has RP_BALANCING_NONE. */
+typedef enum rp_balancing {
+    RP_BALANCING_NONE = 0,
+    RP_BALANCING_VIRTUAL_EXPERTS = 1
+} rp_balancing;
+/* RP_EINVAL for a value outside the enum (nothing changes). */
+RP_API rp_status rp_plan_set_balancing(rp_plan *plan, rp_balancing balancing, rp_error *err);
+RP_API rp_balancing rp_plan_balancing(const rp_plan *plan);
+/* "none" or "virtual_experts"; NULL for a value outside the enum. */
+RP_API const char *rp_balancing_name(rp_balancing balancing);
+
 /* Number of explicit share sets, and the i-th one (sorted by (mb, layer, expert)): its
  * key, and its shares as set (borrowed until the levers change; *count entries). */
 RP_API int32_t rp_plan_num_share_sets(const rp_plan *plan);
