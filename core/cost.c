@@ -2,6 +2,7 @@
  * traffic, and the full evaluation of a plan with its breakdown (docs/cost-model.md). */
 #include "cost_internal.h"
 #include "routepack/memory.h"
+#include "routepack/virtual_experts.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -247,6 +248,15 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
         return rp_fail_nomem(err, "a cost evaluator");
     }
     for (int32_t i = 0; i < c->slot_table_n; i++) c->slot_table[i] = cost_slot_time(c, (double)i);
+    /* Per-forward balancing: a plan that asks for it is priced with the planner, where
+     * the config allows the balancer at all. Its weight pushes (forward, backward) and
+     * gradient reduction, 3 transfers, are charged as dispatch time, which a layer pays
+     * 2 fwd_bwd times (dispatch and combine, forward and backward). */
+    c->vexp_comm_scale = 3.0 / (2.0 * c->fwd_bwd);
+    if (rp_vexp_check_config(cfg, NULL) == RP_OK && (st = rp_vexp_new(ctx, c->ep, c->E, &c->vexp, err)) != RP_OK) {
+        rp_cost_free(c);
+        return st;
+    }
     if ((st = attention_weights(c, err)) != RP_OK) {
         rp_cost_free(c);
         return st;
@@ -267,6 +277,7 @@ void rp_cost_free(rp_cost *c)
     rp_free(ctx, c->gpu_node);
     rp_free(ctx, c->slot_table);
     rp_free(ctx, c->seq_quad);
+    rp_vexp_free(c->vexp);
     rp_free(ctx, c);
 }
 
@@ -612,6 +623,10 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
                      const int32_t *total, const int32_t *pair, const int64_t *tokens, double *x_out,
                      double *d_out, group_result *res, cost_scratch *sc)
 {
+    if (st->vexp) {
+        cost_group_eval_vexp(c, st, m, l, q, x_out, d_out, res, sc);
+        return;
+    }
     const int32_t *dst = map.dst;
     const int32_t ep = c->ep, E = c->E, g0 = q * ep;
     const int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + g0) * (size_t)E;
@@ -789,8 +804,10 @@ void cost_layer_dst(const rp_cost *c, cost_state *st, int32_t l, const int32_t *
 {
     int32_t *dst = st->lay_dst + (size_t)l * c->E;
     cost_count(c, 3 * (int64_t)c->E + 2 * (int64_t)c->ep + 4);
+    /* under per-forward balancing every expert counts as split: a trial move then keeps
+     * every per-GPU count current, which the balancer's plan reads (cost_vexp.c) */
     for (int32_t e = 0; e < c->E; e++)
-        dst[e] = rep_off[e + 1] - rep_off[e] == 1 ? rep_rank[rep_off[e]] : c->ep;
+        dst[e] = rep_off[e + 1] - rep_off[e] == 1 && !st->vexp ? rep_rank[rep_off[e]] : c->ep;
     map_segments(c->E, c->ep, dst, st->lay_seg + (size_t)l * (c->ep + 2), st->lay_ord + (size_t)l * c->E);
 }
 
@@ -851,7 +868,7 @@ static void state_free(rp_context *ctx, cost_state *s)
                       s->cell_tokens, s->cell_quad, s->counts, s->attn,
                       s->dense_f, s->dense_b, s->dfmax, s->dbmax, s->dfarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
                       s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_top, s->gtotal,
-                      s->gpair, s->lay_dst, s->lay_seg, s->lay_ord};
+                      s->gpair, s->lay_dst, s->lay_seg, s->lay_ord, s->vexp_owner};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
     rp_free(ctx, s);
 }
@@ -1348,6 +1365,16 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     RP_CHECK_GOTO(read_placement(c, plan, s, err), st, out);
     RP_CHECK_GOTO(read_levers(c, plan, s, err), st, out);
     RP_CHECK_GOTO(scratch_alloc(c, s, &sc, err), st, out);
+    if (rp_plan_balancing(plan) == RP_BALANCING_VIRTUAL_EXPERTS) {
+        RP_CHECK_GOTO(cost_vexp_check(c, plan, err), st, out);
+        s->vexp_owner = rp_alloc(c->ctx, (size_t)L * E * sizeof *s->vexp_owner);
+        if (!s->vexp_owner) {
+            st = rp_fail_nomem(err, "the experts' owners");
+            goto out;
+        }
+        cost_vexp_owners(c, plan, s->vexp_owner);
+        s->vexp = true;
+    }
 
     /* Counts per (mb, layer, GPU, expert) from the per-sequence histograms; when the
      * packing is the one already bound (the same plan with another placement, as

@@ -374,6 +374,11 @@ static rp_status check_slot(const rp_cost *c, int32_t layer, int32_t slot, int32
         *noop = true;
         return RP_OK;
     }
+    /* any one slot change adds or removes an expert of one EP rank: not evenly owned */
+    if (st->vexp)
+        return rp_fail(err, RP_EINVAL, "cost: the plan runs with per-forward balancing (virtual experts), which "
+                       "needs every expert once and num_experts / ep_size per EP rank: layer %d slot %d cannot change",
+                       layer, slot);
     const int32_t *off = st->rep_off + (size_t)layer * (c->E + 1);
     if (old >= 0 && off[old + 1] - off[old] == 1)
         return rp_fail(err, RP_EINVAL, "cost: layer %d slot %d holds the only replica of expert %d", layer, slot,

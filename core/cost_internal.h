@@ -62,6 +62,8 @@ typedef struct cost_state {
                                       backward seconds (NQ: Q under group sync, 1 under global) */
     double *grad_gpu;              /* [L * G] replica gradient reduction per layer and GPU */
     double grad_s, extra_s, step_s;
+    bool vexp;                     /* the plan runs with per-forward balancing (virtual experts) */
+    int32_t *vexp_owner;           /* [L * E] EP rank owning each expert, when vexp */
     size_t bytes;                  /* allocated for this state */
 } cost_state;
 
@@ -129,6 +131,9 @@ struct rp_cost {
     int32_t NQ;                /* sync domains with a time of their own: Q (group) or 1 (global) */
     int64_t token_cap;
     double act_cap, act_per_token;
+
+    struct rp_vexp *vexp;      /* the virtual-expert planner; NULL where the config rules it out */
+    double vexp_comm_scale;    /* weight: 3 pushes' time (forward, backward, gradient) as dispatch time */
 
     cost_state *st;            /* NULL until an evaluation succeeds */
     cost_scratch sc;
@@ -205,6 +210,12 @@ double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, co
 void cost_summary(const rp_cost *c, const cost_state *st, rp_cost_summary *out);
 /* The sync domain with the largest sum of layer times (0 under global sync). */
 int32_t cost_critical_domain(const rp_cost *c, const cost_state *st);
+
+/* cost_vexp.c: per-forward balancing (virtual experts) */
+rp_status cost_vexp_check(const rp_cost *c, const rp_plan *plan, rp_error *err);
+void cost_vexp_owners(const rp_cost *c, const rp_plan *plan, int32_t *owner);
+void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q, double *x_out,
+                          double *d_out, group_result *res, cost_scratch *sc);
 
 /* cost_bound.c */
 double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l);

@@ -24,6 +24,9 @@ extern "C" {
  *              eplb        EPLB from this step's expert loads: replicas apportioned by
  *                          load per replica, packed onto GPUs (hierarchical when the EP
  *                          group's nodes divide the expert groups, else global)
+ *              virtual_experts  contiguous, with per-forward balancing by Megatron's
+ *                          virtual experts (rp_plan_set_balancing); RP_EINVAL where the
+ *                          config rules the balancer out (rp_vexp_check_config)
  */
 
 /* The names rp_baseline_plan accepts, NULL-terminated, static storage. */

@@ -1,0 +1,101 @@
+/* The cost model under per-forward balancing (Megatron-Core's virtual experts, MoonEP):
+ * the expert and dispatch terms of one EP group at one (microbatch, layer) from that
+ * forward's offload plan (core/virtual_experts.c), with the weight pushes and the
+ * gradient reduction the plan costs. docs/cost-model.md, "Per-forward balancing". */
+#include "cost_internal.h"
+#include "routepack/virtual_experts.h"
+
+/* Owner of every expert at every layer, from an evenly owned placement (checked by
+ * cost_vexp_check before): owner[l * E + e]. */
+void cost_vexp_owners(const rp_cost *c, const rp_plan *plan, int32_t *owner)
+{
+    const int32_t *slot_begin = rp_plan_slot_begin(plan);
+    for (int32_t l = 0; l < c->L; l++) {
+        const int32_t *p2l = rp_plan_phy2log(plan, l);
+        for (int32_t j = 0; j < c->ep; j++)
+            for (int32_t s = slot_begin[j]; s < slot_begin[j + 1]; s++)
+                if (p2l[s] >= 0) owner[(size_t)l * c->E + p2l[s]] = j;
+    }
+    cost_count(c, (int64_t)c->L * slot_begin[c->ep]);
+}
+
+rp_status cost_vexp_check(const rp_cost *c, const rp_plan *plan, rp_error *err)
+{
+    if (!c->vexp) {
+        rp_error why;
+        rp_vexp_check_config(c->cfg, &why);
+        return rp_fail(err, RP_EINVAL, "cost: the plan runs with per-forward balancing (virtual experts), but %s",
+                       why.text);
+    }
+    if (rp_plan_num_extra_replicas(plan) || rp_plan_num_share_sets(plan))
+        return rp_fail(err, RP_EINVAL, "cost: the plan runs with per-forward balancing (virtual experts), which makes "
+                       "its own replicas each forward, but it also has %d extra replicas and %d share sets",
+                       rp_plan_num_extra_replicas(plan), rp_plan_num_share_sets(plan));
+    const int32_t *slot_begin = rp_plan_slot_begin(plan);
+    const int32_t per_rank = c->E / c->ep;
+    for (int32_t l = 0; l < c->L; l++) {
+        const int32_t *p2l = rp_plan_phy2log(plan, l);
+        for (int32_t j = 0; j < c->ep; j++) {
+            int32_t held = 0;
+            for (int32_t s = slot_begin[j]; s < slot_begin[j + 1]; s++) held += p2l[s] >= 0;
+            if (held != per_rank)
+                return rp_fail(err, RP_EINVAL, "cost: per-forward balancing (virtual experts) needs %d experts "
+                               "(num_experts / ep_size) on every EP rank, but layer %d EP rank %d holds %d",
+                               per_rank, l, j, held);
+        }
+    }
+    return RP_OK;
+}
+
+static inline double slot_time(const rp_cost *c, int64_t n)
+{
+    return n < c->slot_table_n ? c->slot_table[n] : cost_slot_time(c, (double)n);
+}
+
+void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q, double *x_out,
+                          double *d_out, group_result *res, cost_scratch *sc)
+{
+    const int32_t ep = c->ep, E = c->E, g0 = q * ep, per_rank = E / ep;
+    const int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + g0) * (size_t)E;
+    const int32_t *owner = st->vexp_owner + (size_t)l * E;
+    rp_vexp *v = c->vexp;
+    /* Cannot fail: the ownership was checked when the plan was bound, counts are
+     * non-negative and a group's total is at most the batch's token-choices (< 2^31). */
+    rp_status planned = rp_vexp_plan(v, cnt, owner, NULL);
+    (void)planned;
+    cost_count(c, 4 * (int64_t)E * ep + (int64_t)ep * ep);
+    const int64_t *alloc = rp_vexp_allocation(v), *traffic = rp_vexp_traffic(v);
+    const int32_t *slot = rp_vexp_slot_expert(v), *pin = rp_vexp_pushes_in(v), *pout = rp_vexp_pushes_out(v);
+    double *xa = sc->xacc;
+    for (int32_t r = 0; r < ep; r++) xa[r] = 0.0;
+    for (int32_t e = 0; e < E; e++) xa[owner[e]] += slot_time(c, alloc[(size_t)e * ep + owner[e]]);
+    for (int32_t r = 0; r < ep; r++)
+        for (int32_t s = 0; s < per_rank; s++) {
+            int32_t e = slot[(size_t)r * per_rank + s];
+            if (e >= 0) xa[r] += slot_time(c, alloc[(size_t)e * ep + r]);
+        }
+
+    res->xmax = res->dmax = -1.0;
+    res->xarg = res->darg = g0;
+    for (int32_t r = 0; r < ep; r++) {
+        /* every route stays inside the group's node (the balancer's limit) */
+        int64_t send = 0, recv = 0;
+        for (int32_t k = 0; k < ep; k++)
+            if (k != r) send += traffic[(size_t)r * ep + k], recv += traffic[(size_t)k * ep + r];
+        double tokens = (double)(send > recv ? send : recv);
+        int32_t copies = pin[r] > pout[r] ? pin[r] : pout[r];
+        double push = copies ? copies * c->expert_bytes / c->nv_bw + c->nv_lat : 0.0;
+        double x = xa[r] / c->speed[g0 + r];
+        double d = tokens * c->token_bytes / c->nv_bw + c->nv_lat + c->vexp_comm_scale * push;
+        x_out[r] = x;
+        d_out[r] = d;
+        if (x > res->xmax) {
+            res->xmax = x;
+            res->xarg = g0 + r;
+        }
+        if (d > res->dmax) {
+            res->dmax = d;
+            res->darg = g0 + r;
+        }
+    }
+}
