@@ -251,8 +251,8 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     /* Per-forward balancing: a plan that asks for it is priced with the planner, where
      * the config allows the balancer at all. Its weight pushes (forward, backward) and
      * gradient reduction, 3 transfers, are charged as dispatch time, which a layer pays
-     * 2 fwd_bwd times (dispatch and combine, forward and backward). */
-    c->vexp_comm_scale = 3.0 / (2.0 * c->fwd_bwd);
+     * 2 (1 + backward.communication) times (dispatch and combine, forward and backward). */
+    c->vexp_comm_scale = 3.0 / (2.0 * (1.0 + c->bwd.communication));
     if (rp_vexp_check_config(cfg, NULL) == RP_OK && (st = rp_vexp_new(ctx, c->ep, c->E, &c->vexp, err)) != RP_OK) {
         rp_cost_free(c);
         return st;

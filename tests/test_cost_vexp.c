@@ -58,8 +58,10 @@ static void fixture_free(fixture *f)
  *   one expert's weights: 3 d f bpp = 48 B, a push 6 s + 0.5 s
  *   expert t(n) = max(n 6 d f / (peak eff(n)), 3 d f bpp / hbm) = max(0.75 n / eff(n), 1),
  *   eff 1 from 4 tokens: t(4) = 3, t(8) = 6
- *   backward = 2 x forward: a layer pays its dispatch 2 x 3 = 6 times, and the balancer's
- *   3 transfers (push forward, push backward, gradient) are 3/6 = 0.5 push per dispatch */
+ *   backward_multiplier 2 sets the compute terms (experts: 1 + 2 = 3 times the forward);
+ *   communication's backward stays 1, so a layer pays its dispatch 2 x (1 + 1) = 4 times,
+ *   and the balancer's 3 transfers (push forward, push backward, gradient) are 3/4 push
+ *   per dispatch; no overlap */
 static const char *HAND =
     "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": %s,"
     "  \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000, \"net_bytes_per_s\": 4, \"net_latency_us\": 1000000},"
@@ -109,10 +111,10 @@ static void test_hand(void)
     d = rp_cost_dispatch_breakdown(c);
     is_double(x[0], 3.0, 1e-12, "virtual experts: rank 0 computes 4, t(4) = 3 s");
     is_double(x[1], 3.0, 1e-12, "virtual experts: rank 1 computes 4 in its virtual slot, 3 s");
-    is_double(d[0], 0.5 + 0.5 * 6.5, 1e-12, "virtual experts: dispatch = latency + half a push (6.5 s) = 3.75 s");
-    is_double(d[1], 3.75, 1e-12, "virtual experts: the receiver pays the push too");
-    /* per layer: expert 6 -> 3 and dispatch 4.5 -> 3.75 (twice), all x 3 */
-    is_double(step_plain - sum.step_s, 3.0 * (3.0 + 2.0 * 0.75), 1e-9, "the step gains 3 (3 + 2 x 0.75) = 13.5 s");
+    is_double(d[0], 0.5 + 0.75 * 6.5, 1e-12, "virtual experts: dispatch = latency + 3/4 of a push (6.5 s) = 5.375 s");
+    is_double(d[1], 5.375, 1e-12, "virtual experts: the receiver pays the push too");
+    /* per layer: experts 6 -> 3 (x 3) and dispatch 4.5 -> 5.375 (x 4) */
+    is_double(step_plain - sum.step_s, 3.0 * 3.0 - 4.0 * 0.875, 1e-9, "the step gains 3 x 3 - 4 x 0.875 = 5.5 s");
     ok(sum.lower_bound_s <= sum.step_s, "lower bound <= step under virtual experts");
 
     /* slot changes cannot keep even ownership */
