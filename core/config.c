@@ -2,6 +2,7 @@
  * the topology, hardware, model, limits and policy structs (docs/config.md). */
 #include "calibration.h"
 #include "internal.h"
+#include "routepack/virtual_experts.h"
 #include "jsonx.h"
 #include "routepack/config.h"
 #include "routepack/memory.h"
@@ -575,7 +576,7 @@ out:
 
 static const char *const execution_keys[] = {
     "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "optimizer_sharding",
-    "staging_budget_bytes", "comment", NULL,
+    "staging_budget_bytes", "per_forward_balancing", "comment", NULL,
 };
 
 /* A string member that must be one of `names` (NULL-terminated); its index in *out. */
@@ -633,6 +634,18 @@ static rp_status load_execution(loader *ld, json_t *obj)
     RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "staging_budget_bytes", false, 0, 0, (int64_t)1 << 53,
                               &x->staging_budget_bytes, ld->err),
                   st, out);
+    static const char *const balancing_names[] = {"none", "virtual_experts", NULL};
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "per_forward_balancing", balancing_names, RP_BALANCING_NONE, &v), st, out);
+    x->per_forward_balancing = (rp_balancing)v;
+    if (x->per_forward_balancing == RP_BALANCING_VIRTUAL_EXPERTS) {
+        /* the trainer says it runs the balancer: its limits must hold */
+        rp_error why;
+        if (rp_vexp_check_config(ld->cfg, &why) != RP_OK) {
+            st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "execution.per_forward_balancing",
+                              "is \"virtual_experts\", but %s", why.text);
+            goto out;
+        }
+    }
 out:
     json_decref(empty);
     return st;

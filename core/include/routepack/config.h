@@ -119,6 +119,11 @@ typedef enum rp_optimizer_sharding {
                                        over the num_ep_groups GPUs that hold it, a dense
                                        parameter's over all GPUs) */
 } rp_optimizer_sharding;
+/* Per-forward expert balancing inside every EP group (routepack/virtual_experts.h). */
+typedef enum rp_balancing {
+    RP_BALANCING_NONE = 0,
+    RP_BALANCING_VIRTUAL_EXPERTS = 1  /* Megatron-Core's virtual experts (MoonEP) */
+} rp_balancing;
 
 typedef struct rp_execution {
     rp_sync sync;
@@ -127,6 +132,8 @@ typedef struct rp_execution {
     int32_t dispatch_bytes_per_element;  /* 2 for BF16, 1 for FP8 dispatch */
     rp_optimizer_sharding optimizer_sharding;
     int64_t staging_budget_bytes;  /* migration staging per GPU; 0: no limit (one round) */
+    /* what the trainer can run: the joint planner plans for it (docs/routepack-policy.md) */
+    rp_balancing per_forward_balancing;
 } rp_execution;
 
 /* What the trainer demands of a packing (docs/config.md, "trainer"); every packer

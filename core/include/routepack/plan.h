@@ -134,11 +134,7 @@ RP_API void rp_plan_extra_replica(const rp_plan *plan, int32_t i, int32_t *mb, i
  * validation requires what the balancer requires (routepack/virtual_experts.h): the
  * config's limits, every expert once per layer with num_experts / ep_size on each EP
  * rank, no extra replicas or shares. Part of the plan's JSON ("per_forward_balancing")
- * and hash. A new plan has RP_BALANCING_NONE. */
-typedef enum rp_balancing {
-    RP_BALANCING_NONE = 0,
-    RP_BALANCING_VIRTUAL_EXPERTS = 1
-} rp_balancing;
+ * and hash. A new plan has RP_BALANCING_NONE. (rp_balancing: routepack/config.h.) */
 /* RP_EINVAL for a value outside the enum (nothing changes). */
 RP_API rp_status rp_plan_set_balancing(rp_plan *plan, rp_balancing balancing, rp_error *err);
 RP_API rp_balancing rp_plan_balancing(const rp_plan *plan);
