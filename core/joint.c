@@ -27,6 +27,25 @@ static bool known_baseline(const char *name)
     return false;
 }
 
+/* Under per-forward balancing every plan runs with the balancer: each fallback keeps its
+ * packing and takes the virtual_experts placement (once per packing, in order). */
+static const char *const *with_virtual_experts(const char *const *names, const char *out[4])
+{
+    static const char *const vexp_names[][2] = {{"token_kk+", "token_kk+virtual_experts"},
+                                                {"verl_kk+", "verl_kk+virtual_experts"},
+                                                {"attn_kk+", "attn_kk+virtual_experts"}};
+    int n = 0;
+    for (const char *const *name = names; *name; name++)
+        for (int k = 0; k < 3; k++) {
+            if (strncmp(*name, vexp_names[k][0], strlen(vexp_names[k][0])) != 0) continue;
+            bool seen = false;
+            for (int i = 0; i < n; i++) seen |= out[i] == vexp_names[k][1];
+            if (!seen) out[n++] = vexp_names[k][1];
+        }
+    out[n] = NULL;
+    return out;
+}
+
 static rp_status check_params(const rp_joint_params *p, rp_error *err)
 {
     if (p->num_microbatches < 0)
@@ -447,7 +466,17 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     RP_CHECK_GOTO(rp_plan_new(ctx, cfg, jt.M, &plan, err), st, out);
     RP_CHECK_GOTO(rp_plan_set_packing(plan, jt.N, jt.seq_gpu, jt.seq_mb, err), st, out);
 
-    if (par->place) {
+    /* The trainer balances every forward's expert side itself (Megatron's virtual
+     * experts): plan for it rather than duplicate it. No replicas, shares or extra
+     * replicas: the balancer makes its own each forward; the placement is the contiguous,
+     * evenly owned one it requires; the packing keeps balancing attention and each
+     * group's tokens, which the balancer cannot move. */
+    const bool vexp = rp_config_execution(cfg)->per_forward_balancing == RP_BALANCING_VIRTUAL_EXPERTS;
+    if (vexp) {
+        RP_CHECK_GOTO(rp_plan_set_contiguous(plan, err), st, out);
+        RP_CHECK_GOTO(rp_plan_set_balancing(plan, RP_BALANCING_VIRTUAL_EXPERTS, err), st, out);
+        if (previous_placed) RP_CHECK_GOTO(rp_plan_stabilize_slots(plan, previous_placed, err), st, out);
+    } else if (par->place) {
         jt.layers = rp_calloc(ctx, (size_t)jt.L, sizeof *jt.layers);
         if (!jt.layers) {
             st = rp_fail_nomem(err, "joint: placement");
@@ -500,6 +529,8 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     }
 
     const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;
+    const char *vexp_fallbacks[4] = {NULL, NULL, NULL, NULL};
+    if (vexp) fallbacks = with_virtual_experts(fallbacks, vexp_fallbacks);
     if (*fallbacks || par->refine_evaluations > 0) {
         scored mine, best = {0}, s;
         const char *best_name = NULL;

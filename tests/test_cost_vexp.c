@@ -251,12 +251,59 @@ out:
     fixture_free(&f);
 }
 
+/* The joint planner when the trainer runs the balancer (execution.per_forward_balancing):
+ * its plans say so, keep the contiguous placement, carry no levers, and its fallbacks are
+ * the baselines' packings with virtual experts. */
+static void test_joint(void)
+{
+    enum { N = 24, L = 2, K = 2, E = 8 };
+    uint64_t seed = 7;
+    int32_t lens[N];
+    int64_t tokens = 0;
+    for (int i = 0; i < N; i++) tokens += lens[i] = 1 + (int32_t)(xorshift64(&seed) % 60);
+    uint8_t *ids = malloc((size_t)tokens * L * K);
+    for (int64_t t = 0; t < tokens * L; t++) {
+        int32_t a = xorshift64(&seed) % 2 ? 1 : (int32_t)(xorshift64(&seed) % E);
+        ids[t * K] = (uint8_t)a;
+        ids[t * K + 1] = (uint8_t)((a + 1 + (int32_t)(xorshift64(&seed) % (E - 1))) % E);
+    }
+    char json[1024];
+    snprintf(json, sizeof json, "%.*s, \"execution\": {\"per_forward_balancing\": \"%s\"}}", (int)strlen(RANDOM) - 1,
+             RANDOM, "virtual_experts");
+    fixture f;
+    bool made = fixture_make(&f, json, N, lens, ids, L, K, E);
+    free(ids);
+    if (!made) {
+        ok(0, "joint fixture");
+        return;
+    }
+    rp_plan *plan = NULL, *contiguous = NULL;
+    rp_joint_report rep;
+    rp_error err;
+    rp_status st = rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, NULL, &plan, &rep, &err);
+    is_int(st, RP_OK, "the joint planner plans for the balancer");
+    if (st == RP_OK) {
+        is_int(rp_plan_balancing(plan), RP_BALANCING_VIRTUAL_EXPERTS, "its plan runs with virtual experts");
+        ok(rp_plan_num_extra_replicas(plan) == 0 && rp_plan_num_share_sets(plan) == 0, "no extra replicas or shares");
+        bool same = rp_plan_new(ctx, f.cfg, 1, &contiguous, &err) == RP_OK && rp_plan_set_contiguous(contiguous, &err) == RP_OK;
+        for (int32_t l = 0; same && l < L; l++)
+            same = !memcmp(rp_plan_phy2log(plan, l), rp_plan_phy2log(contiguous, l), (size_t)rp_plan_total_slots(plan) * 4);
+        ok(same, "the contiguous placement the balancer requires");
+        is_int(rp_plan_validate(plan, f.cfg, f.batch, &err), RP_OK, "a valid plan");
+        like(rep.best_fallback, "+virtual_experts", "its fallbacks run with the balancer too (%s)", rep.best_fallback);
+    }
+    rp_plan_free(plan);
+    rp_plan_free(contiguous);
+    fixture_free(&f);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_hand();
     test_refused_config();
     test_random();
+    test_joint();
     rp_context_free(ctx);
     return tap_done();
 }
