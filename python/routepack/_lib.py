@@ -159,6 +159,17 @@ _REQUIRED = {
     "rp_text_free": (None, [P, c_void_p]),
     "rp_hash64": (c_uint64, [c_void_p, c_size_t, c_uint64]),
     "rp_id_width_capacity": (c_int64, [c_int]),
+    # virtual experts (per-forward balancing)
+    "rp_vexp_new": (c_int, [P, c_int32, c_int32, POINTER(P), PERR]),
+    "rp_vexp_free": (None, [P]),
+    "rp_vexp_plan": (c_int, [P, PI32, PI32, PERR]),
+    "rp_vexp_rank_load": (PI64, [P]),
+    "rp_vexp_allocation": (PI64, [P]),
+    "rp_vexp_slot_expert": (PI32, [P]),
+    "rp_vexp_traffic": (PI64, [P]),
+    "rp_vexp_num_virtual": (c_int32, [P]),
+    "rp_vexp_pushes_out": (PI32, [P]),
+    "rp_vexp_pushes_in": (PI32, [P]),
     # config
     "rp_config_load": (c_int, [P, c_char_p, POINTER(P), PERR]),
     "rp_config_parse": (c_int, [P, c_char_p, c_size_t, c_char_p, POINTER(P), PERR]),

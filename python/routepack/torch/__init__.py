@@ -22,6 +22,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
         "routepack.torch needs PyTorch (pip install 'routepack[torch]' or pip install torch); "
         "the numpy binding (import routepack) works without it: %s" % e) from e
 
+from .balancer import VirtualExpertBalancer
 from .messenger import TorchMessenger
 from .migration import MigrationExecutor, init_optimizer_state, slot_tensors
 from .moe import ExpertPlacement, MoELayer, all_to_all
@@ -33,4 +34,5 @@ __all__ = [
     "TorchMessenger", "MigrationExecutor", "init_optimizer_state", "slot_tensors",
     "ExpertPlacement", "MoELayer", "all_to_all", "PackedMicrobatch", "pack_microbatches",
     "DistributedScheduler", "TorchComm", "all_gather_bytes", "router_shift_weights",
+    "VirtualExpertBalancer",
 ]
