@@ -614,6 +614,12 @@ static void group_traffic(const rp_cost *c, const cost_state *st, int32_t g0, co
     }
 }
 
+void cost_group_traffic(const rp_cost *c, const cost_state *st, int32_t g0, const int32_t *pair, const double *sp,
+                        const int64_t *tokens, cost_scratch *sc)
+{
+    group_traffic(c, st, g0, pair, sp, tokens, sc);
+}
+
 /* Expert and dispatch time of every GPU of group q at (m, l), from the group's integer
  * aggregates (and the per-GPU counts for experts split over several replicas), in a
  * fixed order: a full evaluation and every incremental one call this same function on
@@ -624,7 +630,7 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
                      double *d_out, group_result *res, cost_scratch *sc)
 {
     if (st->vexp) {
-        cost_group_eval_vexp(c, st, m, l, q, x_out, d_out, res, sc);
+        cost_group_eval_vexp(c, st, m, l, q, pair, tokens, x_out, d_out, res, sc);
         return;
     }
     const int32_t *dst = map.dst;

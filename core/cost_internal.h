@@ -214,8 +214,13 @@ int32_t cost_critical_domain(const rp_cost *c, const cost_state *st);
 /* cost_vexp.c: per-forward balancing (virtual experts) */
 rp_status cost_vexp_check(const rp_cost *c, const rp_plan *plan, rp_error *err);
 void cost_vexp_owners(const rp_cost *c, const rp_plan *plan, int32_t *owner);
-void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q, double *x_out,
-                          double *d_out, group_result *res, cost_scratch *sc);
+void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
+                          const int32_t *pair, const int64_t *tokens, double *x_out, double *d_out,
+                          group_result *res, cost_scratch *sc);
+/* Token copies each GPU of a group sends and receives (sc->si, ri, se, re) from its pair
+ * counts, shares and tokens under the configured de-duplication (cost.c). */
+void cost_group_traffic(const rp_cost *c, const cost_state *st, int32_t g0, const int32_t *pair, const double *sp,
+                        const int64_t *tokens, cost_scratch *sc);
 
 /* cost_bound.c */
 double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l);

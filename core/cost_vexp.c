@@ -52,8 +52,9 @@ static inline double slot_time(const rp_cost *c, int64_t n)
     return n < c->slot_table_n ? c->slot_table[n] : cost_slot_time(c, (double)n);
 }
 
-void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q, double *x_out,
-                          double *d_out, group_result *res, cost_scratch *sc)
+void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
+                          const int32_t *pair, const int64_t *tokens, double *x_out, double *d_out,
+                          group_result *res, cost_scratch *sc)
 {
     const int32_t ep = c->ep, E = c->E, g0 = q * ep, per_rank = E / ep;
     const int32_t *cnt = st->counts + ((size_t)(m * c->L + l) * c->G + g0) * (size_t)E;
@@ -63,10 +64,10 @@ void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int
      * non-negative and a group's total is at most the batch's token-choices (< 2^31). */
     rp_status planned = rp_vexp_plan(v, cnt, owner, NULL);
     (void)planned;
-    cost_count(c, 4 * (int64_t)E * ep + (int64_t)ep * ep);
+    cost_count(c, 4 * (int64_t)E * ep + 4 * (int64_t)ep * ep);
     const int64_t *alloc = rp_vexp_allocation(v), *traffic = rp_vexp_traffic(v);
     const int32_t *slot = rp_vexp_slot_expert(v), *pin = rp_vexp_pushes_in(v), *pout = rp_vexp_pushes_out(v);
-    double *xa = sc->xacc;
+    double *xa = sc->xacc, *sp = sc->sp;
     for (int32_t r = 0; r < ep; r++) xa[r] = 0.0;
     for (int32_t e = 0; e < E; e++) xa[owner[e]] += slot_time(c, alloc[(size_t)e * ep + owner[e]]);
     for (int32_t r = 0; r < ep; r++)
@@ -74,19 +75,21 @@ void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int
             int32_t e = slot[(size_t)r * per_rank + s];
             if (e >= 0) xa[r] += slot_time(c, alloc[(size_t)e * ep + r]);
         }
+    /* The route map's choices between GPUs (every expert counts as split under
+     * balancing, so `pair` holds none), de-duplicated as the dispatcher would. All inside
+     * the group's node: the balancer's limit. */
+    for (size_t i = 0; i < (size_t)ep * ep; i++) sp[i] = (double)traffic[i];
+    for (int32_t r = 0; r < ep; r++) sp[(size_t)r * ep + r] = 0.0;
+    cost_group_traffic(c, st, g0, pair, sp, tokens, sc);
 
     res->xmax = res->dmax = -1.0;
     res->xarg = res->darg = g0;
     for (int32_t r = 0; r < ep; r++) {
-        /* every route stays inside the group's node (the balancer's limit) */
-        int64_t send = 0, recv = 0;
-        for (int32_t k = 0; k < ep; k++)
-            if (k != r) send += traffic[(size_t)r * ep + k], recv += traffic[(size_t)k * ep + r];
-        double tokens = (double)(send > recv ? send : recv);
+        double send = sc->si[r], recv = sc->ri[r];
         int32_t copies = pin[r] > pout[r] ? pin[r] : pout[r];
         double push = copies ? copies * c->expert_bytes / c->nv_bw + c->nv_lat : 0.0;
         double x = xa[r] / c->speed[g0 + r];
-        double d = tokens * c->token_bytes / c->nv_bw + c->nv_lat + c->vexp_comm_scale * push;
+        double d = (send > recv ? send : recv) * c->token_bytes / c->nv_bw + c->nv_lat + c->vexp_comm_scale * push;
         x_out[r] = x;
         d_out[r] = d;
         if (x > res->xmax) {
