@@ -87,6 +87,17 @@ EOF
   simulate reference-8 --config "$ex/config-reference.json" --trace "$ref8"
 fi
 
+# 1b. beside Megatron's per-forward virtual-expert balancer (issue 20): the same 8-step trace
+# under a config that says the trainer runs it (the joint policy then packs for it)
+python3 - "$ex/config-small.json" "$work/config-small-vexp.json" <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c.setdefault("execution", {})["per_forward_balancing"] = "virtual_experts"
+json.dump(c, open(sys.argv[2], "w"))
+EOF
+simulate vexp-small-8 --config "$work/config-small-vexp.json" --trace "$small8" \
+  --policies token_kk+eplb_periodic,token_kk+virtual_experts,routepack
+
 # 2. the sweep: routepack with other horizon / persistence settings, as policy files
 variants=()
 for v in "h1 1 -1" "h3 3 -1" "h10 10 -1" "h10-rho1 10 1" "h10-prior1 10 -1 1"; do
