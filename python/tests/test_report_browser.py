@@ -73,9 +73,12 @@ def png_pixels(path):
 
 
 def screenshot(browser, html, png, height):
+    # the browser runs without the sanitizer runtime the ASan test stage preloads
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "LSAN_OPTIONS",
+                                                            "UBSAN_OPTIONS")}
     r = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                         "--window-size=1200,%d" % height, "--screenshot=%s" % png, "file://%s" % html],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and os.path.getsize(png) > 0, r.stderr[-2000:]
 
 
