@@ -37,6 +37,7 @@ struct rp_config {
     /* owned storage behind the const views above */
     int32_t *slots;
     double *speed;
+    int32_t *stage_layers; /* [2 * PP * VPP]: layers of each virtual stage, then their first layer */
     rp_eff_point *gemm;
     rp_eff_point *attention;
     char *policy_name;
@@ -106,12 +107,15 @@ static rp_status check_comment(loader *ld, json_t *obj, const char *path)
     return rp_jdoc_str(&ld->doc, obj, path, "comment", false, NULL, &s, ld->err);
 }
 
+static rp_status get_choice(loader *ld, json_t *obj, const char *path, const char *key,
+                            const char *const *names, int dflt, int *out);
+
 /* ---- topology ------------------------------------------------------------------------ */
 
 static const char *const topology_keys[] = {
     "num_nodes", "gpus_per_node", "tensor_parallel_size", "expert_tensor_parallel_size", "ep_size", "dp_size",
     "slots_per_gpu", "gpu_speed", "nvlink_bytes_per_s", "nvlink_latency_us", "net_bytes_per_s", "net_latency_us",
-    "comment", NULL,
+    "pipeline_parallel_size", "virtual_pipeline_size", "pipeline_schedule", "layers_per_stage", "comment", NULL,
 };
 
 /* Parts of the topology that do not depend on the model. */
@@ -132,16 +136,64 @@ static rp_status load_topology(loader *ld, json_t *obj)
                             (long long)t->num_nodes * t->gpus_per_node, t->num_nodes, t->gpus_per_node,
                             MAX_GPUS);
     t->physical_gpus_per_node = t->gpus_per_node;
+    t->physical_num_nodes = t->num_nodes;
+
+    /* Pipeline parallelism is outermost (tp-cp-ep-dp-pp): stage s is the s-th block of
+     * num_gpus / PP GPUs. A stage is whole nodes or a part of one node, so every stage has
+     * the same layout and the planner sees one stage. */
+    int32_t pp, vpp;
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "pipeline_parallel_size", false, 1, 1, (int32_t)num_gpus, &pp), st, out);
+    const int32_t gpn = t->gpus_per_node;
+    const int64_t stage_gpus = num_gpus / pp;
+    if (num_gpus % pp != 0 || (stage_gpus % gpn != 0 && gpn % stage_gpus != 0))
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.pipeline_parallel_size",
+                            "is %d, but the %lld GPUs (num_nodes %d x gpus_per_node %d) do not split into %d "
+                            "stages of whole nodes or of equal parts of one node",
+                            pp, (long long)num_gpus, t->num_nodes, gpn, pp);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "virtual_pipeline_size", false, 1, 1, 1024, &vpp), st, out);
+    if (vpp > 1 && pp == 1)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.virtual_pipeline_size",
+                            "is %d, but pipeline_parallel_size is 1: virtual stages interleave over a pipeline of "
+                            "at least 2 stages", vpp);
+    static const char *const schedule_names[] = {"1f1b", "interleaved", NULL};
+    int schedule;
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "pipeline_schedule", schedule_names,
+                             vpp > 1 ? RP_SCHEDULE_INTERLEAVED : RP_SCHEDULE_1F1B, &schedule),
+                  st, out);
+    if (schedule == RP_SCHEDULE_INTERLEAVED && vpp == 1)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.pipeline_schedule",
+                            "is \"interleaved\", but virtual_pipeline_size is 1: interleaving needs at least 2 "
+                            "virtual stages per pipeline stage");
+    if (schedule == RP_SCHEDULE_1F1B && vpp > 1)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.pipeline_schedule",
+                            "is \"1f1b\", but virtual_pipeline_size is %d: virtual stages run the \"interleaved\" "
+                            "schedule (Megatron's interleaved 1F1B)", vpp);
+    t->pipeline_parallel_size = pp;
+    t->virtual_pipeline_size = vpp;
+    t->pipeline_schedule = (rp_pipeline_schedule)schedule;
+    /* the planner's node: one stage's share of it */
+    if (stage_gpus < gpn) {
+        t->num_nodes = 1;
+        t->gpus_per_node = (int32_t)stage_gpus;
+    } else {
+        t->num_nodes = (int32_t)(stage_gpus / gpn);
+    }
+    num_gpus = stage_gpus;
 
     /* Megatron-Core's rank order tp-cp-ep-dp-pp (docs/config.md): a TP group is TP
      * consecutive GPUs inside a node and is one DP rank, the unit every plan indexes as a
      * "GPU"; an ETP group is ETP consecutive GPUs inside a TP group. */
     int32_t tp, etp;
     RP_CHECK_GOTO(get_i32(ld, obj, P, "tensor_parallel_size", false, 1, 1, t->gpus_per_node, &tp), st, out);
-    if (t->gpus_per_node % tp != 0)
+    if (t->gpus_per_node % tp != 0) {
+        if (pp > 1)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.tensor_parallel_size",
+                                "must divide the GPUs of one pipeline stage in a node, %d, got %d: a TP group stays "
+                                "inside a node and a stage", t->gpus_per_node, tp);
         return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.tensor_parallel_size",
                             "must divide gpus_per_node, %d, got %d: a TP group stays inside a node", t->gpus_per_node,
                             tp);
+    }
     RP_CHECK_GOTO(get_i32(ld, obj, P, "expert_tensor_parallel_size", false, tp, 1, tp, &etp), st, out);
     if (tp % etp != 0)
         return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.expert_tensor_parallel_size",
@@ -155,7 +207,7 @@ static rp_status load_topology(loader *ld, json_t *obj)
     /* ep_size is Megatron's expert_model_parallel_size: EP ranks, each an ETP group. An EP
      * group must hold whole DP ranks; the planner's EP group counts DP ranks. */
     int32_t ep;
-    RP_CHECK_GOTO(get_i32(ld, obj, P, "ep_size", false, t->physical_gpus_per_node / etp, 1,
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "ep_size", false, tp * t->gpus_per_node / etp, 1,
                           (int32_t)(num_gpus / etp), &ep),
                   st, out);
     t->expert_parallel_size = ep;
@@ -166,6 +218,13 @@ static rp_status load_topology(loader *ld, json_t *obj)
                             ep, etp, (long long)ep * etp, tp);
     t->ep_size = (int32_t)((int64_t)ep * etp / tp);
     if (t->num_gpus % t->ep_size != 0) {
+        if (pp > 1)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
+                                "must give EP groups that divide one pipeline stage: %d EP ranks x %d GPUs "
+                                "(expert_tensor_parallel_size) = %lld GPUs, but a stage has %lld (num_nodes %d x "
+                                "gpus_per_node %d / pipeline_parallel_size %d); an EP group lives inside one stage",
+                                ep, etp, (long long)ep * etp, (long long)num_gpus, t->physical_num_nodes,
+                                t->physical_gpus_per_node, pp);
         if (tp == 1 && etp == 1)
             return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
                                 "must divide the number of GPUs, %d (num_nodes %d x gpus_per_node %d), got %d",
@@ -182,6 +241,12 @@ static rp_status load_topology(loader *ld, json_t *obj)
     RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "dp_size", false, t->num_gpus, 1, INT32_MAX, &dp, ld->err),
                   st, out);
     if (dp != t->num_gpus) {
+        if (pp > 1)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.dp_size",
+                                "must equal the GPUs over tensor_parallel_size x pipeline_parallel_size, %lld / "
+                                "(%d x %d) = %d, got %lld: each TP group of a stage is one data-parallel rank (omit "
+                                "dp_size)",
+                                (long long)num_gpus * pp, tp, pp, t->num_gpus, (long long)dp);
         if (tp == 1)
             return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.dp_size",
                                 "must equal the number of GPUs, %d, got %lld: each GPU is one data-parallel "
@@ -310,6 +375,50 @@ static rp_status load_slots(loader *ld, json_t *obj)
         return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path,
                             "gives each EP group %lld expert slots per layer, fewer than the model's %d "
                             "experts", (long long)total, m->num_experts);
+out:
+    return st;
+}
+
+/* layers_per_stage needs the layer count: read after the model. Default: the MoE layers
+ * split as evenly as the count allows, the first virtual stages taking one more. */
+static rp_status load_stage_layers(loader *ld, json_t *obj)
+{
+    rp_topology *t = &ld->cfg->topology;
+    const int32_t L = ld->cfg->model.num_layers;
+    const int32_t V = t->pipeline_parallel_size * t->virtual_pipeline_size;
+    const char *path = "topology.layers_per_stage";
+    rp_status st = RP_OK;
+    int32_t *n = ld->cfg->stage_layers = rp_calloc(ld->ctx, 2 * (size_t)V, sizeof(int32_t));
+    if (!n) return rp_fail_nomem(ld->err, "the pipeline stages");
+    json_t *v = json_object_get(obj, "layers_per_stage");
+    if (v) {
+        if (!json_is_array(v) || json_array_size(v) != (size_t)V)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path,
+                                "must be an array of %d layer counts, one per virtual stage (pipeline_parallel_size "
+                                "%d x virtual_pipeline_size %d), got %s of %zu",
+                                V, t->pipeline_parallel_size, t->virtual_pipeline_size, rp_jdoc_type_name(v),
+                                json_is_array(v) ? json_array_size(v) : (size_t)1);
+        int64_t sum = 0;
+        for (int32_t s = 0; s < V; s++) {
+            char ip[64];
+            int64_t k;
+            rp_jpath_index(ip, sizeof ip, path, (size_t)s);
+            RP_CHECK_GOTO(rp_jdoc_int_value(&ld->doc, json_array_get(v, (size_t)s), ip, 0, L, &k, ld->err), st,
+                          out);
+            n[s] = (int32_t)k;
+            sum += k;
+        }
+        if (sum != L)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, path,
+                                "sums to %lld layers, but model.num_layers is %d: every MoE layer sits on exactly "
+                                "one virtual stage", (long long)sum, L);
+    } else {
+        for (int32_t s = 0; s < V; s++) n[s] = L / V + (s < L % V ? 1 : 0);
+    }
+    int32_t *begin = n + V;
+    for (int32_t s = 1; s < V; s++) begin[s] = begin[s - 1] + n[s - 1];
+    t->layers_per_stage = n;
+    t->stage_layer_begin = begin;
 out:
     return st;
 }
@@ -865,6 +974,7 @@ void rp_config_free(rp_config *cfg)
     rp_free(ctx, cfg->attention);
     rp_free(ctx, cfg->speed);
     rp_free(ctx, cfg->slots);
+    rp_free(ctx, cfg->stage_layers);
     rp_free(ctx, cfg->source);
     rp_free(ctx, cfg);
 }
@@ -914,6 +1024,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(load_hardware(&ld, hardware), st, out);
     RP_CHECK_GOTO(load_model(&ld, model), st, out);
     RP_CHECK_GOTO(load_slots(&ld, topology), st, out);
+    RP_CHECK_GOTO(load_stage_layers(&ld, topology), st, out);
     RP_CHECK_GOTO(load_token_linear(&ld, hardware), st, out);
     RP_CHECK_GOTO(load_calibration(&ld, root, hardware), st, out);
     RP_CHECK_GOTO(load_limits(&ld, limits), st, out);

@@ -85,6 +85,21 @@ static rp_status count_extras(const rp_config *cfg, const rp_plan *plan, int64_t
     return RP_OK;
 }
 
+/* The pipeline stage with the most MoE layers (the lowest on ties), and their count: under
+ * pipeline parallelism a GPU holds only its stage's layers, over all its virtual stages. */
+static int32_t busiest_stage(const rp_topology *t, int32_t *layers)
+{
+    int32_t best = 0, most = -1;
+    for (int32_t s = 0; s < t->pipeline_parallel_size; s++) {
+        int32_t n = 0;
+        for (int32_t c = 0; c < t->virtual_pipeline_size; c++)
+            n += t->layers_per_stage[c * t->pipeline_parallel_size + s];
+        if (n > most) most = n, best = s;
+    }
+    *layers = most;
+    return best;
+}
+
 /* The figures of GPU g given its extra replica count. */
 static void fill(const rp_config *cfg, int32_t g, int64_t extras, rp_gpu_memory *out)
 {
@@ -95,11 +110,16 @@ static void fill(const rp_config *cfg, int32_t g, int64_t extras, rp_gpu_memory 
     out->gpu = g;
     out->expert_optimizer_shards = expert_shards(cfg);
     out->dense_optimizer_shards = dense_shards(cfg);
-    const double slot_params = (double)t->slots[g] * m->num_layers * expert_params(m);
+    int32_t layers;
+    out->pipeline_stage = busiest_stage(t, &layers);
+    out->stage_layers = layers;
+    const double slot_params = (double)t->slots[g] * layers * expert_params(m);
     out->expert_weight_bytes = slot_params * m->bytes_per_param;
     out->expert_grad_bytes = slot_params * m->bytes_per_grad;
     out->expert_optimizer_bytes = slot_params * m->bytes_per_optimizer_state / out->expert_optimizer_shards;
-    const double dense = (double)m->dense_params;
+    /* a stage holds the dense parameters of its share of the layers (PP 1: all of them) */
+    const double dense = t->pipeline_parallel_size == 1 ? (double)m->dense_params
+                                                        : (double)m->dense_params * layers / m->num_layers;
     out->dense_weight_bytes = dense * m->bytes_per_param;
     out->dense_grad_bytes = dense * m->bytes_per_grad;
     out->dense_optimizer_bytes = dense * m->bytes_per_optimizer_state / out->dense_optimizer_shards;
@@ -109,7 +129,7 @@ static void fill(const rp_config *cfg, int32_t g, int64_t extras, rp_gpu_memory 
      * layer receives a new expert, each staged whole (docs/migration.md, "Rounds"). */
     out->staging_bytes = x->staging_budget_bytes > 0
                              ? (double)x->staging_budget_bytes
-                             : (double)t->slots[g] * m->num_layers * (double)rp_memory_expert_move_bytes(cfg);
+                             : (double)t->slots[g] * layers * (double)rp_memory_expert_move_bytes(cfg);
     /* Tensor parallelism (docs/cost-model.md, "TP and ETP"): DP rank g is a TP group of
      * TP GPUs. Each holds 1/TP of the dense parameters, and its share of the rank's
      * expert slots: slots / (TP / ETP) of one EP rank, each expert split over ETP GPUs,

@@ -8,7 +8,7 @@
 
 json_t *cli_memory_json(const rp_gpu_memory *m)
 {
-    return json_pack("{s:i, s:f, s:f, s:b, s:f, s:f, s:f, s:f, s:f, s:f, s:I, s:f, s:f, s:i, s:i}", "gpu", m->gpu,
+    return json_pack("{s:i, s:f, s:f, s:b, s:f, s:f, s:f, s:f, s:f, s:f, s:I, s:f, s:f, s:i, s:i, s:i, s:i}", "gpu", m->gpu,
                      "total_bytes", m->total_bytes, "capacity_bytes", m->capacity_bytes, "fits",
                      m->total_bytes <= m->capacity_bytes, "expert_weight_bytes", m->expert_weight_bytes,
                      "expert_grad_bytes", m->expert_grad_bytes, "expert_optimizer_bytes", m->expert_optimizer_bytes,
@@ -16,7 +16,7 @@ json_t *cli_memory_json(const rp_gpu_memory *m)
                      "dense_optimizer_bytes", m->dense_optimizer_bytes, "extra_replicas", (json_int_t)m->extra_replicas,
                      "extra_replica_bytes", m->extra_replica_bytes, "staging_bytes", m->staging_bytes,
                      "expert_optimizer_shards", m->expert_optimizer_shards, "dense_optimizer_shards",
-                     m->dense_optimizer_shards);
+                     m->dense_optimizer_shards, "pipeline_stage", m->pipeline_stage, "stage_layers", m->stage_layers);
 }
 
 int cmd_memory(rp_context *ctx, int argc, char **argv)
@@ -96,6 +96,11 @@ int cmd_memory(rp_context *ctx, int argc, char **argv)
                    (long long)m->extra_replicas, m->staging_bytes / 1e9, (m->capacity_bytes - m->total_bytes) / 1e9);
         }
         printf("(GPU j stands for EP rank j of every EP group; activations are not counted)\n");
+        const rp_topology *t = rp_config_topology(cfg);
+        if (t->pipeline_parallel_size > 1)
+            printf("(pipeline parallel %d: the figures are for stage %d, which holds %d of the %d MoE layers)\n",
+                   t->pipeline_parallel_size, per_rank[peak].pipeline_stage, per_rank[peak].stage_layers,
+                   rp_config_model(cfg)->num_layers);
     }
     if (!fits) rc = CLI_FAIL;
 out:

@@ -38,7 +38,10 @@ class rp_topology(Structure):
                 ("nvlink_bytes_per_s", c_double), ("nvlink_latency_s", c_double),
                 ("net_bytes_per_s", c_double), ("net_latency_s", c_double),
                 ("tensor_parallel_size", c_int32), ("expert_tensor_parallel_size", c_int32),
-                ("expert_parallel_size", c_int32), ("physical_gpus_per_node", c_int32)]
+                ("expert_parallel_size", c_int32), ("physical_gpus_per_node", c_int32),
+                ("physical_num_nodes", c_int32), ("pipeline_parallel_size", c_int32),
+                ("virtual_pipeline_size", c_int32), ("pipeline_schedule", c_int),
+                ("layers_per_stage", POINTER(c_int32)), ("stage_layer_begin", POINTER(c_int32))]
 
 
 class rp_model(Structure):

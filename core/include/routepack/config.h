@@ -14,10 +14,18 @@ extern "C" {
  * physical GPUs (one GPU when TP is 1). Ranks follow Megatron-Core's order tp-cp-ep-dp-pp:
  * DP rank g is physical GPUs [g * tp, (g + 1) * tp), node-major, so it sits on node
  * g / gpus_per_node. EP groups are contiguous blocks of ep_size DP ranks (they may span
- * nodes). The physical counts are kept in the fields at the end. Pipeline and context
- * parallelism are outside the model: a PP group counts as one DP rank. */
+ * nodes). The physical counts are kept in the fields at the end. Under pipeline
+ * parallelism (PP, outermost) the planner sees one pipeline stage: num_nodes, num_gpus and
+ * the EP groups are one stage's, every stage has the same layout, and DP rank g of every
+ * stage forms DP rank g's pipeline; the layers are split over the (virtual) stages.
+ * Context parallelism is outside the model. */
+typedef enum rp_pipeline_schedule {
+    RP_SCHEDULE_1F1B = 0,        /* PipeDream-Flush / Megatron's non-interleaved 1F1B */
+    RP_SCHEDULE_INTERLEAVED = 1  /* Megatron's interleaved 1F1B over virtual stages */
+} rp_pipeline_schedule;
+
 typedef struct rp_topology {
-    int32_t num_nodes;
+    int32_t num_nodes;       /* nodes of one pipeline stage (at least 1; all nodes when PP is 1) */
     int32_t gpus_per_node;   /* DP ranks per node: physical_gpus_per_node / tensor_parallel_size */
     int32_t num_gpus;        /* DP ranks: num_nodes * gpus_per_node */
     int32_t dp_size;         /* == num_gpus */
@@ -33,6 +41,16 @@ typedef struct rp_topology {
     int32_t expert_tensor_parallel_size; /* GPUs that share each expert's GEMMs (an ETP group); divides TP */
     int32_t expert_parallel_size;        /* Megatron's EP size: EP ranks (ETP groups) per EP group */
     int32_t physical_gpus_per_node;      /* GPUs per node as configured */
+    /* Pipeline parallelism (docs/config.md, "topology"), appended after the fields above. */
+    int32_t physical_num_nodes;          /* nodes as configured */
+    int32_t pipeline_parallel_size;      /* pipeline stages (devices of a pipeline), >= 1 */
+    int32_t virtual_pipeline_size;       /* model chunks per stage, >= 1 (> 1: interleaved) */
+    rp_pipeline_schedule pipeline_schedule;
+    /* [pipeline_parallel_size * virtual_pipeline_size] MoE layers of each virtual stage v,
+     * in model order; v runs on stage v % pipeline_parallel_size (Megatron's model chunk
+     * v / pipeline_parallel_size) and holds layers stage_layer_begin[v] .. + layers_per_stage[v] */
+    const int32_t *layers_per_stage;
+    const int32_t *stage_layer_begin;
 } rp_topology;
 
 /* One point of an efficiency curve: at `tokens` the kernel reaches `efficiency` of peak.

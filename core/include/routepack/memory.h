@@ -30,6 +30,11 @@ typedef struct rp_gpu_memory {
     double capacity_bytes;          /* hardware.hbm_bytes */
     int32_t expert_optimizer_shards;/* 1, or num_ep_groups under optimizer_sharding "dp" */
     int32_t dense_optimizer_shards; /* 1, or num_gpus under optimizer_sharding "dp" */
+    /* Under pipeline parallelism a GPU holds its stage's layers only: the figures are for
+     * the stage with the most MoE layers (0 when PP is 1), which holds stage_layers of
+     * them (num_layers when PP is 1) and that share of dense_params. */
+    int32_t pipeline_stage;
+    int32_t stage_layers;
 } rp_gpu_memory;
 
 /* The memory of GPU `gpu` under `cfg`, with the extra replicas of `plan` (NULL: the
