@@ -1,4 +1,4 @@
-/* The context: allocator hook and log hook. */
+/* The context: allocator hook, log hook and progress hook. */
 #include "internal.h"
 
 #include <errno.h>
@@ -43,6 +43,17 @@ void rp_context_set_log(rp_context *ctx, rp_log_fn fn, void *ud, rp_log_level mi
     ctx->log = fn;
     ctx->log_ud = ud;
     ctx->log_min = min_level;
+}
+
+void rp_context_set_progress(rp_context *ctx, rp_progress_fn fn, void *ud)
+{
+    ctx->progress = fn;
+    ctx->progress_ud = ud;
+}
+
+void rp_progress(rp_context *ctx, const char *what, int64_t done_bytes, int64_t total_bytes)
+{
+    if (ctx->progress) ctx->progress(ctx->progress_ud, what, done_bytes, total_bytes);
 }
 
 void *rp_alloc(rp_context *ctx, size_t size)

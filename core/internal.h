@@ -14,6 +14,8 @@ struct rp_context {
     rp_log_fn log;
     void *log_ud;
     rp_log_level log_min;
+    rp_progress_fn progress;
+    void *progress_ud;
 };
 
 #if defined(__GNUC__)
@@ -30,6 +32,9 @@ void *rp_calloc(rp_context *ctx, size_t count, size_t size);
 void *rp_realloc(rp_context *ctx, void *ptr, size_t size);
 void rp_free(rp_context *ctx, void *ptr);
 char *rp_strdup(rp_context *ctx, const char *s);
+
+/* Report a pass's progress through the context's hook, if any (see rp_progress_fn). */
+void rp_progress(rp_context *ctx, const char *what, int64_t done_bytes, int64_t total_bytes);
 
 /* Fill `err` (may be NULL) and return `status`. Positions are reset to -1; set the
  * ones that apply after the call. */

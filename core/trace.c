@@ -400,8 +400,18 @@ static void drop_pages(const unsigned char *map, int64_t begin, int64_t len)
     if (hi > lo) madvise((void *)(map + lo), (size_t)(hi - lo), MADV_DONTNEED);
 }
 
-/* XXH64 of a mapped range, in one sequential pass. */
-static uint64_t hash_mapped(const unsigned char *map, int64_t begin, int64_t len)
+/* Payload bytes of every step: the total of a pass over the trace's payloads. */
+static int64_t payload_total(const rp_trace *t)
+{
+    int64_t total = 0;
+    for (int32_t i = 0; i < t->num_steps; i++) total += t->steps[i].payload_bytes; /* <= file size */
+    return total;
+}
+
+/* XXH64 of a mapped range, in one sequential pass; progress as "verifying", the range
+ * being bytes [*done, *done + len) of `total`. */
+static uint64_t hash_mapped(rp_context *ctx, const unsigned char *map, int64_t begin, int64_t len,
+                            int64_t *done, int64_t total)
 {
     rp_hash_state hs;
     rp_hash_init(&hs, 0);
@@ -409,6 +419,8 @@ static uint64_t hash_mapped(const unsigned char *map, int64_t begin, int64_t len
         int64_t n = len - off < HASH_CHUNK ? len - off : HASH_CHUNK;
         rp_hash_update(&hs, map + begin + off, (size_t)n);
         drop_pages(map, begin + off, n);
+        *done += n;
+        rp_progress(ctx, "verifying", *done, total);
     }
     return rp_hash_final(&hs);
 }
@@ -492,8 +504,10 @@ rp_status rp_trace_open(rp_context *ctx, const char *path, unsigned flags, rp_tr
     }
     if (!(flags & RP_TRACE_NO_VERIFY)) {
         madvise(map, (size_t)sb.st_size, MADV_SEQUENTIAL);
+        int64_t done = 0, total = payload_total(t);
         for (int32_t i = 0; i < t->num_steps; i++) {
-            uint64_t got = hash_mapped(t->map, t->steps[i].payload_offset, t->steps[i].payload_bytes);
+            uint64_t got = hash_mapped(ctx, t->map, t->steps[i].payload_offset, t->steps[i].payload_bytes,
+                                       &done, total);
             if (got != t->steps[i].checksum) {
                 st = checksum_fail(err, t, i, got);
                 goto out;
@@ -627,6 +641,7 @@ rp_status rp_trace_validate(rp_trace *t, rp_error *err)
      * is reported before a bad id, since corruption is then the likelier cause. */
     madvise((void *)t->map, t->map_bytes, MADV_SEQUENTIAL);
     rp_status st = RP_OK;
+    int64_t done = 0, total = payload_total(t);
     for (int32_t i = 0; i < t->num_steps && st == RP_OK; i++) {
         const rp_trace_step_info *s = &t->steps[i];
         int64_t ids_begin = ids_offset(s);
@@ -645,6 +660,8 @@ rp_status rp_trace_validate(rp_trace *t, rp_error *err)
                 if (r >= 0) bad = (lo - ids_begin) / s->width + r;
             }
             drop_pages(t->map, off, n);
+            done += n;
+            rp_progress(t->ctx, "validating", done, total);
         }
         uint64_t got = rp_hash_final(&hs);
         if (got != s->checksum) st = checksum_fail(err, t, i, got);
@@ -675,10 +692,20 @@ typedef struct sink {
     rp_trace_writer *w;
     int64_t pos;   /* file position of buf[0] */
     size_t fill;
-    bool hashing;
+    bool hashing;  /* in the payload: hashed, and its progress reported */
     rp_hash_state hash;
+    int64_t payload, payload_bytes; /* file position and size of the payload */
+    int64_t reported;               /* payload bytes last reported, -1 before any */
     rp_error *err;
 } sink;
+
+/* Payload bytes written so far, through the context's progress hook. */
+static void sink_progress(sink *s)
+{
+    if (!s->hashing || s->pos - s->payload == s->reported) return;
+    s->reported = s->pos - s->payload;
+    rp_progress(s->w->ctx, "writing", s->reported, s->payload_bytes);
+}
 
 static rp_status pwrite_all(rp_trace_writer *w, const void *data, size_t n, int64_t pos,
                             rp_error *err)
@@ -704,6 +731,7 @@ static rp_status sink_flush(sink *s)
     rp_status st = pwrite_all(s->w, s->w->buf, s->fill, s->pos, s->err);
     s->pos += (int64_t)s->fill;
     s->fill = 0;
+    if (st == RP_OK) sink_progress(s);
     return st;
 }
 
@@ -739,6 +767,7 @@ static rp_status sink_direct(sink *s, const void *data, size_t n)
     if (s->hashing) rp_hash_update(&s->hash, data, n);
     st = pwrite_all(s->w, data, n, s->pos, s->err);
     s->pos += (int64_t)n;
+    if (st == RP_OK) sink_progress(s);
     return st;
 }
 
@@ -997,7 +1026,7 @@ rp_status rp_trace_writer_append(rp_trace_writer *w, int64_t step, const rp_batc
     char header[1024];
     const void **layer_at = NULL;
     int64_t start = w->end;
-    sink s = {.w = w, .pos = start, .err = err};
+    sink s = {.w = w, .pos = start, .err = err, .reported = -1};
 
     if (step < 0) return rp_fail(err, RP_EINVAL, "%s: step index %" PRId64 " is negative", w->path, step);
     st = rp_routing_check_shape(routing, batch, w->num_experts, err);
@@ -1044,6 +1073,8 @@ rp_status rp_trace_writer_append(rp_trace_writer *w, int64_t step, const rp_batc
     s.hashing = true;
     rp_hash_init(&s.hash, 0);
     int64_t payload = s.pos;
+    s.payload = payload;
+    s.payload_bytes = lay.payload_bytes;
     const int32_t *arrays[3] = {rp_batch_prompt_lens(batch), rp_batch_response_lens(batch),
                                 rp_batch_group_ids(batch)};
     for (int a = 0; a < 3; a++) {
@@ -1056,6 +1087,7 @@ rp_status rp_trace_writer_append(rp_trace_writer *w, int64_t step, const rp_batc
     char hex[CHECKSUM_DIGITS + 1];
     snprintf(hex, sizeof hex, "%016" PRIx64, rp_hash_final(&s.hash));
     RP_CHECK_GOTO(pwrite_all(w, hex, CHECKSUM_DIGITS, checksum_at, err), st, rollback);
+    sink_progress(&s); /* done == total, also for an empty payload */
     w->end = s.pos;
     w->num_steps++;
     w->num_layers = routing->num_layers;

@@ -43,12 +43,22 @@ int cli_check_output_file(const char *option, const char *path);
 int cli_make_output_dir(const char *option, const char *dir);
 
 /* Progress of long work (core/cli/progress.c): one line on stderr, redrawn, only on a
- * terminal and after ~2 s of work; --quiet (any command) turns it off. `units` are steps;
- * `bytes` 0 when not counted; `detail` may be NULL. End clears the line. */
+ * terminal and after ~2 s of work; --quiet (any command) turns it off. `units` are steps
+ * (total 0: not shown); `bytes` 0 when not counted; `detail` may be NULL. End clears the
+ * line. */
 void cli_progress_quiet(bool quiet);
 bool cli_progress_quiet_p(void);
 void cli_progress_begin(const char *what, int64_t total_units, double total_bytes);
 void cli_progress_update(int64_t units_done, double bytes_done, const char *detail);
+/* Where the command is, without drawing: the library's passes that follow (the hook
+ * below) add their bytes to `bytes_done`. */
+void cli_progress_at(int64_t units_done, double bytes_done);
+/* The context's progress hook (rp_progress_fn), installed by main: redraws the line
+ * inside a step as the trace writer or reader gets on. */
+void cli_progress_hook(void *ud, const char *what, int64_t done_bytes, int64_t total_bytes);
+/* rp_trace_open with the checksum pass of a huge trace on the line ("PATH, 1.2 GB of
+ * ~6.8 GB, ...  verifying"). */
+rp_status cli_trace_open(rp_context *ctx, const char *path, unsigned flags, rp_trace **out, rp_error *err);
 void cli_progress_end(void);
 /* Erase the line before printing a message; the next update draws it again. */
 void cli_progress_clear(void);

@@ -238,6 +238,7 @@ int cmd_trace_gen(rp_context *ctx, int argc, char **argv)
             announce(out, info, b, estimate);
             cli_progress_begin("trace gen: step", info->num_steps, estimate);
         }
+        cli_progress_at(step, written); /* the writer's hook moves the line inside the step */
         rp_status st = rp_trace_writer_append(w, step, b, &r, &err);
         written += step_bytes;
         cli_progress_update(step + 1, written, NULL);

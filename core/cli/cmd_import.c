@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -69,20 +70,26 @@ static int check_seq_array(const char *name, const rp_npy *a, int64_t *num_seqs,
     return CLI_OK;
 }
 
-/* The first routing id outside [0, num_experts), or -1. Unsigned compare: negative
- * values become huge. Loads use memcpy since the data may be unaligned. */
+static int npy_item_bytes(rp_npy_dtype t)
+{
+    static const int bytes[] = {1, 1, 2, 2, 4, 4, 8, 8};
+    return bytes[t];
+}
+
+/* The first routing id of [from, from + count) outside [0, num_experts), or -1.
+ * Unsigned compare: negative values become huge. Loads use memcpy since the data may be
+ * unaligned. */
 #define SCAN(T)                                                                  \
-    for (int64_t i = 0; i < count; i++) {                                        \
+    for (int64_t i = from; i < from + count; i++) {                              \
         T v;                                                                     \
         memcpy(&v, p + i * (int64_t)sizeof(T), sizeof(T));                       \
         if ((uint64_t)(int64_t)v >= limit) return i;                             \
     }                                                                            \
     return -1;
 
-static int64_t first_bad_npy_id(const rp_npy *a, uint64_t limit)
+static int64_t first_bad_in(const rp_npy *a, int64_t from, int64_t count, uint64_t limit)
 {
     const unsigned char *p = rp_npy_data(a);
-    int64_t count = rp_npy_count(a);
     switch (rp_npy_type(a)) {
     case RP_NPY_I8: SCAN(int8_t)
     case RP_NPY_U8: SCAN(uint8_t)
@@ -97,10 +104,21 @@ static int64_t first_bad_npy_id(const rp_npy *a, uint64_t limit)
 }
 #undef SCAN
 
-static int npy_item_bytes(rp_npy_dtype t)
+#define SCAN_BLOCK_BYTES ((int64_t)16 << 20) /* ids checked between progress updates */
+
+/* The first routing id outside [0, num_experts), or -1; the progress line moves on by
+ * the bytes read, from `bytes_before` (a huge step is one long scan). */
+static int64_t first_bad_npy_id(const rp_npy *a, uint64_t limit, int64_t step_unit, double bytes_before)
 {
-    static const int bytes[] = {1, 1, 2, 2, 4, 4, 8, 8};
-    return bytes[t];
+    int64_t count = rp_npy_count(a), item = npy_item_bytes(rp_npy_type(a));
+    int64_t block = SCAN_BLOCK_BYTES / item;
+    for (int64_t from = 0; from < count; from += block) {
+        int64_t n = count - from < block ? count - from : block;
+        int64_t bad = first_bad_in(a, from, n, limit);
+        if (bad >= 0) return bad;
+        cli_progress_update(step_unit, bytes_before + (double)((from + n) * item), "checking ids");
+    }
+    return -1;
 }
 
 typedef struct import_opts {
@@ -117,6 +135,27 @@ typedef struct import_step {
     const rp_npy *routing, *lens, *prompt, *response, *groups;
     char routing_name[512], lens_name[512], prompt_name[512], response_name[512], groups_name[512];
 } import_step;
+
+/* What a step costs the progress line: its routing read by the id check, then the
+ * trace payload written (ids in `width`, three int32 arrays per sequence). */
+static double step_input_bytes(const import_step *s)
+{
+    return (double)rp_npy_count(s->routing) * npy_item_bytes(rp_npy_type(s->routing));
+}
+
+static double pad64(double bytes)
+{
+    return ceil(bytes / 64) * 64;
+}
+
+/* The step's payload as the writer reports it (docs/formats.md: three int32 arrays and
+ * the ids, each padded to 64 bytes), so the count only grows at the step's end. */
+static double step_output_bytes(const import_step *s, rp_id_width width)
+{
+    const rp_npy *lens = s->lens ? s->lens : s->prompt;
+    double seqs = rp_npy_ndim(lens) > 0 ? (double)rp_npy_shape(lens)[0] : 0;
+    return 3 * pad64(4 * seqs) + pad64((double)rp_npy_count(s->routing) * (double)width);
+}
 
 static int parse_import(int argc, char **argv, import_opts *o)
 {
@@ -389,7 +428,8 @@ static int32_t shape_find_step(const trace_shape *t, int64_t step)
 /* Check one step's arrays against each other, the expert count and the trace; then
  * append it. *batch_out (caller frees) says what was written. */
 static int import_one(rp_context *ctx, const import_opts *o, const import_step *s, int64_t step,
-                      trace_shape *t, rp_trace_writer *w, const char *trace_path, rp_batch **batch_out)
+                      trace_shape *t, rp_trace_writer *w, const char *trace_path, int32_t index,
+                      double bytes_before, rp_batch **batch_out)
 {
     const rp_npy *ra = s->routing;
     const char *rname = s->routing_name;
@@ -424,7 +464,7 @@ static int import_one(rp_context *ctx, const import_opts *o, const import_step *
                       layout_text, num_tokens, rp_batch_num_tokens(batch), hint);
         goto out;
     }
-    int64_t bad = first_bad_npy_id(ra, (uint64_t)o->experts);
+    int64_t bad = first_bad_npy_id(ra, (uint64_t)o->experts, index, bytes_before);
     if (bad >= 0) {
         /* flat index -> (token, layer, choice) in the file's layout */
         int64_t choice = bad % top_k, rest = bad / top_k;
@@ -460,6 +500,8 @@ static int import_one(rp_context *ctx, const import_opts *o, const import_step *
     rp_routing view;
     if ((rc = routing_view(ra, o->per_layer, t->width, &view, &copy)) != CLI_OK) goto out;
     rp_error err;
+    /* the writer's progress hook (cli_progress_hook) counts on from the checked input */
+    cli_progress_at(index, bytes_before + step_input_bytes(s));
     if (rp_trace_writer_append(w, step, batch, &view, &err) != RP_OK) {
         rc = cli_fail(&err);
         goto out;
@@ -588,13 +630,19 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
     }
 
     /* 3. every step, checked and appended; any failure undoes them all (below) */
-    cli_progress_begin("trace import: step", num_steps, 0);
+    /* the line counts the bytes read (the id check) and written (the trace) */
+    double total_bytes = 0, bytes_done = 0;
+    for (int32_t i = 0; i < num_steps; i++)
+        if (steps[i].routing && (steps[i].lens || steps[i].prompt))
+            total_bytes += step_input_bytes(&steps[i]) + step_output_bytes(&steps[i], t.width);
+    cli_progress_begin("trace import: step", num_steps, total_bytes);
     for (int32_t i = 0; i < num_steps && rc == CLI_OK; i++) {
         int64_t step = steps[i].have_step ? steps[i].step
                        : o.have_step ? o.step
                        : t.num_steps ? t.steps[t.num_steps - 1] + 1 : 0;
-        rc = import_one(ctx, &o, &steps[i], step, &t, w, o.out, &written[i]);
-        cli_progress_update(i + 1, 0, NULL);
+        rc = import_one(ctx, &o, &steps[i], step, &t, w, o.out, i, bytes_done, &written[i]);
+        bytes_done += step_input_bytes(&steps[i]) + step_output_bytes(&steps[i], t.width);
+        cli_progress_update(i + 1, bytes_done, NULL);
     }
     cli_progress_end();
     rp_trace_writer *closing = w;

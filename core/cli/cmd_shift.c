@@ -147,7 +147,7 @@ int cmd_stats_shift(rp_context *ctx, const char *old_path, const char *new_path,
     rp_error err;
     int rc = CLI_OK;
     for (int i = 0; i < 2; i++) {
-        if (rp_trace_open(ctx, paths[i], 0, &traces[i], &err) != RP_OK) {
+        if (cli_trace_open(ctx, paths[i], 0, &traces[i], &err) != RP_OK) {
             rc = cli_fail(&err);
             goto out;
         }

@@ -117,7 +117,7 @@ rp_status cli_input_open(rp_context *ctx, const char *trace, const char *gen, cl
     if (trace) {
         /* payload checksums are verified at open: a simulation on corrupted data is no
          * simulation */
-        if ((st = rp_trace_open(ctx, trace, 0, &in->trace, err)) != RP_OK) return st;
+        if ((st = cli_trace_open(ctx, trace, 0, &in->trace, err)) != RP_OK) return st;
         const rp_trace_step_info *s = rp_trace_step(in->trace, 0);
         in->path = trace;
         in->num_steps = rp_trace_num_steps(in->trace);

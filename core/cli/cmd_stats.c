@@ -214,7 +214,7 @@ int cmd_stats(rp_context *ctx, int argc, char **argv)
     rp_routing routing;
     rp_error err;
     int rc = CLI_OK;
-    if (rp_trace_open(ctx, path, 0, &trace, &err) != RP_OK) return cli_fail(&err);
+    if (cli_trace_open(ctx, path, 0, &trace, &err) != RP_OK) return cli_fail(&err);
     double open_s = seconds_since(&t0);
     int32_t num_steps = rp_trace_num_steps(trace);
     if (step < 0 || step >= num_steps) {

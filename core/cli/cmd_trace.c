@@ -127,7 +127,11 @@ int cmd_trace_validate(rp_context *ctx, int argc, char **argv)
     for (int p = 0; p < num_paths; p++) {
         rp_trace *t = NULL;
         rp_error err;
-        if (rp_trace_open(ctx, paths[p], 0, &t, &err) != RP_OK || rp_trace_validate(t, &err) != RP_OK)
+        /* two passes over a huge trace (checksums at open, then every id): both on the line */
+        cli_progress_begin(paths[p], 0, 0);
+        bool valid = rp_trace_open(ctx, paths[p], 0, &t, &err) == RP_OK && rp_trace_validate(t, &err) == RP_OK;
+        cli_progress_end();
+        if (!valid)
             rc = cli_fail(&err);
         else
             printf("%s: %d step%s, OK\n", paths[p], rp_trace_num_steps(t),

@@ -288,6 +288,7 @@ int main(int argc, char **argv)
             return CLI_FAIL;
         }
         rp_context_set_log(ctx, log_to_stderr, NULL, RP_LOG_WARN);
+        rp_context_set_progress(ctx, cli_progress_hook, NULL);
         int rc = c->run(ctx, argc - first, argv + first);
         rp_context_free(ctx);
         return rc;

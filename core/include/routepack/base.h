@@ -75,9 +75,19 @@ typedef enum rp_log_level {
 /* Log hook. The library never prints; what it has to say goes here. */
 typedef void (*rp_log_fn)(void *ud, rp_log_level level, const char *message);
 
-/* A context carries the allocator and the log hook. Every object is created in one
- * and must be freed before it. A context has no other state, so several schedulers
- * in one process never interfere. */
+/* Progress hook. Long byte passes report how far they are, so that a tool can show
+ * progress inside one huge step: writing a trace step's payload ("writing": bytes of
+ * that step's payload written, of its payload size), the checksum pass of rp_trace_open
+ * ("verifying") and rp_trace_validate ("validating": payload bytes of the whole trace
+ * read). It is called on the caller's thread from inside the call, about every 4 MB
+ * written or 64 MB read, and once with done_bytes == total_bytes at the end of a pass
+ * that completes; done_bytes never decreases within a pass. It must not call the library
+ * on the objects the call is working on. */
+typedef void (*rp_progress_fn)(void *ud, const char *what, int64_t done_bytes, int64_t total_bytes);
+
+/* A context carries the allocator, the log hook and the progress hook. Every object is
+ * created in one and must be freed before it. A context has no other state, so several
+ * schedulers in one process never interfere. */
 typedef struct rp_context rp_context;
 
 /* Create a context. `alloc` NULL means the C library's malloc. */
@@ -85,6 +95,8 @@ RP_API rp_status rp_context_new(rp_alloc_fn alloc, void *alloc_ud, rp_context **
 RP_API void rp_context_free(rp_context *ctx);
 /* Messages below `min_level` are dropped. `fn` NULL disables logging (the default). */
 RP_API void rp_context_set_log(rp_context *ctx, rp_log_fn fn, void *ud, rp_log_level min_level);
+/* `fn` NULL disables progress reports (the default). */
+RP_API void rp_context_set_progress(rp_context *ctx, rp_progress_fn fn, void *ud);
 
 /* Free text the library allocated through `ctx` (JSON dumps, reports). NULL is a no-op. */
 RP_API void rp_text_free(rp_context *ctx, char *text);
