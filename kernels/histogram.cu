@@ -11,8 +11,12 @@ extern "C" {
 #include "internal.h"
 }
 #include "routepack/gpu.h"
+#include "routing_access.cuh"
 
 namespace {
+
+using rp_kernels::id_at;
+using rp_kernels::seq_of;
 
 constexpr int kThreads = 512;
 /* Tokens per block: large enough that the per-block cost (clearing and flushing the
@@ -36,25 +40,6 @@ struct flags {
     int pad;
     unsigned long long bad_key; /* first bad id of bad_seq, in (layer, token, choice) order */
 };
-
-/* Index of the sequence holding global token `tok`: the last s with cu[s] <= tok. The
- * sequence found is never empty, since cu[s + 1] > tok. */
-__device__ int32_t seq_of(const int64_t *cu, int32_t n, int64_t tok)
-{
-    int32_t lo = 0, hi = n; /* first i in [0, n] with cu[i] > tok */
-    while (lo < hi) {
-        int32_t mid = lo + (hi - lo) / 2;
-        if (cu[mid] > tok) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo - 1;
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t id_at(const T *base, int64_t i)
-{
-    return (uint32_t)base[i]; /* negative int32 ids become huge, so one compare checks both */
-}
 
 /* Count ids [e0, e1) of a dense view (each token a contiguous record of R = layers * k
  * ids, the record of token t at t * R) into the shared histogram [layers][experts].

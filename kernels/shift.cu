@@ -11,8 +11,11 @@ extern "C" {
 #include "internal.h"
 }
 #include "routepack/gpu.h"
+#include "routing_access.cuh"
 
 namespace {
+
+using rp_kernels::seq_of;
 
 constexpr int kThreads = 256;
 constexpr int64_t kTokensPerBlock = 2048;
@@ -35,23 +38,7 @@ struct flags {
 
 __device__ __forceinline__ uint32_t id_at(const view &v, int64_t i)
 {
-    /* negative int32 ids become huge, so one compare checks both ends */
-    switch (v.width) {
-    case 1: return static_cast<const uint8_t *>(v.base)[i];
-    case 2: return static_cast<const uint16_t *>(v.base)[i];
-    default: return (uint32_t) static_cast<const int32_t *>(v.base)[i];
-    }
-}
-
-__device__ int32_t seq_of(const int64_t *cu, int32_t n, int64_t tok)
-{
-    int32_t lo = 0, hi = n; /* first i in [0, n] with cu[i] > tok */
-    while (lo < hi) {
-        int32_t mid = lo + (hi - lo) / 2;
-        if (cu[mid] > tok) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo - 1;
+    return rp_kernels::id_at(v.base, v.width, i);
 }
 
 /* One block per (chunk of tokens, layer); a thread per token. For each old choice j:
