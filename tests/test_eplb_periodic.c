@@ -12,12 +12,12 @@
 #include <unistd.h>
 
 #define STEPS 8
+static gen_steps fx; /* the fixture (tests/test_util.h); the names below are its parts */
 static rp_context *ctx;
 static rp_config *cfg;
-static rp_batch *batches[STEPS];
-static rp_routing routings[STEPS];
-static void *ids[STEPS];
-static char tmp[256];
+static rp_batch **batches;
+static rp_routing *routings;
+static const char *tmp;
 
 static rp_sched *make(const char *policy, const char *params)
 {
@@ -252,34 +252,15 @@ static void test_checkpoint(void)
 int main(void)
 {
     rp_error err;
-    rp_gen *gen = NULL;
-    rp_context_new(NULL, NULL, &ctx);
-    if (rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-small.json", &cfg, &err) != RP_OK ||
-        rp_gen_load(ctx, RP_SOURCE_DIR "/examples/gen-small.json", &gen, &err) != RP_OK) {
+    if (!gen_steps_load(&fx, "eplb-periodic", STEPS, &err)) {
         ok(0, "setup: %s", err.text);
         return tap_done();
     }
-    for (int t = 0; t < STEPS; t++)
-        if (!(ids[t] = gen_step_copy(gen, t, &batches[t], &routings[t], &err))) {
-            ok(0, "gen step %d: %s", t, err.text);
-            return tap_done();
-        }
-    snprintf(tmp, sizeof tmp, "/tmp/rp_test_eplb_periodic_XXXXXX");
-    if (!mkdtemp(tmp)) return 1;
-    unsetenv("RP_POLICY_PATH");
+    ctx = fx.ctx, cfg = fx.cfg, batches = fx.batches, routings = fx.routings, tmp = fx.tmp;
     test_interval();
     test_window();
     test_residents();
     test_checkpoint();
-    for (int t = 0; t < STEPS; t++) {
-        rp_batch_free(batches[t]);
-        free(ids[t]);
-    }
-    rp_gen_free(gen);
-    rp_config_free(cfg);
-    rp_context_free(ctx);
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmp);
-    if (system(cmd) != 0) diag("could not remove %s", tmp);
+    gen_steps_free(&fx);
     return tap_done();
 }

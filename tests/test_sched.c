@@ -14,28 +14,15 @@
 #include <string.h>
 #include <unistd.h>
 
-static rp_context *ctx;
-static rp_config *cfg;
-static rp_gen *gen;
-static char tmp[256];
 static int files;
 
 #define STEPS 4
-static rp_batch *batches[STEPS];
-static rp_routing routings[STEPS];
-static uint8_t *ids[STEPS];
-
-/* gen-small's batches, copied so that several can be alive at once. */
-static void make_batches(void)
-{
-    for (int t = 0; t < STEPS; t++) {
-        rp_error err;
-        if (!(ids[t] = gen_step_copy(gen, t, &batches[t], &routings[t], &err))) {
-            diag("gen: %s", err.text);
-            exit(1);
-        }
-    }
-}
+static gen_steps fx; /* the fixture (tests/test_util.h); the names below are its parts */
+static rp_context *ctx;
+static rp_config *cfg;
+static rp_batch **batches;
+static rp_routing *routings;
+static const char *tmp;
 
 /* Write a policy file; returns its path (static buffer rotation). */
 static const char *policy_file(const char *source)
@@ -788,7 +775,7 @@ static void test_errors(void)
     rp_sched *s = make("token_kk", NULL);
     size_t nids = (size_t)rp_batch_num_tokens(batches[0]) * 16 * 8;
     uint8_t *bad_ids = malloc(nids);
-    memcpy(bad_ids, ids[0], nids);
+    memcpy(bad_ids, fx.ids[0], nids);
     bad_ids[nids / 2] = 200; /* one expert id out of range */
     rp_routing bad;
     rp_routing_packed(&bad, RP_ID_U8, 16, 8, bad_ids);
@@ -1330,16 +1317,11 @@ static void test_fallback_check_counts(void)
 int main(void)
 {
     rp_error err;
-    rp_context_new(NULL, NULL, &ctx);
-    if (rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-small.json", &cfg, &err) != RP_OK ||
-        rp_gen_load(ctx, RP_SOURCE_DIR "/examples/gen-small.json", &gen, &err) != RP_OK) {
+    if (!gen_steps_load(&fx, "sched", STEPS, &err)) {
         ok(0, "setup: %s", err.text);
         return tap_done();
     }
-    snprintf(tmp, sizeof tmp, "/tmp/rp_test_sched_XXXXXX");
-    if (!mkdtemp(tmp)) return 1;
-    unsetenv("RP_POLICY_PATH");
-    make_batches();
+    ctx = fx.ctx, cfg = fx.cfg, batches = fx.batches, routings = fx.routings, tmp = fx.tmp;
     test_shipped();
     test_initial_placement();
     test_omitted();
@@ -1360,15 +1342,6 @@ int main(void)
     test_errors();
     test_allocation_failures();
     test_fallback_check_counts();
-    for (int t = 0; t < STEPS; t++) {
-        rp_batch_free(batches[t]);
-        free(ids[t]);
-    }
-    rp_gen_free(gen);
-    rp_config_free(cfg);
-    rp_context_free(ctx);
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
-    if (system(cmd) != 0) diag("could not remove %s", tmp);
+    gen_steps_free(&fx);
     return tap_done();
 }

@@ -11,27 +11,14 @@
 #include <string.h>
 #include <unistd.h>
 
-static rp_context *ctx;
-static rp_config *cfg;
-static rp_gen *gen;
-static char tmp[256];
 
 #define STEPS 12
-static rp_batch *batches[STEPS];
-static rp_routing routings[STEPS];
-static uint8_t *ids[STEPS];
-
-/* gen-small's batches, copied so that several can be alive at once (as tests/test_sched.c). */
-static void make_batches(void)
-{
-    for (int t = 0; t < STEPS; t++) {
-        rp_error err;
-        if (!(ids[t] = gen_step_copy(gen, t, &batches[t], &routings[t], &err))) {
-            diag("gen: %s", err.text);
-            exit(1);
-        }
-    }
-}
+static gen_steps fx; /* the fixture (tests/test_util.h); the names below are its parts */
+static rp_context *ctx;
+static rp_config *cfg;
+static rp_batch **batches;
+static rp_routing *routings;
+static const char *tmp;
 
 static const char *policy_file(const char *name, const char *source)
 {
@@ -528,16 +515,11 @@ static void test_alloc_failures(void)
 int main(void)
 {
     rp_error err;
-    rp_context_new(NULL, NULL, &ctx);
-    if (rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-small.json", &cfg, &err) != RP_OK ||
-        rp_gen_load(ctx, RP_SOURCE_DIR "/examples/gen-small.json", &gen, &err) != RP_OK) {
+    if (!gen_steps_load(&fx, "sched-state", STEPS, &err)) {
         ok(0, "setup: %s", err.text);
         return tap_done();
     }
-    snprintf(tmp, sizeof tmp, "/tmp/rp_test_sched_state_XXXXXX");
-    if (!mkdtemp(tmp)) return 1;
-    unsetenv("RP_POLICY_PATH");
-    make_batches();
+    ctx = fx.ctx, cfg = fx.cfg, batches = fx.batches, routings = fx.routings, tmp = fx.tmp;
     test_resume("a stateful Lua policy", policy_file("stateful_resume", STATEFUL), 4);
     test_resume("a pair (token_kk+eplb)", "token_kk+eplb", 8);
     test_resume("the joint policy (routepack)", "routepack", 8);
@@ -547,15 +529,6 @@ int main(void)
     test_unsaveable();
     test_bad_state();
     test_alloc_failures();
-    for (int t = 0; t < STEPS; t++) {
-        rp_batch_free(batches[t]);
-        free(ids[t]);
-    }
-    rp_gen_free(gen);
-    rp_config_free(cfg);
-    rp_context_free(ctx);
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
-    if (system(cmd) != 0) diag("could not remove %s", tmp);
+    gen_steps_free(&fx);
     return tap_done();
 }

@@ -151,6 +151,75 @@ static inline void temp_dir_remove(const char *dir)
     rmdir(dir);
 }
 
+#ifdef RP_SOURCE_DIR
+/* The scheduler tests' fixture: a context, examples/config-small.json, the first
+ * `num_steps` steps of examples/gen-small.json (each step's routing copied, so all are
+ * alive at once), a fresh scratch directory, and RP_POLICY_PATH unset (only the shipped
+ * policies and the paths a test gives are found). gen_steps_free undoes all of it. */
+typedef struct gen_steps {
+    rp_context *ctx;
+    rp_config *cfg;
+    int32_t num_steps;
+    rp_batch **batches;   /* [num_steps] */
+    rp_routing *routings; /* [num_steps], packed views over ids */
+    void **ids;           /* [num_steps] */
+    char tmp[64];         /* the scratch directory, /tmp/rp-NAME-XXXXXX; "" before it is made */
+} gen_steps;
+
+static inline void gen_steps_free(gen_steps *g)
+{
+    for (int32_t t = 0; g->batches && t < g->num_steps; t++) {
+        rp_batch_free(g->batches[t]);
+        free(g->ids[t]);
+    }
+    free(g->batches);
+    free(g->routings);
+    free(g->ids);
+    rp_config_free(g->cfg);
+    rp_context_free(g->ctx);
+    if (g->tmp[0]) {
+        char cmd[128];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", g->tmp); /* tests may make folders in it */
+        if (system(cmd) != 0) fprintf(stderr, "# could not remove %s\n", g->tmp);
+    }
+    memset(g, 0, sizeof *g);
+}
+
+/* Set up the fixture (see gen_steps) for the test `name`; false with the reason in
+ * err->text, having freed what it made. */
+static inline bool gen_steps_load(gen_steps *g, const char *name, int32_t num_steps, rp_error *err)
+{
+    memset(g, 0, sizeof *g);
+    rp_gen *gen = NULL;
+    rp_error_clear(err);
+    bool good = rp_context_new(NULL, NULL, &g->ctx) == RP_OK &&
+                rp_config_load(g->ctx, RP_SOURCE_DIR "/examples/config-small.json", &g->cfg, err) == RP_OK &&
+                rp_gen_load(g->ctx, RP_SOURCE_DIR "/examples/gen-small.json", &gen, err) == RP_OK;
+    if (good) {
+        g->num_steps = num_steps;
+        g->batches = calloc((size_t)num_steps, sizeof *g->batches);
+        g->routings = calloc((size_t)num_steps, sizeof *g->routings);
+        g->ids = calloc((size_t)num_steps, sizeof *g->ids);
+        good = g->batches && g->routings && g->ids;
+        if (!good) snprintf(err->text, sizeof err->text, "out of memory for %d steps", num_steps);
+    }
+    for (int32_t t = 0; good && t < num_steps; t++)
+        good = (g->ids[t] = gen_step_copy(gen, t, &g->batches[t], &g->routings[t], err)) != NULL;
+    rp_gen_free(gen);
+    if (good && !temp_dir_make(g->tmp, sizeof g->tmp, name)) {
+        g->tmp[0] = '\0';
+        snprintf(err->text, sizeof err->text, "cannot make a scratch directory in /tmp");
+        good = false;
+    }
+    if (!good) {
+        gen_steps_free(g);
+        return false;
+    }
+    unsetenv("RP_POLICY_PATH");
+    return true;
+}
+#endif
+
 #ifdef RP_BINARY_DIR
 /* Run `routepack ARGS` (the tool in this build) with stderr joined to stdout, keeping the
  * first out_size - 1 bytes of what it prints in out; its exit status, -1 if it did not
