@@ -884,8 +884,8 @@ static void test_bound_random(void)
         rp_cost_free(c[1]);
         fixture_free(&f);
     }
-    is_int(runs, 200, "200 random plans evaluated");
-    is_int(fails, 0, "lower bound <= step on every random plan (largest ratio %.2f)", worst);
+    is_int(runs, 200, "200 random plans evaluated {%s}", random_execution);
+    is_int(fails, 0, "lower bound <= step on every random plan (largest ratio %.2f) {%s}", worst, random_execution);
 }
 
 /* An evaluator that already holds a plan's packing copies its sums instead of reading
@@ -1074,13 +1074,14 @@ static void test_incremental(void)
         rp_cost_free(full);
         fixture_free(&f);
     }
-    ok(trials > 200, "%d incremental changes compared with full evaluations", trials);
-    is_int(mismatches, 0, "try_move/swap/slot equal a full evaluation of the changed plan");
+    const char *x = random_execution; /* the setting, so a failing check says which */
+    ok(trials > 200, "%d incremental changes compared with full evaluations {%s}", trials, x);
+    is_int(mismatches, 0, "try_move/swap/slot equal a full evaluation of the changed plan {%s}", x);
     diag("%d of %d bit-identical", exact, trials);
-    ok(invalid > 0, "%d invalid changes tried (caps, last replicas, shares)", invalid);
-    is_int(invalid_ok, invalid, "each invalid change is predicted as infinite");
-    ok(applies > 10, "%d changes applied", applies);
-    is_int(apply_bad, 0, "after apply_*, state, summary and breakdown equal a full evaluation");
+    ok(invalid > 0, "%d invalid changes tried (caps, last replicas, shares) {%s}", invalid, x);
+    is_int(invalid_ok, invalid, "each invalid change is predicted as infinite {%s}", x);
+    ok(applies > 10, "%d changes applied {%s}", applies, x);
+    is_int(apply_bad, 0, "after apply_*, state, summary and breakdown equal a full evaluation {%s}", x);
 }
 
 /* ---- JSON breakdown ---------------------------------------------------------------- */
@@ -1524,7 +1525,6 @@ int main(void)
     };
     for (size_t i = 0; i < sizeof executions / sizeof executions[0]; i++) {
         random_execution = executions[i];
-        diag("execution: {%s}", random_execution);
         test_bound_random();
         test_incremental();
     }
