@@ -104,7 +104,8 @@ def run_on_terminal(cli, *args, env_extra=None):
 
 def test_progress_on_a_terminal_only(cli, tmp_path):
     gen = SMALL_CONFIG.parent / "gen-small.json"
-    show = {"RP_PROGRESS_AFTER_S": "0"}
+    # from the first update, every update (no 0.2 s between redraws: no clock in the test)
+    show = {"RP_PROGRESS_AFTER_S": "0", "RP_PROGRESS_EVERY_S": "0"}
     rc, out, term = run_on_terminal(cli, "trace", "gen", gen, "--steps", 3, "--out",
                                     tmp_path / "a.rpt", env_extra=show)
     assert rc == 0
