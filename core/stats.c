@@ -34,6 +34,9 @@
 #define CHECK_BLOCK_IDS 4096
 /* Cache line size: per-worker buffers are padded to it. */
 #define LINE 64
+/* Entries past the last row of a worker's counts, where an unchecked uint8 id (< 256)
+ * of the last layer can land before the check sees it (count_dense_u8_by8). */
+#define STATS_COUNTS_SPARE 256
 
 /* What every worker reads. Nothing here is written during the scan but first_bad. */
 typedef struct scan {
@@ -127,6 +130,9 @@ static bool bad_i32(const int32_t *ids, int64_t n, uint32_t limit)
 
 /* Test seam (routing_access.h): called between checking a block and counting it. */
 void (*routing_scan_hook)(void) = NULL;
+
+/* Seam (stats_internal.h): the portable scan only. */
+bool stats_portable_scan = false;
 
 /* Count one layer's 8 choices. The ids are read as 64-bit words, not one by one: the
  * loop is bound by memory operations (each count is a load and a store), and this
@@ -228,6 +234,48 @@ static inline void count8_i32(const int32_t *p, uint32_t *c)
         return true;                                                                          \
     }
 
+#if defined(__SSE2__)
+/* Dense uint8 ids, top-k a multiple of 8: the scan's hot case (up to 256 experts take
+ * uint8 ids, and top-8 is the common k). Each 8 choices of a layer are one 64-bit word,
+ * loaded once from the caller's buffer: the word is counted and its bytes are folded into
+ * a running maximum (in a register, from the same load), which is checked once the
+ * sequence is counted. So the value counted is the value checked, as with the snapshot,
+ * without copying the ids first (the copy and the separate check cost about a quarter of
+ * the portable scan). An id >= experts is counted before the check sees it: `counts` has
+ * STATS_COUNTS_SPARE entries past its last row, so such an id still lands inside it (the
+ * sequence is then reported, and its counts are never used). */
+static bool count_dense_u8_by8(const uint8_t *ids, int64_t tokens, int32_t layers, int32_t k,
+                               uint32_t experts, bool check, uint32_t *counts)
+{
+    const int64_t rec = (int64_t)layers * k;
+    const int64_t block = CHECK_BLOCK_IDS / rec > 0 ? CHECK_BLOCK_IDS / rec : 1;
+    const int32_t words = k / 8;
+    __m128i top = _mm_setzero_si128();
+    for (int64_t t0 = 0; t0 < tokens; t0 += block) {
+        int64_t n = tokens - t0 < block ? tokens - t0 : block;
+        /* the test seam, where another thread could change ids not read yet */
+        if (routing_scan_hook) routing_scan_hook();
+        for (int64_t t = 0; t < n; t++) {
+            uint32_t *c = counts;
+            for (int32_t l = 0; l < layers; l++, c += experts)
+                for (int32_t i = 0; i < words; i++, ids += 8) {
+                    uint64_t w;
+                    memcpy(&w, ids, 8);
+                    top = _mm_max_epu8(top, _mm_cvtsi64_si128((long long)w));
+                    c[w & 0xFF]++; c[(w >> 8) & 0xFF]++; c[(w >> 16) & 0xFF]++; c[(w >> 24) & 0xFF]++;
+                    c[(w >> 32) & 0xFF]++; c[(w >> 40) & 0xFF]++; c[(w >> 48) & 0xFF]++; c[w >> 56]++;
+                }
+        }
+    }
+    if (!check) return true;
+    uint8_t bytes[16];
+    _mm_storeu_si128((__m128i *)bytes, top);
+    uint8_t max = 0;
+    for (int i = 0; i < 8; i++) max = bytes[i] > max ? bytes[i] : max;
+    return max < experts;
+}
+#endif
+
 DEFINE_COUNT_DENSE(uint8_t, u8)
 DEFINE_COUNT_DENSE(uint16_t, u16)
 DEFINE_COUNT_DENSE(int32_t, i32)
@@ -240,6 +288,11 @@ static bool count_seq(const scan *sc, int32_t seq, int64_t tokens, uint32_t *cou
     const rp_routing *r = sc->routing;
     if (sc->dense) {
         const void *ids = rp_routing_at(r, sc->cu_seqlens, seq, 0);
+#if defined(__SSE2__)
+        if (r->width == RP_ID_U8 && sc->top_k % 8 == 0 && !stats_portable_scan)
+            return count_dense_u8_by8(ids, tokens, sc->num_layers, sc->top_k, sc->num_experts, sc->check,
+                                      counts);
+#endif
         switch (r->width) {
         case RP_ID_U8:
             return count_dense_u8(ids, tokens, sc->num_layers, sc->top_k, sc->num_experts,
@@ -606,7 +659,7 @@ rp_status rp_stats_compute(rp_context *ctx, const rp_batch *batch, const rp_rout
      * workers never write to a line another one writes; then the worker records and
      * thread ids. The block is aligned to a line by hand (the hook only promises 16). */
     size_t loads_stride = (cells * sizeof(int64_t) + 2 * LINE - 1) / LINE * LINE;
-    size_t counts_stride = (cells * sizeof(uint32_t) + 2 * LINE - 1) / LINE * LINE;
+    size_t counts_stride = ((cells + STATS_COUNTS_SPARE) * sizeof(uint32_t) + 2 * LINE - 1) / LINE * LINE;
     size_t workers_bytes = ((size_t)nthreads * sizeof(worker) + LINE - 1) / LINE * LINE;
     size_t snapshot_stride = (size_t)CHECK_BLOCK_IDS * sizeof(int32_t);
     size_t per_worker_bytes = loads_stride + counts_stride + snapshot_stride;

@@ -77,6 +77,13 @@ rp_status stats_copy(rp_context *ctx, const rp_stats *stats, rp_stats **out, rp_
 rp_status stats_copy_reusing(rp_context *ctx, const rp_stats *stats, rp_stats **spare, rp_stats **out,
                              rp_error *err);
 
+/* Seam for the benchmark and the tests: when true, rp_stats_compute's CPU scan takes the
+ * portable path for every view (each block of ids copied into a private snapshot,
+ * checked, then counted), never the kernel for dense uint8 ids with top-k a multiple of
+ * 8; both give bit-identical statistics and errors. false (the default) outside
+ * bench_stats and test_stats. */
+extern bool stats_portable_scan;
+
 /* True when a and b hold the same statistics in the same storage: every count, width,
  * offset, load and size. */
 bool stats_same(const rp_stats *a, const rp_stats *b);

@@ -814,6 +814,79 @@ static void test_changed_during_scan(rp_context *ctx)
        "layouts x widths)", cases);
 }
 
+/* The kernel for dense uint8 ids with top-k a multiple of 8 against the portable scan
+ * (stats_portable_scan) and a naive count, over random batches, layouts, widths, top-k
+ * and expert counts (1, 255, 256, 257, 65535 and more among them), with duplicate ids
+ * within a token and, in a quarter of the cases, one id out of range: both scans must
+ * give bit-identical statistics, or the same error word for word. */
+static void test_kernel_matches_portable(rp_context *ctx)
+{
+    static const int32_t experts[] = {1, 2, 7, 8, 16, 100, 128, 255, 256, 257, 1000, 65535, 65536, 70000};
+    static const int32_t ks[] = {1, 2, 3, 8, 16};
+    const rp_id_width widths[3] = {RP_ID_U8, RP_ID_U16, RP_ID_I32};
+    int trials = 0, kernel_cases = 0, kernel_bad = 0, agree = 1, naive = 1;
+    for (int trial = 0; trial < 500; trial++) {
+        int32_t E = experts[rnd(sizeof experts / sizeof *experts)];
+        int32_t k = ks[rnd(sizeof ks / sizeof *ks)];
+        if (k > E) k = E;
+        rp_id_width w = widths[rnd(3)];
+        int view = (int)rnd(NUM_VIEWS);
+        /* half the cases in the kernel's view, width and top-k (where E allows) */
+        if (rnd(2)) w = RP_ID_U8, k = E >= 16 && rnd(3) == 0 ? 16 : E >= 8 ? 8 : k, view = (int)rnd(2);
+        int64_t cap = w == RP_ID_U8 ? 256 : w == RP_ID_U16 ? 65536 : INT32_MAX;
+        int32_t top = (int32_t)(E < cap ? E : cap); /* ids drawn in [0, top) */
+        int32_t L = E > 1000 ? 1 + (int32_t)rnd(2) : 1 + (int32_t)rnd(6);
+        int32_t n = (int32_t)rnd(13), lens[13];
+        for (int32_t s = 0; s < n; s++)
+            lens[s] = rnd(5) == 0 ? 0 : rnd(8) == 0 ? 200 + (int32_t)rnd(300) : (int32_t)rnd(40);
+        fixture f;
+        fixture_init(&f, ctx, n, lens, L, k, E);
+        for (int64_t i = 0; i < f.tokens * L * k; i++) /* a hot id repeats within tokens */
+            f.ids[i] = rnd(3) == 0 ? (int32_t)(i / 5 % 3 % top) : (int32_t)rnd((uint32_t)top);
+        /* an id out of range (where the width can hold one) at a random place */
+        bool bad = f.tokens > 0 && E < cap && rnd(4) == 0;
+        if (bad) {
+            int64_t at = (int64_t)rnd((uint32_t)(f.tokens * L * k));
+            f.ids[at] = E + (int32_t)rnd((uint32_t)(cap - E < 1000 ? cap - E : 1000));
+        }
+        rp_routing r;
+        make_view(&f, view, w, &r);
+        int32_t threads = 1 + (int32_t)rnd(3);
+        rp_stats *fast = NULL, *portable = NULL;
+        rp_error ef, ep;
+        memset(&ef, 0, sizeof ef), memset(&ep, 0, sizeof ep);
+        rp_status sf = rp_stats_compute(ctx, f.batch, &r, E, threads, &fast, &ef);
+        stats_portable_scan = true;
+        rp_status sp = rp_stats_compute(ctx, f.batch, &r, E, threads, &portable, &ep);
+        stats_portable_scan = false;
+        bool kernel = w == RP_ID_U8 && k % 8 == 0 && (view == 0 || view == 1);
+        trials++;
+        kernel_cases += kernel;
+        kernel_bad += kernel && bad;
+        if (sf != sp || (sf == RP_OK ? !stats_same(fast, portable) : strcmp(ef.text, ep.text) != 0)) {
+            agree = 0;
+            diag("trial %d: %d experts, top-%d, %d layers, %s width %d: status %d / %d: %s / %s", trial, E, k, L,
+                 view_names[view], w, sf, sp, ef.text, ep.text);
+        }
+        if (sf == RP_OK && !bad && !matches_naive(&f, fast)) {
+            naive = 0;
+            diag("trial %d: %d experts, top-%d, %s width %d differs from the naive count", trial, E, k,
+                 view_names[view], w);
+        }
+        if (bad && sf != RP_ERANGE) {
+            agree = 0;
+            diag("trial %d: an id out of range was not reported (status %d)", trial, sf);
+        }
+        rp_stats_free(fast);
+        rp_stats_free(portable);
+        fixture_free(&f);
+    }
+    ok(agree && naive, "%d random cases: the uint8 top-8k kernel and the portable scan agree bit for bit (or "
+       "on the error), and match a naive count", trials);
+    ok(kernel_cases >= 150 && kernel_bad >= 20, "%d of them took the kernel, %d with an id out of range",
+       kernel_cases, kernel_bad);
+}
+
 static void test_edges(rp_context *ctx)
 {
     rp_batch *b;
@@ -990,6 +1063,7 @@ int main(void)
     test_skew();
     test_bad_ids(ctx);
     test_changed_during_scan(ctx);
+    test_kernel_matches_portable(ctx);
     test_edges(ctx);
     test_alloc_failures();
     test_cli(ctx);
