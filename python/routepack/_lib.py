@@ -161,6 +161,9 @@ _REQUIRED = {
     "rp_context_set_log": (None, [P, LOG_FN, c_void_p, c_int]),
     "rp_text_free": (None, [P, c_void_p]),
     "rp_hash64": (c_uint64, [c_void_p, c_size_t, c_uint64]),
+    # whether routing in GPU memory can be handed over (routepack/gpu.h)
+    "rp_gpu_built": (c_int, []),
+    "rp_gpu_count": (c_int, []),
     "rp_id_width_capacity": (c_int64, [c_int]),
     # virtual experts (per-forward balancing)
     "rp_vexp_new": (c_int, [P, c_int32, c_int32, POINTER(P), PERR]),

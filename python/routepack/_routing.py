@@ -25,24 +25,73 @@ def _routing_error(msg, status=errors.EINVAL, **where):
     return errors.RoutingError(msg, status, **where)
 
 
+class DeviceArray:
+    """A routing array in GPU memory, as its __cuda_array_interface__ describes it (a torch
+    CUDA tensor has one): the C library reads it in place, where rp_stats_compute runs
+    the histogram kernel (kernels/histogram.cu). Keeps the owner alive; never copies."""
+
+    def __init__(self, obj, what):
+        cai = obj.__cuda_array_interface__
+        self.owner = obj
+        try:
+            self.shape = tuple(int(n) for n in cai["shape"])
+            self.dtype = np.dtype(cai["typestr"])
+            data = cai.get("data")
+            self.ptr = int(data[0]) if data and data[0] is not None else 0
+            strides = cai.get("strides")
+        except (KeyError, TypeError, ValueError) as e:
+            raise _routing_error("%s: unreadable __cuda_array_interface__ (%s)" % (what, e)) from e
+        if cai.get("mask") is not None:
+            raise _routing_error("%s in GPU memory has a mask; routing ids take none" % what,
+                                 errors.ENOTSUP)
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        item = self.dtype.itemsize
+        if strides is None:  # C-contiguous
+            st, acc = [], 1
+            for n in reversed(self.shape):
+                st.append(acc)
+                acc *= n
+            self.elem_strides = tuple(reversed(st))
+        else:
+            strides = tuple(int(b) for b in strides)
+            if any(b < 0 or b % item for b, n in zip(strides, self.shape) if n > 1):
+                raise _routing_error(
+                    "%s in GPU memory has strides %s (bytes), negative or not a multiple of its "
+                    "%d-byte ids; the binding cannot copy device memory: pass .contiguous()"
+                    % (what, strides, item), errors.ENOTSUP)
+            self.elem_strides = tuple(b // item if n > 1 else 0 for b, n in zip(strides, self.shape))
+        if self.size and (self.ptr == 0 or self.ptr % item):
+            raise _routing_error("%s in GPU memory is at address %#x, which cannot hold %d-byte ids"
+                                 % (what, self.ptr, item))
+
+
+def is_device(obj):
+    """True for an object the C library reads in GPU memory (__cuda_array_interface__)."""
+    return hasattr(obj, "__cuda_array_interface__") and not isinstance(obj, np.ndarray)
+
+
 def as_host_array(obj, what="routing"):
     """A numpy array over `obj`'s memory without a copy: numpy arrays as they are, DLPack
     producers through np.from_dlpack (torch CPU tensors), __array_interface__ objects
-    through np.asarray. Device memory is refused."""
+    through np.asarray. Device memory is refused here (a packed routing array in GPU
+    memory is taken by normalize(device_ok=True) instead)."""
     if isinstance(obj, np.ndarray):
         return obj
     if hasattr(obj, "__cuda_array_interface__"):
         raise _routing_error(
-            "%s is in GPU memory (__cuda_array_interface__); the Python binding takes host "
-            "memory for now: pass tensor.cpu()" % what, errors.ENOTSUP)
+            "%s is in GPU memory (__cuda_array_interface__); only the statistics (step(), "
+            "compute_stats()) read one packed [tokens, layers, k] routing array in GPU memory: "
+            "pass tensor.cpu() here" % what, errors.ENOTSUP)
     if hasattr(obj, "__dlpack__"):
         if hasattr(obj, "__dlpack_device__"):
             dev_type, dev_id = obj.__dlpack_device__()
             if int(dev_type) != 1:
                 raise _routing_error(
-                    "%s is on device %s:%d; the Python binding takes host memory for now: "
-                    "pass tensor.cpu()" % (what, _DL_DEVICES.get(int(dev_type), str(dev_type)),
-                                           int(dev_id)), errors.ENOTSUP)
+                    "%s is on device %s:%d, seen through DLPack only; the binding reads GPU memory "
+                    "through __cuda_array_interface__ (a torch CUDA tensor has one): pass such an "
+                    "object, or tensor.cpu()" % (what, _DL_DEVICES.get(int(dev_type), str(dev_type)),
+                                                 int(dev_id)), errors.ENOTSUP)
         try:
             return np.from_dlpack(obj)
         except (TypeError, BufferError, RuntimeError) as e:
@@ -164,13 +213,15 @@ def lengths(seq_lens, cu_seqlens, group_ids, routing_list=None, layout=None):
 
 class RoutingView:
     """A C rp_routing over the caller's arrays, with the arrays it points into kept alive.
-    Valid only while this object lives: the C library borrows, never copies."""
+    Valid only while this object lives: the C library borrows, never copies. `device`:
+    the ids are one packed array in GPU memory (a DeviceArray)."""
 
     def __init__(self, layout, width, num_layers, top_k, strides, arrays, copied):
         self.layout = layout
         self.width = width
         self.arrays = arrays       # keeps the memory alive
         self.copied = copied       # True when a conversion or copy was needed
+        self.device = bool(arrays) and isinstance(arrays[0], DeviceArray)
         r = _lib.rp_routing()
         r.layout = _LAYOUT_CODE[layout]
         r.width = width
@@ -178,7 +229,10 @@ class RoutingView:
         r.top_k = top_k
         r.token_stride, r.layer_stride, r.k_stride = strides
         if layout == "packed":
-            r.base = arrays[0].__array_interface__["data"][0] if arrays else None
+            if self.device:
+                r.base = arrays[0].ptr or None
+            else:
+                r.base = arrays[0].__array_interface__["data"][0] if arrays else None
             self._bases = None
         else:
             self._bases = (ctypes.c_void_p * max(len(arrays), 1))(
@@ -283,13 +337,21 @@ def _convert(arrays, layout, num_experts, cu_seqlens):
     return [np.ascontiguousarray(a, dtype=dt) for a in arrays], width
 
 
-def normalize(routing, layout=None):
+def normalize(routing, layout=None, device_ok=False):
     """(layout, arrays): the routing as a list of host numpy arrays and its layout
     ('packed': one [tokens, layers, k]; 'per_seq': one (seq_len, layers, k) per sequence;
     'per_layer': one [tokens, k] per layer). A list's layout follows from its arrays'
-    dimensions; a single array is packed unless layout='per_layer' ([layers, tokens, k])."""
+    dimensions; a single array is packed unless layout='per_layer' ([layers, tokens, k]).
+    With device_ok, one packed array in GPU memory (__cuda_array_interface__) is taken as
+    it is: ('packed', [DeviceArray]); the C library's GPU path reads only that form."""
     if layout is not None and layout not in LAYOUTS:
         raise _routing_error("layout must be one of %s, got %r" % (", ".join(LAYOUTS), layout))
+    if device_ok and is_device(routing):
+        if layout not in (None, "packed"):
+            raise _routing_error(
+                "routing in GPU memory is read as one packed [tokens, layers, k] array; layout "
+                "%r takes host memory: pass the packed array, or .cpu()" % layout, errors.ENOTSUP)
+        return "packed", [DeviceArray(routing, "routing")]
     if isinstance(routing, (list, tuple)):
         arrays = []
         for i, item in enumerate(routing):
@@ -345,9 +407,9 @@ def shape_of(layout, arrays):
 
 
 def prepare(routing, seq_lens, cu_seqlens, group_ids, *, num_layers, top_k, num_experts,
-            layout=None):
-    """(Lengths, RoutingView) for one step."""
-    layout, arrays = normalize(routing, layout)
+            layout=None, device_ok=False):
+    """(Lengths, RoutingView) for one step (device_ok: normalize's)."""
+    layout, arrays = normalize(routing, layout, device_ok)
     lens = lengths(seq_lens, cu_seqlens, group_ids, routing_list=arrays, layout=layout)
     return lens, view(layout, arrays, num_layers=num_layers, top_k=top_k,
                       num_experts=num_experts, lens=lens)
@@ -357,6 +419,8 @@ def view(layout, arrays, *, num_layers, top_k, num_experts, lens):
     """A RoutingView of normalized arrays for a step with lengths `lens` (a Lengths):
     shapes checked against the batch, ids of other dtypes converted, strides passed."""
     L, K, S, T = num_layers, top_k, lens.num_seqs, lens.num_tokens
+    if arrays and isinstance(arrays[0], DeviceArray):
+        return _device_view(arrays[0], L, K, T, num_experts)
     # Shapes first: the C library reads raw pointers, so every array must hold what the
     # batch says it does before a pointer is handed over.
     if layout == "packed":
@@ -410,3 +474,35 @@ def view(layout, arrays, *, num_layers, top_k, num_experts, lens):
     else:
         full = strides
     return RoutingView(layout, width, L, K, full, arrays, copied)
+
+
+def _device_view(dev, L, K, T, num_experts):
+    """A RoutingView of one packed routing array in GPU memory, read in place: the C
+    library asks CUDA where the pointer lives and runs the histogram kernel there. Nothing
+    is copied or converted (the binding holds no CUDA code): the ids must already be
+    uint8, uint16 or int32, with non-negative strides."""
+    if dev.ndim != 3 or dev.shape != (T, L, K):
+        raise _routing_error("routing has shape %s, expected [tokens, layers, k] = [%d, %d, %d]"
+                             % (dev.shape, T, L, K))
+    if dev.size and dev.dtype not in _BORROWED:
+        raise _routing_error(
+            "routing in GPU memory holds %s ids; the histogram kernel reads uint8, uint16 or int32 "
+            "in place and the binding cannot convert device memory: pass ids.to(torch.int32) (or "
+            "torch.uint8 up to 256 experts)" % dev.dtype, errors.ENOTSUP)
+    reads = library_reads_device()
+    if dev.size and reads is not True:
+        raise _routing_error("routing is in GPU memory, but %s: pass tensor.cpu()" % reads, errors.ENOTSUP)
+    width = _BORROWED.get(dev.dtype, _width_for(num_experts))
+    return RoutingView("packed", width, L, K, dev.elem_strides, [dev], False)
+
+
+def library_reads_device():
+    """True when the loaded library can take routing in GPU memory (built with the CUDA
+    kernels, and a device is there); otherwise why not. A library without them would
+    read a device pointer as host memory."""
+    lib = _lib.load()
+    if not lib.rp_gpu_built():
+        return "this libroutepack was built without CUDA (RP_WITH_CUDA=OFF or no nvcc)"
+    if lib.rp_gpu_count() < 1:
+        return "this libroutepack sees no CUDA device"
+    return True

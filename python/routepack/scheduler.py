@@ -431,8 +431,10 @@ class Scheduler:
         (seq_len, layers, k) arrays (vLLM/SGLang R3), or a list of per-layer [tokens, k]
         arrays (Megatron router replay); numpy arrays, CPU tensors (DLPack) or
         __array_interface__ objects. uint8/uint16/int32 ids are read in place, other
-        integer dtypes converted once. The C library borrows the routing only during
-        this call. ``step``: the step index (default: one past the previous).
+        integer dtypes converted once. One packed array in GPU memory (a torch CUDA
+        tensor, __cuda_array_interface__; uint8/uint16/int32) is read in place too: the
+        statistics come from the C library's histogram kernel (docs/python.md). The C
+        library borrows the routing only during this call. ``step``: the step index (default: one past the previous).
         ``physical=True`` also fills result.physical_routing and result.slot_tokens
         (StepResult.remap, rp_remap over every microbatch of the new plan).
         """
@@ -441,7 +443,11 @@ class Scheduler:
             step = _args.integer(step, "step", _args.INT64)
         lens, view = _routing.prepare(routing, seq_lens, cu_seqlens, group_ids,
                                       num_layers=cfg.num_layers, top_k=cfg.top_k,
-                                      num_experts=cfg.num_experts, layout=layout)
+                                      num_experts=cfg.num_experts, layout=layout, device_ok=True)
+        if physical and view.device:
+            raise errors.RoutingError(
+                "physical=True remaps the routing into host arrays, and this routing is in GPU "
+                "memory: call step() without it and StepResult.remap(routing.cpu())", errors.ENOTSUP)
         res = self._run(step, lens, lambda handle, idx, batch, plan, report, err:
                         self._lib.rp_sched_step(handle, idx, batch, view.pointer(), plan, report, err),
                         view if physical else None)
@@ -489,12 +495,13 @@ class Scheduler:
     def compute_stats(self, seq_lens, routing, cu_seqlens=None, *, layout=None):
         """This rank's routing statistics (rp_stats_compute) from the routing of its own
         sequences, in any form step() takes (seq_lens / cu_seqlens of those sequences, in
-        the order of the routing): a routepack.Stats, whose to_bytes() the ranks
-        exchange. Uses the scheduler's config (layers, experts, top_k) and threads."""
+        the order of the routing, GPU memory included, as step() takes it): a
+        routepack.Stats, whose to_bytes() the ranks exchange. Uses the scheduler's config
+        (layers, experts, top_k) and threads."""
         cfg = self.config
         lens, view = _routing.prepare(routing, seq_lens, cu_seqlens, None,
                                       num_layers=cfg.num_layers, top_k=cfg.top_k,
-                                      num_experts=cfg.num_experts, layout=layout)
+                                      num_experts=cfg.num_experts, layout=layout, device_ok=True)
         batch = _new_batch(self._lib, self._ctx.handle, lens)
         try:
             out = ctypes.c_void_p()

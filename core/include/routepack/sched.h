@@ -131,7 +131,8 @@ typedef struct rp_step_report {
     rp_shift_summary shift;        /* its summary; zero until attached */
 } rp_step_report;
 
-/* Plan step `step` for `batch` and its routing replay (host memory). On success *plan
+/* Plan step `step` for `batch` and its routing replay (host memory, or device memory:
+ * the statistics then come from the histogram kernel, as rp_stats_compute says). On success *plan
  * and *report point at the plan to run and its report, valid until the next step or
  * rp_sched_free. Whatever the policy omits stays as it was: the packing of the safe
  * default (below) and the placement in use. A failing policy (error, limit, invalid
