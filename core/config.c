@@ -799,8 +799,20 @@ static rp_status load_trainer(loader *ld, json_t *obj)
     RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "equal_sequences_per_rank", false, false,
                                &tr->equal_sequences_per_rank, ld->err),
                   st, out);
-    RP_CHECK_GOTO(get_i32(ld, obj, P, "microbatch_multiple", false, 1, 1, 1 << 20, &tr->microbatch_multiple), st,
-                  out);
+    /* Megatron's interleaved schedule runs microbatches in groups of PP per model chunk and
+     * needs their count to be a multiple of PP: the default under it */
+    const rp_topology *t = &ld->cfg->topology;
+    const bool interleaved = t->pipeline_schedule == RP_SCHEDULE_INTERLEAVED;
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "microbatch_multiple", false, interleaved ? t->pipeline_parallel_size : 1, 1,
+                          1 << 20, &tr->microbatch_multiple),
+                  st, out);
+    if (interleaved && tr->microbatch_multiple % t->pipeline_parallel_size != 0) {
+        st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "trainer.microbatch_multiple",
+                          "is %d, but the interleaved schedule needs a microbatch count that is a multiple of "
+                          "topology.pipeline_parallel_size %d (Megatron): give a multiple of %d or leave it out",
+                          tr->microbatch_multiple, t->pipeline_parallel_size, t->pipeline_parallel_size);
+        goto out;
+    }
     int32_t fixed = ld->cfg->limits.num_microbatches;
     if (fixed > 0 && fixed % tr->microbatch_multiple != 0)
         st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "trainer.microbatch_multiple",

@@ -191,6 +191,26 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
         if (t->speed[g] > c->speed_max) c->speed_max = t->speed[g];
     }
     c->cu_seqlens = rp_batch_cu_seqlens(batch);
+    /* Stage r hands activations to stage r + 1 (and the last to the first, for the next
+     * model chunk): DP rank g to DP rank g, both on one node when a stage is part of one. */
+    c->pipe_same_node = rp_calloc(ctx, (size_t)t->pipeline_parallel_size, sizeof *c->pipe_same_node);
+    c->layer_stage = rp_calloc(ctx, (size_t)md->num_layers, sizeof *c->layer_stage);
+    if (!c->pipe_same_node || !c->layer_stage) {
+        rp_free(ctx, c->pipe_same_node);
+        rp_free(ctx, c->layer_stage);
+        rp_free(ctx, c->gpu_node);
+        rp_free(ctx, c);
+        return rp_fail_nomem(err, "a cost evaluator");
+    }
+    for (int32_t v = 0; v < t->pipeline_parallel_size * t->virtual_pipeline_size; v++)
+        for (int32_t l = t->stage_layer_begin[v]; l < t->stage_layer_begin[v] + t->layers_per_stage[v]; l++)
+            c->layer_stage[l] = v % t->pipeline_parallel_size;
+    {
+        const int32_t P = t->pipeline_parallel_size, gpn = t->physical_gpus_per_node;
+        const int64_t stage = (int64_t)t->physical_num_nodes * gpn / P;
+        for (int32_t r = 0; r < P; r++)
+            c->pipe_same_node[r] = stage < gpn && (r * stage) / gpn == (((r + 1) % P) * stage) / gpn;
+    }
 
     double d = md->hidden_size, f = md->expert_ffn_size, hd = md->num_heads, hkv = md->num_kv_heads,
            dh = md->head_dim, bpp = md->bytes_per_param;
@@ -209,6 +229,13 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->overlap = x->overlap;
     c->dedup = x->dispatch_dedup;
     c->NQ = c->sync == RP_SYNC_GROUP ? c->Q : 1;
+    c->PP = t->pipeline_parallel_size;
+    c->VPP = t->virtual_pipeline_size;
+    c->schedule = t->pipeline_schedule;
+    c->LW = c->PP > 1 ? 3 * c->NQ : c->NQ;
+    c->stage_begin = t->stage_layer_begin;
+    c->stage_layers = t->layers_per_stage;
+    c->p2p_token_bytes = d * bpp;
     c->bwd = h->backward;
     c->token_linear_s = h->token_linear_bytes_per_token / h->hbm_bytes_per_s;
     c->fixed_s = h->layer_fixed_s;
@@ -275,6 +302,8 @@ void rp_cost_free(rp_cost *c)
     state_free(ctx, c->st);
     scratch_free(ctx, &c->sc);
     rp_free(ctx, c->gpu_node);
+    rp_free(ctx, c->pipe_same_node);
+    rp_free(ctx, c->layer_stage);
     rp_free(ctx, c->slot_table);
     rp_free(ctx, c->seq_quad);
     rp_vexp_free(c->vexp);
@@ -736,12 +765,33 @@ double cost_layer_time(const rp_cost *c, double dfmax, double dbmax, double dmax
     return compute + comm;
 }
 
+/* The forward and the backward of one (m, l) apart, for a pipeline that runs them at
+ * different times: each pass's compute and communication at its own multipliers, under
+ * the configured overlap. */
+static void layer_passes(const rp_cost *c, double dfmax, double dbmax, double dmax, double xmax, double *fwd,
+                         double *bwd)
+{
+    const double cf = dfmax + xmax, mf = 2.0 * dmax;
+    const double cb = dbmax + c->bwd.experts * xmax, mb = 2.0 * c->bwd.communication * dmax;
+    if (c->overlap == RP_OVERLAP_LAYER) {
+        *fwd = cf > mf ? cf : mf;
+        *bwd = cb > mb ? cb : mb;
+    } else {
+        *fwd = cf + mf;
+        *bwd = cb + mb;
+    }
+}
+
 void cost_layer_times(const rp_cost *c, const double *dfmax, const double *dbmax, const double *dmax,
                       const double *xmax, double *out)
 {
     cost_count(c, c->Q);
+    const int32_t NQ = c->NQ;
     if (c->sync == RP_SYNC_GROUP) {
-        for (int32_t q = 0; q < c->Q; q++) out[q] = cost_layer_time(c, dfmax[q], dbmax[q], dmax[q], xmax[q]);
+        for (int32_t q = 0; q < c->Q; q++) {
+            out[q] = cost_layer_time(c, dfmax[q], dbmax[q], dmax[q], xmax[q]);
+            if (c->PP > 1) layer_passes(c, dfmax[q], dbmax[q], dmax[q], xmax[q], &out[NQ + q], &out[2 * NQ + q]);
+        }
         return;
     }
     double f = dfmax[0], b = dbmax[0], d = dmax[0], x = xmax[0];
@@ -752,22 +802,20 @@ void cost_layer_times(const rp_cost *c, const double *dfmax, const double *dbmax
         if (xmax[q] > x) x = xmax[q];
     }
     out[0] = cost_layer_time(c, f, b, d, x);
+    if (c->PP > 1) layer_passes(c, f, b, d, x, &out[1], &out[2]);
 }
 
-/* Sum of one sync domain's layer times, in (m, l) order. */
+/* One sync domain's time: the critical path of its pipeline (cost_pipe.c). With one
+ * stage that is the sum of its layer times in (m, l) order, added one by one. */
 static double domain_sum(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q)
 {
-    double sum = 0.0;
-    const size_t cells = (size_t)st->M * (size_t)c->L;
-    for (size_t i = 0; i < cells; i++) sum += layer_t[i * c->NQ + q];
-    return sum;
+    return cost_pipe_domain(c, st, layer_t, q);
 }
 
-/* The step: under group sync the slowest EP group's own sum over (m, l), under global
- * sync the sum of the job-wide layer times; then the once-per-step terms. */
+/* The step: under group sync the slowest EP group's own pipeline, under global sync the
+ * pipeline of the job-wide layer times; then the once-per-step terms. */
 double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t, double grad_s)
 {
-    cost_count(c, (int64_t)st->M * c->L * c->NQ);
     double worst = 0.0;
     for (int32_t q = 0; q < c->NQ; q++) {
         double sum = domain_sum(c, st, layer_t, q);
@@ -854,13 +902,16 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_
 double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row)
 {
     double worst = 0.0;
-    cost_count(c, (int64_t)c->G * c->L);
-    for (int32_t g = 0; g < c->G; g++) {
-        double sum = 0.0;
-        for (int32_t l = 0; l < c->L; l++)
-            sum += (row && l == layer) ? row[g] : st->grad_gpu[(size_t)l * c->G + g];
-        if (sum > worst) worst = sum;
-    }
+    cost_count(c, (int64_t)c->G * c->L * c->PP);
+    /* under PP the stages reduce their own layers' replicas at once: the slowest GPU of
+     * the slowest stage */
+    for (int32_t r = 0; r < c->PP; r++)
+        for (int32_t g = 0; g < c->G; g++) {
+            double sum = 0.0;
+            for (int32_t l = 0; l < c->L; l++)
+                if (c->layer_stage[l] == r) sum += (row && l == layer) ? row[g] : st->grad_gpu[(size_t)l * c->G + g];
+            if (sum > worst) worst = sum;
+        }
     return worst;
 }
 
@@ -874,7 +925,8 @@ static void state_free(rp_context *ctx, cost_state *s)
                       s->cell_tokens, s->cell_quad, s->counts, s->attn,
                       s->dense_f, s->dense_b, s->dfmax, s->dbmax, s->dfarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
                       s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_top, s->gtotal,
-                      s->gpair, s->lay_dst, s->lay_seg, s->lay_ord, s->vexp_owner};
+                      s->gpair, s->lay_dst, s->lay_seg, s->lay_ord, s->vexp_owner,
+                      s->pipe_ops, s->pipe_begin, s->pipe_fend, s->pipe_bend, s->pipe_tdev, s->pipe_next};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
     rp_free(ctx, s);
 }
@@ -928,7 +980,7 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     sc->rk = take(ctx, s->max_replicas, sizeof(int32_t), false, &bad, total);
     sc->w = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
     sc->load = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
-    sc->layer_t = take(ctx, ML * c->NQ, sizeof(double), false, &bad, total);
+    sc->layer_t = take(ctx, ML * c->LW, sizeof(double), false, &bad, total);
     sc->qdf = take(ctx, c->Q, sizeof(double), false, &bad, total);
     sc->qdb = take(ctx, c->Q, sizeof(double), false, &bad, total);
     sc->qx = take(ctx, c->Q, sizeof(double), false, &bad, total);
@@ -997,6 +1049,10 @@ static rp_status check_plan_shape(const rp_cost *c, const rp_plan *plan, rp_erro
                        rp_plan_num_experts(plan), c->E);
     if (rp_plan_num_microbatches(plan) < 1)
         return rp_fail(err, RP_EINVAL, "cost: the plan has %d microbatches", rp_plan_num_microbatches(plan));
+    if (c->schedule == RP_SCHEDULE_INTERLEAVED && rp_plan_num_microbatches(plan) % c->PP != 0)
+        return rp_fail(err, RP_EINVAL,
+                       "cost: the plan has %d microbatches, not a multiple of pipeline_parallel_size %d, which "
+                       "the interleaved schedule needs (Megatron)", rp_plan_num_microbatches(plan), c->PP);
     const int32_t *sb = rp_plan_slot_begin(plan);
     if (!sb || sb[0] != 0 || sb[c->ep] != rp_plan_total_slots(plan))
         return rp_fail(err, RP_EINVAL, "cost: the plan's slot offsets are inconsistent");
@@ -1202,20 +1258,30 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->dmax = take(ctx, ML * Q, sizeof(double), false, &bad, &s->bytes);
     s->xarg = take(ctx, ML * Q, sizeof(int32_t), false, &bad, &s->bytes);
     s->darg = take(ctx, ML * Q, sizeof(int32_t), false, &bad, &s->bytes);
-    s->layer_t = take(ctx, ML * c->NQ, sizeof(double), false, &bad, &s->bytes);
+    s->layer_t = take(ctx, ML * c->LW, sizeof(double), false, &bad, &s->bytes);
     s->grad_gpu = take(ctx, L * G, sizeof(double), false, &bad, &s->bytes);
+    const int64_t PV = (int64_t)c->PP * c->VPP;
+    s->pipe_ops = take(ctx, cost_pipe_capacity(c->PP, c->VPP, (int32_t)M), sizeof(cost_pipe_op), false, &bad,
+                       &s->bytes);
+    s->pipe_begin = take(ctx, c->PP + 1, sizeof(int32_t), false, &bad, &s->bytes);
+    s->pipe_fend = take(ctx, PV * M, sizeof(double), false, &bad, &s->bytes);
+    s->pipe_bend = take(ctx, PV * M, sizeof(double), false, &bad, &s->bytes);
+    s->pipe_tdev = take(ctx, c->PP, sizeof(double), false, &bad, &s->bytes);
+    s->pipe_next = take(ctx, c->PP, sizeof(int32_t), false, &bad, &s->bytes);
     if (bad || !s->slot_begin || !s->slot_rank || !s->phy2log || !s->rep_off || !s->rep_rank ||
         !s->ov_begin || !s->ov || !s->extra_rank || !s->share_val || !s->extra_count ||
         !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_quad || !s->cell_top ||
         !s->counts || !s->gtotal || !s->gpair || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->attn || !s->dense_f || !s->dense_b ||
         !s->dfmax || !s->dbmax || !s->dfarg ||
         !s->expert || !s->dispatch || !s->xmax || !s->dmax || !s->xarg || !s->darg ||
-        !s->layer_t || !s->grad_gpu) {
+        !s->layer_t || !s->grad_gpu || !s->pipe_ops || !s->pipe_begin || !s->pipe_fend || !s->pipe_bend ||
+        !s->pipe_tdev || !s->pipe_next) {
         state_free(ctx, s);
         return bad ? rp_fail(err, RP_ERANGE, "cost: a plan of %lld microbatches is too large to evaluate",
                              (long long)M)
                    : rp_fail_nomem(err, "a cost evaluation");
     }
+    cost_pipe_schedule(c->PP, c->VPP, c->schedule, (int32_t)M, s->pipe_ops, s->pipe_begin);
     *out = s;
     return RP_OK;
 }
@@ -1294,8 +1360,15 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     need(ML * Q, sizeof(double), &bad, &total);
     need(ML * Q, sizeof(int32_t), &bad, &total);
     need(ML * Q, sizeof(int32_t), &bad, &total);
-    need(ML * c->NQ, sizeof(double), &bad, &total);
+    need(ML * c->LW, sizeof(double), &bad, &total);
     need(L * G, sizeof(double), &bad, &total);
+    const int64_t PV = (int64_t)c->PP * c->VPP;
+    need(cost_pipe_capacity(c->PP, c->VPP, (int32_t)M), sizeof(cost_pipe_op), &bad, &total);
+    need(c->PP + 1, sizeof(int32_t), &bad, &total);
+    need(PV * M, sizeof(double), &bad, &total);
+    need(PV * M, sizeof(double), &bad, &total);
+    need(c->PP, sizeof(double), &bad, &total);
+    need(c->PP, sizeof(int32_t), &bad, &total);
     /* scratch_alloc, with max_replicas as read_levers sets it */
     int64_t R = S + most_extras_of(plan);
     need(2 * L * E, sizeof(uint32_t), &bad, &total);
@@ -1304,7 +1377,7 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     need(R, sizeof(int32_t), &bad, &total);
     need(R, sizeof(double), &bad, &total);
     need(R, sizeof(double), &bad, &total);
-    need(ML * c->NQ, sizeof(double), &bad, &total);
+    need(ML * c->LW, sizeof(double), &bad, &total);
     for (int i = 0; i < 4; i++) need(Q, sizeof(double), &bad, &total);
     need(E + 1, sizeof(int32_t), &bad, &total);
     need(S, sizeof(int32_t), &bad, &total);
@@ -1438,7 +1511,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
                 s->darg[gq] = r.darg;
             }
             cost_layer_times(c, s->dfmax + (size_t)m * c->Q, s->dbmax + (size_t)m * c->Q, s->dmax + ml * c->Q,
-                             s->xmax + ml * c->Q, s->layer_t + ml * c->NQ);
+                             s->xmax + ml * c->Q, s->layer_t + ml * c->LW);
         }
     for (int32_t l = 0; l < L; l++)
         cost_grad_layer(c, s, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S,
@@ -1594,7 +1667,7 @@ rp_status rp_cost_current_summary(const rp_cost *c, rp_cost_summary *out, rp_err
 double rp_cost_layer_s(const rp_cost *c, int32_t mb, int32_t layer)
 {
     if (!c || !c->st || mb < 0 || mb >= c->st->M || layer < 0 || layer >= c->L) return NAN;
-    const double *t = c->st->layer_t + ((size_t)mb * c->L + layer) * c->NQ;
+    const double *t = c->st->layer_t + ((size_t)mb * c->L + layer) * c->LW;
     double worst = t[0];
     for (int32_t q = 1; q < c->NQ; q++)
         if (t[q] > worst) worst = t[q];
@@ -1725,7 +1798,7 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
                       cost_bound_layer(c, s, m, l), gpu, side_name(side));
             if (c->sync == RP_SYNC_GROUP) {
                 sb_printf(&b, ", \"group_time_s\": ");
-                sb_array(&b, s->layer_t + ml * c->NQ, (size_t)c->NQ, 1);
+                sb_array(&b, s->layer_t + ml * c->LW, (size_t)c->NQ, 1);
             }
             sb_printf(&b, "}");
         }

@@ -53,15 +53,25 @@ double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32
 
 /* The step's lower bound: the layers' bounds, the replica gradient reduction at its mean
  * over GPUs, and every extra-replica copy at the number of copies per EP rank that
- * spreads them evenly. */
+ * spreads them evenly. Under PP a stage runs every microbatch over its layers, forward
+ * and backward (each pass at least the layer's combined time's share: the combined time
+ * overlaps at most as much), so the pipeline takes at least the busiest stage's bound;
+ * likewise its gradient reduction. */
 double cost_bound_step(const rp_cost *c, const cost_state *st)
 {
     const int32_t G = c->G, L = c->L, ep = c->ep;
-    double layers = 0.0;
-    for (int32_t m = 0; m < st->M; m++)
-        for (int32_t l = 0; l < L; l++) layers += cost_bound_layer(c, st, m, l);
-    double grad = 0.0;
-    for (size_t i = 0; i < (size_t)L * G; i++) grad += st->grad_gpu[i];
+    double layers = 0.0, grad = 0.0;
+    for (int32_t r = 0; r < c->PP; r++) {
+        double sum = 0.0, gsum = 0.0;
+        for (int32_t m = 0; m < st->M; m++)
+            for (int32_t l = 0; l < L; l++)
+                if (c->layer_stage[l] == r) sum += cost_bound_layer(c, st, m, l);
+        for (int32_t l = 0; l < L; l++)
+            if (c->layer_stage[l] == r)
+                for (int32_t g = 0; g < G; g++) gsum += st->grad_gpu[(size_t)l * G + g];
+        if (r == 0 || sum > layers) layers = sum;
+        if (r == 0 || gsum > grad) grad = gsum;
+    }
     double extra = 0.0;
     for (size_t i = 0; i < (size_t)st->M * L; i++) {
         int32_t copies = 0;

@@ -130,10 +130,10 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
     /* dense maxima of the changed (microbatch, group)s: [i][j] for ms[i] and group qs */
     double dfm[2][2], dbm[2][2];
     int32_t dfa[2][2];
-    const int32_t NQ = c->NQ;
+    const int32_t LW = c->LW;
     double *layer_t = commit ? st->layer_t : sc->layer_t;
 
-    if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * NQ * sizeof(double));
+    if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * LW * sizeof(double));
     for (int32_t i = 0; i < n_ms; i++) {
         const int32_t m = ms[i];
         /* groups of this microbatch that changed */
@@ -169,7 +169,7 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
                 sc->qx[qs[j]] = r[j].xmax;
                 sc->qd[qs[j]] = r[j].dmax;
             }
-            cost_layer_times(c, sc->qdf, sc->qdb, sc->qd, sc->qx, layer_t + ml * NQ);
+            cost_layer_times(c, sc->qdf, sc->qdb, sc->qd, sc->qx, layer_t + ml * LW);
             if (commit)
                 for (int32_t j = 0; j < n_qs; j++) {
                     st->xmax[ml * Q + qs[j]] = r[j].xmax;
@@ -186,7 +186,14 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
             }
     }
 
-    if (!commit) return cost_step_from(c, st, sc->layer_t, st->grad_s);
+    if (!commit) {
+        sc->trial_cells = 2;
+        sc->trial_g[0] = gA, sc->trial_m[0] = mA, sc->trial_tok[0] = tokA;
+        sc->trial_g[1] = gB, sc->trial_m[1] = mB, sc->trial_tok[1] = tokB;
+        double step = cost_step_from(c, st, sc->layer_t, st->grad_s);
+        sc->trial_cells = 0;
+        return step;
+    }
 
     /* commit the rest: cells, maxima, sequence map, bound aggregates */
     st->cell_tokens[(size_t)gA * M + mA] = tokA;
@@ -405,8 +412,8 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
     sc->row[slot] = expert;
     cost_index_layer(E, S, st->slot_rank, sc->row, sc->rep_off, sc->rep_rank);
     /* the row, its index, the layer times' copy, each microbatch's group maxima */
-    cost_count(c, 3 * (int64_t)S + 2 * (int64_t)E + (commit ? 0 : (int64_t)M * L * c->NQ) + (int64_t)M * (Q + 2));
-    if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * c->NQ * sizeof(double));
+    cost_count(c, 3 * (int64_t)S + 2 * (int64_t)E + (commit ? 0 : (int64_t)M * L * c->LW) + (int64_t)M * (Q + 2));
+    if (!commit) memcpy(sc->layer_t, st->layer_t, (size_t)M * L * c->LW * sizeof(double));
     for (int32_t m = 0; m < M; m++) {
         const size_t ml = (size_t)m * L + layer;
         cost_map map = cost_dst_map(c, st, m, layer, sc->rep_off, sc->rep_rank, false, sc);
@@ -430,7 +437,7 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
             }
         }
         cost_layer_times(c, st->dfmax + (size_t)m * Q, st->dbmax + (size_t)m * Q, sc->qd, sc->qx,
-                         (commit ? st->layer_t : sc->layer_t) + ml * c->NQ);
+                         (commit ? st->layer_t : sc->layer_t) + ml * c->LW);
     }
     cost_grad_layer(c, st, sc->rep_off, sc->rep_rank, sc->grad_row);
     double grad = cost_grad_total(c, st, layer, sc->grad_row);

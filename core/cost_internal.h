@@ -15,6 +15,29 @@ typedef struct cost_override {
     int32_t num_shares, share_off;  /* normalised shares in cost_state.share_val; 0: rule */
 } cost_override;
 
+/* One pass of a pipeline schedule (cost_pipe.c): the forward or backward of virtual stage
+ * v for the microbatch run at position k, or both at once (a forward of the last virtual
+ * stage followed at once by its own backward). */
+enum { COST_PIPE_F = 0, COST_PIPE_B = 1, COST_PIPE_FB = 2 };
+typedef struct cost_pipe_op {
+    int32_t kind, v, k;
+} cost_pipe_op;
+
+/* Working arrays of one critical-path run: [PP x V x M] forward and backward ends, [PP]
+ * stage clocks and next ops. */
+typedef struct cost_pipe_buf {
+    double *fend, *bend, *tdev;
+    int32_t *next;
+} cost_pipe_buf;
+
+/* The times a run needs: run returns an op's end given its start; p2p is the transfer
+ * from virtual stage `from` to `to` before the op at position k. */
+typedef struct cost_pipe_times {
+    double (*run)(void *ud, int32_t kind, int32_t v, int32_t k, double start);
+    double (*p2p)(void *ud, int32_t kind, int32_t from, int32_t to, int32_t k);
+    void *ud;
+} cost_pipe_times;
+
 /* Everything bound to one evaluated plan. Built whole by rp_cost_evaluate and swapped
  * in only on success, so a failed evaluation leaves the previous binding intact.
  * Index conventions: cell (g, m) = g * M + m; layer cell (m, l) = m * L + l;
@@ -58,12 +81,18 @@ typedef struct cost_state {
     double *dispatch;              /* [M * L * G]; combine is the same volume reversed */
     double *xmax, *dmax;           /* [M * L * Q] */
     int32_t *xarg, *darg;          /* [M * L * Q] GPU that sets the maximum */
-    double *layer_t;               /* [M * L * NQ] T(m, l) of each sync domain, forward and
-                                      backward seconds (NQ: Q under group sync, 1 under global) */
+    double *layer_t;               /* [M * L * LW] T(m, l) of each sync domain, forward and
+                                      backward seconds (NQ: Q under group sync, 1 under global),
+                                      then under PP its forward and its backward apart (LW) */
     double *grad_gpu;              /* [L * G] replica gradient reduction per layer and GPU */
     double grad_s, extra_s, step_s;
     bool vexp;                     /* the plan runs with per-forward balancing (virtual experts) */
     int32_t *vexp_owner;           /* [L * E] EP rank owning each expert, when vexp */
+    cost_pipe_op *pipe_ops;        /* the schedule: [pipe_begin[r], pipe_begin[r + 1]) of stage r */
+    int32_t *pipe_begin;           /* [PP + 1] */
+    double *pipe_fend, *pipe_bend; /* [PP * VPP * M] working arrays of the critical path */
+    double *pipe_tdev;             /* [PP] */
+    int32_t *pipe_next;            /* [PP] */
     size_t bytes;                  /* allocated for this state */
 } cost_state;
 
@@ -75,7 +104,7 @@ typedef struct cost_scratch {
     double *xacc;        /* [2 * ep]: expert time, then tokens taken, of each rank */
     int32_t *rk;         /* [max_replicas] */
     double *w, *load;    /* [max_replicas] */
-    double *layer_t;     /* [M * L * NQ] */
+    double *layer_t;     /* [M * L * LW] */
     double *qdf, *qdb, *qx, *qd; /* [Q] per-group maxima of one (m, l) under trial */
     int32_t *rep_off;    /* [E + 1] a layer's replicas under trial */
     int32_t *rep_rank;   /* [S] */
@@ -88,6 +117,10 @@ typedef struct cost_scratch {
     int64_t *tok;        /* [ep] tokens of a group's cells at one microbatch */
     int32_t *dst;        /* [E] a destination map built on the fly */
     int32_t *seg, *ord;  /* [ep + 2], [E]: experts grouped by destination */
+    /* the cells a trial move changes, with their tokens, for the pipeline's p2p transfers
+     * (cost_pipe.c reads them while layer_t above is the trial's) */
+    int32_t trial_cells, trial_g[2], trial_m[2];
+    int64_t trial_tok[2];
 } cost_scratch;
 
 struct rp_cost {
@@ -129,6 +162,13 @@ struct rp_cost {
     rp_overlap overlap;
     rp_dispatch_dedup dedup;
     int32_t NQ;                /* sync domains with a time of their own: Q (group) or 1 (global) */
+    int32_t LW;                /* doubles per (m, l) in layer_t: NQ, or 3 NQ under PP */
+    int32_t PP, VPP;           /* pipeline stages, virtual stages per stage */
+    rp_pipeline_schedule schedule;
+    const int32_t *stage_begin, *stage_layers; /* [PP * VPP] the topology's layer split */
+    bool *pipe_same_node;      /* [PP] stage r and r + 1 (mod PP) share a node */
+    int32_t *layer_stage;      /* [L] the pipeline stage holding each layer */
+    double p2p_token_bytes;    /* bytes one token's activations take on one GPU's p2p link */
     int64_t token_cap;
     double act_cap, act_per_token;
 
@@ -221,6 +261,23 @@ void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int
  * counts, shares and tokens under the configured de-duplication (cost.c). */
 void cost_group_traffic(const rp_cost *c, const cost_state *st, int32_t g0, const int32_t *pair, const double *sp,
                         const int64_t *tokens, cost_scratch *sc);
+
+/* cost_pipe.c: the pipeline schedule and its critical path */
+
+/* Ops a schedule holds at most, all stages together. */
+int64_t cost_pipe_capacity(int32_t PP, int32_t V, int32_t M);
+/* The passes every stage runs, in order: 1F1B (V 1) or Megatron's interleaved order,
+ * into ops[cost_pipe_capacity] with stage r's at [begin[r], begin[r + 1]). */
+void cost_pipe_schedule(int32_t PP, int32_t V, rp_pipeline_schedule schedule, int32_t M, cost_pipe_op *ops,
+                        int32_t *begin);
+/* The critical path of a schedule: every op starts when its stage is free and its input
+ * (plus the p2p transfer) is there; the step is the last stage clock. */
+double cost_pipe_run(int32_t PP, int32_t V, int32_t M, const cost_pipe_op *ops, const int32_t *begin,
+                     cost_pipe_buf *buf, const cost_pipe_times *times);
+/* The critical path of sync domain q from the layer times `layer_t` (state or trial). */
+double cost_pipe_domain(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q);
+/* The microbatch order sync domain q runs (NULL: the identity). */
+const int32_t *cost_domain_order(const rp_cost *c, const cost_state *st, int32_t q);
 
 /* cost_bound.c */
 double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l);

@@ -1,6 +1,9 @@
 /* Pipeline parallelism (topology.pipeline_parallel_size, virtual_pipeline_size,
  * pipeline_schedule, layers_per_stage): the topology a stage gives the planner, its config
- * errors and the memory of a stage's GPU. */
+ * errors and the memory of a stage's GPU; the schedules and their critical path against
+ * hand-computed figures; the cost model under PP (PP 1 bit for bit as before, bound <=
+ * step, try == full) on random plans. */
+#include "cost_internal.h"
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
@@ -146,11 +149,351 @@ static void test_memory(void)
     rp_config_free(pp);
 }
 
+/* ---- the schedule and its critical path, with op times set by hand ---- */
+
+typedef struct hand_times {
+    const double *fwd, *bwd; /* [k] by position, the same on every stage */
+    double p2p;
+} hand_times;
+
+static double hand_run(void *ud, int32_t kind, int32_t v, int32_t k, double start)
+{
+    (void)v;
+    const hand_times *h = ud;
+    if (kind == COST_PIPE_F) return start + h->fwd[k];
+    if (kind == COST_PIPE_B) return start + h->bwd[k];
+    return start + h->fwd[k] + h->bwd[k];
+}
+
+static double hand_p2p(void *ud, int32_t kind, int32_t from, int32_t to, int32_t k)
+{
+    (void)kind, (void)from, (void)to, (void)k;
+    return ((const hand_times *)ud)->p2p;
+}
+
+static double critical_path(int32_t PP, int32_t V, rp_pipeline_schedule sched, int32_t M, const double *fwd,
+                            const double *bwd, double p2p, int32_t *num_ops)
+{
+    int64_t cap = cost_pipe_capacity(PP, V, M);
+    cost_pipe_op *ops = malloc((size_t)cap * sizeof *ops);
+    int32_t begin[17], next[16];
+    double *fend = malloc((size_t)PP * V * M * sizeof(double)), *bend = malloc((size_t)PP * V * M * sizeof(double)),
+           tdev[16];
+    cost_pipe_schedule(PP, V, sched, M, ops, begin);
+    hand_times h = {fwd, bwd, p2p};
+    cost_pipe_times times = {hand_run, hand_p2p, &h};
+    cost_pipe_buf buf = {fend, bend, tdev, next};
+    double span = cost_pipe_run(PP, V, M, ops, begin, &buf, &times);
+    if (num_ops) *num_ops = begin[PP];
+    /* every (virtual stage, position) runs its forward and its backward exactly once */
+    int32_t *seen = calloc((size_t)PP * V * M, sizeof(int32_t));
+    bool once = true;
+    for (int32_t i = 0; i < begin[PP]; i++) seen[(size_t)ops[i].v * M + ops[i].k] += ops[i].kind == COST_PIPE_FB ? 3 : ops[i].kind + 1;
+    for (int32_t i = 0; i < PP * V * M; i++) once &= seen[i] == 3;
+    if (!once) span = -1;
+    free(seen);
+    free(ops);
+    free(fend);
+    free(bend);
+    return span;
+}
+
+static void test_schedule(void)
+{
+    /* 2 stages x 3 microbatches, forward w, backward 2w, the same on both stages:
+     * stage 0 runs F0 F1 B0 F2 B1 B2, stage 1 F0B0 F1B1 F2B2 (its forward and backward of
+     * a microbatch back to back). By hand, w = 1, 2, 3: F0 0-1 | F1 1-3 || FB0 1-4 | B0
+     * 4-6 | F2 6-9 || FB1 4-10 | B1 10-14 || FB2 10-19 | B2 19-25: 25. */
+    double w[3] = {1, 2, 3}, w2[3] = {2, 4, 6};
+    int32_t n = 0;
+    ok(critical_path(2, 1, RP_SCHEDULE_1F1B, 3, w, w2, 0, &n) == 25.0 && n == 9,
+       "2 stages x 3 microbatches (1, 2, 3): critical path 25, 9 ops");
+    /* with a p2p of 0.5 on each of the 9 stage crossings of the critical path... by hand:
+     * F0 0-1 | F1 1-3 || FB0 1.5-4.5 | B0 5-7 | F2 7-10 || FB1 4.5-10.5 | B1 11-15 ||
+     * FB2 10.5-19.5 | B2 20-26 */
+    ok(critical_path(2, 1, RP_SCHEDULE_1F1B, 3, w, w2, 0.5, NULL) == 26.0, "with a p2p of 0.5: 26");
+    /* one heavy microbatch among light ones: its position changes the step */
+    double first[3] = {3, 1, 1}, middle[3] = {1, 3, 1}, last[3] = {1, 1, 3}, b1[3], b2[3], b3[3];
+    for (int i = 0; i < 3; i++) b1[i] = 2 * first[i], b2[i] = 2 * middle[i], b3[i] = 2 * last[i];
+    double s_first = critical_path(2, 1, RP_SCHEDULE_1F1B, 3, first, b1, 0, NULL);
+    double s_middle = critical_path(2, 1, RP_SCHEDULE_1F1B, 3, middle, b2, 0, NULL);
+    double s_last = critical_path(2, 1, RP_SCHEDULE_1F1B, 3, last, b3, 0, NULL);
+    ok(s_first == 24.0 && s_middle == 21.0 && s_last == 24.0,
+       "heavy first 24, in the middle 21, last 24 (got %g, %g, %g)", s_first, s_middle, s_last);
+    /* uniform microbatches: (M + PP - 1) (f + b) for 1F1B */
+    int bad = 0;
+    double f[16], b[16];
+    for (int i = 0; i < 16; i++) f[i] = 1.0, b[i] = 2.0;
+    for (int32_t PP = 1; PP <= 4; PP++)
+        for (int32_t M = 1; M <= 12; M++) {
+            double span = critical_path(PP, 1, RP_SCHEDULE_1F1B, M, f, b, 0, NULL);
+            if (span != (M + PP - 1) * 3.0) bad++, diag("PP %d M %d: %g", PP, M, span);
+        }
+    ok(bad == 0, "uniform microbatches under 1F1B: (M + PP - 1) x (f + b) for PP 1-4, M 1-12");
+    /* interleaved: every pass once, no deadlock, and fewer bubbles than 1F1B with the same
+     * work per stage (Narayanan et al. 2021: the bubble shrinks by V) */
+    bad = 0;
+    int better = 0, cases = 0;
+    for (int32_t PP = 2; PP <= 4; PP++)
+        for (int32_t V = 2; V <= 3; V++)
+            for (int32_t M = PP; M <= 12; M += PP) {
+                double fv[16], bv[16];
+                for (int i = 0; i < 16; i++) fv[i] = 1.0 / V, bv[i] = 2.0 / V;
+                double span = critical_path(PP, V, RP_SCHEDULE_INTERLEAVED, M, fv, bv, 0, NULL);
+                double plain = critical_path(PP, 1, RP_SCHEDULE_1F1B, M, f, b, 0, NULL);
+                cases++;
+                if (!(span > 0) || !isfinite(span)) bad++, diag("PP %d V %d M %d: %g", PP, V, M, span);
+                if (span < plain - 1e-9 && span >= M * 3.0 - 1e-9) better++;
+                else diag("PP %d V %d M %d: interleaved %g, 1F1B %g", PP, V, M, span, plain);
+            }
+    ok(bad == 0, "interleaved (PP 2-4, V 2-3, M a multiple of PP up to 12): every pass once, no deadlock");
+    ok(better == cases, "and a critical path between the work (M x 3) and 1F1B's in each of the %d cases", cases);
+    /* hand-checked interleaved: PP 2, V 2, M 2, f 1 b 2 per virtual stage. Warm-up on stage 0
+     * is 2 + 2 = 4 (all its forwards), on stage 1 2. Stage 0 runs F(v0,0) F(v0,1) F(v2,0)
+     * F(v2,1) B(v2,0) B(v2,1) B(v0,0) B(v0,1), stage 1 F(v1,0) F(v1,1) FB(v3,0) FB(v3,1)
+     * B(v1,0) B(v1,1). By hand: s0 0-1 1-2 | s1 1-2 2-3 | s0 2-3 3-4 | s1 3-6 6-9 | s0 B v2
+     * 6-8 9-11 | s1 B v1 9-11 11-13 | s0 B v0 11-13 13-15: 15 */
+    double f2[2] = {1, 1}, bb2[2] = {2, 2};
+    int32_t n2 = 0;
+    double span = critical_path(2, 2, RP_SCHEDULE_INTERLEAVED, 2, f2, bb2, 0, &n2);
+    ok(span == 15.0 && n2 == 14, "interleaved PP 2 x V 2, 2 microbatches: 15 by hand, 14 ops (got %g, %d)", span, n2);
+}
+
+/* ---- the cost model under PP on random plans ---- */
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
+static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
+
+typedef struct scene {
+    rp_config *cfg;
+    rp_batch *batch;
+    rp_stats *stats;
+    rp_plan *plan;
+    uint8_t *ids;
+    int32_t n, M;
+} scene;
+
+/* A random batch of 8-31 sequences routed over 8 experts at 6 layers, packed at random
+ * into M microbatches, with a random placement (extra replicas where slots are spare). */
+static bool scene_make(scene *s, const char *topo, const char *extra, int32_t M)
+{
+    rp_error err;
+    memset(s, 0, sizeof *s);
+    s->cfg = config(topo, extra, &err);
+    if (!s->cfg) {
+        diag("config %s: %s", topo, err.text);
+        return false;
+    }
+    const rp_topology *t = rp_config_topology(s->cfg);
+    int32_t n = s->n = 8 + (int32_t)rnd(24), lens[32], zero[32] = {0};
+    for (int i = 0; i < n; i++) lens[i] = 1 + (int32_t)rnd(300);
+    rp_batch_new(ctx, n, lens, zero, NULL, &s->batch, &err);
+    int64_t tokens = rp_batch_num_tokens(s->batch);
+    s->ids = malloc((size_t)tokens * 6 * 2);
+    for (int64_t k = 0; k < tokens * 6; k++) {
+        uint8_t a = (uint8_t)(rnd(4) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
+        if (b == a) b = (uint8_t)((a + 1) % 8);
+        s->ids[2 * k] = a;
+        s->ids[2 * k + 1] = b;
+    }
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 6, 2, s->ids);
+    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return diag("%s", err.text), false;
+    s->M = M;
+    int32_t rank[32], mb[32];
+    for (int i = 0; i < n; i++) rank[i] = (int32_t)rnd((uint32_t)t->num_gpus), mb[i] = (int32_t)rnd((uint32_t)M);
+    rp_plan_new(ctx, s->cfg, M, &s->plan, &err);
+    rp_plan_set_packing(s->plan, n, rank, mb, &err);
+    int32_t S = rp_plan_total_slots(s->plan), phy[256];
+    const int32_t *sb = rp_plan_slot_begin(s->plan);
+    for (int32_t l = 0; l < 6; l++) {
+        for (int32_t p = 0; p < S; p++) phy[p] = p < 8 ? p : -1;
+        for (int32_t p = 7; p > 0; p--) {
+            int32_t q = (int32_t)rnd((uint32_t)p + 1), tmp = phy[p];
+            phy[p] = phy[q];
+            phy[q] = tmp;
+        }
+        for (int32_t p = 8; p < S; p++) {
+            int32_t e = (int32_t)rnd(8), j = 0;
+            while (sb[j + 1] <= p) j++;
+            bool held = false;
+            for (int32_t k = sb[j]; k < sb[j + 1]; k++) held |= phy[k] == e;
+            if (!held) phy[p] = e;
+        }
+        rp_plan_set_phy2log(s->plan, l, phy, &err);
+    }
+    if (rp_plan_validate(s->plan, s->cfg, s->batch, &err) != RP_OK) return diag("plan: %s", err.text), false;
+    return true;
+}
+
+static void scene_free(scene *s)
+{
+    rp_plan_free(s->plan);
+    rp_stats_free(s->stats);
+    free(s->ids);
+    rp_batch_free(s->batch);
+    rp_config_free(s->cfg);
+}
+
+/* PP 1 is the sum over (m, l) of the layer times, added in that order, as before pipelines:
+ * under global sync with no replica to reduce, the step is exactly that sum. */
+static void test_pp1_exact(void)
+{
+    int bad = 0, cases = 0;
+    for (int it = 0; it < 20; it++) {
+        scene s;
+        const char *topo = it % 2 ? "\"num_nodes\": 1, \"gpus_per_node\": 4, \"pipeline_parallel_size\": 1"
+                                  : "\"num_nodes\": 2, \"gpus_per_node\": 2, \"ep_size\": 2";
+        const char *extra = it % 4 < 2 ? ", \"execution\": {\"sync\": \"global\"}"
+                                       : ", \"execution\": {\"sync\": \"global\", \"overlap\": \"layer\"}";
+        rp_cost *cost = NULL;
+        rp_cost_summary sum;
+        rp_error err;
+        if (!scene_make(&s, topo, extra, 1 + (int32_t)rnd(4)) ||
+            rp_cost_new(ctx, s.cfg, s.batch, s.stats, RP_SPLIT_EVEN, &cost, &err) != RP_OK ||
+            rp_cost_evaluate(cost, s.plan, &sum, &err) != RP_OK) {
+            bad++;
+        } else {
+            double ref = 0.0;
+            for (int32_t m = 0; m < s.M; m++)
+                for (int32_t l = 0; l < 6; l++) ref += rp_cost_layer_s(cost, m, l);
+            ref += sum.grad_reduce_s + sum.extra_copy_s;
+            cases++;
+            if (sum.step_s != ref) bad++, diag("case %d: step %.17g, sum of layers %.17g", it, sum.step_s, ref);
+        }
+        rp_cost_free(cost);
+        scene_free(&s);
+    }
+    ok(bad == 0 && cases == 20, "PP 1: the step is the sum of T(m, l) in (m, l) order, bit for bit (%d plans)", cases);
+}
+
+/* Uniform microbatches through the evaluator: PP 2 with one layer per stage, every
+ * microbatch the same sequences' worth... approximated by identical cells: the step is
+ * (M + 1) x T where T is one layer's combined time (no p2p: infinite bandwidth, no latency). */
+static void test_uniform(void)
+{
+    rp_error err;
+    char topo[] = "\"num_nodes\": 1, \"gpus_per_node\": 2, \"pipeline_parallel_size\": 2,"
+                  " \"nvlink_latency_us\": 0, \"net_latency_us\": 0, \"nvlink_bytes_per_s\": 1e300,"
+                  " \"layers_per_stage\": [3, 3]";
+    rp_config *cfg = config(topo, ", \"execution\": {\"sync\": \"global\"}", &err);
+    rp_config *one = config("\"num_nodes\": 1, \"gpus_per_node\": 1", ", \"execution\": {\"sync\": \"global\"}", &err);
+    if (!cfg || !one) {
+        diag("%s", err.text);
+        skip(2, "config");
+        rp_config_free(cfg);
+        rp_config_free(one);
+        return;
+    }
+    /* 4 microbatches of one sequence of 100 tokens each, every token to experts 0 and 1 */
+    int32_t lens[4] = {100, 100, 100, 100}, zero[4] = {0}, rank[4] = {0}, mb[4] = {0, 1, 2, 3};
+    rp_batch *batch = NULL;
+    rp_batch_new(ctx, 4, lens, zero, NULL, &batch, &err);
+    uint8_t *ids = malloc(400 * 6 * 2);
+    for (int k = 0; k < 400 * 6; k++) ids[2 * k] = 0, ids[2 * k + 1] = 1;
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 6, 2, ids);
+    rp_stats *stats = NULL;
+    rp_stats_compute(ctx, batch, &r, 8, 1, &stats, &err);
+    rp_plan *pp = NULL, *flat = NULL;
+    rp_plan_new(ctx, cfg, 4, &pp, &err);
+    rp_plan_new(ctx, one, 4, &flat, &err);
+    rp_plan_set_packing(pp, 4, rank, mb, &err);
+    rp_plan_set_packing(flat, 4, rank, mb, &err);
+    rp_plan_set_contiguous(pp, &err);
+    rp_plan_set_contiguous(flat, &err);
+    rp_cost *c_pp = NULL, *c_flat = NULL;
+    rp_cost_summary a, b;
+    if (rp_cost_new(ctx, cfg, batch, stats, RP_SPLIT_EVEN, &c_pp, &err) != RP_OK ||
+        rp_cost_evaluate(c_pp, pp, &a, &err) != RP_OK ||
+        rp_cost_new(ctx, one, batch, stats, RP_SPLIT_EVEN, &c_flat, &err) != RP_OK ||
+        rp_cost_evaluate(c_flat, flat, &b, &err) != RP_OK) {
+        diag("%s", err.text);
+        skip(2, "evaluation");
+    } else {
+        /* one GPU, one stage: 4 microbatches x 6 layers of T; PP 2 of 3 layers each:
+         * (4 + 2 - 1) x 3 T, as 1F1B's (M + PP - 1) x (f + b) */
+        double T = b.step_s / 24.0;
+        ok(fabs(a.step_s - 5 * 3 * T) <= 1e-12 * a.step_s, "PP 2, 4 uniform microbatches: 5 x 3 T = %.6g s (got %.6g)",
+           15 * T, a.step_s);
+        ok(a.lower_bound_s <= a.step_s && fabs(a.lower_bound_s - b.lower_bound_s / 2) <= 1e-9 * a.step_s,
+           "the bound: the busiest stage's work, half the one-stage bound");
+    }
+    rp_cost_free(c_pp);
+    rp_cost_free(c_flat);
+    rp_plan_free(pp);
+    rp_plan_free(flat);
+    rp_stats_free(stats);
+    free(ids);
+    rp_batch_free(batch);
+    rp_config_free(cfg);
+    rp_config_free(one);
+}
+
+static void test_random(void)
+{
+    static const char *const syncs[] = {"group", "global"}, *const overlaps[] = {"none", "layer"};
+    int bad_bound = 0, bad_try = 0, cases = 0, tries = 0;
+    for (int it = 0; it < 40; it++) {
+        int pp = 2 << rnd(2), vpp = it % 3 == 0 ? 1 + (int)rnd(2) : 1, nodes = 1 + (int)rnd(2);
+        char topo[512], extra[256];
+        snprintf(topo, sizeof topo,
+                 "\"num_nodes\": %d, \"gpus_per_node\": 8, \"pipeline_parallel_size\": %d,"
+                 " \"virtual_pipeline_size\": %d, \"ep_size\": %d, \"slots_per_gpu\": %d",
+                 nodes, pp, vpp, 1 << rnd(2), 8 + (int)rnd(2));
+        snprintf(extra, sizeof extra, ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\"}", syncs[rnd(2)],
+                 overlaps[rnd(2)]);
+        int32_t M = vpp > 1 ? pp * (1 + (int32_t)rnd(2)) : 1 + (int32_t)rnd(5);
+        scene s;
+        rp_cost *cost = NULL;
+        rp_cost_summary sum;
+        rp_error err;
+        if (!scene_make(&s, topo, extra, M) ||
+            rp_cost_new(ctx, s.cfg, s.batch, s.stats, it % 2 ? RP_SPLIT_LOCALITY : RP_SPLIT_EVEN, &cost, &err) != RP_OK ||
+            rp_cost_evaluate(cost, s.plan, &sum, &err) != RP_OK) {
+            diag("case %d (%s): %s", it, topo, err.text);
+            bad_bound++;
+        } else {
+            cases++;
+            if (!(sum.lower_bound_s <= sum.step_s * (1 + 1e-12)) || !isfinite(sum.step_s)) {
+                bad_bound++;
+                diag("case %d (%s%s): bound %.9g > step %.9g", it, topo, extra, sum.lower_bound_s, sum.step_s);
+            }
+            const int32_t G = rp_config_topology(s.cfg)->num_gpus;
+            for (int k = 0; k < 3; k++) {
+                int32_t q = (int32_t)rnd((uint32_t)s.n), g = (int32_t)rnd((uint32_t)G), m = (int32_t)rnd((uint32_t)M);
+                double tried = rp_cost_try_move(cost, q, g, m);
+                if (isfinite(tried) && rp_cost_apply_move(cost, s.plan, q, g, m, &err) == RP_OK) {
+                    rp_cost *fresh = NULL;
+                    rp_cost_summary fs;
+                    rp_cost_new(ctx, s.cfg, s.batch, s.stats, it % 2 ? RP_SPLIT_LOCALITY : RP_SPLIT_EVEN, &fresh, &err);
+                    tries++;
+                    if (rp_cost_evaluate(fresh, s.plan, &fs, &err) != RP_OK || fs.step_s != tried) {
+                        bad_try++;
+                        diag("case %d: try %.17g, full %.17g", it, tried, fs.step_s);
+                    }
+                    rp_cost_free(fresh);
+                }
+            }
+        }
+        rp_cost_free(cost);
+        scene_free(&s);
+    }
+    ok(bad_bound == 0 && cases == 40, "bound <= step on %d random plans with PP 2-4, VPP 1-2, every sync and overlap",
+       cases);
+    ok(bad_try == 0 && tries > 40, "a tried move equals a full evaluation of the moved plan, bit for bit (%d moves)",
+       tries);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_config();
     test_memory();
+    test_schedule();
+    test_pp1_exact();
+    test_uniform();
+    test_random();
     rp_context_free(ctx);
     return tap_done();
 }
