@@ -178,8 +178,9 @@ double cost_pipe_domain(const rp_cost *c, const cost_state *st, const double *la
     return cost_pipe_run(c->PP, c->VPP, st->M, st->pipe_ops, st->pipe_begin, &buf, &times);
 }
 
+/* The order of the domain's first rank: validation keeps one order per EP group (per
+ * job under global sync), so it is every rank's of the domain. */
 const int32_t *cost_domain_order(const rp_cost *c, const cost_state *st, int32_t q)
 {
-    (void)c, (void)st, (void)q;
-    return NULL;
+    return rp_plan_microbatch_order(st->plan, c->NQ == 1 ? 0 : q * c->ep);
 }

@@ -47,6 +47,9 @@ rp_status rp_lua_plan_compose(rp_context *into, const rp_config *cfg, const rp_p
         RP_CHECK_GOTO(rp_plan_set_microbatches(plan, rp_plan_num_seqs(packing), (const int32_t *const *)lists,
                                                counts, err),
                       st, out);
+        /* the microbatch order belongs to the packing */
+        for (int32_t g = 0; g < G && rp_plan_has_microbatch_order(packing); g++)
+            RP_CHECK_GOTO(rp_plan_set_microbatch_order(plan, g, rp_plan_microbatch_order(packing, g), err), st, out);
     }
     if (placement) {
         for (int32_t l = 0; l < rp_plan_num_layers(placement); l++)
@@ -719,7 +722,7 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
 {
     static const char *const keys[] = {"format", "version", "num_gpus", "ep_size", "num_layers", "num_experts",
                                        "num_microbatches", "num_seqs", "packing", "placement", "extra_replicas",
-                                       "shares", "per_forward_balancing", NULL};
+                                       "shares", "per_forward_balancing", "microbatch_order", NULL};
     static const char *const extra_keys[] = {"microbatch", "layer", "expert", "ep_rank", NULL};
     static const char *const share_keys[] = {"microbatch", "layer", "expert", "shares", NULL};
     const rp_config *cfg = host->cfg;
@@ -752,8 +755,9 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
     if (get_key(L, idx, "version") != LUA_TNIL) {
         snprintf(path, sizeof path, "%s.version", what);
         int64_t v = want_int(L, -1, path, 0, INT32_MAX);
-        if (v != RP_PLAN_VERSION)
-            rp_lua_error(L, "%s is %lld, but this RoutePack reads plan version %d", path, (long long)v, RP_PLAN_VERSION);
+        if (v < 1 || v > RP_PLAN_VERSION)
+            rp_lua_error(L, "%s is %lld, but this RoutePack reads plan versions 1 to %d", path, (long long)v,
+                         RP_PLAN_VERSION);
     }
     lua_pop(L, 1);
     check_shape(L, idx, what, "num_gpus", t->num_gpus, "GPUs");
@@ -855,6 +859,34 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
         if (st != RP_OK) rp_lua_fail(L, host, what, st, &err);
         lua_pop(L, 1);
     }
+    /* microbatch_order[rank][k]: the microbatch rank runs k-th (docs/formats.md) */
+    if (get_key(L, idx, "microbatch_order") != LUA_TNIL) {
+        snprintf(path, sizeof path, "%s.microbatch_order", what);
+        want_table(L, -1, path, "a list of one microbatch order per rank");
+        int ord = lua_gettop(L);
+        int32_t *ids = lua_newuserdata(L, (size_t)M * sizeof *ids);
+        rp_lua_charge(L, (int64_t)t->num_gpus * M);
+        for (int32_t g = 0; g < t->num_gpus; g++) {
+            char rp[192];
+            snprintf(rp, sizeof rp, "%s[%d]", path, g + 1);
+            lua_rawgeti(L, ord, g + 1);
+            want_table(L, -1, rp, "a list of microbatch ids (0-based) in run order");
+            if (lua_objlen(L, -1) != (size_t)M)
+                rp_lua_error(L, "%s has %d entries, but the plan has %d microbatches", rp, (int)lua_objlen(L, -1), M);
+            for (int32_t k = 0; k < M; k++) {
+                char ip[224];
+                snprintf(ip, sizeof ip, "%s[%d]", rp, k + 1);
+                lua_rawgeti(L, -1, k + 1);
+                ids[k] = (int32_t)want_int(L, -1, ip, 0, M - 1);
+                lua_pop(L, 1);
+            }
+            st = rp_plan_set_microbatch_order(out->plan, g, ids, &err);
+            if (st != RP_OK) rp_lua_fail(L, host, rp, st, &err);
+            lua_pop(L, 1);
+        }
+        lua_pop(L, 1);
+    }
+    lua_pop(L, 1);
     if (phy) {
         int32_t S = host->slot_begin[t->ep_size];
         for (int32_t l = 0; l < md->num_layers; l++) {

@@ -44,6 +44,9 @@ struct rp_plan {
     share_set *shares;     /* sorted by (mb, layer, expert), unique keys */
     int32_t num_shares, cap_shares;
     rp_balancing balancing;
+    /* [G * M]: the microbatch each rank runs at each position (pipeline order); NULL
+     * while every rank runs them in index order */
+    int32_t *mb_order;
 };
 
 /* ---- shape ----------------------------------------------------------------------- */
@@ -84,6 +87,7 @@ void rp_plan_free(rp_plan *plan)
     rp_free(ctx, plan->rep_begin);
     rp_free(ctx, plan->rep_slots);
     rp_free(ctx, plan->extras);
+    rp_free(ctx, plan->mb_order);
     shares_free(plan);
     rp_free(ctx, plan);
 }
@@ -211,6 +215,7 @@ rp_status rp_plan_copy(const rp_plan *src, rp_plan **out, rp_error *err)
     memset(&p->pack, 0, sizeof p->pack);
     p->slot_begin = p->phy2log = p->rep_begin = p->rep_slots = NULL;
     p->extras = NULL;
+    p->mb_order = NULL;
     p->shares = NULL;
     p->num_shares = p->cap_shares = 0; /* shares_free walks only what was copied */
     p->cap_extras = src->num_extras;
@@ -226,6 +231,14 @@ rp_status rp_plan_copy(const rp_plan *src, rp_plan **out, rp_error *err)
         goto out;
     }
     p->cap_shares = src->num_shares + 1;
+    if (src->mb_order) {
+        p->mb_order = rp_alloc(ctx, lists * sizeof *p->mb_order);
+        if (!p->mb_order) {
+            st = rp_fail_nomem(err, "a plan copy");
+            goto out;
+        }
+        memcpy(p->mb_order, src->mb_order, lists * sizeof *p->mb_order);
+    }
     RP_CHECK_GOTO(packing_alloc(p, src->pack.num_seqs, (int64_t)total, &p->pack, err), st, out);
     memcpy(p->pack.begin, src->pack.begin, (lists + 1) * sizeof *p->pack.begin);
     copy_bytes(p->pack.seqs, src->pack.seqs, total * sizeof *p->pack.seqs);
@@ -641,6 +654,71 @@ rp_status rp_plan_set_balancing(rp_plan *plan, rp_balancing balancing, rp_error 
 
 rp_balancing rp_plan_balancing(const rp_plan *plan) { return plan ? plan->balancing : RP_BALANCING_NONE; }
 
+/* ---- microbatch order ------------------------------------------------------------ */
+
+rp_status rp_plan_set_microbatch_order(rp_plan *plan, int32_t rank, const int32_t *order, rp_error *err)
+{
+    if (!plan) return rp_fail(err, RP_EINVAL, "plan: no plan");
+    const int32_t G = plan->num_gpus, M = plan->num_microbatches;
+    if (rank < 0 || rank >= G)
+        return rp_fail(err, RP_EINVAL, "plan: microbatch order for rank %d, but the plan has %d ranks (0 to %d)", rank,
+                       G, G - 1);
+    if (!order && !plan->mb_order) return RP_OK;
+    /* a permutation of 0 .. M - 1: every value in range, none twice (first position kept
+     * in `seen` to name both) */
+    int32_t *seen = NULL;
+    if (order) {
+        seen = rp_alloc(plan->ctx, (size_t)M * sizeof *seen);
+        if (!seen) return rp_fail_nomem(err, "checking a microbatch order");
+        for (int32_t m = 0; m < M; m++) seen[m] = -1;
+        for (int32_t k = 0; k < M; k++) {
+            int32_t m = order[k];
+            rp_status st = RP_OK;
+            if (m < 0 || m >= M)
+                st = rp_fail(err, RP_EINVAL,
+                             "plan: rank %d's microbatch order has %d at position %d, but the plan has %d microbatches "
+                             "(0 to %d)", rank, m, k, M, M - 1);
+            else if (seen[m] >= 0)
+                st = rp_fail(err, RP_EINVAL,
+                             "plan: rank %d's microbatch order lists microbatch %d twice (positions %d and %d): it "
+                             "must be a permutation of 0 to %d", rank, m, seen[m], k, M - 1);
+            if (st != RP_OK) {
+                rp_free(plan->ctx, seen);
+                return st;
+            }
+            seen[m] = k;
+        }
+        rp_free(plan->ctx, seen);
+    }
+    const size_t lists = (size_t)G * M;
+    if (!plan->mb_order) {
+        plan->mb_order = rp_alloc(plan->ctx, lists * sizeof *plan->mb_order);
+        if (!plan->mb_order) return rp_fail_nomem(err, "a microbatch order");
+        for (size_t i = 0; i < lists; i++) plan->mb_order[i] = (int32_t)(i % (size_t)M);
+    }
+    for (int32_t k = 0; k < M; k++) plan->mb_order[(size_t)rank * M + k] = order ? order[k] : k;
+    /* back to no order at all when every rank runs the identity */
+    for (size_t i = 0; i < lists; i++)
+        if (plan->mb_order[i] != (int32_t)(i % (size_t)M)) return RP_OK;
+    rp_free(plan->ctx, plan->mb_order);
+    plan->mb_order = NULL;
+    return RP_OK;
+}
+
+const int32_t *rp_plan_microbatch_order(const rp_plan *plan, int32_t rank)
+{
+    if (!plan || !plan->mb_order || rank < 0 || rank >= plan->num_gpus) return NULL;
+    return plan->mb_order + (size_t)rank * plan->num_microbatches;
+}
+
+int32_t rp_plan_microbatch_at(const rp_plan *plan, int32_t rank, int32_t position)
+{
+    if (!plan || rank < 0 || rank >= plan->num_gpus || position < 0 || position >= plan->num_microbatches) return -1;
+    return plan->mb_order ? plan->mb_order[(size_t)rank * plan->num_microbatches + position] : position;
+}
+
+bool rp_plan_has_microbatch_order(const rp_plan *plan) { return plan && plan->mb_order; }
+
 const char *rp_balancing_name(rp_balancing balancing)
 {
     switch (balancing) {
@@ -790,6 +868,10 @@ uint64_t rp_plan_hash(const rp_plan *plan)
     }
     /* only when set, so the hashes of plans without it stay what they were */
     if (plan->balancing != RP_BALANCING_NONE) hash_i32(&h, 0x62616c00 | (int32_t)plan->balancing);
+    if (plan->mb_order) {
+        hash_i32(&h, 0x6f726400); /* "ord" */
+        for (size_t i = 0; i < (size_t)plan->num_gpus * plan->num_microbatches; i++) hash_i32(&h, plan->mb_order[i]);
+    }
     hash_i32(&h, plan->num_extras);
     for (int32_t i = 0; i < plan->num_extras; i++) {
         const extra_replica *x = &plan->extras[i];

@@ -433,6 +433,30 @@ static void check_balancing(const rp_plan *plan, const rp_config *cfg, reporter 
     }
 }
 
+/* Position k of every rank of an EP group runs together (the all-to-all of a microbatch
+ * is collective; under sync "global" every rank meets at every layer): one order per EP
+ * group, per job under global sync. Each order is a permutation (rp_plan_set_microbatch_order). */
+static void check_order(const rp_plan *plan, const rp_config *cfg, reporter *r)
+{
+    if (!rp_plan_has_microbatch_order(plan)) return;
+    const int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan);
+    const bool global = rp_config_execution(cfg)->sync == RP_SYNC_GLOBAL;
+    const int32_t span = global ? G : rp_config_topology(cfg)->ep_size;
+    for (int32_t g = 0; g < G; g++) {
+        const int32_t lead = g - g % span;
+        for (int32_t k = 0; k < M; k++) {
+            int32_t mine = rp_plan_microbatch_at(plan, g, k), theirs = rp_plan_microbatch_at(plan, lead, k);
+            if (mine != theirs) {
+                report(r, -1, -1,
+                       "plan: rank %d runs microbatch %d at position %d, but rank %d of its %s runs %d: ranks "
+                       "that meet in the all-to-all run one microbatch order",
+                       g, mine, k, lead, global ? "job (execution.sync \"global\")" : "EP group", theirs);
+                break;
+            }
+        }
+    }
+}
+
 static int32_t check(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch, reporter *r)
 {
     if (!check_shape(plan, cfg, r)) return r->count;
@@ -441,6 +465,7 @@ static int32_t check(const rp_plan *plan, const rp_config *cfg, const rp_batch *
     check_levers(plan, cfg, r);
     check_memory(plan, cfg, r);
     check_balancing(plan, cfg, r);
+    check_order(plan, cfg, r);
     return r->count;
 }
 

@@ -24,7 +24,7 @@ static const char *plural(size_t n)
 
 static const char *const plan_keys[] = {
     "format", "version", "num_gpus", "ep_size", "num_microbatches", "num_layers", "num_experts",
-    "num_seqs", "packing", "placement", "extra_replicas", "shares", "per_forward_balancing", NULL,
+    "num_seqs", "packing", "placement", "extra_replicas", "shares", "per_forward_balancing", "microbatch_order", NULL,
 };
 static const char *const extra_keys[] = {"microbatch", "layer", "expert", "ep_rank", NULL};
 static const char *const share_keys[] = {"microbatch", "layer", "expert", "shares", NULL};
@@ -247,6 +247,47 @@ out:
     return st;
 }
 
+/* "microbatch_order": num_gpus arrays of M microbatch ids, each a permutation of
+ * 0 .. M - 1 (version 2). Absent: every rank in index order. */
+static rp_status read_order(rp_jdoc *doc, json_t *root, rp_plan *plan, rp_error *err)
+{
+    json_t *order;
+    rp_status st = rp_jdoc_arr(doc, root, "", "microbatch_order", false, &order, err);
+    if (st != RP_OK || !order) return st;
+    const int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan);
+    if (json_array_size(order) != (size_t)G)
+        return rp_jdoc_fail(doc, err, RP_EINVAL, "microbatch_order", "has %zu ranks, but the plan has %d",
+                            json_array_size(order), G);
+    int32_t *ids = rp_alloc(rp_plan_context(plan), (size_t)M * sizeof *ids);
+    if (!ids) return rp_fail_nomem(err, "a microbatch order");
+    for (int32_t r = 0; r < G && st == RP_OK; r++) {
+        char path[PATH_TEXT];
+        json_t *rank = json_array_get(order, (size_t)r);
+        snprintf(path, sizeof path, "microbatch_order[%d]", r);
+        if (!json_is_array(rank) || json_array_size(rank) != (size_t)M) {
+            st = rp_jdoc_fail(doc, err, RP_EINVAL, path, "must be an array of the %d microbatch ids in run order, got %s",
+                              M, json_is_array(rank) ? "an array of another length" : rp_jdoc_type_name(rank));
+            break;
+        }
+        for (int32_t k = 0; k < M && st == RP_OK; k++) {
+            char ip[PATH_TEXT + 16];
+            int64_t v;
+            snprintf(ip, sizeof ip, "%s[%d]", path, k);
+            st = rp_jdoc_int_value(doc, json_array_get(rank, (size_t)k), ip, 0, M - 1, &v, err);
+            ids[k] = (int32_t)v;
+        }
+        if (st == RP_OK && (st = rp_plan_set_microbatch_order(plan, r, ids, err)) != RP_OK) {
+            /* point at the rank's list, keeping the message that names the value */
+            char why[RP_ERROR_TEXT];
+            snprintf(why, sizeof why, "%s", err ? err->text : "");
+            const char *text = strncmp(why, "plan: ", 6) == 0 ? why + 6 : why;
+            st = rp_jdoc_fail(doc, err, st, path, "is not a permutation: %s", text);
+        }
+    }
+    rp_free(rp_plan_context(plan), ids);
+    return st;
+}
+
 rp_status rp_plan_parse(rp_context *ctx, const rp_config *cfg, const char *text, size_t len,
                         const char *name, rp_plan **out, rp_error *err)
 {
@@ -269,9 +310,14 @@ rp_status rp_plan_parse(rp_context *ctx, const rp_config *cfg, const char *text,
         goto out;
     }
     RP_CHECK_GOTO(rp_jdoc_int(&doc, root, "", "version", true, 0, INT64_MIN, INT64_MAX, &version, err), st, out);
-    if (version != RP_PLAN_VERSION) {
-        st = rp_jdoc_fail(&doc, err, RP_ENOTSUP, "version", "is %lld, but this build reads version %d only",
+    if (version < 1 || version > RP_PLAN_VERSION) {
+        st = rp_jdoc_fail(&doc, err, RP_ENOTSUP, "version", "is %lld, but this build reads versions 1 to %d",
                           (long long)version, RP_PLAN_VERSION);
+        goto out;
+    }
+    if (version < 2 && json_object_get(root, "microbatch_order")) {
+        st = rp_jdoc_fail(&doc, err, RP_EINVAL, "microbatch_order",
+                          "needs plan version 2 (the document says version %lld)", (long long)version);
         goto out;
     }
     RP_CHECK_GOTO(shape_key(&doc, root, "num_gpus", topo->num_gpus, "GPUs", err), st, out);
@@ -350,6 +396,7 @@ rp_status rp_plan_parse(rp_context *ctx, const rp_config *cfg, const char *text,
     if (placement) RP_CHECK_GOTO(read_placement(&doc, placement, plan, err), st, out);
     if (extras) RP_CHECK_GOTO(read_extras(&doc, extras, plan, err), st, out);
     if (shares) RP_CHECK_GOTO(read_shares(&doc, shares, plan, err), st, out);
+    RP_CHECK_GOTO(read_order(&doc, root, plan, err), st, out);
     const char *balancing = NULL;
     RP_CHECK_GOTO(rp_jdoc_str(&doc, root, "", "per_forward_balancing", false, NULL, &balancing, err), st, out);
     if (balancing && strcmp(balancing, "none") != 0) {
@@ -513,6 +560,26 @@ fail:
     return NULL;
 }
 
+static json_t *order_lines(const rp_plan *plan)
+{
+    json_t *lines = json_array();
+    int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan);
+    for (int32_t r = 0; r < G; r++) {
+        json_t *rank = json_array();
+        for (int32_t k = 0; k < M; k++)
+            if (!append(rank, json_integer(rp_plan_microbatch_at(plan, r, k)))) {
+                json_decref(rank);
+                json_decref(lines);
+                return NULL;
+            }
+        if (!append(lines, rank)) {
+            json_decref(lines);
+            return NULL;
+        }
+    }
+    return lines;
+}
+
 static json_t *placement_lines(const rp_plan *plan)
 {
     json_t *lines = json_array();
@@ -602,7 +669,9 @@ rp_status rp_plan_to_json(const rp_plan *plan, char **text, size_t *len, rp_erro
     bool has_extras = rp_plan_num_extra_replicas(plan) > 0, has_shares = rp_plan_num_share_sets(plan) > 0;
     put(&o, "{\n");
     put_member(&o, "format", json_string(PLAN_FORMAT), false);
-    put_member(&o, "version", json_integer(RP_PLAN_VERSION), false);
+    /* version 1 unless the plan needs 2's microbatch order: older readers keep reading it */
+    const bool ordered = rp_plan_has_microbatch_order(plan);
+    put_member(&o, "version", json_integer(ordered ? 2 : 1), false);
     put_member(&o, "num_gpus", json_integer(rp_plan_num_gpus(plan)), false);
     put_member(&o, "ep_size", json_integer(rp_plan_ep_size(plan)), false);
     put_member(&o, "num_microbatches", json_integer(rp_plan_num_microbatches(plan)), false);
@@ -614,8 +683,9 @@ rp_status rp_plan_to_json(const rp_plan *plan, char **text, size_t *len, rp_erro
         put_member(&o, "per_forward_balancing", json_string(rp_balancing_name(rp_plan_balancing(plan))), !more);
     if (has_packing) {
         put_member(&o, "num_seqs", json_integer(rp_plan_num_seqs(plan)), false);
-        put_lines(&o, "packing", packing_lines(plan), !(has_placement || has_extras || has_shares));
+        put_lines(&o, "packing", packing_lines(plan), !(ordered || has_placement || has_extras || has_shares));
     }
+    if (ordered) put_lines(&o, "microbatch_order", order_lines(plan), !(has_placement || has_extras || has_shares));
     if (has_placement) put_lines(&o, "placement", placement_lines(plan), !(has_extras || has_shares));
     if (has_extras) put_lines(&o, "extra_replicas", extra_lines(plan), !has_shares);
     if (has_shares) put_lines(&o, "shares", share_lines(plan), true);

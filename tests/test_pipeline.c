@@ -485,6 +485,98 @@ static void test_random(void)
        tries);
 }
 
+/* ---- the microbatch order: plan API, format, validation, cost ---- */
+
+static void test_order(void)
+{
+    rp_error err;
+    rp_config *cfg = config("\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": 2, \"ep_size\": 2,"
+                            " \"nvlink_latency_us\": 0, \"nvlink_bytes_per_s\": 1e300",
+                            "", &err);
+    if (!cfg) {
+        diag("%s", err.text);
+        skip(12, "config");
+        return;
+    }
+    /* 4 DP ranks in 2 EP groups of 2; 3 microbatches, microbatch 0 heavy */
+    int32_t lens[6] = {400, 400, 40, 40, 40, 40}, zero[6] = {0};
+    int32_t rank[6] = {0, 2, 0, 2, 0, 2}, mb[6] = {0, 0, 1, 1, 2, 2};
+    rp_batch *batch = NULL;
+    rp_batch_new(ctx, 6, lens, zero, NULL, &batch, &err);
+    int64_t tokens = rp_batch_num_tokens(batch);
+    uint8_t *ids = malloc((size_t)tokens * 6 * 2);
+    for (int64_t k = 0; k < tokens * 6; k++) ids[2 * k] = (uint8_t)(k % 8), ids[2 * k + 1] = (uint8_t)((k + 3) % 8);
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 6, 2, ids);
+    rp_stats *stats = NULL;
+    rp_stats_compute(ctx, batch, &r, 8, 1, &stats, &err);
+    rp_plan *plan = NULL;
+    rp_plan_new(ctx, cfg, 3, &plan, &err);
+    rp_plan_set_packing(plan, 6, rank, mb, &err);
+    rp_plan_set_contiguous(plan, &err);
+
+    ok(!rp_plan_has_microbatch_order(plan) && rp_plan_microbatch_order(plan, 1) == NULL &&
+           rp_plan_microbatch_at(plan, 1, 2) == 2,
+       "a new plan has no order: every rank runs 0, 1, 2");
+    int32_t bad1[3] = {0, 3, 1}, bad2[3] = {2, 0, 2}, middle[3] = {1, 0, 2};
+    ok(rp_plan_set_microbatch_order(plan, 1, bad1, &err) == RP_EINVAL &&
+           strstr(err.text, "rank 1's microbatch order has 3 at position 1, but the plan has 3 microbatches"),
+       "refused: a value out of range (%s)", err.text);
+    ok(rp_plan_set_microbatch_order(plan, 3, bad2, &err) == RP_EINVAL &&
+           strstr(err.text, "rank 3's microbatch order lists microbatch 2 twice (positions 0 and 2)"),
+       "refused: a value twice (%s)", err.text);
+    ok(rp_plan_set_microbatch_order(plan, 4, middle, &err) == RP_EINVAL && !rp_plan_has_microbatch_order(plan),
+       "refused: a rank out of range; nothing changed");
+
+    rp_cost *cost = NULL;
+    rp_cost_summary first, mid;
+    uint64_t h0 = rp_plan_hash(plan);
+    rp_cost_new(ctx, cfg, batch, stats, RP_SPLIT_EVEN, &cost, &err);
+    rp_cost_evaluate(cost, plan, &first, &err);
+    /* EP group 0 (ranks 0, 1) runs the heavy microbatch in the middle: only rank 0 differs */
+    rp_plan_set_microbatch_order(plan, 0, middle, &err);
+    ok(rp_plan_validate(plan, cfg, batch, &err) == RP_EPLAN &&
+           strstr(err.text, "rank 1 runs microbatch 0 at position 0, but rank 0 of its EP group runs 1"),
+       "validation: one order per EP group (%s)", err.text);
+    rp_plan_set_microbatch_order(plan, 1, middle, &err);
+    ok(rp_plan_validate(plan, cfg, batch, &err) == RP_OK, "both ranks of the group in that order: valid");
+    ok(rp_plan_hash(plan) != h0, "the order is part of the plan hash");
+    rp_status st = rp_cost_evaluate(cost, plan, &mid, &err);
+    /* group 0 holds the heavy cells (rank 0), group 1 too (rank 2): group 1 still runs
+     * it first, so reorder both groups */
+    rp_plan_set_microbatch_order(plan, 2, middle, &err);
+    rp_plan_set_microbatch_order(plan, 3, middle, &err);
+    st = st == RP_OK ? rp_cost_evaluate(cost, plan, &mid, &err) : st;
+    ok(st == RP_OK && mid.step_s < first.step_s,
+       "PP 2: the heavy microbatch in the middle shortens the step (%.6g s, first %.6g s)", mid.step_s, first.step_s);
+
+    /* the format: version 2 with the order, read back the same; without it version 1 */
+    char *text = NULL;
+    size_t len = 0;
+    rp_plan *back = NULL;
+    rp_plan_to_json(plan, &text, &len, &err);
+    ok(text && strstr(text, "\"version\": 2") && strstr(text, "\"microbatch_order\": [\n    [1, 0, 2],"),
+       "written as version 2 with microbatch_order");
+    ok(rp_plan_parse(ctx, cfg, text, len, "p.json", &back, &err) == RP_OK && rp_plan_hash(back) == rp_plan_hash(plan),
+       "read back: the same plan (hash)");
+    rp_text_free(ctx, text);
+    rp_plan_free(back);
+    for (int32_t g = 0; g < 4; g++) rp_plan_set_microbatch_order(plan, g, NULL, &err);
+    text = NULL;
+    rp_plan_to_json(plan, &text, &len, &err);
+    ok(!rp_plan_has_microbatch_order(plan) && text && strstr(text, "\"version\": 1") &&
+           !strstr(text, "microbatch_order") && rp_plan_hash(plan) == h0,
+       "every rank back to the identity: no order, version 1, the first hash");
+    rp_text_free(ctx, text);
+
+    rp_cost_free(cost);
+    rp_plan_free(plan);
+    rp_stats_free(stats);
+    free(ids);
+    rp_batch_free(batch);
+    rp_config_free(cfg);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -494,6 +586,7 @@ int main(void)
     test_pp1_exact();
     test_uniform();
     test_random();
+    test_order();
     rp_context_free(ctx);
     return tap_done();
 }

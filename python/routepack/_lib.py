@@ -204,6 +204,8 @@ _REQUIRED = {
     "rp_plan_has_packing": (c_bool, [P]),
     "rp_plan_num_seqs": (c_int32, [P]),
     "rp_plan_microbatch": (PI32, [P, c_int32, c_int32, PI32]),
+    "rp_plan_microbatch_at": (c_int32, [P, c_int32, c_int32]),
+    "rp_plan_has_microbatch_order": (c_bool, [P]),
     "rp_plan_has_placement": (c_bool, [P]),
     "rp_plan_total_slots": (c_int32, [P]),
     "rp_plan_slot_begin": (PI32, [P]),

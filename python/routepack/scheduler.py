@@ -107,7 +107,9 @@ class StepResult:
     the caller and stays valid after later steps.
 
     Packing: ``microbatches[rank][mb]`` is an int32 array of sequence indices (in the
-    order to run them); ``seq_rank[s]``, ``seq_microbatch[s]`` say where sequence s runs.
+    order to run them); ``seq_rank[s]``, ``seq_microbatch[s]`` say where sequence s runs;
+    ``microbatch_order`` [G, M] int32, the microbatch each rank runs at each position (the
+    identity unless the plan orders them, as under pipeline parallelism).
     Placement (DeepSeek EPLB's arrays, docs/formats.md): ``phy2log`` [L, S],
     ``log2phy`` [L, E, R] (-1 padded), ``logcnt`` [L, E], ``slot_begin`` [ep_size + 1].
     Levers: ``extra_replicas`` [n, 4] rows of (microbatch, layer, expert, ep_rank) and
@@ -624,6 +626,8 @@ class Scheduler:
                     r.seq_rank[fresh] = g
                     r.seq_microbatch[fresh] = m
             r.microbatches.append(row)
+        r.microbatch_order = np.array([[lib.rp_plan_microbatch_at(plan, g, k) for k in range(M)] for g in range(G)],
+                                      dtype=np.int32).reshape(G, M)
 
         # placement
         r.total_slots = lib.rp_plan_total_slots(plan)

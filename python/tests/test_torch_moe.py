@@ -162,7 +162,15 @@ def _pack_rank(rank, world, seed):
     local = torch.cat([data[s] for s in mine]) if mine else torch.zeros(0, dtype=torch.int64)
     route = local.view(-1, 1, 1).repeat(1, 2, 3).to(torch.int32)
     packed = pack_microbatches(plan, owner, lens, mine, {"tokens": local, "routing": route})
-    assert len(packed) == M
+    assert len(packed) == M and [pm.microbatch for pm in packed] == list(range(M))
+    # in a plan's run order (pipeline parallelism): the same micro-batches, reordered
+    order = [list(np.roll(np.arange(M), g + 1)) for g in range(world)]
+    ordered = pack_microbatches(plan, owner, lens, mine, {"tokens": local, "routing": route}, order=order)
+    assert [pm.microbatch for pm in ordered] == order[rank]
+    for k, pm in enumerate(ordered):
+        assert torch.equal(pm["tokens"], packed[order[rank][k]]["tokens"]), (rank, k)
+    with pytest.raises(ValueError, match="not a permutation"):
+        pack_microbatches(plan, owner, lens, mine, {"tokens": local, "routing": route}, order=[[0] * M] * world)
     for m, pm in enumerate(packed):
         ids = plan[rank][m]
         want = torch.cat([data[s] for s in ids]) if len(ids) else torch.zeros(0, dtype=torch.int64)

@@ -13,7 +13,10 @@
 extern "C" {
 #endif
 
-#define RP_PLAN_VERSION 1
+/* The newest plan format version this build reads and writes; it reads every older one
+ * (version 1: no microbatch order). The writer writes 1 for a plan without a microbatch
+ * order, so such plans stay readable by older builds. */
+#define RP_PLAN_VERSION 2
 
 typedef struct rp_plan rp_plan;
 
@@ -138,6 +141,22 @@ RP_API void rp_plan_extra_replica(const rp_plan *plan, int32_t i, int32_t *mb, i
 /* RP_EINVAL for a value outside the enum (nothing changes). */
 RP_API rp_status rp_plan_set_balancing(rp_plan *plan, rp_balancing balancing, rp_error *err);
 RP_API rp_balancing rp_plan_balancing(const rp_plan *plan);
+
+/* Microbatch order (plan version 2; docs/formats.md): the order in which a rank runs its
+ * microbatches, which under pipeline parallelism changes the step (the pipeline's critical
+ * path). Position k of every rank of an EP group runs together (the all-to-all is
+ * collective), so rp_plan_check requires one order per EP group (per job under
+ * execution.sync "global"). Without an order every rank runs 0, 1, ..., M - 1.
+ * rp_plan_set_microbatch_order sets rank's order from order[M], a permutation of
+ * 0 .. M - 1 (NULL: the identity); errors (nothing changes): rank out of range, a value
+ * out of range or twice (the message names the rank, the value and its positions), no
+ * memory. rp_plan_microbatch_order returns rank's order [M] (borrowed until the plan
+ * changes) or NULL when the plan has none (the identity); rp_plan_microbatch_at gives
+ * the microbatch at one position (-1 out of range). */
+RP_API rp_status rp_plan_set_microbatch_order(rp_plan *plan, int32_t rank, const int32_t *order, rp_error *err);
+RP_API const int32_t *rp_plan_microbatch_order(const rp_plan *plan, int32_t rank);
+RP_API int32_t rp_plan_microbatch_at(const rp_plan *plan, int32_t rank, int32_t position);
+RP_API bool rp_plan_has_microbatch_order(const rp_plan *plan);
 /* "none" or "virtual_experts"; NULL for a value outside the enum. */
 RP_API const char *rp_balancing_name(rp_balancing balancing);
 

@@ -16,12 +16,14 @@ import torch.distributed as dist
 class PackedMicrobatch:
     """One micro-batch of this rank: ``seq_ids`` (int64 [n], global sequence ids in the
     plan's order), ``cu_seqlens`` (int32 [n + 1] on the fields' device, offsets of each
-    sequence in the concatenation) and ``fields`` (name -> tensor [tokens, ...]: the
-    sequences' rows concatenated in that order)."""
+    sequence in the concatenation), ``fields`` (name -> tensor [tokens, ...]: the
+    sequences' rows concatenated in that order) and ``microbatch``, its index in the
+    plan's lists (the packing helper returns micro-batches in the plan's run order)."""
 
     seq_ids: np.ndarray
     cu_seqlens: torch.Tensor
     fields: dict = field(default_factory=dict)
+    microbatch: int = -1
 
     @property
     def num_tokens(self):
@@ -40,7 +42,7 @@ def _valid(ids, num_seqs):
     return ids[(ids >= 0) & (ids < num_seqs)]
 
 
-def pack_microbatches(microbatches, seq_owner, seq_lens, local_seq_ids, local_fields, group=None):
+def pack_microbatches(microbatches, seq_owner, seq_lens, local_seq_ids, local_fields, group=None, order=None):
     """This rank's packed micro-batches for a plan.
 
     ``microbatches``: the plan's lists for every rank, ``[rank][mb]`` arrays of global
@@ -53,7 +55,10 @@ def pack_microbatches(microbatches, seq_owner, seq_lens, local_seq_ids, local_fi
 
     Collective over ``group`` (None: the world): one all_to_all_single per field, in the
     order of sorted field names; each rank sends exactly the rows of its sequences that
-    other ranks run. Returns a list of PackedMicrobatch, one per microbatch."""
+    other ranks run. Returns a list of PackedMicrobatch, one per microbatch, in the order
+    to run them: ``order[rank]`` (StepResult.microbatch_order, int [ranks, M]: the
+    microbatch each rank runs at each position, which under pipeline parallelism is part
+    of the plan), else index order."""
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     if len(microbatches) != world:
@@ -62,6 +67,15 @@ def pack_microbatches(microbatches, seq_owner, seq_lens, local_seq_ids, local_fi
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     S = len(seq_lens)
     M = len(microbatches[rank])
+    # every rank checks every rank's order (the same on all), so all raise or none does
+    # before the collectives below
+    if order is not None:
+        if len(order) != world:
+            raise ValueError("order has %d ranks; the group has %d" % (len(order), world))
+        for g, row in enumerate(order):
+            if sorted(int(m) for m in row) != list(range(M)):
+                raise ValueError("order[%d] is %r, not a permutation of the %d microbatches" % (g, list(row), M))
+    run = list(range(M)) if order is None else [int(m) for m in order[rank]]
     local_seq_ids = np.asarray(local_seq_ids, dtype=np.int64)
     local_off = np.zeros(S + 1, dtype=np.int64)
     local_start = np.full(S, -1, dtype=np.int64)
@@ -123,5 +137,5 @@ def pack_microbatches(microbatches, seq_owner, seq_lens, local_seq_ids, local_fi
         index = torch.as_tensor(np.concatenate(rows) if rows else np.zeros(0, np.int64), device=device)
         cu = np.concatenate([[0], np.cumsum(seq_lens[ids])]).astype(np.int32)
         packed.append(PackedMicrobatch(ids, torch.as_tensor(cu, device=device),
-                                       {n: received[n][index] for n in names}))
-    return packed
+                                       {n: received[n][index] for n in names}, m))
+    return [packed[m] for m in run]
