@@ -351,6 +351,9 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
     if (!opts) opts = &defaults;
     double timeout = opts->timeout_s > 0 ? opts->timeout_s : 60.0;
     if (!(timeout < 1e9)) timeout = 1e9;
+    /* the exchanges wait for the slowest rank: their own bound (see the header) */
+    double exchange_timeout = opts->exchange_timeout_s > 0 ? opts->exchange_timeout_s : timeout;
+    if (!(exchange_timeout < 1e9)) exchange_timeout = 1e9;
 
     /* Nothing below allocates before the agreement except what local_checks notes in
      * this rank's record: every local problem reaches every rank through the exchange,
@@ -380,7 +383,7 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
     /* (1) Agree: same plan, same tensor layout, same call, same version of the weights,
      * every slot holding what the plan says, nothing wrong locally. */
     rp_error e;
-    st = exchange(&x, EXCHANGE_AGREE, rp_now_s() + timeout, all, &e);
+    st = exchange(&x, EXCHANGE_AGREE, rp_now_s() + exchange_timeout, all, &e);
     if (st != RP_OK) {
         rp_fail(err, st, "migration: rank %d: the agreement exchange failed (%s); nothing moved", t->rank, inner(&e));
         goto out;
@@ -448,11 +451,12 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
             goto out;
         }
         /* (4) Agree on the outcome. Ranks that failed fast wait for slow ones up to one
-         * more timeout, so a rank that timed out still reaches this exchange in time. */
+         * exchange timeout past the round's deadline, so a rank that timed out still
+         * reaches this exchange in time. */
         double stall = 0.0;
         rp_fault_kind fault = rp_transport_fault_at(t, RP_FAULT_SITE_DECISION, &stall);
         if (fault == RP_FAULT_STALL_DECISION) sleep_s(stall);
-        st = exchange(&x, EXCHANGE_DECIDE(round), deadline + timeout, all, &e);
+        st = exchange(&x, EXCHANGE_DECIDE(round), deadline + exchange_timeout, all, &e);
         if (st == RP_OK && fault == RP_FAULT_LOSE_DECISION)
             st = rp_fail(&e, RP_ETIMEOUT, "transport: rank %d lost the exchange's answer (injected fault)", t->rank);
         if (st != RP_OK) {
@@ -481,7 +485,7 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
         double commit_deadline = rp_now_s() + timeout;
         migrate_commit_round(&x, round, commit_deadline);
         fault = rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_EXCHANGE, NULL);
-        st = exchange(&x, EXCHANGE_COMMIT(round), commit_deadline + timeout, all, &e);
+        st = exchange(&x, EXCHANGE_COMMIT(round), commit_deadline + exchange_timeout, all, &e);
         if (st == RP_OK && fault == RP_FAULT_LOSE_COMMIT)
             st = rp_fail(&e, RP_ETIMEOUT, "transport: rank %d lost the exchange's answer (injected fault)", t->rank);
         if (st != RP_OK) {

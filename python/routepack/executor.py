@@ -55,7 +55,7 @@ class rp_transport_callbacks(Structure):
 
 class rp_migration_exec_options(Structure):
     _fields_ = [("timeout_s", c_double), ("staging", c_void_p), ("staging_bytes", c_size_t),
-                ("ep_group", c_int32)]
+                ("ep_group", c_int32), ("exchange_timeout_s", c_double)]
 
 
 class rp_migration_result(Structure):

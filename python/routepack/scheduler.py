@@ -786,7 +786,7 @@ class Scheduler:
             if st != errors.OK:
                 self._fail(st, err)
 
-    def execute_migration(self, registry, transport, timeout_s=60.0, ep_group=-1):
+    def execute_migration(self, registry, transport, timeout_s=60.0, ep_group=-1, exchange_timeout_s=0.0):
         """Run the last step's migration plan (rp_sched_migration) with the C executor on
         this rank's ``registry`` (routepack.executor.Registry) over ``transport``
         (routepack.executor.CallbackTransport): call on every rank of the transport after
@@ -795,7 +795,9 @@ class Scheduler:
         failure the scheduler is told (rp_sched_migration_failed: the layers of rounds
         that did not commit go back to their old placement in the plan in use, so the
         next step plans from what the weights are) and MigrationFailed is raised, the
-        same on every rank. ``ep_group``: for a transport over one EP group, that group."""
+        same on every rank. ``ep_group``: for a transport over one EP group, that group.
+        ``timeout_s`` bounds the transfers, ``exchange_timeout_s`` the exchanges between
+        ranks (0: ``timeout_s``; docs/migration.md, "Deadlines")."""
         from . import executor
         xlib = executor.lib()
         with self._lock:
@@ -807,6 +809,7 @@ class Scheduler:
             xlib.rp_migration_exec_defaults(ctypes.byref(opts))
             opts.timeout_s = float(timeout_s)
             opts.ep_group = int(ep_group)
+            opts.exchange_timeout_s = float(exchange_timeout_s)
             raw = executor.rp_migration_result()
             err = _lib.new_error()
             st = xlib.rp_migration_execute(mp, registry.handle, transport.handle,

@@ -59,12 +59,16 @@ static void mscene_free(mscene *s)
     rp_config_free(s->cfg);
 }
 
+/* The transfers bounded by `timeout`; the exchanges by 30 s, since ranks on a loaded
+ * machine may reach one far apart and an exchange that times out ends the transport (a
+ * fault test checks the fault, not that). */
 static rp_status run(mscene *s, rp_transport *t, const rp_migration_plan *mp, double timeout, rp_error *err,
                      rp_migration_result *res)
 {
     rp_migration_exec_options o;
     rp_migration_exec_defaults(&o);
     o.timeout_s = timeout;
+    o.exchange_timeout_s = 30.0;
     rp_error_clear(err);
     return rp_migration_execute(mp ? mp : s->mp, s->gpu.reg, t, &o, res, err);
 }

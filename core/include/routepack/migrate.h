@@ -330,6 +330,13 @@ typedef struct rp_migration_exec_options {
     /* For a transport that spans one EP group (its size is ep_size, not num_gpus): that
      * group. Ignored for a transport over every GPU. */
     int32_t ep_group;
+    /* Bound on each exchange between ranks (the agreement before anything moves, a
+     * round's outcome, its commit), seconds, counted from when this rank was due there;
+     * 0: timeout_s. An exchange that times out leaves the transport unusable (a
+     * collective cannot be taken back), so this should cover how far apart the ranks
+     * reach the call and each exchange (a slower step, a busy host), while timeout_s
+     * bounds the transfers, and so how soon a lost message is noticed. */
+    double exchange_timeout_s;
 } rp_migration_exec_options;
 
 /* Fill the defaults: timeout 60 s, no caller staging, ep_group -1. */
