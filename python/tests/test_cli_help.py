@@ -16,7 +16,7 @@ from conftest import REPO, cli_path
 COMMANDS = [
     ("trace", "gen"), ("trace", "info"), ("trace", "validate"), ("trace", "import"),
     ("stats", None), ("simulate", None), ("policy", "list"), ("policy", "check"),
-    ("plan", "baseline"), ("plan", "eval"), ("plan", "validate"),
+    ("plan", "baseline"), ("plan", "eval"), ("plan", "validate"), ("memory", None),
 ]
 
 
@@ -54,6 +54,20 @@ def test_help_page(cli, group, sub):
     usage = page.splitlines()[0]
     for opt in {w.strip("[]()|.,") for w in usage.split() if w.strip("[]()").startswith("--")}:
         assert "  " + opt in page, "%s: option %s has no line on the help page" % (name, opt)
+
+
+def test_every_command_is_covered(cli):
+    # every command the global page lists has its help page and example tested here
+    page = run(cli, ["help"]).stdout
+    listed = [line[2:] for line in page.split("\ncommands:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+              if line.startswith("  ") and not line.startswith("   ")]
+    assert len(listed) >= len(COMMANDS)
+    for line in listed:
+        if line == "version":
+            continue  # the one command without options (test_help_errors)
+        covered = [w for w in (" ".join(words(g, s)) for g, s in COMMANDS)
+                   if line == w or line.startswith(w + " ")]
+        assert covered, "routepack help lists '%s', which COMMANDS does not test" % line
 
 
 def test_help_wins_over_other_arguments(cli):
