@@ -248,7 +248,8 @@ static void test_json(void)
 
 static void test_report(void)
 {
-    const char *html = tmp("report.html");
+    char html[512]; /* its own copy: tmp()'s ring of 8 buffers comes round before the end */
+    snprintf(html, sizeof html, "%s", tmp("report.html"));
     int rc = rp("simulate --steps 2 --policies attn_kk+eplb,token_kk+eplb --report '%s'", html);
     is_int(rc, 0, "simulate --report succeeds");
     like(out, "report:", "it says where the report went");
@@ -311,6 +312,24 @@ static void test_report(void)
     is_int(maps, 2, "one heatmap per policy");
     ok(cells >= 2 * 64 * 16, "every (GPU, layer) cell is drawn (%d rects)", cells);
     like(heat, "hottest cell GPU", "each names its hottest cell");
+
+    /* 256 GPUs: still a cell per (GPU, layer), the GPU axis labelled every 32 */
+    const char *cfg256 = tmp("config-256.json");
+    write_file(cfg256, "{\"topology\": {\"num_nodes\": 32, \"gpus_per_node\": 8, \"slots_per_gpu\": 10},\n"
+                       " \"model\": {\"num_layers\": 16, \"num_experts\": 64, \"top_k\": 8, \"hidden_size\": 2048,\n"
+                       "  \"expert_ffn_size\": 1024, \"num_heads\": 16, \"head_dim\": 128},\n"
+                       " \"limits\": {\"max_tokens_per_microbatch\": 16384}}\n");
+    rc = rp("simulate --config '%s' --gen " EX "gen-small.json --steps 1 --policies token_kk+eplb --report '%s'",
+            cfg256, html);
+    is_int(rc, 0, "simulate --report at 256 GPUs succeeds");
+    slurp(html, page, sizeof page);
+    heat = strstr(page, "<h2>Expert load per GPU and layer");
+    cells = 0;
+    for (const char *c = heat; c && (c = strstr(c, "<rect x=")); c++) cells++;
+    ok(heat && cells >= 256 * 16, "256 GPUs: every (GPU, layer) cell of the heatmap is drawn (%d rects)", cells);
+    ok(heat && strstr(heat, "text-anchor=\"middle\">224</text>") && !strstr(heat, "text-anchor=\"middle\">8</text>"),
+       "256 GPUs: the GPU axis is labelled every 32 GPUs, not every 8");
+    ok(strlen(page) < sizeof page - 1, "the 256-GPU report fits the test's buffer (%zu bytes)", strlen(page));
 
     rc = rp("simulate --steps 1 --policies token_kk+eplb --report '%s/no/such/dir/r.html'", tmpdir);
     is_int(rc, 2, "a report into a missing folder is a usage error, before the run");
