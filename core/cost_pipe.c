@@ -5,6 +5,7 @@
 #include "cost_internal.h"
 
 #include <math.h>
+#include <string.h>
 
 int64_t cost_pipe_capacity(int32_t PP, int32_t V, int32_t M) { return 2 * (int64_t)PP * V * M; }
 
@@ -183,4 +184,195 @@ double cost_pipe_domain(const rp_cost *c, const cost_state *st, const double *la
 const int32_t *cost_domain_order(const rp_cost *c, const cost_state *st, int32_t q)
 {
     return rp_plan_microbatch_order(st->plan, c->NQ == 1 ? 0 : q * c->ep);
+}
+
+/* ---- choosing the microbatch order ------------------------------------------------ */
+
+/* Pass times of one sync domain by (virtual stage, microbatch), summed once, and the p2p
+ * times by (stage boundary, microbatch): a candidate order is then a run over the
+ * schedule without the layers. The chosen order's step is computed afresh, exactly. */
+typedef struct order_search {
+    int32_t M, VS, PP;
+    double *tf, *tb, *tfb; /* [VS * M] */
+    double *p2p;           /* [PP * M]: from stage r's boundary (r to r + 1 mod PP) */
+    double *work;          /* [M] every pass of each microbatch, summed */
+    const int32_t *order;  /* the candidate */
+} order_search;
+
+static double search_run(void *ud, int32_t kind, int32_t v, int32_t k, double start)
+{
+    const order_search *o = ud;
+    const size_t i = (size_t)v * o->M + o->order[k];
+    return start + (kind == COST_PIPE_F ? o->tf[i] : kind == COST_PIPE_B ? o->tb[i] : o->tfb[i]);
+}
+
+static double search_p2p(void *ud, int32_t kind, int32_t from, int32_t to, int32_t k)
+{
+    (void)kind;
+    const order_search *o = ud;
+    const int32_t a = (from < to ? from : to) % o->PP;
+    return o->p2p[(size_t)a * o->M + o->order[k]];
+}
+
+/* Orders up to this many microbatches are searched exhaustively (6! = 720 runs); up to
+ * ORDER_SWAP_MAX, improved by pairwise swaps (at most ORDER_SWAP_ROUNDS sweeps). */
+#define ORDER_EXACT_MAX 6
+#define ORDER_SWAP_MAX 32
+#define ORDER_SWAP_ROUNDS 3
+
+static double try_order(const rp_cost *c, const cost_state *st, order_search *o, cost_pipe_buf *buf,
+                        const int32_t *order)
+{
+    o->order = order;
+    cost_pipe_times times = {.run = search_run, .p2p = search_p2p, .ud = o};
+    cost_count(c, st->pipe_begin[c->PP]);
+    return cost_pipe_run(c->PP, c->VPP, st->M, st->pipe_ops, st->pipe_begin, buf, &times);
+}
+
+/* The best order of one domain into best[M]: every permutation (Heap's algorithm) when
+ * M is small, else the better of the identity and verl's (light microbatches at both
+ * ends, heavy ones in the middle) improved by pairwise swaps while any helps. */
+static void search_domain(const rp_cost *c, const cost_state *st, order_search *o, cost_pipe_buf *buf,
+                          int32_t *best, int32_t *cur, int32_t *stack)
+{
+    const int32_t M = st->M;
+    for (int32_t k = 0; k < M; k++) best[k] = cur[k] = k;
+    double best_t = try_order(c, st, o, buf, best);
+    if (M <= ORDER_EXACT_MAX) {
+        for (int32_t k = 0; k < M; k++) stack[k] = 0;
+        for (int32_t i = 1; i < M;) {
+            if (stack[i] < i) {
+                int32_t j = i % 2 == 0 ? 0 : stack[i], t = cur[j];
+                cur[j] = cur[i];
+                cur[i] = t;
+                double span = try_order(c, st, o, buf, cur);
+                if (span < best_t) {
+                    best_t = span;
+                    memcpy(best, cur, (size_t)M * sizeof *cur);
+                }
+                stack[i]++;
+                i = 1;
+            } else {
+                stack[i++] = 0;
+            }
+        }
+        return;
+    }
+    /* verl's rearrange_micro_batches: sorted by work descending, then [::2][::-1] + [1::2] */
+    for (int32_t k = 0; k < M; k++) {
+        stack[k] = k;
+        o->work[k] = 0.0;
+        for (int32_t v = 0; v < o->VS; v++) o->work[k] += o->tf[(size_t)v * M + k] + o->tb[(size_t)v * M + k];
+    }
+    /* a stable merge-free sort: insertion, fine for the M a pipeline runs */
+    cost_count(c, (int64_t)M * M);
+    for (int32_t a = 1; a < M; a++)
+        for (int32_t b = a; b > 0 && o->work[stack[b]] > o->work[stack[b - 1]]; b--) {
+            int32_t t = stack[b];
+            stack[b] = stack[b - 1];
+            stack[b - 1] = t;
+        }
+    int32_t n = 0;
+    for (int32_t b = (M - 1) / 2 * 2; b >= 0; b -= 2) cur[n++] = stack[b];
+    for (int32_t b = 1; b < M; b += 2) cur[n++] = stack[b];
+    double cur_t = try_order(c, st, o, buf, cur);
+    if (cur_t < best_t) {
+        best_t = cur_t;
+        memcpy(best, cur, (size_t)M * sizeof *cur);
+    }
+    memcpy(cur, best, (size_t)M * sizeof *cur);
+    for (int32_t round = 0; M <= ORDER_SWAP_MAX && round < ORDER_SWAP_ROUNDS; round++) {
+        bool better = false;
+        for (int32_t i = 0; i < M; i++)
+            for (int32_t j = i + 1; j < M; j++) {
+                int32_t t = cur[i];
+                cur[i] = cur[j];
+                cur[j] = t;
+                double span = try_order(c, st, o, buf, cur);
+                if (span < best_t) {
+                    best_t = span;
+                    memcpy(best, cur, (size_t)M * sizeof *cur);
+                    better = true;
+                } else {
+                    cur[j] = cur[i];
+                    cur[i] = t;
+                }
+            }
+        if (!better) break;
+    }
+}
+
+/* Sum of a pass's layer times (forward, backward or both) for one search table. */
+static double pass_sum(const rp_cost *c, const double *layer_t, int32_t m, int32_t v, size_t off, int32_t q)
+{
+    double t = 0.0;
+    for (int32_t l = c->stage_begin[v]; l < c->stage_begin[v] + c->stage_layers[v]; l++)
+        t += layer_t[((size_t)m * c->L + l) * c->LW + off + q];
+    return t;
+}
+
+rp_status rp_cost_order_microbatches(rp_cost *c, rp_plan *plan, double *step_s, rp_error *err)
+{
+    if (!c || !plan) return rp_fail(err, RP_EINVAL, "cost: rp_cost_order_microbatches needs an evaluator and a plan");
+    cost_state *st = c->st;
+    if (!st || st->plan != plan)
+        return rp_fail(err, RP_EINVAL, "cost: the plan to order is not the one the evaluator is bound to: evaluate it "
+                       "first");
+    const int32_t M = st->M, VS = c->PP * c->VPP;
+    if (c->PP == 1 || M < 2 || M > 4096) { /* nothing to gain (one stage), or beyond the search's reach */
+        if (step_s) *step_s = st->step_s;
+        return RP_OK;
+    }
+    const size_t vm = (size_t)VS * M;
+    double *dbuf = rp_alloc(c->ctx, (3 * vm + (size_t)c->PP * M + 2 * vm + c->PP + M) * sizeof(double));
+    int32_t *ibuf = rp_alloc(c->ctx, ((size_t)(2 * c->NQ + 3) * M + c->PP) * sizeof(int32_t));
+    if (!dbuf || !ibuf) {
+        rp_free(c->ctx, dbuf);
+        rp_free(c->ctx, ibuf);
+        return rp_fail_nomem(err, "ordering the microbatches");
+    }
+    order_search o = {.M = M, .VS = VS, .PP = c->PP, .tf = dbuf, .tb = dbuf + vm, .tfb = dbuf + 2 * vm,
+                      .p2p = dbuf + 3 * vm, .work = dbuf + 5 * vm + (size_t)c->PP * M + c->PP};
+    cost_pipe_buf buf = {.fend = o.p2p + (size_t)c->PP * M, .bend = o.p2p + (size_t)c->PP * M + vm,
+                         .tdev = o.p2p + (size_t)c->PP * M + 2 * vm, .next = ibuf + (size_t)(c->NQ + 3) * M};
+    int32_t *chosen = ibuf, *cur = ibuf + (size_t)c->NQ * M, *stack = cur + M, *ident = stack + M,
+            *before = ident + M + c->PP; /* [NQ * M] each domain's order as it was */
+    for (int32_t k = 0; k < M; k++) ident[k] = k;
+    for (int32_t q = 0; q < c->NQ; q++) {
+        cost_count(c, (int64_t)M * c->L * 3 + (int64_t)c->PP * M);
+        for (int32_t v = 0; v < VS; v++)
+            for (int32_t m = 0; m < M; m++) {
+                const size_t i = (size_t)v * M + m;
+                o.tf[i] = pass_sum(c, st->layer_t, m, v, (size_t)c->NQ, q);
+                o.tb[i] = pass_sum(c, st->layer_t, m, v, 2 * (size_t)c->NQ, q);
+                o.tfb[i] = pass_sum(c, st->layer_t, m, v, 0, q);
+            }
+        domain_times d = {.c = c, .st = st, .layer_t = st->layer_t, .q = q, .order = ident};
+        for (int32_t r = 0; r < c->PP; r++)
+            for (int32_t m = 0; m < M; m++) o.p2p[(size_t)r * M + m] = domain_p2p(&d, COST_PIPE_F, r, r + 1, m);
+        search_domain(c, st, &o, &buf, chosen + (size_t)q * M, cur, stack);
+    }
+    /* commit: the first call may allocate the plan's order (nothing changed if it fails);
+     * the others only fill it */
+    const int32_t G = c->G, span = c->NQ == 1 ? G : c->ep;
+    for (int32_t q = 0; q < c->NQ; q++)
+        for (int32_t k = 0; k < M; k++) before[(size_t)q * M + k] = rp_plan_microbatch_at(plan, q * span, k);
+    const double was = st->step_s;
+    rp_status s = RP_OK;
+    for (int32_t g = 0; g < G && s == RP_OK; g++)
+        s = rp_plan_set_microbatch_order(plan, g, chosen + (size_t)(g / span) * M, err);
+    if (s == RP_OK) {
+        st->step_s = cost_step_from(c, st, st->layer_t, st->grad_s);
+        /* the search compares sums of passes; the step adds layer by layer: keep the
+         * order the plan had if the exact figure is not better */
+        if (!(st->step_s < was)) {
+            for (int32_t g = 0; g < G; g++) rp_plan_set_microbatch_order(plan, g, before + (size_t)(g / span) * M, NULL);
+            st->step_s = was;
+        }
+    }
+    rp_free(c->ctx, dbuf);
+    rp_free(c->ctx, ibuf);
+    if (s != RP_OK) return s;
+    if (step_s) *step_s = st->step_s;
+    return RP_OK;
 }

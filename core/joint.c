@@ -527,6 +527,12 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
         rep.refine_operations = sr.operations;
         rep.refine_stopped = sr.stopped;
     }
+    /* Under pipeline parallelism the microbatch order is part of the plan: the one with
+     * the shortest critical path for this packing and placement (docs/cost-model.md) */
+    if (rp_config_topology(cfg)->pipeline_parallel_size > 1) {
+        RP_CHECK_GOTO(rp_cost_evaluate(cost, plan, NULL, err), st, out);
+        RP_CHECK_GOTO(rp_cost_order_microbatches(cost, plan, NULL, err), st, out);
+    }
 
     const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;
     const char *vexp_fallbacks[4] = {NULL, NULL, NULL, NULL};

@@ -666,9 +666,11 @@ rp_status rp_plan_set_microbatch_order(rp_plan *plan, int32_t rank, const int32_
     if (!order && !plan->mb_order) return RP_OK;
     /* a permutation of 0 .. M - 1: every value in range, none twice (first position kept
      * in `seen` to name both) */
-    int32_t *seen = NULL;
+    int32_t *seen = NULL, small[4096];
     if (order) {
-        seen = rp_alloc(plan->ctx, (size_t)M * sizeof *seen);
+        /* on the stack for any count a pipeline runs, so that setting the orders of a plan
+         * that has one already cannot fail for memory */
+        seen = M <= 4096 ? small : rp_alloc(plan->ctx, (size_t)M * sizeof *seen);
         if (!seen) return rp_fail_nomem(err, "checking a microbatch order");
         for (int32_t m = 0; m < M; m++) seen[m] = -1;
         for (int32_t k = 0; k < M; k++) {
@@ -683,12 +685,12 @@ rp_status rp_plan_set_microbatch_order(rp_plan *plan, int32_t rank, const int32_
                              "plan: rank %d's microbatch order lists microbatch %d twice (positions %d and %d): it "
                              "must be a permutation of 0 to %d", rank, m, seen[m], k, M - 1);
             if (st != RP_OK) {
-                rp_free(plan->ctx, seen);
+                if (seen != small) rp_free(plan->ctx, seen);
                 return st;
             }
             seen[m] = k;
         }
-        rp_free(plan->ctx, seen);
+        if (seen != small) rp_free(plan->ctx, seen);
     }
     const size_t lists = (size_t)G * M;
     if (!plan->mb_order) {

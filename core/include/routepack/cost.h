@@ -152,6 +152,17 @@ RP_API int64_t rp_cost_operations(const rp_cost *cost);
 RP_API rp_status rp_cost_evaluation_needs(const rp_cost *cost, const rp_plan *plan, int64_t *units,
                                           size_t *bytes, rp_error *err);
 
+/* Under pipeline parallelism, choose the microbatch order of every sync domain (EP group;
+ * the job under sync "global") that shortens the pipeline's critical path for the bound
+ * plan's packing and placement, and set it on `plan` (the bound plan; RP_EINVAL for
+ * another or before an evaluation). Exhaustive over every order when a rank runs at most
+ * 6 microbatches; else the better of index order and verl's (rearrange_micro_batches:
+ * the lightest at both ends, the heaviest in the middle), improved by pairwise swaps up
+ * to 32 microbatches. The plan keeps its order unless the chosen one's step is shorter;
+ * the bound state's step becomes the plan's (*step_s, may be NULL). With one stage (or over
+ * 4096 microbatches) nothing changes. Errors: no memory (the plan's order unchanged). */
+RP_API rp_status rp_cost_order_microbatches(rp_cost *cost, rp_plan *plan, double *step_s, rp_error *err);
+
 /* Predicted time of moving from placement `from` to placement `to` (minimum moves:
  * experts already resident on an EP rank stay; the rest come from the nearest rank
  * holding them in `from`, NVLink inside a node, else the network, in every EP group),
