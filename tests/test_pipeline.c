@@ -710,6 +710,44 @@ static void test_joint(void)
        "carry an order)", ordered, cases);
 }
 
+/* The bundled PP example fits its GPUs; a PP config runs in `routepack simulate` (the
+ * bundled trace, a small pipeline: 2 stages of 4 GPUs, interleaved). */
+static void test_examples(void)
+{
+    rp_error err;
+    rp_config *cfg = NULL;
+    rp_gpu_memory m;
+    rp_status st = rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-qwen3-30b-pp2.json", &cfg, &err);
+    ok(st == RP_OK && rp_memory_peak(cfg, NULL, &m, &err) == RP_OK && m.total_bytes <= m.capacity_bytes &&
+           rp_config_topology(cfg)->pipeline_parallel_size == 2 && m.stage_layers == 24,
+       "config-qwen3-30b-pp2.json loads and fits (%.1f GB of %.0f GB, 24 of 48 layers a GPU)",
+       st == RP_OK ? m.total_bytes / 1e9 : 0, st == RP_OK ? m.capacity_bytes / 1e9 : 0);
+    rp_config_free(cfg);
+
+    char dir[64];
+    if (!temp_dir_make(dir, sizeof dir, "pipeline")) {
+        skip(2, "no scratch directory");
+        return;
+    }
+    const char *text =
+        "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": 2,"
+        " \"virtual_pipeline_size\": 2, \"ep_size\": 4, \"slots_per_gpu\": 18},"
+        " \"model\": {\"num_layers\": 16, \"num_experts\": 64, \"top_k\": 8, \"hidden_size\": 2048,"
+        " \"expert_ffn_size\": 1024, \"num_heads\": 16, \"head_dim\": 128},"
+        " \"limits\": {\"max_tokens_per_microbatch\": 1024}}";
+    char path[512];
+    snprintf(path, sizeof path, "%s", temp_path(dir, "pp.json"));
+    spit(path, text, strlen(text));
+    static char out[1 << 16];
+    int rc = run_routepack(out, sizeof out, "simulate --config '%s' --trace '%s/examples/small.rpt' --steps 2 --quiet",
+                           path, RP_SOURCE_DIR);
+    ok(rc == 0 && strstr(out, "per pipeline stage, of 2 (interleaved, 2 virtual stages each; 8 GPUs on 1 node in all)"),
+       "routepack simulate runs a PP 2 x VPP 2 config");
+    ok(strstr(out, "verdict:") != NULL, "and gives its verdict");
+    if (rc != 0 || !strstr(out, "verdict:")) diag("%s", out);
+    temp_dir_remove(dir);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -722,6 +760,7 @@ int main(void)
     test_order();
     test_order_search();
     test_joint();
+    test_examples();
     rp_context_free(ctx);
     return tap_done();
 }

@@ -616,14 +616,23 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
            in->path, steps, steps == 1 ? "" : "s");
     if (t->tensor_parallel_size > 1) /* the plan's "GPUs" are DP ranks (TP groups) */
         printf("  %d DP ranks of TP %d, ETP %d (%d GPUs, %d node%s x %d), EP groups of %d DP ranks; %d MoE layers "
-               "x %d experts, top-%d\n\n",
+               "x %d experts, top-%d\n",
                t->num_gpus, t->tensor_parallel_size, t->expert_tensor_parallel_size,
                t->num_gpus * t->tensor_parallel_size, t->num_nodes, t->num_nodes == 1 ? "" : "s",
                t->physical_gpus_per_node, t->ep_size, m->num_layers, m->num_experts, m->top_k);
     else
-        printf("  %d GPUs (%d node%s x %d), EP groups of %d; %d MoE layers x %d experts, top-%d\n\n",
+        printf("  %d GPUs (%d node%s x %d), EP groups of %d; %d MoE layers x %d experts, top-%d\n",
                t->num_gpus, t->num_nodes, t->num_nodes == 1 ? "" : "s", t->gpus_per_node, t->ep_size,
                m->num_layers, m->num_experts, m->top_k);
+    if (t->pipeline_parallel_size > 1) /* the lines above are one pipeline stage's */
+        printf("  per pipeline stage, of %d (%s%s%.0d%s; %d GPUs on %d node%s in all): the step is the pipeline's "
+               "critical path\n",
+               t->pipeline_parallel_size, t->pipeline_schedule == RP_SCHEDULE_INTERLEAVED ? "interleaved" : "1F1B",
+               t->virtual_pipeline_size > 1 ? ", " : "", t->virtual_pipeline_size > 1 ? t->virtual_pipeline_size : 0,
+               t->virtual_pipeline_size > 1 ? " virtual stages each" : "",
+               t->physical_num_nodes * t->physical_gpus_per_node, t->physical_num_nodes,
+               t->physical_num_nodes == 1 ? "" : "s");
+    printf("\n");
     int w = 6;
     for (int i = 0; i < np; i++) w = (int)strlen(pol[i].spec) > w ? (int)strlen(pol[i].spec) : w;
     printf("%-*s  %9s  %8s  %9s  %9s  %8s  %9s  %10s  %9s  %13s  %8s\n", w, "policy", "step ms", "step/LB",
@@ -1020,6 +1029,10 @@ static int check_memory(rp_context *ctx, const rp_config *cfg, cli_input *in, co
     const rp_topology *tp = rp_config_topology(cfg);
     int32_t mbs = o->microbatches ? (int32_t)o->microbatches : rp_config_limits(cfg)->num_microbatches;
     if (mbs < 1) mbs = 1; /* the policy chooses: at least one */
+    /* a plan's count is a multiple of trainer.microbatch_multiple (PP under the
+     * interleaved schedule): the smallest plan has that many */
+    const int32_t least = rp_config_trainer(cfg)->microbatch_multiple;
+    if (mbs % least != 0) mbs += least - mbs % least;
     if (cli_input_read(in, 0, &batch, &routing, &step_index, &err) != RP_OK ||
         rp_stats_compute(ctx, batch, &routing, in->num_experts, 0, &stats, &err) != RP_OK ||
         rp_cost_new(ctx, cfg, batch, stats, RP_SPLIT_EVEN, &cost, &err) != RP_OK) {
@@ -1028,7 +1041,7 @@ static int check_memory(rp_context *ctx, const rp_config *cfg, cli_input *in, co
     }
     const int32_t n = rp_batch_num_seqs(batch);
     size_t eval = evaluation_bytes(ctx, cfg, cost, n, mbs, &err);
-    size_t eval1 = mbs > 1 && eval ? evaluation_bytes(ctx, cfg, cost, n, 1, &err) : eval;
+    size_t eval1 = mbs > least && eval ? evaluation_bytes(ctx, cfg, cost, n, least, &err) : eval;
     if (!eval || !eval1) {
         fprintf(stderr, "routepack: simulate: cannot estimate the memory of a plan of %d microbatches: %s\n", mbs,
                 err.text);
