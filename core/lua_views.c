@@ -454,6 +454,20 @@ static int topology_index(lua_State *L, rp_lua_host *h, const char *k)
         v->aux = t->gpus_per_node;
         return 1;
     }
+    if (field(k, "pipeline_parallel_size")) return push_int(L, t->pipeline_parallel_size);
+    if (field(k, "virtual_pipeline_size")) return push_int(L, t->virtual_pipeline_size);
+    if (field(k, "stage_of_layer")) {
+        /* a table built once per access: num_layers entries, a policy reads it rarely */
+        const int32_t L_ = rp_config_model(h->cfg)->num_layers, PV = t->pipeline_parallel_size * t->virtual_pipeline_size;
+        rp_lua_charge(L, L_);
+        lua_createtable(L, L_, 0);
+        for (int32_t v = 0; v < PV; v++)
+            for (int32_t l = t->stage_layer_begin[v]; l < t->stage_layer_begin[v] + t->layers_per_stage[v]; l++) {
+                lua_pushnumber(L, v % t->pipeline_parallel_size);
+                lua_rawseti(L, -2, l + 1);
+            }
+        return 1;
+    }
     return 0;
 }
 

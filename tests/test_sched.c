@@ -484,6 +484,8 @@ static void test_views(void)
                  "assert(ctx.batch.seq_len[64] == nil and ctx.batch.seq_len[-1] == nil and ctx.batch.seq_len[0.5] == nil)\n"
                  "assert(ctx.topology.num_gpus == 8 and ctx.topology.ep_size == 8 and #ctx.topology.slots == 8)\n"
                  "assert(ctx.topology.slot_begin[8] == 80 and ctx.topology.node[7] == 0 and ctx.topology.speed[0] == 1)\n"
+                 "assert(ctx.topology.pipeline_parallel_size == 1 and ctx.topology.virtual_pipeline_size == 1)\n"
+                 "assert(#ctx.topology.stage_of_layer == 16 and ctx.topology.stage_of_layer[16] == 0)\n"
                  "assert(ctx.model.num_layers == 16 and ctx.model.num_experts == 64 and ctx.model.top_k == 8)\n"
                  "assert(ctx.model.bytes_per_grad == 4 and ctx.model.dense_params == 16 * (2048 * 128 * 64 + 2048 * 64))\n"
                  "assert(ctx.limits.max_tokens_per_microbatch == 16384 and ctx.limits.num_microbatches == 0)\n"
