@@ -54,8 +54,10 @@ rp_status rp_cost_migration(const rp_cost *c, const rp_plan *from, const rp_plan
         return st;
     const int32_t ep = c->ep, E = c->E, G = c->G;
     unsigned char *had = rp_alloc(c->ctx, (size_t)ep * E), *want = rp_alloc(c->ctx, (size_t)ep * E);
-    double *recv_nv = rp_calloc(c->ctx, (size_t)G, sizeof(double));
-    double *recv_net = rp_calloc(c->ctx, (size_t)G, sizeof(double));
+    /* per (pipeline stage, GPU): under PP a stage's GPUs receive only its layers' experts,
+     * and the stages migrate at once */
+    double *recv_nv = rp_calloc(c->ctx, (size_t)G * c->PP, sizeof(double));
+    double *recv_net = rp_calloc(c->ctx, (size_t)G * c->PP, sizeof(double));
     double total = 0.0;
     if (!had || !want || !recv_nv || !recv_net) {
         st = rp_fail_nomem(err, "a migration estimate");
@@ -79,17 +81,18 @@ rp_status rp_cost_migration(const rp_cost *c, const rp_plan *from, const rp_plan
                 }
                 for (int32_t q = 0; q < c->Q; q++) {
                     int32_t g = q * ep + r;
+                    const size_t at = (size_t)c->layer_stage[l] * G + g;
                     bool near = false;
                     for (int32_t j = 0; j < ep && !near; j++)
                         near = had[(size_t)j * E + e] && c->gpu_node[q * ep + j] == c->gpu_node[g];
-                    if (near) recv_nv[g] += c->expert_move_bytes;
-                    else recv_net[g] += c->expert_move_bytes;
+                    if (near) recv_nv[at] += c->expert_move_bytes;
+                    else recv_net[at] += c->expert_move_bytes;
                     total += c->expert_move_bytes;
                 }
             }
     }
     double worst = 0.0;
-    for (int32_t g = 0; g < G; g++) {
+    for (size_t g = 0; g < (size_t)G * c->PP; g++) {
         double t = recv_nv[g] / c->nv_bw + recv_net[g] / c->net_bw + (recv_nv[g] > 0 ? c->nv_lat : 0.0) +
                    (recv_net[g] > 0 ? c->net_lat : 0.0);
         if (t > worst) worst = t;

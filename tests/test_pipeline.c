@@ -748,6 +748,60 @@ static void test_examples(void)
     temp_dir_remove(dir);
 }
 
+/* Migration under PP: the stages migrate at once, so moving every layer's experts takes
+ * the busiest stage's time, half of PP 1's when the 2 stages hold half the layers each. */
+static void test_migration(void)
+{
+    rp_error err;
+    rp_config *one = config("\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": 4, \"slots_per_gpu\": 2", "", &err);
+    rp_config *pp = config("\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": 2, \"ep_size\": 4,"
+                           " \"slots_per_gpu\": 2", "", &err);
+    int32_t lens[1] = {10}, zero[1] = {0};
+    rp_batch *batch = NULL;
+    rp_batch_new(ctx, 1, lens, zero, NULL, &batch, &err);
+    uint8_t ids[10 * 6 * 2] = {0};
+    for (int k = 0; k < 60; k++) ids[2 * k + 1] = 1;
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 6, 2, ids);
+    rp_stats *stats = NULL;
+    rp_stats_compute(ctx, batch, &r, 8, 1, &stats, &err);
+    double t[2] = {0, 0}, b[2] = {0, 0};
+    rp_config *cfgs[2] = {one, pp};
+    for (int i = 0; i < 2; i++) {
+        rp_plan *from = NULL, *to = NULL;
+        rp_cost *cost = NULL;
+        if (!cfgs[i] || rp_plan_new(ctx, cfgs[i], 1, &from, &err) != RP_OK || rp_plan_set_contiguous(from, &err) ||
+            rp_plan_copy(from, &to, &err) || rp_cost_new(ctx, cfgs[i], batch, stats, RP_SPLIT_EVEN, &cost, &err)) {
+            diag("%s", err.text);
+        } else {
+            /* every layer: EP ranks 0 and 1 swap their experts */
+            for (int32_t l = 0; l < 6; l++) {
+                int32_t row[8];
+                memcpy(row, rp_plan_phy2log(from, l), sizeof row);
+                for (int k = 0; k < 2; k++) {
+                    int32_t x = row[k];
+                    row[k] = row[2 + k];
+                    row[2 + k] = x;
+                }
+                rp_plan_set_phy2log(to, l, row, &err);
+            }
+            rp_cost_migration(cost, from, to, &t[i], &b[i], &err);
+        }
+        rp_cost_free(cost);
+        rp_plan_free(from);
+        rp_plan_free(to);
+    }
+    /* one GPU's copies over NVLink: bytes / bw + 3 us of latency, half the bytes per stage */
+    const double lat = 3e-6, half = (t[0] - lat) / 2 + lat;
+    ok(t[0] > lat && b[0] == b[1] && fabs(t[1] - half) <= 1e-9 * t[0],
+       "the same bytes move (%.0f); the time is the busiest stage's: half the bytes (%.4g us, PP 1 %.4g us)", b[1],
+       t[1] * 1e6, t[0] * 1e6);
+    rp_stats_free(stats);
+    rp_batch_free(batch);
+    rp_config_free(one);
+    rp_config_free(pp);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -761,6 +815,7 @@ int main(void)
     test_order_search();
     test_joint();
     test_examples();
+    test_migration();
     rp_context_free(ctx);
     return tap_done();
 }
