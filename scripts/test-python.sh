@@ -2,8 +2,9 @@
 # Tests the Python binding against a CMake build: a venv in BUILD_DIR/python-venv with
 # numpy and pytest from PyPI, the package installed from ./python (bundling that build's
 # libroutepack), then pytest on python/tests. Exit 0 only when tests ran and passed.
-# ROUTEPACK_TEST_TORCH=1 also installs PyTorch from PyPI into that venv (once; pip's cache
-# serves later venvs), so the routepack.torch tests run instead of being skipped.
+# ROUTEPACK_TEST_TORCH=1 also installs PyTorch (and megatron-core 0.16.1, for the Megatron
+# adapter) from PyPI into that venv (once; pip's cache serves later venvs), so the
+# routepack.torch and adapter tests run instead of being skipped.
 # Usage: scripts/test-python.sh [BUILD_DIR] [PYTEST_ARGS...]   (default: build)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -29,6 +30,14 @@ if [ "${ROUTEPACK_TEST_TORCH:-0}" = 1 ] && ! "$venv/bin/python" -c 'import torch
   start=$(date +%s)
   "${pip[@]}" install torch
   echo "test-python: installed torch from PyPI in $(( $(date +%s) - start )) s"
+fi
+# With torch, the Megatron adapter's test builds the real PackedSeqParams: megatron-core
+# pinned to the release docs/adapters.md names (its only other dependency is packaging;
+# about 15 s, and it imports without a GPU).
+if [ "${ROUTEPACK_TEST_TORCH:-0}" = 1 ] && ! "$venv/bin/python" -c 'import megatron.core' 2>/dev/null; then
+  start=$(date +%s)
+  "${pip[@]}" install megatron-core==0.16.1
+  echo "test-python: installed megatron-core 0.16.1 from PyPI in $(( $(date +%s) - start )) s"
 fi
 # Always reinstall: the package bundles the library as it is now in $build.
 ROUTEPACK_BUILD_DIR="$build" "${pip[@]}" install --force-reinstall --no-deps "$root/python"

@@ -59,6 +59,10 @@ class rp_execution(Structure):
                 ("staging_budget_bytes", c_int64)]
 
 
+class rp_trainer(Structure):
+    _fields_ = [("equal_sequences_per_rank", c_bool), ("microbatch_multiple", c_int32)]
+
+
 class rp_limits(Structure):
     _fields_ = [("max_tokens_per_microbatch", c_int64), ("num_microbatches", c_int32),
                 ("max_activation_bytes", c_double), ("activation_bytes_per_token", c_double)]
@@ -184,6 +188,7 @@ _REQUIRED = {
     "rp_config_model": (POINTER(rp_model), [P]),
     "rp_config_execution": (POINTER(rp_execution), [P]),
     "rp_config_limits": (POINTER(rp_limits), [P]),
+    "rp_config_trainer": (POINTER(rp_trainer), [P]),
     # batch
     "rp_batch_new": (c_int, [P, c_int32, PI32, PI32, PI32, POINTER(P), PERR]),
     "rp_batch_free": (None, [P]),

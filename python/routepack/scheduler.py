@@ -85,9 +85,19 @@ class Config:
         self.num_nodes = topo.num_nodes
         self.ep_size = topo.ep_size
         self.slots = np.ctypeslib.as_array(topo.slots, (topo.ep_size,)).copy()
+        # the Megatron layout (docs/config.md, "topology"): a plan's rank is a TP group
+        self.tensor_parallel_size = topo.tensor_parallel_size
+        self.expert_tensor_parallel_size = topo.expert_tensor_parallel_size
+        self.expert_parallel_size = topo.expert_parallel_size
         self.num_layers = model.num_layers
         self.num_experts = model.num_experts
         self.top_k = model.top_k
+        limits = self._lib.rp_config_limits(handle).contents
+        self.max_tokens_per_microbatch = limits.max_tokens_per_microbatch
+        trainer = self._lib.rp_config_trainer(handle).contents
+        # what the trainer demands of a packing (docs/config.md, "trainer")
+        self.equal_sequences_per_rank = bool(trainer.equal_sequences_per_rank)
+        self.microbatch_multiple = trainer.microbatch_multiple
         execution = self._lib.rp_config_execution(handle).contents
         # what the memory check counts (docs/cost-model.md, "Memory per GPU")
         self.optimizer_sharding = ("none", "dp")[execution.optimizer_sharding]
@@ -598,6 +608,7 @@ class Scheduler:
         r.split_rule = self.split_rule
         r._num_threads = self._num_threads
         r._lib, r._ctx, r._config = lib, self._ctx, self.config
+        r.config = self.config   # the layout and trainer constraints the adapters check
         # The step's plan is borrowed until the next step: keep a copy for remap().
         copy = ctypes.c_void_p()
         err = _lib.new_error()
