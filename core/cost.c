@@ -1679,7 +1679,7 @@ rp_side rp_cost_layer_straggler(const rp_cost *c, int32_t mb, int32_t layer, int
     int32_t g = -1;
     rp_side side = RP_SIDE_ATTENTION;
     if (c && c->st && mb >= 0 && mb < c->st->M && layer >= 0 && layer < c->L)
-        side = layer_straggler(c, c->st, mb, layer, -1, &g, NULL);
+        side = layer_straggler(c, c->st, mb, layer, summary_domain(c, c->st), &g, NULL);
     if (gpu) *gpu = g;
     return side;
 }
@@ -1782,6 +1782,7 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
               G, M, L, c->E, c->ep, bw->attention, bw->projections, bw->experts, bw->token_linear,
               bw->communication, bw->fixed, c->rule == RP_SPLIT_EVEN ? "even" : "locality");
     sb_printf(&b, "\"layers\": [");
+    const int32_t dom = summary_domain(c, s); /* each layer's straggler: in the critical domain */
     for (int32_t m = 0; m < M; m++) {
         double amax = 0;
         for (int32_t g = 0; g < G; g++)
@@ -1790,7 +1791,7 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
             size_t ml = (size_t)m * L + l;
             phase_max p = domain_phases(c, s, m, l, -1);
             int32_t gpu;
-            rp_side side = layer_straggler(c, s, m, l, -1, &gpu, NULL);
+            rp_side side = layer_straggler(c, s, m, l, dom, &gpu, NULL);
             sb_printf(&b, "%s\n {\"microbatch\": %d, \"layer\": %d, \"time_s\": %.17g, \"attention_s\": %.17g, "
                       "\"dense_s\": %.17g, \"dense_backward_s\": %.17g, \"dispatch_s\": %.17g, \"expert_s\": %.17g, "
                       "\"combine_s\": %.17g, \"lower_bound_s\": %.17g, \"straggler_gpu\": %d, \"straggler_side\": \"%s\"",

@@ -480,6 +480,56 @@ static void test_hand_sync(void)
     }
 }
 
+/* A layer's straggler follows the sync domain. The group case of test_hand_sync with GPU 3
+ * (EP rank 1 of group 1: experts 2 and 3) at half speed: its expert time doubles, to
+ * 2 x (t(1) + t(3)) = 2 x (1.5 + 2.7) = 8.4 at layer 0 and 2 x (t(1) + t(1)) = 6 at layer 1,
+ * so group 1 sums 4.125 + 2 x 4.5 + 8.4 = 21.525 and 4.125 + 2 x 2.5 + 6 = 15.125: 36.65,
+ * still below group 0's 42.65. At layer 0 the largest phase of the whole job is GPU 3's
+ * experts (8.4 > attention 6); in the critical group 0 it is GPU 0's attention (6 > X 5.25
+ * > D 3.5). Under global sync the job is the domain: GPU 3's experts. */
+static void test_layer_straggler_domain(void)
+{
+    static const int32_t rank[3] = {0, 1, 2}, mb[3] = {0, 0, 0};
+    const char *exec[2] = {"\"sync\": \"group\", \"dispatch_dedup\": \"choice\"", HAND_EXEC};
+    for (int v = 0; v < 2; v++) {
+        fixture f;
+        ok(hand_fixture_with(&f, 1, 4, 2, "[1, 1, 1, 0.5]", HAND_HW, exec[v]), "straggler fixture, sync %s",
+           v ? "global" : "group");
+        rp_cost *c = NULL;
+        rp_error err;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+        rp_plan *p = plan_of(&f, 1, rank, mb, CONTIG4);
+        rp_cost_summary s;
+        is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+        is_double(rp_cost_expert_breakdown(c)[3], 8.4, 1e-12, "GPU 3's experts at layer 0 take 8.4");
+        int32_t g = -1;
+        rp_side side = rp_cost_layer_straggler(c, 0, 0, &g);
+        if (!v) {
+            is_double(s.step_s, 3 * 42.65, 1e-12 * 128, "group 0 still sets the step");
+            ok(side == RP_SIDE_ATTENTION && g == 0, "layer 0's straggler in the critical group: attention on GPU 0 "
+               "(side %d, GPU %d)", (int)side, g);
+        } else {
+            ok(side == RP_SIDE_EXPERT && g == 3, "under global sync: the experts of GPU 3 (side %d, GPU %d)", (int)side,
+               g);
+        }
+        char *text = NULL;
+        size_t len = 0;
+        rp_cost_breakdown_json(c, &text, &len, &err);
+        json_error_t jerr;
+        json_t *root = text ? json_loadb(text, len, 0, &jerr) : NULL;
+        json_t *l0 = json_array_get(json_object_get(root, "layers"), 0);
+        const char *l0_side = json_string_value(json_object_get(l0, "straggler_side"));
+        ok(json_integer_value(json_object_get(l0, "straggler_gpu")) == (v ? 3 : 0) && l0_side &&
+               !strcmp(l0_side, v ? "expert" : "attention"),
+           "the breakdown's layer 0 names the same straggler");
+        json_decref(root);
+        rp_text_free(ctx, text);
+        rp_plan_free(p);
+        rp_cost_free(c);
+        fixture_free(&f);
+    }
+}
+
 /* FP8 dispatch: a token-choice is d x 1 byte = 4 B, 0.5 s over NVLink; on the one-node
  * hand case dispatch becomes 1.5 + 0.5 = 2 at L0 and 4 + 0.5 = 4.5 at L1. */
 static void test_hand_dispatch_bytes(void)
@@ -1507,6 +1557,7 @@ int main(void)
     test_hand_terms();
     test_hand_attention_curve();
     test_hand_sync();
+    test_layer_straggler_domain();
     test_hand_dispatch_bytes();
     test_hand_dedup_gpu();
     test_hand_dedup_node();

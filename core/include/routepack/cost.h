@@ -129,9 +129,11 @@ RP_API double rp_cost_current_s(const rp_cost *cost);
 RP_API rp_status rp_cost_current_summary(const rp_cost *cost, rp_cost_summary *out, rp_error *err);
 /* Forward time T(mb, layer) of the bound state (NAN when out of range or unbound). */
 RP_API double rp_cost_layer_s(const rp_cost *cost, int32_t mb, int32_t layer);
-/* The side that decides layer (mb, layer) (the largest of its max-over-GPU attention,
- * dispatch and expert terms; combine equals dispatch) and the GPU that sets it
- * (*gpu -1 when out of range or unbound). */
+/* The side that decides layer (mb, layer) (the largest of its attention, dispatch and
+ * expert terms, each the maximum over the GPUs of the critical domain: under
+ * execution.sync "group" the EP group whose sum sets the step, as the summary's
+ * straggler, else every GPU; combine equals dispatch) and the GPU that sets it (*gpu -1
+ * when out of range or unbound). */
 RP_API rp_side rp_cost_layer_straggler(const rp_cost *cost, int32_t mb, int32_t layer,
                                        int32_t *gpu);
 /* Bytes the evaluator holds (its state for the bound plan included). */
