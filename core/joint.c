@@ -114,6 +114,8 @@ static rp_status setup(joint *jt, rp_error *err)
                    ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
                     (double)(jt->ep - near) / jt->ep / t->net_bytes_per_s);
     jt->overlap = x->overlap == RP_OVERLAP_LAYER;
+    jt->group_form = x->sync == RP_SYNC_GROUP && jt->Q > 1;
+    jt->fixed_s = (1.0 + hw->backward.fixed) * hw->layer_fixed_s;
     jt->x_mult = 1.0 + hw->backward.experts;
     jt->copy_s = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param / t->nvlink_bytes_per_s;
     jt->nv_lat = t->nvlink_latency_s;
@@ -170,6 +172,9 @@ static void teardown(joint *jt)
     rp_free(ctx, jt->seq_mb);
     rp_free(ctx, jt->grp_hist);
     rp_free(ctx, jt->send_max);
+    rp_free(ctx, jt->send_mq);
+    rp_free(ctx, jt->dense_max);
+    rp_free(ctx, jt->dense_mq);
 }
 
 /* Shape of `previous` against the config; false (with the reason) when it cannot be
@@ -234,22 +239,53 @@ static rp_status pack(joint *jt, rp_error *err)
     }
 }
 
-/* The busiest GPU's token-choices per microbatch (jt->send_max). */
+/* The busiest GPU's token-choices per microbatch (jt->send_max) and per (microbatch,
+ * EP group) (jt->send_mq); and, where the surrogates need it (group form or overlap),
+ * the slowest GPU's dense phase of one layer, per microbatch and per (microbatch, group). */
 static rp_status send_maxima(joint *jt, rp_error *err)
 {
-    int64_t *tok = rp_calloc(jt->ctx, (size_t)jt->G * jt->M, sizeof *tok);
-    if (!jt->send_max) jt->send_max = rp_alloc(jt->ctx, (size_t)jt->M * sizeof *jt->send_max);
-    if (!tok || !jt->send_max) {
+    const int32_t G = jt->G, M = jt->M, Q = jt->Q, ep = jt->ep;
+    const bool dense = jt->group_form || jt->overlap;
+    int64_t *tok = rp_calloc(jt->ctx, (size_t)G * M, sizeof *tok);
+    double *cell = dense ? rp_calloc(jt->ctx, (size_t)G * M, sizeof *cell) : NULL;
+    if (!jt->send_max) jt->send_max = rp_alloc(jt->ctx, (size_t)M * sizeof *jt->send_max);
+    if (!jt->send_mq) jt->send_mq = rp_alloc(jt->ctx, (size_t)M * Q * sizeof *jt->send_mq);
+    if (dense && !jt->dense_max) jt->dense_max = rp_alloc(jt->ctx, (size_t)M * sizeof *jt->dense_max);
+    if (dense && !jt->dense_mq) jt->dense_mq = rp_alloc(jt->ctx, (size_t)M * Q * sizeof *jt->dense_mq);
+    if (!tok || !jt->send_max || !jt->send_mq || (dense && (!cell || !jt->dense_max || !jt->dense_mq))) {
         rp_free(jt->ctx, tok);
+        rp_free(jt->ctx, cell);
         return rp_fail_nomem(err, "joint: send volumes");
     }
-    for (int32_t s = 0; s < jt->N; s++) tok[(size_t)jt->seq_gpu[s] * jt->M + jt->seq_mb[s]] += rp_batch_seq_len(jt->batch, s);
-    for (int32_t m = 0; m < jt->M; m++) {
+    for (int32_t s = 0; s < jt->N; s++) {
+        const size_t c = (size_t)jt->seq_gpu[s] * M + jt->seq_mb[s];
+        tok[c] += rp_batch_seq_len(jt->batch, s);
+        if (cell) cell[c] += rp_cost_dense_s(jt->cost, rp_batch_seq_len(jt->batch, s));
+    }
+    for (int32_t m = 0; m < M; m++) {
         int64_t most = 0;
-        for (int32_t g = 0; g < jt->G; g++) most = tok[(size_t)g * jt->M + m] > most ? tok[(size_t)g * jt->M + m] : most;
+        double dmost = 0;
+        for (int32_t q = 0; q < Q; q++) {
+            int64_t gmost = 0;
+            double gd = 0;
+            for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
+                const size_t c = (size_t)g * M + m;
+                gmost = tok[c] > gmost ? tok[c] : gmost;
+                if (cell) {
+                    double v = (cell[c] + jt->fixed_s) / jt->speed[g];
+                    gd = v > gd ? v : gd;
+                }
+            }
+            jt->send_mq[(size_t)m * Q + q] = (double)gmost * jt->K;
+            if (cell) jt->dense_mq[(size_t)m * Q + q] = gd;
+            most = gmost > most ? gmost : most;
+            dmost = gd > dmost ? gd : dmost;
+        }
         jt->send_max[m] = (double)most * jt->K;
+        if (cell) jt->dense_max[m] = dmost;
     }
     rp_free(jt->ctx, tok);
+    rp_free(jt->ctx, cell);
     return RP_OK;
 }
 
@@ -269,7 +305,7 @@ static bool same_sets(const joint *jt, const joint_layer *a, const joint_layer *
  * placement gains here it keeps over the coming steps; what it gains beyond this fits
  * this batch's own spikes and lasts one step. */
 static double persistent_score(const joint *jt, int32_t l, const joint_layer *lay, const double *share_max,
-                               double *rank_load)
+                               const double *share_mq, double *rank_load)
 {
     const int64_t *load = rp_stats_expert_load(jt->stats, l);
     const double *expected = jt->par->expected_loads ? jt->par->expected_loads + (size_t)l * jt->E : NULL;
@@ -296,7 +332,14 @@ static double persistent_score(const joint *jt, int32_t l, const joint_layer *la
         most = rank_load[j] / slowest > most ? rank_load[j] / slowest : most;
     }
     double sum = 0;
-    for (int32_t m = 0; m < jt->M; m++) sum += joint_mb_value(jt, m, most * share_max[m]);
+    if (jt->group_form) /* the slowest group's own sum */
+        for (int32_t q = 0; q < jt->Q; q++) {
+            double group = 0;
+            for (int32_t m = 0; m < jt->M; m++) group += joint_mq_value(jt, m, q, most * share_mq[(size_t)m * jt->Q + q]);
+            sum = group > sum ? group : sum;
+        }
+    else
+        for (int32_t m = 0; m < jt->M; m++) sum += joint_mb_value(jt, m, most * share_max[m]);
     return sum + joint_layer_grad_s(jt, lay, rank_load);
 }
 
@@ -311,10 +354,11 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
     rp_status st = RP_OK;
     double *scratch = rp_alloc(ctx, joint_place_scratch_doubles(jt) * sizeof *scratch);
     double *share_max = rp_calloc(ctx, (size_t)jt->M, sizeof *share_max);
+    double *share_mq = rp_calloc(ctx, (size_t)jt->M * jt->Q, sizeof *share_mq);
     int64_t *group_tok = rp_calloc(ctx, (size_t)jt->M * jt->Q, sizeof *group_tok);
     joint_layer kept;
     memset(&kept, 0, sizeof kept);
-    if (!scratch || !share_max || !group_tok) {
+    if (!scratch || !share_max || !share_mq || !group_tok) {
         st = rp_fail_nomem(err, "joint: placement scratch");
         goto out;
     }
@@ -325,6 +369,7 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
     for (int32_t m = 0; m < jt->M; m++)
         for (int32_t q = 0; q < jt->Q; q++) {
             double sh = tokens > 0 ? (double)group_tok[(size_t)m * jt->Q + q] / (double)tokens : 0.0;
+            share_mq[(size_t)m * jt->Q + q] = sh;
             share_max[m] = sh > share_max[m] ? sh : share_max[m];
         }
     if (prev) RP_CHECK_GOTO(joint_layer_alloc(jt, &kept, err), st, out);
@@ -348,8 +393,8 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
         double s_kept = joint_place_score(jt, l, &kept, scratch) + joint_layer_grad_s(jt, &kept, scratch);
         bool fresh = true;
         if (!isinf(H)) {
-            double p_fresh = persistent_score(jt, l, lay, share_max, scratch);
-            double p_kept = persistent_score(jt, l, &kept, share_max, scratch);
+            double p_fresh = persistent_score(jt, l, lay, share_max, share_mq, scratch);
+            double p_kept = persistent_score(jt, l, &kept, share_max, share_mq, scratch);
             /* the persistent part counts only as far as earlier moves' savings held */
             double saving = (s_kept - s_fresh) + (H - 1) * jt->par->persistence * (p_kept - p_fresh);
             double cost = joint_layer_migration_s(jt, old, lay) - joint_layer_migration_s(jt, old, &kept);
@@ -366,6 +411,7 @@ out:
     joint_layer_free(jt, &kept);
     rp_free(ctx, scratch);
     rp_free(ctx, share_max);
+    rp_free(ctx, share_mq);
     rp_free(ctx, group_tok);
     return st;
 }

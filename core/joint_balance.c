@@ -29,6 +29,9 @@ typedef struct balancer {
     double w_x, w_a, w_t;  /* step seconds per token-choice of the hottest rank,
                               per second of the slowest cell's dense work (x L), per
                               token of the fullest cell (dispatch and combine) */
+    /* The group form (jt->group_form): each group's own sum of the same terms over its
+     * microbatches, maxima over its own GPUs; a trade is judged by the largest sum. [Q] */
+    double *tot;
 } balancer;
 
 static inline double *U_row(const balancer *b, int32_t m, int32_t q, int32_t l)
@@ -91,9 +94,86 @@ static void layer_top(balancer *b, int32_t m, int32_t l)
     }
 }
 
+/* Group q's slowest cell of microbatch m, dense work (per speed) and tokens, with cell
+ * `ca` holding `a1` and `ta` instead, and `cb` `a2` and `tb` (cells of other groups are
+ * never looked at). */
+static void group_cells(const balancer *b, int32_t m, int32_t q, size_t ca, double a1, int64_t ta, size_t cb,
+                        double a2, int64_t tb, double *amax, double *tmax)
+{
+    const joint *jt = b->jt;
+    double am = 0, tm = 0;
+    for (int32_t g = q * b->ep; g < (q + 1) * b->ep; g++) {
+        const size_t c = (size_t)g * b->M + m;
+        double av = c == ca ? a1 : c == cb ? a2 : b->A[c] / jt->speed[g];
+        double tv = (double)(c == ca ? ta : c == cb ? tb : b->tok[c]);
+        am = av > am ? av : am;
+        tm = tv > tm ? tv : tm;
+    }
+    *amax = am;
+    *tmax = tm;
+}
+
+/* Group q's own sum over microbatches (the group form's b->tot[q]). */
+static double group_total(const balancer *b, int32_t q)
+{
+    double sum = 0;
+    for (int32_t m = 0; m < b->M; m++) {
+        double am, tm;
+        group_cells(b, m, q, SIZE_MAX, 0, 0, SIZE_MAX, 0, 0, &am, &tm);
+        sum += b->w_a * am + b->w_t * tm;
+        for (int32_t l = 0; l < b->L; l++) sum += b->w_x * b->gmax[((size_t)m * b->L + l) * b->Q + q];
+    }
+    return sum;
+}
+
+/* trial in the group form: the change of the largest group sum when sequences a (group
+ * qa) and b (group qb) of microbatch m trade cells. */
+static double trial_group(balancer *b, int32_t m, int32_t sa, int32_t sb)
+{
+    joint *jt = b->jt;
+    const int32_t ga = jt->seq_gpu[sa], gb = jt->seq_gpu[sb], qa = ga / b->ep, qb = gb / b->ep, ep = b->ep;
+    const int32_t M = b->M;
+    const int64_t la = rp_batch_seq_len(jt->batch, sa), lb = rp_batch_seq_len(jt->batch, sb);
+    const size_t ca = (size_t)ga * M + m, cb = (size_t)gb * M + m;
+    const int64_t ta = b->tok[ca] - la + lb, tb = b->tok[cb] - lb + la;
+    if (ta > jt->cap || tb > jt->cap) return INFINITY;
+    const double a1 = (b->A[ca] - b->attn[sa] + b->attn[sb]) / jt->speed[ga];
+    const double a2 = (b->A[cb] - b->attn[sb] + b->attn[sa]) / jt->speed[gb];
+    double new_tot[2];
+    const int32_t qs[2] = {qa, qb};
+    for (int k = 0; k < 2; k++) {
+        double a_old, t_old, a_new, t_new;
+        group_cells(b, m, qs[k], SIZE_MAX, 0, 0, SIZE_MAX, 0, 0, &a_old, &t_old);
+        group_cells(b, m, qs[k], ca, a1, ta, cb, a2, tb, &a_new, &t_new);
+        new_tot[k] = b->tot[qs[k]] + b->w_a * (a_new - a_old) + b->w_t * (t_new - t_old);
+    }
+    const float *pa = profile(b, sa), *pb = profile(b, sb);
+    for (int32_t l = 0; l < b->L; l++) {
+        const double *g = b->gmax + ((size_t)m * b->L + l) * b->Q;
+        const double *ua = U_row(b, m, qa, l), *ub = U_row(b, m, qb, l);
+        const float *xa = pa + (size_t)l * ep, *xb = pb + (size_t)l * ep;
+        double va_max = 0, vb_max = 0;
+        for (int32_t j = 0; j < ep; j++) {
+            double d = (double)xb[j] - (double)xa[j];
+            double va = (ua[j] + d) / spd(b, qa, j), vb = (ub[j] - d) / spd(b, qb, j);
+            va_max = va > va_max ? va : va_max;
+            vb_max = vb > vb_max ? vb : vb_max;
+        }
+        new_tot[0] += b->w_x * (va_max - g[qa]);
+        new_tot[1] += b->w_x * (vb_max - g[qb]);
+    }
+    double old_top = 0, new_top = new_tot[0] > new_tot[1] ? new_tot[0] : new_tot[1];
+    for (int32_t q = 0; q < b->Q; q++) {
+        old_top = b->tot[q] > old_top ? b->tot[q] : old_top;
+        if (q != qa && q != qb) new_top = b->tot[q] > new_top ? b->tot[q] : new_top;
+    }
+    return new_top - old_top;
+}
+
 /* Surrogate change of microbatch m's time if sequences a and b trade cells. */
 static double trial(balancer *b, int32_t m, int32_t sa, int32_t sb)
 {
+    if (b->tot) return trial_group(b, m, sa, sb);
     joint *jt = b->jt;
     const int32_t ga = jt->seq_gpu[sa], gb = jt->seq_gpu[sb], qa = ga / b->ep, qb = gb / b->ep, ep = b->ep;
     const int32_t M = b->M;
@@ -185,6 +265,10 @@ static void apply_swap(balancer *b, int32_t m, int32_t sa, int32_t sb)
         }
     jt->seq_gpu[sa] = gb;
     jt->seq_gpu[sb] = ga;
+    if (b->tot) {
+        b->tot[qa] = group_total(b, qa);
+        b->tot[qb] = group_total(b, qb);
+    }
 }
 
 /* One round in microbatch m: the group that is the hottest at the most layers (by its
@@ -206,7 +290,7 @@ static int64_t round_mb(balancer *b, int32_t m, int64_t budget, bool *improved)
     }
     int32_t hot = 0;
     for (int32_t q = 1; q < b->Q; q++)
-        if (hv[q] > hv[hot]) hot = q;
+        if (b->tot ? b->tot[q] > b->tot[hot] : hv[q] > hv[hot]) hot = q; /* group form: the largest sum */
     const int32_t begin = b->mb_begin[m], end = b->mb_begin[m + 1];
     int64_t used = 0;
     int32_t best_a = -1, best_b = -1;
@@ -269,6 +353,10 @@ rp_status joint_balance(joint *jt, const joint_layer *ref, int64_t budget, int64
     b.row = rp_alloc(ctx, 2 * (size_t)b.ep * sizeof *b.row);
     double *len = rp_alloc(ctx, (size_t)N * sizeof *len);
     int32_t *order = rp_alloc(ctx, (size_t)N * sizeof *order);
+    if (jt->group_form && !(b.tot = rp_calloc(ctx, (size_t)b.Q, sizeof *b.tot))) {
+        st = rp_fail_nomem(err, "joint: profile mixing");
+        goto out;
+    }
     if (!b.U || !b.gmax || !b.top || !b.prof || !b.have || !b.A || !b.tok || !b.attn || !b.mb_begin || !b.by_len ||
         !next || !stuck || !b.h || !b.row || !len || !order) {
         st = rp_fail_nomem(err, "joint: profile mixing");
@@ -313,6 +401,8 @@ rp_status joint_balance(joint *jt, const joint_layer *ref, int64_t budget, int64
             }
     for (int32_t m = 0; m < M; m++)
         for (int32_t l = 0; l < b.L; l++) layer_top(&b, m, l);
+    if (b.tot)
+        for (int32_t q = 0; q < b.Q; q++) b.tot[q] = group_total(&b, q);
 
     /* microbatches in turn, each with an even share of what is left; a microbatch
      * where no trade helps is done (only its own trades change it) */
@@ -346,6 +436,7 @@ out:
     rp_free(ctx, stuck);
     rp_free(ctx, b.h);
     rp_free(ctx, b.row);
+    rp_free(ctx, b.tot);
     rp_free(ctx, len);
     rp_free(ctx, order);
     return st;

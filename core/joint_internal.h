@@ -39,9 +39,20 @@ typedef struct joint {
     double d_choice;            /* sending one token-choice to another GPU of the group, de-duplicated
                                    as the config says (for an even spread of a token's choices) */
     bool overlap;               /* execution.overlap layer: a layer costs max(compute, communication) */
+    /* execution.sync group with several EP groups: the surrogates take the step as the
+     * slowest group's own sum over (microbatch, layer), not the sum of maxima over all
+     * groups (docs/routepack-policy.md, "The configured structure"). */
+    bool group_form;
     /* Per microbatch, the token-choices the busiest GPU sends (its tokens x top-k): the
-     * dispatch floor that rank loads compete with (joint_mb_value). [M] */
-    double *send_max;
+     * dispatch floor that rank loads compete with (joint_mb_value). [M]; send_mq the same
+     * per (microbatch, EP group) [M * Q], for the group form. */
+    double *send_max, *send_mq;
+    /* Dense phase of one layer (attention, projections, token-linear work and the fixed
+     * cost, forward and backward, per GPU speed, step seconds) of the slowest GPU of each
+     * microbatch [M] and (microbatch, EP group) [M * Q]. NULL under global sync without
+     * overlap, where it is the same constant for every placement. */
+    double *dense_max, *dense_mq;
+    double fixed_s;             /* the fixed cost of one (microbatch, layer), forward and backward */
     double x_mult;              /* 1 + backward.experts: forward expert seconds to step seconds */
     double copy_s;              /* weights of one extra replica over NVLink */
     double nv_lat;
@@ -70,7 +81,20 @@ typedef struct joint {
 static inline double joint_mb_value(const joint *jt, int32_t m, double load)
 {
     double send = jt->send_max ? jt->send_max[m] : 0.0;
-    double compute = jt->t_choice * load, comm = 2.0 * jt->d_choice * (load > send ? load : send);
+    double dense = jt->dense_max ? jt->dense_max[m] : 0.0;
+    double compute = dense + jt->t_choice * load, comm = 2.0 * jt->d_choice * (load > send ? load : send);
+    if (jt->overlap) return compute > comm ? compute : comm;
+    return compute + comm;
+}
+
+/* The same for EP group q alone (its dense phase, its busiest sender): a term of the
+ * group's own sum, which the group form of the surrogates maximises over groups. */
+static inline double joint_mq_value(const joint *jt, int32_t m, int32_t q, double load)
+{
+    const size_t i = (size_t)m * jt->Q + q;
+    double send = jt->send_mq ? jt->send_mq[i] : 0.0;
+    double dense = jt->dense_mq ? jt->dense_mq[i] : 0.0;
+    double compute = dense + jt->t_choice * load, comm = 2.0 * jt->d_choice * (load > send ? load : send);
     if (jt->overlap) return compute > comm ? compute : comm;
     return compute + comm;
 }
@@ -83,6 +107,11 @@ static inline const int64_t *grp_row(const joint *jt, int32_t m, int32_t q, int3
 /* joint_pack.c: sequences into (rank, microbatch) cells, M microbatches; RP_ERANGE when
  * a sequence fits in no cell (the caller may try more microbatches). */
 rp_status joint_pack(joint *jt, int32_t M, rp_error *err);
+/* joint_pack_group.c: the same under the group form (jt->group_form): each EP group's own
+ * sum over microbatches balanced, the slowest group's minimised. */
+rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err);
+/* Dense ids of the prompts with several sequences, -1 for a sequence alone ([N]). */
+rp_status joint_prompt_ids(const joint *jt, int32_t *prompt, int32_t *num_prompts, rp_error *err);
 
 /* joint_hist.c: the per-(mb, group) histograms of the packing (one pass over every
  * histogram). */

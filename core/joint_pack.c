@@ -10,7 +10,7 @@
 
 /* Dense ids of the prompts that have several sequences (-1 for a sequence alone in its
  * group, which needs no spreading), via a stable sort of the group ids. */
-static rp_status prompt_ids(const joint *jt, int32_t *prompt, int32_t *num_prompts, rp_error *err)
+rp_status joint_prompt_ids(const joint *jt, int32_t *prompt, int32_t *num_prompts, rp_error *err)
 {
     const int32_t N = jt->N;
     const int32_t *gid = rp_batch_group_ids(jt->batch);
@@ -50,6 +50,7 @@ out:
  * trainer.equal_sequences_per_rank a rank holding N / G sequences takes no more. */
 rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
 {
+    if (jt->group_form) return joint_pack_group(jt, M, err); /* joint_pack_group.c */
     rp_context *ctx = jt->ctx;
     const int32_t N = jt->N, G = jt->G, Q = jt->Q, ep = jt->ep;
     const int64_t cells = (int64_t)G * M;
@@ -106,7 +107,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
 
     int32_t P = 0;
     if (rho > 0) {
-        RP_CHECK_GOTO(prompt_ids(jt, prompt, &P, err), st, out);
+        RP_CHECK_GOTO(joint_prompt_ids(jt, prompt, &P, err), st, out);
         int64_t n_count;
         /* a penalty table larger than this is not worth its memory: spreading is off */
         if (P > 0 && !rp_mul_overflow((int64_t)P, (int64_t)M * Q, &n_count) && n_count <= ((int64_t)1 << 24)) {

@@ -74,10 +74,18 @@ rp_status joint_layer_copy_from_plan(const joint *jt, const rp_plan *plan, int32
 
 /* Scratch layout (doubles): U[M * Q * ep] loads in token-choices, rmax[M * ep] the
  * largest over groups of each rank's load / speed, a row of Q * ep for trials, E for
- * per-replica loads. */
+ * per-replica loads, gm[M * Q] the largest over ranks of each (mb, group) and Q group
+ * sums (the group form). */
 size_t joint_place_scratch_doubles(const joint *jt)
 {
-    return (size_t)jt->M * jt->Q * jt->ep + (size_t)jt->M * jt->ep + (size_t)jt->Q * jt->ep + (size_t)jt->E + 16;
+    return (size_t)jt->M * jt->Q * jt->ep + (size_t)jt->M * jt->ep + (size_t)jt->Q * jt->ep + (size_t)jt->E + 16 +
+           (size_t)jt->M * jt->Q + (size_t)jt->Q;
+}
+
+/* gm and the group sums inside the scratch (after per_replica). */
+static double *scratch_gm(const joint *jt, double *scratch)
+{
+    return scratch + (size_t)jt->M * jt->Q * jt->ep + (size_t)jt->M * jt->ep + (size_t)jt->Q * jt->ep + (size_t)jt->E + 16;
 }
 
 /* Loads of every (mb, group, rank) with an even split over replicas. */
@@ -115,6 +123,35 @@ static void rank_maxima(const joint *jt, const double *U, double *rmax)
         }
 }
 
+/* gm[m * Q + q] = max over the ranks of group q of U / speed. */
+static void group_maxima(const joint *jt, const double *U, double *gm)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    for (int32_t m = 0; m < M; m++)
+        for (int32_t q = 0; q < Q; q++) {
+            const double *u = U + ((size_t)m * Q + q) * ep;
+            double best = 0;
+            for (int32_t j = 0; j < ep; j++) {
+                double x = u[j] / gpu_speed(jt, q, j);
+                if (x > best) best = x;
+            }
+            gm[(size_t)m * Q + q] = best;
+        }
+}
+
+/* The group form (execution.sync group): the slowest EP group's own sum over
+ * microbatches, each (mb, group) waiting only for its own busiest rank. */
+static double group_value(const joint *jt, const double *gm)
+{
+    double worst = 0;
+    for (int32_t q = 0; q < jt->Q; q++) {
+        double sum = 0;
+        for (int32_t m = 0; m < jt->M; m++) sum += joint_mq_value(jt, m, q, gm[(size_t)m * jt->Q + q]);
+        worst = sum > worst ? sum : worst;
+    }
+    return worst;
+}
+
 static double total_value(const joint *jt, const double *rmax)
 {
     double sum = 0;
@@ -138,6 +175,11 @@ double joint_place_score(const joint *jt, int32_t l, const joint_layer *lay, dou
 {
     double *U = scratch, *rmax = U + (size_t)jt->M * jt->Q * jt->ep;
     layer_loads(jt, l, lay, U);
+    if (jt->group_form) {
+        double *gm = scratch_gm(jt, scratch);
+        group_maxima(jt, U, gm);
+        return group_value(jt, gm);
+    }
     rank_maxima(jt, U, rmax);
     return to_seconds(jt, total_value(jt, rmax));
 }
@@ -149,12 +191,14 @@ double joint_place_score(const joint *jt, int32_t l, const joint_layer *lay, dou
 double joint_place_score_ideal(const joint *jt, int32_t l, const joint_layer *lay, double *scratch)
 {
     const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
-    double *u = scratch, *lv = u + ep;
+    double *u = scratch, *lv = u + ep, *gsum = lv + ep; /* lv: at most ep replicas */
     int32_t ord[64];
     double sum = 0;
+    for (int32_t q = 0; q < Q; q++) gsum[q] = 0;
     for (int32_t m = 0; m < M; m++) {
         double best = 0;
         for (int32_t q = 0; q < Q; q++) {
+            double best_q = 0;
             const int64_t *h = grp_row(jt, m, q, l);
             for (int32_t j = 0; j < ep; j++) u[j] = 0;
             for (int32_t e = 0; e < E; e++)
@@ -192,11 +236,15 @@ double joint_place_score_ideal(const joint *jt, int32_t l, const joint_layer *la
             }
             for (int32_t j = 0; j < ep; j++) {
                 double x = u[j] / gpu_speed(jt, q, j);
-                best = x > best ? x : best;
+                best_q = x > best_q ? x : best_q;
             }
+            if (jt->group_form) gsum[q] += joint_mq_value(jt, m, q, best_q);
+            best = best_q > best ? best_q : best;
         }
-        sum += joint_mb_value(jt, m, best);
+        if (!jt->group_form) sum += joint_mb_value(jt, m, best);
     }
+    if (jt->group_form)
+        for (int32_t q = 0; q < Q; q++) sum = gsum[q] > sum ? gsum[q] : sum;
     return to_seconds(jt, sum);
 }
 
@@ -390,14 +438,71 @@ static double trial_pair(const joint *jt, int32_t l, const double *U, const doub
     return sum;
 }
 
+/* Per (microbatch, group), the three ranks with the largest U / speed (ties: lower
+ * rank): the group form's lookup of the maximum over the ranks a change leaves alone. */
+static void top3_groups(const joint *jt, const double *U, int32_t *top)
+{
+    const int32_t ep = jt->ep, Q = jt->Q;
+    for (int32_t m = 0; m < jt->M; m++)
+        for (int32_t q = 0; q < Q; q++) {
+            const double *u = U + ((size_t)m * Q + q) * ep;
+            int32_t *t = top + ((size_t)m * Q + q) * 3;
+            double v[3] = {-1, -1, -1};
+            t[0] = t[1] = t[2] = -1;
+            for (int32_t j = 0; j < ep; j++) {
+                double x = u[j] / gpu_speed(jt, q, j);
+                if (x > v[0]) {
+                    t[2] = t[1], v[2] = v[1];
+                    t[1] = t[0], v[1] = v[0];
+                    t[0] = j, v[0] = x;
+                } else if (x > v[1]) {
+                    t[2] = t[1], v[2] = v[1];
+                    t[1] = j, v[1] = x;
+                } else if (x > v[2]) {
+                    t[2] = j, v[2] = x;
+                }
+            }
+        }
+}
+
+/* trial_pair in the group form: every group's own sum, the slowest group's. */
+static double trial_pair_group(const joint *jt, int32_t l, const double *U, const int32_t *top, int32_t ra,
+                               int32_t rb, int32_t e, int32_t Re, int32_t f, int32_t Rf)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    double worst = 0;
+    for (int32_t q = 0; q < Q; q++) {
+        double sum = 0;
+        for (int32_t m = 0; m < M; m++) {
+            const double *u = U + ((size_t)m * Q + q) * ep;
+            const int32_t *t = top + ((size_t)m * Q + q) * 3;
+            double best = 0;
+            for (int k = 0; k < 3; k++)
+                if (t[k] >= 0 && t[k] != ra && t[k] != rb) {
+                    best = u[t[k]] / gpu_speed(jt, q, t[k]);
+                    break;
+                }
+            const int64_t *h = grp_row(jt, m, q, l);
+            double d = (e >= 0 ? (double)h[e] / Re : 0.0) - (f >= 0 ? (double)h[f] / Rf : 0.0);
+            double xa = (u[ra] - d) / gpu_speed(jt, q, ra), xb = (u[rb] + d) / gpu_speed(jt, q, rb);
+            best = xa > best ? xa : best;
+            best = xb > best ? xb : best;
+            sum += joint_mq_value(jt, m, q, best);
+        }
+        worst = sum > worst ? sum : worst;
+    }
+    return worst;
+}
+
 /* Value after slot `b` (on rank rb, holding f with several replicas) is given to
  * another replica of e: every rank holding e or f changes. */
 static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, const double *U,
-                            const double *rmax, int32_t rb, int32_t e, int32_t f, double *row)
+                            const double *rmax, int32_t rb, int32_t e, int32_t f, double *row, double *gsum)
 {
     const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
     const int32_t Re = lay->rep_off[e + 1] - lay->rep_off[e], Rf = lay->rep_off[f + 1] - lay->rep_off[f];
     double sum = 0;
+    for (int32_t q = 0; q < Q; q++) gsum[q] = 0;
     for (int32_t m = 0; m < M; m++) {
         /* row: the (q, j) loads of the changed ranks, rebuilt from U */
         double *u2 = row;
@@ -413,6 +518,17 @@ static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, 
                 u[r] += r == rb ? -wf_old : wf_new - wf_old;
             }
             u[rb] += we_new;
+        }
+        if (jt->group_form) { /* each group's own busiest rank, changed or not */
+            for (int32_t q = 0; q < Q; q++) {
+                double best = 0;
+                for (int32_t j = 0; j < ep; j++) {
+                    double v = u2[(size_t)q * ep + j] / gpu_speed(jt, q, j);
+                    best = v > best ? v : best;
+                }
+                gsum[q] += joint_mq_value(jt, m, q, best);
+            }
+            continue;
         }
         double best = 0;
         for (int32_t j = 0; j < ep; j++) {
@@ -430,6 +546,8 @@ static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, 
         }
         sum += joint_mb_value(jt, m, best);
     }
+    if (jt->group_form)
+        for (int32_t q = 0; q < Q; q++) sum = gsum[q] > sum ? gsum[q] : sum;
     return sum;
 }
 
@@ -466,11 +584,14 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
     if (ep < 2 || rounds <= 0) return RP_OK;
     double *U = scratch, *rmax = U + (size_t)M * Q * ep;
     double *row = rmax + (size_t)M * ep, *per_replica = row + (size_t)Q * ep;
+    double *gm = scratch_gm(jt, scratch), *gsum = gm + (size_t)M * Q;
     int32_t top[3 * 64], *topv = top;
     int32_t *topa = NULL;
     unsigned char *held = NULL;
-    if (M > 64) {
-        topa = rp_alloc(jt->ctx, (size_t)M * 3 * sizeof *topa);
+    /* the group form keeps three ranks per (mb, group), the global one per mb */
+    const size_t top_rows = jt->group_form ? (size_t)M * Q : (size_t)M;
+    if (top_rows > 64) {
+        topa = rp_alloc(jt->ctx, top_rows * 3 * sizeof *topa);
         if (!topa) return rp_fail_nomem(err, "joint: placement search");
         topv = topa;
     }
@@ -488,9 +609,24 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
     for (int32_t round = 0; round < rounds; round++) {
         layer_loads(jt, l, lay, U);
         rank_maxima(jt, U, rmax);
-        top3(jt, rmax, topv);
+        int32_t crit = -1; /* group form: the group whose sum sets the value */
+        double value;
+        if (jt->group_form) {
+            group_maxima(jt, U, gm);
+            top3_groups(jt, U, topv);
+            double worst = -1;
+            for (int32_t q = 0; q < Q; q++) {
+                double sum = 0;
+                for (int32_t m = 0; m < M; m++) sum += joint_mq_value(jt, m, q, gm[(size_t)m * Q + q]);
+                if (sum > worst) worst = sum, crit = q;
+            }
+            value = worst;
+        } else {
+            top3(jt, rmax, topv);
+            value = total_value(jt, rmax);
+        }
         const int32_t pairs = new_pairs(jt, lay, held);
-        const double value = total_value(jt, rmax) + pen * pairs;
+        value += pen * pairs;
         const double grad_now = joint_layer_grad_s(jt, lay, row);
         for (int32_t e = 0; e < E; e++) {
             double sum = 0;
@@ -502,8 +638,11 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
         int32_t hot = 0, cool[2] = {-1, -1};
         double heat_hot = -1, heat_c[2] = {INFINITY, INFINITY};
         for (int32_t j = 0; j < ep; j++) {
+            /* heat: the rank's load summed over microbatches, its largest over groups, or
+             * in the group form its load in the critical group */
             double h = 0;
-            for (int32_t m = 0; m < M; m++) h += rmax[(size_t)m * ep + j];
+            for (int32_t m = 0; m < M; m++)
+                h += crit >= 0 ? U[((size_t)m * Q + crit) * ep + j] / gpu_speed(jt, crit, j) : rmax[(size_t)m * ep + j];
             if (h > heat_hot) {
                 heat_hot = h;
                 hot = j;
@@ -546,7 +685,8 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
                 if (pb < 0) continue;
                 int32_t f = lay->phy2log[pb];
                 int32_t Rf = f >= 0 ? lay->rep_off[f + 1] - lay->rep_off[f] : 1;
-                double v = trial_pair(jt, l, U, rmax, topv, hot, jc, e, Re, f, Rf);
+                double v = jt->group_form ? trial_pair_group(jt, l, U, topv, hot, jc, e, Re, f, Rf)
+                                          : trial_pair(jt, l, U, rmax, topv, hot, jc, e, Re, f, Rf);
                 v += pen * (pairs + pair_delta(jt, held, hot, e, f) + pair_delta(jt, held, jc, f, e));
                 if (v < best_v) {
                     best_v = v;
@@ -578,7 +718,7 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             }
             if (pb < 0) continue;
             int32_t f = lay->phy2log[pb], rb = jt->slot_rank[pb];
-            double v = trial_replace(jt, l, lay, U, rmax, rb, e, f, row);
+            double v = trial_replace(jt, l, lay, U, rmax, rb, e, f, row, gsum);
             v += pen * (pairs + pair_delta(jt, held, rb, f, e));
             /* replica counts change: so does the gradient all-reduce they add */
             lay->phy2log[pb] = e;

@@ -29,6 +29,9 @@ typedef struct fixture {
     int32_t E, K, L;
 } fixture;
 
+/* Members of the configs' "execution" object (empty: the defaults). */
+static const char *config_execution = "";
+
 /* A config of `nodes` x `gpn` GPUs in EP groups of `ep`, `slots` slots per GPU, L layers
  * of E experts, top-K, a cap of `cap` tokens. */
 static rp_config *make_config(int nodes, int gpn, int ep, int slots, int L, int E, int K, int cap,
@@ -39,8 +42,8 @@ static rp_config *make_config(int nodes, int gpn, int ep, int slots, int L, int 
              "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": %d, \"slots_per_gpu\": %d%s},"
              " \"model\": {\"num_layers\": %d, \"num_experts\": %d, \"top_k\": %d, \"hidden_size\": 256,"
              "  \"expert_ffn_size\": 128, \"num_heads\": 4, \"head_dim\": 64},"
-             " \"limits\": {\"max_tokens_per_microbatch\": %d}}",
-             nodes, gpn, ep, slots, extra_topology ? extra_topology : "", L, E, K, cap);
+             " \"limits\": {\"max_tokens_per_microbatch\": %d}, \"execution\": {%s}}",
+             nodes, gpn, ep, slots, extra_topology ? extra_topology : "", L, E, K, cap, config_execution);
     rp_config *cfg = NULL;
     rp_error err;
     if (rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, &err) != RP_OK) diag("config: %s", err.text);
@@ -172,8 +175,12 @@ static void test_random_batches(void)
     const int nshapes = (int)(sizeof shapes / sizeof shapes[0]);
     int plans = 0, invalid = 0, failures = 0, worse = 0;
     char first_problem[RP_ERROR_TEXT + 128] = "";
+    /* every (sync, overlap) pair: the surrogates take the group or the global form */
+    static const char *const executions[4] = {"", "\"overlap\": \"layer\"", "\"sync\": \"global\"",
+                                              "\"sync\": \"global\", \"overlap\": \"layer\""};
     for (int seed = 0; seed < 60; seed++) {
         const shape *sh = &shapes[seed % nshapes];
+        config_execution = executions[(seed / 7) % 4];
         int kind = (seed / nshapes) % 5;
         int32_t n = 1 + (int32_t)rnd(40), lens[64];
         const char *what = "random lengths";
@@ -244,9 +251,10 @@ static void test_random_batches(void)
         rp_plan_free(p2);
         fixture_free(&f);
     }
+    config_execution = "";
     if (*first_problem) diag("first problem: %s", first_problem);
     is_int(failures, 0, "60 randomized batches of 6 shapes (huge sequence, equal lengths, one hot expert set, "
-                        "more GPUs than sequences, empty sequences) all plan");
+                        "more GPUs than sequences, empty sequences), under every (sync, overlap) pair, all plan");
     is_int(invalid, 0, "every plan (%d, and the step after each) is valid and evaluates", plans);
     is_int(worse, 0, "with fallbacks, never worse than token_kk+eplb");
 }

@@ -1,0 +1,191 @@
+/* Joint packing in the group form (execution.sync group, several EP groups): EP groups
+ * meet only at the end of the step, so the step is the slowest group's own sum over
+ * microbatches and the packing balances each group's sum, not every microbatch over
+ * all groups (docs/routepack-policy.md, "The configured structure"). */
+#include "joint_internal.h"
+#include "routepack/primitives.h"
+
+#include <math.h>
+#include <string.h>
+
+/* The surrogate of one (microbatch, EP group), step seconds: the dense work of its
+ * slowest GPU at every layer (`a`, with the fixed cost), the expert work of its tokens
+ * spread over its ranks (`T`), and dispatch and combine of its busiest sender (`t`
+ * tokens; what a rank receives, T / ep tokens' choices, is never more); with per-layer
+ * overlap the longer of compute and communication. */
+typedef struct group_units {
+    double L, fixed, gx, alpha;
+    bool overlap;
+} group_units;
+
+static inline double group_value(const group_units *u, double a, double t, double T)
+{
+    double compute = u->L * a + u->fixed + u->gx * T, comm = u->alpha * t;
+    if (u->overlap) return compute > comm ? compute : comm;
+    return compute + comm;
+}
+
+/* Greedy, longest sequence first, as joint_pack; a cell's key is (the largest group sum
+ * after the placement, the raise of its own group's sum, the emptiest cell relative to
+ * the mean cell), then the lower microbatch and GPU. The first key spreads the long
+ * sequences over the groups (a group at the top takes nothing while another has room);
+ * the second fills under the levels the long ones set inside a group. */
+rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
+{
+    rp_context *ctx = jt->ctx;
+    const int32_t N = jt->N, G = jt->G, Q = jt->Q, ep = jt->ep;
+    const int64_t cells = (int64_t)G * M, mq = (int64_t)M * Q;
+    const double L = jt->L, K = jt->K;
+    const group_units u = {.L = L, .fixed = L * jt->fixed_s, .gx = L * K * jt->t_choice / ep,
+                           .alpha = 2.0 * L * K * jt->d_choice, .overlap = jt->overlap};
+    const double rho = jt->par->prompt_spread;
+    rp_status st = RP_OK;
+
+    double *len = rp_alloc(ctx, (size_t)N * sizeof *len);
+    double *attn = rp_alloc(ctx, (size_t)N * sizeof *attn);
+    int32_t *order = rp_alloc(ctx, (size_t)N * sizeof *order);
+    int32_t *prompt = rp_alloc(ctx, (size_t)N * sizeof *prompt);
+    double *A = rp_calloc(ctx, (size_t)cells, sizeof *A); /* raw sum of the dense work, speed 1 */
+    int64_t *tok = rp_calloc(ctx, (size_t)cells, sizeof *tok);
+    /* per (microbatch, group): tokens, the largest dense work (per speed) and tokens of a
+     * cell, the least of each (a bound of what its cells can offer), the current value */
+    int64_t *TQ = rp_calloc(ctx, (size_t)mq, sizeof *TQ);
+    double *amax = rp_calloc(ctx, (size_t)mq, sizeof *amax), *amin = rp_calloc(ctx, (size_t)mq, sizeof *amin);
+    int64_t *tmax = rp_calloc(ctx, (size_t)mq, sizeof *tmax), *tmin = rp_calloc(ctx, (size_t)mq, sizeof *tmin);
+    double *val = rp_calloc(ctx, (size_t)mq, sizeof *val);
+    double *phi = rp_calloc(ctx, (size_t)Q, sizeof *phi); /* each group's sum, penalties included */
+    int32_t *pcount = NULL;
+    int32_t *rank_count = rp_calloc(ctx, (size_t)G, sizeof *rank_count);
+    const int32_t rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G : INT32_MAX;
+    if (!len || !attn || !order || !prompt || !A || !tok || !TQ || !amax || !amin || !tmax || !tmin || !val || !phi ||
+        !rank_count) {
+        st = rp_fail_nomem(err, "joint packing");
+        goto out;
+    }
+    double sum_a = 0, sum_len = 0, speed_sum = 0;
+    for (int32_t s = 0; s < N; s++) {
+        int64_t n = rp_batch_seq_len(jt->batch, s);
+        if (n > jt->cap) {
+            st = rp_fail(err, RP_ERANGE, "joint: sequence %d has %lld tokens, longer than the microbatch cap of %lld",
+                         s, (long long)n, (long long)jt->cap);
+            if (err) err->sequence = s;
+            goto out;
+        }
+        len[s] = (double)n;
+        attn[s] = rp_cost_dense_s(jt->cost, n);
+        sum_a += attn[s];
+        sum_len += len[s];
+    }
+    for (int32_t g = 0; g < G; g++) speed_sum += jt->speed[g];
+    const double a_ref = sum_a > 0 ? sum_a / speed_sum / M : 1.0;
+    const double t_ref = sum_len > 0 ? sum_len / (double)cells : 1.0;
+    for (int64_t i = 0; i < mq; i++) val[i] = group_value(&u, 0, 0, 0);
+    for (int32_t q = 0; q < Q; q++) phi[q] = M * group_value(&u, 0, 0, 0);
+    RP_CHECK_GOTO(rp_sort_index(ctx, len, N, true, order, err), st, out);
+
+    int32_t P = 0;
+    if (rho > 0) {
+        RP_CHECK_GOTO(joint_prompt_ids(jt, prompt, &P, err), st, out);
+        int64_t n_count;
+        /* a penalty table larger than this is not worth its memory: spreading is off */
+        if (P > 0 && !rp_mul_overflow((int64_t)P, mq, &n_count) && n_count <= ((int64_t)1 << 24)) {
+            pcount = rp_calloc(ctx, (size_t)n_count, sizeof *pcount);
+            if (!pcount) {
+                st = rp_fail_nomem(err, "joint packing: prompt counts");
+                goto out;
+            }
+        }
+    }
+
+    for (int32_t i = 0; i < N; i++) {
+        const int32_t s = order[i];
+        const double a = attn[s];
+        const int64_t ni = (int64_t)len[s];
+        const int32_t *pc = pcount && prompt[s] >= 0 ? pcount + (size_t)prompt[s] * mq : NULL;
+        const double pen_unit = rho * u.gx * len[s];
+        double phimax = 0;
+        for (int32_t q = 0; q < Q; q++) phimax = phi[q] > phimax ? phi[q] : phimax;
+        double best_top = INFINITY, best_inc = INFINITY, best_tie = INFINITY;
+        int32_t bg = -1, bm = -1;
+        for (int32_t m = 0; m < M; m++)
+            for (int32_t q = 0; q < Q; q++) {
+                const size_t k = (size_t)m * Q + q;
+                const double pen = pc ? pen_unit * pc[k] : 0.0;
+                /* the value is monotone in each argument: a bound for every GPU of the group */
+                {
+                    double a_lb = amin[k] + a / jt->speed_max;
+                    int64_t t_lb = tmin[k] + ni;
+                    double inc_lb = group_value(&u, a_lb > amax[k] ? a_lb : amax[k],
+                                                (double)(t_lb > tmax[k] ? t_lb : tmax[k]), (double)(TQ[k] + ni)) -
+                                    val[k] + pen;
+                    double top_lb = phi[q] + inc_lb > phimax ? phi[q] + inc_lb : phimax;
+                    if (top_lb > best_top || (top_lb == best_top && inc_lb > best_inc)) continue;
+                }
+                for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
+                    const size_t c = (size_t)g * M + m;
+                    const int64_t t1 = tok[c] + ni;
+                    if (t1 > jt->cap || rank_count[g] >= rank_quota) continue;
+                    const double a1 = (A[c] + a) / jt->speed[g];
+                    const double inc = group_value(&u, a1 > amax[k] ? a1 : amax[k],
+                                                   (double)(t1 > tmax[k] ? t1 : tmax[k]), (double)(TQ[k] + ni)) -
+                                       val[k] + pen;
+                    const double top = phi[q] + inc > phimax ? phi[q] + inc : phimax;
+                    const double tie = a1 / a_ref + (double)t1 / t_ref;
+                    if (top < best_top || (top == best_top && (inc < best_inc || (inc == best_inc && tie < best_tie)))) {
+                        best_top = top;
+                        best_inc = inc;
+                        best_tie = tie;
+                        bg = g;
+                        bm = m;
+                    }
+                }
+            }
+        if (bg < 0) {
+            st = rp_fail(err, RP_ERANGE, "joint: sequence %d (%lld tokens) fits in no cell of %d microbatches under "
+                         "the cap of %lld tokens%s", s, (long long)ni, M, (long long)jt->cap,
+                         rank_quota < INT32_MAX ? " on a rank below its quota (trainer.equal_sequences_per_rank)" : "");
+            if (err) err->sequence = s;
+            goto out;
+        }
+        const size_t c = (size_t)bg * M + bm;
+        const int32_t q = bg / ep;
+        const size_t k = (size_t)bm * Q + q;
+        A[c] += a;
+        tok[c] += ni;
+        rank_count[bg]++;
+        TQ[k] += ni;
+        const double a1 = A[c] / jt->speed[bg];
+        if (a1 > amax[k]) amax[k] = a1;
+        if (tok[c] > tmax[k]) tmax[k] = tok[c];
+        amin[k] = INFINITY;
+        tmin[k] = INT64_MAX;
+        for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
+            double ag = A[(size_t)g * M + bm] / jt->speed[g];
+            amin[k] = ag < amin[k] ? ag : amin[k];
+            tmin[k] = tok[(size_t)g * M + bm] < tmin[k] ? tok[(size_t)g * M + bm] : tmin[k];
+        }
+        phi[q] += best_inc;
+        val[k] = group_value(&u, amax[k], (double)tmax[k], (double)TQ[k]);
+        if (pcount && prompt[s] >= 0) pcount[(size_t)prompt[s] * mq + k]++;
+        jt->seq_gpu[s] = bg;
+        jt->seq_mb[s] = bm;
+    }
+    jt->M = M;
+out:
+    rp_free(ctx, len);
+    rp_free(ctx, attn);
+    rp_free(ctx, order);
+    rp_free(ctx, prompt);
+    rp_free(ctx, A);
+    rp_free(ctx, tok);
+    rp_free(ctx, TQ);
+    rp_free(ctx, amax);
+    rp_free(ctx, amin);
+    rp_free(ctx, tmax);
+    rp_free(ctx, tmin);
+    rp_free(ctx, val);
+    rp_free(ctx, phi);
+    rp_free(ctx, pcount);
+    rp_free(ctx, rank_count);
+    return st;
+}
