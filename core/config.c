@@ -684,7 +684,7 @@ out:
 /* ---- execution ----------------------------------------------------------------------- */
 
 static const char *const execution_keys[] = {
-    "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "optimizer_sharding",
+    "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "combine_bytes_per_element", "optimizer_sharding",
     "staging_budget_bytes", "per_forward_balancing", "comment", NULL,
 };
 
@@ -735,6 +735,8 @@ static rp_status load_execution(loader *ld, json_t *obj)
     RP_CHECK_GOTO(get_choice(ld, obj, P, "dispatch_dedup", dedup_names, RP_DEDUP_GPU, &v), st, out);
     x->dispatch_dedup = (rp_dispatch_dedup)v;
     RP_CHECK_GOTO(get_i32(ld, obj, P, "dispatch_bytes_per_element", false, 2, 1, 16, &x->dispatch_bytes_per_element),
+                  st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "combine_bytes_per_element", false, 2, 1, 16, &x->combine_bytes_per_element),
                   st, out);
     RP_CHECK_GOTO(get_choice(ld, obj, P, "optimizer_sharding", sharding_names, RP_OPTIMIZER_SHARDING_NONE, &v), st,
                   out);

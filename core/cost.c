@@ -98,11 +98,13 @@ static rp_status check_config(const rp_config *cfg, rp_error *err)
         (x->overlap != RP_OVERLAP_NONE && x->overlap != RP_OVERLAP_LAYER) ||
         (x->dispatch_dedup != RP_DEDUP_CHOICE && x->dispatch_dedup != RP_DEDUP_GPU &&
          x->dispatch_dedup != RP_DEDUP_NODE) ||
-        x->dispatch_bytes_per_element < 1 || x->dispatch_bytes_per_element > 16)
+        x->dispatch_bytes_per_element < 1 || x->dispatch_bytes_per_element > 16 ||
+        x->combine_bytes_per_element < 1 || x->combine_bytes_per_element > 16)
         return rp_fail(err, RP_EINVAL,
                        "cost: execution settings are invalid (sync %d, overlap %d, dispatch_dedup %d, "
-                       "dispatch_bytes_per_element %d)",
-                       (int)x->sync, (int)x->overlap, (int)x->dispatch_dedup, x->dispatch_bytes_per_element);
+                       "dispatch_bytes_per_element %d, combine_bytes_per_element %d)",
+                       (int)x->sync, (int)x->overlap, (int)x->dispatch_dedup, x->dispatch_bytes_per_element,
+                       x->combine_bytes_per_element);
     if (md->num_layers < 1 || md->num_experts < 1 || md->top_k < 1 || md->hidden_size < 1 ||
         md->expert_ffn_size < 1 || md->num_heads < 1 || md->num_kv_heads < 1 || md->head_dim < 1 ||
         md->bytes_per_param < 1 || md->bytes_per_optimizer_state < 0)
@@ -224,7 +226,10 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     /* weights plus the receiver's shard of the optimizer state (routepack/memory.h) */
     c->expert_move_bytes = (double)rp_memory_expert_move_bytes(cfg);
     const rp_execution *x = rp_config_execution(cfg);
-    c->token_bytes = d * x->dispatch_bytes_per_element;
+    /* Dispatch and combine move the same copies, each at its own element size (DeepEP
+     * combines in BF16 after an FP8 dispatch); one term D prices both at their mean, so
+     * 2 D is exactly the dispatch plus the combine of every GPU. */
+    c->token_bytes = d * (x->dispatch_bytes_per_element + x->combine_bytes_per_element) / 2.0;
     c->sync = x->sync;
     c->overlap = x->overlap;
     c->dedup = x->dispatch_dedup;
@@ -1772,9 +1777,10 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
     static const char *const sync_names[] = {"group", "global"}, *const overlap_names[] = {"none", "layer"},
                              *const dedup_names[] = {"choice", "gpu", "node"};
     sb_printf(&b, "\"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\", "
-              "\"dispatch_bytes_per_element\": %d},\n",
+              "\"dispatch_bytes_per_element\": %d, \"combine_bytes_per_element\": %d},\n",
               sync_names[c->sync], overlap_names[c->overlap], dedup_names[c->dedup],
-              rp_config_execution(c->cfg)->dispatch_bytes_per_element);
+              rp_config_execution(c->cfg)->dispatch_bytes_per_element,
+              rp_config_execution(c->cfg)->combine_bytes_per_element);
     sb_printf(&b, "\"shape\": {\"num_gpus\": %d, \"num_microbatches\": %d, \"num_layers\": %d, "
               "\"num_experts\": %d, \"ep_size\": %d, \"backward\": {\"attention\": %.17g, \"projections\": %.17g, "
               "\"experts\": %.17g, \"token_linear\": %.17g, \"communication\": %.17g, \"fixed\": %.17g}, "

@@ -100,7 +100,8 @@ static rp_status setup(joint *jt, rp_error *err)
     }
     jt->cap = rp_limits_token_cap(rp_config_limits(jt->cfg));
     const rp_execution *x = rp_config_execution(jt->cfg);
-    const double token_bytes = (double)md->hidden_size * x->dispatch_bytes_per_element;
+    /* dispatch and combine at their mean element size, as the cost model prices them */
+    const double token_bytes = (double)md->hidden_size * (x->dispatch_bytes_per_element + x->combine_bytes_per_element) / 2.0;
     const int32_t near = jt->ep < jt->gpn ? jt->ep : jt->gpn; /* GPUs of a group on one node */
     /* de-duplication for a token whose K choices spread evenly over the group: K / ep of
      * them per GPU, at most m = min(K, slots of a rank) each (docs/cost-model.md, dd) */

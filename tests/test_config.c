@@ -65,8 +65,8 @@ static void test_small_example(rp_context *ctx)
     is_double(h->gemm_efficiency[5].efficiency, 0.78, 0, "efficiency 0.78 at 4096 tokens");
     const rp_execution *x = rp_config_execution(cfg);
     ok(x->sync == RP_SYNC_GROUP && x->overlap == RP_OVERLAP_NONE && x->dispatch_dedup == RP_DEDUP_GPU &&
-           x->dispatch_bytes_per_element == 2,
-       "default execution: sync group, overlap none, dedup per GPU, 2 bytes per element");
+           x->dispatch_bytes_per_element == 2 && x->combine_bytes_per_element == 2,
+       "default execution: sync group, overlap none, dedup per GPU, 2 bytes per element each way");
 
     const rp_model *m = rp_config_model(cfg);
     is_int(m->num_layers, 16, "small: 16 layers");
@@ -279,8 +279,8 @@ static void test_structure_keys(rp_context *ctx)
     is_double(h->layer_fixed_s, 12.5e-6, 1e-18, "layer_fixed_us in seconds");
     const rp_execution *x = rp_config_execution(cfg);
     ok(x->sync == RP_SYNC_GLOBAL && x->overlap == RP_OVERLAP_LAYER && x->dispatch_dedup == RP_DEDUP_NODE &&
-           x->dispatch_bytes_per_element == 1,
-       "execution: sync global, overlap layer, dedup node, 1 byte per element");
+           x->dispatch_bytes_per_element == 1 && x->combine_bytes_per_element == 2,
+       "execution: sync global, overlap layer, dedup node, 1 byte per element (combine stays 2)");
     rp_config_free(cfg);
 
     cfg = NULL;

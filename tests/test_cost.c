@@ -534,20 +534,32 @@ static void test_layer_straggler_domain(void)
  * hand case dispatch becomes 1.5 + 0.5 = 2 at L0 and 4 + 0.5 = 4.5 at L1. */
 static void test_hand_dispatch_bytes(void)
 {
-    fixture f;
-    ok(hand_fixture_with(&f, 1, 2, 2, "1", HAND_HW,
-                         "\"sync\": \"global\", \"dispatch_dedup\": \"choice\", \"dispatch_bytes_per_element\": 1"),
-       "FP8 dispatch fixture");
-    rp_cost *c = NULL;
-    rp_error err;
-    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
-    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
-    rp_cost_evaluate(c, p, NULL, &err);
-    const double *D = rp_cost_dispatch_breakdown(c);
-    ok(D[0] == 2.0 && D[1] == 2.0 && D[2] == 4.5 && D[3] == 4.5, "dispatch at 1 byte per element: 2, 2, 4.5, 4.5");
-    rp_plan_free(p);
-    rp_cost_free(c);
-    fixture_free(&f);
+    /* Combine in FP8 too: 3 copies at L0 and 8 at L1 at 0.5 s each, plus the latency.
+     * Combine in BF16 (the default, as DeepEP): a copy of dispatch and combine is priced
+     * at their mean, 1.5 B per element, 0.75 s: 3 x 0.75 + 0.5 = 2.75 and 8 x 0.75 + 0.5
+     * = 6.5, so dispatch + combine = 2 x 2.75 = 2 + 3.5 (FP8 one way, BF16 the other). */
+    const char *combine[2] = {", \"combine_bytes_per_element\": 1", ""};
+    const double want[2][2] = {{2.0, 4.5}, {2.75, 6.5}};
+    for (int v = 0; v < 2; v++) {
+        fixture f;
+        char exec[256];
+        snprintf(exec, sizeof exec, "\"sync\": \"global\", \"dispatch_dedup\": \"choice\", "
+                 "\"dispatch_bytes_per_element\": 1%s", combine[v]);
+        ok(hand_fixture_with(&f, 1, 2, 2, "1", HAND_HW, exec), "FP8 dispatch fixture, combine %s", v ? "BF16" : "FP8");
+        rp_cost *c = NULL;
+        rp_error err;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
+        rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
+        rp_cost_evaluate(c, p, NULL, &err);
+        const double *D = rp_cost_dispatch_breakdown(c), *C = rp_cost_combine_breakdown(c);
+        ok(D[0] == want[v][0] && D[1] == want[v][0] && D[2] == want[v][1] && D[3] == want[v][1] &&
+               C[0] == D[0] && C[3] == D[3],
+           "dispatch and combine at %s: %g, %g, %g, %g", v ? "1 and 2 bytes per element" : "1 byte per element",
+           D[0], D[1], D[2], D[3]);
+        rp_plan_free(p);
+        rp_cost_free(c);
+        fixture_free(&f);
+    }
 }
 
 /* Dispatch once per destination GPU on the one-node hand case (each GPU holds 2 experts,

@@ -209,9 +209,9 @@ static void print_eval_text(const char *path, const plan_step *s, const rp_plan 
     const rp_execution *x = rp_config_execution(s->cfg);
     static const char *const sync_words[] = {"group (the slowest EP group's own sum)", "global (every layer waits for the slowest GPU)"};
     static const char *const dedup_words[] = {"per token-choice", "per destination GPU", "per destination node"};
-    printf("execution            sync %s, overlap %s, dispatch %s at %d byte%s per element\n",
+    printf("execution            sync %s, overlap %s, dispatch %s at %d byte%s per element, combine at %d\n",
            sync_words[x->sync], x->overlap == RP_OVERLAP_LAYER ? "layer" : "none", dedup_words[x->dispatch_dedup],
-           x->dispatch_bytes_per_element, x->dispatch_bytes_per_element == 1 ? "" : "s");
+           x->dispatch_bytes_per_element, x->dispatch_bytes_per_element == 1 ? "" : "s", x->combine_bytes_per_element);
     printf("lower bound          %10.3f ms\n", sum->lower_bound_s * 1e3);
     printf("step / lower bound   %10.3f\n", sum->ratio);
     printf("  dense (attention)  %10.3f ms  } each: sum over microbatches and layers of the slowest\n",

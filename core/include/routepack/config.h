@@ -152,6 +152,8 @@ typedef struct rp_execution {
     int64_t staging_budget_bytes;  /* migration staging per GPU; 0: no limit (one round) */
     /* what the trainer can run: the joint planner plans for it (docs/routepack-policy.md) */
     rp_balancing per_forward_balancing;
+    /* Added after the first version (append only). */
+    int32_t combine_bytes_per_element;   /* 2: DeepEP combines in BF16 even after an FP8 dispatch */
 } rp_execution;
 
 /* What the trainer demands of a packing (docs/config.md, "trainer"); every packer
