@@ -4,6 +4,8 @@
 #      small scale (examples/gen-results-small.json) with seeds the defaults were not tuned
 #      on (21: 8 steps, 22: 24 steps), every default policy, compared against the best
 #      baseline on step + migration (docs/cli.md);
+#   1c. both execution.sync settings with and without overlap on a config of 4 EP groups
+#      (scripts/results/structure.py: section-structure.md);
 #   2. the horizon and persistence sweep the routepack policy's defaults were chosen by
 #      (tuning seed 11: 2, 8 and 24 steps, and the bundled example): routepack with its
 #      params set otherwise, as policy files in the work folder;
@@ -28,7 +30,7 @@ while [ $# -gt 0 ]; do
     --quick) quick=1 ;;
     --reference) reference=1 ;;
     --bench) bench=$2; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     -*) echo "results.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -97,6 +99,22 @@ json.dump(c, open(sys.argv[2], "w"))
 EOF
 simulate vexp-small-8 --config "$work/config-small-vexp.json" --trace "$small8" \
   --policies token_kk+eplb_periodic,token_kk+virtual_experts,routepack
+
+# 1c. both sync settings, with and without overlap (issue 14): the same 8-step trace on
+# config-small.json spread over 4 nodes (4 EP groups of 8, one a node), under each
+# (sync, overlap); scripts/results/structure.py renders section-structure.md
+for s in "group none" "group layer" "global none" "global layer"; do
+  set -- $s
+  python3 - "$ex/config-small.json" "$work/config-small-4groups-$1-$2.json" "$1" "$2" <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["topology"]["num_nodes"] = 4
+c.setdefault("execution", {}).update(sync=sys.argv[3], overlap=sys.argv[4])
+json.dump(c, open(sys.argv[2], "w"))
+EOF
+  simulate structure-$1-$2 --config "$work/config-small-4groups-$1-$2.json" --trace "$small8"
+done
+python3 "$root/scripts/results/structure.py" "$work" > "$work/section-structure.md"
 
 # 2. the sweep: routepack with other horizon / persistence settings, as policy files
 variants=()
