@@ -27,7 +27,8 @@ def main():
            "The configured structure (`execution.sync`, `execution.overlap`, docs/cost-model.md) decides",
            "what the cost model charges and what the joint planner's surrogates minimise",
            "(docs/routepack-policy.md, \"The configured structure\"). The same trace on a config of",
-           "several EP groups, under each structure: %s." % first.describe(), "",
+           "several EP groups, `examples/config-small.json` on 4 nodes (4 EP groups of 8, one a node),",
+           "under each structure: %s." % first.describe(), "",
            "Step + migration per step (ms), and routepack against the best baseline of the run (every",
            "default policy; `docs/cli.md`) and against `token_kk+eplb` and `token_kk+virtual_experts`:", "",
            "| sync | overlap | " + " | ".join(COLUMNS) + " | best baseline | routepack vs best | vs token_kk+eplb |"
