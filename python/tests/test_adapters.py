@@ -146,6 +146,46 @@ def test_verl_reverse_indices_restore_the_chunk_order(four_mb_step):
     assert vp.reverse_indices(0) != list(range(vp.sequences_per_rank))   # not trivially
 
 
+def reordered(res):
+    """A copy of a result whose ranks run their microbatches in reverse (a plan's
+    microbatch_order, as pipeline parallelism sets it)."""
+    out = copy.copy(res)
+    out.microbatch_order = np.tile(np.arange(res.num_microbatches)[::-1], (res.num_gpus, 1))
+    return out
+
+
+@pytest.mark.parametrize("order", ["plan", "batch"])
+def test_verl_micro_batches_follow_the_plans_run_order(order, four_mb_step):
+    res = four_mb_step
+    assert (res.microbatch_order == np.arange(4)).all()      # no order in this plan
+    rev = reordered(res)
+    vp = verl.batch_plan(rev, order=order)
+    assert (vp.microbatch_order == rev.microbatch_order).all()
+    for r in range(vp.dp_size):
+        for k in range(4):
+            m = 3 - k
+            assert vp.chunks[r][vp.micro_batch_indices[r][k]].tolist() == res.microbatches[r][m].tolist()
+            assert vp.micro_batch_tokens[r, k] == res.microbatch_tokens(r)[m]
+    bad = copy.copy(res)
+    bad.microbatch_order = np.tile([0, 1, 1, 3], (res.num_gpus, 1))
+    with pytest.raises(routepack.PlanError, match=r"rank 0's microbatch order \[0, 1, 1, 3\] is not a permutation"):
+        verl.batch_plan(bad)
+
+
+def test_verl_forms_are_the_ones_verl_takes(four_mb_step):
+    """verl b178a3c: DataProto.reorder indexes a TensorDict with a LongTensor (int64 order);
+    rearrange_micro_batches returns plain lists of int per micro-batch, which the actor
+    flattens and passes to get_reverse_idx, itself a list of int."""
+    vp = verl.batch_plan(four_mb_step)
+    assert vp.order.dtype == np.int64 and vp.order.ndim == 1
+    for r in range(vp.dp_size):
+        assert isinstance(vp.micro_batch_indices[r], list)
+        assert all(isinstance(mb, list) and all(type(i) is int for i in mb)
+                   for mb in vp.micro_batch_indices[r])
+        rev = vp.reverse_indices(r)
+        assert isinstance(rev, list) and all(type(i) is int for i in rev)
+
+
 def test_verl_tp_plan_counts_dp_ranks_not_gpus(tp_step):
     assert tp_step.num_gpus == 4 and tp_step.config.tensor_parallel_size == 2
     assert verl.batch_plan(tp_step, dp_size=4).dp_size == 4
@@ -278,6 +318,17 @@ def test_packed_seq_params_match_the_plan(which, small_step, tp_step, four_mb_st
                 assert cp == [0] + np.cumsum(padded).tolist()
                 assert all(x % multiple == 0 for x in cp)
                 assert p.cu_seqlens_kv_padded.tolist() == cp
+
+
+def test_packed_seq_params_follow_the_plans_run_order(four_mb_step):
+    pytest.importorskip("torch")
+    res = reordered(four_mb_step)
+    lens = np.diff(res.cu_seqlens)
+    for r in range(res.num_gpus):
+        params = megatron.packed_seq_params(res, r)
+        for k, p in enumerate(params):
+            true = lens[res.microbatches[r][3 - k]]
+            assert p["cu_seqlens_q"].tolist() == [0] + np.cumsum(true).tolist()
 
 
 def test_packed_seq_params_as_dicts_with_newer_fields(tp_step):

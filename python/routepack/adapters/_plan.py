@@ -1,5 +1,5 @@
 """What both adapters read from a StepResult: its microbatch lists, checked (every id in
-range, no sequence twice), its sequence lengths and its layout."""
+range, no sequence twice), their run order, its sequence lengths and its layout."""
 
 from __future__ import annotations
 
@@ -35,6 +35,25 @@ def microbatches(res):
             out.append(ids)
         lists.append(out)
     return lists
+
+
+def run_order(res):
+    """int64 [G, M]: the microbatch each rank runs at each position (StepResult.microbatch_order,
+    part of the plan under pipeline parallelism; index order for a result without one).
+    Raises PlanError for a row that is not a permutation."""
+    G, M = len(res.microbatches), int(res.num_microbatches)
+    order = getattr(res, "microbatch_order", None)
+    if order is None:
+        return np.tile(np.arange(M, dtype=np.int64), (G, 1))
+    order = np.asarray(order, dtype=np.int64)
+    if order.shape != (G, M):
+        raise errors.PlanError("microbatch_order has shape %s; the plan has %d ranks of %d "
+                               "microbatches" % (order.shape, G, M))
+    for g in range(G):
+        if sorted(order[g].tolist()) != list(range(M)):
+            raise errors.PlanError("rank %d's microbatch order %s is not a permutation of its %d "
+                                   "microbatches" % (g, order[g].tolist(), M))
+    return order
 
 
 def seq_lens(res):

@@ -44,9 +44,11 @@ def default_pad_multiple(res):
 
 def packed_seq_params(res, rank, *, pad_multiple=None, device=None, cls=None, allow_empty=False):
     """The THD ``PackedSeqParams`` of each microbatch DP rank ``rank`` runs in StepResult
-    ``res``: a list of M entries, in the plan's microbatch order, each for the tokens of
-    ``res.microbatches[rank][m]``'s sequences concatenated in that order (each padded to
-    ``pad_multiple``), which is what ``routepack.torch.pack_microbatches`` packs.
+    ``res``: a list of M entries in run order (entry k is microbatch
+    ``res.microbatch_order[rank][k]``; index order for a plan without an order), each for the
+    tokens of ``res.microbatches[rank][m]``'s sequences concatenated in that order (each
+    padded to ``pad_multiple``), which is what ``routepack.torch.pack_microbatches(...,
+    order=res.microbatch_order)`` packs.
 
     Each entry has ``qkv_format="thd"``; ``cu_seqlens_q`` = ``cu_seqlens_kv``: int32 [n + 1]
     torch tensors on ``device``, the sequences' cumulative true lengths; ``max_seqlen_q`` =
@@ -88,7 +90,8 @@ def packed_seq_params(res, rank, *, pad_multiple=None, device=None, cls=None, al
                                               % (cls.__name__, ", ".join(missing)))
     lens = _plan.seq_lens(res)
     out = []
-    for mb, ids in enumerate(lists[rank]):
+    for mb in _plan.run_order(res)[rank]:
+        ids = lists[rank][mb]
         if len(ids) == 0:
             if allow_empty:
                 out.append(None)

@@ -33,12 +33,16 @@ class BatchPlan:
     order (``order`` is their concatenation).
     ``micro_batch_indices``: ``[dp_size][M]`` lists of int, rank r's micro-batches as
     indices into its chunk, in run order: ``rearrange_micro_batches``'s second result.
-    ``micro_batch_tokens``: int64 [dp_size, M], the tokens of each micro-batch."""
+    ``micro_batch_tokens``: int64 [dp_size, M], the tokens of each micro-batch, in run order.
+    ``microbatch_order``: int64 [dp_size, M], the plan's microbatch at each run position
+    (StepResult.microbatch_order; the identity unless the plan orders them, as under
+    pipeline parallelism): entry k of rank r is ``res.microbatches[r][microbatch_order[r, k]]``."""
 
     order: np.ndarray
     chunks: list
     micro_batch_indices: list
     micro_batch_tokens: np.ndarray
+    microbatch_order: np.ndarray
 
     @property
     def dp_size(self):
@@ -133,9 +137,12 @@ def batch_plan(res, *, dp_size=None, num_batches_divided_by=None, order="plan"):
             "trainer.microbatch_multiple: %d" % (M, divided_by, divided_by))
 
     lens = _plan.seq_lens(res)
+    run = _plan.run_order(res)
     chunks, indices = [], []
     tokens = np.zeros((G, M), dtype=np.int64)
     for rank, row in enumerate(lists):
+        row = [row[m] for m in run[rank]]          # in the order the rank runs them
+        ranked[rank] = np.concatenate(row) if row else np.zeros(0, np.int64)
         if order == "plan":
             chunk = ranked[rank]
             pos = np.arange(len(chunk))
@@ -147,4 +154,5 @@ def batch_plan(res, *, dp_size=None, num_batches_divided_by=None, order="plan"):
         tokens[rank] = [int(lens[ids].sum()) for ids in row]
         chunks.append(chunk)
     return BatchPlan(order=np.concatenate(chunks) if chunks else np.zeros(0, np.int64),
-                     chunks=chunks, micro_batch_indices=indices, micro_batch_tokens=tokens)
+                     chunks=chunks, micro_batch_indices=indices, micro_batch_tokens=tokens,
+                     microbatch_order=run)
