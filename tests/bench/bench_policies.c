@@ -72,6 +72,7 @@ typedef struct row {
     int64_t tokens;
     figures f[POLICIES];
     double joint_build_ms, stats_pass_ms, joint_candidate_s;
+    double build_step_s, build_migration_s; /* the construction alone's plan, scored */
     char chosen[32];
 } row;
 
@@ -382,6 +383,10 @@ static void run_batch(rp_context *ctx, const scale *sc, const batch_spec *bs, ui
                 w->stats_pass_ms = cpu_ms() - ts;
                 free(cell);
                 free(loads);
+                figures bf;
+                score(ctx, cfg, cost, p, prev[c][JOINT], &bf);
+                w->build_step_s = bf.step_s;
+                w->build_migration_s = bf.migration_s;
                 rp_plan_free(p);
             }
             if (opts->want_tradeoff && !opts->tradeoff_done && step == 0) {
@@ -555,6 +560,68 @@ static void csv(FILE *out)
     }
 }
 
+/* The joint construction's own plans' scores, one line a batch: what a faster
+ * construction must keep (within 0.5% of step time, issue 16). */
+static void scores_out(FILE *out)
+{
+    fprintf(out, "scale,config,domain,sigma,concentration,step,seqs,tokens,step_s,migration_s\n");
+    for (int32_t i = 0; i < num_rows; i++) {
+        const row *w = &rows[i];
+        fprintf(out, "%s,%s,%s,%g,%g,%d,%d,%lld,%.9g,%.9g\n", w->scale, w->config, w->domain, w->sigma,
+                w->concentration, w->step, w->seqs, (long long)w->tokens, w->build_step_s, w->build_migration_s);
+    }
+}
+
+/* This run's construction scores against a file scores_out wrote (same batches, same
+ * cost model): per batch and in sum, step time and step + migration. */
+static void scores_against(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) die(path, NULL);
+    char line[512];
+    double old_step = 0, new_step = 0, old_total = 0, new_total = 0, worst = 0;
+    int32_t matched = 0;
+    printf("\njoint construction against %s (step s; migration s):\n", path);
+    while (fgets(line, sizeof line, f)) {
+        char sc[16], config[64], domain[8];
+        double sigma, conc, step_s, migr_s;
+        int step, seqs;
+        long long tokens;
+        if (sscanf(line, "%15[^,],%63[^,],%7[^,],%lf,%lf,%d,%d,%lld,%lf,%lf", sc, config, domain, &sigma, &conc, &step,
+                   &seqs, &tokens, &step_s, &migr_s) != 10)
+            continue; /* the header */
+        for (int32_t i = 0; i < num_rows; i++) {
+            const row *w = &rows[i];
+            char ws[32], wc[32];
+            snprintf(ws, sizeof ws, "%g", w->sigma);
+            snprintf(wc, sizeof wc, "%g", w->concentration);
+            char fs[32], fc[32];
+            snprintf(fs, sizeof fs, "%g", sigma);
+            snprintf(fc, sizeof fc, "%g", conc);
+            if (strcmp(w->scale, sc) || strcmp(w->config, config) || strcmp(w->domain, domain) || strcmp(ws, fs) ||
+                strcmp(wc, fc) || w->step != step || w->seqs != seqs || w->tokens != tokens)
+                continue;
+            double r = w->build_step_s / step_s;
+            printf("  %-9s %-22s %-4s sigma %.1f conc %-3g step %d: %.4f -> %.4f s (%+.3f%%); migration %.4f -> %.4f s\n",
+                   sc, config, domain, sigma, conc, step, step_s, w->build_step_s, 100 * (r - 1), migr_s,
+                   w->build_migration_s);
+            old_step += step_s;
+            new_step += w->build_step_s;
+            old_total += step_s + migr_s;
+            new_total += w->build_step_s + w->build_migration_s;
+            worst = r - 1 > worst ? r - 1 : worst;
+            matched++;
+        }
+    }
+    fclose(f);
+    if (!matched) {
+        printf("  no batch of this run is in the file\n");
+        return;
+    }
+    printf("  %d batches: step time %+.3f%% in sum, %+.3f%% on the worst batch; step + migration %+.3f%% in sum\n",
+           matched, 100 * (new_step / old_step - 1), 100 * worst, 100 * (new_total / old_total - 1));
+}
+
 /* Grouped bars: step / lower bound of every policy on every batch. */
 static void svg(FILE *out)
 {
@@ -616,7 +683,7 @@ static void usage(void)
     printf("usage: bench_policies [--scale small|reference|large|all] [--domain mix|c4|tulu] [--sigma S]\n"
            "                      [--concentration C] [--steps N] [--prompts N] [--seed S] [--threads N]\n"
            "                      [--refine N] [--repeat N] [--tradeoff] [--markdown FILE] [--csv FILE] [--svg FILE]\n"
-           "                      [--execution MEMBERS]\n"
+           "                      [--execution MEMBERS] [--scores-out FILE] [--scores-against FILE]\n"
            "Without --domain/--sigma/--concentration/--steps every scale runs its default batches (a sweep of\n"
            "response spread 0.6/1.0/1.4 over two drifting steps, C4 and Tulu alone, concentration 2/32/128);\n"
            "with any of them, one batch with the given settings (defaults mix, 1.0, 8, 1 step).\n"
@@ -624,12 +691,16 @@ static void usage(void)
            "--tradeoff prints plan time vs quality on the first batch of each scale. --refine adds exact local search to the\n"
            "joint policies. Times are CPU times of this thread; --repeat N (default 3) times the joint construction N\n"
            "times and reports the least, which a shared machine disturbs least.\n"
-           "--execution '\"sync\": \"global\", \"overlap\": \"layer\"' adds an execution section to every config.\n");
+           "--execution '\"sync\": \"global\", \"overlap\": \"layer\"' adds an execution section to every config.\n"
+           "--scores-out FILE writes the joint construction's own plans' scores (no fallback check: step s and migration\n"
+           "s from the previous joint plan), one line a batch; --scores-against FILE compares this run's with such a\n"
+           "file (tests/bench/joint-scores-reference.csv holds the frozen ones), batch by batch and in sum.\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *scale_arg = "small", *md_path = NULL, *csv_path = NULL, *svg_path = NULL;
+    const char *scores_path = NULL, *against_path = NULL;
     batch_spec custom = {"mix", 1.0, 8, 1};
     bool use_custom = false;
     uint64_t seed = 1;
@@ -677,6 +748,10 @@ int main(int argc, char **argv)
             svg_path = v, i++;
         } else if (!strcmp(a, "--execution")) {
             execution_members = v, i++;
+        } else if (!strcmp(a, "--scores-out")) {
+            scores_path = v, i++;
+        } else if (!strcmp(a, "--scores-against")) {
+            against_path = v, i++;
         } else {
             fprintf(stderr, "bench_policies: unknown option %s (--help)\n", a);
             return 2;
@@ -735,6 +810,13 @@ int main(int argc, char **argv)
         svg(f);
         fclose(f);
     }
+    if (scores_path) {
+        FILE *f = fopen(scores_path, "w");
+        if (!f) die(scores_path, NULL);
+        scores_out(f);
+        fclose(f);
+    }
+    if (against_path) scores_against(against_path);
     free(rows);
     rp_context_free(ctx);
     return 0;
