@@ -1,7 +1,7 @@
 /* Private state of the joint planner, shared by joint.c (the flow, migration, fallbacks),
  * joint_pack.c (packing), joint_hist.c (group histograms), joint_balance.c (sequence
- * trades between groups), joint_place.c (placement) and joint_levers.c (shares and
- * extra replicas). Not installed. */
+ * trades between groups), joint_place.c (placement), joint_levers.c (shares and
+ * extra replicas) and joint_fill.c (the shares' water level). Not installed. */
 #ifndef RP_JOINT_INTERNAL_H
 #define RP_JOINT_INTERNAL_H
 
@@ -155,5 +155,11 @@ double joint_layer_migration_s(const joint *jt, const joint_layer *from, const j
 rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *extras, rp_error *err);
 /* Expert slot time of n token-choices (forward, speed 1), as the cost model's t(n). */
 double joint_slot_time(const joint *jt, double n);
+/* joint_fill.c: the level h in (lo, hi] where F(h) = sum over i < R of
+ * clamp(min over q < Q with slope[i Q + q] > 0 of slope[i Q + q] h - offset[i Q + q], 0, 1)
+ * reaches 1: the upper end 28 halvings of [lo, hi] leave (keeping F >= 1 there), bit for
+ * bit, from a few evaluations of F; adds their count to *evaluations (may be NULL). */
+double joint_fill_level(const double *slope, const double *offset, int32_t R, int32_t Q, double lo, double hi,
+                        int64_t *evaluations);
 
 #endif

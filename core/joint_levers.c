@@ -42,6 +42,7 @@ typedef struct lever_state {
     double *wt, *best_w;   /* [ep + 1] trial shares */
     int32_t *rk;           /* [ep + 1] trial ranks */
     double *rank_u;        /* [ep] largest U over groups */
+    unsigned char *touched; /* [ep] trial_max: ranks a trial changes */
     int32_t *extra_count;  /* [ep] */
     int32_t *extra_e, *extra_r;
     int32_t n_extra;
@@ -90,8 +91,8 @@ static double u_max(const joint *jt, const lever_state *ls)
  * ranks over every group, the other experts' loads fixed (base_load[q * (ep + 1) + i]
  * is rank rk[i]'s load in group q without e; tq[q] e's token-choices in group q).
  * At a common level h, rank i can take s_i(h) = min over groups of
- * (h - base) speed / tq; the h with sum s_i(h) = 1 is found by bisection (the sum is
- * continuous and increasing in h). Returns the level. */
+ * (h - base) speed / tq; the h with sum s_i(h) = 1 is the level of 28 halvings of
+ * [lo, hi] (joint_fill_level). Returns the level. */
 static double minmax_fill(const joint *jt, lever_state *ls, const int32_t *rk, int32_t R, double *share)
 {
     const int32_t Q = jt->Q, stride = jt->ep + 1;
@@ -112,21 +113,7 @@ static double minmax_fill(const joint *jt, lever_state *ls, const int32_t *rk, i
         for (int32_t i = 0; i < R; i++) share[i] = 1.0 / R;
         return lo;
     }
-    for (int it = 0; it < 28; it++) { /* 2^-28 of the range: far below what matters */
-        double h = 0.5 * (lo + hi), sum = 0;
-        for (int32_t i = 0; i < R; i++) {
-            double s = INFINITY;
-            for (int32_t q = 0; q < Q; q++) {
-                double k = slope[(size_t)i * Q + q];
-                if (k == 0) continue;
-                double v = k * h - offset[(size_t)i * Q + q];
-                s = v < s ? v : s;
-            }
-            sum += s > 0 ? (s < 1 ? s : 1) : 0;
-        }
-        if (sum >= 1) hi = h;
-        else lo = h;
-    }
+    hi = joint_fill_level(slope, offset, R, Q, lo, hi, NULL);
     double norm = 0;
     for (int32_t i = 0; i < R; i++) {
         double s = INFINITY;
@@ -162,17 +149,18 @@ static void prepare(const joint *jt, lever_state *ls, int32_t m, int32_t l, int3
 
 /* Largest load over all groups and ranks if e's replicas become rk[0..R) with shares
  * `share` (base_load prepared for rk). */
-static double trial_max(const joint *jt, const lever_state *ls, int32_t e, const int32_t *rk, int32_t R,
+static double trial_max(const joint *jt, lever_state *ls, int32_t e, const int32_t *rk, int32_t R,
                         const double *share)
 {
     const int32_t ep = jt->ep, stride = ep + 1;
+    unsigned char *touched = ls->touched;
+    memset(touched, 0, (size_t)ep);
+    for (int32_t k = 0; k < ls->cnt[e]; k++) touched[ls->rank[(size_t)e * ep + k]] = 1;
+    for (int32_t i = 0; i < R; i++) touched[rk[i]] = 1;
     double best = 0;
     for (int32_t q = 0; q < jt->Q; q++)
         for (int32_t j = 0; j < ep; j++) {
-            bool touched = false;
-            for (int32_t k = 0; k < ls->cnt[e] && !touched; k++) touched = ls->rank[(size_t)e * ep + k] == j;
-            for (int32_t i = 0; i < R && !touched; i++) touched = rk[i] == j;
-            if (touched) continue;
+            if (touched[j]) continue;
             double u = ls->U[(size_t)q * ep + j];
             best = u > best ? u : best;
         }
@@ -391,6 +379,7 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
     ls.best_w = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.best_w);
     ls.rk = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.rk);
     ls.rank_u = rp_alloc(ctx, (size_t)ep * sizeof *ls.rank_u);
+    ls.touched = rp_alloc(ctx, (size_t)ep);
     ls.extra_count = rp_alloc(ctx, (size_t)ep * sizeof *ls.extra_count);
     ls.extra_e = rp_alloc(ctx, ((size_t)max_extras + 1) * sizeof *ls.extra_e);
     ls.extra_r = rp_alloc(ctx, ((size_t)max_extras + 1) * sizeof *ls.extra_r);
@@ -422,7 +411,7 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
         ls.room[j] = n < (double)INT32_MAX ? (int64_t)n : INT32_MAX;
     }
     if (!ls.cnt || !ls.base || !ls.rank || !ls.w || !ls.explicit_shares || !ls.U || !ls.tq || !ls.base_load ||
-        !ls.wt || !ls.best_w || !ls.rk || !ls.rank_u || !ls.extra_count || !ls.extra_e || !ls.extra_r || !ls.reps ||
+        !ls.wt || !ls.best_w || !ls.rk || !ls.rank_u || !ls.touched || !ls.extra_count || !ls.extra_e || !ls.extra_r || !ls.reps ||
         !ls.rtot || !ls.fill_a || !ls.fill_c || !order) {
         st = rp_fail_nomem(err, "joint: shares and extra replicas");
         goto out;
@@ -475,6 +464,7 @@ out:
     rp_free(ctx, ls.best_w);
     rp_free(ctx, ls.rk);
     rp_free(ctx, ls.rank_u);
+    rp_free(ctx, ls.touched);
     rp_free(ctx, ls.extra_count);
     rp_free(ctx, ls.extra_e);
     rp_free(ctx, ls.extra_r);
