@@ -389,9 +389,11 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
          * group spans nodes (conservative) */
         double penalty = isinf(H) ? 0.0 : (jt->ep > jt->gpn ? jt->move_net_s : jt->move_nv_s);
         RP_CHECK_GOTO(joint_place_improve(jt, l, &kept, old, penalty, jt->par->place_rounds, scratch, err), st, out);
+        /* each placement's expert and gradient parts, kept apart for the report below */
+        double x_fresh = joint_place_score(jt, l, lay, scratch), g_fresh = joint_layer_grad_s(jt, lay, scratch);
+        double x_kept = joint_place_score(jt, l, &kept, scratch), g_kept = joint_layer_grad_s(jt, &kept, scratch);
         double s_old = joint_place_score(jt, l, old, scratch) + joint_layer_grad_s(jt, old, scratch);
-        double s_fresh = joint_place_score(jt, l, lay, scratch) + joint_layer_grad_s(jt, lay, scratch);
-        double s_kept = joint_place_score(jt, l, &kept, scratch) + joint_layer_grad_s(jt, &kept, scratch);
+        double s_fresh = x_fresh + g_fresh, s_kept = x_kept + g_kept;
         bool fresh = true;
         if (!isinf(H)) {
             double p_fresh = persistent_score(jt, l, lay, share_max, share_mq, scratch);
@@ -406,7 +408,8 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
             joint_layer_index(jt, lay);
         }
         if (!same_sets(jt, lay, old)) rep->layers_replaced++;
-        rep->surrogate_saving_s += s_old - joint_place_score(jt, l, lay, scratch) - joint_layer_grad_s(jt, lay, scratch);
+        /* lay is the fresh placement or a copy of the kept one: its parts are known */
+        rep->surrogate_saving_s += s_old - (fresh ? x_fresh : x_kept) - (fresh ? g_fresh : g_kept);
     }
 out:
     joint_layer_free(jt, &kept);

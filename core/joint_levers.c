@@ -172,6 +172,15 @@ static double trial_max(const joint *jt, lever_state *ls, int32_t e, const int32
     return best;
 }
 
+/* joint_slot_time of an integer load n >= 0, without its interpolation: the table's
+ * entry itself (the interpolation adds (T[n + 1] - T[n]) x 0 to it), the same bits. */
+static inline double slot_time_whole(const joint *jt, int64_t n)
+{
+    if (n <= 0) return 0.0;
+    double t = n < jt->t_table_n ? jt->t_table[n] : (double)n * jt->t_slope;
+    return t > jt->t_mem ? t : jt->t_mem;
+}
+
 /* Exact expert time of the slowest GPU at (m, l) under the current replicas and
  * shares (forward seconds), from the cost model's slot time. */
 static double exact_max(const joint *jt, const lever_state *ls, int32_t m, int32_t l, double *acc)
@@ -184,6 +193,10 @@ static double exact_max(const joint *jt, const lever_state *ls, int32_t m, int32
         for (int32_t e = 0; e < jt->E; e++) {
             const int32_t *rk = ls->rank + (size_t)e * ep;
             const double *w = ls->w + (size_t)e * ep;
+            if (ls->cnt[e] == 1 && w[0] == 1.0) { /* a whole expert: an integer load */
+                acc[rk[0]] += slot_time_whole(jt, h[e]);
+                continue;
+            }
             for (int32_t i = 0; i < ls->cnt[e]; i++) acc[rk[i]] += joint_slot_time(jt, (double)h[e] * w[i]);
         }
         for (int32_t j = 0; j < ep; j++) {
@@ -225,8 +238,19 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
     const int32_t E = jt->E, ep = jt->ep;
     const rp_joint_params *par = jt->par;
     reset_even(jt, ls, l);
+    /* every expert's load, as contribute(+1) adds it, a group's row at a time */
     memset(ls->U, 0, (size_t)jt->Q * ep * sizeof *ls->U);
-    for (int32_t e = 0; e < E; e++) contribute(jt, ls, m, l, e, +1);
+    for (int32_t q = 0; q < jt->Q; q++) {
+        const int64_t *h = grp_row(jt, m, q, l);
+        double *u = ls->U + (size_t)q * ep;
+        for (int32_t e = 0; e < E; e++) {
+            double v = (double)h[e];
+            if (!(v > 0)) continue;
+            const int32_t *rk = ls->rank + (size_t)e * ep;
+            const double *w = ls->w + (size_t)e * ep;
+            for (int32_t i = 0; i < ls->cnt[e]; i++) u[rk[i]] += v * w[i] / gspeed(jt, q, rk[i]);
+        }
+    }
     double *acc = ls->rank_u; /* scratch of ep doubles for exact_max */
     const double even_exact = exact_max(jt, ls, m, l, acc);
 

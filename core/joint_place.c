@@ -569,6 +569,39 @@ static int32_t pair_delta(const joint *jt, const unsigned char *held, int32_t j,
     return (x >= 0 && !held[(size_t)j * jt->E + x]) - (y >= 0 && !held[(size_t)j * jt->E + y]);
 }
 
+/* Rank j's column of U (every (mb, group)) recomputed from the layout: its experts in
+ * ascending id, each adding its load over its replica count, the very additions
+ * layer_loads makes to it, so the column comes out bit for bit as a full pass would
+ * give it. `experts` is scratch of the rank's slot count. */
+static void rank_loads(const joint *jt, int32_t l, const joint_layer *lay, int32_t j, double *U, int32_t *experts)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    int32_t n = 0;
+    for (int32_t s = jt->slot_begin[j]; s < jt->slot_begin[j + 1]; s++) {
+        int32_t e = lay->phy2log[s], k = n++;
+        if (e < 0) {
+            n--;
+            continue;
+        }
+        while (k > 0 && experts[k - 1] > e) {
+            experts[k] = experts[k - 1];
+            k--;
+        }
+        experts[k] = e;
+    }
+    for (int32_t m = 0; m < M; m++)
+        for (int32_t q = 0; q < Q; q++) {
+            const int64_t *h = grp_row(jt, m, q, l);
+            double u = 0.0;
+            for (int32_t k = 0; k < n; k++) {
+                int32_t e = experts[k];
+                if (!h[e]) continue;
+                u += (double)h[e] / (lay->rep_off[e + 1] - lay->rep_off[e]);
+            }
+            U[((size_t)m * Q + q) * ep + j] = u;
+        }
+}
+
 /* Rounds of best improvement. The hottest rank is the one whose load, summed over
  * microbatches (its largest over groups), is largest; the cool ranks the two with the
  * least. Candidates: each replica of the hottest rank moves to a free slot of a cool
@@ -588,17 +621,49 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
     int32_t top[3 * 64], *topv = top;
     int32_t *topa = NULL;
     unsigned char *held = NULL;
+    /* per expert: its load summed over (mb, group); per (rank, expert): held (rank_has
+     * as a lookup); a rank's experts (rank_loads); the ranks a change touches */
+    double *expert_sum = rp_alloc(jt->ctx, (size_t)E * sizeof *expert_sum);
+    unsigned char *holds = rp_alloc(jt->ctx, (size_t)ep * E);
+    int32_t *list = rp_alloc(jt->ctx, ((size_t)jt->S + 1) * sizeof *list);
+    unsigned char *changed = rp_alloc(jt->ctx, (size_t)ep);
+    if (!expert_sum || !holds || !list || !changed) {
+        rp_free(jt->ctx, expert_sum);
+        rp_free(jt->ctx, holds);
+        rp_free(jt->ctx, list);
+        rp_free(jt->ctx, changed);
+        return rp_fail_nomem(err, "joint: placement search");
+    }
+    for (int32_t e = 0; e < E; e++) {
+        double sum = 0;
+        for (int32_t m = 0; m < M; m++)
+            for (int32_t q = 0; q < Q; q++) sum += grp_row(jt, m, q, l)[e];
+        expert_sum[e] = sum;
+    }
+    memset(holds, 0, (size_t)ep * E);
+    for (int32_t s = 0; s < jt->S; s++)
+        if (lay->phy2log[s] >= 0) holds[(size_t)jt->slot_rank[s] * E + lay->phy2log[s]] = 1;
     /* the group form keeps three ranks per (mb, group), the global one per mb */
     const size_t top_rows = jt->group_form ? (size_t)M * Q : (size_t)M;
     if (top_rows > 64) {
         topa = rp_alloc(jt->ctx, top_rows * 3 * sizeof *topa);
-        if (!topa) return rp_fail_nomem(err, "joint: placement search");
+        if (!topa) {
+            rp_free(jt->ctx, expert_sum);
+            rp_free(jt->ctx, holds);
+            rp_free(jt->ctx, list);
+            rp_free(jt->ctx, changed);
+            return rp_fail_nomem(err, "joint: placement search");
+        }
         topv = topa;
     }
     if (anchor) {
         held = rp_calloc(jt->ctx, (size_t)ep * E, 1);
         if (!held) {
             rp_free(jt->ctx, topa);
+            rp_free(jt->ctx, expert_sum);
+            rp_free(jt->ctx, holds);
+            rp_free(jt->ctx, list);
+            rp_free(jt->ctx, changed);
             return rp_fail_nomem(err, "joint: placement search");
         }
         for (int32_t j = 0; j < ep; j++)
@@ -607,7 +672,7 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
     }
     const double pen = copy_penalty; /* values are step seconds */
     for (int32_t round = 0; round < rounds; round++) {
-        layer_loads(jt, l, lay, U);
+        if (round == 0) layer_loads(jt, l, lay, U); /* later rounds: kept current below */
         rank_maxima(jt, U, rmax);
         int32_t crit = -1; /* group form: the group whose sum sets the value */
         double value;
@@ -629,11 +694,8 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
         value += pen * pairs;
         const double grad_now = joint_layer_grad_s(jt, lay, row);
         for (int32_t e = 0; e < E; e++) {
-            double sum = 0;
             int32_t R = lay->rep_off[e + 1] - lay->rep_off[e];
-            for (int32_t m = 0; m < M; m++)
-                for (int32_t q = 0; q < Q; q++) sum += grp_row(jt, m, q, l)[e];
-            per_replica[e] = R > 0 ? sum / R : 0.0;
+            per_replica[e] = R > 0 ? expert_sum[e] / R : 0.0;
         }
         int32_t hot = 0, cool[2] = {-1, -1};
         double heat_hot = -1, heat_c[2] = {INFINITY, INFINITY};
@@ -666,14 +728,14 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             double gap = (heat_hot - heat_c[c]) * Q;
             for (int32_t a = jt->slot_begin[hot]; a < jt->slot_begin[hot + 1]; a++) {
                 int32_t e = lay->phy2log[a];
-                if (e < 0 || rank_has(jt, lay, jc, e)) continue;
+                if (e < 0 || holds[(size_t)jc * E + e]) continue;
                 int32_t Re = lay->rep_off[e + 1] - lay->rep_off[e];
                 /* partner: a free slot, or the replica whose swap moves closest to half the gap */
                 int32_t pb = -1;
                 double pd = INFINITY;
                 for (int32_t b = jt->slot_begin[jc]; b < jt->slot_begin[jc + 1]; b++) {
                     int32_t f = lay->phy2log[b];
-                    if (f >= 0 && rank_has(jt, lay, hot, f)) continue;
+                    if (f >= 0 && holds[(size_t)hot * E + f]) continue;
                     double moved = per_replica[e] - (f >= 0 ? per_replica[f] : 0.0);
                     if (moved <= 0) continue;
                     double d = fabs(moved - gap / 2);
@@ -713,7 +775,7 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             for (int32_t b = 0; b < jt->S; b++) {
                 int32_t f = lay->phy2log[b];
                 if (f < 0 || f == e || lay->rep_off[f + 1] - lay->rep_off[f] < 2) continue;
-                if (rank_has(jt, lay, jt->slot_rank[b], e)) continue;
+                if (holds[(size_t)jt->slot_rank[b] * E + e]) continue;
                 if (pb < 0 || per_replica[f] < per_replica[lay->phy2log[pb]]) pb = b;
             }
             if (pb < 0) continue;
@@ -733,12 +795,35 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             }
         }
         if (ba < 0) break;
+        /* the ranks whose loads change: the two of a move or swap; for a re-assignment
+         * (replica counts change) every holder of either expert */
+        memset(changed, 0, (size_t)ep);
+        int32_t was_a = lay->phy2log[ba];
+        changed[jt->slot_rank[ba]] = 1;
+        if (bb >= 0) changed[jt->slot_rank[bb]] = 1;
+        else
+            for (int32_t k = 0; k < 2; k++) {
+                int32_t x = k ? was_a : bxa;
+                for (int32_t i = lay->rep_off[x]; i < lay->rep_off[x + 1]; i++) changed[lay->rep_rank[i]] = 1;
+            }
+        /* slot a always held an expert; slot b (a move's target) may be free, and a
+         * move leaves slot a free */
+        holds[(size_t)jt->slot_rank[ba] * E + was_a] = 0;
+        if (bb >= 0 && lay->phy2log[bb] >= 0) holds[(size_t)jt->slot_rank[bb] * E + lay->phy2log[bb]] = 0;
         lay->phy2log[ba] = bxa;
         if (bb >= 0) lay->phy2log[bb] = bxb;
+        if (bxa >= 0) holds[(size_t)jt->slot_rank[ba] * E + bxa] = 1;
+        if (bb >= 0) holds[(size_t)jt->slot_rank[bb] * E + bxb] = 1;
         joint_layer_index(jt, lay);
+        for (int32_t j = 0; j < ep; j++)
+            if (changed[j]) rank_loads(jt, l, lay, j, U, list);
     }
     rp_free(jt->ctx, topa);
     rp_free(jt->ctx, held);
+    rp_free(jt->ctx, expert_sum);
+    rp_free(jt->ctx, holds);
+    rp_free(jt->ctx, list);
+    rp_free(jt->ctx, changed);
     return RP_OK;
 }
 
