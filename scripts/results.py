@@ -227,6 +227,47 @@ def section_vexp(runs, args):
     return "\n".join(out)
 
 
+def section_overhead(runs, args):
+    """Planning overhead per rank at the reference scale (issue 16): bench_overhead --json."""
+    path = os.path.join(args.work, "bench-overhead.out")
+    if not os.path.exists(path):
+        return None
+    o = json.load(open(path))
+    pct = lambda ms: 100.0 * ms / o["predicted_step_ms"]
+    rows = [
+        ("statistics of the rank's %d sequences (one thread)" % o["rank_seqs"], o["stats_ms"]),
+        ("exchange: %s bytes a part, %.1f MB gathered, modelled as a ring over the config's network"
+         % (format(o["part_bytes"], ","), o["exchange_bytes"] / 1e6), o["exchange_ms"]),
+        ("merge of the %d parts" % o["ranks"], o["merge_ms"]),
+        ("policy calls (`%s`: construction, fallback check, persistence scoring)" % o["policy"], o["policy_ms"]),
+        ("the engine around them (validation, evaluation, migration plan)", o["validate_ms"]),
+    ]
+    out = ["## Planning overhead per rank (issue 16)", "",
+           "`./build/bench/bench_overhead --reps %d --json` (tests/bench/bench_overhead.c): one rank of the"
+           % o.get("reps", 3),
+           "reference config's %d holds %d sequences (%s tokens) and computes their statistics; the other"
+           % (o["ranks"], o["rank_seqs"], format(o["rank_tokens"], ",")),
+           "ranks' parts are the same bytes under shuffled global ids; every part is merged and the config's",
+           "policy plans the third step (a placement in use) with `rp_sched_step_stats`. CPU time of the",
+           "thread, the least of the repetitions, on the shared 2-core development machine (its load moves",
+           "these figures by tens of percent from run to run).", "",
+           "| part | ms | % of the predicted step |", "| --- | --- | --- |"]
+    for name, ms in rows:
+        out.append("| %s | %.1f | %.2f%% |" % (name, ms, pct(ms)))
+    out.append("| **total** | **%.1f** | **%.2f%%** (goal 1%%) of %.1f s |"
+               % (o["total_ms"], pct(o["total_ms"]), o["predicted_step_ms"] / 1e3))
+    out.append("| joint construction alone (`rp_joint_plan`, no fallbacks; goal 20 ms) | %.1f | %.2f%% |"
+               % (o["construction_ms"], pct(o["construction_ms"])))
+    out.append("| the fallback check (4 baselines evaluated exactly) | %.1f | %.2f%% |"
+               % (o["fallback_check_ms"], pct(o["fallback_check_ms"])))
+    out += ["", "The fallback check chose `%s` (%s the plan). Peak RSS of the rank %.0f MiB; it holds its own"
+            % (o["fallback_chosen"], "changed" if o["fallback_changed"] else "kept"
+               , o["peak_rss_mib"]),
+            "routing (%.1f MiB), never the step's (%.0f MiB)." % (o["rank_routing_bytes"] / 2**20,
+                                                                   o["step_routing_bytes"] / 2**20)]
+    return "\n".join(out)
+
+
 def section_notes(runs, args):
     path = os.path.join(args.root, "scripts", "results", "notes.md")
     return open(path).read().rstrip("\n") if os.path.exists(path) else None
@@ -245,7 +286,7 @@ def section_previous(runs, args):
 
 
 SECTIONS = [section_comparison, section_done_when, section_vexp, section_sweep, section_calibration, section_notes,
-            section_bench, section_extra, section_previous]
+            section_bench, section_overhead, section_extra, section_previous]
 
 
 def readme_summary(runs, args):

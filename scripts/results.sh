@@ -10,6 +10,7 @@
 #      (tuning seed 11: 2, 8 and 24 steps, and the bundled example): routepack with its
 #      params set otherwise, as policy files in the work folder;
 #   3. optionally the single-step benchmark (tests/bench/bench_policies --markdown);
+#   4. the planning overhead per rank (tests/bench/bench_overhead --json, issue 16);
 #   then scripts/results.py renders the figures into the two files.
 # Other issues add a section by adding a step here that writes markdown to
 # $work/section-NAME.md (appended in name order), or a renderer in scripts/results.py
@@ -150,6 +151,11 @@ if [ "$bench" != none ]; then
   echo "results: bench_policies --scale $bench" >&2
   "$build/bench/bench_policies" --scale "$bench" --markdown "$work/bench.md" > "$work/bench.txt"
 fi
+
+# 4. the planning overhead per rank at the reference scale (issue 16): a minute or two
+echo "results: bench_overhead" >&2
+cmake --build "$build" -j"$(nproc)" --target bench_overhead >/dev/null
+"$build/bench/bench_overhead" --reps 3 --json > "$work/bench-overhead.out"
 
 python3 "$root/scripts/results.py" "$work" "$root" --long "$long" \
   $( [ $reference = 1 ] && echo --reference ) $( [ "$bench" != none ] && echo --bench "$bench" )

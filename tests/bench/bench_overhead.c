@@ -199,7 +199,7 @@ int main(int argc, char **argv)
     const double ms = 1e3, mib = 1.0 / (1 << 20);
     const double total_s = stats_s + exchange_s + merge_s + policy_s + engine_s;
     if (as_json) {
-        printf("{\"scale\": %d, \"ranks\": %d, \"num_seqs\": %d, \"rank_seqs\": %d, \"rank_tokens\": %lld, "
+        printf("{\"scale\": %d, \"reps\": %d, \"ranks\": %d, \"num_seqs\": %d, \"rank_seqs\": %d, \"rank_tokens\": %lld, "
                "\"policy\": \"%s\", \"part_bytes\": %zu, \"exchange_bytes\": %.0f, \"stats_ms\": %.3f, "
                "\"exchange_ms\": %.3f, \"merge_ms\": %.3f, \"policy_ms\": %.3f, \"policy_wall_ms\": %.3f, "
                "\"validate_ms\": %.3f, \"total_ms\": %.3f, \"predicted_step_ms\": %.3f, \"overhead_percent\": %.4f, "
@@ -207,7 +207,7 @@ int main(int argc, char **argv)
                "\"fallback_chosen\": \"%s\", \"fallback_changed\": %d, \"peak_rss_mib\": %.1f, "
                "\"rank_peak_mib\": %.1f, \"rank_routing_bytes\": %.0f, \"step_routing_bytes\": %.0f, "
                "\"stats_bytes\": %zu}\n",
-               scale, RANKS, n, m, (long long)rp_batch_num_tokens(mine), policy, part_bytes, exchange_bytes,
+               scale, reps, RANKS, n, m, (long long)rp_batch_num_tokens(mine), policy, part_bytes, exchange_bytes,
                stats_s * ms, exchange_s * ms, merge_s * ms, policy_s * ms, policy_wall_s * ms, engine_s * ms,
                total_s * ms, predicted_s * ms, 100 * total_s / predicted_s, construction_s * ms, checked_s * ms,
                (checked_s - construction_s) * ms, jrep.chosen, check_changed, ru.ru_maxrss / 1024.0,
