@@ -83,8 +83,8 @@ out:
 rp_status rp_read_file_max(rp_context *ctx, const char *path, size_t max_bytes, char **text, size_t *len,
                            rp_error *err)
 {
-    int fd;
-    int64_t size;
+    int fd = -1;      /* set: at -O3 GCC cannot see that the open fills both on RP_OK */
+    int64_t size = 0;
     rp_status st = rp_file_open_regular(path, O_RDONLY, &fd, &size, err);
     if (st != RP_OK) return st;
     if (size < 0 || (uint64_t)size > max_bytes)

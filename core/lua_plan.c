@@ -704,7 +704,7 @@ static void read_lever_key(lua_State *L, int t, const char *path, int32_t M, con
         int which;
     } fields[] = {{"microbatch", 0}, {"layer", 1}, {"expert", 2}, {"ep_rank", 3}};
     for (int i = 0; i < (with_rank ? 4 : 3); i++) {
-        snprintf(p, sizeof p, "%s.%s", path, fields[i].name);
+        snprintf(p, sizeof p, "%.140s.%s", path, fields[i].name); /* bounded: the key names fit */
         if (get_key(L, t, fields[i].name) == LUA_TNIL) rp_lua_error(L, "%s is required", p);
         int64_t hi = i == 0 ? M - 1 : i == 1 ? md->num_layers - 1 : i == 2 ? md->num_experts - 1
                                                                            : rp_config_topology(cfg)->ep_size - 1;
@@ -902,7 +902,7 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
         want_table(L, -1, path, "{microbatch = m, layer = l, expert = e, ep_rank = j}");
         int e = lua_gettop(L);
         check_keys(L, e, path, extra_keys);
-        lever_key k;
+        lever_key k = {0};
         read_lever_key(L, e, path, M, cfg, true, &k);
         st = rp_plan_add_extra_replica(out->plan, k.mb, k.layer, k.expert, k.ep_rank, &err);
         if (st != RP_OK) rp_lua_fail(L, host, path, st, &err);
@@ -915,7 +915,7 @@ void rp_lua_to_plan(lua_State *L, int idx, rp_lua_host *host, rp_context *into, 
         want_table(L, -1, path, "{microbatch = m, layer = l, expert = e, shares = {...}}");
         int e = lua_gettop(L);
         check_keys(L, e, path, share_keys);
-        lever_key k;
+        lever_key k = {0};
         read_lever_key(L, e, path, M, cfg, false, &k);
         /* a share set is inserted in sorted position: free at the end, but one out of
          * order moves up to all the sets before it */

@@ -170,7 +170,7 @@ static int print_help_for(const char *group, const char *name)
     if (name) return cli_usage("help: '%s' has no subcommand '%s' (try: routepack help %s)", group, name, group);
     printf("usage: routepack %s SUBCOMMAND [ARGS]\n\nsubcommands:\n", group);
     for (size_t i = 0; i < NUM_COMMANDS; i++)
-        if (!strcmp(group, commands[i].group))
+        if (!strcmp(group, commands[i].group) && commands[i].name) /* top-level commands have none */
             printf("  %s %s %s\n      %s\n", group, commands[i].name, commands[i].usage, commands[i].summary);
     printf("\n`routepack help %s SUBCOMMAND` for one subcommand's options.\n", group);
     return CLI_OK;
