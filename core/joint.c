@@ -4,6 +4,7 @@
 #include "joint_internal.h"
 #include "limits_internal.h"
 #include "routepack/baseline.h"
+#include "routepack/virtual_experts.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -17,7 +18,8 @@ rp_joint_params rp_joint_defaults(void)
     return (rp_joint_params){.num_microbatches = 0, .pack = true, .place = true, .prompt_spread = 0.5,
                              .balance_evaluations = 0, .place_rounds = 4, .shares = true, .max_extra_per_rank = 1,
                              .horizon_steps = 10.0, .refine_evaluations = 0, .seed = 0, .fallbacks = NULL,
-                             .persistence = 1.0};
+                             .persistence = 1.0, .virtual_experts = false, .relabel = true,
+                             .recurring_migration_s = 0.0};
 }
 
 static bool known_baseline(const char *name)
@@ -70,6 +72,9 @@ static rp_status check_params(const rp_joint_params *p, rp_error *err)
     if (p->refine_evaluations < 0)
         return rp_fail(err, RP_EINVAL, "joint: refine_evaluations = %lld, must be >= 0",
                        (long long)p->refine_evaluations);
+    if (!(p->recurring_migration_s >= 0) || !isfinite(p->recurring_migration_s))
+        return rp_fail(err, RP_EINVAL, "joint: recurring_migration_s = %g, must be a finite number >= 0",
+                       p->recurring_migration_s);
     if (p->fallbacks)
         for (const char *const *n = p->fallbacks; *n; n++)
             if (!known_baseline(*n))
@@ -357,9 +362,10 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
     double *share_max = rp_calloc(ctx, (size_t)jt->M, sizeof *share_max);
     double *share_mq = rp_calloc(ctx, (size_t)jt->M * jt->Q, sizeof *share_mq);
     int64_t *group_tok = rp_calloc(ctx, (size_t)jt->M * jt->Q, sizeof *group_tok);
+    int32_t *relabel_scratch = rp_alloc(ctx, joint_relabel_scratch_ints(jt) * sizeof *relabel_scratch);
     joint_layer kept;
     memset(&kept, 0, sizeof kept);
-    if (!scratch || !share_max || !share_mq || !group_tok) {
+    if (!scratch || !share_max || !share_mq || !group_tok || !relabel_scratch) {
         st = rp_fail_nomem(err, "joint: placement scratch");
         goto out;
     }
@@ -383,6 +389,7 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
             continue;
         }
         const joint_layer *old = &prev[l];
+        if (jt->par->relabel) joint_relabel(jt, lay, old, relabel_scratch);
         memcpy(kept.phy2log, old->phy2log, (size_t)jt->S * sizeof *kept.phy2log);
         joint_layer_index(jt, &kept);
         /* moves that pay within this step; a copy comes over the network when the EP
@@ -417,7 +424,18 @@ out:
     rp_free(ctx, share_max);
     rp_free(ctx, share_mq);
     rp_free(ctx, group_tok);
+    rp_free(ctx, relabel_scratch);
     return st;
+}
+
+/* Layers whose slots differ between two plans' placements (a NULL `before`: all). */
+static int32_t layers_changed(const joint *jt, const rp_plan *before, const rp_plan *after)
+{
+    if (!before) return jt->L;
+    int32_t n = 0;
+    for (int32_t l = 0; l < jt->L; l++)
+        n += memcmp(rp_plan_phy2log(before, l), rp_plan_phy2log(after, l), (size_t)jt->S * sizeof(int32_t)) != 0;
+    return n;
 }
 
 /* One candidate's score under the cost model: step time, plus the migration from the
@@ -481,13 +499,13 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     jt.stats = stats;
     jt.par = par;
     rp_cost *own_cost = NULL;
-    rp_plan *plan = NULL, *cand = NULL, *best_fb = NULL;
+    rp_plan *plan = NULL, *cand = NULL, *best_fb = NULL, *vx = NULL;
     joint_layer *prev = NULL;
     rp_joint_report rep;
     memset(&rep, 0, sizeof rep);
     snprintf(rep.chosen, sizeof rep.chosen, "joint");
     rep.step_s = rep.lower_bound_s = rep.ratio = rep.joint_step_s = rep.joint_ratio = NAN;
-    rep.best_fallback_step_s = NAN;
+    rep.best_fallback_step_s = rep.virtual_experts_step_s = NAN;
     if (!cost) {
         RP_CHECK_GOTO(rp_cost_new(ctx, cfg, batch, stats, RP_SPLIT_EVEN, &own_cost, err), st, out);
         cost = own_cost;
@@ -522,6 +540,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
      * evenly owned one it requires; the packing keeps balancing attention and each
      * group's tokens, which the balancer cannot move. */
     const bool vexp = rp_config_execution(cfg)->per_forward_balancing == RP_BALANCING_VIRTUAL_EXPERTS;
+    rep.per_forward_balancing = vexp;
     if (vexp) {
         RP_CHECK_GOTO(rp_plan_set_contiguous(plan, err), st, out);
         RP_CHECK_GOTO(rp_plan_set_balancing(plan, RP_BALANCING_VIRTUAL_EXPERTS, err), st, out);
@@ -587,7 +606,9 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;
     const char *vexp_fallbacks[4] = {NULL, NULL, NULL, NULL};
     if (vexp) fallbacks = with_virtual_experts(fallbacks, vexp_fallbacks);
-    if (*fallbacks || par->refine_evaluations > 0) {
+    if (par->virtual_experts && !vexp && par->place && rp_vexp_check_config(cfg, NULL) == RP_OK)
+        RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);
+    if (*fallbacks || par->refine_evaluations > 0 || vx) {
         scored mine, best = {0}, s;
         const char *best_name = NULL;
         for (const char *const *n = fallbacks; *n; n++) {
@@ -603,15 +624,33 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
             }
             cand = NULL;
         }
+        scored vs = {0};
+        if (vx) {
+            RP_CHECK_GOTO(score_plan(&jt, vx, previous_placed, &vs, err), st, out);
+            rep.virtual_experts_step_s = vs.step_s;
+        }
         /* The joint plan is scored last, so the evaluator stays bound to its packing: the
          * engine's evaluation of the returned plan (the same evaluator, through rp.joint)
          * then reuses the per-microbatch counts instead of reading every histogram again.
          * The order changes no score (each is a full evaluation). */
         RP_CHECK_GOTO(score_plan(&jt, plan, previous_placed, &mine, err), st, out);
+        /* the joint placement's re-fits recur on every later step of the horizon */
+        if (!isinf(par->horizon_steps) && par->recurring_migration_s > 0)
+            mine.total += (par->horizon_steps - 1) * par->recurring_migration_s / par->horizon_steps;
         rep.evaluated = true;
         rep.joint_step_s = mine.step_s;
         rep.joint_ratio = mine.ratio;
         scored chosen = mine;
+        if (vx && vs.total < mine.total) {
+            /* the same packing with the balancer scores better: the joint plan is that one */
+            chosen = vs;
+            rp_plan_free(plan);
+            plan = vx;
+            vx = NULL;
+            rep.per_forward_balancing = true;
+            rep.layers_replaced = layers_changed(&jt, previous_placed, plan);
+            rep.share_sets = rep.extra_replicas = 0;
+        }
         if (best_name) {
             rep.best_fallback_step_s = best.step_s;
             snprintf(rep.best_fallback, sizeof rep.best_fallback, "%s", best_name);
@@ -623,6 +662,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
                 best_fb = NULL;
                 rep.layers_replaced = jt.L;
                 rep.share_sets = rep.extra_replicas = 0;
+                rep.per_forward_balancing = rp_plan_balancing(plan) == RP_BALANCING_VIRTUAL_EXPERTS;
             }
         }
         rep.step_s = chosen.step_s;
@@ -641,6 +681,7 @@ out:
     rp_plan_free(plan);
     rp_plan_free(cand);
     rp_plan_free(best_fb);
+    rp_plan_free(vx);
     if (prev) {
         for (int32_t l = 0; l < jt.L; l++) joint_layer_free(&jt, &prev[l]);
         rp_free(ctx, prev);

@@ -162,4 +162,16 @@ double joint_slot_time(const joint *jt, double n);
 double joint_fill_level(const double *slope, const double *offset, int32_t R, int32_t Q, double lo, double hi,
                         int64_t *evaluations);
 
+/* joint_relabel.c: permute the EP ranks of a fresh placement `lay` among ranks the
+ * surrogate cannot tell apart (same node, slot count and speeds) so that it keeps the
+ * most experts on the ranks of `old` that already hold them; its surrogate score does
+ * not change. scratch: joint_relabel_scratch_ints(jt) ints. */
+size_t joint_relabel_scratch_ints(const joint *jt);
+void joint_relabel(const joint *jt, joint_layer *lay, const joint_layer *old, int32_t *scratch);
+
+/* joint_vexp.c: the joint packing run with per-forward balancing (virtual experts) on
+ * the contiguous placement, slots stabilised against the placement in use; valid for
+ * the config and batch. */
+rp_status joint_vexp_candidate(const joint *jt, const rp_plan *previous_placed, rp_plan **out, rp_error *err);
+
 #endif

@@ -1026,7 +1026,8 @@ static int l_joint(lua_State *L)
     luaL_checkstack(L, 40, "rp.joint");
     static const char *const known[] = {"num_microbatches", "pack", "place", "prompt_spread", "balance_evaluations",
                                         "place_rounds", "shares", "max_extra_per_rank", "horizon",
-                                        "refine_evaluations", "fallbacks", "expected_loads", "persistence", NULL};
+                                        "refine_evaluations", "fallbacks", "expected_loads", "persistence",
+                                        "virtual_experts", "relabel", "recurring_migration_s", NULL};
     rp_lua_host *h = rp_lua_host_of(L);
     const rp_lua_frame *f = need_step(L, h, "rp.joint");
     rp_lua_check_opts(L, 1, "rp.joint", known);
@@ -1059,6 +1060,14 @@ static int l_joint(lua_State *L)
     lua_pop(L, 1);
     if (opt(L, 1, "refine_evaluations") != LUA_TNIL)
         par.refine_evaluations = rp_lua_check_int(L, -1, "rp.joint: opts.refine_evaluations", 0, MAX_EVALUATIONS);
+    lua_pop(L, 1);
+    if (opt(L, 1, "virtual_experts") != LUA_TNIL)
+        par.virtual_experts = check_bool(L, -1, "rp.joint: opts.virtual_experts");
+    lua_pop(L, 1);
+    if (opt(L, 1, "relabel") != LUA_TNIL) par.relabel = check_bool(L, -1, "rp.joint: opts.relabel");
+    lua_pop(L, 1);
+    if (opt(L, 1, "recurring_migration_s") != LUA_TNIL)
+        par.recurring_migration_s = check_num(L, -1, "rp.joint: opts.recurring_migration_s");
     lua_pop(L, 1);
     /* fallbacks: a list of baseline names (the strings stay alive in opts meanwhile) */
     int32_t num_fallbacks = 4; /* rp_joint_defaults' list */
@@ -1103,8 +1112,8 @@ static int l_joint(lua_State *L)
      * both are measured by the evaluator, and what it counts beyond the estimate is
      * charged after the call (the refinement stops once it has counted what the call has
      * left, and the charge then trips the limit) */
-    int64_t evaluations = eval + (num_fallbacks > 0 || par.refine_evaluations > 0 ? eval : 0) +
-                          (int64_t)num_fallbacks * eval;
+    int64_t evaluations = eval + (num_fallbacks > 0 || par.refine_evaluations > 0 || par.virtual_experts ? eval : 0) +
+                          (int64_t)(num_fallbacks + par.virtual_experts) * eval;
     /* the evaluator's memory for the planner's plans: ctx.plan's, scaled to the
      * microbatches the planner uses (the fewest the token cap allows, one more when a
      * baseline retries), checked before it runs */
@@ -1135,7 +1144,7 @@ static int l_joint(lua_State *L)
         h->fallback_checks++;
         if (strcmp(rep.chosen, "joint") != 0) h->fallback_changes++;
     }
-    lua_createtable(L, 0, 10);
+    lua_createtable(L, 0, 12);
     lua_pushstring(L, rep.chosen);
     lua_setfield(L, -2, "chosen");
     set_num(L, "step_s", rep.step_s);
@@ -1147,6 +1156,9 @@ static int l_joint(lua_State *L)
     set_num(L, "num_microbatches", rep.num_microbatches);
     set_num(L, "layers_replaced", rep.layers_replaced);
     set_num(L, "refine_operations", (double)rep.refine_operations);
+    lua_pushboolean(L, rep.per_forward_balancing);
+    lua_setfield(L, -2, "per_forward_balancing");
+    set_num(L, "virtual_experts_step_s", rep.virtual_experts_step_s);
     return 2;
 }
 

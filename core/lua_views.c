@@ -558,6 +558,9 @@ static int placement_index(lua_State *L, rp_lua_host *h, const rp_lua_frame *f, 
     if (field(k, "logcnt")) return push_fn(L, placement_logcnt);
     if (field(k, "experts")) return push_fn(L, placement_experts);
     if (field(k, "table")) return push_fn(L, placement_table);
+    /* how the placement in use runs: "virtual_experts" when the trainer balances each
+     * forward on top of it (Megatron's balancer), else "none" */
+    if (field(k, "per_forward_balancing")) return lua_pushstring(L, rp_balancing_name(rp_plan_balancing(p))), 1;
     return 0;
 }
 

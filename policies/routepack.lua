@@ -13,13 +13,16 @@
 --    over NVLink where they pay for the copy.
 -- 4. Exact local search within `search_evaluations` tries (work, not time), and the
 --    baselines checked: when one scores better under the cost model, it is returned.
+-- 5. Where the trainer can run Megatron's per-forward virtual-expert balancer (the
+--    token_kk+virtual_experts baseline assumes it can), the same packing run with it is
+--    scored too and returned when it is faster with its migration (`virtual_experts`).
 --
 -- All of it is one C primitive, rp.joint; this file chooses its options and gives it the
 -- loads the coming steps are expected to have.
 
 local P = {
   name = "routepack",
-  version = "0.4.0",
+  version = "0.5.0",
   api = 1,
   description = "joint policy: attention-, token- and expert-balanced packing, migration-aware placement with per-microbatch shares and replicas, checked against the baselines",
   params = {
@@ -67,6 +70,10 @@ local P = {
       type = "number", default = 0, min = 0, max = 1,
       doc = "the persistence assumed before any earlier move has been scored",
     },
+    virtual_experts = {
+      type = "boolean", default = true,
+      doc = "also score this packing run with Megatron's per-forward virtual-expert balancer (where the config's limits allow it) and return it when it scores better; assumes the trainer can run the balancer, as the token_kk+virtual_experts baseline does",
+    },
     persistence_window = {
       type = "integer", default = 16, min = 1, max = 1000,
       doc = "scored steps (realised against predicted saving) the persistence estimate averages over",
@@ -108,8 +115,10 @@ end
 -- estimate is sum(realised) / sum(predicted) over the last `persistence_window` scored
 -- steps, within [0, 1]; before any, `persistence_prior`.
 
-local function score(packing, placement)
-  return rp.evaluate(rp.plan({packing = packing, placement = placement})).step_s
+-- A placement is scored as it runs: with the per-forward balancer when it ran with it.
+local function score(packing, placed)
+  return rp.evaluate(rp.plan({packing = packing, placement = placed.placement,
+                              per_forward_balancing = placed.balancing})).step_s
 end
 
 local function estimate(ctx)
@@ -132,7 +141,7 @@ end
 -- Score the open move on this step's batch, and open a new one when `plan` changes the
 -- placement in use. Returns the realised saving (nil when nothing was scored) and the
 -- predicted saving of this step's change (0 when none).
-local function measure(ctx, plan)
+local function measure(ctx, plan, report)
   local st, packing = ctx.state, plan:packing()
   local realised
   local move = st.move
@@ -144,7 +153,9 @@ local function measure(ctx, plan)
   local predicted = 0
   local _, bytes = rp.migration(plan)
   if bytes > 0 then
-    local before, after = ctx.placement.table(), plan:placement()
+    local before = {placement = ctx.placement.table(), balancing = ctx.placement.per_forward_balancing}
+    local after = {placement = plan:placement(),
+                   balancing = report.per_forward_balancing and "virtual_experts" or "none"}
     predicted = score(packing, before) - score(packing, after)
     -- a change that does not even pay on its own batch is not a prediction to test
     st.move = predicted > 0 and {before = before, after = after, predicted = predicted, age = 0} or nil
@@ -152,10 +163,37 @@ local function measure(ctx, plan)
   return realised, predicted
 end
 
+-- ---- recurring migration (docs/routepack-policy.md, "Beside the per-forward balancer") ----
+-- ctx.state.refits: the migration (seconds) of each joint placement that followed a joint
+-- placement of this policy: what staying on the joint placement costs a step. Its mean over
+-- the last `persistence_window` is passed as recurring_migration_s (0 before any).
+local function recurring(ctx)
+  local r = ctx.state.refits
+  if not r or #r == 0 then return 0 end
+  local sum = 0
+  for i = 1, #r do sum = sum + r[i] end
+  return sum / #r
+end
+
+local function own_placement(report)
+  return report.chosen == "joint" and not report.per_forward_balancing
+end
+
+local function note_refit(ctx, report)
+  local st = ctx.state
+  if st.joint_placed and own_placement(report) then
+    local r = st.refits or {}
+    r[#r + 1] = report.migration_s
+    while #r > ctx.params.persistence_window do table.remove(r, 1) end
+    st.refits = r
+  end
+  st.joint_placed = own_placement(report)
+end
+
 local function joint(ctx)
   local p = ctx.params
   local persistence, observations = estimate(ctx)
-  local plan = rp.joint({
+  local plan, report = rp.joint({
     num_microbatches = p.num_microbatches,
     prompt_spread = p.prompt_spread,
     place_rounds = p.place_rounds,
@@ -167,8 +205,11 @@ local function joint(ctx)
     fallbacks = p.fallbacks and FALLBACKS or {},
     expected_loads = expected_loads(ctx),
     persistence = persistence,
+    virtual_experts = p.virtual_experts,
+    recurring_migration_s = recurring(ctx),
   })
-  local realised, predicted = measure(ctx, plan)
+  note_refit(ctx, report)
+  local realised, predicted = measure(ctx, plan, report)
   rp.decision({persistence = persistence, observations = observations, predicted_saving_s = predicted,
                realised_saving_s = realised})
   return plan

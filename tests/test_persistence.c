@@ -159,6 +159,35 @@ static void test_decision_api(void)
     rp_sched_free(s);
 }
 
+/* The balancer's candidate (param virtual_experts): off, no plan runs with the balancer;
+ * on (the default), every step plans without a fallback whichever placement it picks, and
+ * the persistence measure scores each placement as it ran. */
+static void test_balancer_candidate(void)
+{
+    rp_sched *on = make("routepack", NULL), *off = make("routepack", "{\"virtual_experts\": false}");
+    int ran = 0, with_on = 0, with_off = 0, failed = 0;
+    for (int t = 0; t < STEPS && on && off; t++) {
+        const rp_plan *p = NULL, *q = NULL;
+        const rp_step_report *r = NULL, *rq = NULL;
+        rp_error err;
+        if (rp_sched_step(on, t, batches[t], &routings[t], &p, &r, &err) != RP_OK || r->fallback ||
+            rp_sched_step(off, t, batches[t], &routings[t], &q, &rq, &err) != RP_OK || rq->fallback) {
+            diag("step %d: %s", t, r && r->fallback ? r->fallback_reason : rq && rq->fallback ? rq->fallback_reason
+                                                                                         : err.text);
+            failed++;
+            break;
+        }
+        ran++;
+        with_on += rp_plan_balancing(p) == RP_BALANCING_VIRTUAL_EXPERTS;
+        with_off += rp_plan_balancing(q) == RP_BALANCING_VIRTUAL_EXPERTS;
+    }
+    ok(ran == STEPS && !failed, "routepack with and without the balancer's candidate plans every step (%d)", ran);
+    is_int(with_off, 0, "virtual_experts false: no plan runs with the balancer");
+    diag("with the candidate, %d of %d steps ran with the balancer", with_on, ran);
+    rp_sched_free(on);
+    rp_sched_free(off);
+}
+
 int main(void)
 {
     rp_error err;
@@ -170,6 +199,7 @@ int main(void)
     test_estimate_from_reports();
     test_rule();
     test_decision_api();
+    test_balancer_candidate();
     gen_steps_free(&fx);
     return tap_done();
 }

@@ -606,6 +606,17 @@ static void test_rp_api(void)
                  "assert(r.step_s <= r.joint_step_s and r.step_s <= r.best_fallback_step_s)\n"
                  "assert(rp.evaluate(q).step_s == r.step_s)"),
            "", "rp.joint plans from Lua, never worse than its candidate or the fallbacks");
+    is_str(probe("assert(ctx.placement.per_forward_balancing == 'none')\n"
+                 "local p, r = rp.joint({fallbacks = {}, virtual_experts = true, recurring_migration_s = 1000})\n"
+                 "assert(r.per_forward_balancing == true and r.chosen == 'joint', 'not the balancer')\n"
+                 "assert(r.virtual_experts_step_s == r.step_s and rp.evaluate(p).step_s == r.step_s)\n"
+                 "local q, s = rp.joint({fallbacks = {}, relabel = false})\n"
+                 "assert(s.per_forward_balancing == false and s.virtual_experts_step_s ~= s.virtual_experts_step_s)"),
+           "", "rp.joint: the balancer's candidate from Lua, reported as such");
+    like(probe("rp.joint({virtual_experts = 1})"), "rp.joint: opts.virtual_experts must be a boolean, got number",
+         "rp.joint checks virtual_experts");
+    like(probe("rp.joint({recurring_migration_s = -2})"), "rp.joint: joint: recurring_migration_s = -2, must be",
+         "rp.joint checks recurring_migration_s");
     like(probe("rp.joint({horizon = 0})"), "rp.joint: joint: horizon_steps = 0, must be > 0", "rp.joint checks its params");
     like(probe("rp.joint({expected_loads = {1, 2}})"),
          "rp.joint: opts.expected_loads has 2 entries, must have num_layers x num_experts = 1024",
@@ -1153,6 +1164,24 @@ static bool placements_equal(const rp_plan *a, const rp_plan *b)
     return true;
 }
 
+/* ctx.placement.per_forward_balancing: how the placement in use runs */
+static void test_placement_balancing(void)
+{
+    rp_sched *s = make(body_policy("if ctx.step == 0 then\n"
+                                   "  assert(ctx.placement.per_forward_balancing == 'none')\n"
+                                   "  return rp.baseline('token_kk+virtual_experts')\n"
+                                   "end\n"
+                                   "assert(ctx.placement.per_forward_balancing == 'virtual_experts', 'step 1 sees none')\n"
+                                   "return rp.baseline('token_kk+eplb')"),
+                       NULL);
+    const rp_step_report *r0 = step(s, 0, NULL);
+    ok(r0 && !r0->fallback, "step 0 runs the balancer's plan");
+    const rp_step_report *r1 = step(s, 1, NULL);
+    ok(r1 && !r1->fallback, "step 1: ctx.placement.per_forward_balancing says the placement in use runs with it");
+    if (r1 && r1->fallback) diag("%s", r1->fallback_reason);
+    rp_sched_free(s);
+}
+
 static void test_initial_placement(void)
 {
     rp_error err;
@@ -1325,6 +1354,7 @@ int main(void)
     }
     ctx = fx.ctx, cfg = fx.cfg, batches = fx.batches, routings = fx.routings, tmp = fx.tmp;
     test_shipped();
+    test_placement_balancing();
     test_initial_placement();
     test_omitted();
     test_hostile();

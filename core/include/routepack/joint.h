@@ -71,6 +71,28 @@ typedef struct rp_joint_params {
      * policy measures it from the realised savings of its earlier moves
      * (docs/routepack-policy.md, "Persistence from history"). */
     double persistence;
+    /* Also score the joint packing run with per-forward balancing (Megatron-Core's
+     * virtual-expert balancer: the evenly owned contiguous placement, no levers, the
+     * balancer fixing each forward's expert side) where the config's limits allow it
+     * (rp_vexp_check_config), and return it when it scores better than the joint
+     * placement (step + migration / horizon_steps). This assumes the trainer can run the
+     * balancer, as the token_kk+virtual_experts baseline does; the plan says so
+     * (per_forward_balancing virtual_experts). false (the default): never. Ignored when
+     * the config's execution.per_forward_balancing already asks for the balancer (every
+     * plan then runs with it) or place is false. */
+    bool virtual_experts;
+    /* Migration: relabel a re-placed layer's EP ranks among interchangeable ones (same
+     * node, slot count and speeds) so that it keeps the most experts where the previous
+     * placement has them: the same score, less to migrate. true by default. */
+    bool relabel;
+    /* Migration the joint placement costs every step it stays (seconds): its re-fits to
+     * each batch pay back within their step and recur, unlike a one-off move. Against a
+     * placement that stops moving (the per-forward balancer's, the fallbacks), the joint
+     * candidate is then charged (migration + (horizon_steps - 1) x this) / horizon_steps
+     * instead of migration / horizon_steps, so it is not entered for a gain its re-fits
+     * eat. The shipped policy measures it (the mean migration of its joint plans that
+     * followed a joint plan). 0 (the default): none. Finite, >= 0. */
+    double recurring_migration_s;
 } rp_joint_params;
 
 /* Defaults: the full joint planner, prompt_spread 0.5, no balance evaluations,
@@ -100,6 +122,12 @@ typedef struct rp_joint_report {
     int64_t refine_evaluations;
     int64_t refine_operations;  /* the evaluator's operations in the refinement (rp_search_result) */
     bool refine_stopped;        /* refine_max_operations ended it early */
+    /* Added after the first version (append only). */
+    /* The returned plan runs with per-forward balancing (virtual experts): under the
+     * config's execution.per_forward_balancing, or as the candidate of
+     * rp_joint_params.virtual_experts when it scored better (chosen is then "joint"). */
+    bool per_forward_balancing;
+    double virtual_experts_step_s; /* that candidate's step time; NAN when not scored */
 } rp_joint_report;
 
 /* Plan one step jointly (docs/routepack-policy.md gives the algorithm).

@@ -1,0 +1,292 @@
+/* The joint planner's candidates and migration levers added for issue 15: the joint
+ * packing run with the per-forward balancer (rp_joint_params.virtual_experts), chosen when
+ * it scores better and never offered where the balancer cannot run; the joint
+ * placement's recurring re-fit migration (recurring_migration_s); and the relabelling of
+ * a re-placed layer's EP ranks (relabel), which keeps experts where they are. */
+#include "internal.h"
+#include "routepack/routepack.h"
+#include "tap.h"
+#include "test_util.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static rp_context *ctx;
+
+typedef struct fixture {
+    rp_config *cfg;
+    rp_gen *gen;
+    rp_batch *batch;
+    rp_stats *stats;
+} fixture;
+
+static rp_config *make_config(int nodes, int gpn, int ep, int slots)
+{
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": %d, \"slots_per_gpu\": %d},"
+             " \"model\": {\"num_layers\": 4, \"num_experts\": 16, \"top_k\": 4, \"hidden_size\": 256,"
+             "  \"expert_ffn_size\": 128, \"num_heads\": 4, \"head_dim\": 64},"
+             " \"limits\": {\"max_tokens_per_microbatch\": 1024}}",
+             nodes, gpn, ep, slots);
+    rp_config *cfg = NULL;
+    rp_error err;
+    if (rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, &err) != RP_OK) diag("config: %s", err.text);
+    return cfg;
+}
+
+/* One generated step (skewed OLMoE-like routing) under `cfg` (taken over). */
+static bool fixture_make(fixture *f, rp_config *cfg, uint64_t seed)
+{
+    memset(f, 0, sizeof *f);
+    f->cfg = cfg;
+    char json[2048];
+    snprintf(json, sizeof json,
+             "{\"seed\": %llu, \"num_prompts\": 16, \"group_size\": 4, \"threads\": 1,"
+             " \"model\": {\"num_layers\": 4, \"num_experts\": 16, \"top_k\": 4},"
+             " \"experts\": {\"counts_file\": \"data/olmoe_expert_counts.json\","
+             "  \"model\": \"allenai/OLMoE-1B-7B-0924\", \"domains\": {\"c4\": 0.5, \"tulu\": 0.5},"
+             "  \"concentration\": 8},"
+             " \"lengths\": {\"prompt\": {\"csv\": \"data/azure_llm_inference_2023_conv.csv\"}, \"prompt_scale\": 0.05,"
+             "  \"response\": {\"lognormal\": {\"median\": 60, \"sigma\": 1.0}, \"cap\": 600}}}",
+             (unsigned long long)seed);
+    rp_error err;
+    rp_routing r;
+    if (!cfg || rp_gen_parse(ctx, json, strlen(json), "<test>", RP_SOURCE_DIR "/examples", &f->gen, &err) != RP_OK ||
+        rp_gen_step(f->gen, 0, &f->batch, &r, &err) != RP_OK ||
+        rp_stats_compute(ctx, f->batch, &r, 16, 1, &f->stats, &err) != RP_OK) {
+        diag("fixture: %s", err.text);
+        return false;
+    }
+    return true;
+}
+
+static void fixture_free(fixture *f)
+{
+    rp_stats_free(f->stats);
+    rp_batch_free(f->batch);
+    rp_gen_free(f->gen);
+    rp_config_free(f->cfg);
+    memset(f, 0, sizeof *f);
+}
+
+static const char *const no_fallbacks[] = {NULL};
+
+static bool same_packing(const rp_plan *a, const rp_plan *b)
+{
+    if (rp_plan_num_seqs(a) != rp_plan_num_seqs(b) || rp_plan_num_microbatches(a) != rp_plan_num_microbatches(b))
+        return false;
+    for (int32_t s = 0; s < rp_plan_num_seqs(a); s++)
+        if (rp_plan_seq_rank(a, s) != rp_plan_seq_rank(b, s) || rp_plan_seq_microbatch(a, s) != rp_plan_seq_microbatch(b, s))
+            return false;
+    return true;
+}
+
+static bool contiguous_sets(const rp_plan *p)
+{
+    int32_t ep = rp_plan_ep_size(p), E = rp_plan_num_experts(p);
+    const int32_t *sb = rp_plan_slot_begin(p);
+    for (int32_t l = 0; l < rp_plan_num_layers(p); l++) {
+        const int32_t *x = rp_plan_phy2log(p, l);
+        for (int32_t j = 0; j < ep; j++)
+            for (int32_t s = sb[j]; s < sb[j + 1]; s++)
+                if (x[s] >= 0 && x[s] / (E / ep) != j) return false;
+    }
+    return true;
+}
+
+/* ---- the per-forward balancer candidate ---- */
+
+static void test_virtual_experts_candidate(void)
+{
+    fixture f;
+    if (!fixture_make(&f, make_config(2, 4, 4, 5), 7)) {
+        skip(14, "fixture");
+        fixture_free(&f);
+        return;
+    }
+    rp_error err;
+    rp_plan *contig = NULL, *own = NULL, *vx = NULL, *either = NULL;
+    rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk+contiguous", 0, &contig, &err);
+    rp_joint_params par = rp_joint_defaults();
+    par.fallbacks = no_fallbacks;
+    ok(!par.virtual_experts, "rp_joint_defaults: no balancer candidate (the trainer may not run one)");
+    rp_joint_report rep;
+
+    /* off: the joint placement, no balancer */
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &own, &rep, &err), RP_OK,
+           "plans without the candidate");
+    ok(own && rp_plan_balancing(own) == RP_BALANCING_NONE && !rep.per_forward_balancing,
+       "without it the plan runs without the balancer");
+    ok(isnan(rep.virtual_experts_step_s), "and no candidate was scored");
+
+    /* on, with the joint placement's re-fits too dear to stay on it: the balancer's plan */
+    par.virtual_experts = true;
+    par.recurring_migration_s = 1e3;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &vx, &rep, &err), RP_OK,
+           "plans with the candidate and a dear re-fit");
+    ok(vx && rp_plan_balancing(vx) == RP_BALANCING_VIRTUAL_EXPERTS && rep.per_forward_balancing,
+       "the returned plan runs with the balancer");
+    is_str(rep.chosen, "joint", "it is the joint plan (no fallback)");
+    ok(vx && own && same_packing(vx, own), "with the joint packing");
+    ok(vx && contiguous_sets(vx) && rp_plan_num_extra_replicas(vx) == 0 && rp_plan_num_share_sets(vx) == 0,
+       "on the contiguous placement, no levers (the balancer makes its own replicas)");
+    ok(vx && rp_plan_validate(vx, f.cfg, f.batch, &err) == RP_OK, "valid");
+    is_double(rep.step_s, rep.virtual_experts_step_s, 0, "the report gives the candidate's step");
+    is_double(rep.migration_bytes, 0, 0, "nothing migrates from the contiguous placement");
+
+    /* on, no recurring charge: whichever scores better under step + migration / horizon */
+    par.recurring_migration_s = 0;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &either, &rep, &err), RP_OK,
+           "plans with the candidate");
+    double joint_total = rep.joint_step_s, vx_total = rep.virtual_experts_step_s;
+    if (!rep.per_forward_balancing) joint_total += rep.migration_s / par.horizon_steps;
+    ok(isfinite(joint_total) && isfinite(vx_total) &&
+           rep.per_forward_balancing == (vx_total < joint_total) &&
+           rep.step_s == (rep.per_forward_balancing ? rep.virtual_experts_step_s : rep.joint_step_s),
+       "the better of the two is returned (joint %.6g s + migration, balancer %.6g s: %s)", rep.joint_step_s,
+       rep.virtual_experts_step_s, rep.per_forward_balancing ? "balancer" : "joint");
+
+    rp_plan *bad = NULL;
+    par.recurring_migration_s = -1;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &bad, &rep, &err), RP_EINVAL,
+           "a negative recurring migration is refused");
+    like(err.text, "recurring_migration_s = -1", "naming the field and value");
+    par.recurring_migration_s = NAN;
+    ok(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &bad, &rep, &err) == RP_EINVAL && !bad,
+       "so is NaN, and no plan is returned");
+    rp_plan_free(contig);
+    rp_plan_free(own);
+    rp_plan_free(vx);
+    rp_plan_free(either);
+    fixture_free(&f);
+
+    /* an EP group across nodes: the balancer cannot run, so it is never offered */
+    if (!fixture_make(&f, make_config(2, 2, 4, 5), 7)) {
+        skip(2, "fixture");
+        fixture_free(&f);
+        return;
+    }
+    rp_plan *p = NULL;
+    par = rp_joint_defaults();
+    par.fallbacks = no_fallbacks;
+    par.virtual_experts = true;
+    par.recurring_migration_s = 1e3;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &par, &p, &rep, &err), RP_OK,
+           "plans where EP groups span nodes");
+    ok(p && rp_plan_balancing(p) == RP_BALANCING_NONE && isnan(rep.virtual_experts_step_s),
+       "without the candidate the balancer could not run");
+    rp_plan_free(p);
+    fixture_free(&f);
+}
+
+/* ---- relabelling a re-placed layer's ranks ---- */
+
+/* `p`'s placement with EP ranks a and b traded at every layer. */
+static rp_plan *traded(const fixture *f, const rp_plan *p, int32_t a, int32_t b)
+{
+    rp_plan *q = NULL;
+    if (rp_plan_new(ctx, f->cfg, 1, &q, NULL) != RP_OK) return NULL;
+    int32_t ep = rp_plan_ep_size(p);
+    for (int32_t l = 0; l < rp_plan_num_layers(p); l++)
+        for (int32_t j = 0; j < ep; j++) {
+            int32_t from = j == a ? b : j == b ? a : j, n = 0;
+            int32_t list[64];
+            const int32_t *sb = rp_plan_slot_begin(p), *x = rp_plan_phy2log(p, l);
+            for (int32_t s = sb[from]; s < sb[from + 1]; s++)
+                if (x[s] >= 0) list[n++] = x[s];
+            if (rp_plan_set_gpu_experts(q, l, j, list, n, NULL) != RP_OK) {
+                rp_plan_free(q);
+                return NULL;
+            }
+        }
+    return q;
+}
+
+static void test_relabel(void)
+{
+    fixture f;
+    if (!fixture_make(&f, make_config(2, 4, 4, 5), 11)) {
+        skip(5, "fixture");
+        fixture_free(&f);
+        return;
+    }
+    rp_error err;
+    rp_joint_params par = rp_joint_defaults();
+    par.fallbacks = no_fallbacks;
+    ok(par.relabel, "rp_joint_defaults: relabel on");
+    rp_plan *first = NULL, *prev = NULL, *with = NULL, *without = NULL;
+    rp_joint_report rep_with, rep_without;
+    rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &par, &first, NULL, &err);
+    /* the placement in use is this step's own with two ranks of one node traded: every
+     * layer re-placed (horizon INFINITY) comes out the same up to those ranks */
+    prev = first ? traded(&f, first, 0, 1) : NULL;
+    par.horizon_steps = INFINITY;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, prev, NULL, &par, &with, &rep_with, &err), RP_OK,
+           "re-places with relabelling");
+    par.relabel = false;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, prev, NULL, &par, &without, &rep_without, &err), RP_OK,
+           "re-places without");
+    is_double(rep_with.migration_bytes, 0, 0, "relabelled, the re-placed layers keep every expert where it is");
+    ok(rep_without.migration_bytes > 0, "without relabelling they move (%.3g bytes)", rep_without.migration_bytes);
+    rp_plan_free(first);
+    rp_plan_free(prev);
+    rp_plan_free(with);
+    rp_plan_free(without);
+    fixture_free(&f);
+}
+
+/* ---- allocation failures on the new paths ---- */
+
+static void test_alloc_failures(void)
+{
+    fixture f;
+    if (!fixture_make(&f, make_config(2, 4, 4, 5), 3)) {
+        skip(1, "fixture");
+        fixture_free(&f);
+        return;
+    }
+    rp_plan *first = NULL, *prev = NULL;
+    rp_joint_params par = rp_joint_defaults();
+    par.fallbacks = no_fallbacks;
+    rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &par, &first, NULL, NULL);
+    prev = first ? traded(&f, first, 0, 1) : NULL;
+    bool clean = prev != NULL, done = false;
+    long attempts = 0;
+    for (long n = 1; n < 20000 && !done && prev; n++) {
+        counting c = {0};
+        rp_context *cx;
+        rp_context_new(counting_alloc, &c, &cx);
+        long base = c.live;
+        c.fail_at = c.calls + n;
+        rp_plan *p = NULL;
+        par.virtual_experts = true;
+        par.horizon_steps = INFINITY;
+        rp_status st = rp_joint_plan(cx, f.cfg, f.batch, f.stats, prev, NULL, &par, &p, NULL, NULL);
+        attempts++;
+        if (st == RP_OK) {
+            done = true;
+            rp_plan_free(p);
+        } else if (st != RP_ENOMEM || p != NULL) {
+            clean = false;
+        }
+        if (c.live != base) clean = false;
+        rp_context_free(cx);
+    }
+    ok(clean && done, "with the candidate and relabelling: fails cleanly at every allocation, leaks nothing (%ld runs)",
+       attempts);
+    rp_plan_free(first);
+    rp_plan_free(prev);
+    fixture_free(&f);
+}
+
+int main(void)
+{
+    rp_context_new(NULL, NULL, &ctx);
+    test_virtual_experts_candidate();
+    test_relabel();
+    test_alloc_failures();
+    rp_context_free(ctx);
+    return tap_done();
+}
