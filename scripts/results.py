@@ -138,9 +138,11 @@ def section_sweep(runs, args):
            "How the routepack policy's migration defaults were chosen: the same policy with `horizon`",
            "and `persistence` set otherwise (`h1`, `h3`, `h10`: that horizon with persistence measured",
            "from history and prior 0; `h10-prior1`: prior 1; `h10-rho1`: persistence fixed at 1, the",
-           "old rule), on the tuning traces (seed 11) and the bundled example. Each cell: step +",
-           "migration against the run's best baseline (of `token_kk+contiguous` and",
-           "`token_kk+eplb_periodic`). `routepack` is the shipped default.", "",
+           "old rule; `novx`: horizon 3 without the per-forward balancer's candidate, for a trainer",
+           "that cannot run it), on the tuning traces (seed 11) and the bundled example. Each cell:",
+           "step + migration against the run's best baseline (of `token_kk+contiguous`,",
+           "`token_kk+eplb_periodic` and `token_kk+virtual_experts`). `routepack` is the shipped",
+           "default.", "",
            "| variant | " + " | ".join(names) + " | mean |", "|---|" + "---|" * (len(names) + 1)]
     best, best_mean = None, None
     for s in specs:
@@ -203,14 +205,18 @@ def section_vexp(runs, args):
     beside, plain = runs["vexp-small-8"], runs["small-8"]
     out = ["## With, without or beside virtual experts (MoonEP)", "",
            "Megatron-Core's per-forward virtual-expert balancer (`docs/baselines.md`, \"Virtual experts",
-           "(MoonEP)\") as a baseline: `token_kk+virtual_experts` is among the defaults above (the",
-           "trainer turns the balancer on, RoutePack does not). Below, the same 8-step trace (seed 21)",
-           "under a config whose trainer runs the balancer (`execution.per_forward_balancing`):",
-           "`routepack` then packs for it (attention and tokens) and leaves each forward's expert",
-           "residue to the balancer.", "",
+           "(MoonEP)\") as a baseline: `token_kk+virtual_experts` is among the defaults above (it",
+           "assumes the trainer can turn the balancer on, so the shipped `routepack` may too: each step",
+           "it also scores its own packing run with the balancer and returns that where it is faster",
+           "with its migration; `docs/routepack-policy.md`, \"Beside the per-forward balancer\"; the",
+           "sweep's `novx` is routepack without that candidate). Below, the same 8-step trace (seed",
+           "21) under a config that says the trainer runs the balancer",
+           "(`execution.per_forward_balancing`): `routepack` then always packs for it (attention and",
+           "tokens) and leaves each forward's expert residue to the balancer.", "",
            "| policy | trainer | step ms | step + migration ms | vs token_kk+virtual_experts |", "|---|---|---|---|---|"]
     ref = beside.policies.get("token_kk+virtual_experts")
-    rows = [("token_kk+virtual_experts", beside, "balancer on"), ("routepack", plain, "without the balancer"),
+    rows = [("token_kk+virtual_experts", beside, "balancer on"),
+            ("routepack", plain, "default config (its own placement, or the balancer where that scores better)"),
             ("routepack", beside, "balancer on (beside it)")]
     for spec, run, what in rows:
         p = run.policies.get(spec)

@@ -8,7 +8,8 @@
 #      (scripts/results/structure.py: section-structure.md);
 #   2. the horizon and persistence sweep the routepack policy's defaults were chosen by
 #      (tuning seed 11: 2, 8 and 24 steps, and the bundled example): routepack with its
-#      params set otherwise, as policy files in the work folder;
+#      params set otherwise, as policy files in the work folder (novx: without the
+#      per-forward balancer's candidate);
 #   3. optionally the single-step benchmark (tests/bench/bench_policies --markdown);
 #   4. the planning overhead per rank (tests/bench/bench_overhead --json, issue 16);
 #   then scripts/results.py renders the figures into the two files.
@@ -119,27 +120,30 @@ python3 "$root/scripts/results/structure.py" "$work" > "$work/section-structure.
 
 # 2. the sweep: routepack with other horizon / persistence settings, as policy files
 variants=()
-for v in "h1 1 -1" "h3 3 -1" "h10 10 -1" "h10-rho1 10 1" "h10-prior1 10 -1 1"; do
+# NAME HORIZON PERSISTENCE [PRIOR [VIRTUAL_EXPERTS]] (- keeps the default)
+for v in "h1 1 -1" "h3 3 -1" "h10 10 -1" "h10-rho1 10 1" "h10-prior1 10 -1 1" "novx 3 -1 - false"; do
   set -- $v
   file="$work/routepack-$1.lua"
-  python3 - "$root/policies/routepack.lua" "$file" "$2" "$3" "${4:-}" <<'EOF'
+  python3 - "$root/policies/routepack.lua" "$file" "$2" "$3" "${4:-}" "${5:-}" <<'EOF'
 import re, sys
 src = open(sys.argv[1]).read()
 def default(text, param, value):
-    pat = r"(\n    %s = \{\n      type = \"[a-z]+\", default = )([-0-9.]+)" % param
+    pat = r"(\n    %s = \{\n      type = \"[a-z]+\", default = )([-0-9.a-z]+)" % param
     new, n = re.subn(pat, lambda m: m.group(1) + value, text)
     if n != 1:
         sys.exit("results.sh: cannot set the default of %s in routepack.lua" % param)
     return new
 src = default(src, "horizon", sys.argv[3])
 src = default(src, "persistence", sys.argv[4])
-if sys.argv[5]:
+if sys.argv[5] and sys.argv[5] != "-":
     src = default(src, "persistence_prior", sys.argv[5])
+if sys.argv[6]:
+    src = default(src, "virtual_experts", sys.argv[6])
 open(sys.argv[2], "w").write(src)
 EOF
   variants+=("$file")
 done
-list=$(IFS=,; echo "token_kk+contiguous,token_kk+eplb_periodic,routepack,${variants[*]}")
+list=$(IFS=,; echo "token_kk+contiguous,token_kk+eplb_periodic,token_kk+virtual_experts,routepack,${variants[*]}")
 tune24=$(trace small "$ex/gen-results-small.json" 11 "$long")
 simulate sweep-example --policies "$list"
 simulate sweep-small-2 --config "$ex/config-small.json" --trace "$tune24" --steps 2 --policies "$list"
