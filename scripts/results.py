@@ -308,7 +308,9 @@ def readme_summary(runs, args):
             "used for tuning), step + migration over the run against the best baseline of "
             "`token_kk+contiguous`, `token_kk+eplb`, `token_kk+eplb_periodic` (EPLB as vLLM and SGLang run it), "
             "`verl_kk+eplb`, `attn_kk+eplb` and `token_kk+virtual_experts` (Megatron's per-forward balancer, "
-            "MoonEP): " + "; ".join(parts) + ". `docs/results.md` has every figure, "
+            "MoonEP): " + "; ".join(parts) + ". Like that baseline, routepack may run with the balancer where the "
+            "config allows it (where it scores better); the sweep's `novx` row is routepack without it. "
+            "`docs/results.md` has every figure, "
             "the verdicts, the sweep the defaults came from and what limits them; `scripts/results.sh` "
             "produces it.")
 
