@@ -16,6 +16,11 @@ rp_status joint_vexp_candidate(const joint *jt, const rp_plan *previous_placed, 
     if (previous_placed) RP_CHECK_GOTO(rp_plan_stabilize_slots(plan, previous_placed, err), st, out);
     /* built to be valid; a violation here is a planner bug, reported as such */
     RP_CHECK_GOTO(rp_plan_validate(plan, jt->cfg, jt->batch, err), st, out);
+    /* under pipeline parallelism its own microbatch order, as the joint plan gets */
+    if (rp_config_topology(jt->cfg)->pipeline_parallel_size > 1) {
+        RP_CHECK_GOTO(rp_cost_evaluate(jt->cost, plan, NULL, err), st, out);
+        RP_CHECK_GOTO(rp_cost_order_microbatches(jt->cost, plan, NULL, err), st, out);
+    }
     *out = plan;
     plan = NULL;
 out:
