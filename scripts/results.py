@@ -2,6 +2,9 @@
 """Render docs/results.md and README.md's Results section from the measurements that
 scripts/results.sh leaves in its work folder (simulate --json files, bench markdown).
 Usage: scripts/results.py WORK ROOT [--long N] [--reference] [--bench SCALE]
+       scripts/results.py WORK ROOT --splice NAME
+--splice puts WORK/section-NAME.md alone into the existing docs/results.md where a full
+render would put it (replacing that section if it is there), leaving the rest as it is.
 
 Everything printed is computed from those files; the prose that does not depend on
 numbers lives in scripts/results/notes.md. To add a section: append a function to
@@ -298,6 +301,43 @@ SECTIONS = [section_comparison, section_done_when, section_vexp, section_sweep, 
             section_bench, section_overhead, section_extra, section_previous]
 
 
+def splice(doc, section, later_headings, previous_heading):
+    """DOC with SECTION (an extra section, WORK/section-*.md) where section_extra puts it in a
+    full render: in place of the section of the same heading, else before the first of
+    LATER_HEADINGS (the first lines of the extra sections that sort after it) that DOC holds,
+    else before PREVIOUS_HEADING (the appendix, section_previous), else at the end."""
+    section = section.rstrip("\n")
+    heading = section.split("\n", 1)[0]
+    lines = doc.split("\n")
+    if heading in lines:
+        start = lines.index(heading)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), None)
+        if end is None:
+            return "\n".join(lines[:start]) + ("\n" if start else "") + section + "\n"
+        return "\n".join(lines[:start] + section.split("\n") + [""] + lines[end:])
+    for h in list(later_headings) + [previous_heading]:
+        if h and h in lines:
+            at = lines.index(h)
+            return "\n".join(lines[:at] + section.split("\n") + [""] + lines[at:])
+    return doc.rstrip("\n") + "\n\n" + section + "\n"
+
+
+def splice_section(args):
+    """--splice NAME: WORK/section-NAME.md into ROOT/docs/results.md (see splice)."""
+    name = "section-%s.md" % args.splice
+    with open(os.path.join(args.work, name)) as f:
+        section = f.read()
+    later = [open(os.path.join(args.work, f)).read().split("\n", 1)[0]
+             for f in sorted(os.listdir(args.work)) if f.startswith("section-") and f.endswith(".md") and f > name]
+    prev = section_previous(None, args)
+    path = os.path.join(args.root, "docs", "results.md")
+    with open(path) as f:
+        doc = f.read()
+    with open(path, "w") as f:
+        f.write(splice(doc, section, later, prev.split("\n", 1)[0] if prev else None))
+    print("results: spliced %s into docs/results.md" % name, file=sys.stderr)
+
+
 def readme_summary(runs, args):
     parts = []
     for name in eval_runs(runs, args):
@@ -322,7 +362,11 @@ def main():
     ap.add_argument("--long", type=int, default=24)
     ap.add_argument("--reference", action="store_true")
     ap.add_argument("--bench")
+    ap.add_argument("--splice", metavar="NAME")
     args = ap.parse_args()
+    if args.splice:
+        splice_section(args)
+        return
     runs = {}
     for f in sorted(os.listdir(args.work)):
         if f.endswith(".json") and not f.startswith("gen-"):
@@ -340,7 +384,8 @@ def main():
             "prediction (`docs/cost-model.md`) on batches generated from real data (`docs/gen.md`); no",
             "GPU ran these steps.", "",
             "## How to reproduce", "", "```", "scripts/results.sh            # about 10-20 minutes of CPU",
-            "scripts/results.sh --quick    # 8-step traces instead of 24", "```", ""]
+            "scripts/results.sh --quick    # 8-step traces instead of 24",
+            "scripts/results.sh --layouts  # only \"Parallel layouts\", spliced into this file", "```", ""]
     body = [s(runs, args) for s in SECTIONS]
     text = "\n".join(head) + "\n" + "\n\n".join(b for b in body if b) + "\n"
     with open(os.path.join(args.root, "docs", "results.md"), "w") as f:

@@ -6,6 +6,10 @@
 #      baseline on step + migration (docs/cli.md);
 #   1c. both execution.sync settings with and without overlap on a config of 4 EP groups
 #      (scripts/results/structure.py: section-structure.md);
+#   1d. the parallel layouts of issue 19: examples/config-qwen3-30b-tp4.json (TP 4, EP 8,
+#      ETP 1) and config-qwen3-30b-pp2.json (the same with PP 2 x VPP 2 interleaved) on
+#      examples/gen-qwen3-30b-tp4.json, every default policy (scripts/results/layouts.py:
+#      section-tp-pp-layouts.md);
 #   2. the horizon and persistence sweep the routepack policy's defaults were chosen by
 #      (tuning seed 11: 2, 8 and 24 steps, and the bundled example): routepack with its
 #      params set otherwise, as policy files in the work folder (novx: without the
@@ -18,6 +22,10 @@
 # (SECTIONS there).
 #
 # Usage: scripts/results.sh [--quick] [--reference] [--bench small|all|none] [BUILD_DIR]
+#        scripts/results.sh --layouts [BUILD_DIR]
+#   --layouts    step 1d alone (about a minute a layout): its section replaces (or joins)
+#                the one in the existing docs/results.md, where a full run puts it
+#                (scripts/results.py --splice); every other section stays as it is
 #   --quick      the 24-step traces become 8 steps (minutes less; for a look, not for the docs)
 #   --reference  also the reference shape (config-reference.json) with a reduced batch
 #                (gen-reference.json at 32 prompts x 8), 8 steps, seed 21
@@ -26,13 +34,14 @@
 # traces already there with the same settings are reused.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-quick=0 reference=0 bench=none
+quick=0 reference=0 bench=none layouts_only=0
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
     --reference) reference=1 ;;
+    --layouts) layouts_only=1 ;;
     --bench) bench=$2; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     -*) echo "results.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -70,6 +79,23 @@ simulate() {
   echo "results: simulate $run" >&2
   "$rp" simulate --json "$@" > "$work/$run.json"
 }
+
+# 1d. the parallel layouts (issue 19): run from the root so each JSON names its config as
+# examples/...; scripts/results/layouts.py reads the layout (TP, ETP, PP, ...) from it
+layouts() {
+  local c
+  for c in tp4 pp2; do
+    echo "results: simulate layout-qwen3-30b-$c" >&2
+    (cd "$root" && "$rp" simulate --json --config "examples/config-qwen3-30b-$c.json" \
+      --gen examples/gen-qwen3-30b-tp4.json) > "$work/layout-qwen3-30b-$c.json"
+  done
+  python3 "$root/scripts/results/layouts.py" "$work" "$root" > "$work/section-tp-pp-layouts.md"
+}
+if [ $layouts_only = 1 ]; then
+  layouts
+  python3 "$root/scripts/results.py" "$work" "$root" --splice tp-pp-layouts
+  exit 0
+fi
 
 # 1. the comparison on unseen seeds
 simulate example
@@ -117,6 +143,7 @@ EOF
   simulate structure-$1-$2 --config "$work/config-small-4groups-$1-$2.json" --trace "$small8"
 done
 python3 "$root/scripts/results/structure.py" "$work" > "$work/section-structure.md"
+layouts
 
 # 2. the sweep: routepack with other horizon / persistence settings, as policy files
 variants=()

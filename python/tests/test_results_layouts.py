@@ -1,0 +1,127 @@
+"""scripts/results/layouts.py (docs/results.md's "Parallel layouts" section, issue 19) and
+scripts/results.py --splice, on small fake simulate runs: the figures come from the runs,
+the layout from the config each run names, and a spliced section lands where a full render
+puts it."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+SCRIPTS = REPO / "scripts"
+
+
+def _load(name, path):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+layouts = _load("results_layouts", SCRIPTS / "results" / "layouts.py")
+results = _load("results", SCRIPTS / "results.py")
+
+
+def _policy(name, baseline, steps):
+    """steps: (step_ms, migration_ms, fallback) per step."""
+    return {"policy": name, "status": "ok", "summary": {"baseline": baseline},
+            "steps": [{"step": i, "step_ms": s, "migration_ms": m, "ratio": 1.0, "shared_ratio": 1.25,
+                       "migration_bytes": 0, "fallback": fb} for i, (s, m, fb) in enumerate(steps)]}
+
+
+def _run(config, policies, best):
+    return {"format": "routepack-simulate", "version": 1, "config": str(config),
+            "input": {"kind": "gen", "path": "examples/gen-x.json", "steps": 2},
+            "shape": {"num_gpus": 4, "num_nodes": 2, "gpus_per_node": 2, "ep_size": 2, "num_layers": 6,
+                      "num_experts": 16, "top_k": 2},
+            "policies": policies, "verdict": {"text": "verdict: fake", "steps": 2, "best_baseline": best,
+                                              "fastest": "routepack"}}
+
+
+def _work(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    topo = {"num_nodes": 2, "gpus_per_node": 8, "tensor_parallel_size": 4, "expert_tensor_parallel_size": 1,
+            "ep_size": 8}
+    (tmp_path / "tp.json").write_text(json.dumps({"topology": topo}))
+    # PP with VPP and no schedule named: docs/config.md's default, interleaved
+    (tmp_path / "pp.json").write_text(json.dumps({"topology": dict(
+        topo, num_nodes=4, pipeline_parallel_size=2, virtual_pipeline_size=2)}))
+    # written in the order the section must not follow: the PP run sorts first by name
+    (work / "layout-a-pp.json").write_text(json.dumps(_run("pp.json", [
+        _policy("token_kk+eplb", True, [(100.0, 20.0, False), (100.0, 0.0, False)]),
+        _policy("routepack", False, [(90.0, 0.0, True), (100.0, 0.0, False)])], "token_kk+eplb")))
+    (work / "layout-b-tp.json").write_text(json.dumps(_run("tp.json", [
+        _policy("token_kk+contiguous", True, [(200.0, 0.0, False), (200.0, 0.0, False)]),
+        _policy("routepack", False, [(250.0, 0.0, False), (250.0, 0.0, False)])], "token_kk+contiguous")))
+    return work
+
+
+def test_layouts_section_from_runs(tmp_path):
+    text = layouts.render(str(_work(tmp_path)), str(tmp_path))
+    lines = text.split("\n")
+    assert lines[0] == "## Parallel layouts (TP/ETP, PP/VPP)"
+    # PP 1 before PP 2, each named with its layout, defaults filled in
+    tp, pp = lines.index("### tp.json"), lines.index("### pp.json")
+    assert tp < pp
+    assert lines[tp + 2] == "TP 4, ETP 1, EP 8, PP 1, VPP 1, schedule none (PP 1); 16 GPUs (2 nodes x 8)."
+    assert lines[pp + 2] == "TP 4, ETP 1, EP 8, PP 2, VPP 2, schedule interleaved; 32 GPUs (4 nodes x 8)."
+    # step, step/sLB, migration, step + migration, vs best baseline, fell back
+    assert "| token_kk+eplb (best baseline) | 100.000 | 1.250 | 10.000 | 110.000 | +0.0% | - |" in lines
+    assert "| routepack | 95.000 | 1.250 | 0.000 | 95.000 | +15.8% | 1 of 2 steps |" in lines
+    assert "| routepack | 250.000 | 1.250 | 0.000 | 250.000 | -20.0% | 0 of 2 steps |" in lines
+    assert layouts.render(str(tmp_path / "work" / ".."), str(tmp_path)) is None
+
+
+def _full_render(root, work):
+    subprocess.run([sys.executable, str(SCRIPTS / "results.py"), str(work), str(root)], check=True,
+                   capture_output=True)
+    return (root / "docs" / "results.md").read_text()
+
+
+def _root(tmp_path):
+    root = tmp_path / "root"
+    (root / "docs").mkdir(parents=True)
+    (root / "scripts" / "results").mkdir(parents=True)
+    (root / "scripts" / "results" / "previous.md").write_text("## Appendix\n\nold figures\n")
+    (root / "README.md").write_text("# x\n\n## Results\n\nnone\n\n## More\n")
+    return root
+
+
+def _splice(root, work):
+    subprocess.run([sys.executable, str(SCRIPTS / "results.py"), str(work), str(root), "--splice",
+                    "tp-pp-layouts"], check=True, capture_output=True)
+    return (root / "docs" / "results.md").read_text()
+
+
+def test_splice_puts_the_section_where_a_full_render_does(tmp_path):
+    root, work = _root(tmp_path), tmp_path / "work"
+    work.mkdir()
+    section = work / "section-tp-pp-layouts.md"
+    for extras in ([], ["section-structure.md", "section-zz.md"]):
+        for name in extras:
+            (work / name).write_text("## Section %s\n\nits text\n" % name)
+        section.unlink(missing_ok=True)
+        without = _full_render(root, work)
+        section.write_text("## Parallel layouts (TP/ETP, PP/VPP)\n\nfigures\n\n### tp\n\nmore\n")
+        full = _full_render(root, work)
+        assert full != without
+        (root / "docs" / "results.md").write_text(without)
+        assert _splice(root, work) == full
+        # again: replaced in place, not added twice
+        assert _splice(root, work) == full
+        section.write_text("## Parallel layouts (TP/ETP, PP/VPP)\n\nnew figures\n")
+        assert _splice(root, work) == _full_render(root, work)
+
+
+def test_splice_at_the_end(tmp_path):
+    doc = "# R\n\n## A\n\ntext\n"
+    section = "## L\n\nfigures\n"
+    assert results.splice(doc, section, [], None) == doc + "\n" + section
+    assert results.splice(doc + "\n" + section, "## L\n\nnew\n", [], None) == doc + "\n## L\n\nnew\n"
