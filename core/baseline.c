@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "routepack/virtual_experts.h"
 #include "limits_internal.h"
+#include "nonempty_internal.h"
 #include "routepack/baseline.h"
 #include "routepack/primitives.h"
 
@@ -186,6 +187,28 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
         }
         M += multiple;
         rp_log(ctx, RP_LOG_INFO, "baseline: rank %d does not fit its microbatches under the cap; trying %d", bad_rank, M);
+    }
+
+    /* trainer.nonempty_microbatches: verl asserts that every microbatch holds a
+     * sequence; KK leaves one empty only where a rank runs fewer sequences than cells
+     * or the cap repair emptied one. Fill those inside the rank (nonempty.c). */
+    if (tr->nonempty_microbatches) {
+        int32_t *cell_rank = rp_alloc(ctx, (nz + 1) * sizeof *cell_rank);
+        int32_t *cell_mb = rp_alloc(ctx, (nz + 1) * sizeof *cell_mb);
+        if (!cell_rank || !cell_mb) {
+            rp_free(ctx, cell_rank);
+            rp_free(ctx, cell_mb);
+            goto nomem;
+        }
+        for (int32_t k = 0; k < n; k++) {
+            cell_rank[local[k]] = dp_part[local[k]];
+            cell_mb[local[k]] = mpart[k];
+        }
+        st = rp_fill_empty_cells(ctx, batch, G, M, cell_rank, cell_mb, true, "baseline", err);
+        for (int32_t k = 0; k < n && st == RP_OK; k++) mpart[k] = cell_mb[local[k]];
+        rp_free(ctx, cell_rank);
+        rp_free(ctx, cell_mb);
+        if (st != RP_OK) goto out;
     }
 
     /* Lists: per rank, microbatches in verl's order, each in ascending local index. */

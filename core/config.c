@@ -784,7 +784,8 @@ static rp_status check_memory(loader *ld, json_t *topology)
 
 /* ---- trainer ------------------------------------------------------------------------- */
 
-static const char *const trainer_keys[] = {"equal_sequences_per_rank", "microbatch_multiple", "comment", NULL};
+static const char *const trainer_keys[] = {"equal_sequences_per_rank", "microbatch_multiple",
+                                           "nonempty_microbatches", "comment", NULL};
 
 /* The trainer's demands on a packing; read after the limits (a fixed microbatch count
  * must be a multiple of microbatch_multiple). */
@@ -800,6 +801,9 @@ static rp_status load_trainer(loader *ld, json_t *obj)
     RP_CHECK_GOTO(check_comment(ld, obj, P), st, out);
     RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "equal_sequences_per_rank", false, false,
                                &tr->equal_sequences_per_rank, ld->err),
+                  st, out);
+    RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "nonempty_microbatches", false, false,
+                               &tr->nonempty_microbatches, ld->err),
                   st, out);
     /* Megatron's interleaved schedule runs microbatches in groups of PP per model chunk and
      * needs their count to be a multiple of PP: the default under it */

@@ -2,6 +2,7 @@
  * extra replicas, exact refinement, and the fallback to the better baseline
  * (docs/routepack-policy.md). */
 #include "joint_internal.h"
+#include "nonempty_internal.h"
 #include "limits_internal.h"
 #include "routepack/baseline.h"
 #include "routepack/virtual_experts.h"
@@ -203,7 +204,7 @@ static rp_status check_previous(const joint *jt, const rp_plan *prev, rp_error *
 }
 
 /* Packing: ours, with as few microbatches as fit (or the fixed count), or token_kk's. */
-static rp_status pack(joint *jt, rp_error *err)
+static rp_status pack_cells(joint *jt, rp_error *err)
 {
     int32_t fixed = jt->par->num_microbatches > 0 ? jt->par->num_microbatches
                                                    : rp_config_limits(jt->cfg)->num_microbatches;
@@ -243,6 +244,17 @@ static rp_status pack(joint *jt, rp_error *err)
         rp_status st = joint_pack(jt, (int32_t)M, err);
         if (st != RP_ERANGE) return st;
     }
+}
+
+/* The packing, then under trainer.nonempty_microbatches every empty cell filled from its
+ * rank's fullest (across ranks only where counts need not be equal; nonempty.c). */
+static rp_status pack(joint *jt, rp_error *err)
+{
+    rp_status st = pack_cells(jt, err);
+    const rp_trainer *tr = rp_config_trainer(jt->cfg);
+    if (st != RP_OK || !tr->nonempty_microbatches) return st;
+    return rp_fill_empty_cells(jt->ctx, jt->batch, jt->G, jt->M, jt->seq_gpu, jt->seq_mb,
+                               tr->equal_sequences_per_rank, "joint", err);
 }
 
 /* The busiest GPU's token-choices per microbatch (jt->send_max) and per (microbatch,

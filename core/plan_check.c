@@ -132,6 +132,23 @@ static void check_equal_sequences(const rp_plan *plan, int32_t n, reporter *r)
     }
 }
 
+/* trainer.nonempty_microbatches: every (rank, microbatch) runs a sequence (verl's
+ * micro-batch partitioning asserts it). */
+static void check_nonempty(const rp_plan *plan, reporter *r)
+{
+    int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan);
+    for (int32_t g = 0; g < G; g++)
+        for (int32_t m = 0; m < M; m++) {
+            int32_t c;
+            rp_plan_microbatch(plan, g, m, &c);
+            if (c == 0)
+                report(r, -1, -1,
+                       "plan: rank %d microbatch %d runs no sequence, but trainer.nonempty_microbatches needs one in "
+                       "every microbatch (%d microbatches per rank)",
+                       g, m, M);
+        }
+}
+
 static void check_packing(const rp_plan *plan, const rp_config *cfg, const rp_batch *batch,
                           reporter *r)
 {
@@ -152,6 +169,7 @@ static void check_packing(const rp_plan *plan, const rp_config *cfg, const rp_ba
                "plan: the plan runs %d microbatches per rank, not a multiple of %d (trainer.microbatch_multiple)", M,
                tr->microbatch_multiple);
     if (tr->equal_sequences_per_rank) check_equal_sequences(plan, batch ? rp_batch_num_seqs(batch) : n, r);
+    if (tr->nonempty_microbatches) check_nonempty(plan, r);
 
     int32_t batch_n = batch ? rp_batch_num_seqs(batch) : 0;
     const int64_t cap = lim->max_tokens_per_microbatch;

@@ -39,6 +39,7 @@ typedef struct search_state {
     uint64_t rng;
     int32_t G, M, L, E, ep, S, n;
     bool same_rank_moves; /* moves keep each rank's sequence count */
+    bool keep_nonempty;   /* trainer.nonempty_microbatches: no move empties a cell */
     const int32_t *slot_begin;
     rp_cost_summary sum;
 } search_state;
@@ -70,6 +71,12 @@ static bool make_candidate(search_state *s, cand_kind kind, bool aimed, candidat
     case CAND_MOVE: {
         c->a = pick_seq(s, aimed);
         int32_t rank = rp_plan_seq_rank(s->plan, c->a), mb = rp_plan_seq_microbatch(s->plan, c->a);
+        if (s->keep_nonempty) {
+            /* trainer.nonempty_microbatches: the sequence's cell keeps another */
+            int32_t count;
+            rp_plan_microbatch(s->plan, rank, mb, &count);
+            if (count < 2) return false;
+        }
         if (s->same_rank_moves) {
             /* trainer.equal_sequences_per_rank: another microbatch of the same rank */
             if (s->M < 2) return false;
@@ -187,6 +194,7 @@ rp_status rp_search_local(rp_cost *cost, rp_plan *plan, const rp_search_params *
     s.n = rp_plan_num_seqs(plan);
     s.slot_begin = rp_plan_slot_begin(plan);
     s.same_rank_moves = rp_config_trainer(rp_cost_config(cost))->equal_sequences_per_rank;
+    s.keep_nonempty = rp_config_trainer(rp_cost_config(cost))->nonempty_microbatches;
     r.initial_s = r.final_s = rp_cost_current_s(cost);
 
     cand_kind kinds[3];

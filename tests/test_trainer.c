@@ -402,6 +402,174 @@ static void test_not_divisible(void)
     fixture_free(&f);
 }
 
+/* ---- trainer.nonempty_microbatches ---- */
+
+static int32_t empty_cells(const rp_plan *p)
+{
+    int32_t empty = 0;
+    for (int32_t g = 0; g < rp_plan_num_gpus(p); g++)
+        for (int32_t m = 0; m < rp_plan_num_microbatches(p); m++) {
+            int32_t c;
+            rp_plan_microbatch(p, g, m, &c);
+            empty += c == 0;
+        }
+    return empty;
+}
+
+static void test_nonempty_config_and_validation(void)
+{
+    rp_config *cfg = NULL;
+    rp_error err;
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}}", &cfg, &err), RP_OK, "no trainer section");
+    if (cfg) ok(!rp_config_trainer(cfg)->nonempty_microbatches, "nonempty_microbatches defaults to false");
+    rp_config_free(cfg);
+    cfg = NULL;
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}, \"trainer\": {\"nonempty_microbatches\": true}}", &cfg, &err), RP_OK,
+           "nonempty_microbatches given");
+    if (cfg) ok(rp_config_trainer(cfg)->nonempty_microbatches, "read as given");
+    rp_config_free(cfg);
+    cfg = NULL;
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}, \"trainer\": {\"nonempty_microbatches\": \"yes\"}}", &cfg, &err),
+           RP_EINVAL, "nonempty_microbatches must be a boolean");
+    like(err.text, "trainer.nonempty_microbatches must be true or false", "named");
+
+    /* 8 sequences over 4 ranks in 3 microbatches: every rank has an empty one */
+    static const int32_t lens[8] = {10, 20, 30, 40, 50, 15, 25, 35};
+    fixture off, on;
+    if (!fixture_make(&off, 4, 100, "", 8, lens)) {
+        skip(6, "fixture");
+        return;
+    }
+    if (!fixture_make(&on, 4, 100, "\"nonempty_microbatches\": true", 8, lens)) {
+        fixture_free(&off);
+        skip(6, "fixture");
+        return;
+    }
+    rp_plan *p = NULL;
+    is_int(rp_baseline_plan(ctx, off.cfg, off.batch, off.stats, NULL, "token_kk+contiguous", 3, &p, &err), RP_OK,
+           "without the key, 3 microbatches of 8 sequences over 4 ranks");
+    if (p) {
+        ok(empty_cells(p) > 0, "leave empty microbatches (%d)", empty_cells(p));
+        is_int(rp_plan_validate(p, off.cfg, off.batch, &err), RP_OK, "valid without the key");
+        is_int(rp_plan_validate(p, on.cfg, on.batch, &err), RP_EPLAN, "refused under it");
+        like(err.text, "rank 0 microbatch 2 runs no sequence, but trainer.nonempty_microbatches needs "
+             "one in every microbatch (3 microbatches per rank)", "naming rank and microbatch");
+        rp_plan_free(p);
+        p = NULL;
+    }
+    /* fewer sequences per rank than microbatches: every packer says so */
+    is_int(rp_baseline_plan(ctx, on.cfg, on.batch, on.stats, NULL, "token_kk+contiguous", 3, &p, &err), RP_EINVAL,
+           "a baseline refuses 3 microbatches for 2 sequences a rank");
+    is_str(err.text,
+           "baseline: 3 microbatches on each of 4 DP ranks need at least 12 sequences, but the batch has 8 "
+           "(trainer.nonempty_microbatches needs a sequence in every microbatch): give the step more sequences, "
+           "fewer microbatches, or turn the key off",
+           "naming both numbers and the key");
+    rp_joint_params jp = rp_joint_defaults();
+    jp.num_microbatches = 3;
+    is_int(rp_joint_plan(ctx, on.cfg, on.batch, on.stats, NULL, NULL, &jp, &p, NULL, &err), RP_EINVAL,
+           "so does the joint planner");
+    is_str(err.text,
+           "joint: 3 microbatches on each of 4 DP ranks need at least 12 sequences, but the batch has 8 "
+           "(trainer.nonempty_microbatches needs a sequence in every microbatch): give the step more sequences, "
+           "fewer microbatches, or turn the key off",
+           "naming the numbers and the key");
+    rp_plan_free(p);
+    fixture_free(&off);
+    fixture_free(&on);
+}
+
+/* Every packer on random batches, at fixed and chosen counts, leaves no cell empty under
+ * the key (the joint packing without the key does, on the same batches: counted). */
+static void test_nonempty_every_packer(void)
+{
+    static const char *const trainers[] = {
+        "\"nonempty_microbatches\": true",
+        "\"nonempty_microbatches\": true, \"equal_sequences_per_rank\": true",
+        "\"nonempty_microbatches\": true, \"microbatch_multiple\": 2",
+    };
+    static const char *const none[] = {NULL};
+    int32_t lens[16];
+    int32_t joint_empty_off = 0;
+    for (int round = 0; round < 6; round++) {
+        for (int i = 0; i < 16; i++) lens[i] = i < 2 + round % 3 ? 50 + (int32_t)rnd(30) : 3 + (int32_t)rnd(40);
+        for (int t = 0; t < 3; t++) {
+            fixture f, off;
+            rp_error err;
+            if (!fixture_make(&f, 2, 80, trainers[t], 16, lens)) {
+                skip(1, "fixture");
+                continue;
+            }
+            if (!fixture_make(&off, 2, 80, "", 16, lens)) {
+                fixture_free(&f);
+                skip(1, "fixture");
+                continue;
+            }
+            bool all = true;
+            char why[RP_ERROR_TEXT + 64] = "";
+            for (int32_t fixed = 0; fixed <= 4; fixed += t == 2 ? 2 : 1) {
+                if (fixed == 1) continue;
+                for (const char *const *b = rp_baseline_names(); *b; b++) {
+                    rp_plan *p = NULL;
+                    rp_status st = rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, *b, fixed, &p, &err);
+                    if (st != RP_OK || empty_cells(p) || rp_plan_validate(p, f.cfg, f.batch, NULL) != RP_OK) {
+                        all = false;
+                        snprintf(why, sizeof why, "%s at %d: %s", *b, fixed, st != RP_OK ? err.text : "empty cell");
+                    }
+                    rp_plan_free(p);
+                }
+                rp_joint_params jp = rp_joint_defaults();
+                jp.fallbacks = none;
+                jp.refine_evaluations = 300;
+                jp.num_microbatches = fixed;
+                rp_plan *p = NULL;
+                rp_status st = rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &jp, &p, NULL, &err);
+                if (st != RP_OK || empty_cells(p) || rp_plan_validate(p, f.cfg, f.batch, NULL) != RP_OK) {
+                    all = false;
+                    snprintf(why, sizeof why, "joint at %d: %s", fixed, st != RP_OK ? err.text : "empty cell");
+                }
+                rp_plan_free(p);
+                p = NULL;
+                jp.refine_evaluations = 0;
+                if (t == 0 && fixed > 0 &&
+                    rp_joint_plan(ctx, off.cfg, off.batch, off.stats, NULL, NULL, &jp, &p, NULL, &err) == RP_OK)
+                    joint_empty_off += empty_cells(p);
+                rp_plan_free(p);
+            }
+            ok(all, "round %d {%s}: every baseline and the joint planner (packing, swaps, search) fill every "
+               "microbatch %s", round, trainers[t], why);
+            fixture_free(&f);
+            fixture_free(&off);
+        }
+    }
+    ok(joint_empty_off > 0, "without the key the joint packing leaves %d cells empty on the same batches",
+       joint_empty_off);
+
+    /* the search's moves alone never empty a cell */
+    for (int i = 0; i < 16; i++) lens[i] = 3 + (int32_t)rnd(60);
+    fixture f;
+    rp_error err;
+    if (!fixture_make(&f, 2, 80, trainers[0], 16, lens)) {
+        skip(2, "fixture");
+        return;
+    }
+    rp_plan *p = NULL;
+    rp_cost *cost = NULL;
+    rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk+contiguous", 4, &p, &err);
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &cost, &err);
+    rp_search_params sp = rp_search_defaults();
+    sp.swaps = false;
+    sp.slots = false;
+    sp.max_evaluations = 3000;
+    rp_search_result sr;
+    is_int(rp_search_local(cost, p, &sp, &sr, &err), RP_OK, "a search of moves only, 4 sequences a rank in 4");
+    ok(p && empty_cells(p) == 0 && rp_plan_validate(p, f.cfg, f.batch, NULL) == RP_OK,
+       "no move empties a cell (%lld moves applied)", (long long)sr.moves);
+    rp_cost_free(cost);
+    rp_plan_free(p);
+    fixture_free(&f);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -411,6 +579,8 @@ int main(void)
     test_every_packer();
     test_joint_and_search();
     test_not_divisible();
+    test_nonempty_config_and_validation();
+    test_nonempty_every_packer();
     rp_context_free(ctx);
     return tap_done();
 }

@@ -164,6 +164,10 @@ typedef struct rp_trainer {
     /* the microbatch count is a multiple of this, >= 1 (verl's
      * rearrange_micro_batches(num_batches_divided_by=...): the virtual pipeline stages) */
     int32_t microbatch_multiple;
+    /* Added after the first version (append only). */
+    /* every (rank, microbatch) runs at least one sequence (verl's micro-batch partitioning
+     * asserts it) */
+    bool nonempty_microbatches;
 } rp_trainer;
 
 /* The policy to run and its parameters (checked by the policy engine, not here). */

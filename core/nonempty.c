@@ -1,0 +1,70 @@
+/* trainer.nonempty_microbatches: fill the empty (rank, microbatch) cells of a packing
+ * (nonempty_internal.h). Moving one short sequence out of the fullest cell changes the
+ * packing least; it keeps every cap, since a sequence fits a cell alone (the packers check
+ * it) and the donor only loses tokens. */
+#include "nonempty_internal.h"
+#include "routepack/batch.h"
+
+rp_status rp_fill_empty_cells(rp_context *ctx, const rp_batch *batch, int32_t G, int32_t M, int32_t *seq_rank,
+                              int32_t *seq_mb, bool keep_rank_counts, const char *who, rp_error *err)
+{
+    const int32_t N = rp_batch_num_seqs(batch);
+    const int64_t cells = (int64_t)G * M;
+    if ((int64_t)N < cells)
+        return rp_fail(err, RP_EINVAL,
+                       "%s: %d microbatches on each of %d DP ranks need at least %lld sequences, but the batch has %d "
+                       "(trainer.nonempty_microbatches needs a sequence in every microbatch): give the step more "
+                       "sequences, fewer microbatches, or turn the key off",
+                       who, M, G, (long long)cells, N);
+    int32_t *count = rp_calloc(ctx, (size_t)cells, sizeof *count);
+    int32_t *per_rank = rp_calloc(ctx, (size_t)G, sizeof *per_rank);
+    rp_status st = RP_OK;
+    if (!count || !per_rank) {
+        st = rp_fail_nomem(err, "nonempty microbatches: cell counts");
+        goto out;
+    }
+    for (int32_t s = 0; s < N; s++) {
+        count[(size_t)seq_rank[s] * M + seq_mb[s]]++;
+        per_rank[seq_rank[s]]++;
+    }
+    if (keep_rank_counts)
+        for (int32_t g = 0; g < G; g++)
+            if (per_rank[g] < M) {
+                st = rp_fail(err, RP_EINVAL,
+                             "%s: rank %d runs %d sequences, fewer than its %d microbatches "
+                             "(trainer.nonempty_microbatches needs a sequence in every microbatch): give the step "
+                             "more sequences, fewer microbatches, or turn the key off",
+                             who, g, per_rank[g], M);
+                goto out;
+            }
+    for (int64_t c = 0; c < cells; c++) {
+        if (count[c] > 0) continue;
+        const int32_t g = (int32_t)(c / M);
+        int64_t donor = -1;
+        for (int32_t m = 0; m < M; m++) {
+            int64_t d = (int64_t)g * M + m;
+            if (count[d] >= 2 && (donor < 0 || count[d] > count[donor])) donor = d;
+        }
+        if (donor < 0) /* only without keep_rank_counts: the rank has fewer than M */
+            for (int64_t d = 0; d < cells; d++)
+                if (count[d] >= 2 && (donor < 0 || count[d] > count[donor])) donor = d;
+        if (donor < 0) { /* N >= cells leaves a cell of two while one is empty */
+            st = rp_fail(err, RP_EINVAL, "%s: no cell to fill rank %d microbatch %d from", who, g,
+                         (int32_t)(c % M));
+            goto out;
+        }
+        int32_t pick = -1;
+        for (int32_t s = 0; s < N; s++)
+            if ((int64_t)seq_rank[s] * M + seq_mb[s] == donor &&
+                (pick < 0 || rp_batch_seq_len(batch, s) < rp_batch_seq_len(batch, pick)))
+                pick = s;
+        seq_rank[pick] = g;
+        seq_mb[pick] = (int32_t)(c % M);
+        count[donor]--;
+        count[c]++;
+    }
+out:
+    rp_free(ctx, count);
+    rp_free(ctx, per_rank);
+    return st;
+}

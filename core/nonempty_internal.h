@@ -1,0 +1,20 @@
+/* trainer.nonempty_microbatches: every (rank, microbatch) cell runs a sequence (verl's
+ * micro-batch partitioning asserts it). The packers pack as they do, then fill each empty
+ * cell from the fullest cell (nonempty.c). Not installed. */
+#ifndef RP_NONEMPTY_INTERNAL_H
+#define RP_NONEMPTY_INTERNAL_H
+
+#include "internal.h"
+#include "routepack/batch.h"
+
+/* seq_rank[s], seq_mb[s]: sequence s's cell, over G ranks and M microbatches. Each empty
+ * cell takes the shortest sequence (tokens of batch, then the lower id) of the fullest
+ * cell of its own rank (most sequences, then the lower microbatch); with keep_rank_counts
+ * false, of the fullest cell of any rank when its own rank has no cell of two. A cell that
+ * holds one sequence is never a donor, so no cell empties. RP_EINVAL, naming the numbers
+ * and the key, when the batch (or, with keep_rank_counts, a rank) has fewer sequences
+ * than cells; "who" prefixes the message ("joint", "baseline"). Nothing changes then. */
+rp_status rp_fill_empty_cells(rp_context *ctx, const rp_batch *batch, int32_t G, int32_t M, int32_t *seq_rank,
+                              int32_t *seq_mb, bool keep_rank_counts, const char *who, rp_error *err);
+
+#endif
