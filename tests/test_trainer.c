@@ -1,6 +1,6 @@
 /* The trainer's constraints on a packing (config "trainer"): equal sequence counts per
- * DP rank (verl's DataProto.chunk) and a microbatch count that is a multiple of N
- * (verl's num_batches_divided_by). Config errors, validation messages, and every packer
+ * DP rank (verl's DataProto.chunk), a microbatch count that is a multiple of N
+ * (verl's num_batches_divided_by) and no empty microbatch (verl's partitioning). Config errors, validation messages, and every packer
  * (the baselines, the joint planner, the local search) under each constraint, with
  * hand-checked small cases. */
 #include "internal.h"

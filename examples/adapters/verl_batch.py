@@ -31,10 +31,11 @@ ap.add_argument("--microbatches", type=int, default=2, help="limits.num_microbat
 ap.add_argument("--step", type=int, default=2, help="which step of examples/small.rpt")
 args = ap.parse_args()
 
-# verl's constraint, as the trainer section states it: every DP rank the same count.
+# verl's constraints, as the trainer section states them: every DP rank the same count,
+# every micro-batch a sequence.
 config = json.loads((REPO / "examples" / "config-small.json").read_text())
 config["policy"]["search_path"] = [str(REPO / "policies")]
-config["trainer"] = {"equal_sequences_per_rank": True}
+config["trainer"] = {"equal_sequences_per_rank": True, "nonempty_microbatches": True}
 config["limits"]["num_microbatches"] = args.microbatches
 
 with routepack.TraceReader(REPO / "examples" / "small.rpt") as trace:

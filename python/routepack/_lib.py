@@ -60,7 +60,8 @@ class rp_execution(Structure):
 
 
 class rp_trainer(Structure):
-    _fields_ = [("equal_sequences_per_rank", c_bool), ("microbatch_multiple", c_int32)]
+    _fields_ = [("equal_sequences_per_rank", c_bool), ("microbatch_multiple", c_int32),
+                ("nonempty_microbatches", c_bool)]
 
 
 class rp_limits(Structure):

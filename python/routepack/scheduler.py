@@ -98,6 +98,7 @@ class Config:
         # what the trainer demands of a packing (docs/config.md, "trainer")
         self.equal_sequences_per_rank = bool(trainer.equal_sequences_per_rank)
         self.microbatch_multiple = trainer.microbatch_multiple
+        self.nonempty_microbatches = bool(trainer.nonempty_microbatches)
         execution = self._lib.rp_config_execution(handle).contents
         # what the memory check counts (docs/cost-model.md, "Memory per GPU")
         self.optimizer_sharding = ("none", "dp")[execution.optimizer_sharding]

@@ -244,7 +244,7 @@ def test_verl_refuses_an_empty_micro_batch(batch):
 
 def test_verl_refuses_the_empty_micro_batches_of_a_plan(batch):
     """The routepack policy with 3 micro-batches for 8 sequences a rank leaves some empty
-    (the config's trainer section does not forbid it yet): verl cannot run that plan."""
+    (without trainer.nonempty_microbatches): verl cannot run that plan."""
     cfg = small_config()
     cfg["limits"]["num_microbatches"] = 3
     res = plan(cfg, batch)
@@ -253,6 +253,16 @@ def test_verl_refuses_the_empty_micro_batches_of_a_plan(batch):
     with pytest.raises(routepack.PlanError, match="holds no sequence.*the policy left it empty "
                        "with 8 sequences for 3 micro-batches"):
         verl.batch_plan(res)
+
+
+def test_verl_runs_the_plan_under_nonempty_microbatches(batch):
+    """trainer.nonempty_microbatches: the same step with 3 micro-batches for 8 sequences a
+    rank fills every micro-batch, and verl takes the plan."""
+    cfg = small_config(nonempty_microbatches=True)
+    cfg["limits"]["num_microbatches"] = 3
+    res = plan(cfg, batch)
+    assert all(len(ids) > 0 for row in res.microbatches for ids in row)
+    verl.batch_plan(res)
 
 
 def test_verl_micro_batch_multiple(batch, small_step):

@@ -121,8 +121,8 @@ def batch_plan(res, *, dp_size=None, num_batches_divided_by=None, order="plan"):
                 hint = ("set limits.num_microbatches to at most %d, the sequences per rank"
                         % counts[0] if M > counts[0] else
                         "the policy left it empty with %d sequences for %d micro-batches; "
-                        "lower limits.num_microbatches or plan with a policy that fills "
-                        "every micro-batch" % (counts[0], M))
+                        "plan with trainer.nonempty_microbatches: true (docs/config.md) or "
+                        "lower limits.num_microbatches" % (counts[0], M))
                 raise errors.PlanError(
                     "rank %d microbatch %d holds no sequence; verl's micro-batches each need "
                     "one (get_seqlen_balanced_partitions asserts it): %s" % (rank, mb, hint))
