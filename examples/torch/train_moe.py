@@ -233,6 +233,10 @@ def main():
         if args.dump:
             torch.save({"losses": losses, "params": logical}, args.dump)
         print("final loss %.9g" % losses[-1], flush=True)
+    # Every rank reaches teardown together: a rank that destroys its gloo group while a peer
+    # is still writing the dump can abort in gloo's destructor ("terminate called without an
+    # active exception", seen under load in CI).
+    dist.barrier()
     sched.close()
     dist.destroy_process_group()
 
