@@ -110,6 +110,25 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err);
 /* joint_pack_group.c: the same under the group form (jt->group_form): each EP group's own
  * sum over microbatches balanced, the slowest group's minimised. */
 rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err);
+/* What both packers set up before their greedy fill (joint_pack.c): per sequence its
+ * tokens (len) and dense work a(L) (attn, speed 1), the sequences longest first (order),
+ * the prompt ids (prompt, when prompt_spread > 0) and the prompt counts per (sequence's
+ * prompt, microbatch, EP group) (pcount, NULL when spreading is off or the table too
+ * large), the sequences per rank so far (rank_count, zero) and the most a rank may take
+ * (rank_quota: N / G under trainer.equal_sequences_per_rank, else INT32_MAX), and the
+ * mean cell's dense work per speed (a_ref) and tokens (t_ref) for the tie-break. */
+typedef struct joint_pack_prep {
+    double *len, *attn;
+    int32_t *order, *prompt, *pcount, *rank_count;
+    int32_t rank_quota;
+    double a_ref, t_ref;
+} joint_pack_prep;
+/* RP_ERANGE naming the sequence when one is longer than the cap; joint_pack_prep_free
+ * whatever it returns. */
+rp_status joint_pack_prepare(joint *jt, int32_t M, joint_pack_prep *p, rp_error *err);
+void joint_pack_prep_free(const joint *jt, joint_pack_prep *p);
+/* RP_ERANGE: sequence s fits in no cell of M microbatches (the caller may try more). */
+rp_status joint_pack_nofit(const joint *jt, const joint_pack_prep *p, int32_t s, int32_t M, rp_error *err);
 /* Dense ids of the prompts with several sequences, -1 for a sequence alone ([N]). */
 rp_status joint_prompt_ids(const joint *jt, int32_t *prompt, int32_t *num_prompts, rp_error *err);
 

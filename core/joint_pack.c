@@ -36,6 +36,78 @@ out:
     return st;
 }
 
+/* What both packers need before the greedy fill (joint_internal.h). */
+rp_status joint_pack_prepare(joint *jt, int32_t M, joint_pack_prep *p, rp_error *err)
+{
+    rp_context *ctx = jt->ctx;
+    const int32_t N = jt->N, G = jt->G;
+    const int64_t cells = (int64_t)G * M, mq = (int64_t)M * jt->Q;
+    memset(p, 0, sizeof *p);
+    p->len = rp_alloc(ctx, (size_t)N * sizeof *p->len);
+    p->attn = rp_alloc(ctx, (size_t)N * sizeof *p->attn);
+    p->order = rp_alloc(ctx, (size_t)N * sizeof *p->order);
+    p->prompt = rp_alloc(ctx, (size_t)N * sizeof *p->prompt);
+    p->rank_count = rp_calloc(ctx, (size_t)G, sizeof *p->rank_count);
+    /* trainer.equal_sequences_per_rank: a rank takes N / G sequences, then no more */
+    p->rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G : INT32_MAX;
+    if (!p->len || !p->attn || !p->order || !p->prompt || !p->rank_count)
+        return rp_fail_nomem(err, "joint packing");
+    double sum_a = 0, sum_len = 0, speed_sum = 0;
+    for (int32_t s = 0; s < N; s++) {
+        int64_t n = rp_batch_seq_len(jt->batch, s);
+        if (n > jt->cap) {
+            rp_status st = rp_fail(err, RP_ERANGE,
+                                   "joint: sequence %d has %lld tokens, longer than the microbatch cap of %lld", s,
+                                   (long long)n, (long long)jt->cap);
+            if (err) err->sequence = s;
+            return st;
+        }
+        p->len[s] = (double)n;
+        p->attn[s] = rp_cost_dense_s(jt->cost, n);
+        sum_a += p->attn[s];
+        sum_len += p->len[s];
+    }
+    for (int32_t g = 0; g < G; g++) speed_sum += jt->speed[g];
+    p->a_ref = sum_a > 0 ? sum_a / speed_sum / M : 1.0;
+    p->t_ref = sum_len > 0 ? sum_len / (double)cells : 1.0;
+    rp_status st = rp_sort_index(ctx, p->len, N, true, p->order, err);
+    if (st != RP_OK) return st;
+    if (jt->par->prompt_spread > 0) {
+        int32_t P = 0;
+        if ((st = joint_prompt_ids(jt, p->prompt, &P, err)) != RP_OK) return st;
+        int64_t n_count;
+        /* a penalty table larger than this is not worth its memory: spreading is off */
+        if (P > 0 && !rp_mul_overflow((int64_t)P, mq, &n_count) && n_count <= ((int64_t)1 << 24)) {
+            p->pcount = rp_calloc(ctx, (size_t)n_count, sizeof *p->pcount);
+            if (!p->pcount) return rp_fail_nomem(err, "joint packing: prompt counts");
+        }
+    }
+    return RP_OK;
+}
+
+void joint_pack_prep_free(const joint *jt, joint_pack_prep *p)
+{
+    rp_free(jt->ctx, p->len);
+    rp_free(jt->ctx, p->attn);
+    rp_free(jt->ctx, p->order);
+    rp_free(jt->ctx, p->prompt);
+    rp_free(jt->ctx, p->pcount);
+    rp_free(jt->ctx, p->rank_count);
+    memset(p, 0, sizeof *p);
+}
+
+rp_status joint_pack_nofit(const joint *jt, const joint_pack_prep *p, int32_t s, int32_t M, rp_error *err)
+{
+    rp_status st = rp_fail(err, RP_ERANGE,
+                           "joint: sequence %d (%lld tokens) fits in no cell of %d microbatches under the cap of %lld "
+                           "tokens%s",
+                           s, (long long)p->len[s], M, (long long)jt->cap,
+                           p->rank_quota < INT32_MAX ? " on a rank below its quota (trainer.equal_sequences_per_rank)"
+                                                     : "");
+    if (err) err->sequence = s;
+    return st;
+}
+
 /* Cells are filled greedily, longest sequence first, each into the cell that raises the
  * surrogate step time least:
  *
@@ -61,10 +133,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
     const double rho = jt->par->prompt_spread;
     rp_status st = RP_OK;
 
-    double *len = rp_alloc(ctx, (size_t)N * sizeof *len);
-    double *attn = rp_alloc(ctx, (size_t)N * sizeof *attn);
-    int32_t *order = rp_alloc(ctx, (size_t)N * sizeof *order);
-    int32_t *prompt = rp_alloc(ctx, (size_t)N * sizeof *prompt);
+    joint_pack_prep p;
     double *A = rp_calloc(ctx, (size_t)cells, sizeof *A);       /* raw sum of a(L), speed 1 */
     int64_t *tok = rp_calloc(ctx, (size_t)cells, sizeof *tok);
     int64_t *TQ = rp_calloc(ctx, (size_t)M * Q, sizeof *TQ);
@@ -77,47 +146,14 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
     /* the same per (microbatch, group), to skip a group's GPUs */
     double *gamin = rp_calloc(ctx, (size_t)M * Q, sizeof *gamin);
     int64_t *gtmin = rp_calloc(ctx, (size_t)M * Q, sizeof *gtmin);
-    int32_t *pcount = NULL;
-    /* trainer.equal_sequences_per_rank: a rank takes N / G sequences, then no more */
-    int32_t *rank_count = rp_calloc(ctx, (size_t)G, sizeof *rank_count);
-    const int32_t rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G : INT32_MAX;
-    if (!rank_count || !len || !attn || !order || !prompt || !A || !tok || !TQ || !amax || !tmax || !tqmax || !amin || !tmin ||
-        !tqmin || !gamin || !gtmin) {
+    RP_CHECK_GOTO(joint_pack_prepare(jt, M, &p, err), st, out);
+    if (!A || !tok || !TQ || !amax || !tmax || !tqmax || !amin || !tmin || !tqmin || !gamin || !gtmin) {
         st = rp_fail_nomem(err, "joint packing");
         goto out;
     }
-    double sum_a = 0, sum_len = 0, speed_sum = 0;
-    for (int32_t s = 0; s < N; s++) {
-        int64_t n = rp_batch_seq_len(jt->batch, s);
-        if (n > jt->cap) {
-            st = rp_fail(err, RP_ERANGE, "joint: sequence %d has %lld tokens, longer than the microbatch cap of %lld",
-                         s, (long long)n, (long long)jt->cap);
-            if (err) err->sequence = s;
-            goto out;
-        }
-        len[s] = (double)n;
-        attn[s] = rp_cost_dense_s(jt->cost, n);
-        sum_a += attn[s];
-        sum_len += len[s];
-    }
-    for (int32_t g = 0; g < G; g++) speed_sum += jt->speed[g];
-    const double a_ref = sum_a > 0 ? sum_a / speed_sum / M : 1.0;
-    const double t_ref = sum_len > 0 ? sum_len / (double)cells : 1.0;
-    RP_CHECK_GOTO(rp_sort_index(ctx, len, N, true, order, err), st, out);
-
-    int32_t P = 0;
-    if (rho > 0) {
-        RP_CHECK_GOTO(joint_prompt_ids(jt, prompt, &P, err), st, out);
-        int64_t n_count;
-        /* a penalty table larger than this is not worth its memory: spreading is off */
-        if (P > 0 && !rp_mul_overflow((int64_t)P, (int64_t)M * Q, &n_count) && n_count <= ((int64_t)1 << 24)) {
-            pcount = rp_calloc(ctx, (size_t)n_count, sizeof *pcount);
-            if (!pcount) {
-                st = rp_fail_nomem(err, "joint packing: prompt counts");
-                goto out;
-            }
-        }
-    }
+    const double *len = p.len, *attn = p.attn, a_ref = p.a_ref, t_ref = p.t_ref;
+    const int32_t *order = p.order, *prompt = p.prompt, rank_quota = p.rank_quota;
+    int32_t *pcount = p.pcount, *rank_count = p.rank_count;
 
     for (int32_t i = 0; i < N; i++) {
         const int32_t s = order[i];
@@ -168,10 +204,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
             }
         }
         if (bg < 0) {
-            st = rp_fail(err, RP_ERANGE, "joint: sequence %d (%lld tokens) fits in no cell of %d microbatches under "
-                         "the cap of %lld tokens%s", s, (long long)ni, M, (long long)jt->cap,
-                         rank_quota < INT32_MAX ? " on a rank below its quota (trainer.equal_sequences_per_rank)" : "");
-            if (err) err->sequence = s;
+            st = joint_pack_nofit(jt, &p, s, M, err);
             goto out;
         }
         const size_t c = (size_t)bg * M + bm;
@@ -206,10 +239,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
     }
     jt->M = M;
 out:
-    rp_free(ctx, len);
-    rp_free(ctx, attn);
-    rp_free(ctx, order);
-    rp_free(ctx, prompt);
+    joint_pack_prep_free(jt, &p);
     rp_free(ctx, A);
     rp_free(ctx, tok);
     rp_free(ctx, TQ);
@@ -221,7 +251,5 @@ out:
     rp_free(ctx, tqmin);
     rp_free(ctx, gamin);
     rp_free(ctx, gtmin);
-    rp_free(ctx, pcount);
-    rp_free(ctx, rank_count);
     return st;
 }

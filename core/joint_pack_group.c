@@ -41,10 +41,7 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
     const double rho = jt->par->prompt_spread;
     rp_status st = RP_OK;
 
-    double *len = rp_alloc(ctx, (size_t)N * sizeof *len);
-    double *attn = rp_alloc(ctx, (size_t)N * sizeof *attn);
-    int32_t *order = rp_alloc(ctx, (size_t)N * sizeof *order);
-    int32_t *prompt = rp_alloc(ctx, (size_t)N * sizeof *prompt);
+    joint_pack_prep p;
     double *A = rp_calloc(ctx, (size_t)cells, sizeof *A); /* raw sum of the dense work, speed 1 */
     int64_t *tok = rp_calloc(ctx, (size_t)cells, sizeof *tok);
     /* per (microbatch, group): tokens, the largest dense work (per speed) and tokens of a
@@ -54,48 +51,16 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
     int64_t *tmax = rp_calloc(ctx, (size_t)mq, sizeof *tmax), *tmin = rp_calloc(ctx, (size_t)mq, sizeof *tmin);
     double *val = rp_calloc(ctx, (size_t)mq, sizeof *val);
     double *phi = rp_calloc(ctx, (size_t)Q, sizeof *phi); /* each group's sum, penalties included */
-    int32_t *pcount = NULL;
-    int32_t *rank_count = rp_calloc(ctx, (size_t)G, sizeof *rank_count);
-    const int32_t rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G : INT32_MAX;
-    if (!len || !attn || !order || !prompt || !A || !tok || !TQ || !amax || !amin || !tmax || !tmin || !val || !phi ||
-        !rank_count) {
+    RP_CHECK_GOTO(joint_pack_prepare(jt, M, &p, err), st, out);
+    if (!A || !tok || !TQ || !amax || !amin || !tmax || !tmin || !val || !phi) {
         st = rp_fail_nomem(err, "joint packing");
         goto out;
     }
-    double sum_a = 0, sum_len = 0, speed_sum = 0;
-    for (int32_t s = 0; s < N; s++) {
-        int64_t n = rp_batch_seq_len(jt->batch, s);
-        if (n > jt->cap) {
-            st = rp_fail(err, RP_ERANGE, "joint: sequence %d has %lld tokens, longer than the microbatch cap of %lld",
-                         s, (long long)n, (long long)jt->cap);
-            if (err) err->sequence = s;
-            goto out;
-        }
-        len[s] = (double)n;
-        attn[s] = rp_cost_dense_s(jt->cost, n);
-        sum_a += attn[s];
-        sum_len += len[s];
-    }
-    for (int32_t g = 0; g < G; g++) speed_sum += jt->speed[g];
-    const double a_ref = sum_a > 0 ? sum_a / speed_sum / M : 1.0;
-    const double t_ref = sum_len > 0 ? sum_len / (double)cells : 1.0;
+    const double *len = p.len, *attn = p.attn, a_ref = p.a_ref, t_ref = p.t_ref;
+    const int32_t *order = p.order, *prompt = p.prompt, rank_quota = p.rank_quota;
+    int32_t *pcount = p.pcount, *rank_count = p.rank_count;
     for (int64_t i = 0; i < mq; i++) val[i] = group_value(&u, 0, 0, 0);
     for (int32_t q = 0; q < Q; q++) phi[q] = M * group_value(&u, 0, 0, 0);
-    RP_CHECK_GOTO(rp_sort_index(ctx, len, N, true, order, err), st, out);
-
-    int32_t P = 0;
-    if (rho > 0) {
-        RP_CHECK_GOTO(joint_prompt_ids(jt, prompt, &P, err), st, out);
-        int64_t n_count;
-        /* a penalty table larger than this is not worth its memory: spreading is off */
-        if (P > 0 && !rp_mul_overflow((int64_t)P, mq, &n_count) && n_count <= ((int64_t)1 << 24)) {
-            pcount = rp_calloc(ctx, (size_t)n_count, sizeof *pcount);
-            if (!pcount) {
-                st = rp_fail_nomem(err, "joint packing: prompt counts");
-                goto out;
-            }
-        }
-    }
 
     for (int32_t i = 0; i < N; i++) {
         const int32_t s = order[i];
@@ -141,10 +106,7 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
                 }
             }
         if (bg < 0) {
-            st = rp_fail(err, RP_ERANGE, "joint: sequence %d (%lld tokens) fits in no cell of %d microbatches under "
-                         "the cap of %lld tokens%s", s, (long long)ni, M, (long long)jt->cap,
-                         rank_quota < INT32_MAX ? " on a rank below its quota (trainer.equal_sequences_per_rank)" : "");
-            if (err) err->sequence = s;
+            st = joint_pack_nofit(jt, &p, s, M, err);
             goto out;
         }
         const size_t c = (size_t)bg * M + bm;
@@ -172,10 +134,7 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
     }
     jt->M = M;
 out:
-    rp_free(ctx, len);
-    rp_free(ctx, attn);
-    rp_free(ctx, order);
-    rp_free(ctx, prompt);
+    joint_pack_prep_free(jt, &p);
     rp_free(ctx, A);
     rp_free(ctx, tok);
     rp_free(ctx, TQ);
@@ -185,7 +144,5 @@ out:
     rp_free(ctx, tmin);
     rp_free(ctx, val);
     rp_free(ctx, phi);
-    rp_free(ctx, pcount);
-    rp_free(ctx, rank_count);
     return st;
 }
