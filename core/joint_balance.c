@@ -126,25 +126,46 @@ static double group_total(const balancer *b, int32_t q)
     return sum;
 }
 
+/* The two cells of a trade: sequences sa (GPU ga, EP group qa, cell ca) and sb (gb, qb,
+ * cb) of one microbatch change places; ta, tb the cells' tokens after it, a1, a2 their
+ * dense work per speed. Filled once per trial, read by both scoring forms. */
+typedef struct trade_cells {
+    int32_t ga, gb, qa, qb;
+    size_t ca, cb;
+    int64_t ta, tb;
+    double a1, a2;
+} trade_cells;
+
+/* false when the trade would put a cell over the token cap */
+static bool trade_fill(const balancer *b, int32_t m, int32_t sa, int32_t sb, trade_cells *t)
+{
+    const joint *jt = b->jt;
+    t->ga = jt->seq_gpu[sa];
+    t->gb = jt->seq_gpu[sb];
+    t->qa = t->ga / b->ep;
+    t->qb = t->gb / b->ep;
+    const int64_t la = rp_batch_seq_len(jt->batch, sa), lb = rp_batch_seq_len(jt->batch, sb);
+    t->ca = (size_t)t->ga * b->M + m;
+    t->cb = (size_t)t->gb * b->M + m;
+    t->ta = b->tok[t->ca] - la + lb;
+    t->tb = b->tok[t->cb] - lb + la;
+    if (t->ta > jt->cap || t->tb > jt->cap) return false;
+    t->a1 = (b->A[t->ca] - b->attn[sa] + b->attn[sb]) / jt->speed[t->ga];
+    t->a2 = (b->A[t->cb] - b->attn[sb] + b->attn[sa]) / jt->speed[t->gb];
+    return true;
+}
+
 /* trial in the group form: the change of the largest group sum when sequences a (group
  * qa) and b (group qb) of microbatch m trade cells. */
-static double trial_group(balancer *b, int32_t m, int32_t sa, int32_t sb)
+static double trial_group(balancer *b, int32_t m, int32_t sa, int32_t sb, const trade_cells *t)
 {
-    joint *jt = b->jt;
-    const int32_t ga = jt->seq_gpu[sa], gb = jt->seq_gpu[sb], qa = ga / b->ep, qb = gb / b->ep, ep = b->ep;
-    const int32_t M = b->M;
-    const int64_t la = rp_batch_seq_len(jt->batch, sa), lb = rp_batch_seq_len(jt->batch, sb);
-    const size_t ca = (size_t)ga * M + m, cb = (size_t)gb * M + m;
-    const int64_t ta = b->tok[ca] - la + lb, tb = b->tok[cb] - lb + la;
-    if (ta > jt->cap || tb > jt->cap) return INFINITY;
-    const double a1 = (b->A[ca] - b->attn[sa] + b->attn[sb]) / jt->speed[ga];
-    const double a2 = (b->A[cb] - b->attn[sb] + b->attn[sa]) / jt->speed[gb];
+    const int32_t qa = t->qa, qb = t->qb, ep = b->ep;
     double new_tot[2];
     const int32_t qs[2] = {qa, qb};
     for (int k = 0; k < 2; k++) {
         double a_old, t_old, a_new, t_new;
         group_cells(b, m, qs[k], SIZE_MAX, 0, 0, SIZE_MAX, 0, 0, &a_old, &t_old);
-        group_cells(b, m, qs[k], ca, a1, ta, cb, a2, tb, &a_new, &t_new);
+        group_cells(b, m, qs[k], t->ca, t->a1, t->ta, t->cb, t->a2, t->tb, &a_new, &t_new);
         new_tot[k] = b->tot[qs[k]] + b->w_a * (a_new - a_old) + b->w_t * (t_new - t_old);
     }
     const float *pa = profile(b, sa), *pb = profile(b, sb);
@@ -173,14 +194,12 @@ static double trial_group(balancer *b, int32_t m, int32_t sa, int32_t sb)
 /* Surrogate change of microbatch m's time if sequences a and b trade cells. */
 static double trial(balancer *b, int32_t m, int32_t sa, int32_t sb)
 {
-    if (b->tot) return trial_group(b, m, sa, sb);
-    joint *jt = b->jt;
-    const int32_t ga = jt->seq_gpu[sa], gb = jt->seq_gpu[sb], qa = ga / b->ep, qb = gb / b->ep, ep = b->ep;
+    trade_cells tc;
+    if (!trade_fill(b, m, sa, sb, &tc)) return INFINITY;
+    if (b->tot) return trial_group(b, m, sa, sb, &tc);
+    const joint *jt = b->jt;
+    const int32_t ga = tc.ga, gb = tc.gb, qa = tc.qa, qb = tc.qb, ep = b->ep;
     const int32_t M = b->M;
-    const int64_t la = rp_batch_seq_len(jt->batch, sa), lb = rp_batch_seq_len(jt->batch, sb);
-    const size_t ca = (size_t)ga * M + m, cb = (size_t)gb * M + m;
-    const int64_t ta = b->tok[ca] - la + lb, tb = b->tok[cb] - lb + la;
-    if (ta > jt->cap || tb > jt->cap) return INFINITY;
     /* attention and tokens of the two cells, against the rest of the microbatch */
     double a_rest = 0, a_old = 0, t_rest = 0, t_old = 0;
     for (int32_t g = 0; g < b->G; g++) {
@@ -191,12 +210,10 @@ static double trial(balancer *b, int32_t m, int32_t sa, int32_t sb)
         a_rest = av > a_rest ? av : a_rest;
         t_rest = tv > t_rest ? tv : t_rest;
     }
-    double a1 = (b->A[ca] - b->attn[sa] + b->attn[sb]) / jt->speed[ga];
-    double a2 = (b->A[cb] - b->attn[sb] + b->attn[sa]) / jt->speed[gb];
-    double a_new = a_rest > a1 ? a_rest : a1;
-    a_new = a_new > a2 ? a_new : a2;
-    double t_new = t_rest > (double)ta ? t_rest : (double)ta;
-    t_new = t_new > (double)tb ? t_new : (double)tb;
+    double a_new = a_rest > tc.a1 ? a_rest : tc.a1;
+    a_new = a_new > tc.a2 ? a_new : tc.a2;
+    double t_new = t_rest > (double)tc.ta ? t_rest : (double)tc.ta;
+    t_new = t_new > (double)tc.tb ? t_new : (double)tc.tb;
     double delta = b->w_a * (a_new - a_old) + b->w_t * (t_new - t_old);
     /* expert side: the two groups' rows change by the profiles' difference */
     const float *pa = profile(b, sa), *pb = profile(b, sb);
