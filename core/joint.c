@@ -2,7 +2,6 @@
  * extra replicas, exact refinement, and the fallback to the better baseline
  * (docs/routepack-policy.md). */
 #include "joint_internal.h"
-#include "nonempty_internal.h"
 #include "limits_internal.h"
 #include "routepack/baseline.h"
 #include "routepack/virtual_experts.h"
@@ -203,7 +202,8 @@ static rp_status check_previous(const joint *jt, const rp_plan *prev, rp_error *
     return RP_OK;
 }
 
-/* Packing: ours, with as few microbatches as fit (or the fixed count), or token_kk's. */
+/* Packing: ours, with as few microbatches as fit (or the fixed count), or token_kk's.
+ * Under trainer.nonempty_microbatches both leave no (rank, microbatch) empty. */
 static rp_status pack_cells(joint *jt, rp_error *err)
 {
     int32_t fixed = jt->par->num_microbatches > 0 ? jt->par->num_microbatches
@@ -244,17 +244,6 @@ static rp_status pack_cells(joint *jt, rp_error *err)
         rp_status st = joint_pack(jt, (int32_t)M, err);
         if (st != RP_ERANGE) return st;
     }
-}
-
-/* The packing, then under trainer.nonempty_microbatches every empty cell filled from its
- * rank's fullest (across ranks only where counts need not be equal; nonempty.c). */
-static rp_status pack(joint *jt, rp_error *err)
-{
-    rp_status st = pack_cells(jt, err);
-    const rp_trainer *tr = rp_config_trainer(jt->cfg);
-    if (st != RP_OK || !tr->nonempty_microbatches) return st;
-    return rp_fill_empty_cells(jt->ctx, jt->batch, jt->G, jt->M, jt->seq_gpu, jt->seq_mb,
-                               tr->equal_sequences_per_rank, "joint", err);
 }
 
 /* The busiest GPU's token-choices per microbatch (jt->send_max) and per (microbatch,
@@ -541,7 +530,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     RP_CHECK_GOTO(rp_limits_check_batch(rp_config_limits(cfg), batch, err), st, out);
 
     /* packing */
-    RP_CHECK_GOTO(pack(&jt, err), st, out);
+    RP_CHECK_GOTO(pack_cells(&jt, err), st, out);
     rep.num_microbatches = jt.M;
     RP_CHECK_GOTO(rp_plan_new(ctx, cfg, jt.M, &plan, err), st, out);
     RP_CHECK_GOTO(rp_plan_set_packing(plan, jt.N, jt.seq_gpu, jt.seq_mb, err), st, out);

@@ -122,11 +122,37 @@ typedef struct joint_pack_prep {
     int32_t *order, *prompt, *pcount, *rank_count;
     int32_t rank_quota;
     double a_ref, t_ref;
+    /* trainer.nonempty_microbatches (else NULL): sequences per cell [G * M], empty cells
+     * per rank [G] and in all; joint_pack_open says where the next sequence may go */
+    int32_t *cell_count, *empty_rank;
+    int64_t empty;
 } joint_pack_prep;
 /* RP_ERANGE naming the sequence when one is longer than the cap; joint_pack_prep_free
  * whatever it returns. */
 rp_status joint_pack_prepare(joint *jt, int32_t M, joint_pack_prep *p, rp_error *err);
 void joint_pack_prep_free(const joint *jt, joint_pack_prep *p);
+/* trainer.nonempty_microbatches as a packing rule: a sequence placed while `left`
+ * sequences (itself included) are still to place may go to an empty cell, or to a
+ * non-empty one only while enough sequences remain for every empty cell (under
+ * trainer.equal_sequences_per_rank: enough of rank g's quota for its empty cells). So
+ * the greedy fills as it would until the shortest sequences are needed, and then puts
+ * them where the surrogate likes them best among the empty cells; no cell is left empty.
+ * Always true without the key. */
+static inline bool joint_pack_open(const joint_pack_prep *p, int32_t g, size_t c, int32_t left)
+{
+    if (!p->cell_count || p->cell_count[c] == 0) return true;
+    if ((int64_t)left - 1 < p->empty) return false;
+    return p->rank_quota == INT32_MAX || p->rank_quota - p->rank_count[g] - 1 >= p->empty_rank[g];
+}
+/* Sequence placed in cell c of rank g: the counts above and rank_count. */
+static inline void joint_pack_placed(joint_pack_prep *p, int32_t g, size_t c)
+{
+    p->rank_count[g]++;
+    if (p->cell_count && p->cell_count[c]++ == 0) {
+        p->empty--;
+        p->empty_rank[g]--;
+    }
+}
 /* RP_ERANGE: sequence s fits in no cell of M microbatches (the caller may try more). */
 rp_status joint_pack_nofit(const joint *jt, const joint_pack_prep *p, int32_t s, int32_t M, rp_error *err);
 /* Dense ids of the prompts with several sequences, -1 for a sequence alone ([N]). */

@@ -3,6 +3,7 @@
  * groups, the longest sequences share microbatches, and the responses of one prompt
  * are spread over EP groups (docs/routepack-policy.md, "Packing"). */
 #include "joint_internal.h"
+#include "nonempty_internal.h"
 #include "routepack/primitives.h"
 
 #include <math.h>
@@ -52,6 +53,15 @@ rp_status joint_pack_prepare(joint *jt, int32_t M, joint_pack_prep *p, rp_error 
     p->rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G : INT32_MAX;
     if (!p->len || !p->attn || !p->order || !p->prompt || !p->rank_count)
         return rp_fail_nomem(err, "joint packing");
+    if (rp_config_trainer(jt->cfg)->nonempty_microbatches) {
+        rp_status st = rp_nonempty_check_counts(N, G, M, "joint", err);
+        if (st != RP_OK) return st;
+        p->cell_count = rp_calloc(ctx, (size_t)cells, sizeof *p->cell_count);
+        p->empty_rank = rp_alloc(ctx, (size_t)G * sizeof *p->empty_rank);
+        if (!p->cell_count || !p->empty_rank) return rp_fail_nomem(err, "joint packing: cell counts");
+        for (int32_t g = 0; g < G; g++) p->empty_rank[g] = M;
+        p->empty = cells;
+    }
     double sum_a = 0, sum_len = 0, speed_sum = 0;
     for (int32_t s = 0; s < N; s++) {
         int64_t n = rp_batch_seq_len(jt->batch, s);
@@ -93,6 +103,8 @@ void joint_pack_prep_free(const joint *jt, joint_pack_prep *p)
     rp_free(jt->ctx, p->prompt);
     rp_free(jt->ctx, p->pcount);
     rp_free(jt->ctx, p->rank_count);
+    rp_free(jt->ctx, p->cell_count);
+    rp_free(jt->ctx, p->empty_rank);
     memset(p, 0, sizeof *p);
 }
 
@@ -153,7 +165,8 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
     }
     const double *len = p.len, *attn = p.attn, a_ref = p.a_ref, t_ref = p.t_ref;
     const int32_t *order = p.order, *prompt = p.prompt, rank_quota = p.rank_quota;
-    int32_t *pcount = p.pcount, *rank_count = p.rank_count;
+    int32_t *pcount = p.pcount;
+    const int32_t *rank_count = p.rank_count;
 
     for (int32_t i = 0; i < N; i++) {
         const int32_t s = order[i];
@@ -187,7 +200,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
                 for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
-                    if (t1 > jt->cap || rank_count[g] >= rank_quota) continue;
+                    if (t1 > jt->cap || rank_count[g] >= rank_quota || !joint_pack_open(&p, g, c, N - i)) continue;
                     const double a1 = (A[c] + a) / jt->speed[g];
                     double inc = inc_q;
                     if (a1 > am) inc += L * (a1 - am);
@@ -211,7 +224,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
         const int32_t q = bg / ep;
         A[c] += a;
         tok[c] += ni;
-        rank_count[bg]++;
+        joint_pack_placed(&p, bg, c);
         TQ[(size_t)bm * Q + q] += ni;
         const double a1 = A[c] / jt->speed[bg];
         if (a1 > amax[bm]) amax[bm] = a1;

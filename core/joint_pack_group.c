@@ -58,7 +58,8 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
     }
     const double *len = p.len, *attn = p.attn, a_ref = p.a_ref, t_ref = p.t_ref;
     const int32_t *order = p.order, *prompt = p.prompt, rank_quota = p.rank_quota;
-    int32_t *pcount = p.pcount, *rank_count = p.rank_count;
+    int32_t *pcount = p.pcount;
+    const int32_t *rank_count = p.rank_count;
     for (int64_t i = 0; i < mq; i++) val[i] = group_value(&u, 0, 0, 0);
     for (int32_t q = 0; q < Q; q++) phi[q] = M * group_value(&u, 0, 0, 0);
 
@@ -89,7 +90,7 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
                 for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
-                    if (t1 > jt->cap || rank_count[g] >= rank_quota) continue;
+                    if (t1 > jt->cap || rank_count[g] >= rank_quota || !joint_pack_open(&p, g, c, N - i)) continue;
                     const double a1 = (A[c] + a) / jt->speed[g];
                     const double inc = group_value(&u, a1 > amax[k] ? a1 : amax[k],
                                                    (double)(t1 > tmax[k] ? t1 : tmax[k]), (double)(TQ[k] + ni)) -
@@ -114,7 +115,7 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
         const size_t k = (size_t)bm * Q + q;
         A[c] += a;
         tok[c] += ni;
-        rank_count[bg]++;
+        joint_pack_placed(&p, bg, c);
         TQ[k] += ni;
         const double a1 = A[c] / jt->speed[bg];
         if (a1 > amax[k]) amax[k] = a1;

@@ -1,21 +1,28 @@
-/* trainer.nonempty_microbatches: fill the empty (rank, microbatch) cells of a packing
- * (nonempty_internal.h). Moving one short sequence out of the fullest cell changes the
+/* trainer.nonempty_microbatches: fill the empty (rank, microbatch) cells of a baseline's
+ * packing (nonempty_internal.h; the joint packers never leave one, joint_pack_open). Moving one short sequence out of the fullest cell changes the
  * packing least; it keeps every cap, since a sequence fits a cell alone (the packers check
  * it) and the donor only loses tokens. */
 #include "nonempty_internal.h"
 #include "routepack/batch.h"
+
+rp_status rp_nonempty_check_counts(int32_t N, int32_t G, int32_t M, const char *who, rp_error *err)
+{
+    const int64_t cells = (int64_t)G * M;
+    if ((int64_t)N >= cells) return RP_OK;
+    return rp_fail(err, RP_EINVAL,
+                   "%s: %d microbatches on each of %d DP ranks need at least %lld sequences, but the batch has %d "
+                   "(trainer.nonempty_microbatches needs a sequence in every microbatch): give the step more "
+                   "sequences, fewer microbatches, or turn the key off",
+                   who, M, G, (long long)cells, N);
+}
 
 rp_status rp_fill_empty_cells(rp_context *ctx, const rp_batch *batch, int32_t G, int32_t M, int32_t *seq_rank,
                               int32_t *seq_mb, bool keep_rank_counts, const char *who, rp_error *err)
 {
     const int32_t N = rp_batch_num_seqs(batch);
     const int64_t cells = (int64_t)G * M;
-    if ((int64_t)N < cells)
-        return rp_fail(err, RP_EINVAL,
-                       "%s: %d microbatches on each of %d DP ranks need at least %lld sequences, but the batch has %d "
-                       "(trainer.nonempty_microbatches needs a sequence in every microbatch): give the step more "
-                       "sequences, fewer microbatches, or turn the key off",
-                       who, M, G, (long long)cells, N);
+    rp_status cst = rp_nonempty_check_counts(N, G, M, who, err);
+    if (cst != RP_OK) return cst;
     int32_t *count = rp_calloc(ctx, (size_t)cells, sizeof *count);
     int32_t *per_rank = rp_calloc(ctx, (size_t)G, sizeof *per_rank);
     rp_status st = RP_OK;

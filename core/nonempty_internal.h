@@ -1,11 +1,17 @@
 /* trainer.nonempty_microbatches: every (rank, microbatch) cell runs a sequence (verl's
- * micro-batch partitioning asserts it). The packers pack as they do, then fill each empty
- * cell from the fullest cell (nonempty.c). Not installed. */
+ * micro-batch partitioning asserts it). The joint packers keep it as a rule of their
+ * greedy fill (joint_pack_open); the baselines pack as verl does (Karmarkar-Karp, which
+ * leaves a cell empty only after the cap repair or with fewer sequences than cells), then
+ * fill each empty cell from the fullest cell (nonempty.c). Not installed. */
 #ifndef RP_NONEMPTY_INTERNAL_H
 #define RP_NONEMPTY_INTERNAL_H
 
 #include "internal.h"
 #include "routepack/batch.h"
+
+/* RP_EINVAL, naming the numbers and the key, when N sequences cannot fill G x M cells;
+ * "who" prefixes the message ("joint", "baseline"). */
+rp_status rp_nonempty_check_counts(int32_t N, int32_t G, int32_t M, const char *who, rp_error *err);
 
 /* seq_rank[s], seq_mb[s]: sequence s's cell, over G ranks and M microbatches. Each empty
  * cell takes the shortest sequence (tokens of batch, then the lower id) of the fullest

@@ -570,6 +570,70 @@ static void test_nonempty_every_packer(void)
     fixture_free(&f);
 }
 
+/* The joint packing keeps the key as a rule of its greedy fill (joint_pack_open), not by
+ * moving sequences afterwards: 8 sequences, 4 GPUs in one EP group, 2 microbatches. The
+ * four longest set microbatch 0's level, one a GPU, and the four short ones fit under it,
+ * so without the key microbatch 1 stays empty. Under the key the greedy places as before
+ * while enough sequences remain for the empty cells; from the fifth on (4 left, 4 cells
+ * empty) each goes to an empty cell: the short ones make microbatch 1, one a GPU, in
+ * order (equal raises: the lower GPU). The repair after packing this replaces moved
+ * the shortest sequence of the fullest cell into each empty one instead (3 tokens to
+ * GPU 0, 4 to GPU 1, 2 to GPU 2, 5 to GPU 3). */
+static void test_nonempty_packing_rule(void)
+{
+    static const int32_t lens[8] = {60, 50, 40, 30, 5, 4, 3, 2};
+    static const char *const none[] = {NULL};
+    static const int32_t want_rank[8] = {0, 1, 2, 3, 0, 1, 2, 3}, want_mb[8] = {0, 0, 0, 0, 1, 1, 1, 1};
+    fixture off, on;
+    if (!fixture_make(&off, 4, 100, "", 8, lens) || !fixture_make(&on, 4, 100, "\"nonempty_microbatches\": true", 8, lens)) {
+        skip(4, "fixture");
+        return;
+    }
+    rp_joint_params jp = rp_joint_defaults();
+    jp.fallbacks = none;
+    jp.refine_evaluations = 0;
+    jp.num_microbatches = 2;
+    rp_error err;
+    rp_plan *p = NULL;
+    is_int(rp_joint_plan(ctx, off.cfg, off.batch, off.stats, NULL, NULL, &jp, &p, NULL, &err), RP_OK, "joint plan, key off");
+    if (p) {
+        is_int(empty_cells(p), 4, "without the key microbatch 1 is empty on every GPU");
+    }
+    rp_plan_free(p);
+    p = NULL;
+    is_int(rp_joint_plan(ctx, on.cfg, on.batch, on.stats, NULL, NULL, &jp, &p, NULL, &err), RP_OK, "joint plan, key on");
+    if (p) {
+        bool same = true;
+        char got[256] = "";
+        size_t used = 0;
+        for (int32_t s = 0; s < 8; s++) {
+            same = same && rp_plan_seq_rank(p, s) == want_rank[s] && rp_plan_seq_microbatch(p, s) == want_mb[s];
+            used += (size_t)snprintf(got + used, sizeof got - used, " %d/%d", rp_plan_seq_rank(p, s), rp_plan_seq_microbatch(p, s));
+        }
+        ok(same, "under the key: the long ones on GPUs 0-3 in microbatch 0, the short ones on GPUs 0-3 in microbatch 1 (got rank/mb:%s)", got);
+    }
+    rp_plan_free(p);
+    p = NULL;
+    fixture_free(&off);
+    fixture_free(&on);
+
+    /* Karmarkar-Karp without equal sizes (rp_baseline_packing) gives the long sequence a
+     * rank of its own: 1 sequence for 2 microbatches there, though the batch has 8 for 8
+     * cells */
+    static const int32_t lone[8] = {90, 10, 10, 10, 10, 10, 10, 10};
+    if (!fixture_make(&on, 4, 100, "\"nonempty_microbatches\": true", 8, lone)) {
+        skip(2, "fixture");
+        return;
+    }
+    is_int(rp_baseline_packing(ctx, on.cfg, on.batch, on.stats, "token_kk", 2, false, &p, &err), RP_EINVAL,
+           "a baseline rank with fewer sequences than microbatches is refused");
+    like(err.text, "runs 1 sequences, fewer than its 2 microbatches (trainer.nonempty_microbatches needs a sequence "
+         "in every microbatch): give the step more sequences, fewer microbatches, or turn the key off",
+         "naming the rank's count, the microbatches and the key");
+    rp_plan_free(p);
+    fixture_free(&on);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -581,6 +645,7 @@ int main(void)
     test_not_divisible();
     test_nonempty_config_and_validation();
     test_nonempty_every_packer();
+    test_nonempty_packing_rule();
     rp_context_free(ctx);
     return tap_done();
 }
