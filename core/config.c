@@ -785,7 +785,7 @@ static rp_status check_memory(loader *ld, json_t *topology)
 /* ---- trainer ------------------------------------------------------------------------- */
 
 static const char *const trainer_keys[] = {"equal_sequences_per_rank", "microbatch_multiple",
-                                           "nonempty_microbatches", "comment", NULL};
+                                           "nonempty_microbatches", "per_forward_balancer", "comment", NULL};
 
 /* The trainer's demands on a packing; read after the limits (a fixed microbatch count
  * must be a multiple of microbatch_multiple). */
@@ -804,6 +804,11 @@ static rp_status load_trainer(loader *ld, json_t *obj)
                   st, out);
     RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "nonempty_microbatches", false, false,
                                &tr->nonempty_microbatches, ld->err),
+                  st, out);
+    /* true by default: the token_kk+virtual_experts baseline and the routepack policy's
+     * candidate with the balancer assume the trainer runs it, as published results do */
+    RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "per_forward_balancer", false, true, &tr->per_forward_balancer,
+                               ld->err),
                   st, out);
     /* Megatron's interleaved schedule runs microbatches in groups of PP per model chunk and
      * needs their count to be a multiple of PP: the default under it */
@@ -1046,8 +1051,9 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(load_token_linear(&ld, hardware), st, out);
     RP_CHECK_GOTO(load_calibration(&ld, root, hardware), st, out);
     RP_CHECK_GOTO(load_limits(&ld, limits), st, out);
-    RP_CHECK_GOTO(load_execution(&ld, execution), st, out);
+    /* the trainer first: execution.per_forward_balancing needs trainer.per_forward_balancer */
     RP_CHECK_GOTO(load_trainer(&ld, trainer), st, out);
+    RP_CHECK_GOTO(load_execution(&ld, execution), st, out);
     RP_CHECK_GOTO(check_memory(&ld, topology), st, out);
     RP_CHECK_GOTO(load_policy(&ld, policy), st, out);
 

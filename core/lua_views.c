@@ -42,12 +42,13 @@ typedef enum obj_kind {
     O_HISTORY,
     O_HISTORY_ENTRY,
     O_PLACEMENT,
-    O_COST
+    O_COST,
+    O_TRAINER
 } obj_kind;
 
 static const char *const obj_names[] = {"ctx.topology", "ctx.stats" /* unused */, "ctx.limits",
                                         "ctx.batch",    "ctx.stats", "ctx.history",
-                                        "ctx.history[i]", "ctx.placement", "ctx.cost"};
+                                        "ctx.history[i]", "ctx.placement", "ctx.cost", "ctx.trainer"};
 
 typedef struct obj {
     uint64_t gen;
@@ -499,6 +500,20 @@ static int limits_index(lua_State *L, rp_lua_host *h, const char *k)
     return 0;
 }
 
+/* What the trainer demands of a packing and can run (docs/config.md, "trainer"). */
+static int trainer_index(lua_State *L, rp_lua_host *h, const char *k)
+{
+    const rp_trainer *t = rp_config_trainer(h->cfg);
+    bool b;
+    if (field(k, "equal_sequences_per_rank")) b = t->equal_sequences_per_rank;
+    else if (field(k, "nonempty_microbatches")) b = t->nonempty_microbatches;
+    else if (field(k, "per_forward_balancer")) b = t->per_forward_balancer;
+    else if (field(k, "microbatch_multiple")) return push_int(L, t->microbatch_multiple);
+    else return 0;
+    lua_pushboolean(L, b);
+    return 1;
+}
+
 static int batch_index(lua_State *L, rp_lua_host *h, const rp_lua_frame *f, const char *k)
 {
     const rp_batch *b = f->batch;
@@ -597,6 +612,7 @@ static int obj_index(lua_State *L)
     case O_TOPOLOGY: r = topology_index(L, h, k); break;
     case O_MODEL: r = model_index(L, h, k); break;
     case O_LIMITS: r = limits_index(L, h, k); break;
+    case O_TRAINER: r = trainer_index(L, h, k); break;
     case O_BATCH: r = batch_index(L, h, f, k); break;
     case O_STATS: r = stats_index(L, f, k); break;
     case O_HISTORY_ENTRY: r = history_entry_index(L, h, f, o, k); break;
@@ -681,6 +697,8 @@ void rp_lua_push_ctx(lua_State *L, rp_lua_host *h)
     lua_setfield(L, -2, "model");
     push_obj(L, 0, O_LIMITS, 0);
     lua_setfield(L, -2, "limits");
+    push_obj(L, 0, O_TRAINER, 0);
+    lua_setfield(L, -2, "trainer");
     if (f && f->batch) {
         push_obj(L, h->generation, O_BATCH, 0);
         lua_setfield(L, -2, "batch");

@@ -33,6 +33,10 @@ struct rp_vexp {
 rp_status rp_vexp_check_config(const rp_config *cfg, rp_error *err)
 {
     if (!cfg) return rp_fail(err, RP_EINVAL, "virtual experts: no config");
+    if (!rp_config_trainer(cfg)->per_forward_balancer)
+        return rp_fail(err, RP_EINVAL,
+                       "virtual experts: trainer.per_forward_balancer is false: the trainer does not run Megatron's "
+                       "per-forward balancer; plan without it, or set the key true where the trainer runs it");
     const rp_topology *t = rp_config_topology(cfg);
     const rp_model *m = rp_config_model(cfg);
     if (t->ep_size < RP_VEXP_MIN_EP || t->ep_size > RP_VEXP_MAX_EP)

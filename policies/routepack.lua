@@ -13,8 +13,8 @@
 --    over NVLink where they pay for the copy.
 -- 4. Exact local search within `search_evaluations` tries (work, not time), and the
 --    baselines checked: when one scores better under the cost model, it is returned.
--- 5. Where the trainer can run Megatron's per-forward virtual-expert balancer (the
---    token_kk+virtual_experts baseline assumes it can), the same packing run with it is
+-- 5. Where the trainer runs Megatron's per-forward virtual-expert balancer (config
+--    trainer.per_forward_balancer, default true), the same packing run with it is
 --    scored too and returned when it is faster with its migration (`virtual_experts`).
 --
 -- All of it is one C primitive, rp.joint; this file chooses its options and gives it the
@@ -72,7 +72,7 @@ local P = {
     },
     virtual_experts = {
       type = "boolean", default = true,
-      doc = "also score this packing run with Megatron's per-forward virtual-expert balancer (where the config's limits allow it) and return it when it scores better; assumes the trainer can run the balancer, as the token_kk+virtual_experts baseline does",
+      doc = "also score this packing run with Megatron's per-forward virtual-expert balancer (where the config's limits allow it) and return it when it scores better; only where the config's trainer.per_forward_balancer says the trainer runs the balancer (default true, as the token_kk+virtual_experts baseline assumes): false there turns it off whatever this says",
     },
     persistence_window = {
       type = "integer", default = 16, min = 1, max = 1000,
@@ -205,7 +205,8 @@ local function joint(ctx)
     fallbacks = p.fallbacks and FALLBACKS or {},
     expected_loads = expected_loads(ctx),
     persistence = persistence,
-    virtual_experts = p.virtual_experts,
+    -- the trainer says whether it runs the balancer at all (trainer.per_forward_balancer)
+    virtual_experts = p.virtual_experts and ctx.trainer.per_forward_balancer,
     recurring_migration_s = recurring(ctx),
   })
   note_refit(ctx, report)

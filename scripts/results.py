@@ -349,7 +349,8 @@ def readme_summary(runs, args):
             "`token_kk+contiguous`, `token_kk+eplb`, `token_kk+eplb_periodic` (EPLB as vLLM and SGLang run it), "
             "`verl_kk+eplb`, `attn_kk+eplb` and `token_kk+virtual_experts` (Megatron's per-forward balancer, "
             "MoonEP): " + "; ".join(parts) + ". Like that baseline, routepack may run with the balancer where the "
-            "config allows it (where it scores better); the sweep's `novx` row is routepack without it. "
+            "config allows it (`trainer.per_forward_balancer`, default true; set it false for a trainer without "
+            "the balancer, and both leave) and it scores better; the sweep's `novx` row is routepack without it. "
             "`docs/results.md` has every figure, "
             "the verdicts, the sweep the defaults came from and what limits them; `scripts/results.sh` "
             "produces it.")

@@ -489,6 +489,9 @@ static void test_views(void)
                  "assert(ctx.model.num_layers == 16 and ctx.model.num_experts == 64 and ctx.model.top_k == 8)\n"
                  "assert(ctx.model.bytes_per_grad == 4 and ctx.model.dense_params == 16 * (2048 * 128 * 64 + 2048 * 64))\n"
                  "assert(ctx.limits.max_tokens_per_microbatch == 16384 and ctx.limits.num_microbatches == 0)\n"
+                 "assert(ctx.trainer.per_forward_balancer == true and ctx.trainer.equal_sequences_per_rank == false)\n"
+                 "assert(ctx.trainer.nonempty_microbatches == false and ctx.trainer.microbatch_multiple == 1)\n"
+                 "assert(ctx.trainer.no_such_key == nil)\n"
                  "local load = ctx.stats.expert_load(3)\n"
                  "assert(#load == 64 and load:sum() == ctx.batch.num_tokens * 8)\n"
                  "local h = ctx.stats.seq_hist(5, 3)\n"
@@ -504,7 +507,8 @@ static void test_views(void)
                  "assert(n == 64)\n"
                  "assert(load:argmax() >= 0 and load:max() >= load:min() and #load:totable() == 64)\n"
                  "assert(ctx.step == 1 and type(ctx.seed) == 'number')"),
-           "", "ctx views give the batch, topology, model, limits, statistics, history, placement and cost");
+           "", "ctx views give the batch, topology, model, limits, trainer, statistics, history, placement and cost");
+    like(probe("ctx.trainer.per_forward_balancer = false"), "ctx.trainer is read-only", "the trainer view cannot be written");
     like(probe("ctx.batch.seq_len[0] = 5"), "ctx.batch.seq_len is read-only", "a view cannot be written");
     like(probe("ctx.batch.num_seqs = 1"), "ctx.batch is read-only", "a view object cannot be written");
     like(probe("ctx.topology.slots[0] = 99"), "ctx.topology.slots is read-only", "config views cannot be written");

@@ -8,6 +8,7 @@
 #include "tap.h"
 #include "test_util.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -634,6 +635,89 @@ static void test_nonempty_packing_rule(void)
     fixture_free(&on);
 }
 
+/* ---- trainer.per_forward_balancer ---- */
+
+/* Whether the trainer runs Megatron's per-forward balancer at all: read (default true),
+ * refused beside execution.per_forward_balancing "virtual_experts", and where false no
+ * plan may ask for the balancer (rp_vexp_check_config, so rp_plan_validate, the
+ * *+virtual_experts baselines and the joint planner's candidate all follow it). */
+static void test_per_forward_balancer(void)
+{
+    rp_config *cfg = NULL;
+    rp_error err;
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}}", &cfg, &err), RP_OK, "no trainer section");
+    if (cfg) ok(rp_config_trainer(cfg)->per_forward_balancer, "per_forward_balancer defaults to true");
+    rp_config_free(cfg);
+    cfg = NULL;
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}, \"trainer\": {\"per_forward_balancer\": false}}",
+                 &cfg, &err),
+           RP_OK, "per_forward_balancer given");
+    if (cfg) ok(!rp_config_trainer(cfg)->per_forward_balancer, "read as given");
+    rp_config_free(cfg);
+    cfg = NULL;
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}, \"trainer\": {\"per_forward_balancer\": 1}}", &cfg,
+                 &err),
+           RP_EINVAL, "per_forward_balancer must be a boolean");
+    like(err.text, "trainer.per_forward_balancer must be true or false", "named");
+    is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}, \"execution\": {\"per_forward_balancing\": "
+                 "\"virtual_experts\"}, \"trainer\": {\"per_forward_balancer\": false}}",
+                 &cfg, &err),
+           RP_EINVAL, "a trainer that always runs the balancer cannot lack it");
+    like(err.text, "execution.per_forward_balancing is \"virtual_experts\", but virtual experts: "
+         "trainer.per_forward_balancer is false", "naming both keys");
+    rp_config_free(cfg);
+    cfg = NULL;
+
+    static const int32_t lens[8] = {10, 20, 30, 40, 50, 15, 25, 35};
+    fixture on, off;
+    if (!fixture_make(&on, 4, 100, "", 8, lens)) {
+        skip(9, "fixture");
+        return;
+    }
+    if (!fixture_make(&off, 4, 100, "\"per_forward_balancer\": false", 8, lens)) {
+        fixture_free(&on);
+        skip(9, "fixture");
+        return;
+    }
+    rp_plan *p = NULL;
+    is_int(rp_baseline_plan(ctx, on.cfg, on.batch, on.stats, NULL, "token_kk+virtual_experts", 2, &p, &err), RP_OK,
+           "token_kk+virtual_experts where the trainer runs the balancer");
+    if (p) {
+        is_int(rp_plan_validate(p, off.cfg, off.batch, &err), RP_EPLAN, "its plan is refused where it does not");
+        is_str(err.text,
+               "plan: per_forward_balancing virtual_experts: virtual experts: trainer.per_forward_balancer is false: "
+               "the trainer does not run Megatron's per-forward balancer; plan without it, or set the key true where "
+               "the trainer runs it",
+               "naming the key and what to do");
+    }
+    rp_plan_free(p);
+    p = NULL;
+    is_int(rp_baseline_plan(ctx, off.cfg, off.batch, off.stats, NULL, "token_kk+virtual_experts", 2, &p, &err),
+           RP_EINVAL, "the baseline itself is refused there");
+    like(err.text, "trainer.per_forward_balancer is false", "with the same reason");
+    rp_plan_free(p);
+    p = NULL;
+
+    /* the joint planner's candidate with the balancer: scored where the trainer runs it,
+     * never built where it does not */
+    static const char *const none[] = {NULL};
+    rp_joint_params jp = rp_joint_defaults();
+    jp.fallbacks = none;
+    jp.virtual_experts = true;
+    rp_joint_report rep;
+    is_int(rp_joint_plan(ctx, on.cfg, on.batch, on.stats, NULL, NULL, &jp, &p, &rep, &err), RP_OK, "joint, key true");
+    ok(!isnan(rep.virtual_experts_step_s), "the candidate with the balancer is scored (%g s)", rep.virtual_experts_step_s);
+    rp_plan_free(p);
+    p = NULL;
+    is_int(rp_joint_plan(ctx, off.cfg, off.batch, off.stats, NULL, NULL, &jp, &p, &rep, &err), RP_OK, "joint, key false");
+    ok(isnan(rep.virtual_experts_step_s) && !rep.per_forward_balancing && p &&
+           rp_plan_balancing(p) == RP_BALANCING_NONE && rp_plan_validate(p, off.cfg, off.batch, NULL) == RP_OK,
+       "no candidate with the balancer, a valid plan without it");
+    rp_plan_free(p);
+    fixture_free(&on);
+    fixture_free(&off);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -646,6 +730,7 @@ int main(void)
     test_nonempty_config_and_validation();
     test_nonempty_every_packer();
     test_nonempty_packing_rule();
+    test_per_forward_balancer();
     rp_context_free(ctx);
     return tap_done();
 }

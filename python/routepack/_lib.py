@@ -61,7 +61,7 @@ class rp_execution(Structure):
 
 class rp_trainer(Structure):
     _fields_ = [("equal_sequences_per_rank", c_bool), ("microbatch_multiple", c_int32),
-                ("nonempty_microbatches", c_bool)]
+                ("nonempty_microbatches", c_bool), ("per_forward_balancer", c_bool)]
 
 
 class rp_limits(Structure):

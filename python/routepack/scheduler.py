@@ -99,6 +99,8 @@ class Config:
         self.equal_sequences_per_rank = bool(trainer.equal_sequences_per_rank)
         self.microbatch_multiple = trainer.microbatch_multiple
         self.nonempty_microbatches = bool(trainer.nonempty_microbatches)
+        # the trainer runs Megatron's per-forward balancer on plans that ask for it
+        self.per_forward_balancer = bool(trainer.per_forward_balancer)
         execution = self._lib.rp_config_execution(handle).contents
         # what the memory check counts (docs/cost-model.md, "Memory per GPU")
         self.optimizer_sharding = ("none", "dp")[execution.optimizer_sharding]

@@ -168,6 +168,10 @@ typedef struct rp_trainer {
     /* every (rank, microbatch) runs at least one sequence (verl's micro-batch partitioning
      * asserts it) */
     bool nonempty_microbatches;
+    /* the trainer can run Megatron-Core's per-forward expert balancer (virtual experts) on
+     * a plan that asks for it; false: no plan may (rp_vexp_check_config refuses, naming the
+     * key). Default true. */
+    bool per_forward_balancer;
 } rp_trainer;
 
 /* The policy to run and its parameters (checked by the policy engine, not here). */

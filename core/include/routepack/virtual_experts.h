@@ -19,7 +19,8 @@ extern "C" {
 #define RP_VEXP_MIN_EP 2
 #define RP_VEXP_MAX_EP 64
 
-/* Whether a trainer can run the balancer on this config: EP size in 2..64, every EP
+/* Whether a trainer can run the balancer on this config: trainer.per_forward_balancer
+ * true (it says whether the trainer runs it at all), EP size in 2..64, every EP
  * group inside one node (the weights travel through NVLink symmetric memory), experts
  * evenly owned (num_experts a multiple of ep_size, every GPU with at least
  * num_experts / ep_size slots). RP_EINVAL with a message naming the limit and the value
