@@ -124,6 +124,18 @@ static void test_batch_alloc_failures(void)
     ok(cleanly, "batch creation fails cleanly at every allocation and leaks nothing");
 }
 
+/* rp_struct_size: what bindings check their mirrors against (python/tests/
+ * test_struct_mirrors.py compares every ctypes mirror with it). */
+static void test_struct_size(void)
+{
+    is_int((int)rp_struct_size("rp_execution"), (int)sizeof(rp_execution), "rp_execution's size");
+    is_int((int)rp_struct_size("rp_trainer"), (int)sizeof(rp_trainer), "rp_trainer's size");
+    is_int((int)rp_struct_size("rp_step_report"), (int)sizeof(rp_step_report), "rp_step_report's size");
+    is_int((int)rp_struct_size("rp_comm"), (int)sizeof(rp_comm), "rp_comm's size");
+    is_int((int)rp_struct_size("rp_no_such_struct"), 0, "0 for a name it does not know");
+    is_int((int)rp_struct_size(NULL), 0, "0 for NULL");
+}
+
 int main(void)
 {
     rp_context *ctx;
@@ -131,6 +143,7 @@ int main(void)
     test_hash();
     test_alloc();
     test_errors();
+    test_struct_size();
     test_batch_and_routing(ctx);
     test_batch_alloc_failures();
     rp_context_free(ctx);

@@ -1,5 +1,6 @@
 """Finding and loading libroutepack, and the ctypes declarations of the C API it uses
-(core/include/routepack/*.h are the contract; the structs below mirror them field by field)."""
+(core/include/routepack/*.h are the contract; the structs below mirror them field by field,
+every field, which python/tests/test_struct_mirrors.py checks against rp_struct_size)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ class rp_execution(Structure):
     # routepack/config.h: the enums are C ints.
     _fields_ = [("sync", c_int), ("overlap", c_int), ("dispatch_dedup", c_int),
                 ("dispatch_bytes_per_element", c_int32), ("optimizer_sharding", c_int),
-                ("staging_budget_bytes", c_int64)]
+                ("staging_budget_bytes", c_int64), ("per_forward_balancing", c_int),
+                ("combine_bytes_per_element", c_int32)]
 
 
 class rp_trainer(Structure):
@@ -109,7 +111,11 @@ class rp_step_report(Structure):
                 ("ranks_disagreed", c_bool), ("experts_moved", c_int32),
                 ("migration_bytes", c_double), ("migration_s", c_double),
                 ("policy_wall_s", c_double), ("ranks_fell_back", c_int32),
-                ("policy_cpu_s", c_double)]
+                ("policy_cpu_s", c_double), ("has_decision", c_bool), ("persistence", c_double),
+                ("persistence_observations", c_int32), ("predicted_saving_s", c_double),
+                ("realised_scored", c_bool), ("realised_saving_s", c_double),
+                ("fallback_checks", c_int32), ("fallback_check_changes", c_int32),
+                ("has_shift", c_bool), ("shift", rp_shift_summary)]
 
 
 # migrate.h: RP_NUM_LINKS links, indexed by rp_link (an int-sized enum).
@@ -161,6 +167,7 @@ PERR = POINTER(rp_error)
 _REQUIRED = {
     "rp_strerror": (c_char_p, [c_int]),
     "rp_error_clear": (None, [PERR]),
+    "rp_struct_size": (c_size_t, [c_char_p]),
     "rp_context_new": (c_int, [c_void_p, c_void_p, POINTER(P)]),
     "rp_context_free": (None, [P]),
     "rp_context_set_log": (None, [P, LOG_FN, c_void_p, c_int]),

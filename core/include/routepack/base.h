@@ -60,6 +60,12 @@ typedef struct rp_error {
 /* Reset an error report to "no error". */
 RP_API void rp_error_clear(rp_error *err);
 
+/* The size in bytes of the public struct `name` ("rp_execution", "rp_trainer", ...; every
+ * struct of these headers) as this build lays it out: a binding that mirrors the structs
+ * (Python's ctypes classes) checks its mirror against the library it loads. 0 for a
+ * name it does not know or NULL. */
+RP_API size_t rp_struct_size(const char *name);
+
 /* Allocator hook, with lua_Alloc's contract: new_size == 0 frees `ptr` and returns
  * NULL; otherwise behaves like realloc (ptr may be NULL). Must be thread-safe if the
  * context is used by several threads. */
