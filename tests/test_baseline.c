@@ -14,12 +14,7 @@ static rp_context *ctx;
 static uint64_t rng_state = 0x2545F4914F6CDD1DULL;
 static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
 
-typedef struct fixture {
-    rp_config *cfg;
-    rp_batch *batch;
-    uint8_t *ids;
-    rp_stats *stats;
-} fixture;
+typedef batch_fixture fixture; /* test_util.h */
 
 /* 4 GPUs in `nodes` nodes, one EP group of 4 with 3 slots each, 2 layers of 8 experts,
  * top-2, microbatch cap `cap` tokens. Routing skewed towards low expert ids. */
@@ -34,37 +29,22 @@ static bool fixture_make(fixture *f, int nodes, int cap, const char *slots, int3
              nodes, 4 / nodes, slots, cap);
     rp_error err;
     memset(f, 0, sizeof *f);
-    if (rp_config_parse(ctx, json, strlen(json), "<test>", &f->cfg, &err) != RP_OK) {
-        diag("config: %s", err.text);
+    if (!(f->cfg = test_config_parse(ctx, json, &err)) || !batch_fixture_batch(ctx, f, n, lens, NULL, NULL, &err)) {
+        diag("fixture: %s", err.text);
         return false;
     }
-    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
-    rp_status st = rp_batch_new(ctx, n, lens, zero, NULL, &f->batch, &err);
-    free(zero);
-    if (st != RP_OK) return false;
     int64_t tokens = rp_batch_num_tokens(f->batch);
-    f->ids = malloc((size_t)tokens * 2 * 2 + 1);
     for (int64_t t = 0; t < tokens * 2; t++) {
         uint8_t a = (uint8_t)(rnd(3) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
         if (b == a) b = (uint8_t)((a + 1) % 8);
         f->ids[2 * t] = a;
         f->ids[2 * t + 1] = b;
     }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, 2, 2, f->ids);
-    if (rp_stats_compute(ctx, f->batch, &r, 8, 1, &f->stats, &err) != RP_OK) {
+    if (!batch_fixture_stats(ctx, f, &err)) {
         diag("stats: %s", err.text);
         return false;
     }
     return true;
-}
-
-static void fixture_free(fixture *f)
-{
-    rp_stats_free(f->stats);
-    free(f->ids);
-    rp_batch_free(f->batch);
-    rp_config_free(f->cfg);
 }
 
 /* Lists a plan's packing as text "[[a, b], [c]] [[..]] ..." per rank. */
@@ -122,7 +102,7 @@ static void test_verl_lists(void)
         is_str(text, VERL_061, "verl_kk gives verl 0.6.1's microbatch lists, in verl's order");
         rp_plan_free(p);
     }
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* Loads of EP ranks at a layer under a plan's placement. */
@@ -302,7 +282,7 @@ static void test_all_baselines(void)
     rp_plan_free(ct);
     rp_plan_free(c2);
     rp_cost_free(cost);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* eplb with the previous step's plan: experts already on an EP rank keep their slot. */
@@ -340,8 +320,8 @@ static void test_stability(void)
     rp_plan_free(pa);
     rp_plan_free(pb);
     rp_plan_free(fresh);
-    fixture_free(&a);
-    fixture_free(&b);
+    batch_fixture_free(&a);
+    batch_fixture_free(&b);
 }
 
 static void test_bad_input(void)
@@ -408,7 +388,7 @@ static void test_bad_input(void)
         is_int(rp_baseline_plan(ctx, f.cfg, f.batch, g.stats, NULL, "verl_kk+eplb", 0, &p, &err), RP_EINVAL,
                "statistics of another batch");
         like(err.text, "the statistics cover 3 sequences", "says what does not match");
-        fixture_free(&g);
+        batch_fixture_free(&g);
     }
     rp_batch *empty = NULL;
     rp_batch_new(ctx, 0, NULL, NULL, NULL, &empty, NULL);
@@ -416,7 +396,7 @@ static void test_bad_input(void)
            "an empty batch");
     like(err.text, "the batch is empty", "empty batch message");
     rp_batch_free(empty);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 static void test_alloc_failures(void)
@@ -450,7 +430,7 @@ static void test_alloc_failures(void)
         }
         ok(clean && done, "%s fails cleanly at every allocation and leaks nothing", names[v]);
     }
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* rp_baseline_packing: the packing half alone (what the token_kk, verl_kk and attn_kk
@@ -519,7 +499,7 @@ static void test_packing_alone(void)
          "the message lists the packings");
     is_int(rp_baseline_packing(ctx, f.cfg, f.batch, NULL, "attn_kk", 0, true, &bad, &err), RP_EINVAL,
            "attn_kk without statistics");
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 int main(void)

@@ -16,56 +16,15 @@ static rp_context *ctx;
 
 /* ---- fixtures -------------------------------------------------------------------- */
 
-typedef struct fixture {
-    rp_config *cfg;
-    rp_batch *batch;
-    uint8_t *ids;
-    rp_stats *stats;
-} fixture;
-
-static rp_config *config_of(const char *json)
-{
-    rp_config *cfg = NULL;
-    rp_error err;
-    if (rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, &err) != RP_OK) {
-        diag("config: %s", err.text);
-        return NULL;
-    }
-    return cfg;
-}
+typedef batch_fixture fixture; /* test_util.h */
 
 /* Batch of prompt-only sequences and stats of a packed [tokens][L][k] uint8 routing. */
-static bool fixture_make(fixture *f, const char *cfg_json, int32_t n, const int32_t *lens, const uint8_t *ids,
-                         int32_t layers, int32_t k, int32_t experts)
+static bool fixture_make(fixture *f, const char *cfg_json, int32_t n, const int32_t *lens, const uint8_t *ids)
 {
     rp_error err;
-    memset(f, 0, sizeof *f);
-    f->cfg = config_of(cfg_json);
-    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
-    int64_t tokens = 0;
-    for (int32_t i = 0; i < n; i++) tokens += lens[i];
-    bool okay = f->cfg && rp_batch_new(ctx, n, lens, zero, NULL, &f->batch, &err) == RP_OK;
-    free(zero);
-    if (!okay) return false;
-    size_t bytes = (size_t)tokens * layers * k + 1;
-    f->ids = malloc(bytes);
-    memcpy(f->ids, ids, bytes - 1);
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, layers, k, f->ids);
-    if (rp_stats_compute(ctx, f->batch, &r, experts, 1, &f->stats, &err) != RP_OK) {
-        diag("stats: %s", err.text);
-        return false;
-    }
-    return true;
-}
-
-static void fixture_free(fixture *f)
-{
-    rp_stats_free(f->stats);
-    free(f->ids);
-    rp_batch_free(f->batch);
-    rp_config_free(f->cfg);
-    memset(f, 0, sizeof *f);
+    if (batch_fixture_make(ctx, f, cfg_json, n, lens, NULL, ids, &err)) return true;
+    diag("fixture: %s", err.text);
+    return false;
 }
 
 /* The hand case's machine and model, with round constants:
@@ -112,7 +71,7 @@ static bool hand_fixture_with(fixture *f, int nodes, int per_node, int slots, co
 {
     char json[2048];
     snprintf(json, sizeof json, HAND_CFG, nodes, per_node, slots, speed, hw, exec);
-    return fixture_make(f, json, 3, HAND_LENS, HAND_IDS, 2, 2, 4);
+    return fixture_make(f, json, 3, HAND_LENS, HAND_IDS);
 }
 
 static bool hand_fixture(fixture *f, int nodes, int per_node, int slots, const char *speed)
@@ -136,6 +95,18 @@ static rp_plan *plan_of(const fixture *f, int32_t M, const int32_t *rank, const 
         for (int32_t l = 0; l < rp_plan_num_layers(p); l++)
             if (rp_plan_set_phy2log(p, l, phy2log + (size_t)l * S, &err) != RP_OK) diag("placement: %s", err.text);
     }
+    return p;
+}
+
+/* The hand tests' opening: a cost model of f (even split) and plan_of(f, ...) evaluated
+ * by it into *s, checked ("evaluates"). */
+static rp_plan *evaluated(const fixture *f, rp_cost **c, int32_t M, const int32_t *rank, const int32_t *mb,
+                          const int32_t *phy2log, rp_cost_summary *s)
+{
+    rp_error err;
+    rp_cost_new(ctx, f->cfg, f->batch, f->stats, RP_SPLIT_EVEN, c, &err);
+    rp_plan *p = plan_of(f, M, rank, mb, phy2log);
+    is_int(rp_cost_evaluate(*c, p, s, &err), RP_OK, "evaluates");
     return p;
 }
 
@@ -202,7 +173,7 @@ static void test_hand_one_node(void)
     is_double(rp_cost_current_s(c), 156.75, 1e-12, "current step time");
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 static void test_hand_two_nodes(void)
@@ -210,11 +181,8 @@ static void test_hand_two_nodes(void)
     fixture f;
     ok(hand_fixture(&f, 2, 1, 2, "1"), "hand case: 2 GPUs on 2 nodes");
     rp_cost *c = NULL;
-    rp_error err;
-    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
-    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
     rp_cost_summary s;
-    is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+    rp_plan *p = evaluated(&f, &c, 1, HAND_RANK, HAND_MB, CONTIG4, &s);
     /* Same volumes over the network: L0 3 x 2 s + 0.5 + 1 = 7.5; L1 8 x 2 + 1.5 = 17.5.
      * T = 6.625 + 7.5 + 7.5 + 7.5 = 29.125 and 6.625 + 17.5 + 7.5 + 17.5 = 49.125;
      * step = 3 x 78.25 = 234.75. Bound: dispatch is the same on both GPUs:
@@ -227,7 +195,7 @@ static void test_hand_two_nodes(void)
     is_double(rp_cost_expert_move_s(c, true), 336.0 / 8 + 0.5, 1e-12, "expert move over NVLink");
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* Layer 0 with a spare slot on each GPU: expert 2 on both (slots 2 and 3). */
@@ -278,7 +246,7 @@ static void test_hand_replicas(void)
     rp_plan_free(p);
     rp_cost_free(even);
     rp_cost_free(local);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 static void test_hand_extra_replica(void)
@@ -306,7 +274,7 @@ static void test_hand_extra_replica(void)
     is_double(s.lower_bound_s, 150.4, 1e-12 * 150.4, "bound spreads the extra copy");
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* Locality's node tier: 2 nodes x 2 GPUs in one EP group; expert 3 on rank 1 (node 0)
@@ -328,7 +296,7 @@ static void test_locality_nodes(void)
     uint8_t ids[4] = {3, 3, 3, 3};
     int32_t p2l[8] = {0, -1, 1, 3, 2, -1, 3, -1};
     fixture f;
-    ok(fixture_make(&f, cfg, 4, lens, ids, 1, 1, 4), "node-tier fixture");
+    ok(fixture_make(&f, cfg, 4, lens, ids), "node-tier fixture");
     rp_cost *local = NULL, *even = NULL;
     rp_error err;
     rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_LOCALITY, &local, &err);
@@ -349,7 +317,7 @@ static void test_locality_nodes(void)
     rp_plan_free(p);
     rp_cost_free(local);
     rp_cost_free(even);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* Issue 14's terms on the one-node hand case (forward values as in test_hand_one_node):
@@ -371,11 +339,9 @@ static void test_hand_terms(void)
         fixture f;
         ok(hand_fixture_with(&f, 1, 2, 2, "1", TERMS_HW, exec[v]), "terms fixture, overlap %s", v ? "layer" : "none");
         rp_cost *c = NULL;
-        rp_error err;
-        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
-        rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, CONTIG4);
         rp_cost_summary s;
-        is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+        rp_plan *p = evaluated(&f, &c, 1, HAND_RANK, HAND_MB, CONTIG4, &s);
+        rp_error err;
         /* s0 alone: (1 + 3) 2 + (1 + 1) 4 + (1 + 1) 4, forward and backward, no fixed cost */
         is_double(rp_cost_dense_s(c, 4), 24.0, 1e-12, "rp_cost_dense_s: a sequence's dense work, each term at its multiplier");
         /* dense forward: GPU0 2 + 4 + 4 + 0.25 = 10.25, GPU1 1.625 + 5 + 5 + 0.25 = 11.875
@@ -413,7 +379,7 @@ static void test_hand_terms(void)
         rp_text_free(ctx, text);
         rp_plan_free(p);
         rp_cost_free(c);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 
@@ -439,7 +405,7 @@ static void test_hand_attention_curve(void)
     is_double(A[1], 6.9, 1e-12, "A(GPU1) = a(2) + a(3): each sequence at its own efficiency");
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* Group synchronisation: 4 GPUs in 2 EP groups of 2; s0 on GPU0, s1 on GPU1 (group 0),
@@ -459,11 +425,8 @@ static void test_hand_sync(void)
         fixture f;
         ok(hand_fixture_with(&f, 1, 4, 2, "1", HAND_HW, exec[v]), "sync %s fixture", v ? "global" : "group");
         rp_cost *c = NULL;
-        rp_error err;
-        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
-        rp_plan *p = plan_of(&f, 1, rank, mb, CONTIG4);
         rp_cost_summary s;
-        is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+        rp_plan *p = evaluated(&f, &c, 1, rank, mb, CONTIG4, &s);
         is_double(s.step_s, step[v], 1e-12 * step[v], "step under sync %s", v ? "global" : "group");
         is_double(s.lower_bound_s, bound[v], 1e-12 * bound[v], "lower bound under sync %s", v ? "global" : "group");
         is_double(rp_cost_layer_s(c, 0, 0), v ? 3 * 20.25 : 3 * 18.25, 1e-12 * 60, "T(0,0): %s",
@@ -476,7 +439,7 @@ static void test_hand_sync(void)
         }
         rp_plan_free(p);
         rp_cost_free(c);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 
@@ -496,11 +459,9 @@ static void test_layer_straggler_domain(void)
         ok(hand_fixture_with(&f, 1, 4, 2, "[1, 1, 1, 0.5]", HAND_HW, exec[v]), "straggler fixture, sync %s",
            v ? "global" : "group");
         rp_cost *c = NULL;
-        rp_error err;
-        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
-        rp_plan *p = plan_of(&f, 1, rank, mb, CONTIG4);
         rp_cost_summary s;
-        is_int(rp_cost_evaluate(c, p, &s, &err), RP_OK, "evaluates");
+        rp_plan *p = evaluated(&f, &c, 1, rank, mb, CONTIG4, &s);
+        rp_error err;
         is_double(rp_cost_expert_breakdown(c)[3], 8.4, 1e-12, "GPU 3's experts at layer 0 take 8.4");
         int32_t g = -1;
         rp_side side = rp_cost_layer_straggler(c, 0, 0, &g);
@@ -526,7 +487,7 @@ static void test_layer_straggler_domain(void)
         rp_text_free(ctx, text);
         rp_plan_free(p);
         rp_cost_free(c);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 
@@ -558,7 +519,7 @@ static void test_hand_dispatch_bytes(void)
            D[0], D[1], D[2], D[3]);
         rp_plan_free(p);
         rp_cost_free(c);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 
@@ -585,7 +546,7 @@ static void test_hand_dedup_gpu(void)
     is_double(D[3], 5.3, 1e-12, "L1 GPU1");
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* Dispatch across nodes: 2 nodes x 2 GPUs in one EP group, one expert per GPU, top-2.
@@ -617,7 +578,7 @@ static void test_hand_dedup_node(void)
         uint8_t ids[4] = {2, 3, 2, 0};
         int32_t p2l[4] = {0, 1, 2, 3};
         fixture f;
-        ok(fixture_make(&f, json, 1, lens, ids, 1, 2, 4), "two-node fixture, dedup %s", modes[v]);
+        ok(fixture_make(&f, json, 1, lens, ids), "two-node fixture, dedup %s", modes[v]);
         rp_cost *c = NULL;
         rp_error err;
         rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
@@ -629,7 +590,7 @@ static void test_hand_dedup_node(void)
            "dedup %s: dispatch %g %g %g %g", modes[v], D ? D[0] : -1, D ? D[1] : -1, D ? D[2] : -1, D ? D[3] : -1);
         rp_plan_free(p);
         rp_cost_free(c);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 
@@ -654,7 +615,7 @@ static void test_units(void)
     is_double((a4 - 2 * a2) / (a2 - 2 * a1), 4.0, 1e-9, "quadratic part scales as L^2");
     is_double(rp_cost_attention_s(c, 0), 0.0, 0.0, "empty sequence");
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 
     /* The reference config's constants, formula by formula. */
     rp_config *cfg = NULL;
@@ -710,7 +671,7 @@ static void test_straggler(void)
         /* bound: the attention share uses the total speed 1.25 */
         rp_plan_free(p);
         rp_cost_free(c);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 
@@ -729,7 +690,7 @@ static void test_bound_tight(void)
         ids[2 * t] = (uint8_t)(t % 2 ? 2 : 0);
         ids[2 * t + 1] = (uint8_t)(t % 2 ? 3 : 1);
     }
-    ok(fixture_make(&f, json, 2, lens, ids, 1, 2, 4), "balanced fixture");
+    ok(fixture_make(&f, json, 2, lens, ids), "balanced fixture");
     rp_cost *c = NULL;
     rp_error err;
     rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
@@ -744,7 +705,7 @@ static void test_bound_tight(void)
     is_double(s.ratio, 1.0, 1e-12, "ratio 1");
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- migration ------------------------------------------------------------------- */
@@ -768,7 +729,7 @@ static void test_migration(void)
     /* One EP group over both nodes (ranks 0,1 on node 0; 2,3 on node 1). One expert
      * is 3 d f (2 + 12) = 336 bytes. */
     snprintf(json, sizeof json, cfg_fmt, 4);
-    ok(fixture_make(&f, json, 1, lens, ids, 2, 1, 4), "migration fixture, EP 4 over 2 nodes");
+    ok(fixture_make(&f, json, 1, lens, ids), "migration fixture, EP 4 over 2 nodes");
     rp_cost *c = NULL;
     rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
     /* L0: ranks 0, 1 keep their experts in another order; rank 2 gains 0 and rank 3
@@ -798,12 +759,12 @@ static void test_migration(void)
     rp_plan_free(pb);
     rp_plan_free(pe);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 
     /* Two EP groups, one per node: a swap of experts 1 and 2 is copied in each group
      * over its own NVLink: 4 copies, 1344 bytes, 336/8 + 0.5 = 42.5 s. */
     snprintf(json, sizeof json, cfg_fmt, 2);
-    fixture_make(&f, json, 1, lens, ids, 2, 1, 4);
+    fixture_make(&f, json, 1, lens, ids);
     rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
     int32_t from2[8] = {0, 1, 2, 3, 0, 1, 2, 3}, to2[8] = {0, 2, 1, 3, 0, 1, 2, 3};
     pf = plan_of(&f, 1, NULL, NULL, from2);
@@ -814,7 +775,7 @@ static void test_migration(void)
     rp_plan_free(pf);
     rp_plan_free(pt);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- random plans: bound and incremental ----------------------------------------- */
@@ -862,7 +823,7 @@ static bool random_fixture(fixture *f, rng *r, int ep, int slots, const char *sp
                 for (int j = 0; j < RK; j++) ids[(t * RL + l) * RK + j] = (uint8_t)((first + j * 5) % RE);
             }
     }
-    bool done = fixture_make(f, json, RN, lens, ids, RL, RK, RE);
+    bool done = fixture_make(f, json, RN, lens, ids);
     free(ids);
     return done;
 }
@@ -944,7 +905,7 @@ static void test_bound_random(void)
         }
         rp_cost_free(c[0]);
         rp_cost_free(c[1]);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
     is_int(runs, 200, "200 random plans evaluated {%s}", random_execution);
     is_int(fails, 0, "lower bound <= step on every random plan (largest ratio %.2f) {%s}", worst, random_execution);
@@ -997,7 +958,7 @@ static void test_same_packing(void)
             rp_plan_free(p);
             rp_plan_free(q);
         }
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
     is_int(runs, 20, "20 plan pairs with one packing evaluated");
     is_int(same, runs, "a second placement on a bound packing evaluates as on a fresh evaluator, bit for bit");
@@ -1134,7 +1095,7 @@ static void test_incremental(void)
         rp_plan_free(p);
         rp_cost_free(c);
         rp_cost_free(full);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
     const char *x = random_execution; /* the setting, so a failing check says which */
     ok(trials > 200, "%d incremental changes compared with full evaluations {%s}", trials, x);
@@ -1186,7 +1147,7 @@ static void test_json(void)
     rp_text_free(ctx, text);
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- bad input ------------------------------------------------------------------- */
@@ -1258,7 +1219,7 @@ static void test_bad_constants(void)
     is_int(rp_cost_new(ctx, f.cfg, f.batch, NULL, RP_SPLIT_EVEN, &c, &err), RP_EINVAL, "missing statistics");
     is_int(rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err), RP_OK, "restored config is accepted");
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 static void test_bad_batch(void)
@@ -1306,7 +1267,7 @@ static void test_bad_batch(void)
     rp_stats_free(s_empty);
     rp_batch_free(b2);
     rp_batch_free(b0);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 static void test_bad_plans(void)
@@ -1392,7 +1353,7 @@ static void test_bad_plans(void)
     char *cap = strstr(json, "\"max_tokens_per_microbatch\": 100");
     memcpy(cap + 29, "6  ", 3);
     fixture capped;
-    fixture_make(&capped, json, 3, HAND_LENS, HAND_IDS, 2, 2, 4);
+    fixture_make(&capped, json, 3, HAND_LENS, HAND_IDS);
     rp_cost_new(ctx, capped.cfg, capped.batch, capped.stats, RP_SPLIT_EVEN, &c, &err);
     good = plan_of(&capped, 1, HAND_RANK, HAND_MB, CONTIG4);
     rp_cost_evaluate(c, good, NULL, &err);
@@ -1405,7 +1366,7 @@ static void test_bad_plans(void)
     is_int(rp_plan_seq_rank(good, 1), 0, "... moves the sequence in the plan");
     rp_plan_free(good);
     rp_cost_free(c);
-    fixture_free(&capped);
+    batch_fixture_free(&capped);
 
     /* the activation memory cap: 10 bytes per token, 60 bytes: again 6 tokens */
     snprintf(json, sizeof json, HAND_CFG, 1, 2, 2, "1", HAND_HW, HAND_EXEC);
@@ -1413,7 +1374,7 @@ static void test_bad_plans(void)
     const char *act = "\"max_tokens_per_microbatch\": 100, \"max_activation_bytes\": 60, "
                       "\"activation_bytes_per_token\": 10}}";
     memcpy(cap, act, strlen(act) + 1);
-    ok(fixture_make(&capped, json, 3, HAND_LENS, HAND_IDS, 2, 2, 4), "config with an activation memory cap");
+    ok(fixture_make(&capped, json, 3, HAND_LENS, HAND_IDS), "config with an activation memory cap");
     rp_cost_new(ctx, capped.cfg, capped.batch, capped.stats, RP_SPLIT_EVEN, &c, &err);
     good = plan_of(&capped, 1, HAND_RANK, HAND_MB, CONTIG4);
     rp_cost_evaluate(c, good, NULL, &err);
@@ -1424,9 +1385,9 @@ static void test_bad_plans(void)
     ok(isinf(rp_cost_try_swap(c, 0, 1)), "a swap that overfills one microbatch is infinite (2 and 7 tokens)");
     rp_plan_free(good);
     rp_cost_free(c);
-    fixture_free(&capped);
-    fixture_free(&f);
-    fixture_free(&other);
+    batch_fixture_free(&capped);
+    batch_fixture_free(&f);
+    batch_fixture_free(&other);
 }
 
 static void test_unbound(void)
@@ -1458,7 +1419,7 @@ static void test_unbound(void)
     ok(rp_plan_seq_rank(p, 0) == 1 && rp_plan_seq_rank(p, 2) == 0, "... swaps the sequences' ranks in the plan");
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* Fail the N-th allocation of new, evaluate and the JSON dump, for every N. */
@@ -1506,7 +1467,7 @@ static void test_alloc_failures(void)
     ok(failures > 5, "%d allocation failures injected", failures);
     is_int(bad, 0, "each fails with RP_ENOMEM, leaks nothing and leaves the evaluator usable");
     rp_plan_free(p);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* rp_cost_evaluation_needs tells, before anything is allocated, exactly the bytes an
@@ -1539,7 +1500,7 @@ static void test_evaluation_needs(void)
                 rp_plan_free(p);
                 rp_cost_free(c);
             }
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
     is_int(exact, runs, "the estimate is exactly what %d evaluations allocated, and the work grows with M", runs);
 
@@ -1555,7 +1516,7 @@ static void test_evaluation_needs(void)
     like(err.text, "has no packing", "... saying so");
     rp_plan_free(p);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 int main(void)

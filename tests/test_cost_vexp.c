@@ -9,48 +9,15 @@
 
 static rp_context *ctx;
 
-typedef struct fixture {
-    rp_config *cfg;
-    rp_batch *batch;
-    uint8_t *ids;
-    rp_stats *stats;
-} fixture;
+typedef batch_fixture fixture; /* test_util.h */
 
 /* Prompt-only sequences with a packed [tokens][layers][k] uint8 routing. */
-static bool fixture_make(fixture *f, const char *cfg_json, int32_t n, const int32_t *lens, const uint8_t *ids,
-                         int32_t layers, int32_t k, int32_t experts)
+static bool fixture_make(fixture *f, const char *cfg_json, int32_t n, const int32_t *lens, const uint8_t *ids)
 {
     rp_error err;
-    memset(f, 0, sizeof *f);
-    if (rp_config_parse(ctx, cfg_json, strlen(cfg_json), "<test>", &f->cfg, &err) != RP_OK) {
-        diag("config: %s", err.text);
-        return false;
-    }
-    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
-    int64_t tokens = 0;
-    for (int32_t i = 0; i < n; i++) tokens += lens[i];
-    bool okay = rp_batch_new(ctx, n, lens, zero, NULL, &f->batch, &err) == RP_OK;
-    free(zero);
-    if (!okay) return false;
-    size_t bytes = (size_t)tokens * layers * k + 1;
-    f->ids = malloc(bytes);
-    memcpy(f->ids, ids, bytes - 1);
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, layers, k, f->ids);
-    if (rp_stats_compute(ctx, f->batch, &r, experts, 1, &f->stats, &err) != RP_OK) {
-        diag("stats: %s", err.text);
-        return false;
-    }
-    return true;
-}
-
-static void fixture_free(fixture *f)
-{
-    rp_stats_free(f->stats);
-    free(f->ids);
-    rp_batch_free(f->batch);
-    rp_config_free(f->cfg);
-    memset(f, 0, sizeof *f);
+    if (batch_fixture_make(ctx, f, cfg_json, n, lens, NULL, ids, &err)) return true;
+    diag("fixture: %s", err.text);
+    return false;
 }
 
 /* 2 GPUs in one node, EP 2, 2 experts (one per rank), top-1, one layer.
@@ -80,7 +47,7 @@ static void test_hand(void)
     static const int32_t lens[] = {4, 4};
     static const uint8_t ids[8] = {0};
     fixture f;
-    if (!fixture_make(&f, json, 2, lens, ids, 1, 1, 2)) {
+    if (!fixture_make(&f, json, 2, lens, ids)) {
         ok(0, "hand fixture");
         return;
     }
@@ -130,7 +97,7 @@ static void test_hand(void)
 out:
     rp_plan_free(plan);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* A config where the balancer cannot run: a plan that asks for it is refused by name. */
@@ -144,7 +111,7 @@ static void test_refused_config(void)
     static const int32_t lens[] = {4, 4};
     static const uint8_t ids[8] = {0};
     fixture f;
-    if (!fixture_make(&f, json, 2, lens, ids, 1, 1, 2)) {
+    if (!fixture_make(&f, json, 2, lens, ids)) {
         ok(0, "spanning fixture");
         return;
     }
@@ -165,7 +132,7 @@ static void test_refused_config(void)
     }
     rp_plan_free(plan);
     rp_cost_free(c);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* 4 GPUs (one node), EP 4, 8 experts, top-2, 2 layers, 2 microbatches, 16 sequences of
@@ -192,7 +159,7 @@ static void test_random(void)
         ids[t * K + 1] = (uint8_t)b;
     }
     fixture f;
-    bool made = fixture_make(&f, RANDOM, N, lens, ids, L, K, E);
+    bool made = fixture_make(&f, RANDOM, N, lens, ids);
     free(ids);
     if (!made) {
         ok(0, "random fixture");
@@ -248,7 +215,7 @@ out:
     rp_plan_free(plan);
     rp_cost_free(c);
     rp_cost_free(full);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* The joint planner when the trainer runs the balancer (execution.per_forward_balancing):
@@ -271,7 +238,7 @@ static void test_joint(void)
     snprintf(json, sizeof json, "%.*s, \"execution\": {\"per_forward_balancing\": \"%s\"}}", (int)strlen(RANDOM) - 1,
              RANDOM, "virtual_experts");
     fixture f;
-    bool made = fixture_make(&f, json, N, lens, ids, L, K, E);
+    bool made = fixture_make(&f, json, N, lens, ids);
     free(ids);
     if (!made) {
         ok(0, "joint fixture");
@@ -294,7 +261,7 @@ static void test_joint(void)
     }
     rp_plan_free(plan);
     rp_plan_free(contiguous);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 int main(void)

@@ -5,6 +5,7 @@
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -13,21 +14,9 @@
 static rp_context *ctx;
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
-static uint32_t rnd(uint32_t n)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state % n);
-}
+static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
 
-typedef struct fixture {
-    rp_config *cfg;
-    rp_batch *batch;
-    uint8_t *ids;
-    rp_stats *stats;
-    int32_t E, K, L;
-} fixture;
+typedef batch_fixture fixture; /* test_util.h */
 
 /* Members of the configs' "execution" object (empty: the defaults). */
 static const char *config_execution = "";
@@ -59,46 +48,32 @@ static bool fixture_make(fixture *f, rp_config *cfg, int32_t n, const int32_t *l
     f->cfg = cfg;
     if (!cfg) return false;
     const rp_model *md = rp_config_model(cfg);
-    f->E = md->num_experts, f->K = md->top_k, f->L = md->num_layers;
-    int32_t *zero = calloc((size_t)n + 1, sizeof *zero), *gid = calloc((size_t)n + 1, sizeof *gid);
+    const int32_t E = md->num_experts, K = md->top_k, L = md->num_layers;
+    int32_t *gid = calloc((size_t)n + 1, sizeof *gid);
     for (int32_t s = 0; s < n; s++) gid[s] = s / 4;
     rp_error err;
-    rp_status st = rp_batch_new(ctx, n, lens, zero, gid, &f->batch, &err);
-    free(zero);
+    bool made = batch_fixture_batch(ctx, f, n, lens, gid, NULL, &err);
     free(gid);
-    if (st != RP_OK) return false;
-    int64_t tokens = rp_batch_num_tokens(f->batch);
-    const int64_t per = (int64_t)f->L * f->K;
-    f->ids = malloc((size_t)(tokens * per) + 1);
+    if (!made) return false;
+    const int64_t per = (int64_t)L * K;
     const int64_t *cu = rp_batch_cu_seqlens(f->batch);
     for (int32_t s = 0; s < n; s++) {
-        int32_t pref = (int32_t)rnd((uint32_t)f->E);
+        int32_t pref = (int32_t)rnd((uint32_t)E);
         for (int64_t t = cu[s]; t < cu[s + 1]; t++)
-            for (int32_t l = 0; l < f->L; l++) {
-                uint8_t *out = f->ids + t * per + (int64_t)l * f->K;
+            for (int32_t l = 0; l < L; l++) {
+                uint8_t *out = f->ids + t * per + (int64_t)l * K;
                 int32_t start;
                 if (hot >= 1.0) start = 0;
-                else if (rnd(1000) < (uint32_t)(hot * 1000)) start = (pref + l * 3) % f->E;
-                else start = (int32_t)rnd((uint32_t)f->E);
-                for (int32_t k = 0; k < f->K; k++) out[k] = (uint8_t)((start + k) % f->E);
+                else if (rnd(1000) < (uint32_t)(hot * 1000)) start = (pref + l * 3) % E;
+                else start = (int32_t)rnd((uint32_t)E);
+                for (int32_t k = 0; k < K; k++) out[k] = (uint8_t)((start + k) % E);
             }
     }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, f->L, f->K, f->ids);
-    if (rp_stats_compute(ctx, f->batch, &r, f->E, 1, &f->stats, &err) != RP_OK) {
+    if (!batch_fixture_stats(ctx, f, &err)) {
         diag("stats: %s", err.text);
         return false;
     }
     return true;
-}
-
-static void fixture_free(fixture *f)
-{
-    rp_stats_free(f->stats);
-    free(f->ids);
-    rp_batch_free(f->batch);
-    rp_config_free(f->cfg);
-    memset(f, 0, sizeof *f);
 }
 
 static const char *const no_fallbacks[] = {NULL};
@@ -122,7 +97,7 @@ static void test_determinism(void)
     fixture f;
     if (!fixture_make(&f, make_config(2, 4, 4, 3, 3, 8, 2, 1024, NULL), 48, lens, 0.7)) {
         skip(4, "fixture");
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_joint_params par = rp_joint_defaults();
@@ -152,7 +127,7 @@ static void test_determinism(void)
     rp_plan_free(d);
     rp_cost_free(cost);
     rp_context_free(other);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- property: always a valid plan ---- */
@@ -205,7 +180,7 @@ static void test_random_batches(void)
         if (!fixture_make(&f, make_config(sh->nodes, sh->gpn, sh->ep, sh->slots, sh->L, sh->E, sh->K, sh->cap, NULL),
                           n, lens, hot)) {
             failures++;
-            fixture_free(&f);
+            batch_fixture_free(&f);
             continue;
         }
         rp_joint_params par = rp_joint_defaults();
@@ -249,7 +224,7 @@ static void test_random_batches(void)
         }
         rp_plan_free(p);
         rp_plan_free(p2);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
     config_execution = "";
     if (*first_problem) diag("first problem: %s", first_problem);
@@ -288,7 +263,6 @@ static bool gen_fixture(fixture *f, rp_gen *g, int32_t step)
     rp_routing r;
     rp_error err;
     if (!f->cfg || rp_gen_step(g, step, &f->batch, &r, &err) != RP_OK) return false;
-    f->E = 16, f->K = 4, f->L = 4;
     return rp_stats_compute(ctx, f->batch, &r, 16, 1, &f->stats, &err) == RP_OK;
 }
 
@@ -301,7 +275,7 @@ static void test_never_worse(void)
         fixture f;
         if (!g || !gen_fixture(&f, g, 0)) {
             rp_gen_free(g);
-            fixture_free(&f);
+            batch_fixture_free(&f);
             continue;
         }
         batches++;
@@ -332,7 +306,7 @@ static void test_never_worse(void)
         }
         rp_plan_free(p);
         rp_plan_free(pure);
-        fixture_free(&f);
+        batch_fixture_free(&f);
         rp_gen_free(g);
     }
     is_int(batches, 6, "six generated batches (OLMoE C4 and Tulu profiles, Azure prompts)");
@@ -369,7 +343,7 @@ static void test_migration(void)
     if (!g || !gen_fixture(&f, g, 0)) {
         skip(7, "fixture");
         rp_gen_free(g);
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_error err;
@@ -435,7 +409,7 @@ static void test_migration(void)
     rp_plan_free(kept);
     rp_plan_free(moved);
     rp_plan_free(contig);
-    fixture_free(&f);
+    batch_fixture_free(&f);
     rp_gen_free(g);
 }
 
@@ -448,7 +422,7 @@ static void test_options(void)
     if (!g || !gen_fixture(&f, g, 0)) {
         skip(6, "fixture");
         rp_gen_free(g);
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_error err;
@@ -490,7 +464,7 @@ static void test_options(void)
     rp_plan_free(p0);
     rp_plan_free(p1);
     rp_plan_free(p3);
-    fixture_free(&f);
+    batch_fixture_free(&f);
     rp_gen_free(g);
 }
 
@@ -503,7 +477,7 @@ static void test_bad_input(void)
     fixture f;
     if (!fixture_make(&f, make_config(1, 4, 4, 3, 2, 8, 2, 100, NULL), 12, lens, 0.5)) {
         skip(19, "fixture");
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_plan *p = NULL;
@@ -550,7 +524,7 @@ static void test_bad_input(void)
     } else {
         skip(3, "fixture");
     }
-    fixture_free(&g);
+    batch_fixture_free(&g);
     int32_t long_lens[2] = {50, 150};
     fixture h;
     if (fixture_make(&h, make_config(1, 4, 4, 3, 2, 8, 2, 100, NULL), 2, long_lens, 0.5)) {
@@ -560,29 +534,11 @@ static void test_bad_input(void)
     } else {
         skip(2, "fixture");
     }
-    fixture_free(&h);
-    fixture_free(&f);
+    batch_fixture_free(&h);
+    batch_fixture_free(&f);
 }
 
-/* ---- allocation failures ---- */
-
-typedef struct counting {
-    long live, calls, fail_at;
-} counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
+/* ---- allocation failures (counting_alloc: test_util.h) ---- */
 
 static void test_alloc_failures(void)
 {
@@ -591,7 +547,7 @@ static void test_alloc_failures(void)
     fixture f;
     if (!fixture_make(&f, make_config(2, 2, 4, 3, 2, 8, 2, 100, NULL), 16, lens, 0.6)) {
         skip(1, "fixture");
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_plan *prev = NULL;
@@ -599,7 +555,7 @@ static void test_alloc_failures(void)
     bool clean = true, done = false;
     long attempts = 0;
     for (long n = 1; n < 5000 && !done; n++) {
-        counting c = {0, 0, 0};
+        counting c = {0};
         rp_context *cx;
         rp_context_new(counting_alloc, &c, &cx);
         long base = c.live;
@@ -622,7 +578,7 @@ static void test_alloc_failures(void)
     }
     ok(clean && done, "fails cleanly at every allocation and leaks nothing (%ld runs)", attempts);
     rp_plan_free(prev);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- the evaluator the caller passes: the returned plan's packing stays bound ---- */
@@ -663,7 +619,7 @@ static void test_evaluator_reuse(void)
         rp_plan_free(p);
         rp_plan_free(other);
         rp_cost_free(c);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
     rp_gen_free(g);
     ok(ran && reused, "the caller's evaluator stays bound to the returned plan's packing (its counts are reused)");

@@ -14,12 +14,7 @@
 
 static rp_context *ctx;
 
-typedef struct fixture {
-    rp_config *cfg;
-    rp_gen *gen;
-    rp_batch *batch;
-    rp_stats *stats;
-} fixture;
+typedef batch_fixture fixture; /* test_util.h */
 
 static rp_config *make_config(int nodes, int gpn, int ep, int slots)
 {
@@ -30,9 +25,9 @@ static rp_config *make_config(int nodes, int gpn, int ep, int slots)
              "  \"expert_ffn_size\": 128, \"num_heads\": 4, \"head_dim\": 64},"
              " \"limits\": {\"max_tokens_per_microbatch\": 1024}}",
              nodes, gpn, ep, slots);
-    rp_config *cfg = NULL;
     rp_error err;
-    if (rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, &err) != RP_OK) diag("config: %s", err.text);
+    rp_config *cfg = test_config_parse(ctx, json, &err);
+    if (!cfg) diag("config: %s", err.text);
     return cfg;
 }
 
@@ -60,15 +55,6 @@ static bool fixture_make(fixture *f, rp_config *cfg, uint64_t seed)
         return false;
     }
     return true;
-}
-
-static void fixture_free(fixture *f)
-{
-    rp_stats_free(f->stats);
-    rp_batch_free(f->batch);
-    rp_gen_free(f->gen);
-    rp_config_free(f->cfg);
-    memset(f, 0, sizeof *f);
 }
 
 static const char *const no_fallbacks[] = {NULL};
@@ -103,7 +89,7 @@ static void test_virtual_experts_candidate(void)
     fixture f;
     if (!fixture_make(&f, make_config(2, 4, 4, 5), 7)) {
         skip(14, "fixture");
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_error err;
@@ -160,12 +146,12 @@ static void test_virtual_experts_candidate(void)
     rp_plan_free(own);
     rp_plan_free(vx);
     rp_plan_free(either);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 
     /* an EP group across nodes: the balancer cannot run, so it is never offered */
     if (!fixture_make(&f, make_config(2, 2, 4, 5), 7)) {
         skip(2, "fixture");
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_plan *p = NULL;
@@ -178,7 +164,7 @@ static void test_virtual_experts_candidate(void)
     ok(p && rp_plan_balancing(p) == RP_BALANCING_NONE && isnan(rep.virtual_experts_step_s),
        "without the candidate the balancer could not run");
     rp_plan_free(p);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* Under pipeline parallelism the candidate gets its own microbatch order, as the joint
@@ -196,7 +182,7 @@ static void test_candidate_under_pp(void)
     fixture f;
     if (!fixture_make(&f, cfg, 5)) {
         skip(2, "fixture");
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_joint_params par = rp_joint_defaults();
@@ -224,7 +210,7 @@ static void test_candidate_under_pp(void)
     rp_cost_free(c);
     rp_plan_free(p);
     rp_plan_free(plain);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- relabelling a re-placed layer's ranks ---- */
@@ -255,7 +241,7 @@ static void test_relabel(void)
     fixture f;
     if (!fixture_make(&f, make_config(2, 4, 4, 5), 11)) {
         skip(5, "fixture");
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_error err;
@@ -280,7 +266,7 @@ static void test_relabel(void)
     rp_plan_free(prev);
     rp_plan_free(with);
     rp_plan_free(without);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- allocation failures on the new paths ---- */
@@ -290,7 +276,7 @@ static void test_alloc_failures(void)
     fixture f;
     if (!fixture_make(&f, make_config(2, 4, 4, 5), 3)) {
         skip(1, "fixture");
-        fixture_free(&f);
+        batch_fixture_free(&f);
         return;
     }
     rp_plan *first = NULL, *prev = NULL;
@@ -324,7 +310,7 @@ static void test_alloc_failures(void)
        attempts);
     rp_plan_free(first);
     rp_plan_free(prev);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 int main(void)

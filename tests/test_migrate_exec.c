@@ -103,22 +103,31 @@ static const char *fault_name(rp_fault_kind k)
     }
 }
 
+/* The scene of the fault, refusal and late-rank tests: 2 layers of 10 experts on 4 EP
+ * ranks of 3 slots (2 nodes of 2 GPUs), random placements moved one rank on (w_rotate);
+ * `other`, when not NULL, gets the target moved one rank further. False, having said so
+ * (`what` scene setup) and freed the scene, when it cannot be made. */
+enum { RS_L = 2, RS_EP = 4, RS_SLOTS = 3, RS_E = 10, RS_S = RS_EP * RS_SLOTS };
+static bool rotated_scene(scene *s, rp_context *ctx, const char *what, int32_t other[RS_L * RS_S])
+{
+    int32_t cur[RS_L * RS_S], tgt[RS_L * RS_S];
+    for (int l = 0; l < RS_L; l++) w_random_layer(cur + l * RS_S, RS_S, RS_E);
+    w_rotate(cur, tgt, RS_L, RS_EP, RS_SLOTS);
+    if (other) w_rotate(tgt, other, RS_L, RS_EP, RS_SLOTS);
+    if (scene_init(s, ctx, 2, 2, RS_EP, RS_SLOTS, RS_L, RS_E, cur, tgt, 100, 0) == 0) return true;
+    ok(0, "%s scene setup", what);
+    scene_free(s);
+    return false;
+}
+
 static void test_faults(rp_context *ctx)
 {
-    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
     rp_fault_kind kinds[] = {RP_FAULT_DROP, RP_FAULT_CORRUPT, RP_FAULT_DELAY, RP_FAULT_SEND_FAIL};
     rp_status want[] = {RP_ETIMEOUT, RP_ECHECKSUM, RP_ETIMEOUT, RP_ETRANSPORT};
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
         for (int rank = 0; rank < NR; rank++) {
-            int32_t cur[2 * 12], tgt[2 * 12];
-            for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
-            w_rotate(cur, tgt, L, ep, slots);
             scene s;
-            if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, 100, 0) != 0) {
-                ok(0, "fault scene setup");
-                scene_free(&s);
-                continue;
-            }
+            if (!rotated_scene(&s, ctx, "fault", NULL)) continue;
             int64_t nth = (int64_t)(rank + k) % 3;
             int tensor = -1;
             int64_t ti = w_fault_message(s.mp, &s.lay, rank, nth, &tensor);
@@ -218,17 +227,10 @@ static void test_fault_later_round(rp_context *ctx)
 
 static void test_refusals(rp_context *ctx)
 {
-    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
-    int32_t cur[2 * 12], tgt[2 * 12], other[2 * 12];
-    for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
-    w_rotate(cur, tgt, L, ep, slots);
-    w_rotate(tgt, other, L, ep, slots);
+    const int L = RS_L, slots = RS_SLOTS;
+    int32_t other[RS_L * RS_S];
     scene s;
-    if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, 100, 0) != 0) {
-        ok(0, "refusal scene setup");
-        scene_free(&s);
-        return;
-    }
+    if (!rotated_scene(&s, ctx, "refusal", other)) return;
     rank_run runs[NR];
     rp_error err;
 
@@ -469,17 +471,9 @@ static void test_absent_rank(rp_context *ctx)
  * before the late rank arrives and the transport is unusable. */
 static void test_late_rank(rp_context *ctx)
 {
-    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
     for (int bounded = 1; bounded >= 0; bounded--) {
-        int32_t cur[2 * 12], tgt[2 * 12];
-        for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
-        w_rotate(cur, tgt, L, ep, slots);
         scene s;
-        if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, 100, 0) != 0) {
-            ok(0, "late-rank scene setup");
-            scene_free(&s);
-            continue;
-        }
+        if (!rotated_scene(&s, ctx, "late-rank", NULL)) continue;
         rank_run runs[NR];
         if (bounded) scene_runs_fault(&s, runs, 0.25);
         else scene_runs(&s, runs, 0.25);

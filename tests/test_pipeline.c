@@ -316,19 +316,7 @@ static bool scene_make(scene *s, const char *topo, const char *extra, int32_t M)
     int32_t S = rp_plan_total_slots(s->plan), phy[256];
     const int32_t *sb = rp_plan_slot_begin(s->plan);
     for (int32_t l = 0; l < 6; l++) {
-        for (int32_t p = 0; p < S; p++) phy[p] = p < 8 ? p : -1;
-        for (int32_t p = 7; p > 0; p--) {
-            int32_t q = (int32_t)rnd((uint32_t)p + 1), tmp = phy[p];
-            phy[p] = phy[q];
-            phy[q] = tmp;
-        }
-        for (int32_t p = 8; p < S; p++) {
-            int32_t e = (int32_t)rnd(8), j = 0;
-            while (sb[j + 1] <= p) j++;
-            bool held = false;
-            for (int32_t k = sb[j]; k < sb[j + 1]; k++) held |= phy[k] == e;
-            if (!held) phy[p] = e;
-        }
+        random_placement(phy, sb, S, 8, &rng_state);
         rp_plan_set_phy2log(s->plan, l, phy, &err);
     }
     /* a random packing breaks a low token cap: only the joint test sets one, and plans itself */

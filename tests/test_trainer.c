@@ -17,12 +17,7 @@ static rp_context *ctx;
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
 static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
 
-typedef struct fixture {
-    rp_config *cfg;
-    rp_batch *batch;
-    uint8_t *ids;
-    rp_stats *stats;
-} fixture;
+typedef batch_fixture fixture; /* test_util.h */
 
 /* 4 GPUs on one node in EP groups of `ep`, 2 layers of 8 experts, top-2, cap `cap`
  * tokens, `trainer` the trainer section's body ("" for none). */
@@ -37,37 +32,22 @@ static bool fixture_make(fixture *f, int ep, int cap, const char *trainer, int32
              ep, 8 / ep + 1, cap, *trainer ? ", \"trainer\": {" : "", trainer, *trainer ? "}" : "");
     rp_error err;
     memset(f, 0, sizeof *f);
-    if (rp_config_parse(ctx, json, strlen(json), "<test>", &f->cfg, &err) != RP_OK) {
-        diag("config: %s", err.text);
+    if (!(f->cfg = test_config_parse(ctx, json, &err)) || !batch_fixture_batch(ctx, f, n, lens, NULL, NULL, &err)) {
+        diag("fixture: %s", err.text);
         return false;
     }
-    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
-    rp_status st = rp_batch_new(ctx, n, lens, zero, NULL, &f->batch, &err);
-    free(zero);
-    if (st != RP_OK) return false;
-    int64_t tokens = rp_batch_num_tokens(f->batch);
-    f->ids = malloc((size_t)tokens * 4 + 1); /* 2 layers x top-2 */
+    int64_t tokens = rp_batch_num_tokens(f->batch); /* 2 layers x top-2 ids each */
     for (int64_t t = 0; t < tokens * 2; t++) {
         uint8_t a = (uint8_t)(rnd(3) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
         if (b == a) b = (uint8_t)((a + 1) % 8);
         f->ids[2 * t] = a;
         f->ids[2 * t + 1] = b;
     }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, 2, 2, f->ids);
-    if (rp_stats_compute(ctx, f->batch, &r, 8, 1, &f->stats, &err) != RP_OK) {
+    if (!batch_fixture_stats(ctx, f, &err)) {
         diag("stats: %s", err.text);
         return false;
     }
     return true;
-}
-
-static void fixture_free(fixture *f)
-{
-    rp_stats_free(f->stats);
-    free(f->ids);
-    rp_batch_free(f->batch);
-    rp_config_free(f->cfg);
 }
 
 static int32_t rank_count(const rp_plan *p, int32_t g)
@@ -199,7 +179,7 @@ static void test_validation(void)
     rp_plan_set_contiguous(p, &err);
     is_int(rp_plan_validate(p, f.cfg, f.batch, &err), RP_OK, "equal counts in 2 microbatches pass");
     rp_plan_free(p);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 
     /* 7 sequences over 4 ranks */
     if (!fixture_make(&f, 4, 100, "\"equal_sequences_per_rank\": true", 7, lens)) {
@@ -217,7 +197,7 @@ static void test_validation(void)
            "(trainer.equal_sequences_per_rank needs the same count on every rank)",
            "one message naming both numbers and the key");
     rp_plan_free(p);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- the packers ---- */
@@ -246,7 +226,7 @@ static void test_baselines_hand(void)
         rp_plan_free(p);
         p = NULL;
     }
-    fixture_free(&f);
+    batch_fixture_free(&f);
 
     /* With it: 2 per rank, so the long one shares its rank with a 10 (KK with equal
      * sizes: the largest pairs with a smallest), and the cap of 1000 gives verl one
@@ -271,7 +251,7 @@ static void test_baselines_hand(void)
     is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk+eplb", 3, &p, &err), RP_EINVAL,
            "an explicit count of 3 is refused");
     like(err.text, "baseline: 3 microbatches is not a multiple of 2 (trainer.microbatch_multiple)", "saying why");
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 static void test_every_packer(void)
@@ -320,7 +300,7 @@ static void test_every_packer(void)
            "{%s}: the joint planner honours it (%d microbatches, chose %s)", trainers[t],
            p ? rp_plan_num_microbatches(p) : -1, st == RP_OK ? rep.chosen : "-");
         rp_plan_free(p);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 
@@ -355,7 +335,7 @@ static void test_joint_and_search(void)
            "an explicit odd count is refused");
     like(err.text, "joint: 3 microbatches is not a multiple of 2 (trainer.microbatch_multiple)", "saying why");
     rp_plan_free(p);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 
     /* the search's moves keep each rank's count */
     if (!fixture_make(&f, 2, 80, "\"equal_sequences_per_rank\": true", 32, lens)) {
@@ -376,7 +356,7 @@ static void test_joint_and_search(void)
        "moves stay inside a rank: counts equal, plan valid (%lld moves applied)", (long long)sr.moves);
     rp_cost_free(cost);
     rp_plan_free(p);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 static void test_not_divisible(void)
@@ -400,7 +380,7 @@ static void test_not_divisible(void)
     is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &jp, &p, NULL, &err), RP_EINVAL,
            "so does the joint planner");
     like(err.text, "joint: the batch has 10 sequences, which do not divide over the 4 DP ranks", "in the same words");
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* ---- trainer.nonempty_microbatches ---- */
@@ -442,7 +422,7 @@ static void test_nonempty_config_and_validation(void)
         return;
     }
     if (!fixture_make(&on, 4, 100, "\"nonempty_microbatches\": true", 8, lens)) {
-        fixture_free(&off);
+        batch_fixture_free(&off);
         skip(6, "fixture");
         return;
     }
@@ -476,8 +456,8 @@ static void test_nonempty_config_and_validation(void)
            "fewer microbatches, or turn the key off",
            "naming the numbers and the key");
     rp_plan_free(p);
-    fixture_free(&off);
-    fixture_free(&on);
+    batch_fixture_free(&off);
+    batch_fixture_free(&on);
 }
 
 /* Every packer on random batches, at fixed and chosen counts, leaves no cell empty under
@@ -502,7 +482,7 @@ static void test_nonempty_every_packer(void)
                 continue;
             }
             if (!fixture_make(&off, 2, 80, "", 16, lens)) {
-                fixture_free(&f);
+                batch_fixture_free(&f);
                 skip(1, "fixture");
                 continue;
             }
@@ -539,8 +519,8 @@ static void test_nonempty_every_packer(void)
             }
             ok(all, "round %d {%s}: every baseline and the joint planner (packing, swaps, search) fill every "
                "microbatch %s", round, trainers[t], why);
-            fixture_free(&f);
-            fixture_free(&off);
+            batch_fixture_free(&f);
+            batch_fixture_free(&off);
         }
     }
     ok(joint_empty_off > 0, "without the key the joint packing leaves %d cells empty on the same batches",
@@ -568,7 +548,7 @@ static void test_nonempty_every_packer(void)
        "no move empties a cell (%lld moves applied)", (long long)sr.moves);
     rp_cost_free(cost);
     rp_plan_free(p);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* The joint packing keeps the key as a rule of its greedy fill (joint_pack_open), not by
@@ -615,8 +595,8 @@ static void test_nonempty_packing_rule(void)
     }
     rp_plan_free(p);
     p = NULL;
-    fixture_free(&off);
-    fixture_free(&on);
+    batch_fixture_free(&off);
+    batch_fixture_free(&on);
 
     /* Karmarkar-Karp without equal sizes (rp_baseline_packing) gives the long sequence a
      * rank of its own: 1 sequence for 2 microbatches there, though the batch has 8 for 8
@@ -632,7 +612,7 @@ static void test_nonempty_packing_rule(void)
          "in every microbatch): give the step more sequences, fewer microbatches, or turn the key off",
          "naming the rank's count, the microbatches and the key");
     rp_plan_free(p);
-    fixture_free(&on);
+    batch_fixture_free(&on);
 }
 
 /* ---- trainer.per_forward_balancer ---- */
@@ -675,7 +655,7 @@ static void test_per_forward_balancer(void)
         return;
     }
     if (!fixture_make(&off, 4, 100, "\"per_forward_balancer\": false", 8, lens)) {
-        fixture_free(&on);
+        batch_fixture_free(&on);
         skip(9, "fixture");
         return;
     }
@@ -714,8 +694,8 @@ static void test_per_forward_balancer(void)
            rp_plan_balancing(p) == RP_BALANCING_NONE && rp_plan_validate(p, off.cfg, off.batch, NULL) == RP_OK,
        "no candidate with the balancer, a valid plan without it");
     rp_plan_free(p);
-    fixture_free(&on);
-    fixture_free(&off);
+    batch_fixture_free(&on);
+    batch_fixture_free(&off);
 }
 
 int main(void)

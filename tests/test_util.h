@@ -1,5 +1,6 @@
-/* Helpers the test programs share: a counting allocator that fails the N-th call, file
- * slurp/spit, a scratch directory, and running the routepack tool. */
+/* Helpers the test programs share: a counting allocator that fails the N-th call, a
+ * step to plan (batch_fixture), a random placement, file slurp/spit, a scratch
+ * directory, and running the routepack tool. */
 #ifndef RP_TEST_UTIL_H
 #define RP_TEST_UTIL_H
 
@@ -58,8 +59,6 @@ static inline uint64_t xorshift64(uint64_t *state)
     return *state;
 }
 
-/* The whole file, NUL-terminated (so text can be used as a string), malloc'd: free it.
- * Its length goes to *len when len is not NULL. NULL if it cannot be read. */
 /* Step t of `gen` with its routing ids copied into a buffer the caller frees (packed view
  * over it in *routing), so that several generated steps can be alive at once; NULL, with
  * err set, on error. */
@@ -80,6 +79,115 @@ static inline void *gen_step_copy(rp_gen *gen, int32_t t, rp_batch **batch, rp_r
     return ids;
 }
 
+/* A step for the unit tests to plan: its config, batch, routing ids (u8, the config's
+ * num_layers x top_k per token; NULL when a generator made the step, which then owns
+ * the routing) and their statistics. Zero it to start; batch_fixture_free undoes any
+ * part of it. */
+typedef struct batch_fixture {
+    rp_config *cfg;
+    rp_batch *batch;
+    uint8_t *ids;
+    rp_gen *gen;
+    rp_stats *stats;
+} batch_fixture;
+
+static inline void batch_fixture_free(batch_fixture *f)
+{
+    rp_stats_free(f->stats);
+    free(f->ids);
+    rp_batch_free(f->batch);
+    rp_gen_free(f->gen);
+    rp_config_free(f->cfg);
+    memset(f, 0, sizeof *f);
+}
+
+/* f->batch under f->cfg (set it first): n sequences of lens[s] prompt tokens and no
+ * response, group_ids[s] (NULL: each its own); and f->ids, room for the batch's routing,
+ * copied from `ids` when not NULL, else zero for the caller to fill before
+ * batch_fixture_stats. False with the reason in err->text. */
+static inline bool batch_fixture_batch(rp_context *ctx, batch_fixture *f, int32_t n, const int32_t *lens,
+                                       const int32_t *group_ids, const uint8_t *ids, rp_error *err)
+{
+    rp_error_clear(err);
+    if (!f->cfg) {
+        snprintf(err->text, sizeof err->text, "no config");
+        return false;
+    }
+    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
+    rp_status st = rp_batch_new(ctx, n, lens, zero, group_ids, &f->batch, err);
+    free(zero);
+    if (st != RP_OK) return false;
+    const rp_model *m = rp_config_model(f->cfg);
+    size_t bytes = (size_t)rp_batch_num_tokens(f->batch) * (size_t)m->num_layers * (size_t)m->top_k;
+    f->ids = calloc(bytes + 1, 1);
+    if (!f->ids) {
+        snprintf(err->text, sizeof err->text, "out of memory for %zu routing ids", bytes);
+        return false;
+    }
+    if (ids) memcpy(f->ids, ids, bytes);
+    return true;
+}
+
+/* f->stats of f->ids (u8, the config's layers, top-k and experts; one thread). */
+static inline bool batch_fixture_stats(rp_context *ctx, batch_fixture *f, rp_error *err)
+{
+    const rp_model *m = rp_config_model(f->cfg);
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, m->num_layers, m->top_k, f->ids);
+    return rp_stats_compute(ctx, f->batch, &r, m->num_experts, 1, &f->stats, err) == RP_OK;
+}
+
+/* The whole fixture from the config's JSON text, n prompt-only sequences (lens, group_ids
+ * or NULL) and their u8 routing `ids` ([tokens][num_layers][top_k]; NULL: zero, filled
+ * by the caller, who then calls batch_fixture_stats). False with the reason in err->text
+ * (the fixture is then freed). */
+static inline bool batch_fixture_make(rp_context *ctx, batch_fixture *f, const char *json, int32_t n,
+                                      const int32_t *lens, const int32_t *group_ids, const uint8_t *ids,
+                                      rp_error *err);
+
+/* A config from JSON text ("<test>" in messages); NULL with the reason in err->text. */
+static inline rp_config *test_config_parse(rp_context *ctx, const char *json, rp_error *err)
+{
+    rp_config *cfg = NULL;
+    if (rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, err) != RP_OK) return NULL;
+    return cfg;
+}
+
+static inline bool batch_fixture_make(rp_context *ctx, batch_fixture *f, const char *json, int32_t n,
+                                      const int32_t *lens, const int32_t *group_ids, const uint8_t *ids,
+                                      rp_error *err)
+{
+    memset(f, 0, sizeof *f);
+    bool good = (f->cfg = test_config_parse(ctx, json, err)) != NULL &&
+                batch_fixture_batch(ctx, f, n, lens, group_ids, ids, err) && (!ids || batch_fixture_stats(ctx, f, err));
+    if (!good) batch_fixture_free(f);
+    return good;
+}
+
+/* A random placement of one layer's E experts over S slots (EP rank j holds slots
+ * sb[j] .. sb[j + 1] - 1) into phy: the experts shuffled over the first E slots
+ * (Fisher-Yates), then each later slot a random expert where its rank does not hold that
+ * one yet (else left empty, -1). Draws from xorshift64(rng) only, in a fixed order, so a
+ * test's sequence of plans stays as it was. */
+static inline void random_placement(int32_t *phy, const int32_t *sb, int32_t S, int32_t E, uint64_t *rng)
+{
+    for (int32_t p = 0; p < S; p++) phy[p] = p < E ? p : -1;
+    for (int32_t p = E - 1; p > 0; p--) {
+        int32_t q = (int32_t)(xorshift64(rng) % (uint32_t)(p + 1)), tmp = phy[p];
+        phy[p] = phy[q];
+        phy[q] = tmp;
+    }
+    for (int32_t p = E; p < S; p++) {
+        int32_t e = (int32_t)(xorshift64(rng) % (uint32_t)E), j = 0;
+        while (sb[j + 1] <= p) j++;
+        bool held = false;
+        for (int32_t k = sb[j]; k < sb[j + 1]; k++) held |= phy[k] == e;
+        if (!held) phy[p] = e;
+    }
+}
+
+/* The whole file, NUL-terminated (so text can be used as a string), malloc'd: free it.
+ * Its length goes to *len when len is not NULL. NULL if it cannot be read. */
 static inline void *slurp(const char *path, size_t *len)
 {
     FILE *f = fopen(path, "rb");
