@@ -115,7 +115,8 @@ static rp_status get_choice(loader *ld, json_t *obj, const char *path, const cha
 static const char *const topology_keys[] = {
     "num_nodes", "gpus_per_node", "tensor_parallel_size", "expert_tensor_parallel_size", "ep_size", "dp_size",
     "slots_per_gpu", "gpu_speed", "nvlink_bytes_per_s", "nvlink_latency_us", "net_bytes_per_s", "net_latency_us",
-    "pipeline_parallel_size", "virtual_pipeline_size", "pipeline_schedule", "layers_per_stage", "comment", NULL,
+    "pipeline_parallel_size", "virtual_pipeline_size", "pipeline_schedule", "layers_per_stage",
+    "context_parallel_size", "comment", NULL,
 };
 
 /* Parts of the topology that do not depend on the model. */
@@ -199,24 +200,51 @@ static rp_status load_topology(loader *ld, json_t *obj)
         return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.expert_tensor_parallel_size",
                             "must divide tensor_parallel_size, %d, got %d: an ETP group lies inside one DP rank "
                             "(a TP group)", tp, etp);
+    /* Context parallelism (tp-cp-...): a DP rank is CP consecutive TP groups, TP x CP GPUs,
+     * each holding 1/CP of every sequence. It lies inside a node, or spans whole nodes (a
+     * CP ring across nodes); in the latter case the planner's "node" is one DP rank. */
+    int32_t cp;
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "context_parallel_size", false, 1, 1, (int32_t)(num_gpus / tp), &cp), st,
+                  out);
+    const int64_t rank_gpus = (int64_t)tp * cp;
+    if (num_gpus % rank_gpus != 0 || (rank_gpus < t->gpus_per_node && t->gpus_per_node % rank_gpus != 0) ||
+        (rank_gpus > t->gpus_per_node && rank_gpus % t->gpus_per_node != 0))
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.context_parallel_size",
+                            "is %d, but a DP rank of tensor_parallel_size %d x context_parallel_size %d = %lld GPUs "
+                            "must divide the GPUs of a node (%d%s) or be whole nodes, and divide the %lld GPUs%s",
+                            cp, tp, cp, (long long)rank_gpus, t->gpus_per_node,
+                            pp > 1 ? " of one pipeline stage" : "", (long long)num_gpus,
+                            pp > 1 ? " of one pipeline stage" : "");
     t->tensor_parallel_size = tp;
     t->expert_tensor_parallel_size = etp;
-    t->gpus_per_node /= tp;
-    t->num_gpus = (int32_t)(num_gpus / tp);
+    t->context_parallel_size = cp;
+    if (rank_gpus <= t->gpus_per_node) {
+        t->gpus_per_node = (int32_t)(t->gpus_per_node / rank_gpus);
+    } else {
+        t->gpus_per_node = 1;
+        t->num_nodes = (int32_t)(num_gpus / rank_gpus);
+    }
+    t->num_gpus = (int32_t)(num_gpus / rank_gpus);
 
     /* ep_size is Megatron's expert_model_parallel_size: EP ranks, each an ETP group. An EP
      * group must hold whole DP ranks; the planner's EP group counts DP ranks. */
     int32_t ep;
-    RP_CHECK_GOTO(get_i32(ld, obj, P, "ep_size", false, tp * t->gpus_per_node / etp, 1,
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "ep_size", false, rank_gpus * t->gpus_per_node / etp, 1,
                           (int32_t)(num_gpus / etp), &ep),
                   st, out);
     t->expert_parallel_size = ep;
+    if (cp > 1 && ((int64_t)ep * etp) % rank_gpus != 0)
+        return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
+                            "is %d EP ranks x %d GPUs (expert_tensor_parallel_size) = %lld GPUs, not a multiple "
+                            "of tensor_parallel_size %d x context_parallel_size %d = %lld: an EP group must hold "
+                            "whole DP ranks (EP x ETP folds over TP x CP x DP)",
+                            ep, etp, (long long)ep * etp, tp, cp, (long long)rank_gpus);
     if (tp > 1 && ((int64_t)ep * etp) % tp != 0)
         return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
                             "is %d EP ranks x %d GPUs (expert_tensor_parallel_size) = %lld GPUs, not a multiple "
                             "of tensor_parallel_size %d: an EP group must hold whole DP ranks",
                             ep, etp, (long long)ep * etp, tp);
-    t->ep_size = (int32_t)((int64_t)ep * etp / tp);
+    t->ep_size = (int32_t)((int64_t)ep * etp / rank_gpus);
     if (t->num_gpus % t->ep_size != 0) {
         if (pp > 1)
             return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.ep_size",
@@ -241,6 +269,12 @@ static rp_status load_topology(loader *ld, json_t *obj)
     RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "dp_size", false, t->num_gpus, 1, INT32_MAX, &dp, ld->err),
                   st, out);
     if (dp != t->num_gpus) {
+        if (cp > 1)
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.dp_size",
+                                "must equal the GPUs over tensor_parallel_size x context_parallel_size x "
+                                "pipeline_parallel_size, %lld / (%d x %d x %d) = %d, got %lld: each TP x CP group of "
+                                "a stage is one data-parallel rank (omit dp_size)",
+                                (long long)num_gpus * pp, tp, cp, pp, t->num_gpus, (long long)dp);
         if (pp > 1)
             return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "topology.dp_size",
                                 "must equal the GPUs over tensor_parallel_size x pipeline_parallel_size, %lld / "
@@ -330,12 +364,14 @@ static rp_status load_slots(loader *ld, json_t *obj)
                                             ld->err),
                           st, out);
             slots[g] = (int32_t)s;
-            int32_t sub = t->tensor_parallel_size / t->expert_tensor_parallel_size;
+            int32_t sub = t->tensor_parallel_size * t->context_parallel_size / t->expert_tensor_parallel_size;
             if (s % sub != 0)
                 return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, ip,
-                                    "is %lld, but DP rank %zu holds %d EP ranks (tensor_parallel_size %d / "
-                                    "expert_tensor_parallel_size %d): give it a multiple of %d, split evenly over them",
-                                    (long long)s, g, sub, t->tensor_parallel_size, t->expert_tensor_parallel_size, sub);
+                                    "is %lld, but DP rank %zu holds %d EP ranks (tensor_parallel_size %d x "
+                                    "context_parallel_size %d / expert_tensor_parallel_size %d): give it a multiple of "
+                                    "%d, split evenly over them",
+                                    (long long)s, g, sub, t->tensor_parallel_size, t->context_parallel_size,
+                                    t->expert_tensor_parallel_size, sub);
         }
     } else {
         if (v && !json_is_number(v))
@@ -349,12 +385,12 @@ static rp_status load_slots(loader *ld, json_t *obj)
         int32_t s;
         RP_CHECK_GOTO(get_i32(ld, obj, "topology", "slots_per_gpu", false, dflt, 1, MAX_SLOTS_PER_GPU, &s),
                       st, out);
-        int64_t per_rank = (int64_t)s * (t->tensor_parallel_size / t->expert_tensor_parallel_size);
+        const int32_t sub = t->tensor_parallel_size * t->context_parallel_size / t->expert_tensor_parallel_size;
+        int64_t per_rank = (int64_t)s * sub;
         if (per_rank > MAX_SLOTS_PER_GPU)
             return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, path,
                                 "is %d per EP rank, %lld per DP rank (%d EP ranks of it), more than the %d supported",
-                                s, (long long)per_rank, t->tensor_parallel_size / t->expert_tensor_parallel_size,
-                                MAX_SLOTS_PER_GPU);
+                                s, (long long)per_rank, sub, MAX_SLOTS_PER_GPU);
         for (size_t g = 0; g < n; g++) slots[g] = (int32_t)per_rank;
     }
     /* One placement is shared by every EP group (the expert gradient reduction pairs the
@@ -672,8 +708,10 @@ static rp_status load_limits(loader *ld, json_t *obj)
                   st, out);
     /* Rough default (docs/config.md): Korthikanti et al. 2022 count 34*d bytes per token
      * per layer at 16-bit activations without the attention-score term, i.e. 17*d per
-     * byte of activation width, over all MoE layers. */
+     * byte of activation width, over all MoE layers. Per GPU: under context parallelism a
+     * GPU holds 1/CP of each token of its DP rank's microbatch. */
     double dflt = 17.0 * m->hidden_size * m->bytes_per_param * m->num_layers;
+    if (ld->cfg->topology.context_parallel_size > 1) dflt /= ld->cfg->topology.context_parallel_size;
     RP_CHECK_GOTO(get_positive(ld, obj, P, "activation_bytes_per_token", dflt, DBL_MAX,
                                &l->activation_bytes_per_token),
                   st, out);

@@ -258,16 +258,34 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
      * split over an ETP group of etp GPUs, and the rank's tp / etp ETP groups are priced
      * as sharing its experts evenly, so a slot's time divides by tp too; its traffic runs
      * over its tp GPUs' links; each ETP group all-gathers the tokens its experts take
-     * (and reduce-scatters them back), etp - 1 copies of each over NVLink. */
+     * (and reduce-scatters them back), etp - 1 copies of each over NVLink.
+     * Context parallelism ("Context parallelism"): the DP rank is cp TP groups; each holds
+     * 1/cp of every sequence (2 cp load-balanced causal chunks), so all of the above
+     * divides by tp x cp instead, and the experts of the rank's tp cp / etp EP ranks pool
+     * alike. What CP adds (padding, the K/V ring) is priced per cell (cost_cell_dense). */
     const double tp = t->tensor_parallel_size, etp = t->expert_tensor_parallel_size;
-    c->attn_flop_s /= tp;
-    c->attn_lin_s /= tp;
-    c->token_linear_s /= tp;
-    c->expert_token_s /= tp;
-    c->expert_mem_s /= tp;
-    c->nv_bw *= tp;
-    c->net_bw *= tp;
+    const double rank_gpus = tp * t->context_parallel_size;
+    c->attn_flop_s /= rank_gpus;
+    c->attn_lin_s /= rank_gpus;
+    c->token_linear_s /= rank_gpus;
+    c->expert_token_s /= rank_gpus;
+    c->expert_mem_s /= rank_gpus;
+    c->nv_bw *= rank_gpus;
+    c->net_bw *= rank_gpus;
     c->etp_gather_s = (etp - 1.0) * c->token_bytes / c->nv_bw;
+    /* The ring (TransformerEngine's AttnFuncWithCPAndKVP2P): each GPU passes its K/V chunk
+     * (its TP share of the KV heads, at least one head: Megatron replicates KV heads over
+     * TP ranks beyond num_query_groups) to the same TP rank of the next CP rank, cp - 1
+     * steps; over NVLink when the DP rank lies in one node. Sequences are padded to
+     * 2 cp, times TP under sequence parallelism (which Megatron requires for MoE with TP). */
+    c->cp = t->context_parallel_size;
+    c->pad_multiple = c->cp > 1 ? 2 * (int64_t)c->cp * t->tensor_parallel_size : 1;
+    {
+        const double kv_heads = hkv >= tp ? hkv / tp : 1.0;
+        const bool in_node = rank_gpus <= t->physical_gpus_per_node;
+        c->ring_token_s = 2.0 * kv_heads * dh * bpp / (in_node ? t->nvlink_bytes_per_s : t->net_bytes_per_s);
+        c->ring_lat = in_node ? t->nvlink_latency_s : t->net_latency_s;
+    }
     c->token_cap = lim->max_tokens_per_microbatch;
     c->act_cap = lim->max_activation_bytes;
     c->act_per_token = lim->activation_bytes_per_token;
@@ -322,14 +340,14 @@ const rp_config *rp_cost_config(const rp_cost *c) { return c->cfg; }
 double rp_cost_attention_s(const rp_cost *c, int64_t seq_len)
 {
     if (!c || seq_len <= 0) return 0.0;
-    double len = (double)seq_len;
+    double len = (double)(seq_len + cost_pad(c, seq_len));
     return len * len * c->attn_flop_s / curve_at(c->attn_eff, c->num_attn_eff, len) + len * c->attn_lin_s;
 }
 
 double rp_cost_dense_s(const rp_cost *c, int64_t seq_len)
 {
     if (!c || seq_len <= 0) return 0.0;
-    double len = (double)seq_len;
+    double len = (double)(seq_len + cost_pad(c, seq_len));
     double core = len * len * c->attn_flop_s / curve_at(c->attn_eff, c->num_attn_eff, len);
     double proj = len * c->attn_lin_s, lin = len * c->token_linear_s;
     return (1.0 + c->bwd.attention) * core + (1.0 + c->bwd.projections) * proj + (1.0 + c->bwd.token_linear) * lin;
@@ -347,7 +365,8 @@ static rp_status attention_weights(rp_cost *c, rp_error *err)
     if (!c->seq_quad) return rp_fail_nomem(err, "a cost evaluator");
     double total = 0.0;
     for (int32_t s = 0; s < c->N; s++) {
-        double len = (double)(c->cu_seqlens[s + 1] - c->cu_seqlens[s]);
+        const int64_t n = c->cu_seqlens[s + 1] - c->cu_seqlens[s];
+        double len = (double)(n + cost_pad(c, n)); /* with its CP padding */
         total += len * len / curve_at(c->attn_eff, c->num_attn_eff, len);
     }
     if (!isfinite(total))
@@ -358,7 +377,8 @@ static rp_status attention_weights(rp_cost *c, rp_error *err)
         k -= 1; /* 2^k <= 2^61 / total */
     }
     for (int32_t s = 0; s < c->N; s++) {
-        double len = (double)(c->cu_seqlens[s + 1] - c->cu_seqlens[s]);
+        const int64_t n = c->cu_seqlens[s + 1] - c->cu_seqlens[s];
+        double len = (double)(n + cost_pad(c, n));
         c->seq_quad[s] = llround(ldexp(len * len / curve_at(c->attn_eff, c->num_attn_eff, len), k));
     }
     c->attn_quad_s = ldexp(c->attn_flop_s, -k);
@@ -367,7 +387,8 @@ static rp_status attention_weights(rp_cost *c, rp_error *err)
 
 double cost_seq_attention(const rp_cost *c, int32_t seq)
 {
-    return cost_cell_attention(c, c->seq_quad[seq], c->cu_seqlens[seq + 1] - c->cu_seqlens[seq], -1);
+    const int64_t n = c->cu_seqlens[seq + 1] - c->cu_seqlens[seq];
+    return cost_cell_attention(c, c->seq_quad[seq], n + cost_pad(c, n), -1);
 }
 
 /* A curve at x: linear between points, flat beyond the ends. */
@@ -407,23 +428,56 @@ double rp_cost_expert_move_s(const rp_cost *c, bool same_node)
                      : c->expert_move_bytes / c->net_bw + c->net_lat;
 }
 
+/* The CP ring of a cell beyond its attention compute, forward and backward: the packed
+ * microbatch runs one ring (THD), cp steps of 1/cp of the attention each, step i + 1's
+ * K/V chunk (tokens / cp of them) arriving while step i computes, so each of the cp - 1
+ * transfers costs what it takes beyond one step's compute; one latency (the first
+ * exchange's start) is never hidden. The backward passes K/V and their gradients: twice
+ * the bytes per step. `core` is the cell's attention core at its GPU's speed. */
+static void ring_excess(const rp_cost *c, double core, int64_t tokens, double *fwd, double *bwd)
+{
+    const double steps = c->cp - 1, chunk = (double)tokens / c->cp;
+    const double cf = core / c->cp, cb = c->bwd.attention * core / c->cp;
+    const double pf = chunk * c->ring_token_s + c->ring_lat, pb = 2.0 * chunk * c->ring_token_s + c->ring_lat;
+    *fwd = steps * (pf > cf ? pf - cf : 0.0) + c->ring_lat;
+    *bwd = steps * (pb > cb ? pb - cb : 0.0) + c->ring_lat;
+}
+
 double cost_cell_attention(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu)
 {
     double a = (double)sum_quad * c->attn_quad_s + (double)sum_len * c->attn_lin_s;
-    return gpu < 0 ? a : a / c->speed[gpu];
+    a = gpu < 0 ? a : a / c->speed[gpu];
+    if (c->cp > 1 && sum_len > 0) {
+        double rf, rb;
+        ring_excess(c, (double)sum_quad * c->attn_quad_s / (gpu < 0 ? 1.0 : c->speed[gpu]), sum_len, &rf, &rb);
+        a += rf;
+    }
+    return a;
 }
 
 /* The dense phase of a cell: attention, its projections, the token-linear work and the
- * fixed cost of the layer, each with its own backward multiplier. One function for the
- * full and the incremental evaluation (same bits). */
-void cost_cell_dense(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu, double *fwd, double *bwd)
+ * fixed cost of the layer, each with its own backward multiplier, plus the CP ring's
+ * unhidden transfers. One function for the full and the incremental evaluation (same
+ * bits). */
+void cost_cell_dense_at(const rp_cost *c, int64_t sum_quad, int64_t sum_len, double speed, double *fwd,
+                        double *bwd)
 {
     const double core = (double)sum_quad * c->attn_quad_s, proj = (double)sum_len * c->attn_lin_s;
     const double lin = (double)sum_len * c->token_linear_s, fixed = c->fixed_s;
-    const double speed = gpu < 0 ? 1.0 : c->speed[gpu];
     *fwd = (core + proj + lin + fixed) / speed;
     *bwd = (c->bwd.attention * core + c->bwd.projections * proj + c->bwd.token_linear * lin +
             c->bwd.fixed * fixed) / speed;
+    if (c->cp > 1 && sum_len > 0) {
+        double rf, rb;
+        ring_excess(c, core / speed, sum_len, &rf, &rb);
+        *fwd += rf;
+        *bwd += rb;
+    }
+}
+
+void cost_cell_dense(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu, double *fwd, double *bwd)
+{
+    cost_cell_dense_at(c, sum_quad, sum_len, gpu < 0 ? 1.0 : c->speed[gpu], fwd, bwd);
 }
 
 void cost_group_dense(const rp_cost *c, const cost_state *st, int32_t m, int32_t q, int32_t gA, int32_t mA,
@@ -927,7 +981,7 @@ static void state_free(rp_context *ctx, cost_state *s)
     if (!s) return;
     void *arrays[] = {s->slot_begin, s->phy2log, s->rep_off, s->rep_rank, s->ov_begin, s->ov,
                       s->extra_rank, s->share_val, s->extra_count, s->seq_rank, s->seq_mb,
-                      s->cell_tokens, s->cell_quad, s->counts, s->attn,
+                      s->cell_tokens, s->cell_quad, s->cell_pad, s->counts, s->attn,
                       s->dense_f, s->dense_b, s->dfmax, s->dbmax, s->dfarg, s->expert, s->dispatch, s->xmax, s->dmax, s->xarg,
                       s->darg, s->layer_t, s->grad_gpu, s->slot_rank, s->cell_top, s->gtotal,
                       s->gpair, s->lay_dst, s->lay_seg, s->lay_ord, s->vexp_owner,
@@ -1244,6 +1298,7 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->seq_mb = take(ctx, c->N, sizeof(int32_t), false, &bad, &s->bytes);
     s->cell_tokens = take(ctx, G * M, sizeof(int64_t), true, &bad, &s->bytes);
     s->cell_quad = take(ctx, G * M, sizeof(int64_t), true, &bad, &s->bytes);
+    s->cell_pad = take(ctx, G * M, sizeof(int64_t), true, &bad, &s->bytes);
     s->cell_top = take(ctx, G * M, sizeof(int32_t), true, &bad, &s->bytes);
     s->counts = take(ctx, cells, sizeof(int32_t), true, &bad, &s->bytes);
     s->gtotal = take(ctx, ML * Q * E, sizeof(int32_t), false, &bad, &s->bytes);
@@ -1275,7 +1330,7 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
     s->pipe_next = take(ctx, c->PP, sizeof(int32_t), false, &bad, &s->bytes);
     if (bad || !s->slot_begin || !s->slot_rank || !s->phy2log || !s->rep_off || !s->rep_rank ||
         !s->ov_begin || !s->ov || !s->extra_rank || !s->share_val || !s->extra_count ||
-        !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_quad || !s->cell_top ||
+        !s->seq_rank || !s->seq_mb || !s->cell_tokens || !s->cell_quad || !s->cell_pad || !s->cell_top ||
         !s->counts || !s->gtotal || !s->gpair || !s->lay_dst || !s->lay_seg || !s->lay_ord || !s->attn || !s->dense_f || !s->dense_b ||
         !s->dfmax || !s->dbmax || !s->dfarg ||
         !s->expert || !s->dispatch || !s->xmax || !s->dmax || !s->xarg || !s->darg ||
@@ -1346,6 +1401,7 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     need(c->N, sizeof(int32_t), &bad, &total);
     need(G * M, sizeof(int64_t), &bad, &total);
     need(G * M, sizeof(int64_t), &bad, &total);
+    need(G * M, sizeof(int64_t), &bad, &total); /* cell_pad */
     need(G * M, sizeof(int32_t), &bad, &total);
     need(cells, sizeof(int32_t), &bad, &total);
     need(ML * Q * E, sizeof(int32_t), &bad, &total);
@@ -1414,8 +1470,9 @@ static void eval_dense(const rp_cost *c, cost_state *s)
     for (int32_t g = 0; g < c->G; g++)
         for (int32_t m = 0; m < s->M; m++) {
             size_t i = (size_t)g * s->M + m;
-            s->attn[i] = cost_cell_attention(c, s->cell_quad[i], s->cell_tokens[i], g);
-            cost_cell_dense(c, s->cell_quad[i], s->cell_tokens[i], g, &s->dense_f[i], &s->dense_b[i]);
+            const int64_t tok = s->cell_tokens[i] + s->cell_pad[i];
+            s->attn[i] = cost_cell_attention(c, s->cell_quad[i], tok, g);
+            cost_cell_dense(c, s->cell_quad[i], tok, g, &s->dense_f[i], &s->dense_b[i]);
         }
     for (int32_t m = 0; m < s->M; m++)
         for (int32_t q = 0; q < c->Q; q++) {
@@ -1470,6 +1527,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
         cost_count(c, 2 * (int64_t)c->N + 3 * (int64_t)cells + (int64_t)M * L * G * E);
         memcpy(s->cell_tokens, old->cell_tokens, cells * sizeof *s->cell_tokens);
         memcpy(s->cell_quad, old->cell_quad, cells * sizeof *s->cell_quad);
+        memcpy(s->cell_pad, old->cell_pad, cells * sizeof *s->cell_pad);
         memcpy(s->cell_top, old->cell_top, cells * sizeof *s->cell_top);
         memcpy(s->counts, old->counts, (size_t)M * L * G * E * sizeof *s->counts);
     } else {
@@ -1482,6 +1540,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
             size_t cell = (size_t)g * M + m;
             s->cell_tokens[cell] += len;
             s->cell_quad[cell] += c->seq_quad[q];
+            s->cell_pad[cell] += cost_pad(c, len);
             if (s->cell_top[cell] < 0 || cost_seq_attention(c, q) > cost_seq_attention(c, s->cell_top[cell]))
                 s->cell_top[cell] = q;
             for (int32_t l = 0; l < L; l++) {

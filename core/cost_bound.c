@@ -25,18 +25,24 @@ static double bound_over(const rp_cost *c, const cost_state *st, int32_t m, int3
         b += st->dense_b[cell] * s;
         x += st->expert[ml * G + g] * s;
         d += st->dispatch[ml * G + g];
-        int32_t top = st->cell_top[cell];
+    }
+    /* The top sequences alone on the fastest GPU: the dense phase only falls with speed
+     * (under CP too: its ring hides less behind faster compute, but never costs more
+     * than the compute it saves), so a cell holding one takes at least this. */
+    for (int32_t g = g0; g < g0 + n; g++) {
+        int32_t top = st->cell_top[(size_t)g * M + m];
         if (top >= 0) {
+            const int64_t len = c->cu_seqlens[top + 1] - c->cu_seqlens[top];
             double sf, sb;
-            cost_cell_dense(c, c->seq_quad[top], c->cu_seqlens[top + 1] - c->cu_seqlens[top], -1, &sf, &sb);
+            cost_cell_dense_at(c, c->seq_quad[top], len + cost_pad(c, len), speed_max, &sf, &sb);
             if (sf > single_f) single_f = sf;
             if (sb > single_b) single_b = sb;
         }
     }
     f /= speed_sum;
     b /= speed_sum;
-    if (single_f / speed_max > f) f = single_f / speed_max;
-    if (single_b / speed_max > b) b = single_b / speed_max;
+    if (single_f > f) f = single_f;
+    if (single_b > b) b = single_b;
     return cost_layer_time(c, f, b, d / n, x / speed_sum);
 }
 

@@ -110,21 +110,24 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
     /* attention of the two cells */
     int64_t tokA = st->cell_tokens[(size_t)gA * M + mA], sqA = st->cell_quad[(size_t)gA * M + mA];
     int64_t tokB = st->cell_tokens[(size_t)gB * M + mB], sqB = st->cell_quad[(size_t)gB * M + mB];
+    int64_t padA = st->cell_pad[(size_t)gA * M + mA], padB = st->cell_pad[(size_t)gB * M + mB];
     for (int32_t k = 0; k < n_mv; k++) {
         int64_t len = mv[k].len, sign = mv[k].g_from == gA && mv[k].m_from == mA ? 1 : -1;
         tokA -= sign * len;
         sqA -= sign * c->seq_quad[mv[k].seq];
+        padA -= sign * cost_pad(c, len);
         tokB += sign * len;
         sqB += sign * c->seq_quad[mv[k].seq];
+        padB += sign * cost_pad(c, len);
     }
-    double aA = cost_cell_attention(c, sqA, tokA, gA), aB = cost_cell_attention(c, sqB, tokB, gB);
+    double aA = cost_cell_attention(c, sqA, tokA + padA, gA), aB = cost_cell_attention(c, sqB, tokB + padB, gB);
     double fA, bA, fB, bB;
     if (commit) { /* the groups' evaluation below reads the cells' tokens */
         st->cell_tokens[(size_t)gA * M + mA] = tokA;
         st->cell_tokens[(size_t)gB * M + mB] = tokB;
     }
-    cost_cell_dense(c, sqA, tokA, gA, &fA, &bA);
-    cost_cell_dense(c, sqB, tokB, gB, &fB, &bB);
+    cost_cell_dense(c, sqA, tokA + padA, gA, &fA, &bA);
+    cost_cell_dense(c, sqB, tokB + padB, gB, &fB, &bB);
     int32_t ms[2] = {mA, mB}, n_ms = mA == mB ? 1 : 2;
     const int32_t qA = gA / ep, qB = gB / ep;
     /* dense maxima of the changed (microbatch, group)s: [i][j] for ms[i] and group qs */
@@ -198,8 +201,10 @@ static double run_moves(rp_cost *c, seq_move *mv, int32_t n_mv, bool commit)
     /* commit the rest: cells, maxima, sequence map, bound aggregates */
     st->cell_tokens[(size_t)gA * M + mA] = tokA;
     st->cell_quad[(size_t)gA * M + mA] = sqA;
+    st->cell_pad[(size_t)gA * M + mA] = padA;
     st->cell_tokens[(size_t)gB * M + mB] = tokB;
     st->cell_quad[(size_t)gB * M + mB] = sqB;
+    st->cell_pad[(size_t)gB * M + mB] = padB;
     st->attn[(size_t)gA * M + mA] = aA;
     st->attn[(size_t)gB * M + mB] = aB;
     st->dense_f[(size_t)gA * M + mA] = fA;

@@ -64,6 +64,7 @@ typedef struct cost_state {
     int32_t *seq_rank, *seq_mb;    /* [N] */
     int64_t *cell_tokens;          /* [G * M]: sum of L over the cell's sequences */
     int64_t *cell_quad;            /* [G * M]: sum of the sequences' seq_quad */
+    int64_t *cell_pad;             /* [G * M]: padding tokens of the cell's sequences under CP (0 else) */
     int32_t *cell_top;             /* [G * M]: the sequence with the most attention, -1 if none */
     int32_t *counts;               /* [M * L * G * E] token-choices */
     int32_t *gtotal;               /* [M * L * Q * E] counts summed over each EP group */
@@ -158,6 +159,12 @@ struct rp_cost {
     double token_linear_s;     /* per token: token_linear_bytes_per_token / hbm */
     double fixed_s;            /* per (microbatch, layer) */
     double etp_gather_s;       /* per token a DP rank's experts take: the ETP all-gather over NVLink */
+    /* Context parallelism (docs/cost-model.md, "Context parallelism"): every sequence
+     * padded to a multiple of pad_multiple (1 without CP) and split over the CP ranks */
+    int32_t cp;                /* context_parallel_size */
+    int64_t pad_multiple;      /* 2 CP (x TP with sequence parallelism) under CP, else 1 */
+    double ring_token_s;       /* K and V of one token on one GPU's ring link, seconds */
+    double ring_lat;           /* latency of one ring step */
     rp_sync sync;
     rp_overlap overlap;
     rp_dispatch_dedup dedup;
@@ -205,12 +212,21 @@ typedef struct group_result {
  * evaluator cannot take is refused at once, not after reading every id. */
 rp_status cost_check_inputs(const rp_config *cfg, const rp_batch *batch, rp_error *err);
 double cost_slot_time(const rp_cost *c, double tokens);
-/* Attention of a cell from its integer sums; gpu -1: at speed 1. */
+/* Padding tokens of a sequence of `len` tokens (0 without CP). */
+static inline int64_t cost_pad(const rp_cost *c, int64_t len)
+{
+    return (c->pad_multiple - len % c->pad_multiple) % c->pad_multiple;
+}
+/* Attention of a cell from its integer sums (sum_len: tokens with their CP padding);
+ * gpu -1: at speed 1. */
 double cost_cell_attention(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu);
-/* The dense phase of a cell (attention, projections, token-linear, fixed cost), forward
- * and backward, from its integer sums; gpu -1: at speed 1. */
+/* The dense phase of a cell (attention, projections, token-linear, fixed cost, and the
+ * CP ring's unhidden transfers), forward and backward, from its integer sums (sum_len
+ * with the padding); gpu -1: at speed 1. cost_cell_dense_at: at the given speed. */
 void cost_cell_dense(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_t gpu, double *fwd,
                      double *bwd);
+void cost_cell_dense_at(const rp_cost *c, int64_t sum_quad, int64_t sum_len, double speed, double *fwd,
+                        double *bwd);
 /* Largest dense phase of GPUs [g0, g0 + n) at microbatch m, cells (gA, mA) and (gB, mB)
  * replaced by the given values when they are among them (gA -1: none). */
 void cost_group_dense(const rp_cost *c, const cost_state *st, int32_t m, int32_t q, int32_t gA, int32_t mA,

@@ -119,6 +119,9 @@ static rp_status setup(joint *jt, rp_error *err)
     jt->d_choice = (1.0 + hw->backward.communication) * dedup * token_bytes *
                    ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
                     (double)(jt->ep - near) / jt->ep / t->net_bytes_per_s);
+    /* Under CP a DP rank's dispatch runs over its CP ranks' links too, as the cost model
+     * prices it (docs/cost-model.md, "Context parallelism"). */
+    jt->d_choice /= t->context_parallel_size;
     jt->overlap = x->overlap == RP_OVERLAP_LAYER;
     jt->group_form = x->sync == RP_SYNC_GROUP && jt->Q > 1;
     jt->fixed_s = (1.0 + hw->backward.fixed) * hw->layer_fixed_s;

@@ -2,6 +2,7 @@
  * as Megatron's distributed optimizer shards it), a plan's extra replicas and the
  * migration staging, against hardware.hbm_bytes (docs/cost-model.md, "Memory per GPU"). */
 #include "internal.h"
+#include "limits_internal.h"
 #include "memory_internal.h"
 #include "routepack/memory.h"
 
@@ -21,10 +22,13 @@ static int32_t expert_shards(const rp_config *cfg)
                : 1;
 }
 
+/* ... and a dense parameter's over the data-parallel group with CP (Megatron's
+ * data_parallel_group_with_cp: the CP ranks replicate the dense weights), DP x CP GPUs. */
 static int32_t dense_shards(const rp_config *cfg)
 {
+    const rp_topology *t = rp_config_topology(cfg);
     return rp_config_execution(cfg)->optimizer_sharding == RP_OPTIMIZER_SHARDING_DP
-               ? rp_config_topology(cfg)->num_gpus
+               ? t->num_gpus * t->context_parallel_size
                : 1;
 }
 
@@ -134,15 +138,25 @@ static void fill(const rp_config *cfg, int32_t g, int64_t extras, rp_gpu_memory 
      * TP GPUs. Each holds 1/TP of the dense parameters, and its share of the rank's
      * expert slots: slots / (TP / ETP) of one EP rank, each expert split over ETP GPUs,
      * so 1/TP of the rank's expert bytes (a set staging budget is per GPU already). */
-    const double tp = t->tensor_parallel_size;
-    out->expert_weight_bytes /= tp;
-    out->expert_grad_bytes /= tp;
-    out->expert_optimizer_bytes /= tp;
+    /* Context parallelism: the DP rank is CP TP groups. Its expert slots spread over its
+     * TP x CP / ETP EP ranks (parallel folding), 1/(TP x CP) of the rank's expert bytes
+     * per GPU; the dense parameters are replicated over the CP ranks (1/TP each; their
+     * optimizer state shards over DP x CP, dense_shards). */
+    const double tp = t->tensor_parallel_size, rank_gpus = tp * t->context_parallel_size;
+    out->expert_weight_bytes /= rank_gpus;
+    out->expert_grad_bytes /= rank_gpus;
+    out->expert_optimizer_bytes /= rank_gpus;
     out->dense_weight_bytes /= tp;
     out->dense_grad_bytes /= tp;
     out->dense_optimizer_bytes /= tp;
-    out->extra_replica_bytes /= tp;
-    if (x->staging_budget_bytes == 0) out->staging_bytes /= tp;
+    out->extra_replica_bytes /= rank_gpus;
+    if (x->staging_budget_bytes == 0) out->staging_bytes /= rank_gpus;
+    /* Activations, shown and not summed: a microbatch at the token cap, of which a GPU
+     * holds 1/CP of the tokens (activation_bytes_per_token is per GPU already). */
+    out->context_parallel_size = t->context_parallel_size;
+    const rp_limits *lim = rp_config_limits(cfg);
+    out->activation_tokens = (rp_limits_token_cap(lim) + t->context_parallel_size - 1) / t->context_parallel_size;
+    out->activation_bytes = (double)rp_limits_token_cap(lim) * lim->activation_bytes_per_token;
     out->total_bytes = out->expert_weight_bytes + out->expert_grad_bytes + out->expert_optimizer_bytes +
                        out->dense_weight_bytes + out->dense_grad_bytes + out->dense_optimizer_bytes +
                        out->extra_replica_bytes + out->staging_bytes;

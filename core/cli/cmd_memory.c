@@ -8,7 +8,8 @@
 
 json_t *cli_memory_json(const rp_gpu_memory *m)
 {
-    return json_pack("{s:i, s:f, s:f, s:b, s:f, s:f, s:f, s:f, s:f, s:f, s:I, s:f, s:f, s:i, s:i, s:i, s:i}", "gpu", m->gpu,
+    return json_pack("{s:i, s:f, s:f, s:b, s:f, s:f, s:f, s:f, s:f, s:f, s:I, s:f, s:f, s:i, s:i, s:i, s:i, s:i, s:I, s:f}",
+                     "gpu", m->gpu,
                      "total_bytes", m->total_bytes, "capacity_bytes", m->capacity_bytes, "fits",
                      m->total_bytes <= m->capacity_bytes, "expert_weight_bytes", m->expert_weight_bytes,
                      "expert_grad_bytes", m->expert_grad_bytes, "expert_optimizer_bytes", m->expert_optimizer_bytes,
@@ -16,7 +17,9 @@ json_t *cli_memory_json(const rp_gpu_memory *m)
                      "dense_optimizer_bytes", m->dense_optimizer_bytes, "extra_replicas", (json_int_t)m->extra_replicas,
                      "extra_replica_bytes", m->extra_replica_bytes, "staging_bytes", m->staging_bytes,
                      "expert_optimizer_shards", m->expert_optimizer_shards, "dense_optimizer_shards",
-                     m->dense_optimizer_shards, "pipeline_stage", m->pipeline_stage, "stage_layers", m->stage_layers);
+                     m->dense_optimizer_shards, "pipeline_stage", m->pipeline_stage, "stage_layers", m->stage_layers,
+                     "context_parallel_size", m->context_parallel_size, "activation_tokens",
+                     (json_int_t)m->activation_tokens, "activation_bytes", m->activation_bytes);
 }
 
 int cmd_memory(rp_context *ctx, int argc, char **argv)
@@ -101,6 +104,11 @@ int cmd_memory(rp_context *ctx, int argc, char **argv)
             printf("(pipeline parallel %d: the figures are for stage %d, which holds %d of the %d MoE layers)\n",
                    t->pipeline_parallel_size, per_rank[peak].pipeline_stage, per_rank[peak].stage_layers,
                    rp_config_model(cfg)->num_layers);
+        const rp_gpu_memory *pm = &per_rank[peak];
+        printf("(activations, not counted above: %.2f GB per GPU for a microbatch at the token cap, %lld tokens "
+               "per GPU%s)\n",
+               pm->activation_bytes / 1e9, (long long)pm->activation_tokens,
+               t->context_parallel_size > 1 ? ", 1/context_parallel_size of each sequence" : "");
     }
     if (!fits) rc = CLI_FAIL;
 out:

@@ -614,7 +614,16 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
     const rp_model *m = rp_config_model(cfg);
     printf("routepack simulate: %s, %s %s, %d step%s\n", config, in->trace ? "trace" : "generated from",
            in->path, steps, steps == 1 ? "" : "s");
-    if (t->tensor_parallel_size > 1) /* the plan's "GPUs" are DP ranks (TP groups) */
+    if (t->context_parallel_size > 1) /* the plan's "GPUs" are DP ranks (TP x CP groups) */
+        printf("  %d DP ranks of TP %d x CP %d, ETP %d (%d GPUs, %d node%s x %d), EP groups of %d DP ranks; %d MoE "
+               "layers x %d experts, top-%d\n",
+               t->num_gpus, t->tensor_parallel_size, t->context_parallel_size, t->expert_tensor_parallel_size,
+               t->num_gpus * t->tensor_parallel_size * t->context_parallel_size,
+               t->physical_num_nodes / t->pipeline_parallel_size > 0 ? t->physical_num_nodes / t->pipeline_parallel_size
+                                                                    : 1,
+               t->physical_num_nodes / t->pipeline_parallel_size > 1 ? "s" : "", t->physical_gpus_per_node,
+               t->ep_size, m->num_layers, m->num_experts, m->top_k);
+    else if (t->tensor_parallel_size > 1) /* the plan's "GPUs" are DP ranks (TP groups) */
         printf("  %d DP ranks of TP %d, ETP %d (%d GPUs, %d node%s x %d), EP groups of %d DP ranks; %d MoE layers "
                "x %d experts, top-%d\n",
                t->num_gpus, t->tensor_parallel_size, t->expert_tensor_parallel_size,

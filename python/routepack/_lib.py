@@ -42,7 +42,8 @@ class rp_topology(Structure):
                 ("expert_parallel_size", c_int32), ("physical_gpus_per_node", c_int32),
                 ("physical_num_nodes", c_int32), ("pipeline_parallel_size", c_int32),
                 ("virtual_pipeline_size", c_int32), ("pipeline_schedule", c_int),
-                ("layers_per_stage", POINTER(c_int32)), ("stage_layer_begin", POINTER(c_int32))]
+                ("layers_per_stage", POINTER(c_int32)), ("stage_layer_begin", POINTER(c_int32)),
+                ("context_parallel_size", c_int32)]
 
 
 class rp_model(Structure):

@@ -85,8 +85,9 @@ class Config:
         self.num_nodes = topo.num_nodes
         self.ep_size = topo.ep_size
         self.slots = np.ctypeslib.as_array(topo.slots, (topo.ep_size,)).copy()
-        # the Megatron layout (docs/config.md, "topology"): a plan's rank is a TP group
+        # the Megatron layout (docs/config.md, "topology"): a plan's rank is a TP x CP group
         self.tensor_parallel_size = topo.tensor_parallel_size
+        self.context_parallel_size = topo.context_parallel_size
         self.expert_tensor_parallel_size = topo.expert_tensor_parallel_size
         self.expert_parallel_size = topo.expert_parallel_size
         self.num_layers = model.num_layers

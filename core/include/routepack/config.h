@@ -18,7 +18,8 @@ extern "C" {
  * parallelism (PP, outermost) the planner sees one pipeline stage: num_nodes, num_gpus and
  * the EP groups are one stage's, every stage has the same layout, and DP rank g of every
  * stage forms DP rank g's pipeline; the layers are split over the (virtual) stages.
- * Context parallelism is outside the model. */
+ * Under context parallelism (CP) a DP rank is CP TP groups, TP x CP GPUs (GPUs
+ * [g * tp * cp, (g + 1) * tp * cp)), which split every sequence of the rank. */
 typedef enum rp_pipeline_schedule {
     RP_SCHEDULE_1F1B = 0,        /* PipeDream-Flush / Megatron's non-interleaved 1F1B */
     RP_SCHEDULE_INTERLEAVED = 1  /* Megatron's interleaved 1F1B over virtual stages */
@@ -51,6 +52,10 @@ typedef struct rp_topology {
      * v / pipeline_parallel_size) and holds layers stage_layer_begin[v] .. + layers_per_stage[v] */
     const int32_t *layers_per_stage;
     const int32_t *stage_layer_begin;
+    /* Context parallelism (docs/config.md, "topology"), appended after the fields above:
+     * CP consecutive TP groups form one DP rank (TP x CP GPUs), each holding 1/CP of every
+     * sequence of the rank's microbatches (Megatron's load-balanced chunks); 1: none. */
+    int32_t context_parallel_size;
 } rp_topology;
 
 /* One point of an efficiency curve: at `tokens` the kernel reaches `efficiency` of peak.

@@ -29,12 +29,20 @@ typedef struct rp_gpu_memory {
     double total_bytes;             /* the sum of the above */
     double capacity_bytes;          /* hardware.hbm_bytes */
     int32_t expert_optimizer_shards;/* 1, or num_ep_groups under optimizer_sharding "dp" */
-    int32_t dense_optimizer_shards; /* 1, or num_gpus under optimizer_sharding "dp" */
+    int32_t dense_optimizer_shards; /* 1, or num_gpus x context_parallel_size under optimizer_sharding "dp" */
     /* Under pipeline parallelism a GPU holds its stage's layers only: the figures are for
      * the stage with the most MoE layers (0 when PP is 1), which holds stage_layers of
      * them (num_layers when PP is 1) and that share of dense_params. */
     int32_t pipeline_stage;
     int32_t stage_layers;
+    /* Added after the first version. Activations, not in total_bytes (the microbatch
+     * limits' business): one microbatch at the token cap (rp_limits' max_tokens_per_microbatch,
+     * lowered by the memory cap), of whose tokens a GPU holds 1/context_parallel_size,
+     * activation_tokens of them; activation_bytes = the cap x activation_bytes_per_token
+     * (per GPU: its default divides by CP). */
+    int32_t context_parallel_size;
+    int64_t activation_tokens;
+    double activation_bytes;
 } rp_gpu_memory;
 
 /* The memory of GPU `gpu` under `cfg`, with the extra replicas of `plan` (NULL: the

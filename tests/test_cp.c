@@ -1,0 +1,487 @@
+/* Context parallelism (topology.context_parallel_size): the topology mapping (a DP rank is
+ * TP x CP GPUs) and its config errors; the cost model against a hand-computed CP 2 toy
+ * (1/CP of attention and of every token-linear term, the padding to 2 CP, the K/V ring);
+ * CP 1 bit for bit as before CP existed (a hash frozen at c63111d); bound <= step and
+ * try == full on random CP plans; the straggler and the joint planner's packing of a long
+ * rollout at CP 1 and CP 2; memory per GPU. Uses the public API only. */
+#include "routepack/routepack.h"
+#include "tap.h"
+#include "test_util.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static rp_context *ctx;
+static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
+static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
+
+#define MODEL                                                                                               \
+    " \"model\": {\"num_layers\": %d, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"              \
+    "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"num_kv_heads\": %d, \"head_dim\": 16},"               \
+    " \"limits\": {\"max_tokens_per_microbatch\": 1000000}"
+
+static rp_config *config_l(const char *topology, const char *extra, int layers, int kv_heads, rp_error *err)
+{
+    char json[4096], model[512];
+    snprintf(model, sizeof model, MODEL, layers, kv_heads);
+    snprintf(json, sizeof json, "{\"topology\": {%s},%s%s}", topology, model, extra);
+    rp_config *cfg = NULL;
+    if (rp_config_parse(ctx, json, strlen(json), "t.json", &cfg, err) != RP_OK) return NULL;
+    return cfg;
+}
+
+static rp_config *config(const char *topology, const char *extra, rp_error *err)
+{
+    return config_l(topology, extra, 2, 4, err);
+}
+
+static bool close_to(double a, double b) { return fabs(a - b) <= 1e-12 * fabs(b) + 1e-21; }
+
+/* ---- the topology ---- */
+
+static void test_mapping(void)
+{
+    rp_error err;
+    rp_config *cfg = config("\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 2,"
+                            " \"context_parallel_size\": 2, \"expert_tensor_parallel_size\": 1, \"ep_size\": 8",
+                            "", &err);
+    ok(cfg != NULL, "TP 2, CP 2, ETP 1, EP 8 on 8 GPUs");
+    if (cfg) {
+        const rp_topology *t = rp_config_topology(cfg);
+        ok(t->num_gpus == 2 && t->dp_size == 2 && t->gpus_per_node == 2 && t->context_parallel_size == 2,
+           "2 DP ranks of TP 2 x CP 2 GPUs, both on the node");
+        ok(t->ep_size == 2 && t->num_ep_groups == 1 && t->slots[0] == 4 && t->slots[1] == 4,
+           "EP 8 x ETP 1 = 8 GPUs is one EP group of 2 DP ranks, each holding 4 EP ranks' slot (4 slots)");
+        rp_config_free(cfg);
+    }
+    cfg = config("\"num_nodes\": 2, \"gpus_per_node\": 4, \"tensor_parallel_size\": 2, \"context_parallel_size\": 4",
+                 "", &err);
+    ok(cfg != NULL, "CP 4 x TP 2 on 2 nodes of 4 GPUs: a DP rank spanning both nodes");
+    if (cfg) {
+        const rp_topology *t = rp_config_topology(cfg);
+        ok(t->num_gpus == 1 && t->gpus_per_node == 1 && t->num_nodes == 1 && t->expert_parallel_size == 4 &&
+               t->ep_size == 1,
+           "one DP rank (the planner's node), EP defaults to its 4 ETP groups");
+        rp_config_free(cfg);
+    }
+    cfg = config("\"num_nodes\": 1, \"gpus_per_node\": 8", "", &err);
+    ok(cfg && rp_config_topology(cfg)->context_parallel_size == 1, "context_parallel_size defaults to 1");
+    rp_config_free(cfg);
+    struct {
+        const char *topology, *message;
+        rp_status status;
+    } bad[] = {
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"context_parallel_size\": 3",
+         "topology.context_parallel_size is 3, but a DP rank of tensor_parallel_size 1 x context_parallel_size 3 = 3 "
+         "GPUs must divide the GPUs of a node (8) or be whole nodes, and divide the 8 GPUs",
+         RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"context_parallel_size\": 0",
+         "topology.context_parallel_size must be >= 1", RP_ERANGE},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 4, \"context_parallel_size\": 4",
+         "topology.context_parallel_size", RP_ERANGE},
+        {"\"num_nodes\": 3, \"gpus_per_node\": 4, \"context_parallel_size\": 8",
+         "topology.context_parallel_size is 8, but a DP rank of tensor_parallel_size 1 x context_parallel_size 8 = 8 "
+         "GPUs must divide the GPUs of a node (4) or be whole nodes, and divide the 12 GPUs",
+         RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 2, \"context_parallel_size\": 2,"
+         " \"expert_tensor_parallel_size\": 1, \"ep_size\": 2",
+         "topology.ep_size is 2 EP ranks x 1 GPUs (expert_tensor_parallel_size) = 2 GPUs, not a multiple of "
+         "tensor_parallel_size 2 x context_parallel_size 2 = 4: an EP group must hold whole DP ranks",
+         RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"context_parallel_size\": 2, \"dp_size\": 8",
+         "topology.dp_size must equal the GPUs over tensor_parallel_size x context_parallel_size x "
+         "pipeline_parallel_size, 8 / (1 x 2 x 1) = 4, got 8",
+         RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"context_parallel_size\": 2, \"ep_size\": 8,"
+         " \"slots_per_gpu\": [2, 2, 3, 2]",
+         "topology.slots_per_gpu[2] is 3, but DP rank 2 holds 2 EP ranks (tensor_parallel_size 1 x "
+         "context_parallel_size 2 / expert_tensor_parallel_size 1)",
+         RP_EINVAL},
+        {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": 2, \"context_parallel_size\": 8",
+         "topology.context_parallel_size", RP_ERANGE},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(&err, 0, sizeof err);
+        rp_config *c = config(bad[i].topology, "", &err);
+        ok(!c && err.status == bad[i].status && strstr(err.text, bad[i].message), "refused: %s", bad[i].message);
+        if (!strstr(err.text, bad[i].message)) diag("got: %s", err.text);
+        rp_config_free(c);
+    }
+}
+
+/* ---- a hand-computed CP 2 toy ---- */
+
+typedef struct setup {
+    rp_config *cfg;
+    rp_batch *batch;
+    rp_stats *stats;
+    rp_plan *plan;
+    rp_cost *cost;
+    uint8_t *ids;
+    rp_cost_summary sum;
+} setup;
+
+static const int32_t LENS[4] = {30, 20, 10, 40};
+
+/* 2 DP ranks, 4 slots each (experts 0-3 on rank 0, 4-7 on rank 1), sequences 0, 1 on
+ * rank 0 and 2, 3 on rank 1 in one microbatch; every token picks experts 0 and 5 at both
+ * layers (as in test_tp). */
+static bool setup_make(setup *s, const char *topology)
+{
+    rp_error err;
+    memset(s, 0, sizeof *s);
+    s->cfg = config(topology, ", \"execution\": {\"dispatch_dedup\": \"choice\"}", &err);
+    if (!s->cfg) {
+        diag("config: %s", err.text);
+        return false;
+    }
+    int32_t zero[4] = {0};
+    if (rp_batch_new(ctx, 4, LENS, zero, NULL, &s->batch, &err) != RP_OK) return false;
+    s->ids = malloc(100 * 4);
+    for (int t = 0; t < 100 * 2; t++) {
+        s->ids[2 * t] = 0;
+        s->ids[2 * t + 1] = 5;
+    }
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 2, 2, s->ids);
+    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return false;
+    int32_t rank[4] = {0, 0, 1, 1}, mb[4] = {0};
+    if (rp_plan_new(ctx, s->cfg, 1, &s->plan, &err) != RP_OK || rp_plan_set_packing(s->plan, 4, rank, mb, &err) ||
+        rp_plan_set_contiguous(s->plan, &err) ||
+        rp_cost_new(ctx, s->cfg, s->batch, s->stats, RP_SPLIT_EVEN, &s->cost, &err) ||
+        rp_cost_evaluate(s->cost, s->plan, &s->sum, &err)) {
+        diag("setup: %s", err.text);
+        return false;
+    }
+    return true;
+}
+
+static void setup_free(setup *s)
+{
+    rp_cost_free(s->cost);
+    rp_plan_free(s->plan);
+    rp_stats_free(s->stats);
+    free(s->ids);
+    rp_batch_free(s->batch);
+    rp_config_free(s->cfg);
+}
+
+/* The toy on 4 GPUs of one node: CP 1 (4 DP ranks would change the plan, so TP 2 stands
+ * in: the same 2 DP ranks of 2 GPUs, heads split instead of sequences) against CP 2 (2 DP
+ * ranks of 2 GPUs, EP 4 x ETP 1 = 2 DP ranks, 2 slots per EP rank).
+ *
+ * By hand, CP 2 (peak 989e12, eff_attn 0.25 below 512 tokens, dense_efficiency 0.7,
+ * d 64, h = h_kv 4, d_h 16, bf16, hbm 4.8e12, token-linear 3200 B a token, fixed 40 us,
+ * nvlink 450e9 B/s and 3 us; default backward multipliers 3, 2, 2, 2, 1, 2):
+ *   padding to 2 CP = 4: lengths 30, 20, 10, 40 -> 32, 20, 12, 40; each rank 52 tokens.
+ *   attention of the 30-token sequence per GPU: (2 x 32^2 x 4 x 16 / (989e12 x 0.25)
+ *     + 2 x 32 x 64 x (4 x 4 x 16) / (989e12 x 0.7)) / 2 = (5.3012e-10 + 1.51463e-09) / 2
+ *     = 1.022373e-09 s
+ *   rank 0's cell: core (32^2 + 20^2) x 5.176946e-13 / 2 = 3.685986e-10 s, projections
+ *     52 x 4.733208e-11 / 2 = 1.230634e-09 s, token-linear 52 x 3200 / 4.8e12 / 2
+ *     = 1.733333e-08 s, fixed 4e-05 s;
+ *   its ring: K and V of a token on one GPU 2 x 4 x 16 x 2 = 256 B; a step carries
+ *     52 / 2 = 26 tokens: 26 x 256 / 450e9 + 3e-6 = 3.014791e-06 s forward, 3.029582e-06 s
+ *     backward (K, V and their gradients), against one step's compute 1.842993e-10 s
+ *     forward, 5.528979e-10 s backward: unhidden (2 - 1) x (3.014791e-06 - 1.842993e-10)
+ *     + 3e-6 = 6.014607e-06 s forward, 6.029029e-06 s backward;
+ *   A(0, 0) = core + projections + forward ring = 6.016206e-06 s.
+ *   rank 1 (12 + 40 tokens): core 4.514297e-10 s; dense phase 4.603358e-05 s forward,
+ *     8.606739e-05 s backward (rank 0: 4.603354e-05, 8.606726e-05).
+ *   Experts: expert 0 and 5 take 100 tokens each, half a slot of 100 tokens per GPU:
+ *     6 x 100 x 64 x 32 / (989e12 x 0.32125) / 2 = 1.933801e-09 s; dispatch 50 choices
+ *     x 128 B over 2 GPUs' links: 50 x 128 / 900e9 + 3e-6 = 3.007111e-06 s.
+ *   step = 2 layers x (4.603358e-05 + 8.606739e-05 + 3 x 1.933801e-09
+ *     + 4 x 3.007111e-06) = 2.882704e-04 s. */
+static void test_hand(void)
+{
+    setup tp, cp;
+    bool ok1 = setup_make(&tp, "\"num_nodes\": 1, \"gpus_per_node\": 4, \"tensor_parallel_size\": 2,"
+                               " \"expert_tensor_parallel_size\": 1, \"ep_size\": 4, \"slots_per_gpu\": 2");
+    bool ok2 = setup_make(&cp, "\"num_nodes\": 1, \"gpus_per_node\": 4, \"context_parallel_size\": 2,"
+                               " \"ep_size\": 4, \"slots_per_gpu\": 2");
+    if (!ok1 || !ok2) {
+        skip(8, "setup");
+        goto out;
+    }
+    const double peak = 989e12, nv = 450e9, lat = 3e-6, d = 64, f = 32, h = 4, dh = 16, bpp = 2;
+    const double hbm = 4.8e12, tl = (16 * d + 3 * 2 * d + 3 * 2 * f) * bpp, fixed = 40e-6;
+    const double quad_s = 2 * h * dh / (peak * 0.25), lin_s = 2 * d * (4 * h * dh) / (peak * 0.7);
+    ok(close_to(rp_cost_attention_s(cp.cost, 30), (32.0 * 32 * quad_s + 32 * lin_s) / 2) &&
+           fabs(rp_cost_attention_s(cp.cost, 30) - 1.022373e-09) < 1e-15,
+       "CP 2: a sequence of 30 tokens is padded to 32 and its attention halved (%.7g s)",
+       rp_cost_attention_s(cp.cost, 30));
+    ok(close_to(rp_cost_attention_s(cp.cost, 40), rp_cost_attention_s(tp.cost, 40)),
+       "a 40-token sequence (no padding): CP 2 divides its attention as TP 2 does");
+    /* rank 0's cell */
+    const double core = (32.0 * 32 + 20 * 20) * quad_s / 2, proj = 52 * lin_s / 2, lin = 52 * tl / hbm / 2;
+    const double tok_s = 2 * 4 * dh * bpp / nv, chunk = 52 / 2.0;
+    const double ring_f = (chunk * tok_s + lat - core / 2) + lat, ring_b = (2 * chunk * tok_s + lat - 3 * core / 2) + lat;
+    const double *A = rp_cost_attention_breakdown(cp.cost);
+    ok(close_to(A[0], core + proj + ring_f), "A(0, 0) = core + projections + the ring's unhidden forward (%.7g s)",
+       A[0]);
+    ok(fabs(A[0] - 6.016206e-06) < 1e-12, "which is 6.016206e-06 s, as computed by hand");
+    /* the step: 2 layers, each the larger dense phase forward and backward, experts,
+     * dispatch and combine (overlap none); rank 1 (12 + 40 padded tokens) has more core */
+    const double core1 = (12.0 * 12 + 40 * 40) * quad_s / 2;
+    const double rf1 = (chunk * tok_s + lat - core1 / 2) + lat, rb1 = (2 * chunk * tok_s + lat - 3 * core1 / 2) + lat;
+    const double df0 = core + proj + lin + fixed + ring_f, db0 = 3 * core + 2 * proj + 2 * lin + 2 * fixed + ring_b;
+    const double df1 = core1 + proj + lin + fixed + rf1, db1 = 3 * core1 + 2 * proj + 2 * lin + 2 * fixed + rb1;
+    const double slot = 6.0 * 100 * d * f / (peak * (0.28 + 36.0 / 192 * 0.22)) / 2;
+    const double disp = 50 * d * bpp / (2 * nv) + lat;
+    const double step = 2 * (fmax(df0, df1) + fmax(db0, db1) + 3 * slot + 4 * disp);
+    ok(close_to(cp.sum.step_s, step) && fabs(step - 2.882704e-04) < 1e-10,
+       "the step by hand: %.9g s (model %.9g s)", step, cp.sum.step_s);
+    const double *X = rp_cost_expert_breakdown(cp.cost), *D = rp_cost_dispatch_breakdown(cp.cost);
+    ok(close_to(X[0], slot) && close_to(D[0], disp) && close_to(X[0], rp_cost_expert_breakdown(tp.cost)[0]) &&
+           close_to(D[0], rp_cost_dispatch_breakdown(tp.cost)[0]),
+       "experts and dispatch per GPU divide by CP (as by TP): %.6g s, %.7g s", X[0], D[0]);
+    ok(cp.sum.step_s > tp.sum.step_s && cp.sum.lower_bound_s <= cp.sum.step_s,
+       "CP pays its ring where TP pays nothing (tiny sequences: the ring's latency shows); bound <= step");
+    /* a long sequence hides the ring: its per-step compute outgrows the K/V transfer */
+    const double big = rp_cost_attention_s(cp.cost, 16384), big_tp = rp_cost_attention_s(tp.cost, 16384);
+    ok(close_to(big, big_tp), "16k tokens: the same attention per GPU under CP 2 and TP 2 (%.6g s)", big);
+out:
+    if (ok1) setup_free(&tp);
+    if (ok2) setup_free(&cp);
+}
+
+/* ---- random plans ---- */
+
+typedef struct scene {
+    rp_config *cfg;
+    rp_batch *batch;
+    rp_stats *stats;
+    rp_plan *plan;
+    uint8_t *ids;
+    int32_t n, M;
+} scene;
+
+#define LAYERS 4
+
+/* A random batch of 6-29 sequences (a few long ones) routed over 8 experts at LAYERS
+ * layers, packed at random into M microbatches, with a random placement. */
+static bool scene_make(scene *s, const char *topo, const char *extra, int32_t M)
+{
+    rp_error err;
+    memset(s, 0, sizeof *s);
+    s->cfg = config_l(topo, extra, LAYERS, 1 << rnd(3), &err);
+    if (!s->cfg) {
+        diag("config %s: %s", topo, err.text);
+        return false;
+    }
+    const rp_topology *t = rp_config_topology(s->cfg);
+    int32_t n = s->n = 6 + (int32_t)rnd(24), lens[32], zero[32] = {0};
+    for (int i = 0; i < n; i++) lens[i] = 1 + (int32_t)(rnd(5) ? rnd(400) : rnd(6000));
+    rp_batch_new(ctx, n, lens, zero, NULL, &s->batch, &err);
+    int64_t tokens = rp_batch_num_tokens(s->batch);
+    s->ids = malloc((size_t)tokens * LAYERS * 2);
+    for (int64_t k = 0; k < tokens * LAYERS; k++) {
+        uint8_t a = (uint8_t)(rnd(4) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
+        if (b == a) b = (uint8_t)((a + 1) % 8);
+        s->ids[2 * k] = a;
+        s->ids[2 * k + 1] = b;
+    }
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, LAYERS, 2, s->ids);
+    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return diag("%s", err.text), false;
+    s->M = M;
+    int32_t rank[32], mb[32];
+    for (int i = 0; i < n; i++) rank[i] = (int32_t)rnd((uint32_t)t->num_gpus), mb[i] = (int32_t)rnd((uint32_t)M);
+    rp_plan_new(ctx, s->cfg, M, &s->plan, &err);
+    rp_plan_set_packing(s->plan, n, rank, mb, &err);
+    int32_t S = rp_plan_total_slots(s->plan), phy[256];
+    const int32_t *sb = rp_plan_slot_begin(s->plan);
+    for (int32_t l = 0; l < LAYERS; l++) {
+        for (int32_t p = 0; p < S; p++) phy[p] = p < 8 ? p : -1;
+        for (int32_t p = 7; p > 0; p--) {
+            int32_t q = (int32_t)rnd((uint32_t)p + 1), tmp = phy[p];
+            phy[p] = phy[q];
+            phy[q] = tmp;
+        }
+        for (int32_t p = 8; p < S; p++) {
+            int32_t e = (int32_t)rnd(8), j = 0;
+            while (sb[j + 1] <= p) j++;
+            bool held = false;
+            for (int32_t k = sb[j]; k < sb[j + 1]; k++) held |= phy[k] == e;
+            if (!held) phy[p] = e;
+        }
+        rp_plan_set_phy2log(s->plan, l, phy, &err);
+    }
+    if (rp_plan_validate(s->plan, s->cfg, s->batch, &err) != RP_OK) return diag("plan: %s", err.text), false;
+    return true;
+}
+
+static void scene_free(scene *s)
+{
+    rp_plan_free(s->plan);
+    rp_stats_free(s->stats);
+    free(s->ids);
+    rp_batch_free(s->batch);
+    rp_config_free(s->cfg);
+}
+
+static uint64_t fnv(uint64_t h, double v)
+{
+    unsigned char b[sizeof v];
+    memcpy(b, &v, sizeof v);
+    for (size_t i = 0; i < sizeof v; i++) h = (h ^ b[i]) * 0x100000001B3ULL;
+    return h;
+}
+
+static const char *const SYNCS[] = {"group", "global"}, *const OVERLAPS[] = {"none", "layer"},
+                         *const DEDUPS[] = {"choice", "gpu", "node"};
+
+/* A random CP 1 layout (TP 1-4, ETP | TP, PP 1-2) and what it costs: the step, the
+ * bound, the attention of every cell, and a tried and an applied move, folded into a
+ * hash. The same draws at c63111d (before CP; this function built against that
+ * commit's library, x86-64 GCC RelWithDebInfo) gave FROZEN_CP1: `context_parallel_size`
+ * 1, given or not, must change no bit. */
+#define FROZEN_CP1 0xe440261227e6ca08ULL
+static uint64_t cp1_hash(bool explicit_cp, int *cases)
+{
+    uint64_t h = 0xCBF29CE484222325ULL;
+    rng_state = 0x5DEECE66DULL;
+    *cases = 0;
+    for (int it = 0; it < 30; it++) {
+        int nodes = 1 + (int)rnd(2), gpn = 8, tp = 1 << rnd(3), etp = tp >> rnd(tp == 1 ? 1 : 2);
+        int pp = 1 + (int)rnd(2), stage = nodes * gpn / pp;
+        int ep_gpus = tp << rnd(3);
+        if (stage % ep_gpus != 0) ep_gpus = tp << rnd(2);
+        if (stage % ep_gpus != 0) ep_gpus = tp;
+        int ep = ep_gpus / etp;
+        char topo[512], extra[256];
+        snprintf(topo, sizeof topo,
+                 "\"num_nodes\": %d, \"gpus_per_node\": %d, \"tensor_parallel_size\": %d,"
+                 " \"expert_tensor_parallel_size\": %d, \"ep_size\": %d, \"pipeline_parallel_size\": %d%s",
+                 nodes, gpn, tp, etp, ep, pp, explicit_cp ? ", \"context_parallel_size\": 1" : "");
+        snprintf(extra, sizeof extra,
+                 ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\"}",
+                 SYNCS[rnd(2)], OVERLAPS[rnd(2)], DEDUPS[rnd(3)]);
+        scene s;
+        if (!scene_make(&s, topo, extra, 1 + (int32_t)rnd(3))) {
+            scene_free(&s);
+            continue;
+        }
+        rp_error err;
+        rp_cost *cost = NULL;
+        rp_cost_summary sum;
+        if (rp_cost_new(ctx, s.cfg, s.batch, s.stats, RP_SPLIT_EVEN, &cost, &err) == RP_OK &&
+            rp_cost_evaluate(cost, s.plan, &sum, &err) == RP_OK) {
+            (*cases)++;
+            h = fnv(fnv(h, sum.step_s), sum.lower_bound_s);
+            const double *A = rp_cost_attention_breakdown(cost);
+            const int32_t G = rp_config_topology(s.cfg)->num_gpus;
+            for (int32_t i = 0; i < G * s.M; i++) h = fnv(h, A[i]);
+            int32_t q = (int32_t)rnd((uint32_t)s.n), g = (int32_t)rnd((uint32_t)G), m = (int32_t)rnd((uint32_t)s.M);
+            h = fnv(h, rp_cost_try_move(cost, q, g, m));
+            if (rp_cost_apply_move(cost, s.plan, q, g, m, &err) == RP_OK) h = fnv(h, rp_cost_current_s(cost));
+        } else {
+            diag("case %d: %s", it, err.text);
+        }
+        rp_cost_free(cost);
+        scene_free(&s);
+    }
+    return h;
+}
+
+static void test_cp1_frozen(void)
+{
+    int n1, n2;
+    uint64_t implicit = cp1_hash(false, &n1), given = cp1_hash(true, &n2);
+    ok(implicit == FROZEN_CP1 && n1 == 30,
+       "CP 1 on %d random plans (TP 1-4, ETP, PP 1-2, every sync, overlap, dedup): the step, bound, attention and "
+       "moves of c63111d bit for bit (hash %#llx)",
+       n1, (unsigned long long)implicit);
+    ok(given == implicit && n2 == n1, "\"context_parallel_size\": 1 given: the same bits");
+}
+
+/* Random CP layouts: bound <= step, and tried moves and swaps equal full evaluations of
+ * the changed plans bit for bit. */
+static void test_random(void)
+{
+    int bad_bound = 0, bad_try = 0, cases = 0, tries = 0;
+    rng_state = 0x2545F4914F6CDD1DULL;
+    for (int it = 0; it < 40; it++) {
+        int gpn = rnd(2) ? 8 : 4, tp = 1 << rnd(2), cp = 2 << rnd(2), rank = tp * cp;
+        int nodes = rank > gpn ? 2 : 1 + (int)rnd(2);
+        int pp = (nodes * gpn) % (2 * rank) == 0 && rnd(2) ? 2 : 1, stage = nodes * gpn / pp;
+        if (pp == 2 && stage < gpn && gpn % stage != 0) pp = 1, stage = nodes * gpn;
+        int etp = tp > 1 ? tp >> rnd(2) : 1, ep_gpus = stage % (2 * rank) == 0 && rnd(2) ? 2 * rank : rank;
+        double speed = rnd(3) ? 1.0 : 0.5 + rnd(4) * 0.25;
+        char topo[512], extra[256];
+        snprintf(topo, sizeof topo,
+                 "\"num_nodes\": %d, \"gpus_per_node\": %d, \"tensor_parallel_size\": %d,"
+                 " \"context_parallel_size\": %d, \"expert_tensor_parallel_size\": %d, \"ep_size\": %d,"
+                 " \"pipeline_parallel_size\": %d, \"gpu_speed\": %g",
+                 nodes, gpn, tp, cp, etp, ep_gpus / etp, pp, speed);
+        snprintf(extra, sizeof extra,
+                 ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\"}",
+                 SYNCS[rnd(2)], OVERLAPS[rnd(2)], DEDUPS[rnd(3)]);
+        scene s;
+        if (!scene_make(&s, topo, extra, 1 + (int32_t)rnd(3))) {
+            bad_bound++;
+            scene_free(&s);
+            continue;
+        }
+        rp_error err;
+        rp_cost *cost = NULL;
+        rp_cost_summary sum;
+        const int32_t G = rp_config_topology(s.cfg)->num_gpus;
+        if (rp_cost_new(ctx, s.cfg, s.batch, s.stats, it % 2 ? RP_SPLIT_LOCALITY : RP_SPLIT_EVEN, &cost, &err) ||
+            rp_cost_evaluate(cost, s.plan, &sum, &err)) {
+            diag("case %d (%s): %s", it, topo, err.text);
+            bad_bound++;
+        } else {
+            cases++;
+            if (!(sum.lower_bound_s <= sum.step_s * (1 + 1e-12)) || !isfinite(sum.step_s)) {
+                bad_bound++;
+                diag("case %d (%s%s): bound %.9g > step %.9g", it, topo, extra, sum.lower_bound_s, sum.step_s);
+            }
+            for (int k = 0; k < 4; k++) {
+                double tried;
+                rp_status st;
+                if (k % 2 == 0) {
+                    int32_t q = (int32_t)rnd((uint32_t)s.n), g = (int32_t)rnd((uint32_t)G),
+                            m = (int32_t)rnd((uint32_t)s.M);
+                    tried = rp_cost_try_move(cost, q, g, m);
+                    st = isfinite(tried) ? rp_cost_apply_move(cost, s.plan, q, g, m, &err) : RP_EINVAL;
+                } else {
+                    int32_t a = (int32_t)rnd((uint32_t)s.n), b = (int32_t)rnd((uint32_t)s.n);
+                    tried = rp_cost_try_swap(cost, a, b);
+                    st = isfinite(tried) ? rp_cost_apply_swap(cost, s.plan, a, b, &err) : RP_EINVAL;
+                }
+                if (st != RP_OK) continue;
+                tries++;
+                rp_cost *fresh = NULL;
+                rp_cost_summary fs;
+                rp_cost_new(ctx, s.cfg, s.batch, s.stats, it % 2 ? RP_SPLIT_LOCALITY : RP_SPLIT_EVEN, &fresh, &err);
+                if (rp_cost_evaluate(fresh, s.plan, &fs, &err) != RP_OK || fs.step_s != tried ||
+                    fs.step_s != rp_cost_current_s(cost) || !(fs.lower_bound_s <= fs.step_s * (1 + 1e-12))) {
+                    bad_try++;
+                    diag("case %d: try %.17g, full %.17g", it, tried, fs.step_s);
+                }
+                rp_cost_free(fresh);
+            }
+        }
+        rp_cost_free(cost);
+        scene_free(&s);
+    }
+    ok(bad_bound == 0 && cases == 40,
+       "bound <= step on %d random plans with CP 2-4 (TP 1-2, ETP, PP 1-2, DP ranks across nodes, mixed speeds)",
+       cases);
+    ok(bad_try == 0 && tries > 60, "%d tried moves and swaps equal full evaluations of the changed plans bit for bit",
+       tries);
+}
+
+int main(void)
+{
+    rp_context_new(NULL, NULL, &ctx);
+    test_mapping();
+    test_hand();
+    test_cp1_frozen();
+    test_random();
+    rp_context_free(ctx);
+    return tap_done();
+}
