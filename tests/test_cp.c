@@ -212,8 +212,10 @@ static void test_hand(void)
            fabs(rp_cost_attention_s(cp.cost, 30) - 1.022373e-09) < 1e-15,
        "CP 2: a sequence of 30 tokens is padded to 32 and its attention halved (%.7g s)",
        rp_cost_attention_s(cp.cost, 30));
-    ok(close_to(rp_cost_attention_s(cp.cost, 40), rp_cost_attention_s(tp.cost, 40)),
-       "a 40-token sequence (no padding): CP 2 divides its attention as TP 2 does");
+    ok(close_to(rp_cost_attention_s(cp.cost, 40), rp_cost_attention_s(tp.cost, 40)) &&
+           close_to(rp_cost_dense_s(cp.cost, 40), rp_cost_dense_s(tp.cost, 40)),
+       "a 40-token sequence (no padding): CP 2 divides its attention, and the dense work the joint planner's "
+       "surrogate balances (rp_cost_dense_s), as TP 2 does");
     /* rank 0's cell */
     const double core = (32.0 * 32 + 20 * 20) * quad_s / 2, proj = 52 * lin_s / 2, lin = 52 * tl / hbm / 2;
     const double tok_s = 2 * 4 * dh * bpp / nv, chunk = 52 / 2.0;
@@ -475,6 +477,179 @@ static void test_random(void)
        tries);
 }
 
+
+/* ---- a long rollout: the straggler, and the joint planner's packing ---- */
+
+/* A model where attention dominates (32 heads of 128, small experts), on 4 GPUs of one
+ * node: CP 1 is 4 DP ranks, CP 2 is 2 DP ranks of 2 GPUs. */
+static rp_config *long_config(int cp, rp_error *err)
+{
+    char json[2048];
+    snprintf(json, sizeof json,
+             "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"context_parallel_size\": %d,"
+             " \"ep_size\": 4},"
+             " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 256,"
+             "  \"expert_ffn_size\": 128, \"num_heads\": 32, \"num_kv_heads\": 8, \"head_dim\": 128},"
+             " \"limits\": {\"max_tokens_per_microbatch\": 65536, \"num_microbatches\": 1}}",
+             cp);
+    rp_config *cfg = NULL;
+    if (rp_config_parse(ctx, json, strlen(json), "long.json", &cfg, err) != RP_OK) return NULL;
+    return cfg;
+}
+
+/* One rollout of 6000 tokens and 16 of 1500-2500: the long one has about 30% of the
+ * batch's attention, more than a quarter (a GPU's share at CP 1), less than half (a DP
+ * rank's share at CP 2). */
+#define LONG_N 17
+static rp_batch *long_batch(rp_stats **stats, uint8_t **ids)
+{
+    rp_error err;
+    int32_t lens[LONG_N], zero[LONG_N] = {0};
+    lens[0] = 6000;
+    for (int i = 1; i < LONG_N; i++) lens[i] = 1500 + 67 * ((i * 7) % 16);
+    rp_batch *batch = NULL;
+    if (rp_batch_new(ctx, LONG_N, lens, zero, NULL, &batch, &err) != RP_OK) return NULL;
+    int64_t tokens = rp_batch_num_tokens(batch);
+    *ids = malloc((size_t)tokens * 2 * 2);
+    for (int64_t k = 0; k < tokens * 2; k++) {
+        (*ids)[2 * k] = (uint8_t)(k % 8);
+        (*ids)[2 * k + 1] = (uint8_t)((k + 3) % 8);
+    }
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 2, 2, *ids);
+    if (rp_stats_compute(ctx, batch, &r, 8, 1, stats, &err) != RP_OK) {
+        rp_batch_free(batch);
+        return NULL;
+    }
+    return batch;
+}
+
+/* The rank and microbatch holding sequence 0, and how many sequences share its cell. */
+static int32_t long_cell(const rp_plan *plan, int32_t *rank)
+{
+    const int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan);
+    for (int32_t g = 0; g < G; g++)
+        for (int32_t m = 0; m < M; m++) {
+            int32_t n = 0;
+            const int32_t *list = rp_plan_microbatch(plan, g, m, &n);
+            for (int32_t k = 0; k < n; k++)
+                if (list[k] == 0) {
+                    *rank = g;
+                    return n;
+                }
+        }
+    *rank = -1;
+    return 0;
+}
+
+static void test_long_rollout(void)
+{
+    rp_error err;
+    rp_stats *stats = NULL;
+    uint8_t *ids = NULL;
+    rp_batch *batch = long_batch(&stats, &ids);
+    rp_config *c1 = long_config(1, &err), *c2 = long_config(2, &err);
+    if (!batch || !c1 || !c2) {
+        diag("setup: %s", err.text);
+        skip(6, "setup");
+        goto out;
+    }
+    /* The straggler, same GPUs: at CP 1 the long rollout alone on GPU 0 and the others
+     * spread over GPUs 1-3; at CP 2 it alone on DP rank 0 (GPUs 0-1), the others
+     * on DP rank 1 (GPUs 2-3). */
+    int32_t rank1[LONG_N], rank2[LONG_N], mb[LONG_N] = {0};
+    for (int i = 0; i < LONG_N; i++) rank1[i] = i == 0 ? 0 : 1 + (i - 1) % 3, rank2[i] = i == 0 ? 0 : 1;
+    rp_plan *p1 = NULL, *p2 = NULL;
+    rp_cost *k1 = NULL, *k2 = NULL;
+    rp_cost_summary s1, s2;
+    if (rp_plan_new(ctx, c1, 1, &p1, &err) || rp_plan_set_packing(p1, LONG_N, rank1, mb, &err) ||
+        rp_plan_set_contiguous(p1, &err) || rp_plan_new(ctx, c2, 1, &p2, &err) ||
+        rp_plan_set_packing(p2, LONG_N, rank2, mb, &err) || rp_plan_set_contiguous(p2, &err) ||
+        rp_cost_new(ctx, c1, batch, stats, RP_SPLIT_EVEN, &k1, &err) || rp_cost_evaluate(k1, p1, &s1, &err) ||
+        rp_cost_new(ctx, c2, batch, stats, RP_SPLIT_EVEN, &k2, &err) || rp_cost_evaluate(k2, p2, &s2, &err)) {
+        diag("plans: %s", err.text);
+        skip(3, "plans");
+    } else {
+        ok(s1.straggler_gpu == 0 && s1.straggler_side == RP_SIDE_ATTENTION,
+           "CP 1: the long rollout's GPU 0 is the straggler, on attention (step %.4g ms)", s1.step_s * 1e3);
+        if (s2.straggler_gpu != 1) diag("straggler %d side %d", s2.straggler_gpu, (int)s2.straggler_side);
+        ok(s2.straggler_gpu == 1 && s2.straggler_side == RP_SIDE_ATTENTION,
+           "CP 2: split over GPUs 0-1, it is not: the straggler moves to DP rank 1, the short rollouts' (step %.4g ms)",
+           s2.step_s * 1e3);
+        const double *a1 = rp_cost_attention_breakdown(k1), *a2 = rp_cost_attention_breakdown(k2);
+        ok(close_to(a2[0], a1[0] / 2 + 3e-6),
+           "its attention per GPU halves, plus one NVLink latency: its ring hides behind its compute (%.4g -> %.4g ms)",
+           a1[0] * 1e3, a2[0] * 1e3);
+    }
+    rp_cost_free(k1);
+    rp_cost_free(k2);
+    rp_plan_free(p1);
+    rp_plan_free(p2);
+    /* The joint planner prices through the cost model and its surrogate divides
+     * attention by CP alike: at CP 1 the long rollout sits alone and sets the step (step
+     * / bound near 1: the bound counts it alone too); at CP 2 it no longer dominates: it
+     * shares its DP rank with short rollouts and the straggler is where the planner put
+     * the most work, not necessarily there. */
+    rp_plan *j1 = NULL, *j2 = NULL;
+    rp_joint_report r1, r2;
+    if (rp_joint_plan(ctx, c1, batch, stats, NULL, NULL, NULL, &j1, &r1, &err) ||
+        rp_joint_plan(ctx, c2, batch, stats, NULL, NULL, NULL, &j2, &r2, &err)) {
+        diag("joint: %s", err.text);
+        skip(3, "joint");
+    } else {
+        int32_t g1, g2;
+        int32_t n1 = long_cell(j1, &g1), n2 = long_cell(j2, &g2);
+        ok(n1 == 1, "CP 1: the joint packing leaves the long rollout alone on rank %d (%d sequences)", g1, n1);
+        ok(n2 > 1, "CP 2: it packs %d short rollouts beside it on DP rank %d", n2 - 1, g2);
+        ok(r2.step_s < r1.step_s, "and the step falls from %.4g to %.4g ms (step / bound %.3f -> %.3f)",
+           r1.step_s * 1e3, r2.step_s * 1e3, r1.ratio, r2.ratio);
+    }
+    rp_plan_free(j1);
+    rp_plan_free(j2);
+out:
+    rp_config_free(c1);
+    rp_config_free(c2);
+    rp_stats_free(stats);
+    free(ids);
+    rp_batch_free(batch);
+}
+
+/* Memory per GPU: a DP rank of TP x CP GPUs spreads its experts over them; the dense
+ * parameters are replicated over the CP ranks, their optimizer state sharded over DP x CP. */
+static void test_memory(void)
+{
+    rp_error err;
+    rp_config *one = config("\"num_nodes\": 1, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": 4",
+                            ", \"execution\": {\"optimizer_sharding\": \"dp\"}", &err);
+    rp_config *cp = config("\"num_nodes\": 1, \"gpus_per_node\": 8, \"context_parallel_size\": 4,"
+                           " \"ep_size\": 8, \"slots_per_gpu\": 1",
+                           ", \"execution\": {\"optimizer_sharding\": \"dp\"}", &err);
+    rp_gpu_memory a, b;
+    if (!one || !cp || rp_memory_gpu(one, NULL, 0, &a, &err) != RP_OK || rp_memory_gpu(cp, NULL, 0, &b, &err) != RP_OK) {
+        diag("%s", err.text);
+        skip(4, "configs");
+    } else {
+        /* both: 2 DP ranks of 4 slots; CP 4: each GPU one EP rank of 1 slot */
+        ok(close_to(b.expert_weight_bytes, a.expert_weight_bytes / 4) &&
+               close_to(b.expert_grad_bytes, a.expert_grad_bytes / 4) &&
+               close_to(b.expert_optimizer_bytes, a.expert_optimizer_bytes / 4) &&
+               close_to(b.staging_bytes, a.staging_bytes / 4),
+           "CP 4: a GPU holds its one slot of the DP rank's 4 (%.0f of %.0f bytes of expert weights)",
+           b.expert_weight_bytes, a.expert_weight_bytes);
+        ok(close_to(b.dense_weight_bytes, a.dense_weight_bytes) && close_to(b.dense_grad_bytes, a.dense_grad_bytes) &&
+               b.dense_optimizer_shards == 8 && a.dense_optimizer_shards == 2 &&
+               close_to(b.dense_optimizer_bytes, a.dense_optimizer_bytes / 4),
+           "the dense weights and gradients whole on every CP rank, their optimizer state over DP x CP = 8 GPUs");
+        ok(b.context_parallel_size == 4 && b.activation_tokens == 250000 && a.activation_tokens == 1000000,
+           "a GPU holds a quarter of a microbatch's tokens (%lld of 1000000)", (long long)b.activation_tokens);
+        ok(close_to(b.activation_bytes, a.activation_bytes / 4),
+           "and a quarter of its activations: the default bytes per token divide by CP (%.4g of %.4g GB)",
+           b.activation_bytes / 1e9, a.activation_bytes / 1e9);
+    }
+    rp_config_free(one);
+    rp_config_free(cp);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -482,6 +657,8 @@ int main(void)
     test_hand();
     test_cp1_frozen();
     test_random();
+    test_long_rollout();
+    test_memory();
     rp_context_free(ctx);
     return tap_done();
 }

@@ -87,6 +87,26 @@ def tp_step(batch):
     return plan(tp_config(), batch)
 
 
+def cp_config():
+    """config-small's node as Megatron TP 2, CP 2, ETP 1, EP 8: 2 DP ranks of 4 GPUs in one
+    EP group, each DP rank holding 4 EP ranks."""
+    cfg = small_config()
+    cfg["topology"].update(tensor_parallel_size=2, context_parallel_size=2,
+                           expert_tensor_parallel_size=1, ep_size=8, slots_per_gpu=8)
+    return cfg
+
+
+def test_cp_pads_to_twice_tp_times_cp(batch):
+    """Under context parallelism a sequence is padded to 2 x TP x CP (verl's align_size),
+    read from the config the step ran with; no torch needed."""
+    res = plan(cp_config(), batch)
+    assert res.config.context_parallel_size == 2 and res.config.tensor_parallel_size == 2
+    assert res.num_gpus == 2
+    assert megatron.default_pad_multiple(res) == 8
+    with pytest.raises(routepack.InvalidArgumentError, match="2 DP ranks.*TP group of 2 GPUs x CP 2.*dp_size is 8"):
+        verl.batch_plan(res, dp_size=8)
+
+
 @pytest.fixture(scope="module")
 def four_mb_step(batch):
     """config-small with 4 micro-batches a rank (2 sequences each), packed as verl packs

@@ -37,9 +37,14 @@ PADDED_FIELDS = ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 def default_pad_multiple(res):
     """The multiple each sequence is padded to when the caller gives none: the TP size
     (sequence parallelism, which Megatron says must be used with EP and TP, splits the
-    packed tokens over the TP group; verl pads to it too). Under context parallelism it will be
-    TP x CP x 2 (load-balanced causal chunks); CP is not in RoutePack's model yet."""
-    return int(_plan.config_value(res, "tensor_parallel_size", 1))
+    packed tokens over the TP group; verl pads to it too), and under context parallelism
+    (``topology.context_parallel_size`` CP > 1) TP x CP x 2: each CP rank takes two of the
+    sequence's 2 CP load-balanced causal chunks, each split over TP. The same rule as verl's
+    ``preprocess_packed_seqs`` (``align_size = tp_size * cp_size * 2 if cp_size > 1 else
+    tp_size``) and the padding RoutePack's cost model counts."""
+    tp = int(_plan.config_value(res, "tensor_parallel_size", 1))
+    cp = int(_plan.config_value(res, "context_parallel_size", 1))
+    return tp * cp * 2 if cp > 1 else tp
 
 
 def packed_seq_params(res, rank, *, pad_multiple=None, device=None, cls=None, allow_empty=False):

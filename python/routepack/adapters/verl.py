@@ -92,8 +92,10 @@ def batch_plan(res, *, dp_size=None, num_batches_divided_by=None, order="plan"):
     G, M, S = len(lists), int(res.num_microbatches), int(res.num_seqs)
     if dp_size is not None and int(dp_size) != G:
         raise errors.InvalidArgumentError(
-            "the plan has %d DP ranks (a plan's rank is a TP group of %d GPUs), but dp_size is %d"
-            % (G, _plan.config_value(res, "tensor_parallel_size", 1), dp_size))
+            "the plan has %d DP ranks (a plan's rank is a TP group of %d GPUs%s), but dp_size is %d"
+            % (G, _plan.config_value(res, "tensor_parallel_size", 1),
+               " x CP %d" % _plan.config_value(res, "context_parallel_size", 1)
+               if _plan.config_value(res, "context_parallel_size", 1) > 1 else "", dp_size))
     ranked = [np.concatenate(row) if row else np.zeros(0, np.int64) for row in lists]
     placed = sum(len(r) for r in ranked)
     if placed != S:
