@@ -457,6 +457,7 @@ static int topology_index(lua_State *L, rp_lua_host *h, const char *k)
     }
     if (field(k, "pipeline_parallel_size")) return push_int(L, t->pipeline_parallel_size);
     if (field(k, "virtual_pipeline_size")) return push_int(L, t->virtual_pipeline_size);
+    if (field(k, "context_parallel_size")) return push_int(L, t->context_parallel_size);
     if (field(k, "stage_of_layer")) {
         /* a table built once per access: num_layers entries, a policy reads it rarely */
         const int32_t L_ = rp_config_model(h->cfg)->num_layers, PV = t->pipeline_parallel_size * t->virtual_pipeline_size;

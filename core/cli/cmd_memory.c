@@ -105,8 +105,8 @@ int cmd_memory(rp_context *ctx, int argc, char **argv)
                    t->pipeline_parallel_size, per_rank[peak].pipeline_stage, per_rank[peak].stage_layers,
                    rp_config_model(cfg)->num_layers);
         const rp_gpu_memory *pm = &per_rank[peak];
-        printf("(activations, not counted above: %.2f GB per GPU for a microbatch at the token cap, %lld tokens "
-               "per GPU%s)\n",
+        printf("(activations beside that: %.2f GB per GPU for a microbatch at the token cap, %lld tokens per "
+               "GPU%s)\n",
                pm->activation_bytes / 1e9, (long long)pm->activation_tokens,
                t->context_parallel_size > 1 ? ", 1/context_parallel_size of each sequence" : "");
     }
