@@ -708,10 +708,13 @@ static rp_status load_limits(loader *ld, json_t *obj)
                   st, out);
     /* Rough default (docs/config.md): Korthikanti et al. 2022 count 34*d bytes per token
      * per layer at 16-bit activations without the attention-score term, i.e. 17*d per
-     * byte of activation width, over all MoE layers. Per GPU: under context parallelism a
-     * GPU holds 1/CP of each token of its DP rank's microbatch. */
+     * byte of activation width, over all MoE layers. Per GPU of a DP rank: with tensor and
+     * sequence parallelism they count 34*d/t (each of the t GPUs holds 1/t), and under
+     * context parallelism a GPU holds 1/CP of each token of its DP rank's microbatch. */
     double dflt = 17.0 * m->hidden_size * m->bytes_per_param * m->num_layers;
-    if (ld->cfg->topology.context_parallel_size > 1) dflt /= ld->cfg->topology.context_parallel_size;
+    const rp_topology *t = &ld->cfg->topology;
+    if (t->tensor_parallel_size * t->context_parallel_size > 1)
+        dflt /= (double)t->tensor_parallel_size * t->context_parallel_size;
     RP_CHECK_GOTO(get_positive(ld, obj, P, "activation_bytes_per_token", dflt, DBL_MAX,
                                &l->activation_bytes_per_token),
                   st, out);

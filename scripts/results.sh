@@ -84,7 +84,7 @@ simulate() {
 # examples/...; scripts/results/layouts.py reads the layout (TP, ETP, PP, ...) from it
 layouts() {
   local c
-  for c in tp4 pp2; do
+  for c in tp4 pp2 cp2; do
     echo "results: simulate layout-qwen3-30b-$c" >&2
     (cd "$root" && "$rp" simulate --json --config "examples/config-qwen3-30b-$c.json" \
       --gen examples/gen-qwen3-30b-tp4.json) > "$work/layout-qwen3-30b-$c.json"

@@ -39,7 +39,7 @@ typedef struct rp_gpu_memory {
      * limits' business): one microbatch at the token cap (rp_limits' max_tokens_per_microbatch,
      * lowered by the memory cap), of whose tokens a GPU holds 1/context_parallel_size,
      * activation_tokens of them; activation_bytes = the cap x activation_bytes_per_token
-     * (per GPU: its default divides by CP). */
+     * (per GPU: its default divides by TP x CP). */
     int32_t context_parallel_size;
     int64_t activation_tokens;
     double activation_bytes;
