@@ -650,6 +650,49 @@ static void test_memory(void)
     rp_config_free(cp);
 }
 
+/* The bundled CP example fits its GPUs, activations of a full microbatch included; a CP
+ * config runs in `routepack simulate` (the bundled trace, 2 DP ranks of CP 2 x TP 2). */
+static void test_examples(void)
+{
+    rp_error err;
+    rp_config *cfg = NULL;
+    rp_gpu_memory m;
+    rp_status st = rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-qwen3-30b-cp2.json", &cfg, &err);
+    memset(&m, 0, sizeof m);
+    if (st == RP_OK) st = rp_memory_peak(cfg, NULL, &m, &err);
+    ok(st == RP_OK &&
+           m.total_bytes + m.activation_bytes <= m.capacity_bytes && m.context_parallel_size == 2 &&
+           rp_config_topology(cfg)->num_gpus == 4 && rp_config_topology(cfg)->ep_size == 2,
+       "config-qwen3-30b-cp2.json loads: 4 DP ranks of TP 2 x CP 2, EP groups of 2; it fits with a full "
+       "microbatch's activations (%.1f + %.1f GB of %.0f GB)",
+       st == RP_OK ? m.total_bytes / 1e9 : 0, st == RP_OK ? m.activation_bytes / 1e9 : 0,
+       st == RP_OK ? m.capacity_bytes / 1e9 : 0);
+    rp_config_free(cfg);
+
+    char dir[64];
+    if (!temp_dir_make(dir, sizeof dir, "cp")) {
+        skip(2, "no scratch directory");
+        return;
+    }
+    const char *text =
+        "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 2,"
+        " \"context_parallel_size\": 2, \"expert_tensor_parallel_size\": 1, \"ep_size\": 8, \"slots_per_gpu\": 9},"
+        " \"model\": {\"num_layers\": 16, \"num_experts\": 64, \"top_k\": 8, \"hidden_size\": 2048,"
+        " \"expert_ffn_size\": 1024, \"num_heads\": 16, \"head_dim\": 128},"
+        " \"limits\": {\"max_tokens_per_microbatch\": 4096}}";
+    char path[512];
+    snprintf(path, sizeof path, "%s", temp_path(dir, "cp.json"));
+    spit(path, text, strlen(text));
+    static char out[1 << 16];
+    int rc = run_routepack(out, sizeof out, "simulate --config '%s' --trace '%s/examples/small.rpt' --steps 2 --quiet",
+                           path, RP_SOURCE_DIR);
+    bool header = strstr(out, "2 DP ranks of TP 2 x CP 2, ETP 1 (8 GPUs, 1 node x 8), EP groups of 2 DP ranks");
+    ok(rc == 0 && header, "routepack simulate runs a TP 2 x CP 2 config and names the layout");
+    ok(strstr(out, "verdict:") != NULL, "and gives its verdict");
+    if (rc != 0 || !header || !strstr(out, "verdict:")) diag("exit %d: %s", rc, out);
+    temp_dir_remove(dir);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -659,6 +702,7 @@ int main(void)
     test_random();
     test_long_rollout();
     test_memory();
+    test_examples();
     rp_context_free(ctx);
     return tap_done();
 }
