@@ -20,7 +20,7 @@ HEADING = "## Parallel layouts (TP/ETP, PP/VPP)"
 
 def layout(topo):
     """The layout a config's topology names, with docs/config.md's defaults filled in."""
-    tp, cp = topo.get("tensor_parallel_size", 1), topo.get("context_parallel_size", 1)
+    tp = topo.get("tensor_parallel_size", 1)
     etp = topo.get("expert_tensor_parallel_size", tp)
     pp = topo.get("pipeline_parallel_size", 1)
     vpp = topo.get("virtual_pipeline_size", 1)
@@ -30,8 +30,9 @@ def layout(topo):
     else:
         schedule = topo.get("pipeline_schedule", "interleaved" if vpp > 1 else "1f1b")
     gpus = topo["num_nodes"] * topo["gpus_per_node"]
-    return ("TP %d, CP %d, ETP %d, EP %s, PP %d, VPP %d, schedule %s; %d GPUs (%d nodes x %d)"
-            % (tp, cp, etp, ep if ep is not None else "default", pp, vpp, schedule, gpus, topo["num_nodes"],
+    return ("TP %s, ETP %d, EP %s, PP %d, VPP %d, schedule %s; %d GPUs (%d nodes x %d)"
+            % ("%d x CP %d" % (tp, topo["context_parallel_size"]) if topo.get("context_parallel_size", 1) > 1 else tp,
+               etp, ep if ep is not None else "default", pp, vpp, schedule, gpus, topo["num_nodes"],
                topo["gpus_per_node"]))
 
 
