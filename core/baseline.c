@@ -71,7 +71,10 @@ typedef struct packing_out {
 
 /* verl's two levels: DP balancing (_balance_batch: KK with equal sizes over the ranks)
  * then, per rank, dynamic batch size (rearrange_micro_batches: KK over microbatches,
- * their count the largest over ranks of ceil(tokens / cap)). */
+ * their count the largest over ranks of ceil(tokens / cap)). With trainer.mini_batches K
+ * each rank's sequences, in verl's local order, split into K contiguous parts of equal
+ * count (the actor's DataProto.split / make_iterator without shuffle), and each part gets
+ * its M / K microbatches on its own (verl rearranges each mini-batch). */
 static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, pack_kind kind,
                          const double *key, int32_t fixed_M, bool equal_size, packing_out *out, rp_error *err)
 {
@@ -79,7 +82,7 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
     const int32_t G = t->num_gpus, n = rp_batch_num_seqs(batch);
     const int64_t cap = rp_limits_token_cap(rp_config_limits(cfg));
     const rp_trainer *tr = rp_config_trainer(cfg);
-    const int32_t multiple = tr->microbatch_multiple;
+    const int32_t multiple = tr->microbatch_multiple, K = tr->mini_batches;
     if (tr->equal_sequences_per_rank) {
         /* verl's DataProto.chunk: the batch must divide over the ranks, no dummies */
         if (n % G != 0)
@@ -88,12 +91,23 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
                            "trainer.equal_sequences_per_rank needs the same count on every rank (verl's "
                            "DataProto.chunk): give the step a multiple of %d sequences or turn the key off",
                            n, G, G);
+        if (n / G % K != 0)
+            return rp_fail(err, RP_EINVAL,
+                           "baseline: each of the %d DP ranks runs %d sequences, which do not divide into "
+                           "trainer.mini_batches %d mini-batches; trainer.equal_sequences_per_rank needs the same "
+                           "count in every mini-batch (verl splits each rank's chunk by count): give the step a "
+                           "multiple of %lld sequences or turn the key off",
+                           G, n / G, K, (long long)G * K);
         equal_size = true;
     }
     if (fixed_M > 0 && fixed_M % multiple != 0)
         return rp_fail(err, RP_EINVAL,
                        "baseline: %d microbatches is not a multiple of %d (trainer.microbatch_multiple)", fixed_M,
                        multiple);
+    if (fixed_M > 0 && fixed_M % (K * multiple) != 0)
+        return rp_fail(err, RP_EINVAL,
+                       "baseline: %d microbatches is not a multiple of %d (trainer.mini_batches %d x "
+                       "trainer.microbatch_multiple %d)", fixed_M, K * multiple, K, multiple);
     /* verl needs the batch to divide over the ranks; pad with weightless dummies. */
     const int32_t per_rank = (int32_t)(((int64_t)n + G - 1) / G);
     int64_t n_pad64 = (int64_t)per_rank * G;
@@ -144,21 +158,32 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
         }
     }
 
-    /* Microbatch count. */
-    int32_t M = fixed_M, max_local = 0;
+    /* Microbatch count of one mini-batch (all of them with one): the largest over
+     * (rank, mini-batch) of ceil(tokens / cap). Mini-batch b of a rank holding m
+     * sequences is its local positions [b m / K, (b + 1) m / K). */
+    int32_t Mk = fixed_M / K, max_local = 0;
     for (int32_t g = 0; g < G; g++) {
         int32_t m = begin[g + 1] - begin[g];
-        if (m > max_local) max_local = m;
-        if (fixed_M > 0) continue;
-        int64_t tokens = 0;
-        for (int32_t j = begin[g]; j < begin[g + 1]; j++) tokens += rp_batch_seq_len(batch, local[j]);
-        int64_t want = (tokens + cap - 1) / cap;
-        if (want > m) want = m;
-        if (want > M) M = (int32_t)want;
+        for (int32_t b = 0; b < K; b++) {
+            const int32_t lo = (int32_t)((int64_t)b * m / K), hi = (int32_t)((int64_t)(b + 1) * m / K);
+            if (hi - lo > max_local) max_local = hi - lo;
+            if (fixed_M > 0) continue;
+            int64_t tokens = 0;
+            for (int32_t j = begin[g] + lo; j < begin[g] + hi; j++) tokens += rp_batch_seq_len(batch, local[j]);
+            int64_t want = (tokens + cap - 1) / cap;
+            if (want > hi - lo) want = hi - lo;
+            if (want > Mk) Mk = (int32_t)want;
+        }
     }
-    if (M < 1) M = 1;
+    if (Mk < 1) Mk = 1;
     /* verl's num_batches_divided_by: round the count up to the multiple */
-    if (M % multiple != 0) M += multiple - M % multiple;
+    if (Mk % multiple != 0) Mk += multiple - Mk % multiple;
+    if ((int64_t)Mk * K > INT32_MAX / G) {
+        rp_fail(err, RP_ERANGE, "baseline: %d mini-batches of %d microbatches over %d ranks overflow", K, Mk, G);
+        st = RP_ERANGE;
+        goto out;
+    }
+    int32_t M = Mk * K;
 
     /* Per rank: KK over M microbatches on the key, within the cap (the repair pass is
      * ours: verl does not check the cap). If a rank cannot be repaired and the count
@@ -168,24 +193,29 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
         int32_t bad_rank = -1;
         for (int32_t g = 0; g < G && bad_rank < 0; g++) {
             int32_t m = begin[g + 1] - begin[g];
-            int32_t *mine = local + begin[g];
-            for (int32_t j = 0; j < m; j++) {
-                lkey[j] = key[mine[j]];
-                ltok[j] = (double)rp_batch_seq_len(batch, mine[j]);
+            for (int32_t b = 0; b < K && bad_rank < 0; b++) {
+                const int32_t lo = (int32_t)((int64_t)b * m / K), hi = (int32_t)((int64_t)(b + 1) * m / K);
+                int32_t *mine = local + begin[g] + lo, *part = mpart + begin[g] + lo;
+                for (int32_t j = 0; j < hi - lo; j++) {
+                    lkey[j] = key[mine[j]];
+                    ltok[j] = (double)rp_batch_seq_len(batch, mine[j]);
+                }
+                rp_part_limits lim = {.size = ltok, .size_cap = (double)cap};
+                rp_status kst = rp_partition_kk(ctx, lkey, hi - lo, Mk, false, &lim, part, &kk_err);
+                if (kst == RP_ENOMEM) goto nomem;
+                if (kst != RP_OK) bad_rank = g;
+                for (int32_t j = 0; j < hi - lo && b > 0; j++) part[j] += b * Mk; /* the mini-batch's microbatches */
             }
-            rp_part_limits lim = {.size = ltok, .size_cap = (double)cap};
-            rp_status kst = rp_partition_kk(ctx, lkey, m, M, false, &lim, mpart + begin[g], &kk_err);
-            if (kst == RP_ENOMEM) goto nomem;
-            if (kst != RP_OK) bad_rank = g;
         }
         if (bad_rank < 0) break;
-        if (fixed_M > 0 || M >= max_local || M > INT32_MAX / G - multiple) {
+        if (fixed_M > 0 || Mk >= max_local || (int64_t)(Mk + multiple) * K > INT32_MAX / G) {
             rp_fail(err, RP_ERANGE, "baseline: rank %d cannot split its sequences into %d microbatches within the "
-                    "cap of %lld tokens (%s)", bad_rank, M, (long long)cap, kk_err.text);
+                    "cap of %lld tokens (%s)", bad_rank, K == 1 ? M : Mk, (long long)cap, kk_err.text);
             st = RP_ERANGE;
             goto out;
         }
-        M += multiple;
+        Mk += multiple;
+        M = Mk * K;
         rp_log(ctx, RP_LOG_INFO, "baseline: rank %d does not fit its microbatches under the cap; trying %d", bad_rank, M);
     }
 
@@ -204,14 +234,15 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
             cell_rank[local[k]] = dp_part[local[k]];
             cell_mb[local[k]] = mpart[k];
         }
-        st = rp_fill_empty_cells(ctx, batch, G, M, cell_rank, cell_mb, true, "baseline", err);
+        st = rp_fill_empty_cells(ctx, batch, G, M, K, cell_rank, cell_mb, true, "baseline", err);
         for (int32_t k = 0; k < n && st == RP_OK; k++) mpart[k] = cell_mb[local[k]];
         rp_free(ctx, cell_rank);
         rp_free(ctx, cell_mb);
         if (st != RP_OK) goto out;
     }
 
-    /* Lists: per rank, microbatches in verl's order, each in ascending local index. */
+    /* Lists: per rank and mini-batch, microbatches in verl's order, each in ascending
+     * local index. */
     size_t cells = gz * (size_t)M;
     out->counts = rp_calloc(ctx, cells, sizeof *out->counts);
     out->seqs = rp_alloc(ctx, (nz + 1) * sizeof *out->seqs);
@@ -227,18 +258,22 @@ static rp_status pack_kk(rp_context *ctx, const rp_config *cfg, const rp_batch *
             mb_key *k = &keys[mp[j]];
             double len = (double)rp_batch_seq_len(batch, mine[j]);
             k->sum += kind == PACK_TOKEN ? len * len : key[mine[j]];
-            if (k->first < 0) k->first = j;
+            if (k->first < 0) k->first = j; /* local index (verl's is the mini-batch's: the same order) */
         }
         for (int32_t b = 0; b < M; b++)
             if (keys[b].first < 0) keys[b].first = 0;
-        sort_mb_keys(keys, keys + M, M);
-        if (kind == PACK_TOKEN) {
-            for (int32_t b = 0; b < M; b++) mb_order[b] = keys[b].mb;
-        } else {
-            /* verl >= 0.6.1: sorted[::2][::-1] + sorted[1::2], the small ones at both ends */
-            int32_t o = 0;
-            for (int32_t b = (M - 1) / 2 * 2; b >= 0; b -= 2) mb_order[o++] = keys[b].mb;
-            for (int32_t b = 1; b < M; b += 2) mb_order[o++] = keys[b].mb;
+        for (int32_t mb0 = 0; mb0 < M; mb0 += Mk) { /* each mini-batch on its own */
+            mb_key *kb = keys + mb0;
+            int32_t *ob = mb_order + mb0;
+            sort_mb_keys(kb, keys + M, Mk);
+            if (kind == PACK_TOKEN) {
+                for (int32_t b = 0; b < Mk; b++) ob[b] = kb[b].mb;
+            } else {
+                /* verl >= 0.6.1: sorted[::2][::-1] + sorted[1::2], the small ones at both ends */
+                int32_t o = 0;
+                for (int32_t b = (Mk - 1) / 2 * 2; b >= 0; b -= 2) ob[o++] = kb[b].mb;
+                for (int32_t b = 1; b < Mk; b += 2) ob[o++] = kb[b].mb;
+            }
         }
         for (int32_t b = 0; b < M; b++) {
             int32_t src = mb_order[b], c = 0;

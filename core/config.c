@@ -826,7 +826,8 @@ static rp_status check_memory(loader *ld, json_t *topology)
 /* ---- trainer ------------------------------------------------------------------------- */
 
 static const char *const trainer_keys[] = {"equal_sequences_per_rank", "microbatch_multiple",
-                                           "nonempty_microbatches", "per_forward_balancer", "comment", NULL};
+                                           "nonempty_microbatches", "per_forward_balancer", "mini_batches",
+                                           "epochs", "comment", NULL};
 
 /* The trainer's demands on a packing; read after the limits (a fixed microbatch count
  * must be a multiple of microbatch_multiple). */
@@ -865,11 +866,30 @@ static rp_status load_trainer(loader *ld, json_t *obj)
                           tr->microbatch_multiple, t->pipeline_parallel_size, t->pipeline_parallel_size);
         goto out;
     }
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "mini_batches", false, 1, 1, 1 << 16, &tr->mini_batches), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "epochs", false, 1, 1, 1 << 16, &tr->epochs), st, out);
+    /* every mini-batch runs the same count, itself a multiple of microbatch_multiple (verl
+     * calls rearrange_micro_batches on each mini-batch) */
+    if ((int64_t)tr->mini_batches * tr->microbatch_multiple > 1 << 20) {
+        st = rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, "trainer.mini_batches",
+                          "is %d: with trainer.microbatch_multiple %d a plan would run at least %lld microbatches "
+                          "per rank, more than 1048576: lower one of them",
+                          tr->mini_batches, tr->microbatch_multiple,
+                          (long long)tr->mini_batches * tr->microbatch_multiple);
+        goto out;
+    }
     int32_t fixed = ld->cfg->limits.num_microbatches;
     if (fixed > 0 && fixed % tr->microbatch_multiple != 0)
         st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "trainer.microbatch_multiple",
                           "is %d, but limits.num_microbatches fixes %d microbatches, not a multiple of %d",
                           tr->microbatch_multiple, fixed, tr->microbatch_multiple);
+    else if (fixed > 0 && fixed % (tr->mini_batches * tr->microbatch_multiple) != 0)
+        st = rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, "trainer.mini_batches",
+                          "is %d, but limits.num_microbatches fixes %d microbatches, not a multiple of %d "
+                          "(every mini-batch runs the same number of microbatches, a multiple of "
+                          "trainer.microbatch_multiple %d): give limits.num_microbatches a multiple of %d",
+                          tr->mini_batches, fixed, tr->mini_batches * tr->microbatch_multiple,
+                          tr->microbatch_multiple, tr->mini_batches * tr->microbatch_multiple);
 out:
     json_decref(empty);
     return st;

@@ -237,6 +237,8 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->PP = t->pipeline_parallel_size;
     c->VPP = t->virtual_pipeline_size;
     c->schedule = t->pipeline_schedule;
+    c->K = rp_config_trainer(cfg)->mini_batches;
+    c->epochs = rp_config_trainer(cfg)->epochs;
     c->LW = c->PP > 1 ? 3 * c->NQ : c->NQ;
     c->stage_begin = t->stage_layer_begin;
     c->stage_layers = t->layers_per_stage;
@@ -864,31 +866,42 @@ void cost_layer_times(const rp_cost *c, const double *dfmax, const double *dbmax
     if (c->PP > 1) layer_passes(c, f, b, d, x, &out[1], &out[2]);
 }
 
-/* One sync domain's time: the critical path of its pipeline (cost_pipe.c). With one
- * stage that is the sum of its layer times in (m, l) order, added one by one. */
-static double domain_sum(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q)
+/* One sync domain's time over mini-batch b: the critical path of its pipeline
+ * (cost_pipe.c). With one stage that is the sum of its layer times in (m, l) order,
+ * added one by one. */
+static double domain_sum(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q, int32_t b)
 {
-    return cost_pipe_domain(c, st, layer_t, q);
+    return cost_pipe_domain(c, st, layer_t, q, b);
 }
 
-/* The step: under group sync the slowest EP group's own pipeline, under global sync the
- * pipeline of the job-wide layer times; then the once-per-step terms. */
+/* The step, one rollout batch: per mini-batch, under group sync the slowest EP group's
+ * own pipeline, under global sync the pipeline of the job-wide layer times (every
+ * optimizer step waits for every group); then per mini-batch the replica gradient
+ * reduction, once the extra-replica copies (they are per microbatch already), all of it
+ * once per epoch. With one mini-batch and one epoch the terms add as they always did. */
 double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t, double grad_s)
 {
-    double worst = 0.0;
-    for (int32_t q = 0; q < c->NQ; q++) {
-        double sum = domain_sum(c, st, layer_t, q);
-        if (q == 0 || sum > worst) worst = sum;
+    double run = 0.0;
+    for (int32_t b = 0; b < c->K; b++) {
+        double worst = 0.0;
+        for (int32_t q = 0; q < c->NQ; q++) {
+            double sum = domain_sum(c, st, layer_t, q, b);
+            if (q == 0 || sum > worst) worst = sum;
+        }
+        run = b == 0 ? worst : run + worst;
     }
-    return worst + grad_s + st->extra_s;
+    const double epoch = run + (c->K == 1 ? grad_s : c->K * grad_s) + st->extra_s;
+    return c->epochs == 1 ? epoch : c->epochs * epoch;
 }
 
+/* The domain with the largest time over all mini-batches. */
 int32_t cost_critical_domain(const rp_cost *c, const cost_state *st)
 {
     int32_t best = 0;
     double worst = 0.0;
     for (int32_t q = 0; q < c->NQ; q++) {
-        double sum = domain_sum(c, st, st->layer_t, q);
+        double sum = 0.0;
+        for (int32_t b = 0; b < c->K; b++) sum += domain_sum(c, st, st->layer_t, q, b);
         if (q == 0 || sum > worst) {
             worst = sum;
             best = q;
@@ -1108,10 +1121,15 @@ static rp_status check_plan_shape(const rp_cost *c, const rp_plan *plan, rp_erro
                        rp_plan_num_experts(plan), c->E);
     if (rp_plan_num_microbatches(plan) < 1)
         return rp_fail(err, RP_EINVAL, "cost: the plan has %d microbatches", rp_plan_num_microbatches(plan));
-    if (c->schedule == RP_SCHEDULE_INTERLEAVED && rp_plan_num_microbatches(plan) % c->PP != 0)
+    if (rp_plan_num_microbatches(plan) % c->K != 0)
         return rp_fail(err, RP_EINVAL,
-                       "cost: the plan has %d microbatches, not a multiple of pipeline_parallel_size %d, which "
-                       "the interleaved schedule needs (Megatron)", rp_plan_num_microbatches(plan), c->PP);
+                       "cost: the plan has %d microbatches, not a multiple of trainer.mini_batches %d (every "
+                       "mini-batch runs the same number)", rp_plan_num_microbatches(plan), c->K);
+    if (c->schedule == RP_SCHEDULE_INTERLEAVED && rp_plan_num_microbatches(plan) / c->K % c->PP != 0)
+        return rp_fail(err, RP_EINVAL,
+                       "cost: the plan has %d microbatches per mini-batch, not a multiple of pipeline_parallel_size "
+                       "%d, which the interleaved schedule needs (Megatron)", rp_plan_num_microbatches(plan) / c->K,
+                       c->PP);
     const int32_t *sb = rp_plan_slot_begin(plan);
     if (!sb || sb[0] != 0 || sb[c->ep] != rp_plan_total_slots(plan))
         return rp_fail(err, RP_EINVAL, "cost: the plan's slot offsets are inconsistent");
@@ -1341,7 +1359,7 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
                              (long long)M)
                    : rp_fail_nomem(err, "a cost evaluation");
     }
-    cost_pipe_schedule(c->PP, c->VPP, c->schedule, (int32_t)M, s->pipe_ops, s->pipe_begin);
+    cost_pipe_schedule(c->PP, c->VPP, c->schedule, (int32_t)M / c->K, s->pipe_ops, s->pipe_begin);
     *out = s;
     return RP_OK;
 }
@@ -1700,13 +1718,16 @@ void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
             }
         }
     }
+    /* every epoch runs every microbatch again; the replica gradient reduction follows
+     * every mini-batch (factors of 1 leave the figures as they were) */
+    const double E = c->epochs, EK = (double)c->epochs * c->K;
     out->step_s = s->step_s;
-    out->attention_s = attn;
-    out->dispatch_s = (1.0 + c->bwd.communication) * disp;
-    out->expert_s = (1.0 + c->bwd.experts) * expert;
+    out->attention_s = E * attn;
+    out->dispatch_s = E * ((1.0 + c->bwd.communication) * disp);
+    out->expert_s = E * ((1.0 + c->bwd.experts) * expert);
     out->combine_s = out->dispatch_s;
-    out->grad_reduce_s = s->grad_s;
-    out->extra_copy_s = s->extra_s;
+    out->grad_reduce_s = EK * s->grad_s;
+    out->extra_copy_s = E * s->extra_s;
     out->lower_bound_s = cost_bound_step(c, s);
     out->ratio = out->lower_bound_s > 0 ? out->step_s / out->lower_bound_s : 1.0;
     out->attention_imbalance = a_imb / M;

@@ -62,7 +62,8 @@ double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32
  * spreads them evenly. Under PP a stage runs every microbatch over its layers, forward
  * and backward (each pass at least the layer's combined time's share: the combined time
  * overlaps at most as much), so the pipeline takes at least the busiest stage's bound;
- * likewise its gradient reduction. */
+ * likewise its gradient reduction. Mini-batches and epochs repeat what they repeat in the
+ * step. */
 double cost_bound_step(const rp_cost *c, const cost_state *st)
 {
     const int32_t G = c->G, L = c->L, ep = c->ep;
@@ -84,5 +85,8 @@ double cost_bound_step(const rp_cost *c, const cost_state *st)
         for (int32_t j = 0; j < ep; j++) copies += st->extra_count[i * ep + j];
         if (copies > 0) extra += 2.0 * ((double)copies / ep * c->expert_bytes / c->nv_bw + c->nv_lat);
     }
-    return layers + grad / G + extra;
+    /* per epoch: every mini-batch's pipeline (their sum is at least the stage's sum over
+     * all microbatches) and its gradient reduction */
+    const double epoch = layers + (c->K == 1 ? grad / G : c->K * (grad / G)) + extra;
+    return c->epochs == 1 ? epoch : c->epochs * epoch;
 }

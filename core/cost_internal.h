@@ -89,7 +89,8 @@ typedef struct cost_state {
     double grad_s, extra_s, step_s;
     bool vexp;                     /* the plan runs with per-forward balancing (virtual experts) */
     int32_t *vexp_owner;           /* [L * E] EP rank owning each expert, when vexp */
-    cost_pipe_op *pipe_ops;        /* the schedule: [pipe_begin[r], pipe_begin[r + 1]) of stage r */
+    cost_pipe_op *pipe_ops;        /* the schedule of one mini-batch (M / K microbatches):
+                                      [pipe_begin[r], pipe_begin[r + 1]) of stage r */
     int32_t *pipe_begin;           /* [PP + 1] */
     double *pipe_fend, *pipe_bend; /* [PP * VPP * M] working arrays of the critical path */
     double *pipe_tdev;             /* [PP] */
@@ -171,6 +172,8 @@ struct rp_cost {
     int32_t NQ;                /* sync domains with a time of their own: Q (group) or 1 (global) */
     int32_t LW;                /* doubles per (m, l) in layer_t: NQ, or 3 NQ under PP */
     int32_t PP, VPP;           /* pipeline stages, virtual stages per stage */
+    int32_t K, epochs;         /* trainer.mini_batches and trainer.epochs: the plan's M
+                                  microbatches are K pipelines of M / K each, run epochs times */
     rp_pipeline_schedule schedule;
     const int32_t *stage_begin, *stage_layers; /* [PP * VPP] the topology's layer split */
     bool *pipe_same_node;      /* [PP] stage r and r + 1 (mod PP) share a node */
@@ -290,8 +293,9 @@ void cost_pipe_schedule(int32_t PP, int32_t V, rp_pipeline_schedule schedule, in
  * (plus the p2p transfer) is there; the step is the last stage clock. */
 double cost_pipe_run(int32_t PP, int32_t V, int32_t M, const cost_pipe_op *ops, const int32_t *begin,
                      cost_pipe_buf *buf, const cost_pipe_times *times);
-/* The critical path of sync domain q from the layer times `layer_t` (state or trial). */
-double cost_pipe_domain(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q);
+/* The critical path of sync domain q over mini-batch b (microbatch positions b M / K to
+ * (b + 1) M / K - 1) from the layer times `layer_t` (state or trial). */
+double cost_pipe_domain(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q, int32_t b);
 /* The microbatch order sync domain q runs (NULL: the identity). */
 const int32_t *cost_domain_order(const rp_cost *c, const cost_state *st, int32_t q);
 

@@ -127,6 +127,7 @@ typedef struct domain_times {
     const cost_state *st;
     const double *layer_t;
     int32_t q;
+    int32_t base;         /* the mini-batch's first position: an op's k counts from it */
     const int32_t *order; /* microbatch run at each position */
 } domain_times;
 
@@ -137,7 +138,8 @@ static double domain_run(void *ud, int32_t kind, int32_t v, int32_t k, double st
 {
     const domain_times *d = ud;
     const rp_cost *c = d->c;
-    const int32_t m = d->order ? d->order[k] : k, l0 = c->stage_begin[v], l1 = l0 + c->stage_layers[v];
+    const int32_t pos = d->base + k, m = d->order ? d->order[pos] : pos, l0 = c->stage_begin[v],
+                  l1 = l0 + c->stage_layers[v];
     const size_t off = kind == COST_PIPE_FB ? 0 : kind == COST_PIPE_F ? (size_t)c->NQ : 2 * (size_t)c->NQ;
     double t = start;
     for (int32_t l = l0; l < l1; l++) t += d->layer_t[((size_t)m * c->L + l) * c->LW + off + d->q];
@@ -153,7 +155,7 @@ static double domain_p2p(void *ud, int32_t kind, int32_t from, int32_t to, int32
     const domain_times *d = ud;
     const rp_cost *c = d->c;
     const cost_state *st = d->st;
-    const int32_t m = d->order ? d->order[k] : k, M = st->M;
+    const int32_t pos = d->base + k, m = d->order ? d->order[pos] : pos, M = st->M;
     const int32_t g0 = c->NQ == 1 ? 0 : d->q * c->ep, g1 = c->NQ == 1 ? c->G : g0 + c->ep;
     const cost_scratch *sc = &c->sc;
     const bool trial = d->layer_t == sc->layer_t && sc->trial_cells > 0;
@@ -170,13 +172,15 @@ static double domain_p2p(void *ud, int32_t kind, int32_t from, int32_t to, int32
            (same_node ? c->nv_lat : c->net_lat);
 }
 
-double cost_pipe_domain(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q)
+double cost_pipe_domain(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q, int32_t b)
 {
-    domain_times d = {.c = c, .st = st, .layer_t = layer_t, .q = q, .order = cost_domain_order(c, st, q)};
+    const int32_t Mk = st->M / c->K; /* each mini-batch is a pipeline of its own */
+    domain_times d = {.c = c, .st = st, .layer_t = layer_t, .q = q, .base = b * Mk,
+                      .order = cost_domain_order(c, st, q)};
     cost_pipe_times times = {.run = domain_run, .p2p = domain_p2p, .ud = &d};
     cost_pipe_buf buf = {.fend = st->pipe_fend, .bend = st->pipe_bend, .tdev = st->pipe_tdev, .next = st->pipe_next};
-    cost_count(c, (int64_t)st->M * c->L);
-    return cost_pipe_run(c->PP, c->VPP, st->M, st->pipe_ops, st->pipe_begin, &buf, &times);
+    cost_count(c, (int64_t)Mk * c->L);
+    return cost_pipe_run(c->PP, c->VPP, Mk, st->pipe_ops, st->pipe_begin, &buf, &times);
 }
 
 /* The order of the domain's first rank: validation keeps one order per EP group (per
@@ -226,16 +230,17 @@ static double try_order(const rp_cost *c, const cost_state *st, order_search *o,
     o->order = order;
     cost_pipe_times times = {.run = search_run, .p2p = search_p2p, .ud = o};
     cost_count(c, st->pipe_begin[c->PP]);
-    return cost_pipe_run(c->PP, c->VPP, st->M, st->pipe_ops, st->pipe_begin, buf, &times);
+    return cost_pipe_run(c->PP, c->VPP, o->M, st->pipe_ops, st->pipe_begin, buf, &times);
 }
 
-/* The best order of one domain into best[M]: every permutation (Heap's algorithm) when
- * M is small, else the better of the identity and verl's (light microbatches at both
- * ends, heavy ones in the middle) improved by pairwise swaps while any helps. */
+/* The best order of one domain's mini-batch (o->M microbatches) into best[o->M]: every
+ * permutation (Heap's algorithm) when it is small, else the better of the identity and
+ * verl's (light microbatches at both ends, heavy ones in the middle) improved by pairwise
+ * swaps while any helps. */
 static void search_domain(const rp_cost *c, const cost_state *st, order_search *o, cost_pipe_buf *buf,
                           int32_t *best, int32_t *cur, int32_t *stack)
 {
-    const int32_t M = st->M;
+    const int32_t M = o->M;
     for (int32_t k = 0; k < M; k++) best[k] = cur[k] = k;
     double best_t = try_order(c, st, o, buf, best);
     if (M <= ORDER_EXACT_MAX) {
@@ -318,8 +323,8 @@ rp_status rp_cost_order_microbatches(rp_cost *c, rp_plan *plan, double *step_s, 
     if (!st || st->plan != plan)
         return rp_fail(err, RP_EINVAL, "cost: the plan to order is not the one the evaluator is bound to: evaluate it "
                        "first");
-    const int32_t M = st->M, VS = c->PP * c->VPP;
-    if (c->PP == 1 || M < 2 || M > 4096) { /* nothing to gain (one stage), or beyond the search's reach */
+    const int32_t M = st->M, VS = c->PP * c->VPP, Mk = M / c->K;
+    if (c->PP == 1 || Mk < 2 || M > 4096) { /* nothing to gain (one stage), or beyond the search's reach */
         if (step_s) *step_s = st->step_s;
         return RP_OK;
     }
@@ -331,27 +336,33 @@ rp_status rp_cost_order_microbatches(rp_cost *c, rp_plan *plan, double *step_s, 
         rp_free(c->ctx, ibuf);
         return rp_fail_nomem(err, "ordering the microbatches");
     }
-    order_search o = {.M = M, .VS = VS, .PP = c->PP, .tf = dbuf, .tb = dbuf + vm, .tfb = dbuf + 2 * vm,
+    order_search o = {.M = Mk, .VS = VS, .PP = c->PP, .tf = dbuf, .tb = dbuf + vm, .tfb = dbuf + 2 * vm,
                       .p2p = dbuf + 3 * vm, .work = dbuf + 5 * vm + (size_t)c->PP * M + c->PP};
     cost_pipe_buf buf = {.fend = o.p2p + (size_t)c->PP * M, .bend = o.p2p + (size_t)c->PP * M + vm,
                          .tdev = o.p2p + (size_t)c->PP * M + 2 * vm, .next = ibuf + (size_t)(c->NQ + 3) * M};
     int32_t *chosen = ibuf, *cur = ibuf + (size_t)c->NQ * M, *stack = cur + M, *ident = stack + M,
             *before = ident + M + c->PP; /* [NQ * M] each domain's order as it was */
     for (int32_t k = 0; k < M; k++) ident[k] = k;
-    for (int32_t q = 0; q < c->NQ; q++) {
-        cost_count(c, (int64_t)M * c->L * 3 + (int64_t)c->PP * M);
-        for (int32_t v = 0; v < VS; v++)
-            for (int32_t m = 0; m < M; m++) {
-                const size_t i = (size_t)v * M + m;
-                o.tf[i] = pass_sum(c, st->layer_t, m, v, (size_t)c->NQ, q);
-                o.tb[i] = pass_sum(c, st->layer_t, m, v, 2 * (size_t)c->NQ, q);
-                o.tfb[i] = pass_sum(c, st->layer_t, m, v, 0, q);
-            }
-        domain_times d = {.c = c, .st = st, .layer_t = st->layer_t, .q = q, .order = ident};
-        for (int32_t r = 0; r < c->PP; r++)
-            for (int32_t m = 0; m < M; m++) o.p2p[(size_t)r * M + m] = domain_p2p(&d, COST_PIPE_F, r, r + 1, m);
-        search_domain(c, st, &o, &buf, chosen + (size_t)q * M, cur, stack);
-    }
+    /* each mini-batch is a pipeline of its own: its order permutes its own microbatches */
+    for (int32_t q = 0; q < c->NQ; q++)
+        for (int32_t b = 0; b < c->K; b++) {
+            const int32_t base = b * Mk;
+            cost_count(c, (int64_t)Mk * c->L * 3 + (int64_t)c->PP * Mk);
+            for (int32_t v = 0; v < VS; v++)
+                for (int32_t i = 0; i < Mk; i++) {
+                    const size_t at = (size_t)v * Mk + i;
+                    o.tf[at] = pass_sum(c, st->layer_t, base + i, v, (size_t)c->NQ, q);
+                    o.tb[at] = pass_sum(c, st->layer_t, base + i, v, 2 * (size_t)c->NQ, q);
+                    o.tfb[at] = pass_sum(c, st->layer_t, base + i, v, 0, q);
+                }
+            domain_times d = {.c = c, .st = st, .layer_t = st->layer_t, .q = q, .base = base, .order = ident};
+            for (int32_t r = 0; r < c->PP; r++)
+                for (int32_t i = 0; i < Mk; i++)
+                    o.p2p[(size_t)r * Mk + i] = domain_p2p(&d, COST_PIPE_F, r, r + 1, i);
+            int32_t *best = chosen + (size_t)q * M + base;
+            search_domain(c, st, &o, &buf, best, cur, stack);
+            for (int32_t i = 0; i < Mk; i++) best[i] += base;
+        }
     /* commit: the first call may allocate the plan's order (nothing changed if it fails);
      * the others only fill it */
     const int32_t G = c->G, span = c->NQ == 1 ? G : c->ep;

@@ -225,21 +225,33 @@ static rp_status pack_cells(joint *jt, rp_error *err)
         return RP_OK;
     }
     const rp_trainer *tr = rp_config_trainer(jt->cfg);
-    const int32_t multiple = tr->microbatch_multiple;
+    /* every mini-batch runs M / K microbatches, a multiple of microbatch_multiple */
+    const int32_t K = tr->mini_batches, multiple = tr->microbatch_multiple * K;
     if (tr->equal_sequences_per_rank && jt->N % jt->G != 0)
         return rp_fail(err, RP_EINVAL,
                        "joint: the batch has %d sequences, which do not divide over the %d DP ranks; "
                        "trainer.equal_sequences_per_rank needs the same count on every rank (verl's "
                        "DataProto.chunk): give the step a multiple of %d sequences or turn the key off",
                        jt->N, jt->G, jt->G);
-    if (fixed > 0 && fixed % multiple != 0)
+    if (tr->equal_sequences_per_rank && jt->N / jt->G % K != 0)
+        return rp_fail(err, RP_EINVAL,
+                       "joint: each of the %d DP ranks runs %d sequences, which do not divide into "
+                       "trainer.mini_batches %d mini-batches; trainer.equal_sequences_per_rank needs the same count "
+                       "in every mini-batch (verl splits each rank's chunk by count): give the step a multiple of %lld "
+                       "sequences or turn the key off",
+                       jt->G, jt->N / jt->G, K, (long long)jt->G * K);
+    if (fixed > 0 && fixed % tr->microbatch_multiple != 0)
         return rp_fail(err, RP_EINVAL, "joint: %d microbatches is not a multiple of %d (trainer.microbatch_multiple)",
-                       fixed, multiple);
+                       fixed, tr->microbatch_multiple);
+    if (fixed > 0 && fixed % multiple != 0)
+        return rp_fail(err, RP_EINVAL,
+                       "joint: %d microbatches is not a multiple of %d (trainer.mini_batches %d x "
+                       "trainer.microbatch_multiple %d)", fixed, multiple, K, tr->microbatch_multiple);
     if (fixed > 0) return joint_pack(jt, fixed, err);
     int64_t tokens = rp_batch_num_tokens(jt->batch), per = (int64_t)jt->G * jt->cap;
     int64_t M = (tokens + per - 1) / per;
     if (M < 1) M = 1;
-    if (M % multiple != 0) M += multiple - M % multiple; /* verl's num_batches_divided_by */
+    if (M % multiple != 0) M += multiple - M % multiple; /* verl's num_batches_divided_by, per mini-batch */
     for (;; M += multiple) {
         if (M > INT32_MAX / jt->G - multiple || M > (int64_t)jt->N + multiple)
             return rp_fail(err, RP_ERANGE, "joint: the batch does not fit under the caps with up to %lld microbatches",

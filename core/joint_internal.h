@@ -114,16 +114,20 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err);
  * tokens (len) and dense work a(L) (attn, speed 1), the sequences longest first (order),
  * the prompt ids (prompt, when prompt_spread > 0) and the prompt counts per (sequence's
  * prompt, microbatch, EP group) (pcount, NULL when spreading is off or the table too
- * large), the sequences per rank so far (rank_count, zero) and the most a rank may take
- * (rank_quota: N / G under trainer.equal_sequences_per_rank, else INT32_MAX), and the
+ * large), the sequences per (rank, mini-batch) so far (rank_count[joint_pack_unit], zero;
+ * KB = trainer.mini_batches, Mk = M / KB microbatches a mini-batch) and the most one may
+ * take (rank_quota: N / G / KB under trainer.equal_sequences_per_rank, verl splitting a
+ * rank's chunk into mini-batches by count; else INT32_MAX), and the
  * mean cell's dense work per speed (a_ref) and tokens (t_ref) for the tie-break. */
 typedef struct joint_pack_prep {
     double *len, *attn;
     int32_t *order, *prompt, *pcount, *rank_count;
     int32_t rank_quota;
+    int32_t M, KB, Mk; /* microbatches, mini-batches, microbatches of one */
     double a_ref, t_ref;
     /* trainer.nonempty_microbatches (else NULL): sequences per cell [G * M], empty cells
-     * per rank [G] and in all; joint_pack_open says where the next sequence may go */
+     * per (rank, mini-batch) [G * KB] and in all; joint_pack_open says where the next
+     * sequence may go */
     int32_t *cell_count, *empty_rank;
     int64_t empty;
 } joint_pack_prep;
@@ -137,20 +141,29 @@ void joint_pack_prep_free(const joint *jt, joint_pack_prep *p);
  * trainer.equal_sequences_per_rank: enough of rank g's quota for its empty cells). So
  * the greedy fills as it would until the shortest sequences are needed, and then puts
  * them where the surrogate likes them best among the empty cells; no cell is left empty.
- * Always true without the key. */
+ * Without the key: whether the cell's (rank, mini-batch) is below its quota. */
+/* The (rank, mini-batch) of cell c = g * M + m of rank g: rank_count's and empty_rank's
+ * index (g with one mini-batch). */
+static inline size_t joint_pack_unit(const joint_pack_prep *p, int32_t g, size_t c)
+{
+    return (size_t)g * p->KB + (size_t)(c % (size_t)p->M) / (size_t)p->Mk;
+}
 static inline bool joint_pack_open(const joint_pack_prep *p, int32_t g, size_t c, int32_t left)
 {
+    const size_t u = joint_pack_unit(p, g, c);
+    if (p->rank_count[u] >= p->rank_quota) return false;
     if (!p->cell_count || p->cell_count[c] == 0) return true;
     if ((int64_t)left - 1 < p->empty) return false;
-    return p->rank_quota == INT32_MAX || p->rank_quota - p->rank_count[g] - 1 >= p->empty_rank[g];
+    return p->rank_quota == INT32_MAX || p->rank_quota - p->rank_count[u] - 1 >= p->empty_rank[u];
 }
 /* Sequence placed in cell c of rank g: the counts above and rank_count. */
 static inline void joint_pack_placed(joint_pack_prep *p, int32_t g, size_t c)
 {
-    p->rank_count[g]++;
+    const size_t u = joint_pack_unit(p, g, c);
+    p->rank_count[u]++;
     if (p->cell_count && p->cell_count[c]++ == 0) {
         p->empty--;
-        p->empty_rank[g]--;
+        p->empty_rank[u]--;
     }
 }
 /* RP_ERANGE: sequence s fits in no cell of M microbatches (the caller may try more). */

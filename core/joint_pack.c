@@ -48,18 +48,29 @@ rp_status joint_pack_prepare(joint *jt, int32_t M, joint_pack_prep *p, rp_error 
     p->attn = rp_alloc(ctx, (size_t)N * sizeof *p->attn);
     p->order = rp_alloc(ctx, (size_t)N * sizeof *p->order);
     p->prompt = rp_alloc(ctx, (size_t)N * sizeof *p->prompt);
-    p->rank_count = rp_calloc(ctx, (size_t)G, sizeof *p->rank_count);
+    /* quotas and empty cells per (rank, mini-batch): verl splits a rank's chunk into
+     * trainer.mini_batches mini-batches by count */
+    p->M = M;
+    p->KB = rp_config_trainer(jt->cfg)->mini_batches;
+    p->Mk = M / p->KB;
+    p->rank_count = rp_calloc(ctx, (size_t)G * p->KB, sizeof *p->rank_count);
     /* trainer.equal_sequences_per_rank: a rank takes N / G sequences, then no more */
-    p->rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G : INT32_MAX;
+    p->rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G / p->KB : INT32_MAX;
     if (!p->len || !p->attn || !p->order || !p->prompt || !p->rank_count)
         return rp_fail_nomem(err, "joint packing");
     if (rp_config_trainer(jt->cfg)->nonempty_microbatches) {
         rp_status st = rp_nonempty_check_counts(N, G, M, "joint", err);
         if (st != RP_OK) return st;
         p->cell_count = rp_calloc(ctx, (size_t)cells, sizeof *p->cell_count);
-        p->empty_rank = rp_alloc(ctx, (size_t)G * sizeof *p->empty_rank);
+        p->empty_rank = rp_alloc(ctx, (size_t)G * p->KB * sizeof *p->empty_rank);
         if (!p->cell_count || !p->empty_rank) return rp_fail_nomem(err, "joint packing: cell counts");
-        for (int32_t g = 0; g < G; g++) p->empty_rank[g] = M;
+        for (int32_t u = 0; u < G * p->KB; u++) p->empty_rank[u] = p->Mk;
+        if (p->rank_quota < p->Mk) /* a (rank, mini-batch) holds fewer sequences than cells */
+            return rp_fail(err, RP_EINVAL,
+                           "joint: each mini-batch of a rank runs %d sequences, fewer than its %d microbatches "
+                           "(trainer.nonempty_microbatches needs a sequence in every microbatch; "
+                           "trainer.mini_batches %d): give the step more sequences, fewer microbatches or "
+                           "mini-batches, or turn the key off", p->rank_quota, p->Mk, p->KB);
         p->empty = cells;
     }
     double sum_a = 0, sum_len = 0, speed_sum = 0;
@@ -114,8 +125,10 @@ rp_status joint_pack_nofit(const joint *jt, const joint_pack_prep *p, int32_t s,
                            "joint: sequence %d (%lld tokens) fits in no cell of %d microbatches under the cap of %lld "
                            "tokens%s",
                            s, (long long)p->len[s], M, (long long)jt->cap,
-                           p->rank_quota < INT32_MAX ? " on a rank below its quota (trainer.equal_sequences_per_rank)"
-                                                     : "");
+                           p->rank_quota == INT32_MAX ? ""
+                           : p->KB == 1 ? " on a rank below its quota (trainer.equal_sequences_per_rank)"
+                                        : " on a rank's mini-batch below its quota (trainer.equal_sequences_per_rank, "
+                                          "trainer.mini_batches)");
     if (err) err->sequence = s;
     return st;
 }
@@ -164,9 +177,8 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
         goto out;
     }
     const double *len = p.len, *attn = p.attn, a_ref = p.a_ref, t_ref = p.t_ref;
-    const int32_t *order = p.order, *prompt = p.prompt, rank_quota = p.rank_quota;
+    const int32_t *order = p.order, *prompt = p.prompt;
     int32_t *pcount = p.pcount;
-    const int32_t *rank_count = p.rank_count;
 
     for (int32_t i = 0; i < N; i++) {
         const int32_t s = order[i];
@@ -200,7 +212,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
                 for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
-                    if (t1 > jt->cap || rank_count[g] >= rank_quota || !joint_pack_open(&p, g, c, N - i)) continue;
+                    if (t1 > jt->cap || !joint_pack_open(&p, g, c, N - i)) continue; /* cap, quota, nonempty */
                     const double a1 = (A[c] + a) / jt->speed[g];
                     double inc = inc_q;
                     if (a1 > am) inc += L * (a1 - am);

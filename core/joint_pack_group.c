@@ -50,18 +50,21 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
     double *amax = rp_calloc(ctx, (size_t)mq, sizeof *amax), *amin = rp_calloc(ctx, (size_t)mq, sizeof *amin);
     int64_t *tmax = rp_calloc(ctx, (size_t)mq, sizeof *tmax), *tmin = rp_calloc(ctx, (size_t)mq, sizeof *tmin);
     double *val = rp_calloc(ctx, (size_t)mq, sizeof *val);
-    double *phi = rp_calloc(ctx, (size_t)Q, sizeof *phi); /* each group's sum, penalties included */
+    /* each group's sum per mini-batch, penalties included: every optimizer step waits for
+     * the slowest group, so the step is the sum over mini-batches of their largest */
+    const int32_t KB = rp_config_trainer(jt->cfg)->mini_batches, Mk = M / KB;
+    double *phi = rp_calloc(ctx, (size_t)KB * Q, sizeof *phi);  /* [KB * Q] */
+    double *phimax = rp_calloc(ctx, (size_t)KB, sizeof *phimax); /* [KB] */
     RP_CHECK_GOTO(joint_pack_prepare(jt, M, &p, err), st, out);
-    if (!A || !tok || !TQ || !amax || !amin || !tmax || !tmin || !val || !phi) {
+    if (!A || !tok || !TQ || !amax || !amin || !tmax || !tmin || !val || !phi || !phimax) {
         st = rp_fail_nomem(err, "joint packing");
         goto out;
     }
     const double *len = p.len, *attn = p.attn, a_ref = p.a_ref, t_ref = p.t_ref;
-    const int32_t *order = p.order, *prompt = p.prompt, rank_quota = p.rank_quota;
+    const int32_t *order = p.order, *prompt = p.prompt;
     int32_t *pcount = p.pcount;
-    const int32_t *rank_count = p.rank_count;
     for (int64_t i = 0; i < mq; i++) val[i] = group_value(&u, 0, 0, 0);
-    for (int32_t q = 0; q < Q; q++) phi[q] = M * group_value(&u, 0, 0, 0);
+    for (int32_t q = 0; q < KB * Q; q++) phi[q] = Mk * group_value(&u, 0, 0, 0);
 
     for (int32_t i = 0; i < N; i++) {
         const int32_t s = order[i];
@@ -69,14 +72,20 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
         const int64_t ni = (int64_t)len[s];
         const int32_t *pc = pcount && prompt[s] >= 0 ? pcount + (size_t)prompt[s] * mq : NULL;
         const double pen_unit = rho * u.gx * len[s];
-        double phimax = 0;
-        for (int32_t q = 0; q < Q; q++) phimax = phi[q] > phimax ? phi[q] : phimax;
+        for (int32_t b = 0; b < KB; b++) {
+            phimax[b] = 0;
+            for (int32_t q = 0; q < Q; q++) phimax[b] = phi[(size_t)b * Q + q] > phimax[b] ? phi[(size_t)b * Q + q] : phimax[b];
+        }
         double best_top = INFINITY, best_inc = INFINITY, best_tie = INFINITY;
         int32_t bg = -1, bm = -1;
         for (int32_t m = 0; m < M; m++)
             for (int32_t q = 0; q < Q; q++) {
                 const size_t k = (size_t)m * Q + q;
                 const double pen = pc ? pen_unit * pc[k] : 0.0;
+                /* the candidate's mini-batch: its largest group sum is what the step pays;
+                 * with several, the key is how much that largest rises */
+                const int32_t b = m / Mk;
+                const double top0 = phimax[b], base = KB == 1 ? 0.0 : top0, phi_q = phi[(size_t)b * Q + q];
                 /* the value is monotone in each argument: a bound for every GPU of the group */
                 {
                     double a_lb = amin[k] + a / jt->speed_max;
@@ -84,18 +93,18 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
                     double inc_lb = group_value(&u, a_lb > amax[k] ? a_lb : amax[k],
                                                 (double)(t_lb > tmax[k] ? t_lb : tmax[k]), (double)(TQ[k] + ni)) -
                                     val[k] + pen;
-                    double top_lb = phi[q] + inc_lb > phimax ? phi[q] + inc_lb : phimax;
+                    double top_lb = (phi_q + inc_lb > top0 ? phi_q + inc_lb : top0) - base;
                     if (top_lb > best_top || (top_lb == best_top && inc_lb > best_inc)) continue;
                 }
                 for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
-                    if (t1 > jt->cap || rank_count[g] >= rank_quota || !joint_pack_open(&p, g, c, N - i)) continue;
+                    if (t1 > jt->cap || !joint_pack_open(&p, g, c, N - i)) continue; /* cap, quota, nonempty */
                     const double a1 = (A[c] + a) / jt->speed[g];
                     const double inc = group_value(&u, a1 > amax[k] ? a1 : amax[k],
                                                    (double)(t1 > tmax[k] ? t1 : tmax[k]), (double)(TQ[k] + ni)) -
                                        val[k] + pen;
-                    const double top = phi[q] + inc > phimax ? phi[q] + inc : phimax;
+                    const double top = (phi_q + inc > top0 ? phi_q + inc : top0) - base;
                     const double tie = a1 / a_ref + (double)t1 / t_ref;
                     if (top < best_top || (top == best_top && (inc < best_inc || (inc == best_inc && tie < best_tie)))) {
                         best_top = top;
@@ -127,7 +136,7 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
             amin[k] = ag < amin[k] ? ag : amin[k];
             tmin[k] = tok[(size_t)g * M + bm] < tmin[k] ? tok[(size_t)g * M + bm] : tmin[k];
         }
-        phi[q] += best_inc;
+        phi[(size_t)(bm / Mk) * Q + q] += best_inc;
         val[k] = group_value(&u, amax[k], (double)tmax[k], (double)TQ[k]);
         if (pcount && prompt[s] >= 0) pcount[(size_t)prompt[s] * mq + k]++;
         jt->seq_gpu[s] = bg;
@@ -145,5 +154,6 @@ out:
     rp_free(ctx, tmin);
     rp_free(ctx, val);
     rp_free(ctx, phi);
+    rp_free(ctx, phimax);
     return st;
 }

@@ -13,14 +13,18 @@
  * "who" prefixes the message ("joint", "baseline"). */
 rp_status rp_nonempty_check_counts(int32_t N, int32_t G, int32_t M, const char *who, rp_error *err);
 
-/* seq_rank[s], seq_mb[s]: sequence s's cell, over G ranks and M microbatches. Each empty
- * cell takes the shortest sequence (tokens of batch, then the lower id) of the fullest
- * cell of its own rank (most sequences, then the lower microbatch); with keep_rank_counts
- * false, of the fullest cell of any rank when its own rank has no cell of two. A cell that
- * holds one sequence is never a donor, so no cell empties. RP_EINVAL, naming the numbers
- * and the key, when the batch (or, with keep_rank_counts, a rank) has fewer sequences
- * than cells; "who" prefixes the message ("joint", "baseline"). Nothing changes then. */
-rp_status rp_fill_empty_cells(rp_context *ctx, const rp_batch *batch, int32_t G, int32_t M, int32_t *seq_rank,
-                              int32_t *seq_mb, bool keep_rank_counts, const char *who, rp_error *err);
+/* seq_rank[s], seq_mb[s]: sequence s's cell, over G ranks and M microbatches, which are
+ * K mini-batches of M / K consecutive ones (trainer.mini_batches). Each empty cell takes
+ * the shortest sequence (tokens of batch, then the lower id) of the fullest cell of its
+ * own rank and mini-batch (most sequences, then the lower microbatch); with
+ * keep_rank_counts false, when there is none, of the fullest cell of its mini-batch on any
+ * rank, then of any cell. With keep_rank_counts no sequence leaves its (rank, mini-batch).
+ * A cell that holds one sequence is never a donor, so no cell empties. RP_EINVAL, naming
+ * the numbers and the key, when the batch (or, with keep_rank_counts, a rank's
+ * mini-batch) has fewer sequences than cells; "who" prefixes the message ("joint",
+ * "baseline"). Nothing changes then. */
+rp_status rp_fill_empty_cells(rp_context *ctx, const rp_batch *batch, int32_t G, int32_t M, int32_t K,
+                              int32_t *seq_rank, int32_t *seq_mb, bool keep_rank_counts, const char *who,
+                              rp_error *err);
 
 #endif

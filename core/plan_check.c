@@ -132,6 +132,37 @@ static void check_equal_sequences(const rp_plan *plan, int32_t n, reporter *r)
     }
 }
 
+/* trainer.equal_sequences_per_rank with trainer.mini_batches K: verl splits each rank's
+ * chunk into K mini-batches of equal count (DataProto.split, make_iterator asserts the
+ * chunk divides), so every (rank, mini-batch) runs n / G / K sequences. */
+static void check_equal_mini_batches(const rp_plan *plan, int32_t n, int32_t K, reporter *r)
+{
+    const int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan), Mk = M / K;
+    if (n % G != 0) return; /* check_equal_sequences said so */
+    if (n / G % K != 0) {
+        report(r, -1, -1,
+               "plan: each rank runs %d sequences, which do not divide into trainer.mini_batches %d mini-batches "
+               "(trainer.equal_sequences_per_rank: verl splits each rank's chunk into mini-batches of one size)",
+               n / G, K);
+        return;
+    }
+    for (int32_t g = 0; g < G; g++)
+        for (int32_t b = 0; b < K; b++) {
+            int64_t count = 0;
+            for (int32_t m = b * Mk; m < (b + 1) * Mk; m++) {
+                int32_t c;
+                rp_plan_microbatch(plan, g, m, &c);
+                count += c;
+            }
+            if (count != n / G / K)
+                report(r, -1, -1,
+                       "plan: rank %d mini-batch %d (microbatches %d to %d) runs %lld sequences, but "
+                       "trainer.equal_sequences_per_rank needs %d in every mini-batch of every rank (%d sequences "
+                       "per rank over trainer.mini_batches %d)",
+                       g, b, b * Mk, (b + 1) * Mk - 1, (long long)count, n / G / K, n / G, K);
+        }
+}
+
 /* trainer.nonempty_microbatches: every (rank, microbatch) runs a sequence (verl's
  * micro-batch partitioning asserts it). */
 static void check_nonempty(const rp_plan *plan, reporter *r)
@@ -168,7 +199,20 @@ static void check_packing(const rp_plan *plan, const rp_config *cfg, const rp_ba
         report(r, -1, -1,
                "plan: the plan runs %d microbatches per rank, not a multiple of %d (trainer.microbatch_multiple)", M,
                tr->microbatch_multiple);
+    const int32_t K = tr->mini_batches;
+    const bool whole = M % K == 0; /* mini-batches of M / K microbatches each */
+    if (!whole)
+        report(r, -1, -1,
+               "plan: the plan runs %d microbatches per rank, not a multiple of trainer.mini_batches %d (every "
+               "mini-batch runs the same number of microbatches)", M, K);
+    else if (K > 1 && M % tr->microbatch_multiple == 0 && (M / K) % tr->microbatch_multiple != 0)
+        report(r, -1, -1,
+               "plan: the plan runs %d microbatches per mini-batch, not a multiple of %d (trainer.microbatch_multiple "
+               "holds in every mini-batch: verl rearranges each mini-batch's micro-batches on its own)", M / K,
+               tr->microbatch_multiple);
     if (tr->equal_sequences_per_rank) check_equal_sequences(plan, batch ? rp_batch_num_seqs(batch) : n, r);
+    if (tr->equal_sequences_per_rank && K > 1 && whole)
+        check_equal_mini_batches(plan, batch ? rp_batch_num_seqs(batch) : n, K, r);
     if (tr->nonempty_microbatches) check_nonempty(plan, r);
 
     int32_t batch_n = batch ? rp_batch_num_seqs(batch) : 0;
@@ -460,6 +504,18 @@ static void check_order(const rp_plan *plan, const rp_config *cfg, reporter *r)
     const int32_t G = rp_plan_num_gpus(plan), M = rp_plan_num_microbatches(plan);
     const bool global = rp_config_execution(cfg)->sync == RP_SYNC_GLOBAL;
     const int32_t span = global ? G : rp_config_topology(cfg)->ep_size;
+    /* each mini-batch is a pipeline run of its own: its order permutes its microbatches */
+    const int32_t K = rp_config_trainer(cfg)->mini_batches, Mk = M % K == 0 ? M / K : M;
+    for (int32_t g = 0; g < G; g += span)
+        for (int32_t k = 0; k < M && Mk < M; k++) {
+            int32_t mine = rp_plan_microbatch_at(plan, g, k);
+            if (mine / Mk != k / Mk)
+                report(r, -1, -1,
+                       "plan: rank %d runs microbatch %d at position %d, in mini-batch %d (positions %d to %d), but "
+                       "microbatch %d belongs to mini-batch %d: microbatch_order permutes only within a mini-batch "
+                       "(trainer.mini_batches %d)",
+                       g, mine, k, k / Mk, k / Mk * Mk, k / Mk * Mk + Mk - 1, mine, mine / Mk, K);
+        }
     for (int32_t g = 0; g < G; g++) {
         const int32_t lead = g - g % span;
         for (int32_t k = 0; k < M; k++) {

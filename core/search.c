@@ -38,6 +38,7 @@ typedef struct search_state {
     rp_plan *plan;
     uint64_t rng;
     int32_t G, M, L, E, ep, S, n;
+    int32_t Mk;           /* microbatches of one mini-batch: no sequence leaves its mini-batch */
     bool same_rank_moves; /* moves keep each rank's sequence count */
     bool keep_nonempty;   /* trainer.nonempty_microbatches: no move empties a cell */
     const int32_t *slot_begin;
@@ -77,21 +78,23 @@ static bool make_candidate(search_state *s, cand_kind kind, bool aimed, candidat
             rp_plan_microbatch(s->plan, rank, mb, &count);
             if (count < 2) return false;
         }
+        /* inside the sequence's mini-batch (trainer.mini_batches; all of them with one) */
+        const int32_t Mk = s->Mk, m0 = mb / Mk * Mk;
         if (s->same_rank_moves) {
             /* trainer.equal_sequences_per_rank: another microbatch of the same rank */
-            if (s->M < 2) return false;
-            int32_t other = draw(&s->rng, s->M - 1);
+            if (Mk < 2) return false;
+            int32_t other = draw(&s->rng, Mk - 1);
             c->b = rank;
-            c->c = other >= mb ? other + 1 : other;
+            c->c = m0 + (other >= mb - m0 ? other + 1 : other);
             return true;
         }
-        int32_t cells = s->G * s->M;
+        int32_t cells = s->G * Mk;
         if (cells < 2) return false;
-        /* any other cell, uniformly */
-        int32_t cell = draw(&s->rng, cells - 1), here = rank * s->M + mb;
+        /* any other cell of the mini-batch, uniformly */
+        int32_t cell = draw(&s->rng, cells - 1), here = rank * Mk + (mb - m0);
         if (cell >= here) cell++;
-        c->b = cell / s->M;
-        c->c = cell % s->M;
+        c->b = cell / Mk;
+        c->c = m0 + cell % Mk;
         return true;
     }
     case CAND_SWAP: {
@@ -100,8 +103,9 @@ static bool make_candidate(search_state *s, cand_kind kind, bool aimed, candidat
         int32_t other = draw(&s->rng, s->n - 1);
         if (other >= c->a) other++;
         c->b = other;
-        return rp_plan_seq_rank(s->plan, c->a) != rp_plan_seq_rank(s->plan, c->b) ||
-               rp_plan_seq_microbatch(s->plan, c->a) != rp_plan_seq_microbatch(s->plan, c->b);
+        const int32_t mb_a = rp_plan_seq_microbatch(s->plan, c->a), mb_b = rp_plan_seq_microbatch(s->plan, c->b);
+        if (mb_a / s->Mk != mb_b / s->Mk) return false; /* no sequence leaves its mini-batch */
+        return rp_plan_seq_rank(s->plan, c->a) != rp_plan_seq_rank(s->plan, c->b) || mb_a != mb_b;
     }
     case CAND_SLOT: {
         bool expert_side = s->sum.straggler_side == RP_SIDE_EXPERT && s->sum.straggler_layer >= 0;
@@ -194,6 +198,7 @@ rp_status rp_search_local(rp_cost *cost, rp_plan *plan, const rp_search_params *
     s.n = rp_plan_num_seqs(plan);
     s.slot_begin = rp_plan_slot_begin(plan);
     s.same_rank_moves = rp_config_trainer(rp_cost_config(cost))->equal_sequences_per_rank;
+    s.Mk = s.M / rp_config_trainer(rp_cost_config(cost))->mini_batches; /* the evaluation checked M % K */
     s.keep_nonempty = rp_config_trainer(rp_cost_config(cost))->nonempty_microbatches;
     r.initial_s = r.final_s = rp_cost_current_s(cost);
 

@@ -177,6 +177,13 @@ typedef struct rp_trainer {
      * a plan that asks for it; false: no plan may (rp_vexp_check_config refuses, naming the
      * key). Default true. */
     bool per_forward_balancer;
+    /* the rollout batch is trained as this many mini-batches, one optimizer step each
+     * (verl's ppo_mini_batch_size: the rank's chunk over it), >= 1: the plan's microbatches
+     * are mini_batches runs of M / mini_batches consecutive ones, and M is a multiple of
+     * mini_batches x microbatch_multiple */
+    int32_t mini_batches;
+    /* passes over the mini-batches per rollout batch (verl's ppo_epochs), >= 1 */
+    int32_t epochs;
 } rp_trainer;
 
 /* The policy to run and its parameters (checked by the policy engine, not here). */
