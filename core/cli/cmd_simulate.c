@@ -1039,8 +1039,9 @@ static int check_memory(rp_context *ctx, const rp_config *cfg, cli_input *in, co
     int32_t mbs = o->microbatches ? (int32_t)o->microbatches : rp_config_limits(cfg)->num_microbatches;
     if (mbs < 1) mbs = 1; /* the policy chooses: at least one */
     /* a plan's count is a multiple of trainer.microbatch_multiple (PP under the
-     * interleaved schedule): the smallest plan has that many */
-    const int32_t least = rp_config_trainer(cfg)->microbatch_multiple;
+     * interleaved schedule) in each of trainer.mini_batches: the smallest plan has that
+     * many (the config caps the product at 2^20) */
+    const int32_t least = rp_config_trainer(cfg)->microbatch_multiple * rp_config_trainer(cfg)->mini_batches;
     if (mbs % least != 0) mbs += least - mbs % least;
     if (cli_input_read(in, 0, &batch, &routing, &step_index, &err) != RP_OK ||
         rp_stats_compute(ctx, batch, &routing, in->num_experts, 0, &stats, &err) != RP_OK ||
