@@ -64,7 +64,8 @@ class rp_execution(Structure):
 
 class rp_trainer(Structure):
     _fields_ = [("equal_sequences_per_rank", c_bool), ("microbatch_multiple", c_int32),
-                ("nonempty_microbatches", c_bool), ("per_forward_balancer", c_bool)]
+                ("nonempty_microbatches", c_bool), ("per_forward_balancer", c_bool),
+                ("mini_batches", c_int32), ("epochs", c_int32)]
 
 
 class rp_limits(Structure):

@@ -102,6 +102,11 @@ class Config:
         self.nonempty_microbatches = bool(trainer.nonempty_microbatches)
         # the trainer runs Megatron's per-forward balancer on plans that ask for it
         self.per_forward_balancer = bool(trainer.per_forward_balancer)
+        # how a rollout batch is trained: mini-batches of M / mini_batches consecutive
+        # microbatches, one optimizer step each, epochs times (verl's ppo_mini_batch_size,
+        # ppo_epochs)
+        self.mini_batches = trainer.mini_batches
+        self.epochs = trainer.epochs
         execution = self._lib.rp_config_execution(handle).contents
         # what the memory check counts (docs/cost-model.md, "Memory per GPU")
         self.optimizer_sharding = ("none", "dp")[execution.optimizer_sharding]

@@ -298,6 +298,71 @@ def test_verl_micro_batch_multiple(batch, small_step):
         verl.batch_plan(small_step, order="random")
 
 
+
+@pytest.fixture(scope="module")
+def mini_step(batch):
+    """config-small trained as 2 mini-batches of 4 sequences a rank, 2 micro-batches each,
+    over 2 epochs (verl: ppo_mini_batch_size 4 a rank, ppo_epochs 2)."""
+    cfg = small_config(mini_batches=2, epochs=2, nonempty_microbatches=True)
+    cfg["limits"]["num_microbatches"] = 4
+    return plan(cfg, batch)
+
+
+@pytest.mark.parametrize("order", ["plan", "batch"])
+def test_verl_mini_batches(order, mini_step):
+    """Each chunk laid out mini-batch after mini-batch: data.split(ppo_mini_batch_size) hands
+    the actor the plan's mini-batches, and mini_batch_indices are what
+    rearrange_micro_batches returns for each (indices into the mini-batch, run order)."""
+    res = mini_step
+    assert res.config.mini_batches == 2 and res.config.epochs == 2 and res.num_microbatches == 4
+    vp = verl.batch_plan(res, order=order)
+    assert vp.num_mini_batches == 2 and vp.mini_batch_size == vp.sequences_per_rank // 2 == 4
+    run = vp.microbatch_order
+    for r in range(vp.dp_size):
+        chunk = vp.chunks[r]
+        # DataProto.split(ppo_mini_batch_size): consecutive rows of the chunk
+        minis = [chunk[k * 4:(k + 1) * 4] for k in range(2)]
+        for k in range(2):
+            if order == "batch":
+                assert minis[k].tolist() == sorted(minis[k].tolist())
+            assert len(vp.mini_batch_indices[r][k]) == 2
+            for j, idx in enumerate(vp.mini_batch_indices[r][k]):
+                m = int(run[r][2 * k + j])
+                assert m // 2 == k                                  # its own mini-batch's
+                assert minis[k][idx].tolist() == res.microbatches[r][m].tolist()
+                assert all(type(i) is int for i in idx)
+            outputs = np.concatenate([minis[k][idx] for idx in vp.mini_batch_indices[r][k]])
+            assert outputs[vp.reverse_indices(r, k)].tolist() == minis[k].tolist()
+        # the flat lists over the chunk say the same
+        for m in range(4):
+            assert chunk[vp.micro_batch_indices[r][m]].tolist() == \
+                res.microbatches[r][int(run[r][m])].tolist()
+
+
+def test_verl_one_mini_batch_is_the_chunk(small_step):
+    vp = verl.batch_plan(small_step)
+    assert vp.num_mini_batches == 1 and vp.mini_batch_size == vp.sequences_per_rank
+    assert vp.mini_batch_indices == [[lists] for lists in vp.micro_batch_indices]
+    assert vp.reverse_indices(0, 0) == vp.reverse_indices(0)
+
+
+def test_verl_refuses_what_verls_mini_batches_cannot_run(mini_step):
+    mbs = [[ids.copy() for ids in row] for row in mini_step.microbatches]
+    moved = mbs[0][0][-1]
+    mbs[0][0] = mbs[0][0][:-1]
+    mbs[0][2] = np.append(mbs[0][2], moved)
+    with pytest.raises(routepack.PlanError, match=r"rank 0 mini-batch 0 \(micro-batches 0 to 1\) holds 3 "
+                       r"sequences; verl splits each rank's 8 into trainer.mini_batches 2 mini-batches"):
+        verl.batch_plan(edited(mini_step, mbs))
+    across = copy.copy(mini_step)
+    across.microbatch_order = np.tile([2, 1, 0, 3], (mini_step.num_gpus, 1))
+    with pytest.raises(routepack.PlanError, match="rank 0 runs microbatch 2 at position 0, in mini-batch 0"):
+        verl.batch_plan(across)
+    with pytest.raises(routepack.PlanError, match="in trainer.mini_batches 2 mini-batches each needs a "
+                       "multiple of num_batches_divided_by = 4"):
+        verl.batch_plan(mini_step, num_batches_divided_by=4)
+
+
 # ---- Megatron-Core: PackedSeqParams ----------------------------------------------------
 
 def packed_seq_params_class():
