@@ -8,6 +8,7 @@ np.split for DataProto.chunk (equal consecutive parts, as verl/protocol.py split
 
     python examples/adapters/verl_batch.py        # examples/config-small.json + small.rpt
     python examples/adapters/verl_batch.py --policy verl_kk+eplb --microbatches 4
+    python examples/adapters/verl_batch.py --mini-batches 2 --microbatches 4   # 2 optimizer steps
 """
 
 import argparse
@@ -29,6 +30,9 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--policy", default="routepack")
 ap.add_argument("--microbatches", type=int, default=2, help="limits.num_microbatches")
 ap.add_argument("--step", type=int, default=2, help="which step of examples/small.rpt")
+ap.add_argument("--mini-batches", type=int, default=1,
+                help="trainer.mini_batches: optimizer steps per rollout batch (verl's chunk over "
+                     "ppo_mini_batch_size); --microbatches must be a multiple")
 args = ap.parse_args()
 
 # verl's constraints, as the trainer section states them: every DP rank the same count,
@@ -36,6 +40,7 @@ args = ap.parse_args()
 config = json.loads((REPO / "examples" / "config-small.json").read_text())
 config["policy"]["search_path"] = [str(REPO / "policies")]
 config["trainer"] = {"equal_sequences_per_rank": True, "nonempty_microbatches": True}
+config["trainer"]["mini_batches"] = args.mini_batches
 config["limits"]["num_microbatches"] = args.microbatches
 
 with routepack.TraceReader(REPO / "examples" / "small.rpt") as trace:
@@ -67,5 +72,19 @@ for rank in range(plan.dp_size):
     outputs = np.concatenate([local_lens[idx] for idx in micro])
     assert (outputs[plan.reverse_indices(rank)] == local_lens).all()
     print("rank %d: micro-batches %s, tokens %s" % (rank, micro, tokens))
+
+# Actor with mini-batches: data.split(ppo_mini_batch_size) hands it consecutive parts of its
+# chunk, and it rearranges each into micro-batches; the plan's lists per mini-batch.
+for rank in range(plan.dp_size):
+    local_lens = chunks["seq_len"][rank]
+    size = plan.mini_batch_size
+    for k in range(plan.num_mini_batches):
+        mini = local_lens[k * size:(k + 1) * size]
+        micro = plan.mini_batch_indices[rank][k]
+        outputs = np.concatenate([mini[idx] for idx in micro])
+        assert (outputs[plan.reverse_indices(rank, k)] == mini).all()
+        if plan.num_mini_batches > 1:
+            print("rank %d mini-batch %d: micro-batches %s, tokens %s"
+                  % (rank, k, micro, [int(mini[idx].sum()) for idx in micro]))
 
 print("ok: every rank's chunk holds its plan sequences; token sums match the plan")

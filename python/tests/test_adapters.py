@@ -602,11 +602,13 @@ def test_import_adapters_needs_no_torch():
 
 # ---- the examples ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["verl_batch.py", "megatron_packed.py"])
+@pytest.mark.parametrize("name", ["verl_batch.py", "megatron_packed.py",
+                                  "verl_batch.py --mini-batches 2 --microbatches 4"])
 def test_example_runs(name):
     if name.startswith("megatron"):
         pytest.importorskip("torch")
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "adapters" / name)],
+    name, *args = name.split()
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "adapters" / name)] + args,
                        capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().splitlines()[-1].startswith("ok:"), r.stdout
