@@ -64,13 +64,8 @@ rp_status joint_pack_prepare(joint *jt, int32_t M, joint_pack_prep *p, rp_error 
         p->cell_count = rp_calloc(ctx, (size_t)cells, sizeof *p->cell_count);
         p->empty_rank = rp_alloc(ctx, (size_t)G * p->KB * sizeof *p->empty_rank);
         if (!p->cell_count || !p->empty_rank) return rp_fail_nomem(err, "joint packing: cell counts");
+        /* with quotas, N >= G M (checked above) gives every (rank, mini-batch) N / G / KB >= Mk */
         for (int32_t u = 0; u < G * p->KB; u++) p->empty_rank[u] = p->Mk;
-        if (p->rank_quota < p->Mk) /* a (rank, mini-batch) holds fewer sequences than cells */
-            return rp_fail(err, RP_EINVAL,
-                           "joint: each mini-batch of a rank runs %d sequences, fewer than its %d microbatches "
-                           "(trainer.nonempty_microbatches needs a sequence in every microbatch; "
-                           "trainer.mini_batches %d): give the step more sequences, fewer microbatches or "
-                           "mini-batches, or turn the key off", p->rank_quota, p->Mk, p->KB);
         p->empty = cells;
     }
     double sum_a = 0, sum_len = 0, speed_sum = 0;

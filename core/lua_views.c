@@ -510,6 +510,8 @@ static int trainer_index(lua_State *L, rp_lua_host *h, const char *k)
     else if (field(k, "nonempty_microbatches")) b = t->nonempty_microbatches;
     else if (field(k, "per_forward_balancer")) b = t->per_forward_balancer;
     else if (field(k, "microbatch_multiple")) return push_int(L, t->microbatch_multiple);
+    else if (field(k, "mini_batches")) return push_int(L, t->mini_batches);
+    else if (field(k, "epochs")) return push_int(L, t->epochs);
     else return 0;
     lua_pushboolean(L, b);
     return 1;

@@ -491,6 +491,7 @@ static void test_views(void)
                  "assert(ctx.limits.max_tokens_per_microbatch == 16384 and ctx.limits.num_microbatches == 0)\n"
                  "assert(ctx.trainer.per_forward_balancer == true and ctx.trainer.equal_sequences_per_rank == false)\n"
                  "assert(ctx.trainer.nonempty_microbatches == false and ctx.trainer.microbatch_multiple == 1)\n"
+                 "assert(ctx.trainer.mini_batches == 1 and ctx.trainer.epochs == 1)\n"
                  "assert(ctx.trainer.no_such_key == nil)\n"
                  "local load = ctx.stats.expert_load(3)\n"
                  "assert(#load == 64 and load:sum() == ctx.batch.num_tokens * 8)\n"
