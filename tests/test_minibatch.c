@@ -401,6 +401,52 @@ static void test_random_pp(void)
     ok(bad_try == 0 && tries > 30, "a tried move equals a full evaluation, bit for bit (%d moves)", tries);
 }
 
+/* rp_cost_order_microbatches orders each mini-batch on its own: the order it sets keeps
+ * every microbatch in its mini-batch (the plan validates), and its step is a fresh
+ * evaluation's and no longer than before. */
+static void test_order_per_mini_batch(void)
+{
+    int bad = 0, cases = 0, reordered = 0;
+    for (int it = 0; it < 12; it++) {
+        const int32_t K = 2 + (int32_t)rnd(2), Mk = 3 + (int32_t)rnd(3);
+        char trainer[64];
+        snprintf(trainer, sizeof trainer, "\"mini_batches\": %d", K);
+        scene s;
+        rp_cost *cost = NULL, *fresh = NULL;
+        rp_cost_summary sum, fs;
+        rp_error err;
+        double ordered = 0;
+        if (!scene_make(&s, "\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": 2, \"ep_size\": 2",
+                        ", \"execution\": {\"sync\": \"group\"}", trainer, K * Mk) ||
+            rp_cost_new(ctx, s.cfg, s.batch, s.stats, RP_SPLIT_EVEN, &cost, &err) != RP_OK ||
+            rp_cost_evaluate(cost, s.plan, &sum, &err) != RP_OK ||
+            rp_cost_order_microbatches(cost, s.plan, &ordered, &err) != RP_OK ||
+            rp_cost_new(ctx, s.cfg, s.batch, s.stats, RP_SPLIT_EVEN, &fresh, &err) != RP_OK ||
+            rp_cost_evaluate(fresh, s.plan, &fs, &err) != RP_OK) {
+            diag("case %d: %s", it, err.text);
+            bad++;
+        } else {
+            cases++;
+            bool moved = false;
+            for (int32_t g = 0; g < rp_plan_num_gpus(s.plan); g++)
+                for (int32_t k = 0; k < K * Mk; k++) moved |= rp_plan_microbatch_at(s.plan, g, k) != k;
+            reordered += moved;
+            if (rp_plan_validate(s.plan, s.cfg, s.batch, &err) != RP_OK || fs.step_s != ordered ||
+                ordered > sum.step_s) {
+                bad++;
+                diag("case %d: %s; ordered %.17g, fresh %.17g, before %.17g", it, err.text, ordered, fs.step_s,
+                     sum.step_s);
+            }
+        }
+        rp_cost_free(cost);
+        rp_cost_free(fresh);
+        scene_free(&s);
+    }
+    ok(bad == 0 && cases == 12 && reordered > 0,
+       "PP 2: each mini-batch ordered on its own, the plan valid, its step a fresh evaluation's and no longer "
+       "(%d plans, %d reordered)", cases, reordered);
+}
+
 /* ---- validation ---- */
 
 static void test_validation(void)
@@ -703,6 +749,7 @@ int main(void)
     test_group_by_hand();
     test_terms();
     test_random_pp();
+    test_order_per_mini_batch();
     test_validation();
     test_every_packer();
     test_baseline_split();
