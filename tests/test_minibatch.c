@@ -264,19 +264,7 @@ static bool scene_make(scene *s, const char *topo, const char *extra, const char
     int32_t S = rp_plan_total_slots(s->plan), phy[256];
     const int32_t *sb = rp_plan_slot_begin(s->plan);
     for (int32_t l = 0; l < 6; l++) {
-        for (int32_t p = 0; p < S; p++) phy[p] = p < 8 ? p : -1;
-        for (int32_t p = 7; p > 0; p--) {
-            int32_t q = (int32_t)rnd((uint32_t)p + 1), tmp = phy[p];
-            phy[p] = phy[q];
-            phy[q] = tmp;
-        }
-        for (int32_t p = 8; p < S; p++) {
-            int32_t e = (int32_t)rnd(8), j = 0;
-            while (sb[j + 1] <= p) j++;
-            bool held = false;
-            for (int32_t k = sb[j]; k < sb[j + 1]; k++) held |= phy[k] == e;
-            if (!held) phy[p] = e;
-        }
+        random_placement(phy, sb, S, 8, &rng_state);
         rp_plan_set_phy2log(s->plan, l, phy, &err);
     }
     if (rp_plan_validate(s->plan, s->cfg, s->batch, &err) != RP_OK) return diag("plan: %s", err.text), false;
@@ -516,12 +504,7 @@ static void test_validation(void)
 
 /* ---- planning ---- */
 
-typedef struct fixture {
-    rp_config *cfg;
-    rp_batch *batch;
-    uint8_t *ids;
-    rp_stats *stats;
-} fixture;
+typedef batch_fixture fixture; /* test_util.h */
 
 /* 4 GPUs on one node in EP groups of `ep`, 2 layers of 8 experts, top-2, cap `cap`. */
 static bool fixture_make(fixture *f, int ep, int cap, const char *trainer, int32_t n, const int32_t *lens)
@@ -534,35 +517,25 @@ static bool fixture_make(fixture *f, int ep, int cap, const char *trainer, int32
              " \"limits\": {\"max_tokens_per_microbatch\": %d}, \"trainer\": {%s}}",
              ep, 8 / ep + 1, cap, trainer);
     rp_error err;
-    memset(f, 0, sizeof *f);
-    if (rp_config_parse(ctx, json, strlen(json), "<test>", &f->cfg, &err) != RP_OK) {
-        diag("config: %s", err.text);
+    if (!batch_fixture_make(ctx, f, json, n, lens, NULL, NULL, &err)) {
+        diag("fixture: %s", err.text);
         return false;
     }
-    int32_t *zero = calloc((size_t)n + 1, sizeof *zero);
-    rp_status st = rp_batch_new(ctx, n, lens, zero, NULL, &f->batch, &err);
-    free(zero);
-    if (st != RP_OK) return false;
-    int64_t tokens = rp_batch_num_tokens(f->batch);
-    f->ids = malloc((size_t)tokens * 4 + 1);
+    int64_t tokens = rp_batch_num_tokens(f->batch); /* 2 layers x top-2 ids each */
     for (int64_t t = 0; t < tokens * 2; t++) {
         uint8_t a = (uint8_t)(rnd(3) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
         if (b == a) b = (uint8_t)((a + 1) % 8);
         f->ids[2 * t] = a;
         f->ids[2 * t + 1] = b;
     }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, 2, 2, f->ids);
-    return rp_stats_compute(ctx, f->batch, &r, 8, 1, &f->stats, &err) == RP_OK;
+    if (!batch_fixture_stats(ctx, f, &err)) {
+        diag("stats: %s", err.text);
+        return false;
+    }
+    return true;
 }
 
-static void fixture_free(fixture *f)
-{
-    rp_stats_free(f->stats);
-    free(f->ids);
-    rp_batch_free(f->batch);
-    rp_config_free(f->cfg);
-}
+static void fixture_free(fixture *f) { batch_fixture_free(f); }
 
 /* Sequences and tokens of rank g in mini-batch b. */
 static void mini_batch_load(const rp_plan *p, const rp_batch *batch, int32_t K, int32_t g, int32_t b,
