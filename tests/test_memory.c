@@ -173,7 +173,7 @@ static void test_config_refused(void)
     /* the bundled examples all fit; the former EP 8 layout of config-large-ep8.json does not */
     const char *examples[] = {"config-small.json", "config-reference.json", "config-large.json",
                               "config-large-ep8.json", "config-qwen3-30b-tp4.json", "config-qwen3-30b-pp2.json",
-                              "config-qwen3-30b-cp2.json"};
+                              "config-qwen3-30b-cp2.json", "config-qwen3-30b-tp4-mb4.json"};
     for (size_t i = 0; i < sizeof examples / sizeof examples[0]; i++) {
         char path[512];
         snprintf(path, sizeof path, RP_SOURCE_DIR "/examples/%s", examples[i]);
