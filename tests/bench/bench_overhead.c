@@ -10,8 +10,11 @@
  * of this process, which does one rank's work, and the routing it holds (its own sequences)
  * against the whole step's. The other ranks' parts are this rank's bytes again, under
  * shuffled global ids, so no rank ever generates the whole step's routing.
- * Usage: bench_overhead [--scale N] [--reps R] [--json]; N in 1, 2, 4, 8 divides the
- * sequences (a quick run). Figures only; nothing is asserted. */
+ * Usage: bench_overhead [--scale N] [--reps R] [--json] [--construction]; N in 1, 2, 4, 8
+ * divides the sequences (a quick run). --construction times the joint construction alone
+ * (first step and with a placement in use) and prints the plans' hashes, for comparing
+ * builds; under callgrind, --toggle-collect=construct_once counts its instructions only.
+ * Figures only; nothing is asserted. */
 #include "bench_util.h"
 #include "routepack/routepack.h"
 
@@ -37,15 +40,75 @@ static void die(const char *what, const rp_error *err)
     exit(1);
 }
 
+/* One joint construction without fallbacks; its own function so that callgrind can count
+ * it alone (--toggle-collect=construct_once). */
+__attribute__((noinline)) static rp_plan *construct_once(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
+                                                         const rp_stats *stats, const rp_plan *previous,
+                                                         const rp_joint_params *jp, double *cpu_s)
+{
+    rp_plan *plan = NULL;
+    rp_error err;
+    double t0 = thread_s();
+    if (rp_joint_plan(ctx, cfg, batch, stats, previous, NULL, jp, &plan, NULL, &err) != RP_OK) die("joint", &err);
+    *cpu_s = thread_s() - t0;
+    return plan;
+}
+
+/* --construction: the least of reps constructions, first step and with a placement in use
+ * (old and new builds alternated by the caller), and the plans' hashes. */
+static void construction_only(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const rp_stats *stats,
+                              const rp_plan *previous, int reps)
+{
+    rp_joint_params jp = rp_joint_defaults();
+    const char *const none[] = {NULL};
+    jp.fallbacks = none;
+    double best[2] = {1e30, 1e30};
+    uint64_t hash[2] = {0, 0};
+    for (int r = 0; r < reps; r++)
+        for (int k = 0; k < 2; k++) {
+            double t;
+            rp_plan *p = construct_once(ctx, cfg, batch, stats, k ? previous : NULL, &jp, &t);
+            best[k] = t < best[k] ? t : best[k];
+            hash[k] = rp_plan_hash(p);
+            rp_plan_free(p);
+        }
+    printf("construction (CPU ms, least of %d): first step %.3f, placement in use %.3f; plan hashes %016llx %016llx\n",
+           reps, best[0] * 1e3, best[1] * 1e3, (unsigned long long)hash[0], (unsigned long long)hash[1]);
+
+    /* the per-(microbatch, EP group) histogram pass the construction makes, alone: 56
+     * cells (7 microbatches x 8 groups at the reference scale), sequences dealt in turn */
+    const int32_t n = rp_stats_num_seqs(stats), cells = 56;
+    const size_t per = (size_t)rp_stats_num_layers(stats) * rp_stats_num_experts(stats);
+    int32_t *map = malloc(sizeof *map * (size_t)n);
+    int64_t *loads = malloc(sizeof *loads * per * cells);
+    if (!map || !loads) die("loads arrays", NULL);
+    for (int32_t i = 0; i < n; i++) map[i] = i % cells;
+    double loads_s = 1e30;
+    rp_error err;
+    for (int r = 0; r < reps; r++) {
+        double t0 = thread_s();
+        if (rp_stats_microbatch_loads(stats, map, cells, loads, &err) != RP_OK) die("loads", &err);
+        double t = thread_s() - t0;
+        loads_s = t < loads_s ? t : loads_s;
+    }
+    uint64_t sum = 0;
+    for (size_t i = 0; i < per * cells; i++) sum = sum * 31 + (uint64_t)loads[i];
+    printf("microbatch loads pass (%d cells): %.3f ms (CPU, least of %d); loads hash %016llx\n", cells,
+           loads_s * 1e3, reps, (unsigned long long)sum);
+    free(map);
+    free(loads);
+}
+
 int main(int argc, char **argv)
 {
-    int scale = 1, reps = 3, as_json = 0;
+    int scale = 1, reps = 3, as_json = 0, construction = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--scale") && i + 1 < argc) scale = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--json")) as_json = 1;
+        else if (!strcmp(argv[i], "--construction")) construction = 1;
         else {
-            fprintf(stderr, "usage: bench_overhead [--scale 1|2|4|8] [--reps R] [--json]\n");
+            fprintf(stderr, "usage: bench_overhead [--scale 1|2|4|8] [--reps R] [--json] [--construction]\n");
             return 2;
         }
     }
@@ -83,7 +146,7 @@ int main(int argc, char **argv)
     /* 1. this rank's statistics */
     double stats_s = 1e30;
     rp_stats *part = NULL;
-    for (int r = 0; r < reps; r++) {
+    for (int r = 0; r < (construction ? 1 : reps); r++) {
         rp_stats_free(part);
         part = NULL;
         double t0 = thread_s();
@@ -113,7 +176,7 @@ int main(int argc, char **argv)
     for (int r = 0; r < RANKS; r++) parts[r] = bytes, lens[r] = part_bytes, ids[r] = perm + (size_t)r * m;
     double merge_s = 1e30;
     rp_stats *whole = NULL;
-    for (int r = 0; r < reps; r++) {
+    for (int r = 0; r < (construction ? 1 : reps); r++) {
         rp_stats_free(whole);
         whole = NULL;
         double t0 = thread_s();
@@ -140,7 +203,7 @@ int main(int argc, char **argv)
     const rp_plan *first_plan = NULL;
     rp_plan *previous = NULL;
     char policy[64] = "";
-    for (int r = 0; r < reps; r++) {
+    for (int r = 0; r < (construction ? 1 : reps); r++) {
         rp_sched_options o;
         rp_sched_options_default(&o);
         o.num_threads = 1;
@@ -150,6 +213,10 @@ int main(int argc, char **argv)
         if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) die("scheduler", &err);
         if (rp_sched_step_stats(s, 0, batch, whole, &first_plan, &rep, &err) != RP_OK) die("step 0", &err);
         if (!previous && rp_plan_copy(first_plan, &previous, &err) != RP_OK) die("plan copy", &err);
+        if (construction) {
+            rp_sched_free(s);
+            break;
+        }
         if (rp_sched_step_stats(s, 1, batch, whole, &p, &rep, &err) != RP_OK) die("step 1", &err);
         double t0 = thread_s();
         if (rp_sched_step_stats(s, 2, batch, whole, &p, &rep, &err) != RP_OK) die("step 2", &err);
@@ -161,6 +228,11 @@ int main(int argc, char **argv)
         predicted_s = rep->cost.step_s;
         snprintf(policy, sizeof policy, "%s", rep->policy_name);
         rp_sched_free(s);
+    }
+
+    if (construction) {
+        construction_only(ctx, cfg, batch, whole, previous, reps);
+        goto done;
     }
 
     /* 5. the joint construction alone, with a placement in use, no fallbacks; then with the
@@ -233,6 +305,7 @@ int main(int argc, char **argv)
                ru.ru_maxrss / 1024.0, rank_routing_bytes * mib, step_routing_bytes * mib,
                rp_stats_bytes(whole) * mib);
     }
+done:
     rp_plan_free(previous);
     rp_batch_free(batch);
     rp_stats_free(whole);

@@ -245,7 +245,76 @@ typedef struct run_opts {
     bool tradeoff_done, want_tradeoff;
     int64_t refine;
     int32_t repeat; /* the joint construction is timed this many times; the least counts */
+    const char *cache_dir; /* --stats-cache: batches and statistics kept between runs */
 } run_opts;
+
+/* --stats-cache DIR: a generated step's batch (lengths, group ids) and its serialised
+ * statistics in one file a step, named by every setting that decides them, so a later
+ * run (a --scores-against comparison) skips the generation and the statistics pass, which
+ * take most of a reference-scale run. A file that is not there or does not read whole is
+ * generated again; one from an older generator is not detected (empty the folder when
+ * the generator or its data change). Layout: "RPBC1\n", i32 n, n x (prompt, response,
+ * group) i32, u64 byte count, the statistics (rp_stats_serialize). */
+static void cache_path(char *path, size_t size, const char *dir, const scale *sc, const batch_spec *bs,
+                       uint64_t seed, int32_t prompts, int32_t step)
+{
+    snprintf(path, size, "%s/%s-%s-sigma%g-conc%g-steps%d-seed%llu-prompts%d-step%d.rpbc", dir, sc->name, bs->domain,
+             bs->sigma, bs->concentration, bs->steps, (unsigned long long)seed, prompts, step);
+}
+
+static bool cache_load(rp_context *ctx, const char *path, rp_batch **b, rp_stats **st)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) return false;
+    char magic[6];
+    int32_t n = -1;
+    uint64_t len = 0;
+    int32_t *rows = NULL, *cols = NULL;
+    unsigned char *bytes = NULL;
+    bool good = fread(magic, 1, 6, f) == 6 && !memcmp(magic, "RPBC1\n", 6) && fread(&n, sizeof n, 1, f) == 1 && n >= 0 &&
+                (rows = malloc(sizeof *rows * 3 * ((size_t)n + 1))) && (cols = malloc(sizeof *cols * 3 * ((size_t)n + 1))) &&
+                fread(rows, sizeof *rows * 3, (size_t)n, f) == (size_t)n && fread(&len, sizeof len, 1, f) == 1 && len > 0 &&
+                (bytes = malloc(len)) && fread(bytes, 1, len, f) == len;
+    fclose(f);
+    if (good) {
+        /* rows of (prompt, response, group) to the three arrays rp_batch_new takes */
+        for (int32_t i = 0; i < n; i++)
+            for (int k = 0; k < 3; k++) cols[(size_t)k * n + i] = rows[3 * (size_t)i + k];
+        rp_error err;
+        good = rp_batch_new(ctx, n, cols, cols + n, cols + 2 * (size_t)n, b, &err) == RP_OK &&
+               rp_stats_deserialize(ctx, bytes, len, st, &err) == RP_OK;
+        if (!good) {
+            rp_batch_free(*b);
+            *b = NULL;
+        }
+    }
+    free(rows);
+    free(cols);
+    free(bytes);
+    return good;
+}
+
+static void cache_store(const char *path, const rp_batch *b, const rp_stats *st)
+{
+    const int32_t n = rp_batch_num_seqs(b);
+    const int32_t *pl = rp_batch_prompt_lens(b), *rl = rp_batch_response_lens(b), *gid = rp_batch_group_ids(b);
+    const uint64_t len = rp_stats_serialized_bytes(st);
+    unsigned char *bytes = malloc(len);
+    rp_error err;
+    char tmp[1100];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = bytes && rp_stats_serialize(st, bytes, len, &err) == RP_OK ? fopen(tmp, "wb") : NULL;
+    bool good = f && fwrite("RPBC1\n", 1, 6, f) == 6 && fwrite(&n, sizeof n, 1, f) == 1;
+    for (int32_t i = 0; good && i < n; i++) {
+        int32_t t[3] = {pl[i], rl[i], gid ? gid[i] : i};
+        good = fwrite(t, sizeof t, 1, f) == 1;
+    }
+    good = good && fwrite(&len, sizeof len, 1, f) == 1 && fwrite(bytes, 1, len, f) == len;
+    if (f) good = fclose(f) == 0 && good;
+    if (good) rename(tmp, path); /* whole or not at all */
+    else if (f) remove(tmp);
+    free(bytes);
+}
 
 static void tradeoff(rp_context *ctx, const rp_config *cfg, const rp_batch *b, const rp_stats *st, rp_cost *cost,
                      const char *label)
@@ -305,9 +374,14 @@ static void run_batch(rp_context *ctx, const scale *sc, const batch_spec *bs, ui
         rp_routing r;
         rp_error err;
         double t0 = cpu_ms();
-        if (rp_gen_step(g, step, &b, &r, &err) != RP_OK) die("generate", &err);
         rp_stats *st = NULL;
-        if (rp_stats_compute(ctx, b, &r, sc->experts, threads, &st, &err) != RP_OK) die("statistics", &err);
+        char path[1024];
+        if (opts->cache_dir) cache_path(path, sizeof path, opts->cache_dir, sc, bs, seed, prompts, step);
+        if (!opts->cache_dir || !cache_load(ctx, path, &b, &st)) {
+            if (rp_gen_step(g, step, &b, &r, &err) != RP_OK) die("generate", &err);
+            if (rp_stats_compute(ctx, b, &r, sc->experts, threads, &st, &err) != RP_OK) die("statistics", &err);
+            if (opts->cache_dir) cache_store(path, b, st);
+        }
         double spec = specialization(b, st);
         fprintf(stderr, "  [%s %s sigma %.1f concentration %g step %d: %d sequences, %lld tokens, generated in %.0f s CPU]\n",
                 sc->name, bs->domain, bs->sigma, bs->concentration, step, rp_batch_num_seqs(b),
@@ -683,7 +757,7 @@ static void usage(void)
     printf("usage: bench_policies [--scale small|reference|large|all] [--domain mix|c4|tulu] [--sigma S]\n"
            "                      [--concentration C] [--steps N] [--prompts N] [--seed S] [--threads N]\n"
            "                      [--refine N] [--repeat N] [--tradeoff] [--markdown FILE] [--csv FILE] [--svg FILE]\n"
-           "                      [--execution MEMBERS] [--scores-out FILE] [--scores-against FILE]\n"
+           "                      [--execution MEMBERS] [--scores-out FILE] [--scores-against FILE] [--stats-cache DIR]\n"
            "Without --domain/--sigma/--concentration/--steps every scale runs its default batches (a sweep of\n"
            "response spread 0.6/1.0/1.4 over two drifting steps, C4 and Tulu alone, concentration 2/32/128);\n"
            "with any of them, one batch with the given settings (defaults mix, 1.0, 8, 1 step).\n"
@@ -692,6 +766,8 @@ static void usage(void)
            "joint policies. Times are CPU times of this thread; --repeat N (default 3) times the joint construction N\n"
            "times and reports the least, which a shared machine disturbs least.\n"
            "--execution '\"sync\": \"global\", \"overlap\": \"layer\"' adds an execution section to every config.\n"
+           "--stats-cache DIR keeps each generated step's batch and statistics in DIR and reads them back on later runs\n"
+           "(keyed by the batch settings; empty DIR when the generator changes).\n"
            "--scores-out FILE writes the joint construction's own plans' scores (no fallback check: step s and migration\n"
            "s from the previous joint plan), one line a batch; --scores-against FILE compares this run's with such a\n"
            "file (tests/bench/joint-scores-reference.csv holds the frozen ones), batch by batch and in sum.\n");
@@ -705,7 +781,7 @@ int main(int argc, char **argv)
     bool use_custom = false;
     uint64_t seed = 1;
     int32_t prompts = 0, threads = 2;
-    run_opts opts = {false, false, 0, 3};
+    run_opts opts = {false, false, 0, 3, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -752,6 +828,8 @@ int main(int argc, char **argv)
             scores_path = v, i++;
         } else if (!strcmp(a, "--scores-against")) {
             against_path = v, i++;
+        } else if (!strcmp(a, "--stats-cache")) {
+            opts.cache_dir = v, i++;
         } else {
             fprintf(stderr, "bench_policies: unknown option %s (--help)\n", a);
             return 2;
