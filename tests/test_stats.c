@@ -609,6 +609,58 @@ static void test_microbatch_blocks(rp_context *ctx)
     fixture_free(&f);
 }
 
+/* The 32-bit partial loads of 1- and 2-byte counts (core/stats.c) must not wrap: 65597
+ * narrow sequences, almost all of counts 65535, sum to 4,298,838,725 > 2^32 in one
+ * microbatch (a partial load flushed only at the end would give 3,871,429). 20 experts:
+ * one vectorised chunk of 16 and a scalar tail. Then the same loads with every allocation after the
+ * context's failing: the plain pass gives them, nothing leaks. */
+static void test_microbatch_wrap(rp_context *ctx)
+{
+    enum { N = 65600, L = 1, E = 20, M = 2 };
+    uint32_t *counts = malloc(sizeof *counts * (size_t)N * L * E);
+    int64_t load[L * E];
+    int32_t *map = malloc(sizeof *map * N);
+    int64_t tokens = 0;
+    for (int32_t s = 0; s < N; s++) {
+        /* two sequences of 1-byte counts and one of 4-byte counts among them */
+        uint32_t v = s == 5 || s == 70 ? 200 : s == 9 ? 70000 : 65535;
+        for (int e = 0; e < E; e++) counts[(size_t)s * E + e] = v;
+        tokens += v;
+        map[s] = s == 3 ? 0 : s == 4 ? -1 : 1;
+    }
+    int64_t want1 = 0;
+    for (int32_t s = 0; s < N; s++)
+        if (map[s] == 1) want1 += counts[(size_t)s * E];
+    for (int e = 0; e < E; e++) load[e] = 0;
+    for (int32_t s = 0; s < N; s++)
+        for (int e = 0; e < E; e++) load[e] += counts[(size_t)s * E + e];
+    rp_stats *st = NULL;
+    rp_error err;
+    is_int(stats_from_counts(ctx, N, L, E, E, tokens, counts, load, &st, &err), RP_OK, "statistics of 65600 full sequences");
+    int64_t loads[M * E];
+    is_int(rp_stats_microbatch_loads(st, map, M, loads, &err), RP_OK, "microbatch loads past 2^32");
+    int good = 1;
+    for (int e = 0; e < E; e++) good &= loads[e] == 65535 && loads[E + e] == want1;
+    ok(good, "no 32-bit sum wraps: %lld in every cell of microbatch 1 (want %lld)", (long long)loads[E + E - 1],
+       (long long)want1);
+
+    counting c = {0};
+    rp_context *failing;
+    rp_context_new(counting_alloc, &c, &failing);
+    rp_stats *copy = NULL;
+    is_int(stats_from_counts(failing, N, L, E, E, tokens, counts, load, &copy, &err), RP_OK, "the same statistics");
+    c.fail_at = c.calls + 1; /* every allocation from here fails */
+    int64_t again[M * E];
+    is_int(rp_stats_microbatch_loads(copy, map, M, again, &err), RP_OK, "loads without memory for partial sums");
+    ok(!memcmp(again, loads, sizeof loads), "the plain pass gives the same loads");
+    rp_stats_free(copy);
+    rp_context_free(failing);
+    is_int((int)c.live, 0, "nothing leaks");
+    rp_stats_free(st);
+    free(map);
+    free(counts);
+}
+
 static void test_loads_per_gpu(void)
 {
     /* 3 experts, 6 slots on 3 GPUs: expert 0 x3, expert 1 x2, expert 2 x1 */
@@ -1059,6 +1111,7 @@ int main(void)
     test_from_counts(ctx);
     test_microbatches(ctx);
     test_microbatch_blocks(ctx);
+    test_microbatch_wrap(ctx);
     test_loads_per_gpu();
     test_skew();
     test_bad_ids(ctx);
