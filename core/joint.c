@@ -103,6 +103,7 @@ static rp_status setup(joint *jt, rp_error *err)
         if (t->speed[g] < jt->rank_speed_min) jt->rank_speed_min = t->speed[g];
         if (t->speed[g] > jt->speed_max) jt->speed_max = t->speed[g];
     }
+    jt->unit_speed = jt->uniform_speed && t->speed[0] == 1.0;
     jt->cap = rp_limits_token_cap(rp_config_limits(jt->cfg));
     const rp_execution *x = rp_config_execution(jt->cfg);
     /* dispatch and combine at their mean element size, as the cost model prices them */
@@ -399,23 +400,29 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
     for (int32_t l = 0; l < jt->L; l++) {
         joint_layer *lay = &jt->layers[l];
         RP_CHECK_GOTO(joint_place_fresh(jt, l, lay, err), st, out);
-        RP_CHECK_GOTO(joint_place_improve(jt, l, lay, NULL, 0.0, jt->par->place_rounds, scratch, err), st, out);
+        double x_fresh = 0, x_kept = 0, x_old = 0;
+        RP_CHECK_GOTO(joint_place_improve(jt, l, lay, NULL, 0.0, jt->par->place_rounds, scratch, NULL,
+                                          prev ? &x_fresh : NULL, err), st, out);
         if (!prev) {
             rep->layers_replaced++;
             continue;
         }
         const joint_layer *old = &prev[l];
+        /* relabelling permutes interchangeable ranks (same node, slots and speed in every
+         * group): each rank's load is the same sum over the same experts, so x_fresh holds */
         if (jt->par->relabel) joint_relabel(jt, lay, old, relabel_scratch);
         memcpy(kept.phy2log, old->phy2log, (size_t)jt->S * sizeof *kept.phy2log);
         joint_layer_index(jt, &kept);
         /* moves that pay within this step; a copy comes over the network when the EP
-         * group spans nodes (conservative) */
+         * group spans nodes (conservative). The search starts from old's layout, so its
+         * first score is old's. */
         double penalty = isinf(H) ? 0.0 : (jt->ep > jt->gpn ? jt->move_net_s : jt->move_nv_s);
-        RP_CHECK_GOTO(joint_place_improve(jt, l, &kept, old, penalty, jt->par->place_rounds, scratch, err), st, out);
+        RP_CHECK_GOTO(joint_place_improve(jt, l, &kept, old, penalty, jt->par->place_rounds, scratch, &x_old,
+                                          &x_kept, err), st, out);
         /* each placement's expert and gradient parts, kept apart for the report below */
-        double x_fresh = joint_place_score(jt, l, lay, scratch), g_fresh = joint_layer_grad_s(jt, lay, scratch);
-        double x_kept = joint_place_score(jt, l, &kept, scratch), g_kept = joint_layer_grad_s(jt, &kept, scratch);
-        double s_old = joint_place_score(jt, l, old, scratch) + joint_layer_grad_s(jt, old, scratch);
+        double g_fresh = joint_layer_grad_s(jt, lay, scratch);
+        double g_kept = joint_layer_grad_s(jt, &kept, scratch);
+        double s_old = x_old + joint_layer_grad_s(jt, old, scratch);
         double s_fresh = x_fresh + g_fresh, s_kept = x_kept + g_kept;
         bool fresh = true;
         if (!isinf(H)) {

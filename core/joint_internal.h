@@ -31,6 +31,7 @@ typedef struct joint {
     double rank_speed_min;      /* slowest GPU */
     double speed_max;           /* fastest GPU */
     bool uniform_speed;
+    bool unit_speed;            /* every GPU at speed 1: joint_per_speed divides by nothing */
     int64_t cap;                /* token cap of one cell, the activation cap included */
 
     /* Surrogate unit costs, forward and backward (step seconds), each term at its own
@@ -73,6 +74,14 @@ typedef struct joint {
     int32_t *slot_rank;         /* [S] EP rank of each slot */
     const int32_t *node_of_rank; /* [ep] node of EP rank j (GPU j of group 0) */
 } joint;
+
+/* x / speed of GPU (group q, EP rank j). With every GPU at speed 1 the quotient is x
+ * itself, bit for bit (IEEE division by 1 is exact), so the hot loops skip the division
+ * (a divsd costs several cycles where the other work is one add). */
+static inline double joint_per_speed(const joint *jt, double x, int32_t q, int32_t j)
+{
+    return jt->unit_speed ? x : x / jt->speed[q * jt->ep + j];
+}
 
 /* Surrogate time (forward and backward) of one (microbatch, layer) whose busiest rank
  * receives `load` token-choices (per unit speed): its expert work, and dispatch and
@@ -191,9 +200,12 @@ rp_status joint_layer_copy_from_plan(const joint *jt, const rp_plan *plan, int32
 rp_status joint_place_fresh(joint *jt, int32_t l, joint_layer *lay, rp_error *err);
 /* Improve `lay` in place for `rounds` rounds; each replica an EP rank gains that
  * `anchor` did not have there costs `copy_penalty` (surrogate seconds per step),
- * so a search from the previous placement moves only what pays. */
+ * so a search from the previous placement moves only what pays. `first_s` and
+ * `final_s` (either may be NULL) receive joint_place_score of `lay` as it came and as
+ * it leaves, bit for bit, from the loads the search keeps (no pass of its own). */
 rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const joint_layer *anchor,
-                              double copy_penalty, int32_t rounds, double *scratch, rp_error *err);
+                              double copy_penalty, int32_t rounds, double *scratch, double *first_s,
+                              double *final_s, rp_error *err);
 /* Doubles of scratch space joint_place_score and joint_place_improve need. */
 size_t joint_place_scratch_doubles(const joint *jt);
 /* Surrogate expert time of layer l under `lay` (forward seconds summed over

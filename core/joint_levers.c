@@ -76,7 +76,7 @@ static void contribute(const joint *jt, lever_state *ls, int32_t m, int32_t l, i
     for (int32_t q = 0; q < jt->Q; q++) {
         double v = (double)grp_row(jt, m, q, l)[e];
         if (!(v > 0)) continue;
-        for (int32_t i = 0; i < ls->cnt[e]; i++) ls->U[(size_t)q * ep + rk[i]] += sign * v * w[i] / gspeed(jt, q, rk[i]);
+        for (int32_t i = 0; i < ls->cnt[e]; i++) ls->U[(size_t)q * ep + rk[i]] += joint_per_speed(jt, sign * v * w[i], q, rk[i]);
     }
 }
 
@@ -141,7 +141,7 @@ static void prepare(const joint *jt, lever_state *ls, int32_t m, int32_t l, int3
             double u = ls->U[(size_t)q * ep + rk[i]];
             for (int32_t k = 0; k < ls->cnt[e]; k++)
                 if (ls->rank[(size_t)e * ep + k] == rk[i])
-                    u -= ls->tq[q] * ls->w[(size_t)e * ep + k] / gspeed(jt, q, rk[i]);
+                    u -= joint_per_speed(jt, ls->tq[q] * ls->w[(size_t)e * ep + k], q, rk[i]);
             ls->base_load[(size_t)q * stride + i] = u;
         }
     }
@@ -166,7 +166,7 @@ static double trial_max(const joint *jt, lever_state *ls, int32_t e, const int32
         }
     for (int32_t q = 0; q < jt->Q; q++)
         for (int32_t i = 0; i < R; i++) {
-            double u = ls->base_load[(size_t)q * stride + i] + ls->tq[q] * share[i] / gspeed(jt, q, rk[i]);
+            double u = ls->base_load[(size_t)q * stride + i] + joint_per_speed(jt, ls->tq[q] * share[i], q, rk[i]);
             best = u > best ? u : best;
         }
     return best;
@@ -200,7 +200,7 @@ static double exact_max(const joint *jt, const lever_state *ls, int32_t m, int32
             for (int32_t i = 0; i < ls->cnt[e]; i++) acc[rk[i]] += joint_slot_time(jt, (double)h[e] * w[i]);
         }
         for (int32_t j = 0; j < ep; j++) {
-            double x = acc[j] / gspeed(jt, q, j);
+            double x = joint_per_speed(jt, acc[j], q, j);
             best = x > best ? x : best;
         }
     }
@@ -248,7 +248,7 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
             if (!(v > 0)) continue;
             const int32_t *rk = ls->rank + (size_t)e * ep;
             const double *w = ls->w + (size_t)e * ep;
-            for (int32_t i = 0; i < ls->cnt[e]; i++) u[rk[i]] += v * w[i] / gspeed(jt, q, rk[i]);
+            for (int32_t i = 0; i < ls->cnt[e]; i++) u[rk[i]] += joint_per_speed(jt, v * w[i], q, rk[i]);
         }
     }
     double *acc = ls->rank_u; /* scratch of ep doubles for exact_max */

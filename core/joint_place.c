@@ -88,6 +88,13 @@ static double *scratch_gm(const joint *jt, double *scratch)
     return scratch + (size_t)jt->M * jt->Q * jt->ep + (size_t)jt->M * jt->ep + (size_t)jt->Q * jt->ep + (size_t)jt->E + 16;
 }
 
+/* A load split evenly over R replicas. Most experts have one, and x / 1 is x bit for
+ * bit, so the division (several cycles in the search's inner loops) is skipped there. */
+static inline double per_replica_load(int64_t load, int32_t R)
+{
+    return R == 1 ? (double)load : (double)load / R;
+}
+
 /* Loads of every (mb, group, rank) with an even split over replicas. */
 static void layer_loads(const joint *jt, int32_t l, const joint_layer *lay, double *U)
 {
@@ -100,13 +107,15 @@ static void layer_loads(const joint *jt, int32_t l, const joint_layer *lay, doub
             for (int32_t e = 0; e < E; e++) {
                 if (!h[e]) continue;
                 int32_t a = lay->rep_off[e], b = lay->rep_off[e + 1];
-                double w = (double)h[e] / (b - a);
+                double w = per_replica_load(h[e], b - a);
                 for (int32_t i = a; i < b; i++) u[lay->rep_rank[i]] += w;
             }
         }
 }
 
 static inline double gpu_speed(const joint *jt, int32_t q, int32_t j) { return jt->speed[q * jt->ep + j]; }
+
+
 
 /* rmax[m * ep + j] = max over groups of U / speed. */
 static void rank_maxima(const joint *jt, const double *U, double *rmax)
@@ -116,7 +125,7 @@ static void rank_maxima(const joint *jt, const double *U, double *rmax)
         for (int32_t j = 0; j < ep; j++) {
             double best = 0;
             for (int32_t q = 0; q < Q; q++) {
-                double x = U[((size_t)m * Q + q) * ep + j] / gpu_speed(jt, q, j);
+                double x = joint_per_speed(jt, U[((size_t)m * Q + q) * ep + j], q, j);
                 if (x > best) best = x;
             }
             rmax[(size_t)m * ep + j] = best;
@@ -132,7 +141,7 @@ static void group_maxima(const joint *jt, const double *U, double *gm)
             const double *u = U + ((size_t)m * Q + q) * ep;
             double best = 0;
             for (int32_t j = 0; j < ep; j++) {
-                double x = u[j] / gpu_speed(jt, q, j);
+                double x = joint_per_speed(jt, u[j], q, j);
                 if (x > best) best = x;
             }
             gm[(size_t)m * Q + q] = best;
@@ -171,10 +180,10 @@ static double to_seconds(const joint *jt, double value)
     return value;
 }
 
-double joint_place_score(const joint *jt, int32_t l, const joint_layer *lay, double *scratch)
+/* The score of the loads U (scratch laid out as joint_place_score's). */
+static double loads_score(const joint *jt, double *scratch)
 {
     double *U = scratch, *rmax = U + (size_t)jt->M * jt->Q * jt->ep;
-    layer_loads(jt, l, lay, U);
     if (jt->group_form) {
         double *gm = scratch_gm(jt, scratch);
         group_maxima(jt, U, gm);
@@ -182,6 +191,12 @@ double joint_place_score(const joint *jt, int32_t l, const joint_layer *lay, dou
     }
     rank_maxima(jt, U, rmax);
     return to_seconds(jt, total_value(jt, rmax));
+}
+
+double joint_place_score(const joint *jt, int32_t l, const joint_layer *lay, double *scratch)
+{
+    layer_loads(jt, l, lay, scratch);
+    return loads_score(jt, scratch);
 }
 
 /* Like joint_place_score, but with every replicated expert's load poured into its
@@ -235,7 +250,7 @@ double joint_place_score_ideal(const joint *jt, int32_t l, const joint_layer *la
                 }
             }
             for (int32_t j = 0; j < ep; j++) {
-                double x = u[j] / gpu_speed(jt, q, j);
+                double x = joint_per_speed(jt, u[j], q, j);
                 best_q = x > best_q ? x : best_q;
             }
             if (jt->group_form) gsum[q] += joint_mq_value(jt, m, q, best_q);
@@ -426,9 +441,9 @@ static double trial_pair(const joint *jt, int32_t l, const double *U, const doub
         double na = 0, nb = 0;
         for (int32_t q = 0; q < Q; q++) {
             const int64_t *h = grp_row(jt, m, q, l);
-            double d = (e >= 0 ? (double)h[e] / Re : 0.0) - (f >= 0 ? (double)h[f] / Rf : 0.0);
+            double d = (e >= 0 ? per_replica_load(h[e], Re) : 0.0) - (f >= 0 ? per_replica_load(h[f], Rf) : 0.0);
             const double *u = U + ((size_t)m * Q + q) * ep;
-            double xa = (u[ra] - d) / gpu_speed(jt, q, ra), xb = (u[rb] + d) / gpu_speed(jt, q, rb);
+            double xa = joint_per_speed(jt, u[ra] - d, q, ra), xb = joint_per_speed(jt, u[rb] + d, q, rb);
             na = xa > na ? xa : na;
             nb = xb > nb ? xb : nb;
         }
@@ -450,7 +465,7 @@ static void top3_groups(const joint *jt, const double *U, int32_t *top)
             double v[3] = {-1, -1, -1};
             t[0] = t[1] = t[2] = -1;
             for (int32_t j = 0; j < ep; j++) {
-                double x = u[j] / gpu_speed(jt, q, j);
+                double x = joint_per_speed(jt, u[j], q, j);
                 if (x > v[0]) {
                     t[2] = t[1], v[2] = v[1];
                     t[1] = t[0], v[1] = v[0];
@@ -479,12 +494,12 @@ static double trial_pair_group(const joint *jt, int32_t l, const double *U, cons
             double best = 0;
             for (int k = 0; k < 3; k++)
                 if (t[k] >= 0 && t[k] != ra && t[k] != rb) {
-                    best = u[t[k]] / gpu_speed(jt, q, t[k]);
+                    best = joint_per_speed(jt, u[t[k]], q, t[k]);
                     break;
                 }
             const int64_t *h = grp_row(jt, m, q, l);
-            double d = (e >= 0 ? (double)h[e] / Re : 0.0) - (f >= 0 ? (double)h[f] / Rf : 0.0);
-            double xa = (u[ra] - d) / gpu_speed(jt, q, ra), xb = (u[rb] + d) / gpu_speed(jt, q, rb);
+            double d = (e >= 0 ? per_replica_load(h[e], Re) : 0.0) - (f >= 0 ? per_replica_load(h[f], Rf) : 0.0);
+            double xa = joint_per_speed(jt, u[ra] - d, q, ra), xb = joint_per_speed(jt, u[rb] + d, q, rb);
             best = xa > best ? xa : best;
             best = xb > best ? xb : best;
             sum += joint_mq_value(jt, m, q, best);
@@ -510,8 +525,8 @@ static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, 
         for (int32_t q = 0; q < Q; q++) {
             const int64_t *h = grp_row(jt, m, q, l);
             double *u = u2 + (size_t)q * ep;
-            double we_old = (double)h[e] / Re, we_new = (double)h[e] / (Re + 1);
-            double wf_old = (double)h[f] / Rf, wf_new = Rf > 1 ? (double)h[f] / (Rf - 1) : 0.0;
+            double we_old = per_replica_load(h[e], Re), we_new = (double)h[e] / (Re + 1);
+            double wf_old = per_replica_load(h[f], Rf), wf_new = Rf > 1 ? per_replica_load(h[f], Rf - 1) : 0.0;
             for (int32_t i = lay->rep_off[e]; i < lay->rep_off[e + 1]; i++) u[lay->rep_rank[i]] += we_new - we_old;
             for (int32_t i = lay->rep_off[f]; i < lay->rep_off[f + 1]; i++) {
                 int32_t r = lay->rep_rank[i];
@@ -523,7 +538,7 @@ static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, 
             for (int32_t q = 0; q < Q; q++) {
                 double best = 0;
                 for (int32_t j = 0; j < ep; j++) {
-                    double v = u2[(size_t)q * ep + j] / gpu_speed(jt, q, j);
+                    double v = joint_per_speed(jt, u2[(size_t)q * ep + j], q, j);
                     best = v > best ? v : best;
                 }
                 gsum[q] += joint_mq_value(jt, m, q, best);
@@ -539,7 +554,7 @@ static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, 
             if (!changed) x = rmax[(size_t)m * ep + j];
             else
                 for (int32_t q = 0; q < Q; q++) {
-                    double v = u2[(size_t)q * ep + j] / gpu_speed(jt, q, j);
+                    double v = joint_per_speed(jt, u2[(size_t)q * ep + j], q, j);
                     x = v > x ? v : x;
                 }
             best = x > best ? x : best;
@@ -596,7 +611,7 @@ static void rank_loads(const joint *jt, int32_t l, const joint_layer *lay, int32
             for (int32_t k = 0; k < n; k++) {
                 int32_t e = experts[k];
                 if (!h[e]) continue;
-                u += (double)h[e] / (lay->rep_off[e + 1] - lay->rep_off[e]);
+                u += per_replica_load(h[e], lay->rep_off[e + 1] - lay->rep_off[e]);
             }
             U[((size_t)m * Q + q) * ep + j] = u;
         }
@@ -611,10 +626,18 @@ static void rank_loads(const joint *jt, int32_t l, const joint_layer *lay, int32
  * replica counts). Each round applies the best candidate if it lowers
  * value + copy_penalty x (replicas an EP rank holds that the anchor had not). */
 rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const joint_layer *anchor,
-                              double copy_penalty, int32_t rounds, double *scratch, rp_error *err)
+                              double copy_penalty, int32_t rounds, double *scratch, double *first_s,
+                              double *final_s, rp_error *err)
 {
     const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
-    if (ep < 2 || rounds <= 0) return RP_OK;
+    if (ep < 2 || rounds <= 0) {
+        if (first_s || final_s) {
+            double v = joint_place_score(jt, l, lay, scratch);
+            if (first_s) *first_s = v;
+            if (final_s) *final_s = v;
+        }
+        return RP_OK;
+    }
     double *U = scratch, *rmax = U + (size_t)M * Q * ep;
     double *row = rmax + (size_t)M * ep, *per_replica = row + (size_t)Q * ep;
     double *gm = scratch_gm(jt, scratch), *gsum = gm + (size_t)M * Q;
@@ -634,12 +657,14 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
         rp_free(jt->ctx, changed);
         return rp_fail_nomem(err, "joint: placement search");
     }
-    for (int32_t e = 0; e < E; e++) {
-        double sum = 0;
-        for (int32_t m = 0; m < M; m++)
-            for (int32_t q = 0; q < Q; q++) sum += grp_row(jt, m, q, l)[e];
-        expert_sum[e] = sum;
-    }
+    /* row by row (a column read strides L x E loads between rows); each expert's sum
+     * still adds in (m, q) order */
+    for (int32_t e = 0; e < E; e++) expert_sum[e] = 0;
+    for (int32_t m = 0; m < M; m++)
+        for (int32_t q = 0; q < Q; q++) {
+            const int64_t *h = grp_row(jt, m, q, l);
+            for (int32_t e = 0; e < E; e++) expert_sum[e] += h[e];
+        }
     memset(holds, 0, (size_t)ep * E);
     for (int32_t s = 0; s < jt->S; s++)
         if (lay->phy2log[s] >= 0) holds[(size_t)jt->slot_rank[s] * E + lay->phy2log[s]] = 1;
@@ -671,6 +696,8 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
                 if (anchor->phy2log[s] >= 0) held[(size_t)j * E + anchor->phy2log[s]] = 1;
     }
     const double pen = copy_penalty; /* values are step seconds */
+    double last_value = 0; /* the score of the layout as the last round found it */
+    bool scored = false;   /* ... and nothing has moved since */
     for (int32_t round = 0; round < rounds; round++) {
         if (round == 0) layer_loads(jt, l, lay, U); /* later rounds: kept current below */
         rank_maxima(jt, U, rmax);
@@ -690,6 +717,10 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             top3(jt, rmax, topv);
             value = total_value(jt, rmax);
         }
+        /* the same sums and maxima as joint_place_score's over the same loads */
+        if (round == 0 && first_s) *first_s = value;
+        last_value = value;
+        scored = true;
         const int32_t pairs = new_pairs(jt, lay, held);
         value += pen * pairs;
         const double grad_now = joint_layer_grad_s(jt, lay, row);
@@ -704,7 +735,7 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
              * in the group form its load in the critical group */
             double h = 0;
             for (int32_t m = 0; m < M; m++)
-                h += crit >= 0 ? U[((size_t)m * Q + crit) * ep + j] / gpu_speed(jt, crit, j) : rmax[(size_t)m * ep + j];
+                h += crit >= 0 ? joint_per_speed(jt, U[((size_t)m * Q + crit) * ep + j], crit, j) : rmax[(size_t)m * ep + j];
             if (h > heat_hot) {
                 heat_hot = h;
                 hot = j;
@@ -817,7 +848,10 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
         joint_layer_index(jt, lay);
         for (int32_t j = 0; j < ep; j++)
             if (changed[j]) rank_loads(jt, l, lay, j, U, list);
+        scored = false;
     }
+    /* the last round moved something: score the loads it left (kept current) */
+    if (final_s) *final_s = scored ? last_value : loads_score(jt, scratch);
     rp_free(jt->ctx, topa);
     rp_free(jt->ctx, held);
     rp_free(jt->ctx, expert_sum);

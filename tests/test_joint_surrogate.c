@@ -115,7 +115,7 @@ static void test_place_improve(void)
     is_double(score(&h, false), 8.0, 1e-12, "before: group 0's rank 0 holds 8");
     double *scratch = calloc(joint_place_scratch_doubles(&h.jt), sizeof *scratch);
     rp_error err;
-    is_int(joint_place_improve(&h.jt, 0, &h.lay, NULL, 0.0, 4, scratch, &err), RP_OK, "improves");
+    is_int(joint_place_improve(&h.jt, 0, &h.lay, NULL, 0.0, 4, scratch, NULL, NULL, &err), RP_OK, "improves");
     free(scratch);
     ok(h.lay.phy2log[0] == 2 && h.lay.phy2log[1] == 1 && h.lay.phy2log[2] == 0 && h.lay.phy2log[3] == 3,
        "expert 0 swapped with expert 2 (placement %d %d | %d %d)", h.lay.phy2log[0], h.lay.phy2log[1],
@@ -188,11 +188,92 @@ static void test_pack_group(void)
     rp_config_free(cfg);
 }
 
+/* A random valid layout of E experts over ep x per slots: every expert once, the
+ * spare slots extra replicas on ranks that lack them, or free. */
+static uint64_t rng = 0x2545F4914F6CDD1DULL;
+static uint32_t draw(uint32_t n)
+{
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)(rng % n);
+}
+
+static void random_layout(int32_t E, int32_t ep, int32_t per, int32_t *p2l)
+{
+    for (;;) {
+        const int32_t S = ep * per;
+        for (int32_t s = 0; s < S; s++) p2l[s] = s < E ? s : (draw(3) ? (int32_t)draw((uint32_t)E) : -1);
+        for (int32_t s = S - 1; s > 0; s--) {
+            int32_t k = (int32_t)draw((uint32_t)s + 1), t = p2l[s];
+            p2l[s] = p2l[k], p2l[k] = t;
+        }
+        bool good = true;
+        for (int32_t s = 0; s < S && good; s++)
+            for (int32_t t = s + 1; t < (s / per + 1) * per && good; t++) good = p2l[s] < 0 || p2l[s] != p2l[t];
+        if (good) return;
+    }
+}
+
+/* joint_place_improve's first and final scores are joint_place_score's of the layout
+ * before and after, bit for bit (the construction uses them instead of scoring again):
+ * random loads, layouts with replicas and free slots, speeds that differ by rank and
+ * group, both forms, 0 to 5 rounds, with and without an anchor and a copy penalty. And a
+ * relabelled placement scores as before, bit for bit. */
+static void test_improve_scores(void)
+{
+    enum { M = 2, Q = 2, EP = 4, E = 6, PER = 2 };
+    int bad_first = 0, bad_final = 0, bad_relabel = 0, cases = 0;
+    for (int c = 0; c < 400; c++) {
+        int64_t hist[M * Q * E];
+        int32_t p2l[EP * PER], anchor_p2l[EP * PER];
+        for (int32_t i = 0; i < M * Q * E; i++) hist[i] = draw(4) ? (int64_t)draw(1000) : 0;
+        random_layout(E, EP, PER, p2l);
+        random_layout(E, EP, PER, anchor_p2l);
+        hand h;
+        hand_init(&h, M, Q, EP, E, PER, hist, p2l);
+        h.jt.group_form = c % 2;
+        h.jt.overlap = c % 4 >= 2;
+        double send_max[M] = {3, 5}, send_mq[M * Q] = {3, 1, 2, 5}, dense_max[M] = {2, 4}, dense_mq[M * Q] = {2, 0, 4, 1};
+        h.jt.d_choice = 0.25;
+        h.jt.send_max = send_max, h.jt.send_mq = send_mq, h.jt.dense_max = dense_max, h.jt.dense_mq = dense_mq;
+        const bool ranks_differ = c % 8 >= 4;
+        for (int32_t q = 0; q < Q; q++)
+            for (int32_t j = 0; j < EP; j++) h.speed[q * EP + j] = ranks_differ && draw(2) ? 0.5 : q ? 0.75 : 1.0;
+        h.jt.uniform_speed = false;
+        joint_layer anchor;
+        joint_layer_alloc(&h.jt, &anchor, NULL);
+        memcpy(anchor.phy2log, anchor_p2l, sizeof anchor_p2l);
+        joint_layer_index(&h.jt, &anchor);
+        double *scratch = calloc(joint_place_scratch_doubles(&h.jt), sizeof *scratch);
+        double before = score(&h, false), first = -1, final = -1;
+        rp_error err;
+        const bool anchored = c % 3 == 0;
+        joint_place_improve(&h.jt, 0, &h.lay, anchored ? &anchor : NULL, anchored ? 0.5 : 0.0, c % 6, scratch, &first,
+                            &final, &err);
+        bad_first += first != before;
+        bad_final += final != score(&h, false);
+        if (!ranks_differ) { /* every rank interchangeable: relabel toward the anchor */
+            int32_t *rs = calloc(joint_relabel_scratch_ints(&h.jt), sizeof *rs);
+            double was = score(&h, false);
+            joint_relabel(&h.jt, &h.lay, &anchor, rs);
+            bad_relabel += score(&h, false) != was;
+            free(rs);
+        }
+        cases++;
+        free(scratch);
+        joint_layer_free(&h.jt, &anchor);
+        joint_layer_free(&h.jt, &h.lay);
+    }
+    ok(!bad_first, "the search's first score is joint_place_score's before it (%d of %d differ)", bad_first, cases);
+    ok(!bad_final, "its final score is joint_place_score's after it (%d of %d differ)", bad_final, cases);
+    ok(!bad_relabel, "a relabelled placement scores the same, bit for bit (%d differ)", bad_relabel);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_place_score();
     test_place_improve();
+    test_improve_scores();
     test_pack_group();
     rp_context_free(ctx);
     return tap_done();
