@@ -3,31 +3,15 @@
  * determinism, predicted time, bad input, allocation failures. */
 #include "routepack/routepack.h"
 #include "tap.h"
+#include "test_util.h"
+#include "mpi/migrate_world.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 /* ---- fixtures ---- */
 
-static rp_config *make_cfg(rp_context *ctx, int nodes, int gpn, int ep, int slots, int layers, int experts)
-{
-    char json[1024];
-    snprintf(json, sizeof json,
-             "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": %d, \"slots_per_gpu\": %d},"
-             " \"model\": {\"num_layers\": %d, \"num_experts\": %d, \"top_k\": 1, \"hidden_size\": 8,"
-             " \"expert_ffn_size\": 4, \"num_heads\": 1, \"head_dim\": 8},"
-             " \"limits\": {\"max_tokens_per_microbatch\": 1024}}",
-             nodes, gpn, ep, slots, layers, experts);
-    rp_config *cfg = NULL;
-    rp_error err;
-    if (rp_config_parse(ctx, json, strlen(json), "<test>", &cfg, &err) != RP_OK) {
-        diag("config: %s", err.text);
-        return NULL;
-    }
-    return cfg;
-}
-
-/* The model's expert size for make_cfg: 3 d f (2 + 12). */
+/* The model's expert size for w_config (mpi/migrate_world.h): 3 d f (2 + 12). */
 #define MODEL_BYTES (3 * 8 * 4 * 14)
 
 /* A plan whose layer l holds rows[l] (total_slots entries each). */
@@ -50,13 +34,7 @@ static rp_plan *make_plan(rp_context *ctx, const rp_config *cfg, const int32_t *
 }
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
-static uint32_t rnd(uint32_t n)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state % n);
-}
+static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
 
 /* Count transfers of a plan matching a predicate on (src, dst, link). */
 static int64_t count_links(const rp_migration_plan *mp, rp_link link)
@@ -128,7 +106,7 @@ static void test_registry(rp_context *ctx)
 
 static void test_residents_and_local(rp_context *ctx)
 {
-    rp_config *cfg = make_cfg(ctx, 1, 2, 2, 3, 1, 4);
+    rp_config *cfg = w_config(ctx, 1, 2, 2, 3, 1, 4);
     /* GPU0 [0 1 2], GPU1 [3 0 1] */
     int32_t cur[6] = {0, 1, 2, 3, 0, 1};
     rp_plan *a = make_plan(ctx, cfg, cur), *b = make_plan(ctx, cfg, cur);
@@ -180,7 +158,7 @@ static void test_residents_and_local(rp_context *ctx)
 static void test_source_preference(rp_context *ctx)
 {
     /* 2 nodes x 2 GPUs, one EP group of 4 across both nodes, 2 slots per GPU. */
-    rp_config *cfg = make_cfg(ctx, 2, 2, 4, 2, 1, 6);
+    rp_config *cfg = w_config(ctx, 2, 2, 4, 2, 1, 6);
     rp_error err;
     rp_migration_plan *mp = NULL;
     rp_migration_transfer t;
@@ -232,7 +210,7 @@ static void test_source_preference(rp_context *ctx)
 
 static void test_swaps_and_cycles(rp_context *ctx)
 {
-    rp_config *cfg = make_cfg(ctx, 1, 3, 3, 2, 1, 6);
+    rp_config *cfg = w_config(ctx, 1, 3, 3, 2, 1, 6);
     rp_error err;
     rp_migration_plan *mp = NULL;
     rp_migration_summary s;
@@ -350,7 +328,7 @@ static void test_minimum_brute_force(rp_context *ctx)
     int total = 0, agree = 0, min_agree = 0;
     for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++) {
         int n = shapes[sh].n, s = shapes[sh].s, E = shapes[sh].E;
-        rp_config *cfg = make_cfg(ctx, 1, n, n, s, 1, E);
+        rp_config *cfg = w_config(ctx, 1, n, n, s, 1, E);
         if (!cfg) continue;
         for (int c = 0; c < shapes[sh].cases; c++) {
             int32_t cur[6], tgt[6];
@@ -407,7 +385,7 @@ static void random_layer(int32_t *row, int S, int E)
 static void test_minimum_formula(rp_context *ctx)
 {
     /* Several groups and layers: moved == the per-GPU set difference, counted here. */
-    rp_config *cfg = make_cfg(ctx, 2, 4, 4, 5, 6, 12); /* 2 EP groups of 4 */
+    rp_config *cfg = w_config(ctx, 2, 4, 4, 5, 6, 12); /* 2 EP groups of 4 */
     const int S = 20, L = 6, E = 12, ep = 4, slots = 5, Q = 2;
     int32_t cur[6 * 20], tgt[6 * 20];
     int good = 0, runs = 20, cost_agrees = 0;
@@ -483,7 +461,7 @@ static void test_minimum_formula(rp_context *ctx)
 
 static void test_rounds(rp_context *ctx)
 {
-    rp_config *cfg = make_cfg(ctx, 1, 4, 4, 4, 8, 12);
+    rp_config *cfg = w_config(ctx, 1, 4, 4, 4, 8, 12);
     const int S = 16, L = 8, E = 12;
     int32_t cur[8 * 16], tgt[8 * 16];
     for (int l = 0; l < L; l++) {
@@ -582,7 +560,7 @@ static void test_rounds(rp_context *ctx)
 
 static void test_predicted_time(rp_context *ctx)
 {
-    rp_config *cfg = make_cfg(ctx, 2, 2, 4, 2, 1, 6);
+    rp_config *cfg = w_config(ctx, 2, 2, 4, 2, 1, 6);
     const rp_topology *t = rp_config_topology(cfg);
     const rp_hardware *hw = rp_config_hardware(cfg);
     int32_t cur[8] = {0, 1, 2, 3, 4, 5, 4, 5};
@@ -611,8 +589,8 @@ static void test_predicted_time(rp_context *ctx)
 
 static void test_errors(rp_context *ctx)
 {
-    rp_config *cfg = make_cfg(ctx, 1, 2, 2, 2, 1, 4);
-    rp_config *other = make_cfg(ctx, 1, 4, 4, 2, 1, 4);
+    rp_config *cfg = w_config(ctx, 1, 2, 2, 2, 1, 4);
+    rp_config *other = w_config(ctx, 1, 4, 4, 2, 1, 4);
     int32_t cur[4] = {0, 1, 2, 3}, miss[4] = {0, 1, 2, 2};
     rp_plan *a = make_plan(ctx, cfg, cur), *b = make_plan(ctx, cfg, miss), *empty = NULL;
     rp_plan_new(ctx, cfg, 1, &empty, NULL);
@@ -640,30 +618,14 @@ static void test_errors(rp_context *ctx)
     rp_config_free(other);
 }
 
-/* ---- allocation failures ---- */
-
-typedef struct counting { long live, calls, fail_at; } counting;
-
-static void *counting_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    counting *c = ud;
-    if (new_size == 0) {
-        if (ptr) c->live -= (long)old_size;
-        free(ptr);
-        return NULL;
-    }
-    if (++c->calls == c->fail_at) return NULL;
-    void *p = realloc(ptr, new_size);
-    if (p) c->live += (long)new_size - (ptr ? (long)old_size : 0);
-    return p;
-}
+/* ---- allocation failures (counting_alloc: test_util.h) ---- */
 
 static void test_alloc_failures(void)
 {
-    counting c = {0, 0, 0};
+    counting c = {0};
     rp_context *ctx;
     rp_context_new(counting_alloc, &c, &ctx);
-    rp_config *cfg = make_cfg(ctx, 2, 2, 2, 3, 3, 5);
+    rp_config *cfg = w_config(ctx, 2, 2, 2, 3, 3, 5);
     int32_t cur[3 * 6], tgt[3 * 6];
     for (int l = 0; l < 3; l++) {
         random_layer(cur + l * 6, 6, 5);
