@@ -802,14 +802,7 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
                    (inter > 0 ? c->net_lat : 0.0) + xtok[r] * c->etp_gather_s;
         x_out[r] = x;
         d_out[r] = d;
-        if (x > res->xmax) {
-            res->xmax = x;
-            res->xarg = g0 + r;
-        }
-        if (d > res->dmax) {
-            res->dmax = d;
-            res->darg = g0 + r;
-        }
+        group_result_note(res, g0 + r, x, d);
     }
 }
 
@@ -1079,17 +1072,6 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     return RP_OK;
 }
 
-static rp_status fail_seq(rp_error *err, int32_t seq, const char *fmt, ...) RP_PRINTF(3, 4);
-static rp_status fail_seq(rp_error *err, int32_t seq, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    rp_failv(err, RP_EINVAL, fmt, ap);
-    va_end(ap);
-    if (err) err->sequence = seq;
-    return RP_EINVAL;
-}
-
 static rp_status fail_expert(rp_error *err, int32_t expert, const char *fmt, ...) RP_PRINTF(3, 4);
 static rp_status fail_expert(rp_error *err, int32_t expert, const char *fmt, ...)
 {
@@ -1153,17 +1135,17 @@ static rp_status read_packing(const rp_cost *c, const rp_plan *plan, cost_state 
             for (int32_t k = 0; k < count; k++) {
                 int32_t q = list[k];
                 if (q < 0 || q >= c->N)
-                    return fail_seq(err, q, "cost: rank %d mb %d holds sequence %d, but the batch has %d",
+                    return rp_fail_seq(err, RP_EINVAL, q, "cost: rank %d mb %d holds sequence %d, but the batch has %d",
                                     g, m, q, c->N);
                 if (s->seq_rank[q] >= 0)
-                    return fail_seq(err, q, "cost: sequence %d is packed twice (rank %d mb %d, rank %d mb %d)",
+                    return rp_fail_seq(err, RP_EINVAL, q, "cost: sequence %d is packed twice (rank %d mb %d, rank %d mb %d)",
                                     q, s->seq_rank[q], s->seq_mb[q], g, m);
                 s->seq_rank[q] = g;
                 s->seq_mb[q] = m;
             }
         }
     for (int32_t i = 0; i < c->N; i++)
-        if (s->seq_rank[i] < 0) return fail_seq(err, i, "cost: sequence %d is not packed", i);
+        if (s->seq_rank[i] < 0) return rp_fail_seq(err, RP_EINVAL, i, "cost: sequence %d is not packed", i);
     return RP_OK;
 }
 

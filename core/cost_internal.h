@@ -208,6 +208,20 @@ typedef struct group_result {
     int32_t xarg, darg;
 } group_result;
 
+/* GPU g's expert time x and dispatch time d into the group's maxima (the first GPU
+ * wins ties). */
+static inline void group_result_note(group_result *res, int32_t g, double x, double d)
+{
+    if (x > res->xmax) {
+        res->xmax = x;
+        res->xarg = g;
+    }
+    if (d > res->dmax) {
+        res->dmax = d;
+        res->darg = g;
+    }
+}
+
 /* cost.c */
 
 /* What rp_cost_new refuses of a config and a batch, without statistics: the callers that

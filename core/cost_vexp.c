@@ -92,13 +92,6 @@ void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int
         double d = (send > recv ? send : recv) * c->token_bytes / c->nv_bw + c->nv_lat + c->vexp_comm_scale * push;
         x_out[r] = x;
         d_out[r] = d;
-        if (x > res->xmax) {
-            res->xmax = x;
-            res->xarg = g0 + r;
-        }
-        if (d > res->dmax) {
-            res->dmax = d;
-            res->darg = g0 + r;
-        }
+        group_result_note(res, g0 + r, x, d);
     }
 }

@@ -52,6 +52,16 @@ rp_status rp_fail(rp_error *err, rp_status status, const char *fmt, ...)
     return status;
 }
 
+rp_status rp_fail_seq(rp_error *err, rp_status status, int64_t seq, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    rp_failv(err, status, fmt, ap);
+    va_end(ap);
+    if (err) err->sequence = seq;
+    return status;
+}
+
 rp_status rp_fail_nomem(rp_error *err, const char *what)
 {
     return rp_fail(err, RP_ENOMEM, "out of memory allocating %s", what);

@@ -40,6 +40,8 @@ void rp_progress(rp_context *ctx, const char *what, int64_t done_bytes, int64_t 
  * ones that apply after the call. */
 rp_status rp_fail(rp_error *err, rp_status status, const char *fmt, ...) RP_PRINTF(3, 4);
 rp_status rp_failv(rp_error *err, rp_status status, const char *fmt, va_list ap);
+/* rp_fail that also names the offending sequence (err->sequence = seq). */
+rp_status rp_fail_seq(rp_error *err, rp_status status, int64_t seq, const char *fmt, ...) RP_PRINTF(4, 5);
 /* Report an allocation failure of `what`. */
 rp_status rp_fail_nomem(rp_error *err, const char *what);
 

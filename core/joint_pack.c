@@ -71,13 +71,9 @@ rp_status joint_pack_prepare(joint *jt, int32_t M, joint_pack_prep *p, rp_error 
     double sum_a = 0, sum_len = 0, speed_sum = 0;
     for (int32_t s = 0; s < N; s++) {
         int64_t n = rp_batch_seq_len(jt->batch, s);
-        if (n > jt->cap) {
-            rp_status st = rp_fail(err, RP_ERANGE,
-                                   "joint: sequence %d has %lld tokens, longer than the microbatch cap of %lld", s,
-                                   (long long)n, (long long)jt->cap);
-            if (err) err->sequence = s;
-            return st;
-        }
+        if (n > jt->cap)
+            return rp_fail_seq(err, RP_ERANGE, s, "joint: sequence %d has %lld tokens, longer than the microbatch cap of %lld",
+                               s, (long long)n, (long long)jt->cap);
         p->len[s] = (double)n;
         p->attn[s] = rp_cost_dense_s(jt->cost, n);
         sum_a += p->attn[s];
@@ -116,16 +112,14 @@ void joint_pack_prep_free(const joint *jt, joint_pack_prep *p)
 
 rp_status joint_pack_nofit(const joint *jt, const joint_pack_prep *p, int32_t s, int32_t M, rp_error *err)
 {
-    rp_status st = rp_fail(err, RP_ERANGE,
-                           "joint: sequence %d (%lld tokens) fits in no cell of %d microbatches under the cap of %lld "
-                           "tokens%s",
-                           s, (long long)p->len[s], M, (long long)jt->cap,
-                           p->rank_quota == INT32_MAX ? ""
-                           : p->KB == 1 ? " on a rank below its quota (trainer.equal_sequences_per_rank)"
-                                        : " on a rank's mini-batch below its quota (trainer.equal_sequences_per_rank, "
-                                          "trainer.mini_batches)");
-    if (err) err->sequence = s;
-    return st;
+    return rp_fail_seq(err, RP_ERANGE, s,
+                       "joint: sequence %d (%lld tokens) fits in no cell of %d microbatches under the cap of %lld "
+                       "tokens%s",
+                       s, (long long)p->len[s], M, (long long)jt->cap,
+                       p->rank_quota == INT32_MAX ? ""
+                       : p->KB == 1 ? " on a rank below its quota (trainer.equal_sequences_per_rank)"
+                                    : " on a rank's mini-batch below its quota (trainer.equal_sequences_per_rank, "
+                                      "trainer.mini_batches)");
 }
 
 /* Cells are filled greedily, longest sequence first, each into the cell that raises the

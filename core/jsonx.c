@@ -5,6 +5,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PATH_MAX_TEXT 256
@@ -638,5 +639,24 @@ rp_status rp_jdoc_arr(const rp_jdoc *doc, json_t *obj, const char *path, const c
     if (v && !json_is_array(v))
         return rp_jdoc_fail(doc, err, RP_EINVAL, kp, "must be an array, got %s", rp_jdoc_type_name(v));
     *out = v;
+    return RP_OK;
+}
+
+rp_status rp_json_text(rp_context *ctx, json_t *root, const char *what, char **text, size_t *len, rp_error *err)
+{
+    char *dump = root ? json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER) : NULL;
+    json_decref(root);
+    if (!dump) return rp_fail_nomem(err, what);
+    size_t n = strlen(dump);
+    *text = rp_alloc(ctx, n + 2);
+    if (!*text) {
+        free(dump);
+        return rp_fail_nomem(err, what);
+    }
+    memcpy(*text, dump, n);
+    (*text)[n] = '\n';
+    (*text)[n + 1] = '\0';
+    free(dump);
+    if (len) *len = n + 1;
     return RP_OK;
 }

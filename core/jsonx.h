@@ -73,4 +73,9 @@ const char *rp_jdoc_type_name(const json_t *value);
 const char *rp_jpath_key(char *buf, size_t size, const char *path, const char *key);
 const char *rp_jpath_index(char *buf, size_t size, const char *path, size_t index);
 
+/* `root` (taken over, may be NULL) as indented text in key order, ending with a newline,
+ * allocated from ctx (rp_text_free); its length without the NUL in *len when len is not
+ * NULL. RP_ENOMEM naming `what` ("the step report") when it cannot be made. */
+rp_status rp_json_text(rp_context *ctx, json_t *root, const char *what, char **text, size_t *len, rp_error *err);
+
 #endif

@@ -279,17 +279,6 @@ int32_t rp_plan_num_experts(const rp_plan *plan) { return plan->num_experts; }
 
 /* ---- packing --------------------------------------------------------------------- */
 
-static rp_status fail_seq(rp_error *err, int32_t seq, const char *fmt, ...) RP_PRINTF(3, 4);
-static rp_status fail_seq(rp_error *err, int32_t seq, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    rp_failv(err, RP_EINVAL, fmt, ap);
-    va_end(ap);
-    if (err) err->sequence = seq;
-    return RP_EINVAL;
-}
-
 /* Record the first occurrence of every sequence, scanning lists in order. */
 static void packing_index(const rp_plan *plan, packing *p)
 {
@@ -314,10 +303,10 @@ rp_status rp_plan_set_packing(rp_plan *plan, int32_t num_seqs, const int32_t *se
     int32_t G = plan->num_gpus, M = plan->num_microbatches;
     for (int32_t s = 0; s < num_seqs; s++) {
         if (seq_rank[s] < 0 || seq_rank[s] >= G)
-            return fail_seq(err, s, "plan: sequence %d is assigned to rank %d, but there are %d ranks",
+            return rp_fail_seq(err, RP_EINVAL, s, "plan: sequence %d is assigned to rank %d, but there are %d ranks",
                             s, seq_rank[s], G);
         if (seq_mb[s] < 0 || seq_mb[s] >= M)
-            return fail_seq(err, s,
+            return rp_fail_seq(err, RP_EINVAL, s,
                             "plan: sequence %d is assigned to microbatch %d, but there are %d microbatches",
                             s, seq_mb[s], M);
     }
@@ -359,7 +348,7 @@ rp_status rp_plan_set_microbatches(rp_plan *plan, int32_t num_seqs, const int32_
         for (int32_t k = 0; k < counts[i]; k++) {
             int32_t s = lists[i][k];
             if (s < 0 || s >= num_seqs)
-                return fail_seq(err, s, "plan: rank %d mb %d position %d holds sequence %d, but there are %d sequences",
+                return rp_fail_seq(err, RP_EINVAL, s, "plan: rank %d mb %d position %d holds sequence %d, but there are %d sequences",
                                 rank, mb, k, s, num_seqs);
         }
         total += counts[i];
@@ -386,9 +375,9 @@ rp_status rp_plan_move_sequence(rp_plan *plan, int32_t seq, int32_t rank, int32_
     packing *p = &plan->pack;
     int32_t M = plan->num_microbatches;
     if (seq < 0 || seq >= p->num_seqs)
-        return fail_seq(err, seq, "plan: sequence %d does not exist (%d sequences)", seq, p->num_seqs);
+        return rp_fail_seq(err, RP_EINVAL, seq, "plan: sequence %d does not exist (%d sequences)", seq, p->num_seqs);
     if (rank < 0 || rank >= plan->num_gpus || mb < 0 || mb >= M)
-        return fail_seq(err, seq, "plan: rank %d mb %d does not exist (%d ranks, %d microbatches)", rank,
+        return rp_fail_seq(err, RP_EINVAL, seq, "plan: rank %d mb %d does not exist (%d ranks, %d microbatches)", rank,
                         mb, plan->num_gpus, M);
     int64_t lists = (int64_t)plan->num_gpus * M;
     int64_t to = (int64_t)rank * M + mb;

@@ -1,6 +1,7 @@
 /* Policies: loading a policy file into a fresh sandbox, checking its metadata and
  * params, finding it by name on the search path, listing what is installed, and calling
  * its init and plan functions under the sandbox's limits. */
+#include "jsonx.h"
 #include "sched_internal.h"
 
 #include <lauxlib.h>
@@ -1100,21 +1101,7 @@ rp_status rp_policy_to_json(const rp_policy *pol, char **text, size_t *len, rp_e
     }
     json_object_set_new(root, "params", params);
     params = NULL;
-    char *dump = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
-    json_decref(root);
-    if (!dump) return rp_fail_nomem(err, "the policy description");
-    size_t n = strlen(dump);
-    *text = rp_alloc(pol->ctx, n + 2);
-    if (!*text) {
-        free(dump);
-        return rp_fail_nomem(err, "the policy description");
-    }
-    memcpy(*text, dump, n);
-    (*text)[n] = '\n';
-    (*text)[n + 1] = '\0';
-    free(dump);
-    if (len) *len = n + 1;
-    return RP_OK;
+    return rp_json_text(pol->ctx, root, "the policy description", text, len, err);
 nomem:
     json_decref(root);
     json_decref(params);

@@ -2,6 +2,7 @@
  * policy) -> merge with what it omitted -> stable slots -> validation -> fallback ->
  * multi-rank agreement -> evaluation; plus hot swap at a step boundary after a dry run. */
 #include "cost_internal.h"
+#include "jsonx.h"
 #include "limits_internal.h"
 #include "sched_internal.h"
 #include "sched_migrate.h"
@@ -1389,19 +1390,5 @@ rp_status rp_sched_report_json(const rp_sched *s, char **text, size_t *len, rp_e
         json_decref(root);
         return rp_fail_nomem(err, "the step report");
     }
-    char *dump = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
-    json_decref(root);
-    if (!dump) return rp_fail_nomem(err, "the step report");
-    size_t n = strlen(dump);
-    *text = rp_alloc(s->ctx, n + 2);
-    if (!*text) {
-        free(dump);
-        return rp_fail_nomem(err, "the step report");
-    }
-    memcpy(*text, dump, n);
-    (*text)[n] = '\n';
-    (*text)[n + 1] = '\0';
-    free(dump);
-    if (len) *len = n + 1;
-    return RP_OK;
+    return rp_json_text(s->ctx, root, "the step report", text, len, err);
 }
