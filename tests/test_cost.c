@@ -1470,6 +1470,56 @@ static void test_alloc_failures(void)
     batch_fixture_free(&f);
 }
 
+/* A second placement on the bound packing takes the bound state's counts over instead of
+ * copying them, only once nothing can fail: an allocation failure at any point of that
+ * evaluation leaves the bound state whole (its step, and incremental moves that read its
+ * counts, as on an evaluator that never saw the failed plan). */
+static void test_same_packing_failures(void)
+{
+    fixture f;
+    hand_fixture(&f, 1, 2, 3, "1");
+    static const int32_t other[2 * 6] = {0, 1, 2, 3, 3, -1, 0, 1, 2, -1, 3, -1};
+    rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, SPARE_P2L), *q = plan_of(&f, 1, HAND_RANK, HAND_MB, other);
+    rp_error err;
+    rp_cost *ref = NULL;
+    rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &ref, &err);
+    rp_cost_evaluate(ref, p, NULL, &err);
+    const double want = rp_cost_current_s(ref), want_move = rp_cost_try_move(ref, 0, 1, 0);
+    rp_cost_evaluate(ref, q, NULL, &err);
+    const double want_q = rp_cost_current_s(ref);
+    rp_cost_free(ref);
+    int failures = 0, bad = 0;
+    for (long n = 1; n < 1000; n++) {
+        counting k = {0};
+        rp_context *cx = NULL;
+        rp_context_new(counting_alloc, &k, &cx);
+        rp_cost *c = NULL;
+        bool bound = rp_cost_new(cx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err) == RP_OK &&
+                     rp_cost_evaluate(c, p, NULL, &err) == RP_OK;
+        if (!bound) bad++;
+        k.calls = 0;
+        k.fail_at = n;
+        rp_status st = bound ? rp_cost_evaluate(c, q, NULL, &err) : RP_ENOMEM;
+        bool done = st == RP_OK && k.calls < n;
+        k.fail_at = 0;
+        if (st != RP_OK && bound) {
+            failures++;
+            if (st != RP_ENOMEM || rp_cost_current_s(c) != want || rp_cost_try_move(c, 0, 1, 0) != want_move) bad++;
+        } else if (st == RP_OK && rp_cost_current_s(c) != want_q) {
+            bad++;
+        }
+        rp_cost_free(c);
+        rp_context_free(cx);
+        if (k.live != 0) bad++;
+        if (done) break;
+    }
+    ok(failures > 5, "%d allocation failures injected into a same-packing evaluation", failures);
+    is_int(bad, 0, "each leaves the bound state whole (its step, and a move that reads its counts)");
+    rp_plan_free(p);
+    rp_plan_free(q);
+    batch_fixture_free(&f);
+}
+
 /* rp_cost_evaluation_needs tells, before anything is allocated, exactly the bytes an
  * evaluation takes (what rp_cost_bytes grows by on a fresh evaluator), with and without
  * levers, over microbatch counts; the work grows with M x L x G x E. */
@@ -1561,6 +1611,7 @@ int main(void)
     test_bad_plans();
     test_unbound();
     test_alloc_failures();
+    test_same_packing_failures();
     rp_context_free(ctx);
     return tap_done();
 }
