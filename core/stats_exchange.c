@@ -259,7 +259,7 @@ static rp_status part_of_bytes(const void *bytes, size_t len, const char *who, p
 
 /* Build the merged statistics from checked parts. */
 static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *parts, const int32_t *const *ids,
-                             int32_t num_seqs, rp_stats **out, rp_error *err)
+                             int32_t num_seqs, rp_stats *reuse, rp_stats **out, rp_error *err)
 {
     if (!ctx || !out) return rp_fail(err, RP_EINVAL, "stats merge: context and output are required");
     if (num_parts < 1 || num_seqs < 0)
@@ -357,10 +357,20 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
         st = rp_fail(err, RP_ERANGE, "stats merge: %llu histogram bytes overflow memory", (unsigned long long)pos);
         goto out;
     }
-    m->hist = rp_alloc(ctx, (size_t)pos);
-    if (!m->hist) {
-        st = rp_fail_nomem(err, "merged statistics");
-        goto out;
+    if (reuse && reuse->ctx == ctx && reuse->hist_cap >= (size_t)pos && reuse->hist_cap > 0) {
+        /* the earlier merge's histogram bytes, already faulted in (nothing below fails,
+         * so `reuse` is whole on every error) */
+        m->hist = reuse->hist;
+        m->hist_cap = reuse->hist_cap;
+        reuse->hist = NULL;
+        reuse->hist_cap = 0;
+    } else {
+        m->hist = rp_alloc(ctx, (size_t)pos);
+        if (!m->hist) {
+            st = rp_fail_nomem(err, "merged statistics");
+            goto out;
+        }
+        m->hist_cap = (size_t)pos;
     }
     const bool native_le = host_little_endian();
     for (int32_t g = 0; g < num_seqs; g++) {
@@ -455,9 +465,33 @@ rp_status rp_stats_deserialize(rp_context *ctx, const void *bytes, size_t len, r
     return rp_stats_merge_serialized(ctx, 1, one, &len, NULL, -1, out, err);
 }
 
+static rp_status merge_serialized(rp_context *ctx, int32_t num_parts, const void *const *bytes, const size_t *lens,
+                                  const int32_t *const *global_ids, int32_t num_seqs, rp_stats *reuse,
+                                  rp_stats **out, rp_error *err);
+
 rp_status rp_stats_merge_serialized(rp_context *ctx, int32_t num_parts, const void *const *bytes,
                                     const size_t *lens, const int32_t *const *global_ids, int32_t num_seqs,
                                     rp_stats **out, rp_error *err)
+{
+    return merge_serialized(ctx, num_parts, bytes, lens, global_ids, num_seqs, NULL, out, err);
+}
+
+rp_status rp_stats_merge_serialized_reusing(rp_context *ctx, int32_t num_parts, const void *const *bytes,
+                                            const size_t *lens, const int32_t *const *global_ids, int32_t num_seqs,
+                                            rp_stats **stats, rp_error *err)
+{
+    if (!stats) return rp_fail(err, RP_EINVAL, "stats merge: the statistics to reuse (*stats, or NULL) are required");
+    rp_stats *merged = NULL;
+    rp_status st = merge_serialized(ctx, num_parts, bytes, lens, global_ids, num_seqs, *stats, &merged, err);
+    if (st != RP_OK) return st;
+    rp_stats_free(*stats);
+    *stats = merged;
+    return RP_OK;
+}
+
+static rp_status merge_serialized(rp_context *ctx, int32_t num_parts, const void *const *bytes, const size_t *lens,
+                                  const int32_t *const *global_ids, int32_t num_seqs, rp_stats *reuse,
+                                  rp_stats **out, rp_error *err)
 {
     /* num_seqs -1 with no ids: rp_stats_deserialize (one part, identity order) */
     const bool identity = num_seqs == -1 && !global_ids && num_parts == 1;
@@ -482,9 +516,9 @@ rp_status rp_stats_merge_serialized(rp_context *ctx, int32_t num_parts, const vo
         }
         for (int32_t s = 0; s < num_seqs; s++) iota[s] = s;
         const int32_t *const ids[1] = {iota};
-        st = merge_parts(ctx, 1, parts, ids, num_seqs, out, err);
+        st = merge_parts(ctx, 1, parts, ids, num_seqs, reuse, out, err);
     } else {
-        st = merge_parts(ctx, num_parts, parts, global_ids, num_seqs, out, err);
+        st = merge_parts(ctx, num_parts, parts, global_ids, num_seqs, reuse, out, err);
     }
 out:
     rp_free(ctx, parts);
@@ -503,7 +537,7 @@ rp_status rp_stats_merge(rp_context *ctx, int32_t num_parts, const rp_stats *con
     part *ps = rp_alloc(ctx, sizeof(part) * (size_t)num_parts);
     if (!ps) return rp_fail_nomem(err, "the merge's parts");
     for (int32_t i = 0; i < num_parts; i++) part_of_stats(parts[i], &ps[i]);
-    rp_status st = merge_parts(ctx, num_parts, ps, global_ids, num_seqs, out, err);
+    rp_status st = merge_parts(ctx, num_parts, ps, global_ids, num_seqs, NULL, out, err);
     rp_free(ctx, ps);
     return st;
 }
@@ -556,6 +590,7 @@ rp_status stats_copy(rp_context *ctx, const rp_stats *stats, rp_stats **out, rp_
     if (!c) return rp_fail_nomem(err, "a copy of the statistics");
     *c = *stats;
     c->ctx = ctx;
+    c->hist_cap = 0;
     c->expert_load = rp_alloc(ctx, cells * sizeof(int64_t));
     c->width = rp_alloc(ctx, (size_t)n + 1);
     c->offset = rp_alloc(ctx, ((size_t)n + 1) * sizeof(uint64_t));

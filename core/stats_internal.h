@@ -21,6 +21,9 @@ struct rp_stats {
     uint8_t *width;          /* [num_seqs]: bytes per count, 0 when all are zero */
     uint64_t *offset;        /* [num_seqs + 1]: byte offset of each sequence's block */
     unsigned char *hist;
+    size_t hist_cap;         /* bytes allocated at hist, where a merge made them (so a later
+                                merge may write into them: rp_stats_merge_serialized_reusing);
+                                0: unknown, never reused */
 };
 
 /* Count i of a block stored 2 or 4 bytes a count. A block starts wherever the blocks

@@ -558,6 +558,61 @@ static void test_copy_reusing(rp_context *ctx)
     ok(clean, "a failed refit gives RP_ENOMEM and leaves the spare as it was");
 }
 
+/* rp_stats_merge_serialized_reusing: a step after step merge into the last merge's
+ * storage equals a fresh merge bit for bit, takes that storage when it is large enough,
+ * and on any error (bad bytes, a failed allocation) leaves *stats as it was. */
+static void test_merge_reusing(rp_context *ctx)
+{
+    int same = 1, reused = 0, steps = 0;
+    rp_stats *kept = NULL;
+    rp_error err;
+    for (int step = 0; step < 6; step++) {
+        world w;
+        /* the batch shrinks after the first steps: a later merge fits in the first's storage */
+        world_make(&w, ctx, step < 2 ? 40 : 20 + (int32_t)rnd(15), 3, 2, 9, step == 0);
+        rp_stats *whole = stats_of(ctx, &w);
+        int32_t *perm = malloc(sizeof *perm * (size_t)w.n);
+        for (int32_t q = 0; q < w.n; q++) perm[q] = q;
+        shuffle(perm, w.n);
+        const int32_t half = w.n / 2;
+        rp_stats *a = part_stats(ctx, &w, perm, half), *b = part_stats(ctx, &w, perm + half, w.n - half);
+        size_t la, lb;
+        unsigned char *ba = serialise(a, &la), *bb = serialise(b, &lb);
+        const void *bytes[2] = {ba, bb};
+        size_t lens[2] = {la, lb};
+        const int32_t *ids[2] = {perm, perm + half};
+        const unsigned char *storage = kept ? kept->hist : NULL;
+        const size_t cap = kept ? kept->hist_cap : 0;
+        if (rp_stats_merge_serialized_reusing(ctx, 2, bytes, lens, ids, w.n, &kept, &err) != RP_OK) {
+            diag("merge: %s", err.text);
+            same = 0;
+        } else {
+            steps++;
+            same &= stats_same(kept, whole);
+            reused += storage && kept->hist == storage && cap >= kept->offset[w.n];
+        }
+        /* a corrupt part: an error, and the last merge untouched */
+        rp_stats *before = kept;
+        ba[la - 1] ^= 0x5A;
+        if (rp_stats_merge_serialized_reusing(ctx, 2, bytes, lens, ids, w.n, &kept, &err) != RP_ECHECKSUM ||
+            kept != before || !stats_same(kept, whole))
+            same = 0;
+        free(ba);
+        free(bb);
+        rp_stats_free(a);
+        rp_stats_free(b);
+        rp_stats_free(whole);
+        free(perm);
+        world_free(&w);
+    }
+    rp_stats_free(kept);
+    is_int(steps, 6, "six steps merged into the last step's statistics");
+    ok(same, "each equals the whole batch's statistics bit for bit, and a corrupt part leaves the last merge whole");
+    ok(reused >= 4, "the merges that fit took the last one's histogram storage (%d of 5)", reused);
+    ok(rp_stats_merge_serialized_reusing(ctx, 1, NULL, NULL, NULL, 0, NULL, &err) == RP_EINVAL,
+       "no place for the result: RP_EINVAL (%s)", err.text);
+}
+
 static void test_alloc_failures(void)
 {
     int clean = 1, leaks = 0;
@@ -588,6 +643,20 @@ static void test_alloc_failures(void)
         rp_stats_free(m);
         rp_status s3 = rp_stats_deserialize(ctx, ba, la, &d, &err);
         rp_stats_free(d);
+        /* reusing an earlier merge: on failure it stays whole */
+        c.fail_at = 0;
+        rp_stats *r = NULL, *fresh = NULL;
+        rp_status s0 = rp_stats_merge_serialized(ctx, 2, bytes, lens, ids, 5, &r, &err);
+        rp_stats_merge_serialized(ctx, 2, bytes, lens, ids, 5, &fresh, &err);
+        rp_stats *held = r;
+        c.fail_at = c.calls + n;
+        rp_status s4 = s0 == RP_OK ? rp_stats_merge_serialized_reusing(ctx, 2, bytes, lens, ids, 5, &r, &err) : RP_OK;
+        c.fail_at = 0;
+        if (s0 != RP_OK || (s4 != RP_OK && (r != held || !stats_same(r, fresh)))) clean = 0;
+        if (s4 == RP_OK && (!r || !stats_same(r, fresh))) clean = 0;
+        if (s4 != RP_OK && s4 != RP_ENOMEM) clean = 0;
+        rp_stats_free(r);
+        rp_stats_free(fresh);
         c.fail_at = 0;
         if ((s1 != RP_OK && s1 != RP_ENOMEM) || (s2 != RP_OK && s2 != RP_ENOMEM) || (s3 != RP_OK && s3 != RP_ENOMEM))
             clean = 0;
@@ -601,7 +670,8 @@ static void test_alloc_failures(void)
         rp_context_free(ctx);
         if (n_ok > 3) break;
     }
-    ok(clean, "failing each allocation of merge and deserialise gives RP_ENOMEM or success");
+    ok(clean, "failing each allocation of merge (reusing or not) and deserialise gives RP_ENOMEM or success, "
+              "and a reusing merge that fails leaves the earlier statistics whole");
     is_int(leaks, 0, "and leaks nothing");
 }
 
@@ -616,6 +686,7 @@ int main(void)
     test_check_batch(ctx);
     test_copy(ctx);
     test_copy_reusing(ctx);
+    test_merge_reusing(ctx);
     test_alloc_failures();
     rp_context_free(ctx);
     return tap_done();

@@ -123,6 +123,19 @@ RP_API rp_status rp_stats_merge_serialized(rp_context *ctx, int32_t num_parts,
                                            const int32_t *const *global_ids, int32_t num_seqs,
                                            rp_stats **out, rp_error *err);
 
+/* rp_stats_merge_serialized for a trainer that merges every step: *stats is NULL or the
+ * statistics an earlier merge (this call or rp_stats_merge_serialized, same context)
+ * returned, which the caller no longer needs; their histogram storage, when large enough,
+ * takes the new merge (at the reference scale the merge otherwise faults in 50 MB of
+ * fresh pages each step, most of its time). On success the earlier statistics are freed
+ * and *stats is the merge (the same result as rp_stats_merge_serialized); on error *stats
+ * is unchanged and still valid. Errors: rp_stats_merge_serialized's; stats NULL
+ * (RP_EINVAL). */
+RP_API rp_status rp_stats_merge_serialized_reusing(rp_context *ctx, int32_t num_parts,
+                                                   const void *const *bytes, const size_t *lens,
+                                                   const int32_t *const *global_ids, int32_t num_seqs,
+                                                   rp_stats **stats, rp_error *err);
+
 /* Check that statistics describe `batch`: the same number of sequences, the same
  * total tokens, and each sequence's histogram at every layer summing to its length x
  * top_k. Errors (RP_EINVAL, naming the first sequence that differs and both values;
