@@ -247,7 +247,8 @@ def section_overhead(runs, args):
         ("statistics of the rank's %d sequences (one thread)" % o["rank_seqs"], o["stats_ms"]),
         ("exchange: %s bytes a part, %.1f MB gathered, modelled as a ring over the config's network"
          % (format(o["part_bytes"], ","), o["exchange_bytes"] / 1e6), o["exchange_ms"]),
-        ("merge of the %d parts" % o["ranks"], o["merge_ms"]),
+        ("merge of the %d parts into the last step's statistics (`rp_stats_merge_serialized_reusing`; "
+         "%.1f ms into fresh memory)" % (o["ranks"], o.get("merge_fresh_ms", float("nan"))), o["merge_ms"]),
         ("policy calls (`%s`: construction, fallback check, persistence scoring)" % o["policy"], o["policy_ms"]),
         ("the engine around them (validation, evaluation, migration plan)", o["validate_ms"]),
     ]
