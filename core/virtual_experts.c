@@ -28,6 +28,10 @@ struct rp_vexp {
     int32_t *n_alloc;      /* [ep * per_rank] scratch for the next plan's slots */
     int64_t *n_rank_load, *n_allocation, *n_traffic;
     int32_t *n_pushes_out, *n_pushes_in;
+    /* the (expert, receiver) pairs step 2 of a plan allocates, and which experts it splits:
+     * only those need the general route fill and a virtual slot */
+    int32_t *pair_expert, *pair_rank; /* [ep * (ep + per_rank)] */
+    uint8_t *split;                   /* [E] */
 };
 
 rp_status rp_vexp_check_config(const rp_config *cfg, rp_error *err)
@@ -75,7 +79,7 @@ void rp_vexp_free(rp_vexp *v)
     void *blocks[] = {v->rank_load, v->allocation, v->slot_expert, v->traffic, v->pushes_out, v->pushes_in,
                       v->native_total, v->balance, v->quota, v->remaining, v->owned, v->fill, v->owner,
                       v->n_alloc, v->n_rank_load, v->n_allocation, v->n_traffic, v->n_pushes_out,
-                      v->n_pushes_in};
+                      v->n_pushes_in, v->pair_expert, v->pair_rank, v->split};
     for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++) rp_free(ctx, blocks[i]);
     rp_free(ctx, v);
 }
@@ -117,7 +121,10 @@ rp_status rp_vexp_new(rp_context *ctx, int32_t ep_size, int32_t num_experts, rp_
     v->n_traffic = rp_calloc(ctx, ep * ep, sizeof(int64_t));
     v->n_pushes_out = rp_calloc(ctx, ep, sizeof(int32_t));
     v->n_pushes_in = rp_calloc(ctx, ep, sizeof(int32_t));
-    if (!v->rank_load || !v->allocation || !v->slot_expert || !v->traffic || !v->pushes_out || !v->pushes_in ||
+    v->pair_expert = rp_calloc(ctx, ep * (ep + pr), sizeof(int32_t));
+    v->pair_rank = rp_calloc(ctx, ep * (ep + pr), sizeof(int32_t));
+    v->split = rp_calloc(ctx, E, 1);
+    if (!v->pair_expert || !v->pair_rank || !v->split || !v->rank_load || !v->allocation || !v->slot_expert || !v->traffic || !v->pushes_out || !v->pushes_in ||
         !v->native_total || !v->balance || !v->quota || !v->remaining || !v->owned || !v->fill || !v->owner ||
         !v->n_alloc || !v->n_rank_load || !v->n_allocation || !v->n_traffic || !v->n_pushes_out ||
         !v->n_pushes_in) {
@@ -243,7 +250,9 @@ rp_status rp_vexp_plan(rp_vexp *v, const int32_t *counts, const int32_t *owner, 
      * expert with the most routes left (lowest rank, then lowest local expert on ties),
      * min(quota, left) at a time; each step empties a quota or an expert. */
     int64_t *alloc = v->n_allocation;
+    int32_t num_pairs = 0;
     memset(alloc, 0, (size_t)E * ep * sizeof *alloc);
+    memset(v->split, 0, (size_t)E);
     for (int32_t e = 0; e < E; e++) alloc[(size_t)e * ep + v->owner[e]] = v->native_total[e];
     for (int32_t s = 0; s < ep; s++) {
         const int32_t *mine = v->owned + (size_t)s * pr;
@@ -255,6 +264,10 @@ rp_status rp_vexp_plan(rp_vexp *v, const int32_t *counts, const int32_t *owner, 
             int32_t i = argmax_low(v->remaining, pr);
             int64_t moved = q[dst] < v->remaining[i] ? q[dst] : v->remaining[i];
             if (moved <= 0) break; /* unreachable: a sender never sends more than it owns */
+            /* each (expert, receiver) pair once: this step empties the quota or the expert */
+            v->pair_expert[num_pairs] = mine[i];
+            v->pair_rank[num_pairs++] = dst;
+            v->split[mine[i]] = 1;
             alloc[(size_t)mine[i] * ep + dst] += moved;
             alloc[(size_t)mine[i] * ep + s] -= moved;
             v->remaining[i] -= moved;
@@ -272,8 +285,15 @@ rp_status rp_vexp_plan(rp_vexp *v, const int32_t *counts, const int32_t *owner, 
         int32_t *row = slots + (size_t)r * pr, used = 0;
         for (int32_t s = 0; s < pr; s++) row[s] = -1;
         /* descending expert id, each inserted behind the larger allocations: ties keep the
-         * higher expert first */
-        for (int32_t e = E - 1; e >= 0; e--) {
+         * higher expert first. A remote expert allocated to r is one of step 2's pairs
+         * (nothing else leaves its owner), so only their experts are visited, in that
+         * order: the next lower expert id among r's pairs each time. */
+        for (int32_t e = E;;) {
+            int32_t next = -1;
+            for (int32_t k = 0; k < num_pairs; k++)
+                if (v->pair_rank[k] == r && v->pair_expert[k] < e && v->pair_expert[k] > next) next = v->pair_expert[k];
+            if (next < 0) break;
+            e = next;
             int64_t n = alloc[(size_t)e * ep + r];
             if (v->owner[e] == r || n <= 0) continue;
             if (used == pr)
@@ -298,6 +318,13 @@ rp_status rp_vexp_plan(rp_vexp *v, const int32_t *counts, const int32_t *owner, 
     memset(traffic, 0, (size_t)ep * ep * sizeof *traffic);
     for (int32_t r = 0; r < ep; r++) load[r] = 0;
     for (int32_t e = 0; e < E; e++) {
+        if (!v->split[e]) {
+            /* every choice stays with the owner: each source's count goes there whole */
+            const int32_t own = v->owner[e];
+            for (int32_t src = 0; src < ep; src++) traffic[(size_t)src * ep + own] += counts[(size_t)src * E + e];
+            load[own] += alloc[(size_t)e * ep + own];
+            continue;
+        }
         int32_t src = 0, dst = 0;
         int64_t src_left = counts[e], dst_left = alloc[(size_t)e * ep];
         for (;;) {

@@ -248,6 +248,152 @@ static void test_random(void)
     is_int(bad, 0, "300 random forwards: loads, allocations, routes and slots consistent (%d planned)", cases);
 }
 
+/* The plan as first written (every expert and rank visited in steps 3 and 4), kept here
+ * as the reference: the planner visits only the experts step 2 splits, and must give the
+ * same allocation, slots, routes, loads and pushes bit for bit. */
+typedef struct ref_plan {
+    int64_t load[16], alloc[16 * 96], traffic[16 * 16];
+    int32_t slot[16 * 6], pout[16], pin[16], num_virtual;
+} ref_plan;
+
+static int32_t ref_argmax(const int64_t *x, int32_t n)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static int32_t ref_argmin(const int64_t *x, int32_t n)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] < x[best]) best = i;
+    return best;
+}
+
+static void reference(int32_t ep, int32_t E, const int32_t *counts, const int32_t *owner_in, ref_plan *o)
+{
+    const int32_t pr = E / ep;
+    int32_t owner[96], owned[96], fill[16] = {0};
+    int64_t native[96] = {0}, bal[16] = {0}, quota[16 * 16] = {0}, remaining[6], total = 0;
+    memset(o, 0, sizeof *o);
+    for (int32_t e = 0; e < E; e++) {
+        owner[e] = owner_in ? owner_in[e] : e / pr;
+        owned[owner[e] * pr + fill[owner[e]]++] = e;
+    }
+    for (int32_t r = 0; r < ep; r++)
+        for (int32_t e = 0; e < E; e++) native[e] += counts[r * E + e], total += counts[r * E + e];
+    for (int32_t r = 0; r < ep; r++) bal[r] = -(total / ep + (r < total % ep ? 1 : 0));
+    for (int32_t e = 0; e < E; e++) bal[owner[e]] += native[e];
+    for (int32_t round = 0; round < ep; round++) {
+        int32_t hi = ref_argmax(bal, ep), lo = ref_argmin(bal, ep);
+        if (bal[hi] <= 0) break;
+        quota[hi * ep + lo] = -bal[lo];
+        bal[hi] += bal[lo];
+        bal[lo] = 0;
+    }
+    for (int32_t e = 0; e < E; e++) o->alloc[e * ep + owner[e]] = native[e];
+    for (int32_t s = 0; s < ep; s++) {
+        const int32_t *mine = owned + s * pr;
+        int64_t *q = quota + s * ep;
+        for (int32_t i = 0; i < pr; i++) remaining[i] = native[mine[i]];
+        for (int32_t step = 0; step < ep + pr; step++) {
+            int32_t dst = ref_argmax(q, ep);
+            if (q[dst] <= 0) break;
+            int32_t i = ref_argmax(remaining, pr);
+            int64_t moved = q[dst] < remaining[i] ? q[dst] : remaining[i];
+            if (moved <= 0) break;
+            o->alloc[mine[i] * ep + dst] += moved;
+            o->alloc[mine[i] * ep + s] -= moved;
+            remaining[i] -= moved;
+            q[dst] -= moved;
+        }
+    }
+    for (int32_t r = 0; r < ep; r++) {
+        int32_t *row = o->slot + r * pr, used = 0;
+        for (int32_t s = 0; s < pr; s++) row[s] = -1;
+        for (int32_t e = E - 1; e >= 0; e--) {
+            int64_t n = o->alloc[e * ep + r];
+            if (owner[e] == r || n <= 0) continue;
+            int32_t at = used++;
+            while (at > 0 && o->alloc[row[at - 1] * ep + r] < n) {
+                row[at] = row[at - 1];
+                at--;
+            }
+            row[at] = e;
+            o->pout[owner[e]]++;
+            o->pin[r]++;
+            o->num_virtual++;
+        }
+    }
+    for (int32_t e = 0; e < E; e++) {
+        int32_t src = 0, dst = 0;
+        int64_t src_left = counts[e], dst_left = o->alloc[e * ep];
+        for (;;) {
+            while (src < ep && src_left == 0) {
+                src++;
+                if (src < ep) src_left = counts[src * E + e];
+            }
+            while (dst < ep && dst_left == 0) {
+                dst++;
+                if (dst < ep) dst_left = o->alloc[e * ep + dst];
+            }
+            if (src == ep || dst == ep) break;
+            int64_t n = src_left < dst_left ? src_left : dst_left;
+            o->traffic[src * ep + dst] += n;
+            src_left -= n;
+            dst_left -= n;
+        }
+        for (int32_t r = 0; r < ep; r++) o->load[r] += o->alloc[e * ep + r];
+    }
+}
+
+static void test_reference(void)
+{
+    uint64_t seed = 0x2545F4914F6CDD1DULL;
+    int same = 0, cases = 0;
+    for (int t = 0; t < 40; t++) {
+        int32_t ep = 2 + (int32_t)(xorshift64(&seed) % 15), pr = 1 + (int32_t)(xorshift64(&seed) % 6);
+        int32_t E = ep * pr;
+        rp_vexp *v = planner(ep, E);
+        /* one planner, many forwards: what a plan leaves behind must not leak into the next */
+        for (int f = 0; f < 12 && v; f++) {
+            int32_t counts[16 * 96] = {0}, owner[96];
+            for (int32_t e = 0; e < E; e++) owner[e] = e / pr;
+            if (f % 3 == 1) /* a shuffled ownership, each rank still pr experts */
+                for (int32_t e = E - 1; e > 0; e--) {
+                    int32_t j = (int32_t)(xorshift64(&seed) % (uint64_t)(e + 1)), x = owner[e];
+                    owner[e] = owner[j], owner[j] = x;
+                }
+            const int skew = f % 4;
+            for (int32_t r = 0; r < ep; r++) {
+                int32_t n = f % 5 == 4 ? 0 : (int32_t)(xorshift64(&seed) % 400);
+                int32_t hot = (int32_t)(xorshift64(&seed) % E);
+                for (int32_t i = 0; i < n; i++) {
+                    int32_t e = skew && xorshift64(&seed) % 4 < (uint64_t)skew ? hot : (int32_t)(xorshift64(&seed) % E);
+                    counts[r * E + e]++;
+                }
+            }
+            ref_plan want;
+            reference(ep, E, counts, f % 3 == 1 ? owner : NULL, &want);
+            rp_error err;
+            cases++;
+            if (rp_vexp_plan(v, counts, f % 3 == 1 ? owner : NULL, &err) != RP_OK) {
+                diag("case %d/%d: %s", t, f, err.text);
+                continue;
+            }
+            same += same64(rp_vexp_rank_load(v), want.load, ep) && same64(rp_vexp_allocation(v), want.alloc, E * ep) &&
+                    same64(rp_vexp_traffic(v), want.traffic, ep * ep) &&
+                    same32(rp_vexp_slot_expert(v), want.slot, ep * pr) && same32(rp_vexp_pushes_out(v), want.pout, ep) &&
+                    same32(rp_vexp_pushes_in(v), want.pin, ep) && rp_vexp_num_virtual(v) == want.num_virtual;
+        }
+        rp_vexp_free(v);
+    }
+    is_int(same, cases, "%d forwards (skewed, balanced, empty, shuffled owners; one planner each 12 times): "
+           "the plan equals the reference that visits every expert, bit for bit", cases);
+}
+
 static const char *CFG =
     "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": %d, \"slots_per_gpu\": %s},"
     " \"model\": {\"num_layers\": 2, \"num_experts\": %d, \"top_k\": 2, \"hidden_size\": 4,"
@@ -410,6 +556,7 @@ int main(void)
     test_owner_map();
     test_bad_input();
     test_random();
+    test_reference();
     test_config_limits();
     test_expert_bytes();
     test_alloc_failures();
