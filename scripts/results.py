@@ -271,7 +271,8 @@ def section_overhead(runs, args):
                % (o["construction_ms"], pct(o["construction_ms"])))
     out.append("| of the policy: the fallback check (4 baselines evaluated exactly) | %.1f | %.2f%% |"
                % (o["fallback_check_ms"], pct(o["fallback_check_ms"])))
-    out.append("| of the policy: the rest (persistence scoring's exact evaluations, the Lua around the calls) "
+    out.append("| of the policy: the rest (the per-forward balancer candidate, persistence scoring, the Lua around "
+               "the calls) "
                "| %.1f | %.2f%% |" % (rest, pct(rest)))
     out += ["", "The fallback check chose `%s` (%s the plan). Peak RSS of the rank %.0f MiB; it holds its own"
             % (o["fallback_chosen"], "changed" if o["fallback_changed"] else "kept"
