@@ -82,6 +82,42 @@ static rp_status check_params(const rp_joint_params *p, rp_error *err)
     return RP_OK;
 }
 
+/* The surrogate's communication unit costs (d_choice, copy_s, nv_lat, grad_nv_s,
+ * grad_net_s) from jt->cfg, jt->ep, jt->gpn and jt->K. */
+void joint_comm_costs(joint *jt)
+{
+    const rp_topology *t = rp_config_topology(jt->cfg);
+    const rp_model *md = rp_config_model(jt->cfg);
+    const rp_hardware *hw = rp_config_hardware(jt->cfg);
+    const rp_execution *x = rp_config_execution(jt->cfg);
+    /* dispatch and combine at their mean element size, as the cost model prices them */
+    const double token_bytes = (double)md->hidden_size * (x->dispatch_bytes_per_element + x->combine_bytes_per_element) / 2.0;
+    const int32_t near = jt->ep < jt->gpn ? jt->ep : jt->gpn; /* GPUs of a group on one node */
+    /* de-duplication for a token whose K choices spread evenly over the group: K / ep of
+     * them per GPU, at most m = min(K, slots of a rank) each (docs/cost-model.md, dd) */
+    double dedup = 1.0;
+    if (x->dispatch_dedup != RP_DEDUP_CHOICE && jt->K > 1) {
+        int32_t m = t->slots[0] < jt->K ? t->slots[0] : jt->K;
+        double p = (double)jt->K / jt->ep / (m > 0 ? m : 1);
+        dedup = p >= 1.0 ? (double)jt->ep / jt->K : -expm1(m * log1p(-p)) * jt->ep / jt->K;
+    }
+    /* A DP rank is TP x CP GPUs and its traffic runs over all their links, so every
+     * transfer of the rank (dispatch, replica copies, gradient reduction) runs at TP x CP
+     * times the per-GPU bandwidth, as the cost model prices it (rp_cost_new; docs/cost-model.md,
+     * "TP and ETP" and "Context parallelism"). Latencies do not divide. */
+    const double rank_gpus = (double)t->tensor_parallel_size * t->context_parallel_size;
+    jt->d_choice = (1.0 + hw->backward.communication) * dedup * token_bytes *
+                   ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
+                    (double)(jt->ep - near) / jt->ep / t->net_bytes_per_s);
+    jt->d_choice /= rank_gpus;
+    const double expert_bytes = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param;
+    const double nv_bw = t->nvlink_bytes_per_s * rank_gpus, net_bw = t->net_bytes_per_s * rank_gpus;
+    jt->copy_s = expert_bytes / nv_bw;
+    jt->nv_lat = t->nvlink_latency_s;
+    jt->grad_nv_s = expert_bytes / nv_bw + t->nvlink_latency_s;
+    jt->grad_net_s = expert_bytes / net_bw + t->net_latency_s;
+}
+
 static rp_status setup(joint *jt, rp_error *err)
 {
     const rp_topology *t = rp_config_topology(jt->cfg);
@@ -106,32 +142,11 @@ static rp_status setup(joint *jt, rp_error *err)
     jt->unit_speed = jt->uniform_speed && t->speed[0] == 1.0;
     jt->cap = rp_limits_token_cap(rp_config_limits(jt->cfg));
     const rp_execution *x = rp_config_execution(jt->cfg);
-    /* dispatch and combine at their mean element size, as the cost model prices them */
-    const double token_bytes = (double)md->hidden_size * (x->dispatch_bytes_per_element + x->combine_bytes_per_element) / 2.0;
-    const int32_t near = jt->ep < jt->gpn ? jt->ep : jt->gpn; /* GPUs of a group on one node */
-    /* de-duplication for a token whose K choices spread evenly over the group: K / ep of
-     * them per GPU, at most m = min(K, slots of a rank) each (docs/cost-model.md, dd) */
-    double dedup = 1.0;
-    if (x->dispatch_dedup != RP_DEDUP_CHOICE && jt->K > 1) {
-        int32_t m = t->slots[0] < jt->K ? t->slots[0] : jt->K;
-        double p = (double)jt->K / jt->ep / (m > 0 ? m : 1);
-        dedup = p >= 1.0 ? (double)jt->ep / jt->K : -expm1(m * log1p(-p)) * jt->ep / jt->K;
-    }
-    jt->d_choice = (1.0 + hw->backward.communication) * dedup * token_bytes *
-                   ((double)(near - 1) / jt->ep / t->nvlink_bytes_per_s +
-                    (double)(jt->ep - near) / jt->ep / t->net_bytes_per_s);
-    /* Under CP a DP rank's dispatch runs over its CP ranks' links too, as the cost model
-     * prices it (docs/cost-model.md, "Context parallelism"). */
-    jt->d_choice /= t->context_parallel_size;
+    joint_comm_costs(jt);
     jt->overlap = x->overlap == RP_OVERLAP_LAYER;
     jt->group_form = x->sync == RP_SYNC_GROUP && jt->Q > 1;
     jt->fixed_s = (1.0 + hw->backward.fixed) * hw->layer_fixed_s;
     jt->x_mult = 1.0 + hw->backward.experts;
-    jt->copy_s = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param / t->nvlink_bytes_per_s;
-    jt->nv_lat = t->nvlink_latency_s;
-    const double expert_bytes = 3.0 * md->hidden_size * (double)md->expert_ffn_size * md->bytes_per_param;
-    jt->grad_nv_s = expert_bytes / t->nvlink_bytes_per_s + t->nvlink_latency_s;
-    jt->grad_net_s = expert_bytes / t->net_bytes_per_s + t->net_latency_s;
     jt->move_nv_s = rp_cost_expert_move_s(jt->cost, true);
     jt->move_net_s = rp_cost_expert_move_s(jt->cost, false);
     double last = hw->gemm_efficiency[hw->num_gemm_efficiency - 1].tokens;

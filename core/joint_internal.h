@@ -115,6 +115,10 @@ static inline const int64_t *grp_row(const joint *jt, int32_t m, int32_t q, int3
 
 /* joint_pack.c: sequences into (rank, microbatch) cells, M microbatches; RP_ERANGE when
  * a sequence fits in no cell (the caller may try more microbatches). */
+/* The surrogate's communication unit costs: dispatch per token-choice, replica copy and
+ * gradient reduction, at the DP rank's bandwidth (TP x CP GPUs' links) as the cost model
+ * prices them. Needs jt->cfg, ep, gpn and K; sets d_choice, copy_s, nv_lat, grad_*_s. */
+void joint_comm_costs(joint *jt);
 rp_status joint_pack(joint *jt, int32_t M, rp_error *err);
 /* joint_pack_group.c: the same under the group form (jt->group_form): each EP group's own
  * sum over microbatches balanced, the slowest group's minimised. */

@@ -3,6 +3,7 @@
  * are ETP groups), its config errors, the cost model's divisors against hand-computed
  * figures, and bound <= step (and try == full evaluation) on random plans with TP/ETP > 1. */
 #include "internal.h"
+#include "joint_internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
 #include "test_util.h"
@@ -316,11 +317,66 @@ static void test_random(void)
     ok(bad_try == 0, "a tried move equals a full evaluation of the moved plan, bit for bit");
 }
 
+/* The joint planner's surrogate prices a DP rank's transfers at the bandwidth of its
+ * TP x CP GPUs' links, as the cost model does (it priced them at one GPU's before, and
+ * overweighted communication by TP): the dispatch of a token-choice, an extra replica's
+ * copy and its gradient reduction, against the cost model's own figures for the same
+ * config and by hand. */
+static void test_surrogate_comm(void)
+{
+    static const char *const topo[3] = {
+        "\"num_nodes\": 1, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": 4",
+        "\"num_nodes\": 1, \"gpus_per_node\": 4, \"tensor_parallel_size\": 2,"
+        " \"expert_tensor_parallel_size\": 1, \"ep_size\": 4, \"slots_per_gpu\": 2",
+        "\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 2, \"context_parallel_size\": 2,"
+        " \"expert_tensor_parallel_size\": 1, \"ep_size\": 8, \"slots_per_gpu\": 1"};
+    static const char *const name[3] = {"TP 1", "TP 2 ETP 1", "TP 2 CP 2 ETP 1"};
+    const double nv = 450e9, lat = 3e-6, d = 64, f = 32, bpe = 2;
+    for (int i = 0; i < 3; i++) {
+        setup s;
+        if (!setup_make(&s, topo[i])) {
+            skip(4, "setup");
+            continue;
+        }
+        const rp_topology *t = rp_config_topology(s.cfg);
+        const double rank_gpus = (double)t->tensor_parallel_size * t->context_parallel_size;
+        joint jt;
+        memset(&jt, 0, sizeof jt);
+        jt.cfg = s.cfg;
+        jt.ep = t->ep_size;
+        jt.gpn = t->gpus_per_node;
+        jt.K = rp_config_model(s.cfg)->top_k;
+        joint_comm_costs(&jt);
+        /* the cost model's dispatch of rank 0: 50 choices over NVLink plus the latency
+         * (test_divisors); the surrogate's choice leaves its rank with probability
+         * (ep - 1) / ep = 1/2 and is sent forward and backward */
+        const double bc = rp_config_hardware(s.cfg)->backward.communication;
+        const double per_choice = (rp_cost_dispatch_breakdown(s.cost)[0] - lat) / 50;
+        ok(close_to(per_choice, d * bpe / (rank_gpus * nv)) && close_to(jt.d_choice, (1 + bc) * 0.5 * per_choice),
+           "%s: the surrogate's dispatch of a token-choice is the cost model's, (1 + backward) / 2 x d bpe / "
+           "(%g bw_nv)", name[i], rank_gpus);
+        /* the cost model's bandwidth into the rank, from its expert move time */
+        const double m = (double)rp_memory_expert_move_bytes(s.cfg);
+        const double bw_nv = m / (rp_cost_expert_move_s(s.cost, true) - lat);
+        const double bw_net = m / (rp_cost_expert_move_s(s.cost, false) - t->net_latency_s);
+        const double x = 3 * d * f * bpe; /* an expert's weights */
+        ok(close_to(jt.copy_s, x / bw_nv) && close_to(jt.copy_s, x / (rank_gpus * nv)),
+           "%s: an extra replica's copy, 3 d f bpe / (%g bw_nv), as the cost model prices it", name[i], rank_gpus);
+        ok(close_to(jt.grad_nv_s, x / bw_nv + lat) && jt.nv_lat == lat,
+           "%s: a replica's gradient reduction over NVLink, the latency undivided", name[i]);
+        ok(close_to(jt.grad_net_s, x / bw_net + t->net_latency_s) &&
+               close_to(jt.grad_net_s, x / (rank_gpus * t->net_bytes_per_s) + t->net_latency_s),
+           "%s: and across nodes", name[i]);
+        setup_free(&s);
+    }
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_mapping();
     test_divisors();
+    test_surrogate_comm();
     test_memory();
     test_random();
     rp_context_free(ctx);
