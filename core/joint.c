@@ -242,7 +242,7 @@ static rp_status pack_cells(joint *jt, rp_error *err)
     }
     const rp_trainer *tr = rp_config_trainer(jt->cfg);
     /* every mini-batch runs M / K microbatches, a multiple of microbatch_multiple */
-    const int32_t K = tr->mini_batches, multiple = tr->microbatch_multiple * K;
+    const int32_t K = tr->mini_batches, multiple = rp_limits_microbatch_step(jt->cfg);
     if (tr->equal_sequences_per_rank && jt->N % jt->G != 0)
         return rp_fail(err, RP_EINVAL,
                        "joint: the batch has %d sequences, which do not divide over the %d DP ranks; "
@@ -264,10 +264,7 @@ static rp_status pack_cells(joint *jt, rp_error *err)
                        "joint: %d microbatches is not a multiple of %d (trainer.mini_batches %d x "
                        "trainer.microbatch_multiple %d)", fixed, multiple, K, tr->microbatch_multiple);
     if (fixed > 0) return joint_pack(jt, fixed, err);
-    int64_t tokens = rp_batch_num_tokens(jt->batch), per = (int64_t)jt->G * jt->cap;
-    int64_t M = (tokens + per - 1) / per;
-    if (M < 1) M = 1;
-    if (M % multiple != 0) M += multiple - M % multiple; /* verl's num_batches_divided_by, per mini-batch */
+    int64_t M = rp_limits_least_microbatches(jt->cfg, rp_batch_num_tokens(jt->batch));
     for (;; M += multiple) {
         if (M > INT32_MAX / jt->G - multiple || M > (int64_t)jt->N + multiple)
             return rp_fail(err, RP_ERANGE, "joint: the batch does not fit under the caps with up to %lld microbatches",

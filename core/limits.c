@@ -23,6 +23,22 @@ int64_t rp_limits_token_cap(const rp_limits *lim)
     return cap;
 }
 
+int32_t rp_limits_microbatch_step(const rp_config *cfg)
+{
+    const rp_trainer *tr = rp_config_trainer(cfg);
+    return tr->mini_batches * tr->microbatch_multiple; /* <= 2^20 (config.c) */
+}
+
+int64_t rp_limits_least_microbatches(const rp_config *cfg, int64_t tokens)
+{
+    const int64_t per = (int64_t)rp_config_topology(cfg)->num_gpus * rp_limits_token_cap(rp_config_limits(cfg));
+    const int64_t step = rp_limits_microbatch_step(cfg);
+    int64_t M = (tokens + per - 1) / per;
+    if (M < 1) M = 1;
+    if (M % step != 0) M += step - M % step; /* verl's num_batches_divided_by, per mini-batch */
+    return M;
+}
+
 rp_status rp_limits_check_batch(const rp_limits *lim, const rp_batch *batch, rp_error *err)
 {
     const int32_t n = rp_batch_num_seqs(batch);

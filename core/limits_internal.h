@@ -9,6 +9,16 @@
  * activation memory cap when there is one. */
 int64_t rp_limits_token_cap(const rp_limits *lim);
 
+/* Every mini-batch runs the same count of microbatches, a multiple of
+ * trainer.microbatch_multiple: a plan's count is a multiple of this step,
+ * trainer.mini_batches x trainer.microbatch_multiple. */
+int32_t rp_limits_microbatch_step(const rp_config *cfg);
+
+/* The fewest microbatches a plan of `tokens` tokens may run (where the joint planner's
+ * packing starts): the token cap's ceil(tokens / (DP ranks x cap)), at least 1, rounded
+ * up to rp_limits_microbatch_step (verl's num_batches_divided_by, per mini-batch). */
+int64_t rp_limits_least_microbatches(const rp_config *cfg, int64_t tokens);
+
 /* RP_ERANGE when some sequence cannot fit one microbatch under either cap; the message
  * names the longest sequence, the cap it breaks and the config key to raise (err->sequence
  * is set). RP_OK for an empty batch. */

@@ -1,6 +1,7 @@
 /* The `rp` table policies call: the C primitives (sorting, LPT, Karmarkar-Karp,
  * two-criteria partitioning, replicas, placement), baselines, plan evaluation and local
  * search, each bounded in its input sizes and charging its work to the sandbox. */
+#include "limits_internal.h"
 #include "lua_api.h"
 
 #include "routepack/baseline.h"
@@ -658,8 +659,10 @@ static int64_t seq_entries(const rp_model *md, const rp_batch *b)
 
 int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *b)
 {
-    int64_t per_mb = (int64_t)rp_config_topology(cfg)->num_gpus * rp_config_limits(cfg)->max_tokens_per_microbatch;
-    return rp_batch_num_tokens(b) / per_mb + 1;
+    /* what a plan runs: the fixed count, or the fewest the caps and the trainer's
+     * mini-batches and microbatch multiple allow (the joint planner's first try) */
+    int32_t fixed = rp_config_limits(cfg)->num_microbatches;
+    return fixed > 0 ? fixed : rp_limits_least_microbatches(cfg, rp_batch_num_tokens(b));
 }
 
 int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *b)
@@ -1115,15 +1118,16 @@ static int l_joint(lua_State *L)
     int64_t evaluations = eval + (num_fallbacks > 0 || par.refine_evaluations > 0 || par.virtual_experts ? eval : 0) +
                           (int64_t)(num_fallbacks + par.virtual_experts) * eval;
     /* the evaluator's memory for the planner's plans: ctx.plan's, scaled to the
-     * microbatches the planner uses (the fewest the token cap allows, one more when a
-     * baseline retries), checked before it runs */
+     * microbatches the planner uses (the fewest the caps and the trainer allow, one step
+     * of K x microbatch_multiple more when it retries), checked before it runs */
     rp_error berr;
     rp_error_clear(&berr);
     const rp_plan *base = f->base(f->base_ud, &berr);
     if (!base) rp_lua_error(L, "rp.joint: %s", berr.text);
     size_t base_bytes = 0;
     if (rp_cost_evaluation_needs(f->cost, base, NULL, &base_bytes, &berr) != RP_OK) rp_lua_error(L, "rp.joint: %s", berr.text);
-    int64_t base_mb = rp_plan_num_microbatches(base), joint_mb = par.num_microbatches > 0 ? par.num_microbatches : M + 1;
+    int64_t base_mb = rp_plan_num_microbatches(base);
+    int64_t joint_mb = par.num_microbatches > 0 ? par.num_microbatches : M + rp_limits_microbatch_step(h->cfg);
     if (joint_mb < base_mb) joint_mb = base_mb;
     check_evaluator_memory(L, h, f->cost, (double)base_bytes / (double)base_mb * (double)joint_mb, (int32_t)joint_mb,
                            "the planner's plans", "rp.joint");

@@ -141,7 +141,9 @@ rp_status rp_lua_plan_compose(rp_context *into, const rp_config *cfg, const rp_p
  * either plan has no placement; -1 when memory runs out). */
 int32_t rp_lua_experts_moved(rp_context *ctx, const rp_plan *from, const rp_plan *to);
 
-/* Microbatches a plan for `batch` is expected to have (the fewest the token cap allows),
+/* Microbatches a plan for `batch` is expected to have (limits.num_microbatches when set,
+ * else the fewest the caps, trainer.mini_batches and microbatch_multiple allow:
+ * rp_limits_least_microbatches),
  * and the work units of one full evaluation of such a plan, as rp.evaluate charges them
  * (without the slot term): what rp.joint charges per evaluation and what the scheduler
  * sizes a step's instruction budget by. */

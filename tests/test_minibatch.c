@@ -6,6 +6,7 @@
  * full; validation messages; every packer keeping each mini-batch's counts and balance,
  * and the local search keeping each sequence in its mini-batch. */
 #include "internal.h"
+#include "lua_api.h"
 #include "routepack/routepack.h"
 #include "tap.h"
 #include "test_util.h"
@@ -714,6 +715,70 @@ static void test_search_keeps_mini_batches(void)
     }
 }
 
+/* rp.joint's work and memory estimate and the scheduler's instruction budget size a plan
+ * by rp_lua_expected_microbatches: the count the joint planner starts its packing at
+ * (rp_limits_least_microbatches), not the token cap's alone, which was below it under
+ * trainer.mini_batches and microbatch_multiple (and one above at an exact fit). */
+static void test_expected_microbatches(void)
+{
+    static const struct {
+        const char *limits, *trainer;
+        int64_t want;
+        const char *why;
+    } cases[] = {
+        {"\"max_tokens_per_microbatch\": 400", "", 1, "480 tokens under 4 x 400: 1"},
+        {"\"max_tokens_per_microbatch\": 400", "\"mini_batches\": 3, \"microbatch_multiple\": 2", 6,
+         "K 3 x multiple 2: 1 rounds up to 6"},
+        {"\"max_tokens_per_microbatch\": 400", "\"mini_batches\": 4", 4, "K 4: 4"},
+        {"\"max_tokens_per_microbatch\": 120", "", 1, "480 tokens under 4 x 120, an exact fit: 1"},
+        {"\"max_tokens_per_microbatch\": 400, \"max_activation_bytes\": 600, \"activation_bytes_per_token\": 10", "",
+         2, "the activation cap (60 tokens) under the token cap: ceil(480 / 240) = 2"},
+        {"\"max_tokens_per_microbatch\": 400, \"num_microbatches\": 6", "\"mini_batches\": 2", 6,
+         "limits.num_microbatches 6: 6"},
+    };
+    int32_t lens[48];
+    for (int i = 0; i < 48; i++) lens[i] = 10;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char json[1024];
+        snprintf(json, sizeof json,
+                 "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": 2, \"slots_per_gpu\": 5},"
+                 " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
+                 "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
+                 " \"limits\": {%s}, \"trainer\": {%s}}",
+                 cases[i].limits, cases[i].trainer);
+        fixture f;
+        rp_error err;
+        if (!batch_fixture_make(ctx, &f, json, 48, lens, NULL, NULL, &err)) {
+            diag("fixture: %s", err.text);
+            skip(2, "fixture");
+            continue;
+        }
+        int64_t tokens = rp_batch_num_tokens(f.batch);
+        for (int64_t t = 0; t < tokens * 2; t++) {
+            f.ids[2 * t] = (uint8_t)rnd(4);
+            f.ids[2 * t + 1] = (uint8_t)(4 + rnd(4));
+        }
+        if (!batch_fixture_stats(ctx, &f, &err)) {
+            diag("stats: %s", err.text);
+            skip(2, "stats");
+            fixture_free(&f);
+            continue;
+        }
+        int64_t M = rp_lua_expected_microbatches(f.cfg, f.batch);
+        ok(M == cases[i].want, "expected microbatches: %s (got %lld)", cases[i].why, (long long)M);
+        /* the joint planner runs that count when the batch packs at its first try (48
+         * sequences of 10 tokens do, under every cap here) */
+        rp_plan *p = NULL;
+        rp_joint_report rep;
+        rp_status st = rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, NULL, &p, &rep, &err);
+        if (st != RP_OK) diag("joint: %s", err.text);
+        ok(st == RP_OK && rp_plan_num_microbatches(p) == M, "the joint planner's plan has %d microbatches",
+           p ? rp_plan_num_microbatches(p) : -1);
+        rp_plan_free(p);
+        fixture_free(&f);
+    }
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -727,6 +792,7 @@ int main(void)
     test_every_packer();
     test_baseline_split();
     test_search_keeps_mini_batches();
+    test_expected_microbatches();
     rp_context_free(ctx);
     return tap_done();
 }
