@@ -1613,13 +1613,20 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
                         s->grad_gpu + (size_t)l * G);
     s->grad_s = cost_grad_total(c, s, -1, NULL);
     /* Extra replicas: a weight copy over NVLink before the microbatch's layer and its
-     * gradient back after it; copies to different GPUs run in parallel. */
+     * gradient back after it; copies to different GPUs run in parallel. Under PP a
+     * stage's GPUs copy only its own layers' replicas, and the stages copy at once: the
+     * stage with the most copy time counts (PP 1: the sum, in the same order). */
     s->extra_s = 0.0;
-    for (int32_t i = 0; i < M * L; i++) {
-        int32_t most = 0;
-        for (int32_t j = 0; j < ep; j++)
-            if (s->extra_count[(size_t)i * ep + j] > most) most = s->extra_count[(size_t)i * ep + j];
-        if (most > 0) s->extra_s += 2.0 * (most * c->expert_bytes / c->nv_bw + c->nv_lat);
+    for (int32_t r = 0; r < c->PP; r++) {
+        double stage_s = 0.0;
+        for (int32_t i = 0; i < M * L; i++) {
+            if (c->layer_stage[i % L] != r) continue;
+            int32_t most = 0;
+            for (int32_t j = 0; j < ep; j++)
+                if (s->extra_count[(size_t)i * ep + j] > most) most = s->extra_count[(size_t)i * ep + j];
+            if (most > 0) stage_s += 2.0 * (most * c->expert_bytes / c->nv_bw + c->nv_lat);
+        }
+        if (stage_s > s->extra_s) s->extra_s = stage_s;
     }
     s->step_s = cost_step_from(c, s, s->layer_t, s->grad_s);
 

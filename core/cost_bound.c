@@ -79,11 +79,18 @@ double cost_bound_step(const rp_cost *c, const cost_state *st)
         if (r == 0 || sum > layers) layers = sum;
         if (r == 0 || gsum > grad) grad = gsum;
     }
+    /* the step counts the stage with the most copy time; each stage's bound is below its
+     * own time term by term, so the busiest stage's bound is below the step's */
     double extra = 0.0;
-    for (size_t i = 0; i < (size_t)st->M * L; i++) {
-        int32_t copies = 0;
-        for (int32_t j = 0; j < ep; j++) copies += st->extra_count[i * ep + j];
-        if (copies > 0) extra += 2.0 * ((double)copies / ep * c->expert_bytes / c->nv_bw + c->nv_lat);
+    for (int32_t r = 0; r < c->PP; r++) {
+        double stage_s = 0.0;
+        for (size_t i = 0; i < (size_t)st->M * L; i++) {
+            if (c->layer_stage[i % (size_t)L] != r) continue;
+            int32_t copies = 0;
+            for (int32_t j = 0; j < ep; j++) copies += st->extra_count[i * ep + j];
+            if (copies > 0) stage_s += 2.0 * ((double)copies / ep * c->expert_bytes / c->nv_bw + c->nv_lat);
+        }
+        if (stage_s > extra) extra = stage_s;
     }
     /* per epoch: every mini-batch's pipeline (their sum is at least the stage's sum over
      * all microbatches) and its gradient reduction */

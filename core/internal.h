@@ -47,6 +47,11 @@ rp_status rp_fail_nomem(rp_error *err, const char *what);
 
 void rp_log(rp_context *ctx, rp_log_level level, const char *fmt, ...) RP_PRINTF(3, 4);
 
+/* rp_registry_check over the layers with layers[l] set (NULL: every layer): under PP a
+ * rank registers only its pipeline stage's layers (core/registry.c). */
+struct rp_registry;
+rp_status registry_check_layers(const struct rp_registry *r, const unsigned char *layers, rp_error *err);
+
 /* Checked arithmetic for sizes read from files or callers: true on overflow. */
 static inline bool rp_mul_overflow(int64_t a, int64_t b, int64_t *out)
 {

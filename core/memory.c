@@ -55,20 +55,31 @@ static int compare_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* The pipeline stage holding MoE layer l (0 when PP is 1): virtual stage v runs on v % PP. */
+static int32_t stage_of_layer(const rp_topology *t, int32_t l)
+{
+    for (int32_t v = 0; v < t->pipeline_parallel_size * t->virtual_pipeline_size; v++)
+        if (l >= t->stage_layer_begin[v] && l < t->stage_layer_begin[v] + t->layers_per_stage[v])
+            return v % t->pipeline_parallel_size;
+    return 0;
+}
+
 /* Extra replicas each EP rank holds in the step, counted once per (layer, expert): the
  * trainer fetches them once a step and keeps them, with their gradients, until the
- * replica gradients are reduced (routepack.torch's MoELayer.set_placement). *out is
- * [ep_size], allocated in the plan's context, or NULL when there are none. */
+ * replica gradients are reduced (routepack.torch's MoELayer.set_placement). Under PP a
+ * GPU holds those of its stage's layers only. *out is [PP * ep_size] (stage s, EP rank
+ * j at s * ep_size + j), allocated in the plan's context, or NULL when there are none. */
 static rp_status count_extras(const rp_config *cfg, const rp_plan *plan, int64_t **out, rp_error *err)
 {
     *out = NULL;
-    const int32_t ep = rp_config_topology(cfg)->ep_size;
+    const rp_topology *t = rp_config_topology(cfg);
+    const int32_t ep = t->ep_size;
     int32_t n = plan ? rp_plan_num_extra_replicas(plan) : 0;
     if (n == 0) return RP_OK;
     rp_context *ctx = rp_plan_context(plan);
     const int64_t E = rp_plan_num_experts(plan), L = rp_plan_num_layers(plan);
     int64_t *keys = rp_alloc(ctx, (size_t)n * sizeof *keys);
-    int64_t *per_rank = rp_calloc(ctx, (size_t)ep, sizeof *per_rank);
+    int64_t *per_rank = rp_calloc(ctx, (size_t)t->pipeline_parallel_size * ep, sizeof *per_rank);
     if (!keys || !per_rank) {
         rp_free(ctx, keys);
         rp_free(ctx, per_rank);
@@ -83,29 +94,26 @@ static rp_status count_extras(const rp_config *cfg, const rp_plan *plan, int64_t
     }
     qsort(keys, (size_t)k, sizeof *keys, compare_i64);
     for (int32_t i = 0; i < k; i++)
-        if (i == 0 || keys[i] != keys[i - 1]) per_rank[keys[i] / (L * E)]++;
+        if (i == 0 || keys[i] != keys[i - 1]) {
+            const int32_t j = (int32_t)(keys[i] / (L * E)), l = (int32_t)(keys[i] / E % L);
+            per_rank[(size_t)stage_of_layer(t, l) * ep + j]++;
+        }
     rp_free(ctx, keys);
     *out = per_rank;
     return RP_OK;
 }
 
-/* The pipeline stage with the most MoE layers (the lowest on ties), and their count: under
- * pipeline parallelism a GPU holds only its stage's layers, over all its virtual stages. */
-static int32_t busiest_stage(const rp_topology *t, int32_t *layers)
+/* MoE layers of pipeline stage s: under pipeline parallelism a GPU holds only its stage's
+ * layers, over all its virtual stages. */
+static int32_t stage_layers(const rp_topology *t, int32_t s)
 {
-    int32_t best = 0, most = -1;
-    for (int32_t s = 0; s < t->pipeline_parallel_size; s++) {
-        int32_t n = 0;
-        for (int32_t c = 0; c < t->virtual_pipeline_size; c++)
-            n += t->layers_per_stage[c * t->pipeline_parallel_size + s];
-        if (n > most) most = n, best = s;
-    }
-    *layers = most;
-    return best;
+    int32_t n = 0;
+    for (int32_t c = 0; c < t->virtual_pipeline_size; c++) n += t->layers_per_stage[c * t->pipeline_parallel_size + s];
+    return n;
 }
 
-/* The figures of GPU g given its extra replica count. */
-static void fill(const rp_config *cfg, int32_t g, int64_t extras, rp_gpu_memory *out)
+/* The figures of GPU g of pipeline stage `stage` given its extra replica count. */
+static void fill_stage(const rp_config *cfg, int32_t g, int32_t stage, int64_t extras, rp_gpu_memory *out)
 {
     const rp_model *m = rp_config_model(cfg);
     const rp_topology *t = rp_config_topology(cfg);
@@ -114,8 +122,8 @@ static void fill(const rp_config *cfg, int32_t g, int64_t extras, rp_gpu_memory 
     out->gpu = g;
     out->expert_optimizer_shards = expert_shards(cfg);
     out->dense_optimizer_shards = dense_shards(cfg);
-    int32_t layers;
-    out->pipeline_stage = busiest_stage(t, &layers);
+    const int32_t layers = stage_layers(t, stage);
+    out->pipeline_stage = stage;
     out->stage_layers = layers;
     const double slot_params = (double)t->slots[g] * layers * expert_params(m);
     out->expert_weight_bytes = slot_params * m->bytes_per_param;
@@ -163,6 +171,20 @@ static void fill(const rp_config *cfg, int32_t g, int64_t extras, rp_gpu_memory 
     out->capacity_bytes = rp_config_hardware(cfg)->hbm_bytes;
 }
 
+/* The figures of DP rank g (EP rank g % ep_size) in the stage where it needs the most
+ * (the lowest stage on ties: without extra replicas the one with the most layers).
+ * extras: count_extras' [PP * ep_size], or NULL. */
+static void fill(const rp_config *cfg, int32_t g, const int64_t *extras, rp_gpu_memory *out)
+{
+    const rp_topology *t = rp_config_topology(cfg);
+    const int32_t j = g % t->ep_size;
+    rp_gpu_memory cur;
+    for (int32_t s = 0; s < t->pipeline_parallel_size; s++) {
+        fill_stage(cfg, g, s, extras ? extras[(size_t)s * t->ep_size + j] : 0, s ? &cur : out);
+        if (s && cur.total_bytes > out->total_bytes) *out = cur;
+    }
+}
+
 static rp_status check_plan(const rp_config *cfg, const rp_plan *plan, rp_error *err)
 {
     if (!plan) return RP_OK;
@@ -185,7 +207,7 @@ rp_status memory_per_rank(const rp_config *cfg, const rp_plan *plan, rp_gpu_memo
     int64_t *extras = NULL;
     if (st == RP_OK) st = count_extras(cfg, plan, &extras, err);
     if (st != RP_OK) return st;
-    for (int32_t j = 0; j < ep; j++) fill(cfg, j, extras ? extras[j] : 0, &per_rank[j]);
+    for (int32_t j = 0; j < ep; j++) fill(cfg, j, extras, &per_rank[j]);
     if (extras) rp_free(rp_plan_context(plan), extras);
     return RP_OK;
 }
@@ -201,7 +223,7 @@ rp_status rp_memory_gpu(const rp_config *cfg, const rp_plan *plan, int32_t gpu, 
     if (st == RP_OK) st = count_extras(cfg, plan, &extras, err);
     if (st != RP_OK) return st;
     /* EP rank j of every EP group holds the same slots and extra replicas */
-    fill(cfg, gpu, extras ? extras[gpu % t->ep_size] : 0, out);
+    fill(cfg, gpu, extras, out);
     if (extras) rp_free(rp_plan_context(plan), extras);
     return RP_OK;
 }
@@ -216,9 +238,9 @@ rp_status rp_memory_peak(const rp_config *cfg, const rp_plan *plan, rp_gpu_memor
     if (st != RP_OK) return st;
     /* the GPUs of EP group 0 stand for every group: later groups repeat their slots */
     rp_gpu_memory best, cur;
-    fill(cfg, 0, extras ? extras[0] : 0, &best);
+    fill(cfg, 0, extras, &best);
     for (int32_t j = 1; j < ep; j++) {
-        fill(cfg, j, extras ? extras[j] : 0, &cur);
+        fill(cfg, j, extras, &cur);
         if (cur.total_bytes > best.total_bytes) best = cur;
     }
     if (extras) rp_free(rp_plan_context(plan), extras);

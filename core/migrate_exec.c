@@ -7,11 +7,14 @@
 #include <inttypes.h>
 #include <time.h>
 
-static uint64_t layout_hash(const rp_registry *reg)
+/* The tensor layout of the layers this rank holds (`own`; NULL: every layer): ranks of
+ * one pipeline stage compare it. */
+static uint64_t layout_hash(const rp_registry *reg, const unsigned char *own)
 {
     rp_hash_state st;
     rp_hash_init(&st, 0x6c61796f7574ULL); /* "layout" */
     for (int32_t l = 0; l < rp_registry_num_layers(reg); l++) {
+        if (own && !own[l]) continue;
         int32_t count = 0;
         const rp_tensor *ts = rp_registry_tensors(reg, l, 0, &count);
         uint64_t v[2] = {(uint64_t)l, (uint64_t)count};
@@ -134,7 +137,7 @@ static bool identity_checks(exec *x)
     const int32_t ep_rank = x->gpu % rp_migration_plan_ep_size(x->mp);
     int32_t first_layer = -1, first_slot = -1;
     for (int32_t l = 0; l < rp_registry_num_layers(x->reg); l++)
-        for (int32_t k = 0; k < rp_registry_num_slots(x->reg); k++) {
+        for (int32_t k = 0; k < rp_registry_num_slots(x->reg) && x->own[l]; k++) {
             int32_t want = rp_migration_plan_slot_expert(x->mp, l, ep_rank, k, false);
             if (want < 0) continue; /* an empty slot: its bytes are nobody's */
             rp_slot_identity id;
@@ -184,6 +187,7 @@ static bool local_checks(exec *x, const rp_migration_exec_options *opts)
         return false;
     }
     const int32_t G = rp_migration_plan_num_gpus(mp), ep = rp_migration_plan_ep_size(mp);
+    const int32_t PP = rp_migration_plan_num_stages(mp);
     if (t->size == G) {
         x->base = 0;
     } else if (t->size == ep && opts->ep_group >= 0 && opts->ep_group < G / ep) {
@@ -194,11 +198,23 @@ static bool local_checks(exec *x, const rp_migration_exec_options *opts)
              opts->ep_group, G / ep - 1);
         return false;
     } else {
-        note(me, RP_EINVAL, -1, -1, -1, -1, "the transport has %d ranks, but the plan has %d GPUs in EP groups of %d",
-             t->size, G, ep);
+        char stages[128] = "";
+        if (PP > 1)
+            snprintf(stages, sizeof stages, " (%d pipeline stages of %d: a transport spans every stage's GPUs)", PP,
+                     G / PP);
+        note(me, RP_EINVAL, -1, -1, -1, -1, "the transport has %d ranks, but the plan has %d GPUs%s in EP groups of %d",
+             t->size, G, stages, ep);
         return false;
     }
     x->gpu = x->base + t->rank;
+    /* Under PP this GPU holds only its stage's layers (rp_migration_plan_layer_stage). */
+    const int32_t L = rp_migration_plan_num_layers(mp);
+    x->own = rp_alloc(x->ctx, (size_t)L + 1);
+    if (!x->own) {
+        note(me, RP_ENOMEM, -1, -1, -1, -1, "no memory for the list of this rank's layers");
+        return false;
+    }
+    for (int32_t l = 0; l < L; l++) x->own[l] = rp_migration_plan_layer_stage(mp, l) == x->gpu / (G / PP);
     const int32_t slots = rp_migration_plan_num_slots(mp, x->gpu % ep);
     if (rp_registry_num_layers(reg) != rp_migration_plan_num_layers(mp) || rp_registry_num_slots(reg) != slots) {
         note(me, RP_EINVAL, -1, -1, -1, -1,
@@ -208,11 +224,12 @@ static bool local_checks(exec *x, const rp_migration_exec_options *opts)
     }
     rp_error e;
     rp_error_clear(&e);
-    if (rp_registry_check(reg, &e) != RP_OK) {
+    if (registry_check_layers(reg, x->own, &e) != RP_OK) {
         note(me, e.status, -1, -1, -1, -1, "%s", e.text);
         return false;
     }
     for (int32_t l = 0; l < rp_registry_num_layers(reg); l++) {
+        if (!x->own[l]) continue;
         int64_t have = rp_registry_expert_bytes(reg, l), want = rp_migration_plan_expert_bytes(mp, l);
         if (have != want) {
             note(me, RP_EINVAL, -1, l, -1, -1,
@@ -371,8 +388,8 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
     x.call = t->calls;
     x.mine.calls = x.call;
     x.mine.plan_hash = rp_migration_plan_hash(mp);
-    x.mine.layout_hash = reg ? layout_hash(reg) : 0;
     local_checks(&x, opts);
+    x.mine.layout_hash = reg ? layout_hash(reg, x.own) : 0;
     res->num_rounds = mp ? rp_migration_plan_num_rounds(mp) : 0;
     res->staging_bytes = (int64_t)x.staging_bytes + x.w.undo_bytes;
 
@@ -407,10 +424,13 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
             res->failed_rank = i;
             goto out;
         }
-        if (i > 0 && all[i].layout_hash != all[0].layout_hash) {
+        /* under PP the first rank of the same stage: the stages hold other layers */
+        const int32_t stage_gpus = rp_migration_plan_num_gpus(mp) / rp_migration_plan_num_stages(mp);
+        const int32_t first = i - (x.base + i) % stage_gpus > 0 ? i - (x.base + i) % stage_gpus : 0;
+        if (i > first && all[i].layout_hash != all[first].layout_hash) {
             st = rp_fail(err, RP_EPLAN, "migration: rank %d's registry lays out the expert tensors differently from "
-                         "rank 0's (layout hash 0x%016" PRIx64 " against 0x%016" PRIx64 "); nothing moved", i,
-                         all[i].layout_hash, all[0].layout_hash);
+                         "rank %d's (layout hash 0x%016" PRIx64 " against 0x%016" PRIx64 "); nothing moved", i, first,
+                         all[i].layout_hash, all[first].layout_hash);
             res->failed_rank = i;
             goto out;
         }
@@ -528,6 +548,7 @@ out:
         rp_transport_break(t, "a receive could not be cancelled; its staging memory was left to it");
     rp_free(x.ctx, x.tr);
     rp_free(x.ctx, x.wr);
+    rp_free(x.ctx, x.own);
     work_free(x.ctx, &x.w);
     res->seconds = rp_now_s() - t0;
     return st;

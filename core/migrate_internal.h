@@ -55,6 +55,7 @@ typedef struct exec {
     rp_transport *t;
     double timeout_s;
     int32_t gpu, base;        /* this rank's GPU; GPU of transport rank 0 */
+    unsigned char *own;       /* [num layers] the layers of this GPU's pipeline stage */
     uint64_t call;            /* this call's number, the same on every rank */
     rp_migration_transfer *tr; /* [num transfers] */
     rp_migration_write *wr;    /* [num writes] */

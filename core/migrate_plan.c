@@ -1,6 +1,8 @@
 /* The migration planner: from the current to the target placement, the fewest expert
  * copies between GPUs, their sources (same GPU, same node, least-loaded remote), rounds
- * of whole layers within a staging budget, bytes per link and the predicted time. */
+ * of whole layers within a staging budget, bytes per link and the predicted time. Under
+ * pipeline parallelism a layer's experts live on the GPUs of the stage holding it, so its
+ * copies run between those GPUs, and the stages migrate at once (docs/migration.md). */
 #include "internal.h"
 #include "routepack/memory.h"
 #include "routepack/migrate.h"
@@ -9,7 +11,11 @@
 
 struct rp_migration_plan {
     rp_context *ctx;
+    /* num_gpus: DP ranks of the whole pipeline, stage s's are [s * stage_gpus, (s + 1) *
+     * stage_gpus); the placements are one stage's (every stage has the same layout) */
     int32_t num_gpus, ep_size, num_groups, num_layers, num_experts, gpus_per_node;
+    int32_t num_stages, stage_gpus;
+    int32_t *layer_stage;     /* [num_layers] the pipeline stage holding each layer */
     int32_t *slot_begin;      /* [ep_size + 1] */
     int64_t *expert_bytes;    /* [num_layers] */
     int32_t *layer_round;     /* [num_layers], -1: nothing moves */
@@ -124,6 +130,8 @@ static uint64_t plan_hash(const rp_migration_plan *mp)
         hash_i64(&st, mp->expert_bytes[l]);
         hash_i64(&st, mp->layer_round[l]);
     }
+    if (mp->num_stages > 1) /* PP 1 plans hash as before */
+        for (int32_t l = 0; l < mp->num_layers; l++) hash_i64(&st, mp->layer_stage[l]);
     /* The placements: ranks that move from different current placements disagree even
      * where the copies happen to be the same. */
     for (int w = 0; w < 2; w++)
@@ -178,6 +186,8 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
     const rp_hardware *hw = rp_config_hardware(cfg);
     const int32_t G = topo->num_gpus, ep = topo->ep_size, Q = topo->num_ep_groups, L = model->num_layers;
     const int32_t gpn = topo->gpus_per_node;
+    /* G is one stage's DP ranks; GP the pipeline's, stage s holding [s * G, (s + 1) * G) */
+    const int32_t PP = topo->pipeline_parallel_size > 1 ? topo->pipeline_parallel_size : 1, GP = G * PP;
     const int32_t *sb = rp_plan_slot_begin(current), *sb_t = rp_plan_slot_begin(target);
     for (int32_t j = 0; j <= ep; j++)
         if (sb[j] != sb_t[j])
@@ -210,18 +220,22 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
     rp_migration_plan *mp = rp_calloc(ctx, 1, sizeof *mp);
     builder b = {ctx, NULL, 0, 0, NULL, 0, 0};
     int64_t *need = rp_calloc(ctx, (size_t)ep, sizeof(int64_t));       /* staging of a layer per EP rank */
-    int64_t *round_need = rp_calloc(ctx, (size_t)ep, sizeof(int64_t)); /* of the round being filled */
-    int64_t *load = rp_calloc(ctx, (size_t)G * RP_NUM_LINKS, sizeof(int64_t)); /* sends in this round */
-    int64_t *rsent = rp_calloc(ctx, (size_t)G * RP_NUM_LINKS, sizeof(int64_t));
-    int64_t *rrecv = rp_calloc(ctx, (size_t)G * RP_NUM_LINKS, sizeof(int64_t));
-    int64_t *rhbm = rp_calloc(ctx, (size_t)G, sizeof(int64_t));
-    int64_t *rstage = rp_calloc(ctx, (size_t)G, sizeof(int64_t));
+    /* of the round being filled, per (stage, EP rank) */
+    int64_t *round_need = rp_calloc(ctx, (size_t)PP * ep, sizeof(int64_t));
+    int32_t *stage_rounds = rp_calloc(ctx, (size_t)PP, sizeof(int32_t)); /* rounds each stage opened */
+    int64_t *load = rp_calloc(ctx, (size_t)GP * RP_NUM_LINKS, sizeof(int64_t)); /* sends in this round */
+    int64_t *rsent = rp_calloc(ctx, (size_t)GP * RP_NUM_LINKS, sizeof(int64_t));
+    int64_t *rrecv = rp_calloc(ctx, (size_t)GP * RP_NUM_LINKS, sizeof(int64_t));
+    int64_t *rhbm = rp_calloc(ctx, (size_t)GP, sizeof(int64_t));
+    int64_t *rstage = rp_calloc(ctx, (size_t)GP, sizeof(int64_t));
     if (mp) mp->ctx = ctx;
-    if (!mp || !need || !round_need || !load || !rsent || !rrecv || !rhbm || !rstage) {
+    if (!mp || !need || !round_need || !stage_rounds || !load || !rsent || !rrecv || !rhbm || !rstage) {
         st = rp_fail_nomem(err, "a migration plan");
         goto fail;
     }
-    mp->num_gpus = G;
+    mp->num_gpus = GP;
+    mp->num_stages = PP;
+    mp->stage_gpus = G;
     mp->ep_size = ep;
     mp->num_groups = Q;
     mp->num_layers = L;
@@ -230,12 +244,18 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
     mp->slot_begin = rp_alloc(ctx, (size_t)(ep + 1) * sizeof(int32_t));
     mp->expert_bytes = rp_alloc(ctx, (size_t)L * sizeof(int64_t));
     mp->layer_round = rp_alloc(ctx, (size_t)L * sizeof(int32_t));
-    mp->gpus = rp_calloc(ctx, (size_t)G, sizeof *mp->gpus);
-    if (!mp->slot_begin || !mp->expert_bytes || !mp->layer_round || !mp->gpus) {
+    mp->gpus = rp_calloc(ctx, (size_t)GP, sizeof *mp->gpus);
+    mp->layer_stage = rp_calloc(ctx, (size_t)L, sizeof(int32_t));
+    if (!mp->slot_begin || !mp->expert_bytes || !mp->layer_round || !mp->gpus || !mp->layer_stage) {
         st = rp_fail_nomem(err, "a migration plan");
         goto fail;
     }
     memcpy(mp->slot_begin, sb, (size_t)(ep + 1) * sizeof(int32_t));
+    /* virtual stage v holds its layers on stage v % PP (rp_topology) */
+    if (PP > 1)
+        for (int32_t v = 0; v < PP * topo->virtual_pipeline_size; v++)
+            for (int32_t l = topo->stage_layer_begin[v]; l < topo->stage_layer_begin[v] + topo->layers_per_stage[v]; l++)
+                mp->layer_stage[l] = v % PP;
     const int32_t S = sb[ep];
     for (int w = 0; w < 2; w++) {
         mp->placement[w] = rp_alloc(ctx, (size_t)L * (size_t)S * sizeof(int32_t) + 1);
@@ -251,11 +271,15 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
 
     /* Rounds: whole layers, in order, while every EP rank's staging fits the budget. The
      * staging a layer needs depends only on the placements (one staged copy per (GPU,
-     * expert) it lacks in a slot), so rounds come before sources. */
+     * expert) it lacks in a slot), so rounds come before sources. Under PP each stage
+     * fills its own rounds with its own layers (its GPUs stage nothing of the others'):
+     * round k moves the k-th round of every stage at once. */
     rp_migration_summary *sum = &mp->summary;
     int32_t rounds = 0;
-    bool round_open = false, overflow = false;
+    bool overflow = false;
     for (int32_t l = 0; l < L; l++) {
+        const int32_t stage = mp->layer_stage[l];
+        int64_t *stage_need = round_need + (size_t)stage * ep;
         const int32_t *cur = rp_plan_phy2log(current, l), *tgt = rp_plan_phy2log(target, l);
         bool moves = false;
         for (int32_t r = 0; r < ep; r++) {
@@ -281,34 +305,35 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
         mp->layer_round[l] = -1;
         if (!moves) continue;
         sum->layers_moved++;
-        bool fits = round_open;
+        bool fits = stage_rounds[stage] > 0;
         if (fits && opts->staging_budget_bytes > 0)
-            for (int32_t r = 0; r < ep && fits; r++) fits = round_need[r] <= opts->staging_budget_bytes - need[r];
+            for (int32_t r = 0; r < ep && fits; r++) fits = stage_need[r] <= opts->staging_budget_bytes - need[r];
         if (!fits) {
-            rounds++;
-            round_open = true;
-            memset(round_need, 0, (size_t)ep * sizeof(int64_t));
+            stage_rounds[stage]++;
+            memset(stage_need, 0, (size_t)ep * sizeof(int64_t));
         }
-        for (int32_t r = 0; r < ep; r++) round_need[r] += need[r];
-        mp->layer_round[l] = rounds - 1;
+        for (int32_t r = 0; r < ep; r++) stage_need[r] += need[r];
+        mp->layer_round[l] = stage_rounds[stage] - 1;
+        if (stage_rounds[stage] > rounds) rounds = stage_rounds[stage];
     }
     mp->num_rounds = rounds;
     sum->num_rounds = rounds;
 
     /* Copies and writes, round by round, so that sender loads balance each round. */
     for (int32_t round = 0; round < rounds; round++) {
-        memset(load, 0, (size_t)G * RP_NUM_LINKS * sizeof(int64_t));
-        memset(rsent, 0, (size_t)G * RP_NUM_LINKS * sizeof(int64_t));
-        memset(rrecv, 0, (size_t)G * RP_NUM_LINKS * sizeof(int64_t));
-        memset(rhbm, 0, (size_t)G * sizeof(int64_t));
-        memset(rstage, 0, (size_t)G * sizeof(int64_t));
+        memset(load, 0, (size_t)GP * RP_NUM_LINKS * sizeof(int64_t));
+        memset(rsent, 0, (size_t)GP * RP_NUM_LINKS * sizeof(int64_t));
+        memset(rrecv, 0, (size_t)GP * RP_NUM_LINKS * sizeof(int64_t));
+        memset(rhbm, 0, (size_t)GP * sizeof(int64_t));
+        memset(rstage, 0, (size_t)GP * sizeof(int64_t));
         for (int32_t l = 0; l < L; l++) {
             if (mp->layer_round[l] != round) continue;
             const int32_t *cur = rp_plan_phy2log(current, l), *tgt = rp_plan_phy2log(target, l);
             const int64_t bytes = mp->expert_bytes[l];
+            const int32_t base = mp->layer_stage[l] * G; /* the stage's first GPU */
             for (int32_t q = 0; q < Q; q++)
                 for (int32_t r = 0; r < ep; r++) {
-                    const int32_t g = q * ep + r;
+                    const int32_t g = base + q * ep + r;
                     const int64_t first = b.num_transfers; /* this GPU's copies at this layer */
                     for (int32_t k = 0; k < sb[r + 1] - sb[r]; k++) {
                         int32_t e = tgt[sb[r] + k];
@@ -330,8 +355,11 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
                                     if (j == r) continue;
                                     int32_t s = find_slot(cur, sb, j, e);
                                     if (s < 0) continue;
-                                    int32_t h = q * ep + j;
-                                    rp_link link = h / gpn == g / gpn ? RP_LINK_NVLINK : RP_LINK_NET;
+                                    int32_t h = base + q * ep + j;
+                                    /* a stage is whole nodes or an equal part of one: nodes
+                                     * are told apart by the stage's own GPU ids */
+                                    rp_link link = (q * ep + j) / gpn == (q * ep + r) / gpn ? RP_LINK_NVLINK
+                                                                                            : RP_LINK_NET;
                                     if (best < 0 || link < best_link ||
                                         (link == best_link &&
                                          load[(size_t)h * RP_NUM_LINKS + link] <
@@ -377,8 +405,9 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
                     }
                 }
         }
+        /* the round lasts its busiest GPU of any stage */
         double round_s = 0.0;
-        for (int32_t g = 0; g < G; g++) {
+        for (int32_t g = 0; g < GP; g++) {
             rp_migration_gpu *gs = &mp->gpus[g];
             for (int32_t c = 0; c < RP_NUM_LINKS; c++) {
                 gs->sent[c] += rsent[(size_t)g * RP_NUM_LINKS + c];
@@ -428,6 +457,7 @@ fail:
     rp_free(ctx, b.writes);
     rp_free(ctx, need);
     rp_free(ctx, round_need);
+    rp_free(ctx, stage_rounds);
     rp_free(ctx, load);
     rp_free(ctx, rsent);
     rp_free(ctx, rrecv);
@@ -449,6 +479,7 @@ void rp_migration_plan_free(rp_migration_plan *mp)
     rp_free(ctx, mp->transfers);
     rp_free(ctx, mp->writes);
     rp_free(ctx, mp->gpus);
+    rp_free(ctx, mp->layer_stage);
     rp_free(ctx, mp);
 }
 
@@ -475,6 +506,13 @@ rp_status rp_migration_plan_gpu(const rp_migration_plan *mp, int32_t gpu, rp_mig
 
 int32_t rp_migration_plan_num_gpus(const rp_migration_plan *mp) { return mp ? mp->num_gpus : 0; }
 int32_t rp_migration_plan_ep_size(const rp_migration_plan *mp) { return mp ? mp->ep_size : 0; }
+int32_t rp_migration_plan_num_stages(const rp_migration_plan *mp) { return mp ? mp->num_stages : 0; }
+
+int32_t rp_migration_plan_layer_stage(const rp_migration_plan *mp, int32_t layer)
+{
+    if (!mp || layer < 0 || layer >= mp->num_layers) return -1;
+    return mp->layer_stage[layer];
+}
 int32_t rp_migration_plan_num_layers(const rp_migration_plan *mp) { return mp ? mp->num_layers : 0; }
 int32_t rp_migration_plan_num_rounds(const rp_migration_plan *mp) { return mp ? mp->num_rounds : 0; }
 

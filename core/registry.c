@@ -199,24 +199,26 @@ static int span_cmp(const void *a, const void *b)
     return 0;
 }
 
-rp_status rp_registry_check(const rp_registry *r, rp_error *err)
+rp_status rp_registry_check(const rp_registry *r, rp_error *err) { return registry_check_layers(r, NULL, err); }
+
+rp_status registry_check_layers(const rp_registry *r, const unsigned char *layers, rp_error *err)
 {
     if (!r) return rp_fail(err, RP_EINVAL, "registry: no registry");
     int64_t n = 0;
     for (int32_t l = 0; l < r->num_layers; l++)
-        for (int32_t s = 0; s < r->num_slots; s++) {
+        for (int32_t s = 0; s < r->num_slots && (!layers || layers[l]); s++) {
             const slot_entry *e = &r->slots[(int64_t)l * r->num_slots + s];
             if (!e->tensors)
-                return rp_fail(err, RP_EINVAL, "registry: layer %d slot %d is not registered (every layer and slot "
-                               "must be)", l, s);
+                return rp_fail(err, RP_EINVAL, "registry: layer %d slot %d is not registered (every %s and slot "
+                               "must be)", l, s, layers ? "layer of this rank's pipeline stage" : "layer");
             n += e->count;
         }
     /* Two slots sharing memory would make one commit overwrite another's expert. */
-    span *spans = rp_alloc(r->ctx, (size_t)n * sizeof *spans);
+    span *spans = rp_alloc(r->ctx, (size_t)n * sizeof *spans + 1);
     if (!spans) return rp_fail_nomem(err, "the registry's overlap check");
     int64_t k = 0;
     for (int32_t l = 0; l < r->num_layers; l++)
-        for (int32_t s = 0; s < r->num_slots; s++) {
+        for (int32_t s = 0; s < r->num_slots && (!layers || layers[l]); s++) {
             const slot_entry *e = &r->slots[(int64_t)l * r->num_slots + s];
             for (int32_t i = 0; i < e->count; i++)
                 spans[k++] = (span){(uintptr_t)e->tensors[i].data, (uintptr_t)e->tensors[i].data + e->tensors[i].bytes,

@@ -790,6 +790,59 @@ static void test_migration(void)
     rp_config_free(pp);
 }
 
+/* Extra replicas under PP: a stage's GPUs copy (and hold) only its own layers' extra
+ * replicas, and the stages copy at once, so the step counts the stage with the most copy
+ * time and a GPU's memory the extras of its own stage (before: the sum over every layer). */
+static void test_extras(void)
+{
+    rp_error err;
+    rp_config *pp = config("\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": 2, \"ep_size\": 4,"
+                           " \"slots_per_gpu\": 2", "", &err);
+    int32_t lens[1] = {10}, zero[1] = {0}, rank[1] = {0}, mb[1] = {0};
+    rp_batch *batch = NULL;
+    rp_stats *stats = NULL;
+    rp_plan *plan = NULL;
+    rp_cost *cost = NULL;
+    uint8_t ids[10 * 6 * 2] = {0};
+    for (int k = 0; k < 60; k++) ids[2 * k + 1] = 1;
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 6, 2, ids);
+    rp_cost_summary sum;
+    rp_gpu_memory m1, m2;
+    /* EP rank j holds experts 2j and 2j + 1; rank 1 also gets expert 0 at layer 0 (stage 0)
+     * and experts 0 and 1 at layer 3 (stage 1) */
+    if (!pp || rp_batch_new(ctx, 1, lens, zero, NULL, &batch, &err) != RP_OK ||
+        rp_stats_compute(ctx, batch, &r, 8, 1, &stats, &err) != RP_OK || rp_plan_new(ctx, pp, 1, &plan, &err) ||
+        rp_plan_set_contiguous(plan, &err) || rp_plan_set_packing(plan, 1, rank, mb, &err) ||
+        rp_plan_add_extra_replica(plan, 0, 0, 0, 1, &err) || rp_plan_add_extra_replica(plan, 0, 3, 0, 1, &err) ||
+        rp_plan_add_extra_replica(plan, 0, 3, 1, 1, &err) ||
+        rp_cost_new(ctx, pp, batch, stats, RP_SPLIT_EVEN, &cost, &err) || rp_cost_evaluate(cost, plan, &sum, &err) ||
+        rp_memory_gpu(pp, plan, 1, &m1, &err) || rp_memory_gpu(pp, plan, 2, &m2, &err)) {
+        diag("%s", err.text);
+        skip(3, "no scene");
+        goto out;
+    }
+    const rp_model *md = rp_config_model(pp);
+    const rp_topology *t = rp_config_topology(pp);
+    const double bytes = 3.0 * md->hidden_size * md->expert_ffn_size * md->bytes_per_param;
+    const double s0 = 2 * (1 * bytes / t->nvlink_bytes_per_s + t->nvlink_latency_s);
+    const double s1 = 2 * (2 * bytes / t->nvlink_bytes_per_s + t->nvlink_latency_s);
+    ok(close_to(sum.extra_copy_s, s1), "extra-replica copies: the busier stage's %.4g us (stage 0 %.4g us; the sum "
+       "would be %.4g us)", sum.extra_copy_s * 1e6, s0 * 1e6, (s0 + s1) * 1e6);
+    ok(m1.extra_replicas == 2 && m1.pipeline_stage == 1 &&
+           close_to(m1.extra_replica_bytes, 2 * bytes / md->bytes_per_param * (md->bytes_per_param + md->bytes_per_grad)),
+       "GPU 1's memory: the 2 extra replicas of its stage 1 (%lld; all layers would count 3)",
+       (long long)m1.extra_replicas);
+    ok(m2.extra_replicas == 0 && m2.pipeline_stage == 0 && m2.total_bytes < m1.total_bytes,
+       "GPU 2 (no extras): the lowest of the equal stages");
+out:
+    rp_cost_free(cost);
+    rp_plan_free(plan);
+    rp_stats_free(stats);
+    rp_batch_free(batch);
+    rp_config_free(pp);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -804,6 +857,7 @@ int main(void)
     test_joint();
     test_examples();
     test_migration();
+    test_extras();
     rp_context_free(ctx);
     return tap_done();
 }

@@ -30,9 +30,10 @@ typedef struct rp_gpu_memory {
     double capacity_bytes;          /* hardware.hbm_bytes */
     int32_t expert_optimizer_shards;/* 1, or num_ep_groups under optimizer_sharding "dp" */
     int32_t dense_optimizer_shards; /* 1, or num_gpus x context_parallel_size under optimizer_sharding "dp" */
-    /* Under pipeline parallelism a GPU holds its stage's layers only: the figures are for
-     * the stage with the most MoE layers (0 when PP is 1), which holds stage_layers of
-     * them (num_layers when PP is 1) and that share of dense_params. */
+    /* Under pipeline parallelism a GPU holds its stage's layers only, and the extra
+     * replicas of those: the figures are for the stage where this DP rank needs the most
+     * (without extra replicas the one with the most MoE layers; 0 when PP is 1), which
+     * holds stage_layers of them (num_layers when PP is 1) and that share of dense_params. */
     int32_t pipeline_stage;
     int32_t stage_layers;
     /* Added after the first version. Activations, not in total_bytes (the microbatch

@@ -175,7 +175,13 @@ typedef struct rp_migration_plan rp_migration_plan;
  * bytes that GPU already sends over that link in the round; ties to the lowest GPU id),
  * always inside its own EP group; one copy per (GPU, expert) serves every slot of that
  * GPU that needs it. Transfers are grouped into rounds of whole layers that fit the
- * staging budget. Deterministic: the same inputs give the same plan (and hash) on every
+ * staging budget. Under pipeline parallelism (topology.pipeline_parallel_size PP > 1) the
+ * placements are one stage's and the plan spans the pipeline: its GPUs are the DP ranks
+ * of every stage, stage s's being [s * num_gpus, (s + 1) * num_gpus) of the config's
+ * num_gpus (Megatron's tp-cp-ep-dp-pp order), a layer's copies run between the GPUs of
+ * the stage holding it, each stage fills its own rounds with its own layers, and round k
+ * of every stage runs at once (its time is the busiest GPU of any stage). Deterministic:
+ * the same inputs give the same plan (and hash) on every
  * rank. `opts` NULL: the defaults. Errors (nothing allocated): a plan without placement
  * or shaped for another config, expert ids out of range (RP_EINVAL); a target expert
  * held nowhere in the current placement (RP_EPLAN); non-positive expert bytes
@@ -194,6 +200,7 @@ RP_API void rp_migration_plan_summary(const rp_migration_plan *mp, rp_migration_
 RP_API rp_status rp_migration_plan_gpu(const rp_migration_plan *mp, int32_t gpu,
                                        rp_migration_gpu *out, rp_error *err);
 
+/* GPUs (DP ranks) of the plan: the config's num_gpus times the pipeline stages. */
 RP_API int32_t rp_migration_plan_num_gpus(const rp_migration_plan *mp);
 RP_API int32_t rp_migration_plan_ep_size(const rp_migration_plan *mp);
 RP_API int32_t rp_migration_plan_num_layers(const rp_migration_plan *mp);
@@ -209,6 +216,12 @@ RP_API int32_t rp_migration_plan_layer_round(const rp_migration_plan *mp, int32_
  * indices out of range. Part of the plan's hash. */
 RP_API int32_t rp_migration_plan_slot_expert(const rp_migration_plan *mp, int32_t layer, int32_t ep_rank,
                                              int32_t slot, bool target);
+
+/* Added after the first version. Pipeline stages (1 without PP) and the stage holding
+ * `layer` (its GPUs are [stage * num_gpus / num_stages, ...); -1 when out of range). A
+ * GPU holds, and the executor checks and writes, only its stage's layers. */
+RP_API int32_t rp_migration_plan_num_stages(const rp_migration_plan *mp);
+RP_API int32_t rp_migration_plan_layer_stage(const rp_migration_plan *mp, int32_t layer);
 
 /* Transfers in execution order: by round, then layer, EP group, destination EP rank and
  * slot. Writes likewise. Index errors: RP_EINVAL. */
@@ -328,7 +341,8 @@ typedef struct rp_migration_exec_options {
     void *staging;
     size_t staging_bytes;
     /* For a transport that spans one EP group (its size is ep_size, not num_gpus): that
-     * group. Ignored for a transport over every GPU. */
+     * group, counted over the plan's GPUs (under PP group q of stage s is s * groups of a
+     * stage + q). Ignored for a transport over every GPU. */
     int32_t ep_group;
     /* Bound on each exchange between ranks (the agreement before anything moves, a
      * round's outcome, its commit), seconds, counted from when this rank was due there;
@@ -377,7 +391,10 @@ typedef struct rp_migration_result {
  * rounds before the failed one stay committed (result says how many;
  * rp_migration_plan_layer_round maps layers to rounds). The one exception, a rank that
  * cannot learn the outcome of an exchange, returns RP_ETIMEOUT saying to end the job
- * (docs/migration.md, "The one window"). `opts` NULL: defaults; `result` may be NULL.
+ * (docs/migration.md, "The one window"). Under PP transport rank r is the plan's GPU r
+ * (every stage's DP ranks), and a rank's registry needs only its stage's layers
+ * (rp_migration_plan_layer_stage): the checks, layout and moves skip the others, which
+ * it may leave unregistered. `opts` NULL: defaults; `result` may be NULL.
  * Nothing is printed. See docs/migration.md. */
 RP_API rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg,
                                       rp_transport *t, const rp_migration_exec_options *opts,
