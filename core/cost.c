@@ -1754,6 +1754,43 @@ void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
     out->expert_imbalance = x_imb / ((double)M * L * c->Q);
 }
 
+/* Pipeline figures (docs/cost-model.md, "Pipeline figures"), in the sync domain that sets
+ * the step: its critical path, and the busiest stage's own passes along it. */
+static void pipeline_summary(const rp_cost *c, const cost_state *s, rp_pipeline_summary *out)
+{
+    const int32_t M = s->M, L = c->L;
+    memset(out, 0, sizeof *out);
+    const int32_t q = c->NQ > 1 ? cost_critical_domain(c, s) : 0;
+    out->stages = c->PP;
+    out->step_s = s->step_s;
+    out->critical_path_s = domain_sum(c, s, s->layer_t, q);
+    out->stage_busy_s = out->critical_path_s; /* one stage: the path is its passes */
+    if (c->PP > 1) {
+        for (int32_t r = 0; r < c->PP; r++) {
+            double busy = 0.0;
+            for (int32_t m = 0; m < M; m++)
+                for (int32_t l = 0; l < L; l++)
+                    if (c->layer_stage[l] == r) {
+                        const double *t = s->layer_t + ((size_t)m * L + l) * c->LW;
+                        busy += t[c->NQ + q] + t[2 * c->NQ + q];
+                    }
+            if (r == 0 || busy > out->stage_busy_s) {
+                out->stage_busy_s = busy;
+                out->busiest_stage = r;
+            }
+        }
+    }
+    out->bubble_s = out->critical_path_s > out->stage_busy_s ? out->critical_path_s - out->stage_busy_s : 0.0;
+}
+
+rp_status rp_cost_pipeline_summary(const rp_cost *c, rp_pipeline_summary *out, rp_error *err)
+{
+    if (!c || !out) return rp_fail(err, RP_EINVAL, "cost: evaluator and output are required");
+    if (!c->st) return rp_fail(err, RP_EINVAL, "cost: no plan has been evaluated yet");
+    pipeline_summary(c, c->st, out);
+    return RP_OK;
+}
+
 const double *rp_cost_attention_breakdown(const rp_cost *c) { return c && c->st ? c->st->attn : NULL; }
 const double *rp_cost_expert_breakdown(const rp_cost *c) { return c && c->st ? c->st->expert : NULL; }
 const double *rp_cost_dispatch_breakdown(const rp_cost *c) { return c && c->st ? c->st->dispatch : NULL; }
@@ -1869,11 +1906,19 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
               "\"attention_s\": %.17g, \"dispatch_s\": %.17g, \"expert_s\": %.17g, \"combine_s\": %.17g, "
               "\"grad_reduce_s\": %.17g, \"extra_copy_s\": %.17g, \"attention_imbalance\": %.17g, "
               "\"expert_imbalance\": %.17g, \"straggler\": {\"gpu\": %d, \"microbatch\": %d, "
-              "\"layer\": %d, \"side\": \"%s\"}},\n",
+              "\"layer\": %d, \"side\": \"%s\"}",
               sum.step_s, sum.lower_bound_s, sum.ratio, sum.attention_s, sum.dispatch_s, sum.expert_s,
               sum.combine_s, sum.grad_reduce_s, sum.extra_copy_s, sum.attention_imbalance,
               sum.expert_imbalance, sum.straggler_gpu, sum.straggler_mb, sum.straggler_layer,
               side_name(sum.straggler_side));
+    if (c->PP > 1) { /* PP 1 documents keep their keys */
+        rp_pipeline_summary pipe;
+        pipeline_summary(c, s, &pipe);
+        sb_printf(&b, ", \"pipeline\": {\"stages\": %d, \"critical_path_s\": %.17g, \"busiest_stage\": %d, "
+                  "\"stage_busy_s\": %.17g, \"bubble_s\": %.17g}",
+                  pipe.stages, pipe.critical_path_s, pipe.busiest_stage, pipe.stage_busy_s, pipe.bubble_s);
+    }
+    sb_printf(&b, "},\n");
     static const char *const sync_names[] = {"group", "global"}, *const overlap_names[] = {"none", "layer"},
                              *const dedup_names[] = {"choice", "gpu", "node"};
     sb_printf(&b, "\"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\", "

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static rp_context *ctx;
 
@@ -417,6 +418,25 @@ static void test_uniform(void)
            15 * T, a.step_s);
         ok(a.lower_bound_s <= a.step_s && fabs(a.lower_bound_s - b.lower_bound_s / 2) <= 1e-9 * a.step_s,
            "the bound: the busiest stage's work, half the one-stage bound");
+        /* the pipeline figures: path 5 x 3 T, each stage busy 4 x 3 T, idle (PP - 1) x 3 T;
+         * the sums over (mb, layer) are every stage's work, 24 T's worth as on one stage */
+        rp_pipeline_summary p, p1;
+        rp_status pst = rp_cost_pipeline_summary(c_pp, &p, &err), pst1 = rp_cost_pipeline_summary(c_flat, &p1, &err);
+        ok(pst == RP_OK && pst1 == RP_OK && p.stages == 2 && p.step_s == a.step_s && fabs(p.critical_path_s - 15 * T) <= 1e-12 * a.step_s &&
+               fabs(p.stage_busy_s - 12 * T) <= 1e-12 * a.step_s && fabs(p.bubble_s - 3 * T) <= 1e-12 * a.step_s &&
+               p.busiest_stage == 0,
+           "pipeline: critical path 15 T (%.6g s), busiest stage 12 T (%.6g s), bubble 3 T (%.6g s)",
+           p.critical_path_s, p.stage_busy_s, p.bubble_s);
+        ok(p1.stages == 1 && p1.critical_path_s == b.step_s - b.grad_reduce_s - b.extra_copy_s &&
+               p1.stage_busy_s == p1.critical_path_s && p1.bubble_s == 0 &&
+               fabs(a.expert_s - b.expert_s) <= 1e-12 * b.expert_s,
+           "PP 1: path = busy = the step, no bubble; the expert term sums every stage's work (PP 2 %.6g s = PP 1 "
+           "%.6g s)", a.expert_s, b.expert_s);
+        rp_cost *fresh = NULL;
+        pst = rp_cost_new(ctx, cfg, batch, stats, RP_SPLIT_EVEN, &fresh, &err);
+        if (pst == RP_OK) pst = rp_cost_pipeline_summary(fresh, &p, &err);
+        ok(pst == RP_EINVAL && strstr(err.text, "no plan has been evaluated"), "before an evaluation: %s", err.text);
+        rp_cost_free(fresh);
     }
     rp_cost_free(c_pp);
     rp_cost_free(c_flat);
@@ -714,7 +734,7 @@ static void test_examples(void)
 
     char dir[64];
     if (!temp_dir_make(dir, sizeof dir, "pipeline")) {
-        skip(2, "no scratch directory");
+        skip(3, "no scratch directory");
         return;
     }
     const char *text =
@@ -733,6 +753,20 @@ static void test_examples(void)
     ok(rc == 0 && header, "routepack simulate runs a PP 2 x VPP 2 config");
     ok(strstr(out, "verdict:") != NULL, "and gives its verdict");
     if (rc != 0 || !header || !strstr(out, "verdict:")) diag("exit %d: %s", rc, out);
+    /* plan eval names the pipeline's figures and what the sums are */
+    rc = run_routepack(out, sizeof out, "simulate --config '%s' --trace '%s/examples/small.rpt' --steps 1 --quiet "
+                       "--policies token_kk --plans '%s'", path, RP_SOURCE_DIR, temp_path(dir, "plans"));
+    if (rc == 0)
+        rc = run_routepack(out, sizeof out, "plan eval --config '%s' --trace '%s/examples/small.rpt' --step 0 --plan "
+                           "'%s/token_kk/step-0.json'", path, RP_SOURCE_DIR, temp_path(dir, "plans"));
+    ok(rc == 0 && strstr(out, "pipeline             2 stages: the step is the schedule's critical path") &&
+           strstr(out, "  busiest stage  ") && strstr(out, "  bubble  ") &&
+           strstr(out, "sum over microbatches and the layers of every stage"),
+       "plan eval under PP prints the critical path, the busiest stage, the bubble, and names the sums");
+    if (rc != 0) diag("exit %d: %s", rc, out);
+    unlink(temp_path(dir, "plans/token_kk/step-0.json")); /* temp_dir_remove takes no subdirectories */
+    rmdir(temp_path(dir, "plans/token_kk"));
+    rmdir(temp_path(dir, "plans"));
     temp_dir_remove(dir);
 }
 

@@ -214,11 +214,28 @@ static void print_eval_text(const char *path, const plan_step *s, const rp_plan 
            x->dispatch_bytes_per_element, x->dispatch_bytes_per_element == 1 ? "" : "s", x->combine_bytes_per_element);
     printf("lower bound          %10.3f ms\n", sum->lower_bound_s * 1e3);
     printf("step / lower bound   %10.3f\n", sum->ratio);
-    printf("  dense (attention)  %10.3f ms  } each: sum over microbatches and layers of the slowest\n",
-           sum->attention_s * 1e3);
-    printf("  dispatch           %10.3f ms  } GPU's term (in the slowest group under group sync);\n",
-           sum->dispatch_s * 1e3);
-    printf("                                   with overlap they add up to more than the step\n");
+    rp_pipeline_summary pipe;
+    if (t->pipeline_parallel_size > 1 && rp_cost_pipeline_summary(cost, &pipe, NULL) == RP_OK) {
+        /* the step is the pipeline's; the terms below are work summed over every stage */
+        printf("pipeline             %d stages: the step is the schedule's critical path plus the gradient "
+               "reduction and extra copies\n", pipe.stages);
+        printf("  critical path      %10.3f ms\n", pipe.critical_path_s * 1e3);
+        printf("  busiest stage      %10.3f ms  (stage %d's passes, forward and backward, every microbatch)\n",
+               pipe.stage_busy_s * 1e3, pipe.busiest_stage);
+        printf("  bubble             %10.3f ms  (that stage idle: warm-up, cool-down, p2p, other stages)\n",
+               pipe.bubble_s * 1e3);
+        printf("  dense (attention)  %10.3f ms  } each: sum over microbatches and the layers of every stage\n",
+               sum->attention_s * 1e3);
+        printf("  dispatch           %10.3f ms  } of the slowest GPU's term: work, not time along the\n",
+               sum->dispatch_s * 1e3);
+        printf("                                   pipeline (the stages run at once)\n");
+    } else {
+        printf("  dense (attention)  %10.3f ms  } each: sum over microbatches and layers of the slowest\n",
+               sum->attention_s * 1e3);
+        printf("  dispatch           %10.3f ms  } GPU's term (in the slowest group under group sync);\n",
+               sum->dispatch_s * 1e3);
+        printf("                                   with overlap they add up to more than the step\n");
+    }
     printf("  expert             %10.3f ms\n", sum->expert_s * 1e3);
     printf("  combine            %10.3f ms\n", sum->combine_s * 1e3);
     printf("  gradient reduce    %10.3f ms  (extra, for replicas)\n", sum->grad_reduce_s * 1e3);

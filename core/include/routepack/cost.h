@@ -28,7 +28,10 @@ typedef enum rp_side {
 } rp_side;
 
 /* Figures of one evaluated plan. Times in seconds for the whole step (forward and
- * backward, all microbatches and layers). */
+ * backward, all microbatches and layers). Under pipeline parallelism step_s is the
+ * pipeline's (its critical path plus the once-per-step terms), while the four terms
+ * attention_s .. combine_s stay sums over every (mb, layer) of every stage: work, not
+ * time along the pipeline; the pipeline figures at the end say how the step splits. */
 typedef struct rp_cost_summary {
     double step_s;           /* predicted step time */
     double lower_bound_s;    /* see docs/cost-model.md: every term perfectly balanced */
@@ -46,6 +49,23 @@ typedef struct rp_cost_summary {
     int32_t straggler_layer;
     rp_side straggler_side;
 } rp_cost_summary;
+
+/* Added after the first version (rp_cost_summary is embedded in rp_step_report, so it
+ * stays as it was). How the step of the last evaluated plan splits along the pipeline
+ * (docs/cost-model.md, "Pipeline figures"), in the sync domain that sets the step.
+ * Without PP: 1 stage, critical_path_s = stage_busy_s = step_s - grad_reduce_s -
+ * extra_copy_s, bubble_s 0. */
+typedef struct rp_pipeline_summary {
+    int32_t stages;          /* pipeline_parallel_size */
+    int32_t busiest_stage;   /* the stage whose passes take longest (the lowest on ties) */
+    double step_s;           /* as rp_cost_summary.step_s */
+    double critical_path_s;  /* the schedule's critical path: step_s less the gradient
+                                reduction and extra-replica copies */
+    double stage_busy_s;     /* the busiest stage's passes, forward and backward, every
+                                microbatch over its layers */
+    double bubble_s;         /* critical_path_s - stage_busy_s: that stage idle (warm-up,
+                                cool-down, p2p, waiting for other stages) */
+} rp_pipeline_summary;
 
 /* An evaluator bound to one step: config, batch and its routing statistics (all
  * borrowed; they must outlive it). Not thread-safe: one thread at a time per
@@ -127,6 +147,9 @@ RP_API double rp_cost_current_s(const rp_cost *cost);
 /* Summary of the bound state, as rp_cost_evaluate gives it, also after apply_*.
  * Errors: no plan evaluated yet. */
 RP_API rp_status rp_cost_current_summary(const rp_cost *cost, rp_cost_summary *out, rp_error *err);
+/* The pipeline figures of the last evaluated or applied plan. Errors: no evaluator or
+ * output, nothing evaluated yet (RP_EINVAL). */
+RP_API rp_status rp_cost_pipeline_summary(const rp_cost *cost, rp_pipeline_summary *out, rp_error *err);
 /* Forward time T(mb, layer) of the bound state (NAN when out of range or unbound). */
 RP_API double rp_cost_layer_s(const rp_cost *cost, int32_t mb, int32_t layer);
 /* The side that decides layer (mb, layer) (the largest of its attention, dispatch and
