@@ -6,9 +6,11 @@
 #      baseline on step + migration (docs/cli.md);
 #   1c. both execution.sync settings with and without overlap on a config of 4 EP groups
 #      (scripts/results/structure.py: section-structure.md);
-#   1d. the parallel layouts of issue 19: examples/config-qwen3-30b-tp4.json (TP 4, EP 8,
-#      ETP 1) and config-qwen3-30b-pp2.json (the same with PP 2 x VPP 2 interleaved) on
-#      examples/gen-qwen3-30b-tp4.json, every default policy (scripts/results/layouts.py:
+#   1d. the parallel layouts of issue 19 (LAYOUTS below: config-qwen3-30b-tp4.json, TP 4,
+#      EP 8, ETP 1; config-qwen3-30b-pp2.json, the same with PP 2 x VPP 2 interleaved;
+#      config-qwen3-30b-cp2.json, TP 2 x CP 2;
+#      config-deepseek-v3-pp.json, EP 64 over 8 nodes, PP 4), each on its generated batch
+#      with seeds 1 and 2, every default policy (scripts/results/layouts.py:
 #      section-tp-pp-layouts.md);
 #   2. the horizon and persistence sweep the routepack policy's defaults were chosen by
 #      (tuning seed 11: 2, 8 and 24 steps, and the bundled example): routepack with its
@@ -23,7 +25,7 @@
 #
 # Usage: scripts/results.sh [--quick] [--reference] [--bench small|all|none] [BUILD_DIR]
 #        scripts/results.sh --layouts [BUILD_DIR]
-#   --layouts    step 1d alone (about a minute a layout): its section replaces (or joins)
+#   --layouts    step 1d alone (minutes a layout): its section replaces (or joins)
 #                the one in the existing docs/results.md, where a full run puts it
 #                (scripts/results.py --splice); every other section stays as it is
 #   --quick      the 24-step traces become 8 steps (minutes less; for a look, not for the docs)
@@ -80,15 +82,32 @@ simulate() {
   "$rp" simulate --json "$@" > "$work/$run.json"
 }
 
-# 1d. the parallel layouts (issue 19): run from the root so each JSON names its config as
-# examples/...; scripts/results/layouts.py reads the layout (TP, ETP, PP, ...) from it
+# 1d. the parallel layouts (issue 19), one line a layout: NAME CONFIG GEN (both in
+# examples/) STEPS; add a layout by adding its line. Each runs once a seed of
+# LAYOUT_SEEDS, from the root so each JSON names its config as examples/...;
+# scripts/results/layouts.py reads the layout (TP, ETP, PP, ...) from it and pools the seeds.
+LAYOUTS="
+qwen3-30b-tp4 config-qwen3-30b-tp4.json gen-qwen3-30b-tp4.json 8
+qwen3-30b-pp2 config-qwen3-30b-pp2.json gen-qwen3-30b-tp4.json 8
+qwen3-30b-cp2 config-qwen3-30b-cp2.json gen-qwen3-30b-tp4.json 8
+deepseek-v3-pp config-deepseek-v3-pp.json gen-deepseek-v3.json 4
+"
+LAYOUT_SEEDS="1 2"
 layouts() {
-  local c
-  for c in tp4 pp2 cp2; do
-    echo "results: simulate layout-qwen3-30b-$c" >&2
-    (cd "$root" && "$rp" simulate --json --config "examples/config-qwen3-30b-$c.json" \
-      --gen examples/gen-qwen3-30b-tp4.json) > "$work/layout-qwen3-30b-$c.json"
-  done
+  local name config gen steps seed t
+  : > "$work/layouts.tsv.part"
+  while read -r name config gen steps; do
+    [ -n "$name" ] || continue
+    for seed in $LAYOUT_SEEDS; do
+      t=$(trace "layout-$name" "$ex/$gen" "$seed" "$steps")
+      echo "results: simulate layout-$name seed $seed ($steps steps)" >&2
+      (cd "$root" && "$rp" simulate --json --config "examples/$config" --trace "$t") \
+        > "$work/layout-$name-s$seed.json"
+      printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "examples/$config" "examples/$gen" "$seed" "$steps" \
+        "layout-$name-s$seed.json" >> "$work/layouts.tsv.part"
+    done
+  done <<< "$LAYOUTS"
+  mv "$work/layouts.tsv.part" "$work/layouts.tsv"
   python3 "$root/scripts/results/layouts.py" "$work" "$root" > "$work/section-tp-pp-layouts.md"
 }
 if [ $layouts_only = 1 ]; then

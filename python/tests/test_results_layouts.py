@@ -37,7 +37,7 @@ def _policy(name, baseline, steps):
 
 def _run(config, policies, best):
     return {"format": "routepack-simulate", "version": 1, "config": str(config),
-            "input": {"kind": "gen", "path": "examples/gen-x.json", "steps": 2},
+            "input": {"kind": "trace", "path": "/tmp/x/layout-x.rpt", "steps": 2},
             "shape": {"num_gpus": 4, "num_nodes": 2, "gpus_per_node": 2, "ep_size": 2, "num_layers": 6,
                       "num_experts": 16, "top_k": 2},
             "policies": policies, "verdict": {"text": "verdict: fake", "steps": 2, "best_baseline": best,
@@ -53,30 +53,45 @@ def _work(tmp_path):
     # PP with VPP and no schedule named: docs/config.md's default, interleaved
     (tmp_path / "pp.json").write_text(json.dumps({"topology": dict(
         topo, num_nodes=4, pipeline_parallel_size=2, virtual_pipeline_size=2)}))
-    # written in the order the section must not follow: the PP run sorts first by name
-    (work / "layout-a-pp.json").write_text(json.dumps(_run("pp.json", [
+    # the PP layout with two seeds, pooled; a stale run the list does not name is ignored
+    (work / "layout-pp-s1.json").write_text(json.dumps(_run("pp.json", [
         _policy("token_kk+eplb", True, [(100.0, 20.0, False), (100.0, 0.0, False)]),
         _policy("routepack", False, [(90.0, 0.0, True), (100.0, 0.0, False)])], "token_kk+eplb")))
-    (work / "layout-b-tp.json").write_text(json.dumps(_run("tp.json", [
+    (work / "layout-pp-s2.json").write_text(json.dumps(_run("pp.json", [
+        _policy("token_kk+eplb", True, [(100.0, 0.0, False), (100.0, 0.0, False)]),
+        _policy("routepack", False, [(110.0, 0.0, False), (110.0, 0.0, False)])], "token_kk+eplb")))
+    (work / "layout-tp-s1.json").write_text(json.dumps(_run("tp.json", [
         _policy("token_kk+contiguous", True, [(200.0, 0.0, False), (200.0, 0.0, False)]),
         _policy("routepack", False, [(250.0, 0.0, False), (250.0, 0.0, False)])], "token_kk+contiguous")))
+    (work / "layout-stale.json").write_text("{}")
+    (work / "layouts.tsv").write_text(
+        "tp\ttp.json\tgen-x.json\t1\t2\tlayout-tp-s1.json\n"
+        "pp\tpp.json\tgen-x.json\t1\t2\tlayout-pp-s1.json\n"
+        "pp\tpp.json\tgen-x.json\t2\t2\tlayout-pp-s2.json\n")
     return work
 
 
 def test_layouts_section_from_runs(tmp_path):
-    text = layouts.render(str(_work(tmp_path)), str(tmp_path))
+    text = layouts.render(str(_work(tmp_path)), str(tmp_path), commit="abc1234")
     lines = text.split("\n")
     assert lines[0] == "## Parallel layouts (TP/ETP, PP/VPP)"
-    # PP 1 before PP 2, each named with its layout, defaults filled in
+    assert lines[2].startswith("Rendered at commit abc1234 (")
+    # in the list's order, each named with its layout, defaults filled in
     tp, pp = lines.index("### tp.json"), lines.index("### pp.json")
     assert tp < pp
     assert lines[tp + 2] == "TP 4, ETP 1, EP 8, PP 1, VPP 1, schedule none (PP 1); 16 GPUs (2 nodes x 8)."
     assert lines[pp + 2] == "TP 4, ETP 1, EP 8, PP 2, VPP 2, schedule interleaved; 32 GPUs (4 nodes x 8)."
-    # step, step/sLB, migration, step + migration, vs best baseline, fell back
-    assert "| token_kk+eplb (best baseline) | 100.000 | 1.250 | 10.000 | 110.000 | +0.0% | - |" in lines
-    assert "| routepack | 95.000 | 1.250 | 0.000 | 95.000 | +15.8% | 1 of 2 steps |" in lines
-    assert "| routepack | 250.000 | 1.250 | 0.000 | 250.000 | -20.0% | 0 of 2 steps |" in lines
-    assert layouts.render(str(tmp_path / "work" / ".."), str(tmp_path)) is None
+    assert lines[pp + 4].startswith("gen-x.json, seeds 1, 2, 2 steps each.")
+    # step, step/sLB, migration, step + migration, vs best baseline pooled and per seed, fell back:
+    # seeds pooled (eplb 420 ms over 4 steps, routepack 410), each seed against its own best
+    assert ("| token_kk+eplb (best baseline) | 100.000 | 1.250 | 5.000 | 105.000 | +0.0% | +0.0% / +0.0% | - |"
+            in lines)
+    assert "| routepack | 102.500 | 1.250 | 0.000 | 102.500 | +2.4% | +15.8% / -9.1% | 1 of 4 steps |" in lines
+    assert "| routepack | 250.000 | 1.250 | 0.000 | 250.000 | -20.0% | -20.0% | 0 of 2 steps |" in lines
+    assert "`seed 2: verdict: fake`" in lines
+    assert layouts.summary(str(tmp_path / "work"), str(tmp_path)) == (
+        "tp.json -20.0% (vs token_kk+contiguous); pp.json +2.4% (vs token_kk+eplb)")
+    assert layouts.render(str(tmp_path), str(tmp_path)) is None
 
 
 def _full_render(root, work):
@@ -125,3 +140,27 @@ def test_splice_at_the_end(tmp_path):
     section = "## L\n\nfigures\n"
     assert results.splice(doc, section, [], None) == doc + "\n" + section
     assert results.splice(doc + "\n" + section, "## L\n\nnew\n", [], None) == doc + "\n## L\n\nnew\n"
+
+
+def test_splice_updates_the_header_and_readme(tmp_path):
+    root, work = _root(tmp_path), _work(tmp_path)
+    (root / "README.md").write_text("# x\n\n## Results\n\n<!-- results: begin (scripts/results.sh) -->\nfigures\n"
+                                    "<!-- results: end -->\n\n## More\n")
+    (root / "docs" / "results.md").write_text(
+        "# Results\n\nGenerated by `scripts/results.sh` (commit 9b1ef14, 2026-12-03); edit that script, "
+        "`scripts/results.py`\nor notes.\n\n## A\n\ntext\n")
+    # the test's configs are relative to tmp_path: a section made from them
+    (work / "section-tp-pp-layouts.md").write_text(layouts.render(str(work), str(tmp_path), commit="abc1234") + "\n")
+    for f in ("tp.json", "pp.json"):
+        (root / f).write_text((tmp_path / f).read_text())
+    doc = _splice(root, work)
+    assert ("Generated by `scripts/results.sh` (commit 9b1ef14, 2026-12-03; a section that names its own commit was\n"
+            "rendered alone at that one since); edit that script, `scripts/results.py`\n") in doc
+    assert "Rendered at commit abc1234 (" in doc
+    readme = (root / "README.md").read_text()
+    line = ("<!-- results: end -->\n\n<!-- layouts: begin (scripts/results.sh --layouts) -->\nParallel layouts "
+            "(`docs/results.md`, \"Parallel layouts\"; seeds pooled): routepack against the best baseline on step + "
+            "migration: tp.json -20.0% (vs token_kk+contiguous); pp.json +2.4% (vs token_kk+eplb).\n"
+            "<!-- layouts: end -->\n\n## More\n")
+    assert readme.endswith(line)
+    assert _splice(root, work) == doc and (root / "README.md").read_text() == readme  # again: the same
