@@ -99,7 +99,8 @@ layouts() {
   while read -r name config gen steps; do
     [ -n "$name" ] || continue
     for seed in $LAYOUT_SEEDS; do
-      t=$(trace "layout-$name" "$ex/$gen" "$seed" "$steps")
+      # one trace a gen file, seed and length: layouts of one batch share it
+      t=$(trace "layout-$(basename "$gen" .json | sed 's/^gen-//')" "$ex/$gen" "$seed" "$steps")
       echo "results: simulate layout-$name seed $seed ($steps steps)" >&2
       (cd "$root" && "$rp" simulate --json --config "examples/$config" --trace "$t") \
         > "$work/layout-$name-s$seed.json"
