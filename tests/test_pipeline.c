@@ -731,6 +731,18 @@ static void test_examples(void)
        "config-qwen3-30b-pp2.json loads and fits (%.1f GB of %.0f GB, 24 of 48 layers a GPU)",
        st == RP_OK ? m.total_bytes / 1e9 : 0, st == RP_OK ? m.capacity_bytes / 1e9 : 0);
     rp_config_free(cfg);
+    cfg = NULL;
+    st = rp_config_load(ctx, RP_SOURCE_DIR "/examples/config-deepseek-v3-pp.json", &cfg, &err);
+    if (st == RP_OK) st = rp_memory_peak(cfg, NULL, &m, &err); /* before ok() reads m for its message */
+    const rp_topology *t = st == RP_OK ? rp_config_topology(cfg) : NULL;
+    ok(t && m.total_bytes <= m.capacity_bytes &&
+           t->pipeline_parallel_size == 4 && t->num_gpus == 64 && t->ep_size == 64 && t->num_ep_groups == 1 &&
+           t->physical_num_nodes == 32 && m.stage_layers == 15 && rp_config_model(cfg)->num_layers == 58 &&
+           rp_config_model(cfg)->num_experts == 256,
+       "config-deepseek-v3-pp.json: EP 64 over a stage's 8 nodes, PP 4 on 32 nodes, 15 of 58 MoE layers a GPU, "
+       "%.1f GB of %.0f GB", t ? m.total_bytes / 1e9 : 0, t ? m.capacity_bytes / 1e9 : 0);
+    if (!t) diag("%s", err.text);
+    rp_config_free(cfg);
 
     char dir[64];
     if (!temp_dir_make(dir, sizeof dir, "pipeline")) {
