@@ -89,6 +89,9 @@ def test_layouts_section_from_runs(tmp_path):
     assert "| routepack | 102.500 | 1.250 | 0.000 | 102.500 | +2.4% | +15.8% / -9.1% | 1 of 4 steps |" in lines
     assert "| routepack | 250.000 | 1.250 | 0.000 | 250.000 | -20.0% | -20.0% | 0 of 2 steps |" in lines
     assert "`seed 2: verdict: fake`" in lines
+    # each fallback's reason, counted (the fakes give none)
+    assert "Why `routepack` fell back: no reason given (1 step)." in lines
+    assert sum(1 for line in lines if line.startswith("Why")) == 1
     assert layouts.summary(str(tmp_path / "work"), str(tmp_path)) == (
         "tp.json -20.0% (vs token_kk+contiguous); pp.json +2.4% (vs token_kk+eplb)")
     assert layouts.render(str(tmp_path), str(tmp_path)) is None

@@ -148,7 +148,22 @@ def render(work, root, commit=None):
                 table(pooled), ""]
         out += ["`seed %s: %s`" % (seed, r.d["verdict"]["text"]) for seed, r in runs]
         out.append("")
+        why = fallback_reasons(runs)
+        if why:
+            out += ["Why `routepack` fell back: " + "; ".join("%s (%d step%s)" % (text, n, "" if n == 1 else "s")
+                                                             for text, n in why) + ".", ""]
     return "\n".join(out).rstrip("\n")
+
+
+def fallback_reasons(runs, spec="routepack"):
+    """[(reason, steps)] of SPEC's fallbacks over every run, most frequent first."""
+    counts = {}
+    for _, r in runs:
+        for s in r.policies.get(spec, {}).get("steps", []):
+            if s.get("fallback"):
+                text = (s.get("fallback_reason") or "no reason given").rstrip(".")
+                counts[text] = counts.get(text, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 def summary(work, root):
