@@ -93,7 +93,7 @@ def test_layouts_section_from_runs(tmp_path):
     assert "Why `routepack` fell back: no reason given (1 step)." in lines
     assert sum(1 for line in lines if line.startswith("Why")) == 1
     assert layouts.summary(str(tmp_path / "work"), str(tmp_path)) == (
-        "tp.json -20.0% (vs token_kk+contiguous); pp.json +2.4% (vs token_kk+eplb)")
+        "tp.json -20.0% (vs token_kk+contiguous); pp.json +2.4% (vs token_kk+eplb; routepack fell back at 1 of 4 steps)")
     assert layouts.render(str(tmp_path), str(tmp_path)) is None
 
 
@@ -163,7 +163,8 @@ def test_splice_updates_the_header_and_readme(tmp_path):
     readme = (root / "README.md").read_text()
     line = ("<!-- results: end -->\n\n<!-- layouts: begin (scripts/results.sh --layouts) -->\nParallel layouts "
             "(`docs/results.md`, \"Parallel layouts\"; seeds pooled): routepack against the best baseline on step + "
-            "migration: tp.json -20.0% (vs token_kk+contiguous); pp.json +2.4% (vs token_kk+eplb).\n"
+            "migration: tp.json -20.0% (vs token_kk+contiguous); pp.json +2.4% (vs token_kk+eplb; routepack fell back at 1 "
+            "of 4 steps).\n"
             "<!-- layouts: end -->\n\n## More\n")
     assert readme.endswith(line)
     assert _splice(root, work) == doc and (root / "README.md").read_text() == readme  # again: the same

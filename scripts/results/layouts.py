@@ -173,8 +173,10 @@ def summary(work, root):
     parts = []
     for name, entry in read_manifest(work).items():
         pooled = Pooled([(seed, Run(path)) for seed, _, path in entry["runs"]])
-        parts.append("%s %s (vs %s)" % (os.path.basename(entry["config"]), fmt_pct(pooled.margin("routepack")),
-                                        pooled.best_base))
+        fell = pooled.policies.get("routepack", {}).get("fallbacks", 0)
+        parts.append("%s %s (vs %s%s)" % (os.path.basename(entry["config"]), fmt_pct(pooled.margin("routepack")),
+                                          pooled.best_base, "; routepack fell back at %d of %d steps"
+                                          % (fell, pooled.steps) if fell else ""))
     return "; ".join(parts)
 
 
