@@ -1754,30 +1754,54 @@ void cost_summary(const rp_cost *c, const cost_state *s, rp_cost_summary *out)
     out->expert_imbalance = x_imb / ((double)M * L * c->Q);
 }
 
-/* Pipeline figures (docs/cost-model.md, "Pipeline figures"), in the sync domain that sets
- * the step: its critical path, and the busiest stage's own passes along it. */
+/* The sync domain that sets mini-batch b's time, as cost_step_from takes it. */
+static int32_t minibatch_domain(const rp_cost *c, const cost_state *s, int32_t b, double *time)
+{
+    int32_t q = 0;
+    double worst = 0.0;
+    for (int32_t d = 0; d < c->NQ; d++) {
+        double sum = domain_sum(c, s, s->layer_t, d, b);
+        if (d == 0 || sum > worst) worst = sum, q = d;
+    }
+    if (time) *time = worst;
+    return q;
+}
+
+/* Pipeline figures (docs/cost-model.md, "Pipeline figures"): per mini-batch (each its own
+ * pipeline) the critical path of the sync domain that sets it, and each stage's own
+ * passes in that domain; summed over the mini-batches, times the epochs. Not on a hot
+ * path: the domains' paths are recomputed per stage rather than kept. */
 static void pipeline_summary(const rp_cost *c, const cost_state *s, rp_pipeline_summary *out)
 {
-    const int32_t M = s->M, L = c->L;
+    const int32_t L = c->L, Mk = s->M / c->K;
     memset(out, 0, sizeof *out);
-    const int32_t q = c->NQ > 1 ? cost_critical_domain(c, s) : 0;
     out->stages = c->PP;
     out->step_s = s->step_s;
-    out->critical_path_s = domain_sum(c, s, s->layer_t, q);
+    for (int32_t b = 0; b < c->K; b++) {
+        double worst;
+        minibatch_domain(c, s, b, &worst);
+        out->critical_path_s += worst;
+    }
+    out->critical_path_s *= c->epochs;
     out->stage_busy_s = out->critical_path_s; /* one stage: the path is its passes */
-    if (c->PP > 1) {
-        for (int32_t r = 0; r < c->PP; r++) {
-            double busy = 0.0;
-            for (int32_t m = 0; m < M; m++)
+    for (int32_t r = 0; r < c->PP && c->PP > 1; r++) {
+        double busy = 0.0;
+        for (int32_t b = 0; b < c->K; b++) {
+            const int32_t q = minibatch_domain(c, s, b, NULL);
+            const int32_t *order = cost_domain_order(c, s, q);
+            for (int32_t pos = b * Mk; pos < (b + 1) * Mk; pos++) {
+                const int32_t m = order ? order[pos] : pos;
                 for (int32_t l = 0; l < L; l++)
                     if (c->layer_stage[l] == r) {
                         const double *t = s->layer_t + ((size_t)m * L + l) * c->LW;
                         busy += t[c->NQ + q] + t[2 * c->NQ + q];
                     }
-            if (r == 0 || busy > out->stage_busy_s) {
-                out->stage_busy_s = busy;
-                out->busiest_stage = r;
             }
+        }
+        busy *= c->epochs;
+        if (r == 0 || busy > out->stage_busy_s) {
+            out->stage_busy_s = busy;
+            out->busiest_stage = r;
         }
     }
     out->bubble_s = out->critical_path_s > out->stage_busy_s ? out->critical_path_s - out->stage_busy_s : 0.0;

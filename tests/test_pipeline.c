@@ -432,6 +432,22 @@ static void test_uniform(void)
                fabs(a.expert_s - b.expert_s) <= 1e-12 * b.expert_s,
            "PP 1: path = busy = the step, no bubble; the expert term sums every stage's work (PP 2 %.6g s = PP 1 "
            "%.6g s)", a.expert_s, b.expert_s);
+        /* 2 mini-batches of 2 microbatches, 2 epochs: each mini-batch its own pipeline,
+         * path (2 + 1) x 3 T each, 2 x 2 x 9 T = 36 T; each stage busy 2 x 4 x 3 T = 24 T */
+        rp_config *mb2 = config(topo, ", \"execution\": {\"sync\": \"global\"},"
+                                " \"trainer\": {\"mini_batches\": 2, \"epochs\": 2}", &err);
+        rp_cost *c_mb = NULL;
+        rp_cost_summary sm;
+        pst = mb2 ? rp_cost_new(ctx, mb2, batch, stats, RP_SPLIT_EVEN, &c_mb, &err) : RP_EINVAL;
+        if (pst == RP_OK) pst = rp_cost_evaluate(c_mb, pp, &sm, &err);
+        if (pst == RP_OK) pst = rp_cost_pipeline_summary(c_mb, &p, &err);
+        ok(pst == RP_OK && fabs(p.critical_path_s - 36 * T) <= 1e-12 * sm.step_s &&
+               fabs(p.stage_busy_s - 24 * T) <= 1e-12 * sm.step_s && fabs(p.bubble_s - 12 * T) <= 1e-12 * sm.step_s &&
+               fabs(sm.step_s - 36 * T) <= 1e-12 * sm.step_s,
+           "2 mini-batches x 2 epochs: path 36 T (%.6g s), busiest stage 24 T, bubble 12 T", p.critical_path_s);
+        if (pst != RP_OK) diag("%s", err.text);
+        rp_cost_free(c_mb);
+        rp_config_free(mb2);
         rp_cost *fresh = NULL;
         pst = rp_cost_new(ctx, cfg, batch, stats, RP_SPLIT_EVEN, &fresh, &err);
         if (pst == RP_OK) pst = rp_cost_pipeline_summary(fresh, &p, &err);

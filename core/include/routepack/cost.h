@@ -52,9 +52,10 @@ typedef struct rp_cost_summary {
 
 /* Added after the first version (rp_cost_summary is embedded in rp_step_report, so it
  * stays as it was). How the step of the last evaluated plan splits along the pipeline
- * (docs/cost-model.md, "Pipeline figures"), in the sync domain that sets the step.
- * Without PP: 1 stage, critical_path_s = stage_busy_s = step_s - grad_reduce_s -
- * extra_copy_s, bubble_s 0. */
+ * (docs/cost-model.md, "Pipeline figures"): per mini-batch (trainer.mini_batches; each
+ * its own pipeline) in the sync domain that sets it, summed over the mini-batches, times
+ * trainer.epochs. Without PP: 1 stage, critical_path_s = stage_busy_s, bubble_s 0 (with
+ * one mini-batch and epoch: step_s - grad_reduce_s - extra_copy_s). */
 typedef struct rp_pipeline_summary {
     int32_t stages;          /* pipeline_parallel_size */
     int32_t busiest_stage;   /* the stage whose passes take longest (the lowest on ties) */
