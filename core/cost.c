@@ -1458,7 +1458,11 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
      * slots of every (microbatch, layer) */
     int64_t per_seq = rp_batch_num_tokens(c->batch) / c->N + 1;
     per_seq = per_seq * c->top_k < E ? per_seq * c->top_k : E;
-    double work = (double)L * ((double)M * S + (double)(cells / L) + (double)c->N * per_seq) + c->N;
+    /* and each (microbatch, layer, EP group)'s dispatch pairs (cost_group_rebuild): with
+     * EP 64 and 256 experts this is twice the counts, so leaving it out priced an
+     * evaluation at a third of its work */
+    double work = (double)L * ((double)M * S + (double)(cells / L) + (double)c->N * per_seq +
+                               (double)M * Q * 2.0 * ep * (E + ep)) + c->N;
     if (units) *units = work < 9e18 ? (int64_t)work : INT64_MAX;
     if (bytes) *bytes = total;
     return RP_OK;

@@ -668,8 +668,12 @@ int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *b)
 int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *b)
 {
     const rp_model *md = rp_config_model(cfg);
+    const rp_topology *t = rp_config_topology(cfg);
     int64_t n = rp_batch_num_seqs(b), M = rp_lua_expected_microbatches(cfg, b);
-    return (int64_t)md->num_layers * (n * seq_entries(md, b) + M * rp_config_topology(cfg)->num_gpus * md->num_experts) + n;
+    /* as rp_cost_evaluation_needs counts it: the histograms, the (microbatch, layer, GPU,
+     * expert) counts, and each (microbatch, layer, EP group)'s dispatch pairs */
+    int64_t pairs = (int64_t)(t->num_gpus / t->ep_size) * 2 * t->ep_size * (md->num_experts + t->ep_size);
+    return (int64_t)md->num_layers * (n * seq_entries(md, b) + M * ((int64_t)t->num_gpus * md->num_experts + pairs)) + n;
 }
 
 /* A full evaluation of `p` on the step's evaluator, paid for before it runs: its work is

@@ -741,8 +741,12 @@ static void test_instruction_budget(void)
     for (size_t i = 0; i < n_ids; i++) big[i] = (uint8_t)((i * 2654435761u >> 7) % (uint32_t)md->num_experts);
     rp_routing r;
     rp_routing_packed(&r, RP_ID_U8, md->num_layers, md->top_k, big);
-    /* 16 x (L (N min(E, k (LEN + 1)) + M G E) + N), M = 160000 / (8 x 16384) + 1 = 2 */
-    const int64_t want = 16 * ((int64_t)md->num_layers * ((int64_t)N * md->num_experts + 2 * 8 * md->num_experts) + N);
+    /* 16 x (L (N min(E, k (LEN + 1)) + M (G E + Q 2 ep (E + ep))) + N),
+     * M = 160000 / (8 x 16384) rounded up = 2, G = ep = 8, Q = 1 */
+    const int64_t want =
+        16 * ((int64_t)md->num_layers *
+                  ((int64_t)N * md->num_experts + 2 * (8 * md->num_experts + 2 * 8 * (md->num_experts + 8))) +
+              N);
     char text[64];
     snprintf(text, sizeof text, "instruction limit (%lld)", (long long)want);
     rp_sched_options o;
@@ -939,13 +943,14 @@ static const rp_step_report *spread_step(int64_t max_instructions, size_t max_me
 
 static void test_engine_work(void)
 {
-    /* 16 layers x (64 seqs x 64 experts + 64 mb x 8 GPUs x 64 experts + 64 mb x 80 slots) + 64 */
+    /* 16 layers x (64 seqs x 64 experts + 64 mb x 8 GPUs x 64 experts + 64 mb x 80 slots
+     * + 64 mb x 1 EP group x 2 x 8 EP ranks x (64 experts + 8)) + 64 */
     const rp_step_report *rep = spread_step(300000, (size_t)32 << 20, SPREAD_BODY);
     ok(rep && rep->fallback, "a plan whose evaluation is over the instruction limit falls back");
     if (rep)
         like(rep->fallback_reason,
              "returned a plan the engine will not evaluate: evaluating it (64 microbatches x 16 layers x 8 GPUs x 64 "
-             "experts) would take 671808 work units, over the instruction limit of 300000",
+             "experts) would take 1851456 work units, over the instruction limit of 300000",
              "the reason names the shape, the work and the limit");
     rep = spread_step(300000, (size_t)32 << 20, "return ctx.plan");
     ok(rep && !rep->fallback, "under the same limits an ordinary plan is evaluated");
