@@ -136,10 +136,15 @@ def render(work, root, commit=None):
         pooled = Pooled(runs)
         config = entry["config"]
         with open(config if os.path.isabs(config) else os.path.join(root, config)) as c:
-            topo = json.load(c)["topology"]
+            conf = json.load(c)
+        topo, trainer = conf["topology"], conf.get("trainer", {})
+        # mini-batches and epochs (trainer.mini_batches, trainer.epochs) are named where set
+        batches = [("%d mini-batches" % trainer["mini_batches"]) if trainer.get("mini_batches", 1) > 1 else "",
+                   ("%d epochs" % trainer["epochs"]) if trainer.get("epochs", 1) > 1 else ""]
+        batches = ", ".join(b for b in batches if b)
         sh = runs[0][1].d["shape"]
         steps = sorted({n for _, n, _ in entry["runs"]})
-        out += ["### %s" % os.path.basename(config), "", layout(topo) + ".", "",
+        out += ["### %s" % os.path.basename(config), "", layout(topo) + (" (%s a rollout batch)" % batches if batches else "") + ".", "",
                 "%s, seeds %s, %s steps each. The planner's view: %d DP ranks in EP groups of %d DP ranks, "
                 "%d layers x %d experts, top-%d." % (
                     os.path.basename(entry["gen"]), ", ".join(seed for seed, _, _ in entry["runs"]),
