@@ -112,59 +112,21 @@ static void test_mapping(void)
 
 /* ---- a hand-computed CP 2 toy ---- */
 
-typedef struct setup {
-    rp_config *cfg;
-    rp_batch *batch;
-    rp_stats *stats;
-    rp_plan *plan;
-    rp_cost *cost;
-    uint8_t *ids;
-    rp_cost_summary sum;
-} setup;
-
-static const int32_t LENS[4] = {30, 20, 10, 40};
-
-/* 2 DP ranks, 4 slots each (experts 0-3 on rank 0, 4-7 on rank 1), sequences 0, 1 on
- * rank 0 and 2, 3 on rank 1 in one microbatch; every token picks experts 0 and 5 at both
- * layers (as in test_tp). */
-static bool setup_make(setup *s, const char *topology)
+/* test_util.h's toy on `topology`, one copy per token-choice (the hand figures count
+ * choices; the de-duplicated modes estimate copies from per-sequence histograms). */
+static bool setup_make(toy_scene *s, const char *topology)
 {
     rp_error err;
-    memset(s, 0, sizeof *s);
-    s->cfg = config(topology, ", \"execution\": {\"dispatch_dedup\": \"choice\"}", &err);
-    if (!s->cfg) {
+    rp_config *cfg = config(topology, ", \"execution\": {\"dispatch_dedup\": \"choice\"}", &err);
+    if (!cfg) {
         diag("config: %s", err.text);
         return false;
     }
-    int32_t zero[4] = {0};
-    if (rp_batch_new(ctx, 4, LENS, zero, NULL, &s->batch, &err) != RP_OK) return false;
-    s->ids = malloc(100 * 4);
-    for (int t = 0; t < 100 * 2; t++) {
-        s->ids[2 * t] = 0;
-        s->ids[2 * t + 1] = 5;
-    }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, 2, 2, s->ids);
-    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return false;
-    int32_t rank[4] = {0, 0, 1, 1}, mb[4] = {0};
-    if (rp_plan_new(ctx, s->cfg, 1, &s->plan, &err) != RP_OK || rp_plan_set_packing(s->plan, 4, rank, mb, &err) ||
-        rp_plan_set_contiguous(s->plan, &err) ||
-        rp_cost_new(ctx, s->cfg, s->batch, s->stats, RP_SPLIT_EVEN, &s->cost, &err) ||
-        rp_cost_evaluate(s->cost, s->plan, &s->sum, &err)) {
+    if (!toy_scene_make(ctx, s, cfg, &err)) {
         diag("setup: %s", err.text);
         return false;
     }
     return true;
-}
-
-static void setup_free(setup *s)
-{
-    rp_cost_free(s->cost);
-    rp_plan_free(s->plan);
-    rp_stats_free(s->stats);
-    free(s->ids);
-    rp_batch_free(s->batch);
-    rp_config_free(s->cfg);
 }
 
 /* The toy on 4 GPUs of one node: CP 1 (4 DP ranks would change the plan, so TP 2 stands
@@ -196,7 +158,7 @@ static void setup_free(setup *s)
  *     + 4 x 3.007111e-06) = 2.882704e-04 s. */
 static void test_hand(void)
 {
-    setup tp, cp;
+    toy_scene tp, cp;
     bool ok1 = setup_make(&tp, "\"num_nodes\": 1, \"gpus_per_node\": 4, \"tensor_parallel_size\": 2,"
                                " \"expert_tensor_parallel_size\": 1, \"ep_size\": 4, \"slots_per_gpu\": 2");
     bool ok2 = setup_make(&cp, "\"num_nodes\": 1, \"gpus_per_node\": 4, \"context_parallel_size\": 2,"
@@ -245,8 +207,8 @@ static void test_hand(void)
     const double big = rp_cost_attention_s(cp.cost, 16384), big_tp = rp_cost_attention_s(tp.cost, 16384);
     ok(close_to(big, big_tp), "16k tokens: the same attention per GPU under CP 2 and TP 2 (%.6g s)", big);
 out:
-    if (ok1) setup_free(&tp);
-    if (ok2) setup_free(&cp);
+    if (ok1) toy_scene_free(&tp);
+    if (ok2) toy_scene_free(&cp);
 }
 
 /* ---- random plans ---- */

@@ -93,67 +93,28 @@ static void test_mapping(void)
 
 /* ---- hand-computed divisors ---- */
 
-typedef struct setup {
-    rp_config *cfg;
-    rp_batch *batch;
-    rp_stats *stats;
-    rp_plan *plan;
-    rp_cost *cost;
-    uint8_t *ids;
-} setup;
-
-static const int32_t LENS[4] = {30, 20, 10, 40};
-
-/* 2 DP ranks, 4 slots each (experts 0-3 on rank 0, 4-7 on rank 1), sequences 0, 1 on
- * rank 0 and 2, 3 on rank 1 in one microbatch; every token picks experts 0 and 5 at both
- * layers: each rank sends its 50 tokens' choice of the other rank's expert, and expert 0
- * and 5 each take all 100 tokens. */
-static bool setup_make(setup *s, const char *topology)
+/* test_util.h's toy on `topology`, one copy per token-choice (the hand figures count
+ * choices; the de-duplicated modes estimate copies from per-sequence histograms). */
+static bool setup_make(toy_scene *s, const char *topology)
 {
     rp_error err;
-    memset(s, 0, sizeof *s);
-    /* one copy per token-choice: the hand figures count choices (the de-duplicated
-     * modes estimate copies from per-sequence histograms) */
-    s->cfg = config(topology, ", \"execution\": {\"dispatch_dedup\": \"choice\"}", &err);
-    if (!s->cfg) {
+    rp_config *cfg = config(topology, ", \"execution\": {\"dispatch_dedup\": \"choice\"}", &err);
+    if (!cfg) {
         diag("config: %s", err.text);
         return false;
     }
-    int32_t zero[4] = {0};
-    if (rp_batch_new(ctx, 4, LENS, zero, NULL, &s->batch, &err) != RP_OK) return false;
-    s->ids = malloc(100 * 4);
-    for (int t = 0; t < 100 * 2; t++) {
-        s->ids[2 * t] = 0;
-        s->ids[2 * t + 1] = 5;
-    }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, 2, 2, s->ids);
-    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return false;
-    int32_t rank[4] = {0, 0, 1, 1}, mb[4] = {0};
-    if (rp_plan_new(ctx, s->cfg, 1, &s->plan, &err) != RP_OK || rp_plan_set_packing(s->plan, 4, rank, mb, &err) ||
-        rp_plan_set_contiguous(s->plan, &err) || rp_cost_new(ctx, s->cfg, s->batch, s->stats, RP_SPLIT_EVEN, &s->cost, &err) ||
-        rp_cost_evaluate(s->cost, s->plan, NULL, &err)) {
+    if (!toy_scene_make(ctx, s, cfg, &err)) {
         diag("setup: %s", err.text);
         return false;
     }
     return true;
 }
 
-static void setup_free(setup *s)
-{
-    rp_cost_free(s->cost);
-    rp_plan_free(s->plan);
-    rp_stats_free(s->stats);
-    free(s->ids);
-    rp_batch_free(s->batch);
-    rp_config_free(s->cfg);
-}
-
 static bool close_to(double a, double b) { return fabs(a - b) <= 1e-12 * fabs(b) + 1e-21; }
 
 static void test_divisors(void)
 {
-    setup one, tp, fold;
+    toy_scene one, tp, fold;
     /* TP 1: 2 GPUs; TP 2 ETP 2: 4 GPUs in 2 TP groups, each one EP rank of 4 slots;
      * TP 2 ETP 1 (folding): 4 GPUs, 4 EP ranks of 2 slots, 2 per DP rank. Same plan shape. */
     bool ok1 = setup_make(&one, "\"num_nodes\": 1, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": 4");
@@ -194,9 +155,9 @@ static void test_divisors(void)
     ok(close_to(rp_cost_expert_move_s(tp.cost, true) - lat, (rp_cost_expert_move_s(one.cost, true) - lat) / 2),
        "moving an expert into a DP rank of 2 GPUs: twice the bandwidth");
 out:
-    if (ok1) setup_free(&one);
-    if (ok2) setup_free(&tp);
-    if (ok3) setup_free(&fold);
+    if (ok1) toy_scene_free(&one);
+    if (ok2) toy_scene_free(&tp);
+    if (ok3) toy_scene_free(&fold);
 }
 
 /* Memory per GPU: a DP rank of TP GPUs holds the same as one GPU at TP 1, over TP. */
@@ -333,7 +294,7 @@ static void test_surrogate_comm(void)
     static const char *const name[3] = {"TP 1", "TP 2 ETP 1", "TP 2 CP 2 ETP 1"};
     const double nv = 450e9, lat = 3e-6, d = 64, f = 32, bpe = 2;
     for (int i = 0; i < 3; i++) {
-        setup s;
+        toy_scene s;
         if (!setup_make(&s, topo[i])) {
             skip(4, "setup");
             continue;
@@ -367,7 +328,7 @@ static void test_surrogate_comm(void)
         ok(close_to(jt.grad_net_s, x / bw_net + t->net_latency_s) &&
                close_to(jt.grad_net_s, x / (rank_gpus * t->net_bytes_per_s) + t->net_latency_s),
            "%s: and across nodes", name[i]);
-        setup_free(&s);
+        toy_scene_free(&s);
     }
 }
 

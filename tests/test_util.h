@@ -186,6 +186,54 @@ static inline void random_placement(int32_t *phy, const int32_t *sb, int32_t S, 
     }
 }
 
+/* The hand-computed toy of test_tp and test_cp: 4 sequences of 30, 20, 10 and 40 tokens,
+ * 0 and 1 on DP rank 0 and 2 and 3 on DP rank 1 in one microbatch, the contiguous placement
+ * (experts 0-3 on rank 0, 4-7 on rank 1 with 8 experts), every token picking experts 0 and 5
+ * at both of the config's 2 layers: each rank sends its 50 tokens' choice of the other
+ * rank's expert, and experts 0 and 5 each take all 100 tokens. Evaluated once into `sum`.
+ * Takes `cfg` (NULL: fails); toy_scene_free frees it, also after a failure. */
+typedef struct toy_scene {
+    rp_config *cfg;
+    rp_batch *batch;
+    rp_stats *stats;
+    rp_plan *plan;
+    rp_cost *cost;
+    uint8_t *ids;
+    rp_cost_summary sum;
+} toy_scene;
+
+static inline bool toy_scene_make(rp_context *ctx, toy_scene *s, rp_config *cfg, rp_error *err)
+{
+    static const int32_t lens[4] = {30, 20, 10, 40};
+    memset(s, 0, sizeof *s);
+    if (!(s->cfg = cfg)) return false;
+    int32_t zero[4] = {0};
+    if (rp_batch_new(ctx, 4, lens, zero, NULL, &s->batch, err) != RP_OK) return false;
+    s->ids = malloc(100 * 4);
+    for (int t = 0; t < 100 * 2; t++) {
+        s->ids[2 * t] = 0;
+        s->ids[2 * t + 1] = 5;
+    }
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, 2, 2, s->ids);
+    int32_t rank[4] = {0, 0, 1, 1}, mb[4] = {0};
+    return rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, err) == RP_OK &&
+           rp_plan_new(ctx, s->cfg, 1, &s->plan, err) == RP_OK &&
+           rp_plan_set_packing(s->plan, 4, rank, mb, err) == RP_OK && rp_plan_set_contiguous(s->plan, err) == RP_OK &&
+           rp_cost_new(ctx, s->cfg, s->batch, s->stats, RP_SPLIT_EVEN, &s->cost, err) == RP_OK &&
+           rp_cost_evaluate(s->cost, s->plan, &s->sum, err) == RP_OK;
+}
+
+static inline void toy_scene_free(toy_scene *s)
+{
+    rp_cost_free(s->cost);
+    rp_plan_free(s->plan);
+    rp_stats_free(s->stats);
+    free(s->ids);
+    rp_batch_free(s->batch);
+    rp_config_free(s->cfg);
+}
+
 /* The whole file, NUL-terminated (so text can be used as a string), malloc'd: free it.
  * Its length goes to *len when len is not NULL. NULL if it cannot be read. */
 static inline void *slurp(const char *path, size_t *len)
