@@ -1348,6 +1348,24 @@ static rp_status state_alloc(rp_cost *c, const rp_plan *plan, cost_state **out, 
 
 /* ---- what an evaluation will take, before it is paid ----------------------------------- */
 
+int64_t cost_work_units(const rp_config *cfg, const rp_batch *batch, int64_t M, int64_t S)
+{
+    const rp_model *md = rp_config_model(cfg);
+    const rp_topology *t = rp_config_topology(cfg);
+    const int64_t L = md->num_layers, E = md->num_experts, G = t->num_gpus, ep = t->ep_size, Q = G / ep;
+    const int64_t N = rp_batch_num_seqs(batch);
+    /* every sequence's histogram at every layer: its nonzero experts, about
+     * min(E, seq_len x top_k) */
+    int64_t per_seq = (rp_batch_num_tokens(batch) / (N > 0 ? N : 1) + 1) * md->top_k;
+    if (per_seq > E) per_seq = E;
+    /* then per (microbatch, layer): the slots, the (GPU, expert) counts, and each EP
+     * group's dispatch pairs, 2 x ep x (E + ep) (cost_group_rebuild; with EP 64 and 256
+     * experts twice the counts) */
+    double work = (double)L * ((double)M * S + (double)M * G * E + (double)N * per_seq +
+                               (double)M * Q * 2.0 * ep * (E + ep)) + N;
+    return work < 9e18 ? (int64_t)work : INT64_MAX;
+}
+
 /* Bytes of take(count, size): the same rounding, so the sums below equal what
  * state_alloc and scratch_alloc hand out (tests/test_cost.c holds them to it). */
 static void need(int64_t count, size_t size, bool *bad, size_t *total)
@@ -1453,17 +1471,7 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     need(E, sizeof(int32_t), &bad, &total);
     if (bad)
         return rp_fail(err, RP_ERANGE, "cost: a plan of %lld microbatches is too large to evaluate", (long long)M);
-    /* work: every sequence's histogram at every layer (its nonzero experts, about
-     * min(E, seq_len x top_k)), the (microbatch, layer, GPU, expert) counts and the
-     * slots of every (microbatch, layer) */
-    int64_t per_seq = rp_batch_num_tokens(c->batch) / c->N + 1;
-    per_seq = per_seq * c->top_k < E ? per_seq * c->top_k : E;
-    /* and each (microbatch, layer, EP group)'s dispatch pairs (cost_group_rebuild): with
-     * EP 64 and 256 experts this is twice the counts, so leaving it out priced an
-     * evaluation at a third of its work */
-    double work = (double)L * ((double)M * S + (double)(cells / L) + (double)c->N * per_seq +
-                               (double)M * Q * 2.0 * ep * (E + ep)) + c->N;
-    if (units) *units = work < 9e18 ? (int64_t)work : INT64_MAX;
+    if (units) *units = cost_work_units(c->cfg, c->batch, M, S);
     if (bytes) *bytes = total;
     return RP_OK;
 }

@@ -228,6 +228,12 @@ static inline void group_result_note(group_result *res, int32_t g, double x, dou
  * scan the routing first (rp_sched_step) check this before the scan, so a batch the
  * evaluator cannot take is refused at once, not after reading every id. */
 rp_status cost_check_inputs(const rp_config *cfg, const rp_batch *batch, rp_error *err);
+/* The work units of one full evaluation of a plan of M microbatches and S slots an EP group
+ * for `batch` under `cfg`, from their shapes alone: the one formula behind
+ * rp_cost_evaluation_needs (what rp.evaluate charges) and rp_lua_evaluation_units (what
+ * rp.joint charges an evaluation and the default step budget counts). Saturates at
+ * INT64_MAX. */
+int64_t cost_work_units(const rp_config *cfg, const rp_batch *batch, int64_t M, int64_t S);
 double cost_slot_time(const rp_cost *c, double tokens);
 /* Padding tokens of a sequence of `len` tokens (0 without CP). */
 static inline int64_t cost_pad(const rp_cost *c, int64_t len)

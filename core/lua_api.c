@@ -1,6 +1,7 @@
 /* The `rp` table policies call: the C primitives (sorting, LPT, Karmarkar-Karp,
  * two-criteria partitioning, replicas, placement), baselines, plan evaluation and local
  * search, each bounded in its input sizes and charging its work to the sandbox. */
+#include "cost_internal.h"
 #include "limits_internal.h"
 #include "lua_api.h"
 
@@ -646,17 +647,6 @@ static void push_summary(lua_State *L, const rp_cost_summary *s)
     lua_setfield(L, -2, "straggler_side");
 }
 
-/* Work of one full evaluation: every sequence's histogram at every layer (its nonzero
- * experts: about min(E, seq_len * top_k)), and the (microbatch, layer, GPU, expert)
- * counts. One unit is about one elementary step; calibrated so that a unit costs about
- * what a VM instruction does (docs/policies.md). */
-static int64_t seq_entries(const rp_model *md, const rp_batch *b)
-{
-    int64_t n = b ? rp_batch_num_seqs(b) : 1;
-    int64_t per_seq = b ? (rp_batch_num_tokens(b) / (n > 0 ? n : 1) + 1) * md->top_k : md->top_k;
-    return per_seq < md->num_experts ? per_seq : md->num_experts;
-}
-
 int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *b)
 {
     /* what a plan runs: the fixed count, or the fewest the caps and the trainer's
@@ -667,13 +657,12 @@ int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *b)
 
 int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *b)
 {
-    const rp_model *md = rp_config_model(cfg);
+    /* a plan of the expected microbatches over the topology's slots (rp_plan_new counts
+     * an EP group's from its EP ranks'), priced as rp_cost_evaluation_needs prices it */
     const rp_topology *t = rp_config_topology(cfg);
-    int64_t n = rp_batch_num_seqs(b), M = rp_lua_expected_microbatches(cfg, b);
-    /* as rp_cost_evaluation_needs counts it: the histograms, the (microbatch, layer, GPU,
-     * expert) counts, and each (microbatch, layer, EP group)'s dispatch pairs */
-    int64_t pairs = (int64_t)(t->num_gpus / t->ep_size) * 2 * t->ep_size * (md->num_experts + t->ep_size);
-    return (int64_t)md->num_layers * (n * seq_entries(md, b) + M * ((int64_t)t->num_gpus * md->num_experts + pairs)) + n;
+    int64_t slots = 0;
+    for (int32_t j = 0; j < t->ep_size; j++) slots += t->slots[j];
+    return cost_work_units(cfg, b, rp_lua_expected_microbatches(cfg, b), slots);
 }
 
 /* A full evaluation of `p` on the step's evaluator, paid for before it runs: its work is

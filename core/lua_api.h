@@ -144,9 +144,9 @@ int32_t rp_lua_experts_moved(rp_context *ctx, const rp_plan *from, const rp_plan
 /* Microbatches a plan for `batch` is expected to have (limits.num_microbatches when set,
  * else the fewest the caps, trainer.mini_batches and microbatch_multiple allow:
  * rp_limits_least_microbatches),
- * and the work units of one full evaluation of such a plan, as rp.evaluate charges them
- * (without the slot term): what rp.joint charges per evaluation and what the scheduler
- * sizes a step's instruction budget by. */
+ * and the work units of one full evaluation of such a plan over the topology's slots, as
+ * rp.evaluate charges them (cost_work_units): what rp.joint charges per evaluation and
+ * what the scheduler sizes a step's instruction budget by. */
 int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *batch);
 int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *batch);
 

@@ -741,12 +741,12 @@ static void test_instruction_budget(void)
     for (size_t i = 0; i < n_ids; i++) big[i] = (uint8_t)((i * 2654435761u >> 7) % (uint32_t)md->num_experts);
     rp_routing r;
     rp_routing_packed(&r, RP_ID_U8, md->num_layers, md->top_k, big);
-    /* 16 x (L (N min(E, k (LEN + 1)) + M (G E + Q 2 ep (E + ep))) + N),
-     * M = 160000 / (8 x 16384) rounded up = 2, G = ep = 8, Q = 1 */
-    const int64_t want =
-        16 * ((int64_t)md->num_layers *
-                  ((int64_t)N * md->num_experts + 2 * (8 * md->num_experts + 2 * 8 * (md->num_experts + 8))) +
-              N);
+    /* 16 x (L (N min(E, k (LEN + 1)) + M (S + G E + Q 2 ep (E + ep))) + N) on
+     * config-small.json: L = 16, E = 64, k = 8, G = ep = 8, Q = 1, S = 8 x 10 = 80 slots,
+     * M = 160000 / (8 x 16384) rounded up = 2, N = 20000, LEN = 8, so min(64, 72) = 64:
+     * 16 x (16 x (1280000 + 2 x (80 + 512 + 1152)) + 20000) = 16 x (16 x 1283488 + 20000)
+     * = 16 x 20555808 = 328892928 */
+    const int64_t want = 328892928;
     char text[64];
     snprintf(text, sizeof text, "instruction limit (%lld)", (long long)want);
     rp_sched_options o;
@@ -764,6 +764,27 @@ static void test_instruction_budget(void)
     ok(s && rp_sched_step(s, 0, b, &r, &p, &rep, &err) == RP_OK, "steps with an explicit limit");
     if (rep) like(rep->fallback_reason, "instruction limit (1000000)", "an explicit limit is kept as given");
     rp_sched_free(s);
+    /* the budget's estimate is what rp.evaluate charges a plan of that shape: one formula */
+    int64_t M = rp_lua_expected_microbatches(cfg, b), units = -1;
+    int32_t *rank = malloc(N * sizeof *rank), *mb = malloc(N * sizeof *mb);
+    for (int i = 0; i < N; i++) rank[i] = i % 8, mb[i] = i % (int32_t)M;
+    rp_stats *stats = NULL;
+    rp_plan *plan = NULL;
+    rp_cost *cost = NULL;
+    bool made = rp_stats_compute(ctx, b, &r, md->num_experts, 1, &stats, &err) == RP_OK &&
+                rp_plan_new(ctx, cfg, (int32_t)M, &plan, &err) == RP_OK &&
+                rp_plan_set_packing(plan, N, rank, mb, &err) == RP_OK && rp_plan_set_contiguous(plan, &err) == RP_OK &&
+                rp_cost_new(ctx, cfg, b, stats, RP_SPLIT_EVEN, &cost, &err) == RP_OK &&
+                rp_cost_evaluation_needs(cost, plan, &units, NULL, &err) == RP_OK;
+    if (!made) diag("%s", err.text);
+    ok(made && M == 2 && units == want / 16 && rp_lua_evaluation_units(cfg, b) == units,
+       "rp.evaluate's units on a plan of the expected %lld microbatches (%lld) are the budget's evaluation (%lld)",
+       (long long)M, (long long)units, (long long)(want / 16));
+    rp_cost_free(cost);
+    rp_plan_free(plan);
+    rp_stats_free(stats);
+    free(rank);
+    free(mb);
     free(big);
     free(lens);
     free(zero);

@@ -172,7 +172,8 @@ RP_API int64_t rp_cost_operations(const rp_cost *cost);
  * allocates (the evaluator holds it afterwards, and the previous plan's meanwhile),
  * exactly; *units, its work in elementary steps (sequence histograms over the layers,
  * the microbatch x layer x GPU x expert counts, the slots of every microbatch and
- * layer), the units rp.evaluate charges. Either pointer may be NULL. Errors: the shape
+ * layer, each microbatch, layer and EP group's dispatch pairs), the units rp.evaluate
+ * charges. Either pointer may be NULL. Errors: the shape
  * checks of rp_cost_evaluate (RP_EINVAL), RP_ERANGE when no evaluation could hold it.
  * Lets a caller refuse a plan before paying for it (docs/policies.md, Limits). */
 RP_API rp_status rp_cost_evaluation_needs(const rp_cost *cost, const rp_plan *plan, int64_t *units,
