@@ -213,77 +213,17 @@ out:
 
 /* ---- random plans ---- */
 
-typedef struct scene {
-    rp_config *cfg;
-    rp_batch *batch;
-    rp_stats *stats;
-    rp_plan *plan;
-    uint8_t *ids;
-    int32_t n, M;
-} scene;
-
 #define LAYERS 4
 
 /* A random batch of 6-29 sequences (a few long ones) routed over 8 experts at LAYERS
  * layers, packed at random into M microbatches, with a random placement. */
-static bool scene_make(scene *s, const char *topo, const char *extra, int32_t M)
+static bool scene_make(random_scene *s, const char *topo, const char *extra, int32_t M)
 {
     rp_error err;
-    memset(s, 0, sizeof *s);
-    s->cfg = config_l(topo, extra, LAYERS, 1 << rnd(3), &err);
-    if (!s->cfg) {
-        diag("config %s: %s", topo, err.text);
-        return false;
-    }
-    const rp_topology *t = rp_config_topology(s->cfg);
-    int32_t n = s->n = 6 + (int32_t)rnd(24), lens[32], zero[32] = {0};
-    for (int i = 0; i < n; i++) lens[i] = 1 + (int32_t)(rnd(5) ? rnd(400) : rnd(6000));
-    rp_batch_new(ctx, n, lens, zero, NULL, &s->batch, &err);
-    int64_t tokens = rp_batch_num_tokens(s->batch);
-    s->ids = malloc((size_t)tokens * LAYERS * 2);
-    for (int64_t k = 0; k < tokens * LAYERS; k++) {
-        uint8_t a = (uint8_t)(rnd(4) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
-        if (b == a) b = (uint8_t)((a + 1) % 8);
-        s->ids[2 * k] = a;
-        s->ids[2 * k + 1] = b;
-    }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, LAYERS, 2, s->ids);
-    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return diag("%s", err.text), false;
-    s->M = M;
-    int32_t rank[32], mb[32];
-    for (int i = 0; i < n; i++) rank[i] = (int32_t)rnd((uint32_t)t->num_gpus), mb[i] = (int32_t)rnd((uint32_t)M);
-    rp_plan_new(ctx, s->cfg, M, &s->plan, &err);
-    rp_plan_set_packing(s->plan, n, rank, mb, &err);
-    int32_t S = rp_plan_total_slots(s->plan), phy[256];
-    const int32_t *sb = rp_plan_slot_begin(s->plan);
-    for (int32_t l = 0; l < LAYERS; l++) {
-        for (int32_t p = 0; p < S; p++) phy[p] = p < 8 ? p : -1;
-        for (int32_t p = 7; p > 0; p--) {
-            int32_t q = (int32_t)rnd((uint32_t)p + 1), tmp = phy[p];
-            phy[p] = phy[q];
-            phy[q] = tmp;
-        }
-        for (int32_t p = 8; p < S; p++) {
-            int32_t e = (int32_t)rnd(8), j = 0;
-            while (sb[j + 1] <= p) j++;
-            bool held = false;
-            for (int32_t k = sb[j]; k < sb[j + 1]; k++) held |= phy[k] == e;
-            if (!held) phy[p] = e;
-        }
-        rp_plan_set_phy2log(s->plan, l, phy, &err);
-    }
-    if (rp_plan_validate(s->plan, s->cfg, s->batch, &err) != RP_OK) return diag("plan: %s", err.text), false;
-    return true;
-}
-
-static void scene_free(scene *s)
-{
-    rp_plan_free(s->plan);
-    rp_stats_free(s->stats);
-    free(s->ids);
-    rp_batch_free(s->batch);
-    rp_config_free(s->cfg);
+    bool made = random_scene_make(ctx, s, config_l(topo, extra, LAYERS, 1 << rnd(3), &err), 6, 400, 6000, M, true,
+                                  &rng_state, &err);
+    if (!made) diag("scene on %s: %s", topo, err.text);
+    return made;
 }
 
 static uint64_t fnv(uint64_t h, double v)
@@ -323,9 +263,9 @@ static uint64_t cp1_hash(bool explicit_cp, int *cases)
         snprintf(extra, sizeof extra,
                  ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\"}",
                  SYNCS[rnd(2)], OVERLAPS[rnd(2)], DEDUPS[rnd(3)]);
-        scene s;
+        random_scene s;
         if (!scene_make(&s, topo, extra, 1 + (int32_t)rnd(3))) {
-            scene_free(&s);
+            random_scene_free(&s);
             continue;
         }
         rp_error err;
@@ -345,7 +285,7 @@ static uint64_t cp1_hash(bool explicit_cp, int *cases)
             diag("case %d: %s", it, err.text);
         }
         rp_cost_free(cost);
-        scene_free(&s);
+        random_scene_free(&s);
     }
     return h;
 }
@@ -383,10 +323,10 @@ static void test_random(void)
         snprintf(extra, sizeof extra,
                  ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\"}",
                  SYNCS[rnd(2)], OVERLAPS[rnd(2)], DEDUPS[rnd(3)]);
-        scene s;
+        random_scene s;
         if (!scene_make(&s, topo, extra, 1 + (int32_t)rnd(3))) {
             bad_bound++;
-            scene_free(&s);
+            random_scene_free(&s);
             continue;
         }
         rp_error err;
@@ -430,7 +370,7 @@ static void test_random(void)
             }
         }
         rp_cost_free(cost);
-        scene_free(&s);
+        random_scene_free(&s);
     }
     ok(bad_bound == 0 && cases == 40,
        "bound <= step on %d random plans with CP 2-4 (TP 1-2, ETP, PP 1-2, DP ranks across nodes, mixed speeds)",

@@ -223,63 +223,15 @@ static void test_group_by_hand(void)
 
 /* ---- random plans: the step's terms, try == full, the bound ---- */
 
-typedef struct scene {
-    rp_config *cfg, *flat; /* K, E as asked; the same with K = E = 1 */
-    rp_batch *batch;
-    rp_stats *stats;
-    rp_plan *plan;
-    uint8_t *ids;
-    int32_t n, M;
-} scene;
-
 /* A random batch of 8-31 sequences over 8 experts and 6 layers, packed at random into M
  * microbatches (a multiple of K), with a random placement with replicas where slots are
  * spare (so the replica gradient reduction is not zero). */
-static bool scene_make(scene *s, const char *topo, const char *extra, const char *trainer, int32_t M)
+static bool scene_make(random_scene *s, const char *topo, const char *extra, const char *trainer, int32_t M)
 {
     rp_error err;
-    memset(s, 0, sizeof *s);
-    s->cfg = config(topo, extra, trainer, &err);
-    s->flat = config(topo, extra, "", &err);
-    if (!s->cfg || !s->flat) return diag("config %s {%s}: %s", topo, trainer, err.text), false;
-    const rp_topology *t = rp_config_topology(s->cfg);
-    int32_t n = s->n = 8 + (int32_t)rnd(24), lens[32], zero[32] = {0};
-    for (int i = 0; i < n; i++) lens[i] = 1 + (int32_t)rnd(300);
-    rp_batch_new(ctx, n, lens, zero, NULL, &s->batch, &err);
-    int64_t tokens = rp_batch_num_tokens(s->batch);
-    s->ids = malloc((size_t)tokens * 6 * 2);
-    for (int64_t k = 0; k < tokens * 6; k++) {
-        uint8_t a = (uint8_t)(rnd(4) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
-        if (b == a) b = (uint8_t)((a + 1) % 8);
-        s->ids[2 * k] = a;
-        s->ids[2 * k + 1] = b;
-    }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, 6, 2, s->ids);
-    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return diag("%s", err.text), false;
-    s->M = M;
-    int32_t rank[32], mb[32];
-    for (int i = 0; i < n; i++) rank[i] = (int32_t)rnd((uint32_t)t->num_gpus), mb[i] = (int32_t)rnd((uint32_t)M);
-    rp_plan_new(ctx, s->cfg, M, &s->plan, &err);
-    rp_plan_set_packing(s->plan, n, rank, mb, &err);
-    int32_t S = rp_plan_total_slots(s->plan), phy[256];
-    const int32_t *sb = rp_plan_slot_begin(s->plan);
-    for (int32_t l = 0; l < 6; l++) {
-        random_placement(phy, sb, S, 8, &rng_state);
-        rp_plan_set_phy2log(s->plan, l, phy, &err);
-    }
-    if (rp_plan_validate(s->plan, s->cfg, s->batch, &err) != RP_OK) return diag("plan: %s", err.text), false;
-    return true;
-}
-
-static void scene_free(scene *s)
-{
-    rp_plan_free(s->plan);
-    rp_stats_free(s->stats);
-    free(s->ids);
-    rp_batch_free(s->batch);
-    rp_config_free(s->cfg);
-    rp_config_free(s->flat);
+    bool made = random_scene_make(ctx, s, config(topo, extra, trainer, &err), 8, 300, 0, M, true, &rng_state, &err);
+    if (!made) diag("scene on %s {%s}: %s", topo, trainer, err.text);
+    return made;
 }
 
 /* Without PP under global sync the step is E x (the sum of every T(m, l) + K x the
@@ -294,15 +246,16 @@ static void test_terms(void)
         snprintf(trainer, sizeof trainer, "\"mini_batches\": %d, \"epochs\": %d", K, E);
         snprintf(extra, sizeof extra, ", \"execution\": {\"sync\": \"global\", \"overlap\": \"%s\"}",
                  it % 2 ? "layer" : "none");
-        scene s;
+        const char *topo = "\"num_nodes\": 2, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": 6";
+        random_scene s;
         rp_cost *cost = NULL, *flat = NULL;
         rp_cost_summary sum, one;
         rp_error err;
-        if (!scene_make(&s, "\"num_nodes\": 2, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": 6", extra,
-                        trainer, M) ||
+        rp_config *flat_cfg = NULL; /* the same with K = E = 1 */
+        if (!scene_make(&s, topo, extra, trainer, M) || !(flat_cfg = config(topo, extra, "", &err)) ||
             rp_cost_new(ctx, s.cfg, s.batch, s.stats, RP_SPLIT_EVEN, &cost, &err) != RP_OK ||
             rp_cost_evaluate(cost, s.plan, &sum, &err) != RP_OK ||
-            rp_cost_new(ctx, s.flat, s.batch, s.stats, RP_SPLIT_EVEN, &flat, &err) != RP_OK ||
+            rp_cost_new(ctx, flat_cfg, s.batch, s.stats, RP_SPLIT_EVEN, &flat, &err) != RP_OK ||
             rp_cost_evaluate(flat, s.plan, &one, &err) != RP_OK) {
             bad++;
         } else {
@@ -322,7 +275,8 @@ static void test_terms(void)
         }
         rp_cost_free(cost);
         rp_cost_free(flat);
-        scene_free(&s);
+        rp_config_free(flat_cfg);
+        random_scene_free(&s);
     }
     ok(bad == 0 && cases == 24 && with_grad > 0,
        "step = E (sum T(m, l) + K grad + extra), summary terms x E and x E K (%d plans, %d with replica gradients)",
@@ -347,14 +301,15 @@ static void test_random_pp(void)
         snprintf(extra, sizeof extra, ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\"}", syncs[rnd(2)],
                  overlaps[rnd(2)]);
         snprintf(trainer, sizeof trainer, "\"mini_batches\": %d, \"epochs\": %d", K, K == 1 ? 1 : E);
-        scene s;
+        random_scene s;
         rp_cost *cost = NULL, *flat = NULL;
         rp_cost_summary sum, one;
         rp_error err;
-        if (!scene_make(&s, topo, extra, trainer, K * Mk) ||
+        rp_config *flat_cfg = NULL; /* the same with K = E = 1 */
+        if (!scene_make(&s, topo, extra, trainer, K * Mk) || !(flat_cfg = config(topo, extra, "", &err)) ||
             rp_cost_new(ctx, s.cfg, s.batch, s.stats, RP_SPLIT_EVEN, &cost, &err) != RP_OK ||
             rp_cost_evaluate(cost, s.plan, &sum, &err) != RP_OK ||
-            rp_cost_new(ctx, s.flat, s.batch, s.stats, RP_SPLIT_EVEN, &flat, &err) != RP_OK ||
+            rp_cost_new(ctx, flat_cfg, s.batch, s.stats, RP_SPLIT_EVEN, &flat, &err) != RP_OK ||
             rp_cost_evaluate(flat, s.plan, &one, &err) != RP_OK) {
             diag("case %d: %s", it, err.text);
             bad_bound++;
@@ -382,7 +337,8 @@ static void test_random_pp(void)
         }
         rp_cost_free(cost);
         rp_cost_free(flat);
-        scene_free(&s);
+        rp_config_free(flat_cfg);
+        random_scene_free(&s);
     }
     ok(bad_same == 0, "mini_batches 1, epochs 1 given: the summary of a config without them, bit for bit");
     ok(bad_bound == 0 && cases == 30, "bound <= step on %d random PP plans with 1-3 mini-batches and 1-2 epochs",
@@ -400,7 +356,7 @@ static void test_order_per_mini_batch(void)
         const int32_t K = 2 + (int32_t)rnd(2), Mk = 3 + (int32_t)rnd(3);
         char trainer[64];
         snprintf(trainer, sizeof trainer, "\"mini_batches\": %d", K);
-        scene s;
+        random_scene s;
         rp_cost *cost = NULL, *fresh = NULL;
         rp_cost_summary sum, fs;
         rp_error err;
@@ -429,7 +385,7 @@ static void test_order_per_mini_batch(void)
         }
         rp_cost_free(cost);
         rp_cost_free(fresh);
-        scene_free(&s);
+        random_scene_free(&s);
     }
     ok(bad == 0 && cases == 12 && reordered > 0,
        "PP 2: each mini-batch ordered on its own, the plan valid, its step a fresh evaluation's and no longer "

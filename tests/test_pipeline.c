@@ -274,65 +274,15 @@ static void test_schedule(void)
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
 static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n); }
 
-typedef struct scene {
-    rp_config *cfg;
-    rp_batch *batch;
-    rp_stats *stats;
-    rp_plan *plan;
-    uint8_t *ids;
-    int32_t n, M;
-} scene;
-
 /* A random batch of 8-31 sequences routed over 8 experts at 6 layers, packed at random
  * into M microbatches, with a random placement (extra replicas where slots are spare). */
-static bool scene_make(scene *s, const char *topo, const char *extra, int32_t M)
+static bool scene_make(random_scene *s, const char *topo, const char *extra, int32_t M)
 {
     rp_error err;
-    memset(s, 0, sizeof *s);
-    s->cfg = config(topo, extra, &err);
-    if (!s->cfg) {
-        diag("config %s: %s", topo, err.text);
-        return false;
-    }
-    const rp_topology *t = rp_config_topology(s->cfg);
-    int32_t n = s->n = 8 + (int32_t)rnd(24), lens[32], zero[32] = {0};
-    for (int i = 0; i < n; i++) lens[i] = 1 + (int32_t)rnd(300);
-    rp_batch_new(ctx, n, lens, zero, NULL, &s->batch, &err);
-    int64_t tokens = rp_batch_num_tokens(s->batch);
-    s->ids = malloc((size_t)tokens * 6 * 2);
-    for (int64_t k = 0; k < tokens * 6; k++) {
-        uint8_t a = (uint8_t)(rnd(4) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
-        if (b == a) b = (uint8_t)((a + 1) % 8);
-        s->ids[2 * k] = a;
-        s->ids[2 * k + 1] = b;
-    }
-    rp_routing r;
-    rp_routing_packed(&r, RP_ID_U8, 6, 2, s->ids);
-    if (rp_stats_compute(ctx, s->batch, &r, 8, 1, &s->stats, &err) != RP_OK) return diag("%s", err.text), false;
-    s->M = M;
-    int32_t rank[32], mb[32];
-    for (int i = 0; i < n; i++) rank[i] = (int32_t)rnd((uint32_t)t->num_gpus), mb[i] = (int32_t)rnd((uint32_t)M);
-    rp_plan_new(ctx, s->cfg, M, &s->plan, &err);
-    rp_plan_set_packing(s->plan, n, rank, mb, &err);
-    int32_t S = rp_plan_total_slots(s->plan), phy[256];
-    const int32_t *sb = rp_plan_slot_begin(s->plan);
-    for (int32_t l = 0; l < 6; l++) {
-        random_placement(phy, sb, S, 8, &rng_state);
-        rp_plan_set_phy2log(s->plan, l, phy, &err);
-    }
     /* a random packing breaks a low token cap: only the joint test sets one, and plans itself */
-    if (token_cap == 0 && rp_plan_validate(s->plan, s->cfg, s->batch, &err) != RP_OK)
-        return diag("plan: %s", err.text), false;
-    return true;
-}
-
-static void scene_free(scene *s)
-{
-    rp_plan_free(s->plan);
-    rp_stats_free(s->stats);
-    free(s->ids);
-    rp_batch_free(s->batch);
-    rp_config_free(s->cfg);
+    bool made = random_scene_make(ctx, s, config(topo, extra, &err), 8, 300, 0, M, token_cap == 0, &rng_state, &err);
+    if (!made) diag("scene on %s: %s", topo, err.text);
+    return made;
 }
 
 /* PP 1 is the sum over (m, l) of the layer times, added in that order, as before pipelines:
@@ -341,7 +291,7 @@ static void test_pp1_exact(void)
 {
     int bad = 0, cases = 0;
     for (int it = 0; it < 20; it++) {
-        scene s;
+        random_scene s;
         const char *topo = it % 2 ? "\"num_nodes\": 1, \"gpus_per_node\": 4, \"pipeline_parallel_size\": 1"
                                   : "\"num_nodes\": 2, \"gpus_per_node\": 2, \"ep_size\": 2";
         const char *extra = it % 4 < 2 ? ", \"execution\": {\"sync\": \"global\"}"
@@ -362,7 +312,7 @@ static void test_pp1_exact(void)
             if (sum.step_s != ref) bad++, diag("case %d: step %.17g, sum of layers %.17g", it, sum.step_s, ref);
         }
         rp_cost_free(cost);
-        scene_free(&s);
+        random_scene_free(&s);
     }
     ok(bad == 0 && cases == 20, "PP 1: the step is the sum of T(m, l) in (m, l) order, bit for bit (%d plans)", cases);
 }
@@ -479,7 +429,7 @@ static void test_random(void)
         snprintf(extra, sizeof extra, ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\"}", syncs[rnd(2)],
                  overlaps[rnd(2)]);
         int32_t M = vpp > 1 ? pp * (1 + (int32_t)rnd(2)) : 1 + (int32_t)rnd(5);
-        scene s;
+        random_scene s;
         rp_cost *cost = NULL;
         rp_cost_summary sum;
         rp_error err;
@@ -512,7 +462,7 @@ static void test_random(void)
             }
         }
         rp_cost_free(cost);
-        scene_free(&s);
+        random_scene_free(&s);
     }
     ok(bad_bound == 0 && cases == 40, "bound <= step on %d random plans with PP 2-4, VPP 1-2, every sync and overlap",
        cases);
@@ -640,7 +590,7 @@ static void test_order_search(void)
         snprintf(topo, sizeof topo,
                  "\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": %d, \"ep_size\": %d", pp,
                  8 / pp);
-        scene s;
+        random_scene s;
         rp_cost *cost = NULL;
         rp_error err;
         rp_cost_summary sum;
@@ -649,7 +599,7 @@ static void test_order_search(void)
             rp_cost_evaluate(cost, s.plan, &sum, &err) != RP_OK) {
             bad_exact++;
             rp_cost_free(cost);
-            scene_free(&s);
+            random_scene_free(&s);
             continue;
         }
         const int32_t G = rp_config_topology(s.cfg)->num_gpus;
@@ -683,7 +633,7 @@ static void test_order_search(void)
         }
         rp_cost_free(fresh);
         rp_cost_free(cost);
-        scene_free(&s);
+        random_scene_free(&s);
     }
     ok(bad_exact == 0, "M <= 6: the chosen order's step is the best over every order (brute force), and the plan's");
     ok(bad_large == 0, "M 7-12: never slower than index order");
@@ -696,7 +646,7 @@ static void test_joint(void)
 {
     int bad = 0, ordered = 0, cases = 0;
     for (int it = 0; it < 6; it++) {
-        scene s;
+        random_scene s;
         rp_error err;
         char topo[256];
         snprintf(topo, sizeof topo, "\"num_nodes\": 2, \"gpus_per_node\": 4, \"pipeline_parallel_size\": 2,"
@@ -705,6 +655,7 @@ static void test_joint(void)
         bool made = scene_make(&s, topo, it % 2 ? ", \"execution\": {\"sync\": \"global\"}" : "", 2);
         token_cap = 0;
         if (!made) {
+            random_scene_free(&s);
             bad++;
             continue;
         }
@@ -728,7 +679,7 @@ static void test_joint(void)
         }
         rp_cost_free(cost);
         rp_plan_free(plan);
-        scene_free(&s);
+        random_scene_free(&s);
     }
     ok(bad == 0 && cases == 6, "the joint planner under PP 2: valid plans, ordered no slower than index order (%d of %d "
        "carry an order)", ordered, cases);

@@ -186,6 +186,87 @@ static inline void random_placement(int32_t *phy, const int32_t *sb, int32_t S, 
     }
 }
 
+/* A random step to evaluate (test_cp, test_minibatch, test_pipeline): a batch, its routing
+ * and statistics, and a plan of M microbatches packing it at random over a random
+ * placement. random_scene_free frees it, also after a failure. */
+typedef struct random_scene {
+    rp_config *cfg;
+    rp_batch *batch;
+    rp_stats *stats;
+    rp_plan *plan;
+    uint8_t *ids;
+    int32_t n, M; /* sequences, microbatches */
+} random_scene;
+
+/* Into s, taking `cfg` (NULL: fails, err as its parse left it; the model must have top_k 2):
+ * min_seqs + 0..23 sequences of 1 + rnd(max_len) tokens, or when long_len > 0 one in five
+ * of 1 + rnd(long_len); each token's 2 distinct experts at every layer, the first among
+ * experts 0-2 three times in four; each sequence on a random DP rank and microbatch; each
+ * layer's placement random_placement's; the plan validated when `validate` (false when
+ * the test's caps would refuse a random packing). Draws from xorshift64(rng) only, in a
+ * fixed order, so a test's random plans (and test_cp's frozen hash over them) stay as they
+ * were. False with the reason in err->text. */
+static inline bool random_scene_make(rp_context *ctx, random_scene *s, rp_config *cfg, int32_t min_seqs,
+                                     int32_t max_len, int32_t long_len, int32_t M, bool validate, uint64_t *rng,
+                                     rp_error *err)
+{
+    memset(s, 0, sizeof *s);
+    if (!(s->cfg = cfg)) return false;
+    rp_error_clear(err);
+    const rp_model *md = rp_config_model(cfg);
+    const uint32_t E = (uint32_t)md->num_experts, G = (uint32_t)rp_config_topology(cfg)->num_gpus;
+    const int32_t L = md->num_layers, n = s->n = min_seqs + (int32_t)(xorshift64(rng) % 24);
+    s->M = M;
+    int32_t *lens = calloc((size_t)n, sizeof *lens), *zero = calloc((size_t)n + 1, sizeof *zero);
+    int32_t *rank = calloc((size_t)n, sizeof *rank), *mb = calloc((size_t)n, sizeof *mb), *phy = NULL;
+    bool good = lens && zero && rank && mb && md->top_k == 2;
+    for (int32_t i = 0; good && i < n; i++) {
+        bool is_long = long_len > 0 && xorshift64(rng) % 5 == 0;
+        lens[i] = 1 + (int32_t)(xorshift64(rng) % (uint32_t)(is_long ? long_len : max_len));
+    }
+    good = good && rp_batch_new(ctx, n, lens, zero, NULL, &s->batch, err) == RP_OK;
+    int64_t choices = good ? rp_batch_num_tokens(s->batch) * L : 0;
+    good = good && (s->ids = malloc((size_t)choices * 2 + 1)) != NULL;
+    for (int64_t k = 0; good && k < choices; k++) {
+        uint8_t a = (uint8_t)(xorshift64(rng) % 4 ? xorshift64(rng) % 3 : xorshift64(rng) % E);
+        uint8_t b = (uint8_t)(xorshift64(rng) % E);
+        s->ids[2 * k] = a;
+        s->ids[2 * k + 1] = b == a ? (uint8_t)((a + 1) % E) : b;
+    }
+    rp_routing r;
+    rp_routing_packed(&r, RP_ID_U8, L, 2, s->ids);
+    good = good && rp_stats_compute(ctx, s->batch, &r, (int32_t)E, 1, &s->stats, err) == RP_OK;
+    for (int32_t i = 0; good && i < n; i++) {
+        rank[i] = (int32_t)(xorshift64(rng) % G);
+        mb[i] = (int32_t)(xorshift64(rng) % (uint32_t)M);
+    }
+    good = good && rp_plan_new(ctx, cfg, M, &s->plan, err) == RP_OK &&
+           rp_plan_set_packing(s->plan, n, rank, mb, err) == RP_OK;
+    const int32_t S = good ? rp_plan_total_slots(s->plan) : 0;
+    good = good && (phy = calloc((size_t)S + 1, sizeof *phy)) != NULL;
+    for (int32_t l = 0; good && l < L; l++) {
+        random_placement(phy, rp_plan_slot_begin(s->plan), S, (int32_t)E, rng);
+        good = rp_plan_set_phy2log(s->plan, l, phy, err) == RP_OK;
+    }
+    good = good && (!validate || rp_plan_validate(s->plan, cfg, s->batch, err) == RP_OK);
+    if (!good && !err->text[0]) snprintf(err->text, sizeof err->text, "out of memory, or top_k is not 2");
+    free(lens);
+    free(zero);
+    free(rank);
+    free(mb);
+    free(phy);
+    return good;
+}
+
+static inline void random_scene_free(random_scene *s)
+{
+    rp_plan_free(s->plan);
+    rp_stats_free(s->stats);
+    free(s->ids);
+    rp_batch_free(s->batch);
+    rp_config_free(s->cfg);
+}
+
 /* The hand-computed toy of test_tp and test_cp: 4 sequences of 30, 20, 10 and 40 tokens,
  * 0 and 1 on DP rank 0 and 2 and 3 on DP rank 1 in one microbatch, the contiguous placement
  * (experts 0-3 on rank 0, 4-7 on rank 1 with 8 experts), every token picking experts 0 and 5
