@@ -28,23 +28,9 @@ static bool fixture_make(fixture *f, int nodes, int cap, const char *slots, int3
              " \"limits\": {\"max_tokens_per_microbatch\": %d}}",
              nodes, 4 / nodes, slots, cap);
     rp_error err;
-    memset(f, 0, sizeof *f);
-    if (!(f->cfg = test_config_parse(ctx, json, &err)) || !batch_fixture_batch(ctx, f, n, lens, NULL, NULL, &err)) {
-        diag("fixture: %s", err.text);
-        return false;
-    }
-    int64_t tokens = rp_batch_num_tokens(f->batch);
-    for (int64_t t = 0; t < tokens * 2; t++) {
-        uint8_t a = (uint8_t)(rnd(3) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
-        if (b == a) b = (uint8_t)((a + 1) % 8);
-        f->ids[2 * t] = a;
-        f->ids[2 * t + 1] = b;
-    }
-    if (!batch_fixture_stats(ctx, f, &err)) {
-        diag("stats: %s", err.text);
-        return false;
-    }
-    return true;
+    bool made = batch_fixture_random(ctx, f, json, n, lens, &rng_state, &err);
+    if (!made) diag("fixture: %s", err.text);
+    return made;
 }
 
 /* Lists a plan's packing as text "[[a, b], [c]] [[..]] ..." per rank. */

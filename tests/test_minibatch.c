@@ -463,36 +463,14 @@ static void test_validation(void)
 
 typedef batch_fixture fixture; /* test_util.h */
 
-/* 4 GPUs on one node in EP groups of `ep`, 2 layers of 8 experts, top-2, cap `cap`. */
+/* test_util.h's trainer_fixture_make on this file's random numbers. */
 static bool fixture_make(fixture *f, int ep, int cap, const char *trainer, int32_t n, const int32_t *lens)
 {
-    char json[1024];
-    snprintf(json, sizeof json,
-             "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": %d, \"slots_per_gpu\": %d},"
-             " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
-             "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
-             " \"limits\": {\"max_tokens_per_microbatch\": %d}, \"trainer\": {%s}}",
-             ep, 8 / ep + 1, cap, trainer);
     rp_error err;
-    if (!batch_fixture_make(ctx, f, json, n, lens, NULL, NULL, &err)) {
-        diag("fixture: %s", err.text);
-        return false;
-    }
-    int64_t tokens = rp_batch_num_tokens(f->batch); /* 2 layers x top-2 ids each */
-    for (int64_t t = 0; t < tokens * 2; t++) {
-        uint8_t a = (uint8_t)(rnd(3) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
-        if (b == a) b = (uint8_t)((a + 1) % 8);
-        f->ids[2 * t] = a;
-        f->ids[2 * t + 1] = b;
-    }
-    if (!batch_fixture_stats(ctx, f, &err)) {
-        diag("stats: %s", err.text);
-        return false;
-    }
-    return true;
+    bool made = trainer_fixture_make(ctx, f, ep, cap, trainer, n, lens, &rng_state, &err);
+    if (!made) diag("fixture: %s", err.text);
+    return made;
 }
-
-static void fixture_free(fixture *f) { batch_fixture_free(f); }
 
 /* Sequences and tokens of rank g in mini-batch b. */
 static void mini_batch_load(const rp_plan *p, const rp_batch *batch, int32_t K, int32_t g, int32_t b,
@@ -579,7 +557,7 @@ static void test_every_packer(void)
                "{%s}: the joint planner: valid, every mini-batch's ranks within 1.35 x the mean tokens (worst %.3f, "
                "chose %s)", trainers[t], worst, st == RP_OK ? rep.chosen : "-");
             rp_plan_free(p);
-            fixture_free(&f);
+            batch_fixture_free(&f);
         }
 }
 
@@ -614,7 +592,7 @@ static void test_baseline_split(void)
     ok(split, "each rank's 4 sequences split in id order: 2 then 2 (verl's DataProto.split)");
     rp_plan_free(p);
     p = NULL;
-    fixture_free(&f);
+    batch_fixture_free(&f);
     /* 12 sequences over 4 ranks: 3 a rank do not divide into 2 mini-batches */
     if (!fixture_make(&f, 4, 1000, "\"mini_batches\": 2, \"equal_sequences_per_rank\": true", 12, lens)) {
         skip(4, "fixture");
@@ -628,7 +606,7 @@ static void test_baseline_split(void)
     is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &jp, &p, NULL, &err), RP_EINVAL,
            "so does the joint planner");
     like(err.text, "give the step a multiple of 8 sequences or turn the key off", "saying what to do: %s", err.text);
-    fixture_free(&f);
+    batch_fixture_free(&f);
 }
 
 /* The local search moves and swaps sequences only inside their mini-batch. */
@@ -667,7 +645,7 @@ static void test_search_keeps_mini_batches(void)
         }
         rp_cost_free(cost);
         rp_plan_free(p);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 
@@ -717,7 +695,7 @@ static void test_expected_microbatches(void)
         if (!batch_fixture_stats(ctx, &f, &err)) {
             diag("stats: %s", err.text);
             skip(2, "stats");
-            fixture_free(&f);
+            batch_fixture_free(&f);
             continue;
         }
         int64_t M = rp_lua_expected_microbatches(f.cfg, f.batch);
@@ -731,7 +709,7 @@ static void test_expected_microbatches(void)
         ok(st == RP_OK && rp_plan_num_microbatches(p) == M, "the joint planner's plan has %d microbatches",
            p ? rp_plan_num_microbatches(p) : -1);
         rp_plan_free(p);
-        fixture_free(&f);
+        batch_fixture_free(&f);
     }
 }
 

@@ -217,12 +217,7 @@ static void test_random(void)
         rp_batch_new(ctx, n, lens, zero, NULL, &batch, &err);
         int64_t tokens = rp_batch_num_tokens(batch);
         uint8_t *ids = malloc((size_t)tokens * 4);
-        for (int64_t k = 0; k < tokens * 2; k++) {
-            uint8_t a = (uint8_t)(rnd(4) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
-            if (b == a) b = (uint8_t)((a + 1) % 8);
-            ids[2 * k] = a;
-            ids[2 * k + 1] = b;
-        }
+        random_top2(ids, tokens * 2, 8, 4, &rng_state);
         rp_routing r;
         rp_routing_packed(&r, RP_ID_U8, 2, 2, ids);
         rp_stats *stats = NULL;

@@ -19,35 +19,13 @@ static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n);
 
 typedef batch_fixture fixture; /* test_util.h */
 
-/* 4 GPUs on one node in EP groups of `ep`, 2 layers of 8 experts, top-2, cap `cap`
- * tokens, `trainer` the trainer section's body ("" for none). */
+/* test_util.h's trainer_fixture_make on this file's random numbers. */
 static bool fixture_make(fixture *f, int ep, int cap, const char *trainer, int32_t n, const int32_t *lens)
 {
-    char json[1024];
-    snprintf(json, sizeof json,
-             "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": %d, \"slots_per_gpu\": %d},"
-             " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
-             "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
-             " \"limits\": {\"max_tokens_per_microbatch\": %d}%s%s%s}",
-             ep, 8 / ep + 1, cap, *trainer ? ", \"trainer\": {" : "", trainer, *trainer ? "}" : "");
     rp_error err;
-    memset(f, 0, sizeof *f);
-    if (!(f->cfg = test_config_parse(ctx, json, &err)) || !batch_fixture_batch(ctx, f, n, lens, NULL, NULL, &err)) {
-        diag("fixture: %s", err.text);
-        return false;
-    }
-    int64_t tokens = rp_batch_num_tokens(f->batch); /* 2 layers x top-2 ids each */
-    for (int64_t t = 0; t < tokens * 2; t++) {
-        uint8_t a = (uint8_t)(rnd(3) ? rnd(3) : rnd(8)), b = (uint8_t)rnd(8);
-        if (b == a) b = (uint8_t)((a + 1) % 8);
-        f->ids[2 * t] = a;
-        f->ids[2 * t + 1] = b;
-    }
-    if (!batch_fixture_stats(ctx, f, &err)) {
-        diag("stats: %s", err.text);
-        return false;
-    }
-    return true;
+    bool made = trainer_fixture_make(ctx, f, ep, cap, trainer, n, lens, &rng_state, &err);
+    if (!made) diag("fixture: %s", err.text);
+    return made;
 }
 
 static int32_t rank_count(const rp_plan *p, int32_t g)

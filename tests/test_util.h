@@ -186,6 +186,51 @@ static inline void random_placement(int32_t *phy, const int32_t *sb, int32_t S, 
     }
 }
 
+/* Random top-2 routing into ids[2 x choices] over E experts (E <= 256): each first choice
+ * among experts 0-2 but one time in `skew` (then any expert), each second any other expert.
+ * Draws from xorshift64(rng) only, in a fixed order, so the tests' figures over it stay. */
+static inline void random_top2(uint8_t *ids, int64_t choices, uint32_t E, uint32_t skew, uint64_t *rng)
+{
+    for (int64_t k = 0; k < choices; k++) {
+        uint8_t a = (uint8_t)(xorshift64(rng) % skew ? xorshift64(rng) % 3 : xorshift64(rng) % E);
+        uint8_t b = (uint8_t)(xorshift64(rng) % E);
+        ids[2 * k] = a;
+        ids[2 * k + 1] = b == a ? (uint8_t)((a + 1) % E) : b;
+    }
+}
+
+/* batch_fixture_make with random routing: random_top2's, the first choices skewed to
+ * experts 0-2 two times in three, at every layer of the config (whose top_k must be 2). */
+static inline bool batch_fixture_random(rp_context *ctx, batch_fixture *f, const char *json, int32_t n,
+                                        const int32_t *lens, uint64_t *rng, rp_error *err)
+{
+    if (!batch_fixture_make(ctx, f, json, n, lens, NULL, NULL, err)) return false;
+    const rp_model *m = rp_config_model(f->cfg);
+    bool good = m->top_k == 2;
+    if (!good) snprintf(err->text, sizeof err->text, "random routing is top-2, the config has top_k %d", m->top_k);
+    if (good) random_top2(f->ids, rp_batch_num_tokens(f->batch) * m->num_layers, (uint32_t)m->num_experts, 3, rng);
+    good = good && batch_fixture_stats(ctx, f, err);
+    if (!good) batch_fixture_free(f);
+    return good;
+}
+
+/* test_trainer's and test_minibatch's fixture: 4 GPUs on one node in EP groups of `ep`
+ * (8 / ep + 1 slots each), 2 layers of 8 experts, top-2, microbatches of at most `cap`
+ * tokens, `trainer` the trainer section's body ("" for the defaults); n prompt-only
+ * sequences of lens[s] tokens with batch_fixture_random's routing. */
+static inline bool trainer_fixture_make(rp_context *ctx, batch_fixture *f, int ep, int cap, const char *trainer,
+                                        int32_t n, const int32_t *lens, uint64_t *rng, rp_error *err)
+{
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": %d, \"slots_per_gpu\": %d},"
+             " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
+             "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
+             " \"limits\": {\"max_tokens_per_microbatch\": %d}, \"trainer\": {%s}}",
+             ep, 8 / ep + 1, cap, trainer);
+    return batch_fixture_random(ctx, f, json, n, lens, rng, err);
+}
+
 /* A random step to evaluate (test_cp, test_minibatch, test_pipeline): a batch, its routing
  * and statistics, and a plan of M microbatches packing it at random over a random
  * placement. random_scene_free frees it, also after a failure. */
@@ -201,7 +246,7 @@ typedef struct random_scene {
 /* Into s, taking `cfg` (NULL: fails, err as its parse left it; the model must have top_k 2):
  * min_seqs + 0..23 sequences of 1 + rnd(max_len) tokens, or when long_len > 0 one in five
  * of 1 + rnd(long_len); each token's 2 distinct experts at every layer, the first among
- * experts 0-2 three times in four; each sequence on a random DP rank and microbatch; each
+ * experts 0-2 three times in four (random_top2); each sequence on a random DP rank and microbatch; each
  * layer's placement random_placement's; the plan validated when `validate` (false when
  * the test's caps would refuse a random packing). Draws from xorshift64(rng) only, in a
  * fixed order, so a test's random plans (and test_cp's frozen hash over them) stay as they
@@ -227,12 +272,7 @@ static inline bool random_scene_make(rp_context *ctx, random_scene *s, rp_config
     good = good && rp_batch_new(ctx, n, lens, zero, NULL, &s->batch, err) == RP_OK;
     int64_t choices = good ? rp_batch_num_tokens(s->batch) * L : 0;
     good = good && (s->ids = malloc((size_t)choices * 2 + 1)) != NULL;
-    for (int64_t k = 0; good && k < choices; k++) {
-        uint8_t a = (uint8_t)(xorshift64(rng) % 4 ? xorshift64(rng) % 3 : xorshift64(rng) % E);
-        uint8_t b = (uint8_t)(xorshift64(rng) % E);
-        s->ids[2 * k] = a;
-        s->ids[2 * k + 1] = b == a ? (uint8_t)((a + 1) % E) : b;
-    }
+    if (good) random_top2(s->ids, choices, E, 4, rng);
     rp_routing r;
     rp_routing_packed(&r, RP_ID_U8, L, 2, s->ids);
     good = good && rp_stats_compute(ctx, s->batch, &r, (int32_t)E, 1, &s->stats, err) == RP_OK;
