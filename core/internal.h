@@ -47,6 +47,12 @@ rp_status rp_fail_nomem(rp_error *err, const char *what);
 
 void rp_log(rp_context *ctx, rp_log_level level, const char *fmt, ...) RP_PRINTF(3, 4);
 
+/* Optimal string alignment distance between a and b (Levenshtein plus adjacent
+ * transpositions, the commonest typo), for suggesting a near-miss name; SIZE_MAX when
+ * either is longer than RP_EDIT_DISTANCE_MAX_LEN bytes. */
+#define RP_EDIT_DISTANCE_MAX_LEN 64
+size_t rp_edit_distance(const char *a, const char *b);
+
 /* rp_registry_check over the layers with layers[l] set (NULL: every layer): under PP a
  * rank registers only its pipeline stage's layers (core/registry.c). */
 struct rp_registry;

@@ -382,37 +382,6 @@ const char *rp_jpath_index(char *buf, size_t size, const char *path, size_t inde
 
 /* ---- unknown keys --------------------------------------------------------------------- */
 
-#define SUGGEST_MAX_LEN 64
-
-/* Optimal string alignment distance (Levenshtein plus adjacent transpositions, the
- * commonest typo); SIZE_MAX for strings too long to bother. */
-static size_t edit_distance(const char *a, const char *b)
-{
-    size_t n = strlen(a), m = strlen(b);
-    if (n > SUGGEST_MAX_LEN || m > SUGGEST_MAX_LEN) return SIZE_MAX;
-    size_t rows[3][SUGGEST_MAX_LEN + 1];
-    size_t *prev2 = rows[0], *prev = rows[1], *cur = rows[2];
-    for (size_t j = 0; j <= m; j++) prev[j] = j;
-    for (size_t i = 1; i <= n; i++) {
-        cur[0] = i;
-        for (size_t j = 1; j <= m; j++) {
-            size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
-            size_t best = prev[j] + 1;
-            if (cur[j - 1] + 1 < best) best = cur[j - 1] + 1;
-            if (prev[j - 1] + cost < best) best = prev[j - 1] + cost;
-            if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] &&
-                prev2[j - 2] + 1 < best)
-                best = prev2[j - 2] + 1;
-            cur[j] = best;
-        }
-        size_t *t = prev2;
-        prev2 = prev;
-        prev = cur;
-        cur = t;
-    }
-    return prev[m];
-}
-
 /* A key as it may be shown in a message: control bytes replaced, length capped. */
 static void printable_key(char *out, size_t size, const char *key)
 {
@@ -466,7 +435,7 @@ rp_status rp_jdoc_check_keys(const rp_jdoc *doc, json_t *obj, const char *path,
         const char *best = NULL;
         size_t best_distance = SIZE_MAX, best_prefix = 0;
         for (size_t i = 0; allowed[i]; i++) {
-            size_t d = edit_distance(key, allowed[i]);
+            size_t d = rp_edit_distance(key, allowed[i]);
             size_t cand_len = strlen(allowed[i]);
             if (d > limit || d >= (key_len > cand_len ? key_len : cand_len)) continue;
             size_t prefix = 0;
@@ -477,7 +446,7 @@ rp_status rp_jdoc_check_keys(const rp_jdoc *doc, json_t *obj, const char *path,
                 best = allowed[i];
             }
         }
-        char shown[SUGGEST_MAX_LEN + 8];
+        char shown[RP_EDIT_DISTANCE_MAX_LEN + 8];
         printable_key(shown, sizeof shown, key);
         char where[PATH_MAX_TEXT + 2];
         snprintf(where, sizeof where, "%s%s", p, *p ? ": " : "");

@@ -459,22 +459,6 @@ void rp_lua_register_plan(lua_State *L, rp_lua_host *host)
 
 /* ---- table -> plan ---------------------------------------------------------------------- */
 
-static size_t edit_distance(const char *a, const char *b)
-{
-    size_t la = strlen(a), lb = strlen(b);
-    if (la > 40 || lb > 40) return 99;
-    size_t d[41][41];
-    for (size_t i = 0; i <= la; i++) d[i][0] = i;
-    for (size_t j = 0; j <= lb; j++) d[0][j] = j;
-    for (size_t i = 1; i <= la; i++)
-        for (size_t j = 1; j <= lb; j++) {
-            size_t sub = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
-            size_t del = d[i - 1][j] + 1, ins = d[i][j - 1] + 1;
-            d[i][j] = sub < del ? (sub < ins ? sub : ins) : (del < ins ? del : ins);
-        }
-    return d[la][lb];
-}
-
 /* Reject keys outside `known`: the first unknown key in a deterministic order (numbers
  * ascending, then strings by bytes), with a suggestion for a near miss. */
 static void check_keys(lua_State *L, int idx, const char *path, const char *const *known)
@@ -514,7 +498,7 @@ static void check_keys(lua_State *L, int idx, const char *path, const char *cons
     const char *best = NULL;
     size_t bd = 3;
     for (size_t i = 0; known[i]; i++) {
-        size_t d = edit_distance(k, known[i]);
+        size_t d = rp_edit_distance(k, known[i]);
         if (d < bd) bd = d, best = known[i];
     }
     if (best) rp_lua_error(L, "%s: unknown key '%s' (did you mean '%s'?)", path, k, best);

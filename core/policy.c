@@ -479,22 +479,6 @@ static rp_param *find_param(rp_policy *pol, const char *name)
     return NULL;
 }
 
-static size_t edit_distance(const char *a, const char *b)
-{
-    size_t la = strlen(a), lb = strlen(b);
-    if (la > 63 || lb > 63) return 99;
-    size_t d[64][64];
-    for (size_t i = 0; i <= la; i++) d[i][0] = i;
-    for (size_t j = 0; j <= lb; j++) d[0][j] = j;
-    for (size_t i = 1; i <= la; i++)
-        for (size_t j = 1; j <= lb; j++) {
-            size_t sub = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
-            size_t del = d[i - 1][j] + 1, ins = d[i][j - 1] + 1;
-            d[i][j] = sub < del ? (sub < ins ? sub : ins) : (del < ins ? del : ins);
-        }
-    return d[la][lb];
-}
-
 static rp_status unknown_param(rp_policy *pol, const char *key, rp_error *err)
 {
     char list[400];
@@ -504,7 +488,7 @@ static rp_status unknown_param(rp_policy *pol, const char *key, rp_error *err)
     size_t bd = 3;
     for (int32_t i = 0; i < pol->num_params && used < sizeof list; i++) {
         used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "", pol->params[i].name);
-        size_t d = edit_distance(key, pol->params[i].name);
+        size_t d = rp_edit_distance(key, pol->params[i].name);
         if (d < bd) bd = d, best = pol->params[i].name;
     }
     if (pol->num_params == 0)

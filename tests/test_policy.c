@@ -212,6 +212,8 @@ static void test_params(void)
     } bad[] = {
         {"{\"kk\": 2}", "policy 'demo': unknown param 'kk' (did you mean 'k'? the policy declares: fast, k, label, mode, rate)",
          "an unknown param, with a suggestion", RP_EINVAL},
+        {"{\"omed\": 2}", "unknown param 'omed' (did you mean 'mode'? the policy declares: fast, k, label, mode, rate)",
+         "two swaps of neighbours are two edits, near enough to suggest", RP_EINVAL},
         {"{\"zzzzzz\": 2}", "unknown param 'zzzzzz' (the policy declares: fast, k, label, mode, rate)",
          "an unknown param without a near name", RP_EINVAL},
         {"{\"k\": \"3\"}", "policy 'demo': param 'k' must be an integer, got a string", "an integer given as a string",

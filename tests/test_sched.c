@@ -268,6 +268,9 @@ static void test_hostile(void)
     hostile("too few ranks", "local p = ctx.plan:packing() p[8] = nil return {packing = p}",
             "plan.packing has 7 ranks, but the config has 8 GPUs");
     hostile("unknown key", "return {packin = {}}", "plan: unknown key 'packin' (did you mean 'packing'?)");
+    /* a swap of neighbours is one edit, as for config keys: two swaps still suggest */
+    hostile("unknown key, two letters swapped twice", "return {apckign = {}}",
+            "plan: unknown key 'apckign' (did you mean 'packing'?)");
     hostile("sequence missing", "local p = ctx.plan:packing() table.remove(p[1][1]) return {packing = p}",
             "returned an invalid plan: plan: sequence");
     hostile("expert without replica",
