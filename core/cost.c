@@ -274,6 +274,9 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->expert_mem_s /= rank_gpus;
     c->nv_bw *= rank_gpus;
     c->net_bw *= rank_gpus;
+    /* ... but an expert's weights live on one EP rank, ETP GPUs, whose links alone carry
+     * them when it migrates (docs/cost-model.md, "Migration") */
+    migrate_links_init(&c->move_links, t, h->hbm_bytes_per_s);
     c->etp_gather_s = (etp - 1.0) * c->token_bytes / c->nv_bw;
     /* The ring (TransformerEngine's AttnFuncWithCPAndKVP2P): each GPU passes its K/V chunk
      * (its TP share of the KV heads, at least one head: Megatron replicates KV heads over
@@ -426,8 +429,8 @@ double rp_cost_expert_s(const rp_cost *c, double tokens)
 double rp_cost_expert_move_s(const rp_cost *c, bool same_node)
 {
     if (!c) return 0.0;
-    return same_node ? c->expert_move_bytes / c->nv_bw + c->nv_lat
-                     : c->expert_move_bytes / c->net_bw + c->net_lat;
+    return same_node ? migrate_links_s(&c->move_links, c->expert_move_bytes, 0.0, 0.0)
+                     : migrate_links_s(&c->move_links, 0.0, c->expert_move_bytes, 0.0);
 }
 
 /* The CP ring of a cell beyond its attention compute, forward and backward: the packed

@@ -4,6 +4,7 @@
 #define RP_COST_INTERNAL_H
 
 #include "internal.h"
+#include "migrate_links.h"
 #include "routepack/cost.h"
 
 /* Extra replicas and explicit shares of one (mb, layer, expert): the levers that change
@@ -155,7 +156,8 @@ struct rp_cost {
     double token_bytes;        /* d * bytes_per_param: one token-choice on the wire */
     double expert_bytes;       /* 3 d f bytes_per_param: one expert's weights */
     double expert_move_bytes;  /* rp_memory_expert_move_bytes: weights + optimizer shard */
-    double nv_bw, nv_lat, net_bw, net_lat;
+    double nv_bw, nv_lat, net_bw, net_lat;  /* one DP rank's: TP x CP GPUs' links */
+    migrate_links move_links;  /* one EP rank's, which expert migration runs over */
     rp_backward bwd;           /* per-term backward / forward */
     double token_linear_s;     /* per token: token_linear_bytes_per_token / hbm */
     double fixed_s;            /* per (microbatch, layer) */

@@ -1,5 +1,5 @@
 /* Predicted cost of changing placements: which experts must move, over which links,
- * and how long the busiest GPU spends receiving them (docs/cost-model.md, "Migration"). */
+ * and how long the busiest EP rank spends receiving them (docs/cost-model.md, "Migration"). */
 #include "cost_internal.h"
 
 #include <string.h>
@@ -52,12 +52,14 @@ rp_status rp_cost_migration(const rp_cost *c, const rp_plan *from, const rp_plan
     rp_status st;
     if ((st = check_placement(c, from, "from", err)) != RP_OK || (st = check_placement(c, to, "to", err)) != RP_OK)
         return st;
-    const int32_t ep = c->ep, E = c->E, G = c->G;
+    const int32_t ep = c->ep, E = c->E, G = c->G, R = c->move_links.ep_ranks;
+    const int32_t *sb = rp_plan_slot_begin(to);
     unsigned char *had = rp_alloc(c->ctx, (size_t)ep * E), *want = rp_alloc(c->ctx, (size_t)ep * E);
-    /* per (pipeline stage, GPU): under PP a stage's GPUs receive only its layers' experts,
-     * and the stages migrate at once */
-    double *recv_nv = rp_calloc(c->ctx, (size_t)G * c->PP, sizeof(double));
-    double *recv_net = rp_calloc(c->ctx, (size_t)G * c->PP, sizeof(double));
+    /* per (pipeline stage, GPU, EP rank of the GPU): under PP a stage's GPUs receive only
+     * its layers' experts, and the stages migrate at once; a copy lands on the EP rank
+     * whose slot first wants it and runs over that rank's links */
+    double *recv_nv = rp_calloc(c->ctx, (size_t)G * c->PP * R, sizeof(double));
+    double *recv_net = rp_calloc(c->ctx, (size_t)G * c->PP * R, sizeof(double));
     double total = 0.0;
     if (!had || !want || !recv_nv || !recv_net) {
         st = rp_fail_nomem(err, "a migration estimate");
@@ -66,9 +68,13 @@ rp_status rp_cost_migration(const rp_cost *c, const rp_plan *from, const rp_plan
     for (int32_t l = 0; l < c->L; l++) {
         RP_CHECK_GOTO(mark_held(c, from, "from", l, had, err), st, out);
         RP_CHECK_GOTO(mark_held(c, to, "to", l, want, err), st, out);
+        const int32_t *row = rp_plan_phy2log(to, l);
         for (int32_t r = 0; r < ep; r++)
             for (int32_t e = 0; e < E; e++) {
                 if (!want[(size_t)r * E + e] || had[(size_t)r * E + e]) continue;
+                int32_t k = sb[r];
+                while (row[k] != e) k++; /* want says one of r's slots holds e */
+                const int32_t u = migrate_links_ep_rank(R, sb[r + 1] - sb[r], k - sb[r]);
                 /* every EP group fetches its own copy from its nearest holder */
                 bool anywhere = false;
                 for (int32_t j = 0; j < ep && !anywhere; j++) anywhere = had[(size_t)j * E + e];
@@ -81,7 +87,7 @@ rp_status rp_cost_migration(const rp_cost *c, const rp_plan *from, const rp_plan
                 }
                 for (int32_t q = 0; q < c->Q; q++) {
                     int32_t g = q * ep + r;
-                    const size_t at = (size_t)c->layer_stage[l] * G + g;
+                    const size_t at = ((size_t)c->layer_stage[l] * G + g) * R + u;
                     bool near = false;
                     for (int32_t j = 0; j < ep && !near; j++)
                         near = had[(size_t)j * E + e] && c->gpu_node[q * ep + j] == c->gpu_node[g];
@@ -92,9 +98,8 @@ rp_status rp_cost_migration(const rp_cost *c, const rp_plan *from, const rp_plan
             }
     }
     double worst = 0.0;
-    for (size_t g = 0; g < (size_t)G * c->PP; g++) {
-        double t = recv_nv[g] / c->nv_bw + recv_net[g] / c->net_bw + (recv_nv[g] > 0 ? c->nv_lat : 0.0) +
-                   (recv_net[g] > 0 ? c->net_lat : 0.0);
+    for (size_t i = 0; i < (size_t)G * c->PP * R; i++) {
+        double t = migrate_links_s(&c->move_links, recv_nv[i], recv_net[i], 0.0);
         if (t > worst) worst = t;
     }
     if (seconds) *seconds = worst;

@@ -4,6 +4,7 @@
  * pipeline parallelism a layer's experts live on the GPUs of the stage holding it, so its
  * copies run between those GPUs, and the stages migrate at once (docs/migration.md). */
 #include "internal.h"
+#include "migrate_links.h"
 #include "routepack/memory.h"
 #include "routepack/migrate.h"
 
@@ -160,16 +161,13 @@ static uint64_t plan_hash(const rp_migration_plan *mp)
     return rp_hash_final(&st);
 }
 
-/* Seconds GPU g is busy in a round (docs/migration.md, "Predicted time"). */
-static double round_time(const rp_topology *t, double hbm_bw, const int64_t *sent, const int64_t *recv,
-                         int64_t hbm_bytes)
+/* Seconds an EP rank is busy in a round (docs/migration.md, "Predicted time"): the
+ * larger of what it sends and receives on each link, at one EP rank's bandwidth. */
+static double round_time(const migrate_links *links, const int64_t *sent, const int64_t *recv, int64_t hbm_bytes)
 {
     double nv = (double)(sent[RP_LINK_NVLINK] > recv[RP_LINK_NVLINK] ? sent[RP_LINK_NVLINK] : recv[RP_LINK_NVLINK]);
     double net = (double)(sent[RP_LINK_NET] > recv[RP_LINK_NET] ? sent[RP_LINK_NET] : recv[RP_LINK_NET]);
-    double s = 0.0;
-    if (nv > 0) s += nv / t->nvlink_bytes_per_s + t->nvlink_latency_s;
-    if (net > 0) s += net / t->net_bytes_per_s + t->net_latency_s;
-    return s + (double)hbm_bytes / hbm_bw;
+    return migrate_links_s(links, nv, net, (double)hbm_bytes);
 }
 
 rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_plan *current,
@@ -216,6 +214,11 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
     int32_t max_slots = 0;
     for (int32_t j = 0; j < ep; j++)
         if (sb[j + 1] - sb[j] > max_slots) max_slots = sb[j + 1] - sb[j];
+    /* A DP rank's slots belong to its R EP ranks (ETP groups), each moving its own
+     * experts over its own GPUs' links: the round's time is counted per EP rank. */
+    migrate_links links;
+    migrate_links_init(&links, topo, hw->hbm_bytes_per_s);
+    const int32_t R = links.ep_ranks;
 
     rp_migration_plan *mp = rp_calloc(ctx, 1, sizeof *mp);
     builder b = {ctx, NULL, 0, 0, NULL, 0, 0};
@@ -224,9 +227,10 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
     int64_t *round_need = rp_calloc(ctx, (size_t)PP * ep, sizeof(int64_t));
     int32_t *stage_rounds = rp_calloc(ctx, (size_t)PP, sizeof(int32_t)); /* rounds each stage opened */
     int64_t *load = rp_calloc(ctx, (size_t)GP * RP_NUM_LINKS, sizeof(int64_t)); /* sends in this round */
-    int64_t *rsent = rp_calloc(ctx, (size_t)GP * RP_NUM_LINKS, sizeof(int64_t));
-    int64_t *rrecv = rp_calloc(ctx, (size_t)GP * RP_NUM_LINKS, sizeof(int64_t));
-    int64_t *rhbm = rp_calloc(ctx, (size_t)GP, sizeof(int64_t));
+    /* this round's bytes per (GPU, EP rank of it): sent and received per link, HBM */
+    int64_t *rsent = rp_calloc(ctx, (size_t)GP * R * RP_NUM_LINKS, sizeof(int64_t));
+    int64_t *rrecv = rp_calloc(ctx, (size_t)GP * R * RP_NUM_LINKS, sizeof(int64_t));
+    int64_t *rhbm = rp_calloc(ctx, (size_t)GP * R, sizeof(int64_t));
     int64_t *rstage = rp_calloc(ctx, (size_t)GP, sizeof(int64_t));
     if (mp) mp->ctx = ctx;
     if (!mp || !need || !round_need || !stage_rounds || !load || !rsent || !rrecv || !rhbm || !rstage) {
@@ -322,9 +326,9 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
     /* Copies and writes, round by round, so that sender loads balance each round. */
     for (int32_t round = 0; round < rounds; round++) {
         memset(load, 0, (size_t)GP * RP_NUM_LINKS * sizeof(int64_t));
-        memset(rsent, 0, (size_t)GP * RP_NUM_LINKS * sizeof(int64_t));
-        memset(rrecv, 0, (size_t)GP * RP_NUM_LINKS * sizeof(int64_t));
-        memset(rhbm, 0, (size_t)GP * sizeof(int64_t));
+        memset(rsent, 0, (size_t)GP * R * RP_NUM_LINKS * sizeof(int64_t));
+        memset(rrecv, 0, (size_t)GP * R * RP_NUM_LINKS * sizeof(int64_t));
+        memset(rhbm, 0, (size_t)GP * R * sizeof(int64_t));
         memset(rstage, 0, (size_t)GP * sizeof(int64_t));
         for (int32_t l = 0; l < L; l++) {
             if (mp->layer_round[l] != round) continue;
@@ -338,12 +342,14 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
                     for (int32_t k = 0; k < sb[r + 1] - sb[r]; k++) {
                         int32_t e = tgt[sb[r] + k];
                         if (e < 0 || e == cur[sb[r] + k]) continue;
+                        /* the EP rank of g whose slot k is: it receives the copy and writes it */
+                        const size_t at = (size_t)g * R + migrate_links_ep_rank(R, sb[r + 1] - sb[r], k);
                         int64_t item = -1;
                         for (int64_t i = first; i < b.num_transfers && item < 0; i++)
                             if (b.transfers[i].expert == e) item = i;
                         if (item < 0) {
                             rp_migration_transfer t = {round, l, e, g, -1, g, RP_LINK_LOCAL, bytes};
-                            int32_t own = find_slot(cur, sb, r, e);
+                            int32_t own = find_slot(cur, sb, r, e), src_rank = r;
                             if (own >= 0) {
                                 t.src_slot = own;
                             } else {
@@ -379,6 +385,7 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
                                 t.src_gpu = best;
                                 t.src_slot = best_slot;
                                 t.link = best_link;
+                                src_rank = best - base - q * ep;
                                 load[(size_t)best * RP_NUM_LINKS + best_link] += bytes;
                             }
                             if (!grow(ctx, (void **)&b.transfers, &b.cap_transfers, b.num_transfers + 1,
@@ -388,10 +395,13 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
                             }
                             item = b.num_transfers++;
                             b.transfers[item] = t;
-                            add(&rsent[(size_t)t.src_gpu * RP_NUM_LINKS + t.link], bytes, &overflow);
-                            add(&rrecv[(size_t)g * RP_NUM_LINKS + t.link], bytes, &overflow);
+                            const size_t from =
+                                (size_t)t.src_gpu * R +
+                                migrate_links_ep_rank(R, sb[src_rank + 1] - sb[src_rank], t.src_slot);
+                            add(&rsent[from * RP_NUM_LINKS + t.link], bytes, &overflow);
+                            add(&rrecv[at * RP_NUM_LINKS + t.link], bytes, &overflow);
                             add(&rstage[g], bytes, &overflow);
-                            if (t.link == RP_LINK_LOCAL) add(&rhbm[g], 2 * bytes, &overflow);
+                            if (t.link == RP_LINK_LOCAL) add(&rhbm[at], 2 * bytes, &overflow);
                             add(&sum->bytes[t.link], bytes, &overflow);
                             if (t.link == RP_LINK_LOCAL) sum->local_copies++;
                             else sum->transfers++;
@@ -401,22 +411,27 @@ rp_status rp_migration_plan_new(rp_context *ctx, const rp_config *cfg, const rp_
                             goto fail;
                         }
                         b.writes[b.num_writes++] = (rp_migration_write){l, g, k, item};
-                        add(&rhbm[g], 2 * bytes, &overflow);
+                        add(&rhbm[at], 2 * bytes, &overflow);
                     }
                 }
         }
-        /* the round lasts its busiest GPU of any stage */
+        /* the round lasts its busiest EP rank of any GPU of any stage; a GPU is busy while
+         * its busiest EP rank is */
         double round_s = 0.0;
         for (int32_t g = 0; g < GP; g++) {
             rp_migration_gpu *gs = &mp->gpus[g];
-            for (int32_t c = 0; c < RP_NUM_LINKS; c++) {
-                gs->sent[c] += rsent[(size_t)g * RP_NUM_LINKS + c];
-                gs->received[c] += rrecv[(size_t)g * RP_NUM_LINKS + c];
+            double s = 0.0;
+            for (int32_t u = 0; u < R; u++) {
+                const size_t at = (size_t)g * R + u;
+                for (int32_t c = 0; c < RP_NUM_LINKS; c++) {
+                    gs->sent[c] += rsent[at * RP_NUM_LINKS + c];
+                    gs->received[c] += rrecv[at * RP_NUM_LINKS + c];
+                }
+                double su = round_time(&links, &rsent[at * RP_NUM_LINKS], &rrecv[at * RP_NUM_LINKS], rhbm[at]);
+                if (su > s) s = su;
             }
             if (rstage[g] > gs->staging_bytes) gs->staging_bytes = rstage[g];
             if (rstage[g] > sum->max_staging_bytes) sum->max_staging_bytes = rstage[g];
-            double s = round_time(topo, hw->hbm_bytes_per_s, &rsent[(size_t)g * RP_NUM_LINKS],
-                                  &rrecv[(size_t)g * RP_NUM_LINKS], rhbm[g]);
             gs->predicted_s += s;
             if (s > round_s) round_s = s;
         }

@@ -153,7 +153,7 @@ static void test_divisors(void)
     ok(close_to(d2[0], a2a / 2 + gather + lat) && close_to(d2[1], a2a / 2 + gather + lat),
        "TP 2 ETP 2: plus the ETP all-gather, 100 tokens x 1 copy x d bpe / (2 bw_nv)");
     ok(close_to(rp_cost_expert_move_s(tp.cost, true) - lat, (rp_cost_expert_move_s(one.cost, true) - lat) / 2),
-       "moving an expert into a DP rank of 2 GPUs: twice the bandwidth");
+       "TP 2 ETP 2: moving an expert into its EP rank of 2 GPUs: twice the bandwidth");
 out:
     if (ok1) toy_scene_free(&one);
     if (ok2) toy_scene_free(&tp);
@@ -291,7 +291,7 @@ static void test_surrogate_comm(void)
     for (int i = 0; i < 3; i++) {
         toy_scene s;
         if (!setup_make(&s, topo[i])) {
-            skip(4, "setup");
+            skip(5, "setup");
             continue;
         }
         const rp_topology *t = rp_config_topology(s.cfg);
@@ -311,20 +311,63 @@ static void test_surrogate_comm(void)
         ok(close_to(per_choice, d * bpe / (rank_gpus * nv)) && close_to(jt.d_choice, (1 + bc) * 0.5 * per_choice),
            "%s: the surrogate's dispatch of a token-choice is the cost model's, (1 + backward) / 2 x d bpe / "
            "(%g bw_nv)", name[i], rank_gpus);
-        /* the cost model's bandwidth into the rank, from its expert move time */
-        const double m = (double)rp_memory_expert_move_bytes(s.cfg);
-        const double bw_nv = m / (rp_cost_expert_move_s(s.cost, true) - lat);
-        const double bw_net = m / (rp_cost_expert_move_s(s.cost, false) - t->net_latency_s);
+        /* the cost model's bandwidth into the rank, from its dispatch: replica copies and
+         * gradient reduction run over the DP rank's links, as the tokens do */
+        const double bw_nv = d * bpe / per_choice, bw_net = rank_gpus * t->net_bytes_per_s;
         const double x = 3 * d * f * bpe; /* an expert's weights */
         ok(close_to(jt.copy_s, x / bw_nv) && close_to(jt.copy_s, x / (rank_gpus * nv)),
            "%s: an extra replica's copy, 3 d f bpe / (%g bw_nv), as the cost model prices it", name[i], rank_gpus);
         ok(close_to(jt.grad_nv_s, x / bw_nv + lat) && jt.nv_lat == lat,
            "%s: a replica's gradient reduction over NVLink, the latency undivided", name[i]);
-        ok(close_to(jt.grad_net_s, x / bw_net + t->net_latency_s) &&
-               close_to(jt.grad_net_s, x / (rank_gpus * t->net_bytes_per_s) + t->net_latency_s),
-           "%s: and across nodes", name[i]);
+        ok(close_to(jt.grad_net_s, x / bw_net + t->net_latency_s), "%s: and across nodes", name[i]);
+        /* a migrating expert lands on one EP rank, ETP GPUs, and runs over their links only */
+        const double m = (double)rp_memory_expert_move_bytes(s.cfg), etp = t->expert_tensor_parallel_size;
+        ok(close_to(rp_cost_expert_move_s(s.cost, true), m / (etp * nv) + lat) &&
+               close_to(rp_cost_expert_move_s(s.cost, false), m / (etp * t->net_bytes_per_s) + t->net_latency_s),
+           "%s: moving an expert (the surrogate's migration) runs over one EP rank's %g GPUs' links", name[i], etp);
         toy_scene_free(&s);
     }
+}
+
+/* The joint planner's per-layer migration counts per EP rank, as the cost model does
+ * (tests/test_migrate_ep.c has the same plan by hand): TP 2 ETP 1, DP rank 0's slots 0-1
+ * (EP rank 0) take experts 4 and 5, slot 3 (EP rank 1) expert 6, and DP rank 1 the
+ * mirror image; the busiest EP rank receives 2 copies over one GPU's NVLink. */
+static void test_joint_migration(void)
+{
+    toy_scene s;
+    if (!setup_make(&s, "\"num_nodes\": 1, \"gpus_per_node\": 4, \"tensor_parallel_size\": 2,"
+                        " \"expert_tensor_parallel_size\": 1, \"ep_size\": 4, \"slots_per_gpu\": 2")) {
+        skip(1, "setup");
+        return;
+    }
+    int32_t cur[8] = {0, 1, 2, 3, 4, 5, 6, 7}, tgt[8] = {4, 5, 2, 6, 0, 1, 3, 7};
+    int32_t off[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, rank[8] = {0, 0, 0, 0, 1, 1, 1, 1}, node[2] = {0, 0};
+    joint jt;
+    memset(&jt, 0, sizeof jt);
+    jt.cfg = s.cfg;
+    jt.ep = 2;
+    jt.slot_begin = rp_plan_slot_begin(s.plan);
+    jt.node_of_rank = node;
+    jt.move_nv_s = rp_cost_expert_move_s(s.cost, true);
+    jt.move_net_s = rp_cost_expert_move_s(s.cost, false);
+    joint_layer from = {cur, off, rank}, to = {tgt, off, rank};
+    const double joint_s = joint_layer_migration_s(&jt, &from, &to);
+    /* the cost model's estimate of the same change at layer 0 (layer 1 stays) */
+    rp_plan *a = NULL, *b = NULL;
+    double est = -1;
+    if (rp_plan_new(ctx, s.cfg, 1, &a, NULL) == RP_OK && rp_plan_new(ctx, s.cfg, 1, &b, NULL) == RP_OK &&
+        rp_plan_set_phy2log(a, 0, cur, NULL) == RP_OK && rp_plan_set_phy2log(a, 1, cur, NULL) == RP_OK &&
+        rp_plan_set_phy2log(b, 0, tgt, NULL) == RP_OK && rp_plan_set_phy2log(b, 1, cur, NULL) == RP_OK)
+        rp_cost_migration(s.cost, a, b, &est, NULL, NULL);
+    const double m = (double)rp_memory_expert_move_bytes(s.cfg), nv = 450e9, lat = 3e-6;
+    ok(close_to(joint_s, 2 * m / nv + lat) && close_to(est, joint_s),
+       "TP 2 ETP 1: the joint planner's layer migration, 2 copies into one EP rank (2 m / bw_nv + lat = %.4f us), "
+       "is the cost model's estimate (%.4f us); the DP rank's 3 over its 2 GPUs would be %.4f us",
+       joint_s * 1e6, est * 1e6, (3 * m / (2 * nv) + lat) * 1e6);
+    rp_plan_free(a);
+    rp_plan_free(b);
+    toy_scene_free(&s);
 }
 
 int main(void)
@@ -333,6 +376,7 @@ int main(void)
     test_mapping();
     test_divisors();
     test_surrogate_comm();
+    test_joint_migration();
     test_memory();
     test_random();
     rp_context_free(ctx);
