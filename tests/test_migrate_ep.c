@@ -1,5 +1,5 @@
 /* Migration priced per EP rank (docs/cost-model.md, "Migration"; core/migrate_links.h):
- * under TP / CP a DP rank's slots belong to TP x CP / ETP EP rank, each an ETP group
+ * under TP / CP a DP rank's slots belong to TP x CP / ETP EP ranks, each an ETP group
  * that moves its own experts over its own GPUs' links. Hand-computed round times at
  * TP 2 ETP 1 and TP 2 ETP 2, the cost model's estimate against the migration plan's
  * prediction on the same plans, and TP = CP = ETP = 1 against the formulas from before
