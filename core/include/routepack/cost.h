@@ -92,7 +92,8 @@ RP_API double rp_cost_dense_s(const rp_cost *cost, int64_t seq_len);
 /* Forward time of one expert slot processing `tokens` tokens at speed 1. */
 RP_API double rp_cost_expert_s(const rp_cost *cost, double tokens);
 /* Time to move one expert (weights and optimizer state) over NVLink (same node) or
- * the network. */
+ * the network, into one EP rank: over its ETP GPUs' links (docs/cost-model.md,
+ * "Migration"). */
 RP_API double rp_cost_expert_move_s(const rp_cost *cost, bool same_node);
 
 /* Evaluate a plan fully (packing and placement are both required; the plan should be
@@ -191,11 +192,12 @@ RP_API rp_status rp_cost_evaluation_needs(const rp_cost *cost, const rp_plan *pl
 RP_API rp_status rp_cost_order_microbatches(rp_cost *cost, rp_plan *plan, double *step_s, rp_error *err);
 
 /* Predicted time of moving from placement `from` to placement `to` (minimum moves:
- * experts already resident on an EP rank stay; the rest come from the nearest rank
- * holding them in `from`, NVLink inside a node, else the network, in every EP group),
- * with the bytes moved (weights and optimizer state, all groups). Only placements are
- * read. Migration overlaps nothing in this first model, and rp_cost_evaluate's step
- * time does not include it. */
+ * experts already resident on a plan's rank stay; the rest come from the nearest rank
+ * holding them in `from`, NVLink inside a node, else the network, in every EP group;
+ * the busiest receiving EP rank, over its ETP GPUs' links, sets the time:
+ * docs/cost-model.md, "Migration"), with the bytes moved (weights and optimizer state,
+ * all groups). Only placements are read. Migration overlaps nothing in this first
+ * model, and rp_cost_evaluate's step time does not include it. */
 RP_API rp_status rp_cost_migration(const rp_cost *cost, const rp_plan *from, const rp_plan *to,
                                    double *seconds, double *bytes, rp_error *err);
 

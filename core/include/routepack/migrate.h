@@ -157,8 +157,9 @@ typedef struct rp_migration_summary {
     double predicted_s;           /* docs/migration.md, "Predicted time" */
 } rp_migration_summary;
 
-/* What one GPU sends and receives, by link (RP_LINK_LOCAL counts in both), the staging
- * it needs (its largest round) and its predicted busy time. */
+/* What one GPU (DP rank) sends and receives, by link (RP_LINK_LOCAL counts in both), the
+ * staging it needs (its largest round) and its predicted busy time (per round, its
+ * busiest EP rank's: docs/migration.md, "Predicted time"). */
 typedef struct rp_migration_gpu {
     int64_t sent[RP_NUM_LINKS];
     int64_t received[RP_NUM_LINKS];
