@@ -19,7 +19,7 @@ rp_joint_params rp_joint_defaults(void)
                              .balance_evaluations = 0, .place_rounds = 4, .shares = true, .max_extra_per_rank = 1,
                              .horizon_steps = 10.0, .refine_evaluations = 0, .seed = 0, .fallbacks = NULL,
                              .persistence = 1.0, .virtual_experts = false, .relabel = true,
-                             .recurring_migration_s = 0.0};
+                             .recurring_migration_s = 0.0, .fallback_above_ratio = 0.0};
 }
 
 static bool known_baseline(const char *name)
@@ -75,6 +75,9 @@ static rp_status check_params(const rp_joint_params *p, rp_error *err)
     if (!(p->recurring_migration_s >= 0) || !isfinite(p->recurring_migration_s))
         return rp_fail(err, RP_EINVAL, "joint: recurring_migration_s = %g, must be a finite number >= 0",
                        p->recurring_migration_s);
+    if (!(p->fallback_above_ratio >= 0) || !isfinite(p->fallback_above_ratio))
+        return rp_fail(err, RP_EINVAL, "joint: fallback_above_ratio = %g, must be a finite number >= 0 (0: always check)",
+                       p->fallback_above_ratio);
     if (p->fallbacks)
         for (const char *const *n = p->fallbacks; *n; n++)
             if (!known_baseline(*n))
@@ -498,6 +501,27 @@ static rp_status score_plan(const joint *jt, const rp_plan *plan, const rp_plan 
     return RP_OK;
 }
 
+/* The joint candidate's score (`mine`) and the virtual-expert one's (`vs`, when `vx`).
+ * The joint plan is scored last, so the evaluator stays bound to its packing: the
+ * engine's evaluation of the returned plan (the same evaluator, through rp.joint) then
+ * reuses the per-microbatch counts instead of reading every histogram again, unless
+ * fallbacks are scored after it. The order changes no score (each is a full evaluation). */
+static rp_status score_joint(const joint *jt, const rp_plan *plan, const rp_plan *vx, const rp_plan *previous,
+                             scored *mine, scored *vs, rp_error *err)
+{
+    if (vx) {
+        rp_status st = score_plan(jt, vx, previous, vs, err);
+        if (st != RP_OK) return st;
+    }
+    rp_status st = score_plan(jt, plan, previous, mine, err);
+    if (st != RP_OK) return st;
+    /* the joint placement's re-fits recur on every later step of the horizon */
+    const rp_joint_params *par = jt->par;
+    if (!isinf(par->horizon_steps) && par->recurring_migration_s > 0)
+        mine->total += (par->horizon_steps - 1) * par->recurring_migration_s / par->horizon_steps;
+    return RP_OK;
+}
+
 rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const rp_stats *stats,
                         const rp_plan *previous, rp_cost *cost, const rp_joint_params *params, rp_plan **out,
                         rp_joint_report *report, rp_error *err)
@@ -644,9 +668,14 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     if (par->virtual_experts && !vexp && par->place && rp_vexp_check_config(cfg, NULL) == RP_OK)
         RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);
     if (*fallbacks || par->refine_evaluations > 0 || vx) {
-        scored mine, best = {0}, s;
+        scored mine = {0}, best = {0}, s, vs = {0};
         const char *best_name = NULL;
-        for (const char *const *n = fallbacks; *n; n++) {
+        /* Under the gate the joint candidate is scored first: its ratio decides whether
+         * the fallbacks are checked (a NaN ratio checks). Otherwise it is scored last. */
+        const bool gated = *fallbacks && par->fallback_above_ratio > 0;
+        if (gated) RP_CHECK_GOTO(score_joint(&jt, plan, vx, previous_placed, &mine, &vs, err), st, out);
+        rep.fallbacks_checked = *fallbacks && !(gated && mine.ratio <= par->fallback_above_ratio);
+        for (const char *const *n = fallbacks; rep.fallbacks_checked && *n; n++) {
             RP_CHECK_GOTO(rp_baseline_plan(ctx, cfg, batch, stats, previous_placed, *n, 0, &cand, err), st, out);
             RP_CHECK_GOTO(score_plan(&jt, cand, previous_placed, &s, err), st, out);
             if (!best_name || s.total < best.total) {
@@ -659,19 +688,8 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
             }
             cand = NULL;
         }
-        scored vs = {0};
-        if (vx) {
-            RP_CHECK_GOTO(score_plan(&jt, vx, previous_placed, &vs, err), st, out);
-            rep.virtual_experts_step_s = vs.step_s;
-        }
-        /* The joint plan is scored last, so the evaluator stays bound to its packing: the
-         * engine's evaluation of the returned plan (the same evaluator, through rp.joint)
-         * then reuses the per-microbatch counts instead of reading every histogram again.
-         * The order changes no score (each is a full evaluation). */
-        RP_CHECK_GOTO(score_plan(&jt, plan, previous_placed, &mine, err), st, out);
-        /* the joint placement's re-fits recur on every later step of the horizon */
-        if (!isinf(par->horizon_steps) && par->recurring_migration_s > 0)
-            mine.total += (par->horizon_steps - 1) * par->recurring_migration_s / par->horizon_steps;
+        if (!gated) RP_CHECK_GOTO(score_joint(&jt, plan, vx, previous_placed, &mine, &vs, err), st, out);
+        if (vx) rep.virtual_experts_step_s = vs.step_s;
         rep.evaluated = true;
         rep.joint_step_s = mine.step_s;
         rep.joint_ratio = mine.ratio;

@@ -1023,7 +1023,8 @@ static int l_joint(lua_State *L)
     static const char *const known[] = {"num_microbatches", "pack", "place", "prompt_spread", "balance_evaluations",
                                         "place_rounds", "shares", "max_extra_per_rank", "horizon",
                                         "refine_evaluations", "fallbacks", "expected_loads", "persistence",
-                                        "virtual_experts", "relabel", "recurring_migration_s", NULL};
+                                        "virtual_experts", "relabel", "recurring_migration_s",
+                                        "fallback_above_ratio", NULL};
     rp_lua_host *h = rp_lua_host_of(L);
     const rp_lua_frame *f = need_step(L, h, "rp.joint");
     rp_lua_check_opts(L, 1, "rp.joint", known);
@@ -1064,6 +1065,9 @@ static int l_joint(lua_State *L)
     lua_pop(L, 1);
     if (opt(L, 1, "recurring_migration_s") != LUA_TNIL)
         par.recurring_migration_s = check_num(L, -1, "rp.joint: opts.recurring_migration_s");
+    lua_pop(L, 1);
+    if (opt(L, 1, "fallback_above_ratio") != LUA_TNIL)
+        par.fallback_above_ratio = check_num(L, -1, "rp.joint: opts.fallback_above_ratio");
     lua_pop(L, 1);
     /* fallbacks: a list of baseline names (the strings stay alive in opts meanwhile) */
     int32_t num_fallbacks = 4; /* rp_joint_defaults' list */
@@ -1137,16 +1141,17 @@ static int l_joint(lua_State *L)
     charge_counted(L, f->cost, before, evaluations);
     if (st != RP_OK) return rp_lua_fail(L, h, "rp.joint", st, &err);
     holder->has_packing = holder->has_placement = true;
-    if (num_fallbacks > 0) {
+    if (rep.fallbacks_checked) {
         h->fallback_checks++;
         if (strcmp(rep.chosen, "joint") != 0) h->fallback_changes++;
     }
-    lua_createtable(L, 0, 12);
+    lua_createtable(L, 0, 16);
     lua_pushstring(L, rep.chosen);
     lua_setfield(L, -2, "chosen");
     set_num(L, "step_s", rep.step_s);
     set_num(L, "ratio", rep.ratio);
     set_num(L, "joint_step_s", rep.joint_step_s);
+    set_num(L, "joint_ratio", rep.joint_ratio);
     set_num(L, "best_fallback_step_s", rep.best_fallback_step_s);
     set_num(L, "migration_s", rep.migration_s);
     set_num(L, "migration_bytes", rep.migration_bytes);
@@ -1156,6 +1161,8 @@ static int l_joint(lua_State *L)
     lua_pushboolean(L, rep.per_forward_balancing);
     lua_setfield(L, -2, "per_forward_balancing");
     set_num(L, "virtual_experts_step_s", rep.virtual_experts_step_s);
+    lua_pushboolean(L, rep.fallbacks_checked);
+    lua_setfield(L, -2, "fallbacks_checked");
     return 2;
 }
 

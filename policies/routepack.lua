@@ -13,6 +13,9 @@
 --    over NVLink where they pay for the copy.
 -- 4. Exact local search within `search_evaluations` tries (work, not time), and the
 --    baselines checked: when one scores better under the cost model, it is returned.
+--    The check runs on the first step, every `fallback_interval` steps, on every step
+--    while a baseline won the last check, and on a step whose plan fits its batch worse
+--    (step / lower bound) than at the last check by more than `fallback_ratio_rise`.
 -- 5. Where the trainer runs Megatron's per-forward virtual-expert balancer (config
 --    trainer.per_forward_balancer, default true), the same packing run with it is
 --    scored too and returned when it is faster with its migration (`virtual_experts`).
@@ -22,7 +25,7 @@
 
 local P = {
   name = "routepack",
-  version = "0.5.0",
+  version = "0.6.0",
   api = 1,
   description = "joint policy: attention-, token- and expert-balanced packing, migration-aware placement with per-microbatch shares and replicas, checked against the baselines",
   params = {
@@ -61,6 +64,14 @@ local P = {
     fallbacks = {
       type = "boolean", default = true,
       doc = "check the plan against the four baselines and return the best under the cost model",
+    },
+    fallback_interval = {
+      type = "integer", default = 8, min = 1, max = 1000000,
+      doc = "steps from one fallback check to the next while the joint plan wins them (1: every step); a baseline's win keeps the check on every step until the joint plan wins again",
+    },
+    fallback_ratio_rise = {
+      type = "number", default = 0.01, min = 0, max = 1000000,
+      doc = "between checks, check anyway when the joint plan's step / lower bound exceeds the last check's by more than this fraction",
     },
     persistence = {
       type = "number", default = -1, min = -1, max = 1,
@@ -190,6 +201,29 @@ local function note_refit(ctx, report)
   st.joint_placed = own_placement(report)
 end
 
+-- ---- when to check the baselines (docs/routepack-policy.md, "The fallback check") ----
+-- ctx.state.check: the last check's `ratio` (the joint plan's step / lower bound), `age`
+-- (steps since it) and `lost` (a baseline won it). Steps count policy calls, not clocks,
+-- so every rank decides alike. Returns rp.joint's fallback_above_ratio: 0 checks
+-- unconditionally, a ratio checks only a joint plan above it.
+local function check_gate(ctx)
+  local p, last = ctx.params, ctx.state.check
+  if not last or last.lost or last.age + 1 >= p.fallback_interval then return 0 end
+  local above = last.ratio * (1 + p.fallback_ratio_rise)
+  -- a ratio without a finite bound behind it gates nothing
+  if above > 0 and above < math.huge then return above end
+  return 0
+end
+
+local function note_check(ctx, report)
+  local st = ctx.state
+  if report.fallbacks_checked then
+    st.check = {ratio = report.joint_ratio, age = 0, lost = report.chosen ~= "joint"}
+  elseif st.check then
+    st.check.age = st.check.age + 1
+  end
+end
+
 local function joint(ctx)
   local p = ctx.params
   local persistence, observations = estimate(ctx)
@@ -203,6 +237,7 @@ local function joint(ctx)
     horizon = p.horizon,
     refine_evaluations = p.search_evaluations,
     fallbacks = p.fallbacks and FALLBACKS or {},
+    fallback_above_ratio = check_gate(ctx),
     expected_loads = expected_loads(ctx),
     persistence = persistence,
     -- the trainer says whether it runs the balancer at all (trainer.per_forward_balancer)
@@ -210,6 +245,7 @@ local function joint(ctx)
     recurring_migration_s = recurring(ctx),
   })
   note_refit(ctx, report)
+  note_check(ctx, report)
   local realised, predicted = measure(ctx, plan, report)
   rp.decision({persistence = persistence, observations = observations, predicted_saving_s = predicted,
                realised_saving_s = realised})

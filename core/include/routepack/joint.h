@@ -93,6 +93,13 @@ typedef struct rp_joint_params {
      * eat. The shipped policy measures it (the mean migration of its joint plans that
      * followed a joint plan). 0 (the default): none. Finite, >= 0. */
     double recurring_migration_s;
+    /* Gate on the fallback check: the fallbacks are built and evaluated only when the
+     * joint candidate's step / lower bound (rp_joint_report.joint_ratio) is above this;
+     * the joint candidate (and the virtual-expert one) is then evaluated first, to read
+     * that ratio. A caller that checks on some steps only passes the ratio it last saw
+     * times a tolerance, so a step where the joint plan fits its batch worse is still
+     * checked. 0 (the default): always check. Finite, >= 0. */
+    double fallback_above_ratio;
 } rp_joint_params;
 
 /* Defaults: the full joint planner, prompt_spread 0.5, no balance evaluations,
@@ -128,6 +135,8 @@ typedef struct rp_joint_report {
      * rp_joint_params.virtual_experts when it scored better (chosen is then "joint"). */
     bool per_forward_balancing;
     double virtual_experts_step_s; /* that candidate's step time; NAN when not scored */
+    bool fallbacks_checked;    /* the fallbacks were built and evaluated: a non-empty list,
+                                  and the joint candidate above fallback_above_ratio */
 } rp_joint_report;
 
 /* Plan one step jointly (docs/routepack-policy.md gives the algorithm).
@@ -138,13 +147,15 @@ typedef struct rp_joint_report {
  *   with the even split rule and freed); passing one shares its lower-bound cache and
  *   its split rule. Afterwards it is bound to whichever plan it evaluated last:
  *   evaluate the returned plan before using it incrementally. With fallbacks, the joint
- *   candidate is evaluated last, so when it is returned that evaluation reuses the
- *   per-microbatch counts (a cheaper evaluation, same result).
+ *   candidate is evaluated last (first under fallback_above_ratio, and last when that
+ *   skips the check), so when it is returned that evaluation reuses the per-microbatch
+ *   counts (a cheaper evaluation, same result).
  * - `params`: NULL for the defaults.
  * The plan is new (caller frees with rp_plan_free) and valid for cfg and batch
  * (rp_plan_validate). Deterministic: the same inputs give the same plan, bit for bit,
- * on every machine (no clock, no address-dependent order). With fallbacks, the
- * returned plan scores no worse under the cost model than any of them.
+ * on every machine (no clock, no address-dependent order). With fallbacks checked
+ * (rp_joint_report.fallbacks_checked), the returned plan scores no worse under the cost
+ * model than any of them.
  * `report` may be NULL. Errors: missing or mismatched inputs (RP_EINVAL), a sequence
  * longer than the cap or a fixed microbatch count the caps cannot meet (RP_ERANGE),
  * bad parameters (RP_EINVAL naming the field), allocation failure; on error nothing
