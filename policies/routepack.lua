@@ -70,7 +70,7 @@ local P = {
       doc = "steps from one fallback check to the next while the joint plan wins them (1: every step); a baseline's win keeps the check on every step until the joint plan wins again",
     },
     fallback_ratio_rise = {
-      type = "number", default = 0.01, min = 0, max = 1000000,
+      type = "number", default = 0.005, min = 0, max = 1000000,
       doc = "between checks, check anyway when the joint plan's step / lower bound exceeds the last check's by more than this fraction",
     },
     persistence = {
@@ -201,7 +201,7 @@ local function note_refit(ctx, report)
   st.joint_placed = own_placement(report)
 end
 
--- ---- when to check the baselines (docs/routepack-policy.md, "The fallback check") ----
+-- ---- when to check the baselines (docs/routepack-policy.md, section 7, "When the policy checks") ----
 -- ctx.state.check: the last check's `ratio` (the joint plan's step / lower bound), `age`
 -- (steps since it) and `lost` (a baseline won it). Steps count policy calls, not clocks,
 -- so every rank decides alike. Returns rp.joint's fallback_above_ratio: 0 checks

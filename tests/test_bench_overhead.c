@@ -34,7 +34,10 @@ int main(void)
     const char *keys[] = {"stats_ms", "exchange_bytes", "exchange_ms", "merge_ms", "policy_ms", "validate_ms",
                           "total_ms", "predicted_step_ms", "construction_ms", "part_bytes", "ranks", "peak_rss_mib",
                           "policy_wall_ms", "checked_construction_ms", "fallback_check_ms", "fallback_changed",
-                          "rank_peak_mib", "rank_routing_bytes", "step_routing_bytes", "stats_bytes"};
+                          "rank_peak_mib", "rank_routing_bytes", "step_routing_bytes", "stats_bytes",
+                          "check_step", "check_policy_ms", "check_validate_ms", "check_total_ms", "interval_checks",
+                          "interval_policy_ms", "interval_validate_ms", "interval_total_ms", "every_step_policy_ms",
+                          "every_step_validate_ms", "every_step_total_ms", "step_fallback_checks"};
     int all = 1;
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!(num(o, keys[i]) >= 0)) all = 0, diag("missing or negative: %s", keys[i]);
@@ -43,6 +46,20 @@ int main(void)
                    num(o, "validate_ms");
     ok(fabs(parts - num(o, "total_ms")) < 0.01, "the parts add up to total_ms (%.3f vs %.3f)", parts,
        num(o, "total_ms"));
+    const double fixed = num(o, "stats_ms") + num(o, "exchange_ms") + num(o, "merge_ms");
+    const char *const kinds[] = {"check", "interval", "every_step"};
+    for (int k = 0; k < 3; k++) {
+        char policy[64], validate[64], total[64];
+        snprintf(policy, sizeof policy, "%s_policy_ms", kinds[k]);
+        snprintf(validate, sizeof validate, "%s_validate_ms", kinds[k]);
+        snprintf(total, sizeof total, "%s_total_ms", kinds[k]);
+        ok(fabs(fixed + num(o, policy) + num(o, validate) - num(o, total)) < 0.01, "and so do %s's", total);
+    }
+    /* the shipped policy checks on its first step and then every fallback_interval steps
+     * while the joint plan wins: the third step skips, the interval ends with one check */
+    ok(num(o, "step_fallback_checks") == 0 && num(o, "check_step") > 2 && num(o, "interval_checks") == 1,
+       "the third step does not check the fallbacks; step %.0f does, the one check of its interval",
+       num(o, "check_step"));
     ok(num(o, "predicted_step_ms") > 0,
        "a predicted step time");
     ok(json_is_string(json_object_get(o, "fallback_chosen")) &&

@@ -1,10 +1,10 @@
 /* When the routepack policy checks its plan against the baselines (docs/routepack-policy.md,
- * "The fallback check"): rp.joint's gate (opts.fallback_above_ratio: the baselines are
- * built and evaluated only when the joint plan's step / lower bound is above it), and the
- * policy's rule over steps: the first step, every fallback_interval steps, every step while
- * a baseline won the last check, and a step whose joint plan's ratio rose by more than
- * fallback_ratio_rise since the last check. fallback_interval = 1 checks every step and
- * returns the plans of the policy without the gate. */
+ * section 7, "When the policy checks"): rp.joint's gate (opts.fallback_above_ratio:
+ * the baselines are built and evaluated only when the joint plan's step / lower bound is
+ * above it), and the policy's rule over steps: the first step, every fallback_interval
+ * steps, every step while a baseline won the last check, and a step whose joint plan's
+ * ratio rose by more than fallback_ratio_rise since the last check. fallback_interval = 1
+ * checks every step and returns the plans of the policy without the gate. */
 #include "routepack/routepack.h"
 #include "tap.h"
 #include "test_util.h"

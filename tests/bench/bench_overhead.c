@@ -4,9 +4,11 @@
  * exchange of the serialised parts (bytes, and time at the config's network bandwidth),
  * the merge (rp_stats_merge_serialized_reusing into the last step's statistics, as a trainer
  * merges step after step; merge_fresh_ms: into fresh memory), and rp_sched_step_stats with the config's policy (its policy call and the
- * engine's work around it), with a placement in use (the second step); the joint
- * construction alone (rp_joint_plan without fallbacks) and with the shipped policy's fallback
- * check (its cost, and whether it changed the plan). CPU times are this thread's (the policy
+ * engine's work around it), with a placement in use (the third step); the step where the
+ * policy next checks the fallbacks (check_*), the mean step of that interval (interval_*),
+ * and the policy checking every step (fallback_interval 1: every_step_*), alternated in
+ * each repetition; the joint construction alone (rp_joint_plan without fallbacks) and with
+ * the shipped policy's fallback check (its cost, and whether it changed the plan). CPU times are this thread's (the policy
  * runs in it: rp_step_report.policy_cpu_s), the minimum of --reps runs. Memory: the peak RSS
  * of this process, which does one rank's work, and the routing it holds (its own sequences)
  * against the whole step's. The other ranks' parts are this rank's bytes again, under
@@ -98,6 +100,53 @@ static void construction_only(rp_context *ctx, const rp_config *cfg, const rp_ba
            loads_s * 1e3, reps, (unsigned long long)sum);
     free(map);
     free(loads);
+}
+
+/* What one step cost: the policy's calls (CPU and wall) and the engine around them (the
+ * step's CPU time less the policy's), and the policy's fallback checks. */
+typedef struct step_cost {
+    double policy_s, policy_wall_s, engine_s;
+    int checks;
+} step_cost;
+
+#define STEPS_MAX 64
+
+/* Steps 0, 1, ... of a fresh scheduler on the same batch and statistics with the config's
+ * policy under `params` (NULL: the config's), keeping each step's least cost in cost[t];
+ * up to `steps`, or with `to_check` up to the first step from the third on that checks
+ * the fallbacks. The predicted step time, the policy's name and (when `first` points to
+ * NULL) a copy of the first step's plan come back. Returns the last step run. */
+static int run_steps(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const rp_stats *stats,
+                     const char *params, int steps, bool to_check, step_cost *cost, double *predicted_s,
+                     char policy[64], rp_plan **first)
+{
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.num_threads = 1;
+    o.params_json = params;
+    rp_sched *s = NULL;
+    rp_error err;
+    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) die("scheduler", &err);
+    int t = 0;
+    for (; t < steps; t++) {
+        const rp_plan *p;
+        const rp_step_report *rep;
+        double t0 = thread_s();
+        if (rp_sched_step_stats(s, t, batch, stats, &p, &rep, &err) != RP_OK) die("step", &err);
+        double step_cpu = thread_s() - t0;
+        if (t == 0 && first && !*first && rp_plan_copy(p, first, &err) != RP_OK) die("plan copy", &err);
+        step_cost *c = &cost[t];
+        c->policy_s = rep->policy_cpu_s < c->policy_s ? rep->policy_cpu_s : c->policy_s;
+        c->policy_wall_s = rep->policy_wall_s < c->policy_wall_s ? rep->policy_wall_s : c->policy_wall_s;
+        double eng = step_cpu - rep->policy_cpu_s;
+        c->engine_s = eng < c->engine_s ? eng : c->engine_s;
+        c->checks = rep->fallback_checks;
+        *predicted_s = rep->cost.step_s;
+        snprintf(policy, 64, "%s", rep->policy_name);
+        if (to_check && t >= 2 && rep->fallback_checks > 0) break;
+    }
+    rp_sched_free(s);
+    return t < steps ? t : steps - 1;
 }
 
 int main(int argc, char **argv)
@@ -207,37 +256,45 @@ int main(int argc, char **argv)
     /* 4. the step from statistics, with a placement in use (the third step: the steady
      * state, a placement and the last step's inputs held from before): the policy's
      * calls in CPU time of this thread (rep->policy_cpu_s; the policy runs here) and the
-     * engine's work around them (the step's CPU time less the policy's) */
-    double policy_s = 1e30, policy_wall_s = 1e30, engine_s = 1e30, predicted_s = 0;
-    const rp_plan *first_plan = NULL;
+     * engine's work around them (the step's CPU time less the policy's). The config's
+     * policy runs on to its next fallback check (the shipped one checks the baselines
+     * every fallback_interval steps): that step, and the mean over the steps 1 to it,
+     * one interval; and alternated with it, the same policy checking every step
+     * (fallback_interval 1, as before the interval): its third step. */
+    step_cost every[STEPS_MAX], now[STEPS_MAX];
+    for (int t = 0; t < STEPS_MAX; t++) every[t] = now[t] = (step_cost){1e30, 1e30, 1e30, 0};
+    double predicted_s = 0;
     rp_plan *previous = NULL;
-    char policy[64] = "";
-    for (int r = 0; r < (construction ? 1 : reps); r++) {
-        rp_sched_options o;
-        rp_sched_options_default(&o);
-        o.num_threads = 1;
-        rp_sched *s = NULL;
-        const rp_plan *p;
-        const rp_step_report *rep;
-        if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) die("scheduler", &err);
-        if (rp_sched_step_stats(s, 0, batch, whole, &first_plan, &rep, &err) != RP_OK) die("step 0", &err);
-        if (!previous && rp_plan_copy(first_plan, &previous, &err) != RP_OK) die("plan copy", &err);
-        if (construction) {
-            rp_sched_free(s);
-            break;
-        }
-        if (rp_sched_step_stats(s, 1, batch, whole, &p, &rep, &err) != RP_OK) die("step 1", &err);
-        double t0 = thread_s();
-        if (rp_sched_step_stats(s, 2, batch, whole, &p, &rep, &err) != RP_OK) die("step 2", &err);
-        double step_cpu = thread_s() - t0;
-        policy_s = rep->policy_cpu_s < policy_s ? rep->policy_cpu_s : policy_s;
-        policy_wall_s = rep->policy_wall_s < policy_wall_s ? rep->policy_wall_s : policy_wall_s;
-        double eng = step_cpu - rep->policy_cpu_s;
-        engine_s = eng < engine_s ? eng : engine_s;
-        predicted_s = rep->cost.step_s;
-        snprintf(policy, sizeof policy, "%s", rep->policy_name);
-        rp_sched_free(s);
+    char policy[64] = "", every_params[4096];
+    {
+        json_t *params = json_loads(rp_config_policy(cfg)->params_json, 0, &je);
+        if (!params) die("the config's policy params", NULL);
+        json_object_set_new(params, "fallback_interval", json_integer(1));
+        char *text = json_dumps(params, JSON_COMPACT);
+        snprintf(every_params, sizeof every_params, "%s", text);
+        free(text);
+        json_decref(params);
     }
+    int check_step = 0;
+    for (int r = 0; r < (construction ? 1 : reps); r++) {
+        run_steps(ctx, cfg, batch, whole, every_params, construction ? 1 : 3, false, every, &predicted_s, policy,
+                  &previous);
+        if (construction) break;
+        check_step = run_steps(ctx, cfg, batch, whole, NULL, STEPS_MAX, true, now, &predicted_s, policy, NULL);
+    }
+
+    if (construction) {
+        construction_only(ctx, cfg, batch, whole, previous, reps);
+        goto done;
+    }
+    /* one interval: the steps after the first up to the check that ends it */
+    step_cost mean = {0, 0, 0, 0};
+    for (int t = 1; t <= check_step; t++) {
+        mean.policy_s += now[t].policy_s / check_step;
+        mean.engine_s += now[t].engine_s / check_step;
+        mean.checks += now[t].checks;
+    }
+    const step_cost skip = now[2], check = now[check_step], old = every[2];
 
     if (construction) {
         construction_only(ctx, cfg, batch, whole, previous, reps);
@@ -278,21 +335,31 @@ int main(int argc, char **argv)
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     const double ms = 1e3, mib = 1.0 / (1 << 20);
-    const double total_s = stats_s + exchange_s + merge_s + policy_s + engine_s;
+    /* per step: this rank's statistics, the exchange and the merge, then the policy and the engine */
+    const double fixed_s = stats_s + exchange_s + merge_s;
+    const double total_s = fixed_s + skip.policy_s + skip.engine_s, check_total_s = fixed_s + check.policy_s + check.engine_s,
+                 interval_total_s = fixed_s + mean.policy_s + mean.engine_s, old_total_s = fixed_s + old.policy_s + old.engine_s;
     if (as_json) {
         printf("{\"scale\": %d, \"reps\": %d, \"ranks\": %d, \"num_seqs\": %d, \"rank_seqs\": %d, \"rank_tokens\": %lld, "
                "\"policy\": \"%s\", \"part_bytes\": %zu, \"exchange_bytes\": %.0f, \"stats_ms\": %.3f, "
                "\"exchange_ms\": %.3f, \"merge_ms\": %.3f, \"merge_fresh_ms\": %.3f, \"policy_ms\": %.3f, \"policy_wall_ms\": %.3f, "
                "\"validate_ms\": %.3f, \"total_ms\": %.3f, \"predicted_step_ms\": %.3f, \"overhead_percent\": %.4f, "
+               "\"step_fallback_checks\": %d, \"check_step\": %d, \"check_policy_ms\": %.3f, \"check_validate_ms\": %.3f, "
+               "\"check_total_ms\": %.3f, \"interval_checks\": %d, \"interval_policy_ms\": %.3f, "
+               "\"interval_validate_ms\": %.3f, \"interval_total_ms\": %.3f, \"every_step_policy_ms\": %.3f, "
+               "\"every_step_validate_ms\": %.3f, \"every_step_total_ms\": %.3f, "
                "\"construction_ms\": %.3f, \"checked_construction_ms\": %.3f, \"fallback_check_ms\": %.3f, "
                "\"fallback_chosen\": \"%s\", \"fallback_changed\": %d, \"peak_rss_mib\": %.1f, "
                "\"rank_peak_mib\": %.1f, \"rank_routing_bytes\": %.0f, \"step_routing_bytes\": %.0f, "
                "\"stats_bytes\": %zu}\n",
                scale, reps, RANKS, n, m, (long long)rp_batch_num_tokens(mine), policy, part_bytes, exchange_bytes,
-               stats_s * ms, exchange_s * ms, merge_s * ms, merge_fresh_s * ms, policy_s * ms, policy_wall_s * ms, engine_s * ms,
-               total_s * ms, predicted_s * ms, 100 * total_s / predicted_s, construction_s * ms, checked_s * ms,
-               (checked_s - construction_s) * ms, jrep.chosen, check_changed, ru.ru_maxrss / 1024.0,
-               ru.ru_maxrss / 1024.0, rank_routing_bytes, step_routing_bytes, rp_stats_bytes(whole));
+               stats_s * ms, exchange_s * ms, merge_s * ms, merge_fresh_s * ms, skip.policy_s * ms,
+               skip.policy_wall_s * ms, skip.engine_s * ms, total_s * ms, predicted_s * ms, 100 * total_s / predicted_s,
+               skip.checks, check_step, check.policy_s * ms, check.engine_s * ms, check_total_s * ms, mean.checks,
+               mean.policy_s * ms, mean.engine_s * ms, interval_total_s * ms, old.policy_s * ms, old.engine_s * ms,
+               old_total_s * ms, construction_s * ms, checked_s * ms, (checked_s - construction_s) * ms, jrep.chosen,
+               check_changed, ru.ru_maxrss / 1024.0, ru.ru_maxrss / 1024.0, rank_routing_bytes, step_routing_bytes,
+               rp_stats_bytes(whole));
     } else {
         printf("bench_overhead: reference config, %d ranks, %d sequences (this rank: %d, %lld tokens), scale 1/%d, "
                "policy %s; CPU ms of this thread, min of %d\n",
@@ -302,11 +369,19 @@ int main(int argc, char **argv)
                exchange_bytes, exchange_s * ms, topo->net_bytes_per_s / 1e9);
         printf("  merge of %d parts                   %10.3f ms into the last step's storage (%.3f ms into fresh "
                "memory)\n", RANKS, merge_s * ms, merge_fresh_s * ms);
-        printf("  policy calls (step 2, placement in use) %7.3f ms (wall %.3f ms)\n", policy_s * ms,
-               policy_wall_s * ms);
-        printf("  engine around them (validate, evaluate, migration) %7.3f ms\n", engine_s * ms);
+        printf("  policy calls (step 2, placement in use, %d fallback checks) %7.3f ms (wall %.3f ms)\n", skip.checks,
+               skip.policy_s * ms, skip.policy_wall_s * ms);
+        printf("  engine around them (validate, evaluate, migration) %7.3f ms\n", skip.engine_s * ms);
         printf("  total                                %10.3f ms = %.3f%% of the predicted step (%.1f ms)\n",
                total_s * ms, 100 * total_s / predicted_s, predicted_s * ms);
+        printf("  the step that checks the fallbacks (step %d): policy %.3f ms, engine %.3f ms, total %.3f ms = %.3f%%\n",
+               check_step, check.policy_s * ms, check.engine_s * ms, check_total_s * ms,
+               100 * check_total_s / predicted_s);
+        printf("  a step of the interval (steps 1 to %d, %d checks): policy %.3f ms, engine %.3f ms, total %.3f ms = "
+               "%.3f%%\n", check_step, mean.checks, mean.policy_s * ms, mean.engine_s * ms, interval_total_s * ms,
+               100 * interval_total_s / predicted_s);
+        printf("  checking every step (fallback_interval 1), step 2: policy %.3f ms, engine %.3f ms, total %.3f ms = "
+               "%.3f%%\n", old.policy_s * ms, old.engine_s * ms, old_total_s * ms, 100 * old_total_s / predicted_s);
         printf("  joint construction alone (no fallbacks) %7.3f ms\n", construction_s * ms);
         printf("  with the fallback check (4 baselines)   %7.3f ms: the check %.3f ms, chose %s (%s the plan)\n",
                checked_s * ms, (checked_s - construction_s) * ms, jrep.chosen, check_changed ? "changed" : "kept");
