@@ -1,6 +1,6 @@
 /* Baseline plans as users run them today: verl's Karmarkar-Karp packing and contiguous
  * or EPLB placement, from the primitives (docs/baselines.md: where each differs). */
-#include "internal.h"
+#include "baseline_internal.h"
 #include "routepack/virtual_experts.h"
 #include "limits_internal.h"
 #include "nonempty_internal.h"
@@ -13,7 +13,8 @@
 static const char *const baseline_names[] = {
     "token_kk+contiguous", "token_kk+eplb", "verl_kk+contiguous",
     "verl_kk+eplb",        "attn_kk+contiguous", "attn_kk+eplb", "token_kk+virtual_experts",
-    "verl_kk+virtual_experts", "attn_kk+virtual_experts", NULL,
+    "verl_kk+virtual_experts", "attn_kk+virtual_experts", "slime_ff+contiguous", "slime_ff+eplb",
+    "slime_ff+virtual_experts", "slime_kk+contiguous", "slime_kk+eplb", "slime_kk+virtual_experts", NULL,
 };
 
 const char *const *rp_baseline_names(void) { return baseline_names; }
@@ -21,7 +22,9 @@ const char *const *rp_baseline_names(void) { return baseline_names; }
 typedef enum pack_kind {
     PACK_TOKEN, /* verl <= 0.6.0 */
     PACK_VERL,  /* verl >= 0.6.1 */
-    PACK_ATTN   /* verl >= 0.6.1's structure, keyed by attention time */
+    PACK_ATTN,  /* verl >= 0.6.1's structure, keyed by attention time */
+    PACK_SLIME_FF, /* slime --balance-data: first-fit microbatches dealt by FLOPs (baseline_slime.c) */
+    PACK_SLIME_KK  /* slime --balance-by-flops: Karmarkar-Karp microbatches on FLOPs, dealt alike */
 } pack_kind;
 
 /* The expert groups EPLB is told about. The config has no expert groups (Qwen3- and
@@ -62,12 +65,6 @@ static void sort_mb_keys(mb_key *k, mb_key *tmp, int32_t n)
 }
 
 /* ---- packing ---- */
-
-typedef struct packing_out {
-    int32_t M;
-    int32_t *counts; /* [G * M] */
-    int32_t *seqs;   /* [n]: the lists, rank-major, microbatch order */
-} packing_out;
 
 /* verl's two levels: DP balancing (_balance_batch: KK with equal sizes over the ranks)
  * then, per rank, dynamic batch size (rearrange_micro_batches: KK over microbatches,
@@ -349,6 +346,8 @@ static bool packing_kind_of(const char *name, size_t len, pack_kind *kind)
     if (len == 8 && !strncmp(name, "token_kk", 8)) *kind = PACK_TOKEN;
     else if (len == 7 && !strncmp(name, "verl_kk", 7)) *kind = PACK_VERL;
     else if (len == 7 && !strncmp(name, "attn_kk", 7)) *kind = PACK_ATTN;
+    else if (len == 8 && !strncmp(name, "slime_ff", 8)) *kind = PACK_SLIME_FF;
+    else if (len == 8 && !strncmp(name, "slime_kk", 8)) *kind = PACK_SLIME_KK;
     else return false;
     return true;
 }
@@ -392,10 +391,14 @@ static rp_status build_packing(rp_context *ctx, const rp_config *cfg, const rp_b
         for (int32_t s = 0; s < n; s++) {
             double len = (double)rp_batch_seq_len(batch, s);
             /* verl's calculate_workload; exact in doubles below 2^53 */
-            key[s] = kind == PACK_TOKEN ? len : 24576.0 * len + len * len;
+            key[s] = kind == PACK_TOKEN ? len : kind == PACK_VERL ? 24576.0 * len + len * len
+                                                                  : rp_slime_workload(md, len);
         }
     }
-    RP_CHECK_GOTO(pack_kk(ctx, cfg, batch, kind, key, fixed_M, equal_size, &pk, err), st, out);
+    if (kind == PACK_SLIME_FF || kind == PACK_SLIME_KK)
+        RP_CHECK_GOTO(rp_baseline_pack_slime(ctx, cfg, batch, key, kind == PACK_SLIME_FF, fixed_M, &pk, err), st, out);
+    else
+        RP_CHECK_GOTO(pack_kk(ctx, cfg, batch, kind, key, fixed_M, equal_size, &pk, err), st, out);
 
     const int32_t G = rp_config_topology(cfg)->num_gpus;
     size_t cells = (size_t)G * (size_t)pk.M;
@@ -427,8 +430,8 @@ rp_status rp_baseline_packing(rp_context *ctx, const rp_config *cfg, const rp_ba
         return rp_fail(err, RP_EINVAL, "baseline: context, config, batch, name and output are required");
     pack_kind kind;
     if (!packing_kind_of(name, strlen(name), &kind))
-        return rp_fail(err, RP_EINVAL, "baseline: unknown packing '%s'; the packings are token_kk, verl_kk and "
-                       "attn_kk", name);
+        return rp_fail(err, RP_EINVAL, "baseline: unknown packing '%s'; the packings are token_kk, verl_kk, "
+                       "attn_kk, slime_ff and slime_kk", name);
     return build_packing(ctx, cfg, batch, stats, kind, num_microbatches, equal_size, name, out, err);
 }
 
@@ -448,7 +451,7 @@ rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const rp_batch
     if (!known || (!eplb && !contiguous && !vexp))
         return rp_fail(err, RP_EINVAL,
                        "baseline: unknown baseline '%s'; a baseline is PACKING+PLACEMENT with packing token_kk, "
-                       "verl_kk or attn_kk and placement contiguous, eplb or virtual_experts (e.g. token_kk+eplb)",
+                       "verl_kk, attn_kk, slime_ff or slime_kk and placement contiguous, eplb or virtual_experts (e.g. token_kk+eplb)",
                        name);
     if (vexp) {
         rp_status vst = rp_vexp_check_config(cfg, err);

@@ -1,5 +1,6 @@
 /* Baselines: verl's packing list for list (0.6.0 and 0.6.1), attention keys, contiguous
  * and EPLB placement, slot stability, validity, determinism and bad input. */
+#include "baseline_internal.h"
 #include "internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
@@ -17,20 +18,27 @@ static uint32_t rnd(uint32_t n) { return (uint32_t)(xorshift64(&rng_state) % n);
 typedef batch_fixture fixture; /* test_util.h */
 
 /* 4 GPUs in `nodes` nodes, one EP group of 4 with 3 slots each, 2 layers of 8 experts,
- * top-2, microbatch cap `cap` tokens. Routing skewed towards low expert ids. */
-static bool fixture_make(fixture *f, int nodes, int cap, const char *slots, int32_t n, const int32_t *lens)
+ * top-2, microbatch cap `cap` tokens, `trainer` the config's trainer object ("{}": the
+ * defaults). Routing skewed towards low expert ids. */
+static bool fixture_make_trainer(fixture *f, int nodes, int cap, const char *slots, int32_t n, const int32_t *lens,
+                                 const char *trainer)
 {
     char json[1024];
     snprintf(json, sizeof json,
              "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": 4, \"slots_per_gpu\": %s},"
              " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
              "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
-             " \"limits\": {\"max_tokens_per_microbatch\": %d}}",
-             nodes, 4 / nodes, slots, cap);
+             " \"limits\": {\"max_tokens_per_microbatch\": %d}, \"trainer\": %s}",
+             nodes, 4 / nodes, slots, cap, trainer);
     rp_error err;
     bool made = batch_fixture_random(ctx, f, json, n, lens, &rng_state, &err);
     if (!made) diag("fixture: %s", err.text);
     return made;
+}
+
+static bool fixture_make(fixture *f, int nodes, int cap, const char *slots, int32_t n, const int32_t *lens)
+{
+    return fixture_make_trainer(f, nodes, cap, slots, n, lens, "{}");
 }
 
 /* Lists a plan's packing as text "[[a, b], [c]] [[..]] ..." per rank. */
@@ -91,6 +99,150 @@ static void test_verl_lists(void)
     batch_fixture_free(&f);
 }
 
+/* The same 24 sequences through slime's own build_dp_schedule (THUDM/slime 624b824a,
+ * slime/utils/dp_schedule.py; dynamic batch size, balance_data, dp 4, max_tokens_per_gpu
+ * 70, global_batch_size 24 / K, one sample per rollout, the fixture's model with vocab 0
+ * (RoutePack's workload has no output head), microbatch_group_size_per_vp_stage 2 with
+ * vpp 2 for the multiple 2): each rank's microbatches in slime's order, each microbatch's
+ * ids ascending. */
+static const struct {
+    const char *packing, *trainer, *lists;
+} SLIME_CASES[] = {
+    {"slime_ff", "{}",
+     "[[0, 1, 3], [17, 19, 20], [23]] [[6, 10], [16, 18], [12, 13]] [[5, 8, 9], [21, 22], [14]] "
+     "[[2, 4, 7], [11], [15]]"},
+    {"slime_ff", "{\"microbatch_multiple\": 2}",
+     "[[2], [17, 19, 20], [23], [4, 7]] [[6, 10], [15], [14], [18]] [[11], [21, 22], [9], [0, 3]] "
+     "[[1], [5, 8], [16], [12, 13]]"},
+    {"slime_ff", "{\"mini_batches\": 2}",
+     "[[6, 10], [0, 3], [12, 13, 14], [18]] [[2], [5, 8], [15], [22]] [[1], [4, 7], [21, 23], [17]] "
+     "[[11], [9], [16], [19, 20]]"},
+    {"slime_kk", "{}",
+     "[[0, 15, 19], [16, 18], [14]] [[2, 3, 10], [4, 6], [12, 13]] [[5, 8], [1, 23], [22]] "
+     "[[7, 9], [11, 20, 21], [17]]"},
+    {"slime_kk", "{\"microbatch_multiple\": 2}",
+     "[[2], [4, 6], [12, 13], [20, 21]] [[22], [16, 18], [14], [23]] [[7, 9], [5, 8], [15], [0, 19]] "
+     "[[1], [11], [17], [3, 10]]"},
+    {"slime_kk", "{\"mini_batches\": 2}",
+     "[[3, 6, 7], [4], [17, 18], [13, 21]] [[0, 1], [8, 10], [16, 20], [23]] [[5], [11], [22], [14]] "
+     "[[2], [9], [15], [12, 19]]"},
+};
+
+static void test_slime_lists(void)
+{
+    for (size_t c = 0; c < sizeof SLIME_CASES / sizeof *SLIME_CASES; c++) {
+        fixture f;
+        rp_error err;
+        char text[2048], name[64];
+        if (!fixture_make_trainer(&f, 1, 70, "3", 24, VERL_LENS, SLIME_CASES[c].trainer)) {
+            skip(2, "fixture");
+            continue;
+        }
+        snprintf(name, sizeof name, "%s+contiguous", SLIME_CASES[c].packing);
+        rp_plan *p = NULL;
+        is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, name, 0, &p, &err), RP_OK, "%s, trainer %s",
+               name, SLIME_CASES[c].trainer);
+        if (p) {
+            packing_text(p, text, sizeof text);
+            is_str(text, SLIME_CASES[c].lists, "%s gives slime's microbatch lists, in slime's order (trainer %s)",
+                   SLIME_CASES[c].packing, SLIME_CASES[c].trainer);
+            rp_plan_free(p);
+        } else {
+            diag("%s", err.text);
+            skip(1, "no plan");
+        }
+        batch_fixture_free(&f);
+    }
+}
+
+/* What slime's packings do beyond the pinned lists: the workload by hand, the cap kept
+ * where slime's Karmarkar-Karp would break it, verl's constraint refused, a fixed
+ * count, and fewer sequences than microbatches. */
+static void test_slime_rules(void)
+{
+    fixture f;
+    rp_error err;
+    /* fixture model, 10 tokens: per layer 2 d (h + 2 h_kv) d_h + 2 d^2 + 6 d f k
+     * = 2*64*12*16 + 2*64*64 + 6*64*32*2 = 57344 a token, 2 h d_h = 128 per L^2; 2 layers */
+    if (!fixture_make(&f, 1, 70, "3", 24, VERL_LENS)) {
+        skip(12, "fixture");
+        return;
+    }
+    is_double(rp_slime_workload(rp_config_model(f.cfg), 10), 2 * (57344.0 * 10 + 128.0 * 100), 0,
+              "slime's workload of 10 tokens, by hand");
+    rp_plan *p = NULL;
+    is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "slime_ff+contiguous", 2, &p, &err), RP_ERANGE,
+           "2 fixed microbatches a rank (8 in all) cannot hold 651 tokens under a cap of 70");
+    like(err.text, "needs 10 microbatches for mini-batch 0 within the cap of 70 tokens, more than the 4 ranks x 2 fixed",
+         "says how many it needs");
+    batch_fixture_free(&f);
+
+    /* One 60-token sequence and many short ones under a cap of 64: slime's
+     * Karmarkar-Karp on FLOPs (ceil(tokens / cap) bins) would put short ones beside the
+     * long one; the plan keeps the cap. */
+    int32_t lens[17] = {60};
+    for (int i = 1; i < 17; i++) lens[i] = 4 + i % 5;
+    if (!fixture_make(&f, 1, 64, "3", 17, lens)) {
+        skip(11, "fixture");
+        return;
+    }
+    for (int k = 0; k < 2; k++) {
+        const char *name = k ? "slime_kk+eplb" : "slime_ff+eplb";
+        rp_plan *p = NULL;
+        is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, name, 0, &p, &err), RP_OK, "%s builds", name);
+        int64_t worst = 0;
+        for (int32_t g = 0; p && g < rp_plan_num_gpus(p); g++)
+            for (int32_t m = 0; m < rp_plan_num_microbatches(p); m++) {
+                int32_t c;
+                const int32_t *seq = rp_plan_microbatch(p, g, m, &c);
+                int64_t t = 0;
+                for (int32_t i = 0; i < c; i++) t += lens[seq[i]];
+                if (t > worst) worst = t;
+            }
+        ok(p && worst <= 64, "%s keeps the 64-token cap (largest microbatch %lld)", name, (long long)worst);
+        rp_plan_free(p);
+    }
+    /* a fixed count: 2 per rank */
+    p = NULL;
+    is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "slime_kk+contiguous", 2, &p, &err), RP_OK,
+           "slime_kk with 2 microbatches fixed");
+    ok(p && rp_plan_num_microbatches(p) == 2, "runs 2 microbatches a rank");
+    rp_plan_free(p);
+    batch_fixture_free(&f);
+
+    /* verl's equal sequence counts are not slime's */
+    if (!fixture_make_trainer(&f, 1, 70, "3", 24, VERL_LENS, "{\"equal_sequences_per_rank\": true}")) {
+        skip(5, "fixture");
+        return;
+    }
+    is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "slime_ff+eplb", 0, &p, &err), RP_EINVAL,
+           "slime_ff is refused under trainer.equal_sequences_per_rank");
+    like(err.text, "trainer.equal_sequences_per_rank", "names the key");
+    batch_fixture_free(&f);
+
+    /* 3 sequences, 4 ranks: slime asserts; RoutePack leaves a microbatch empty, and
+     * refuses under trainer.nonempty_microbatches */
+    int32_t few[3] = {10, 20, 30};
+    if (!fixture_make(&f, 1, 70, "3", 3, few)) {
+        skip(3, "fixture");
+        return;
+    }
+    is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "slime_kk+eplb", 0, &p, &err), RP_OK,
+           "3 sequences over 4 ranks");
+    is_int(p ? rp_plan_validate(p, f.cfg, f.batch, &err) : RP_EINVAL, RP_OK, "a valid plan with an empty microbatch");
+    rp_plan_free(p);
+    batch_fixture_free(&f);
+    if (!fixture_make_trainer(&f, 1, 70, "3", 3, few, "{\"nonempty_microbatches\": true}")) {
+        skip(2, "fixture");
+        return;
+    }
+    p = NULL;
+    is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "slime_kk+eplb", 0, &p, &err), RP_EINVAL,
+           "refused under trainer.nonempty_microbatches");
+    like(err.text, "nonempty_microbatches", "names the key");
+    batch_fixture_free(&f);
+}
+
 /* Loads of EP ranks at a layer under a plan's placement. */
 static double max_rank_load(const fixture *f, const rp_plan *p, int32_t layer)
 {
@@ -137,7 +289,7 @@ static void test_all_baselines(void)
         rp_plan_free(p);
         rp_plan_free(q);
     }
-    is_int(count, 9, "nine baselines are named");
+    is_int(count, 15, "fifteen baselines are named");
 
     /* DP level: rank p holds KK partition p of the key, equal counts (64 / 4). */
     rp_plan *tk = NULL, *vk = NULL, *ak = NULL, *ep = NULL, *ct = NULL;
@@ -322,7 +474,7 @@ static void test_bad_input(void)
     rp_plan *p = (rp_plan *)&f; /* must stay untouched on error */
     is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "kk+eplb", 0, &p, &err), RP_EINVAL, "unknown packing");
     like(err.text, "unknown baseline 'kk+eplb'", "names the baseline");
-    like(err.text, "token_kk, verl_kk or attn_kk", "lists the packings");
+    like(err.text, "token_kk, verl_kk, attn_kk, slime_ff or slime_kk", "lists the packings");
     ok(p == (rp_plan *)&f, "output untouched on error");
     is_int(rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk", 0, &p, &err), RP_EINVAL,
            "a packing without placement");
@@ -481,7 +633,7 @@ static void test_packing_alone(void)
     rp_plan *bad = NULL;
     is_int(rp_baseline_packing(ctx, f.cfg, f.batch, f.stats, "token_kk+eplb", 0, true, &bad, &err), RP_EINVAL,
            "a whole baseline's name is not a packing");
-    like(err.text, "unknown packing 'token_kk+eplb'; the packings are token_kk, verl_kk and attn_kk",
+    like(err.text, "unknown packing 'token_kk+eplb'; the packings are token_kk, verl_kk, attn_kk, slime_ff and slime_kk",
          "the message lists the packings");
     is_int(rp_baseline_packing(ctx, f.cfg, f.batch, NULL, "attn_kk", 0, true, &bad, &err), RP_EINVAL,
            "attn_kk without statistics");
@@ -492,6 +644,8 @@ int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_verl_lists();
+    test_slime_lists();
+    test_slime_rules();
     test_all_baselines();
     test_stability();
     test_bad_input();
