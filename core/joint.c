@@ -31,14 +31,16 @@ static bool known_baseline(const char *name)
 
 /* Under per-forward balancing every plan runs with the balancer: each fallback keeps its
  * packing and takes the virtual_experts placement (once per packing, in order). */
-static const char *const *with_virtual_experts(const char *const *names, const char *out[4])
+enum { VEXP_PACKINGS = 5 };
+static const char *const *with_virtual_experts(const char *const *names, const char *out[VEXP_PACKINGS + 1])
 {
-    static const char *const vexp_names[][2] = {{"token_kk+", "token_kk+virtual_experts"},
-                                                {"verl_kk+", "verl_kk+virtual_experts"},
-                                                {"attn_kk+", "attn_kk+virtual_experts"}};
+    static const char *const vexp_names[VEXP_PACKINGS][2] = {
+        {"token_kk+", "token_kk+virtual_experts"}, {"verl_kk+", "verl_kk+virtual_experts"},
+        {"attn_kk+", "attn_kk+virtual_experts"},   {"slime_ff+", "slime_ff+virtual_experts"},
+        {"slime_kk+", "slime_kk+virtual_experts"}};
     int n = 0;
     for (const char *const *name = names; *name; name++)
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < VEXP_PACKINGS; k++) {
             if (strncmp(*name, vexp_names[k][0], strlen(vexp_names[k][0])) != 0) continue;
             bool seen = false;
             for (int i = 0; i < n; i++) seen |= out[i] == vexp_names[k][1];
@@ -663,7 +665,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     }
 
     const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;
-    const char *vexp_fallbacks[4] = {NULL, NULL, NULL, NULL};
+    const char *vexp_fallbacks[VEXP_PACKINGS + 1] = {NULL};
     if (vexp) fallbacks = with_virtual_experts(fallbacks, vexp_fallbacks);
     if (par->virtual_experts && !vexp && par->place && rp_vexp_check_config(cfg, NULL) == RP_OK)
         RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);

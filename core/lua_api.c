@@ -872,9 +872,9 @@ static int l_baseline(lua_State *L)
     return 1;
 }
 
-/* rp.kk_packing(name, opts): the two-level Karmarkar-Karp packing of the token_kk,
- * verl_kk or attn_kk baseline (rp_baseline_packing), a plan with no placement. The three
- * shipped packing policies are this call. */
+/* rp.kk_packing(name, opts): the packing of the token_kk, verl_kk, attn_kk, slime_ff or
+ * slime_kk baseline (rp_baseline_packing), a plan with no placement. The shipped packing
+ * policies are this call. */
 static int l_kk_packing(lua_State *L)
 {
     lua_settop(L, 2); /* fixed argument slots: scratch is pushed above them */

@@ -10,7 +10,8 @@
 #      EP 8, ETP 1; config-qwen3-30b-pp2.json, the same with PP 2 x VPP 2 interleaved;
 #      config-qwen3-30b-cp2.json, TP 2 x CP 2 on long rollouts (gen-qwen3-30b-long.json);
 #      config-qwen3-30b-tp4-mb4.json, TP 4 with 4 mini-batches a rollout batch;
-#      config-deepseek-v3-pp.json, EP 64 over 8 nodes, PP 4), each on its generated batch
+#      config-deepseek-v3-pp.json, EP 64 over 8 nodes, PP 4; config-qwen3-30b-slime.json,
+#      slime's own recipe on one node, where slime's packing joins the baselines), each on its generated batch
 #      with seeds 1 and 2, every default policy (scripts/results/layouts.py:
 #      section-tp-pp-layouts.md);
 #   2. the horizon and persistence sweep the routepack policy's defaults were chosen by
@@ -93,6 +94,7 @@ qwen3-30b-pp2 config-qwen3-30b-pp2.json gen-qwen3-30b-tp4.json 8
 qwen3-30b-cp2 config-qwen3-30b-cp2.json gen-qwen3-30b-long.json 8
 qwen3-30b-tp4-mb4 config-qwen3-30b-tp4-mb4.json gen-qwen3-30b-tp4.json 8
 deepseek-v3-pp config-deepseek-v3-pp.json gen-deepseek-v3.json 4
+qwen3-30b-slime config-qwen3-30b-slime.json gen-qwen3-30b-slime.json 8
 "
 LAYOUT_SEEDS="1 2"
 layouts() {

@@ -265,11 +265,15 @@ int main(void)
     static const char *policies[] = {"token_kk", "verl_kk",       "attn_kk",      "eplb",
                                      "contiguous", "routepack", "token_kk+eplb", "verl_kk+eplb",
                                      "attn_kk+eplb", "token_kk+contiguous", "virtual_experts",
-                                     "token_kk+virtual_experts"};
+                                     "token_kk+virtual_experts", "slime_ff", "slime_kk", "slime_ff+eplb",
+                                     "slime_kk+eplb"};
     for (size_t i = 0; i < sizeof policies / sizeof policies[0]; i++) test_policy(policies[i]);
     test_matches_baseline("token_kk", "token_kk+contiguous", true, true);
     test_matches_baseline("verl_kk", "verl_kk+contiguous", true, true);
     test_matches_baseline("attn_kk", "attn_kk+contiguous", true, true);
+    test_matches_baseline("slime_ff", "slime_ff+contiguous", true, true);
+    test_matches_baseline("slime_kk", "slime_kk+contiguous", true, true);
+    test_matches_baseline("slime_ff+eplb", "slime_ff+eplb", true, true);
     test_matches_baseline("contiguous", "attn_kk+contiguous", true, true);
     test_matches_baseline("verl_kk+eplb", "verl_kk+eplb", true, true);
     test_matches_baseline("eplb", "attn_kk+eplb", true, true);

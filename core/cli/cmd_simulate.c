@@ -18,16 +18,19 @@
 #include <unistd.h>
 
 /* token_kk+virtual_experts (Megatron's per-forward balancing) joins where the config
- * allows the balancer (rp_vexp_check_config). */
+ * allows the balancer (rp_vexp_check_config); slime_ff+eplb (slime's recipe) where the
+ * trainer does not need equal sequence counts per rank (verl's), which slime does not keep. */
 #define SIM_VEXP "token_kk+virtual_experts"
+#define SIM_SLIME "slime_ff+eplb"
 static const char *const default_policies[] = {"token_kk+contiguous", "token_kk+eplb", "token_kk+eplb_periodic",
-                                               "verl_kk+eplb", "attn_kk+eplb", SIM_VEXP, "routepack", NULL};
+                                               "verl_kk+eplb", "attn_kk+eplb", SIM_SLIME, SIM_VEXP, "routepack",
+                                               NULL};
 
 /* The shipped baselines' components (docs/baselines.md): a policy made only of these
  * ("token_kk+eplb_periodic", "eplb") is a baseline; speedups and the verdict compare
  * every policy against the best of them on step + migration over the run. */
-static const char *const baseline_parts[] = {"token_kk", "verl_kk", "attn_kk", "contiguous", "eplb",
-                                             "eplb_periodic", "virtual_experts", NULL};
+static const char *const baseline_parts[] = {"token_kk", "verl_kk", "attn_kk", "slime_ff", "slime_kk", "contiguous",
+                                             "eplb", "eplb_periodic", "virtual_experts", NULL};
 
 static bool is_baseline_part(const char *name, size_t len)
 {
@@ -301,7 +304,7 @@ static int parse_sim_opts(int argc, char **argv, sim_opts *o)
 
 /* Split "a, b,c" into trimmed, non-empty specs; the watched file joins the list when it
  * is not in it. Returns the count; -1 when out of memory. */
-static int split_policies(const char *list, const char *watch, bool vexp, char ***out)
+static int split_policies(const char *list, const char *watch, bool vexp, bool slime, char ***out)
 {
     char *copy = strdup(list ? list : "");
     int n = 0, cap = 8;
@@ -309,7 +312,7 @@ static int split_policies(const char *list, const char *watch, bool vexp, char *
     if (!copy || !v) goto oom;
     if (!list)
         for (const char *const *d = default_policies; *d; d++) {
-            if (!vexp && !strcmp(*d, SIM_VEXP)) continue;
+            if ((!vexp && !strcmp(*d, SIM_VEXP)) || (!slime && !strcmp(*d, SIM_SLIME))) continue;
             if (n == cap && !(v = realloc(v, (size_t)(cap *= 2) * sizeof *v))) goto oom;
             if (!(v[n++] = strdup(*d))) goto oom;
         }
@@ -1144,7 +1147,8 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
         }
         steps = (int32_t)o.steps; /* the generator makes any number of steps */
     }
-    if ((np = split_policies(o.policies, o.watch, rp_vexp_check_config(cfg, NULL) == RP_OK, &specs)) < 0 ||
+    if ((np = split_policies(o.policies, o.watch, rp_vexp_check_config(cfg, NULL) == RP_OK,
+                             !rp_config_trainer(cfg)->equal_sequences_per_rank, &specs)) < 0 ||
         !(pol = calloc((size_t)(np ? np : 1), sizeof *pol))) {
         fprintf(stderr, "routepack: out of memory\n");
         np = np < 0 ? 0 : np;

@@ -20,6 +20,13 @@ extern "C" {
  *              verl_kk   verl >= 0.6.1: the same on the workload 24576 L + L^2, with
  *                        verl's ordering of sequences and microbatches
  *              attn_kk   verl_kk's structure keyed by the cost model's attention time
+ *              slime_ff  slime --balance-data: first-fit microbatches of each mini-batch
+ *                        under the cap, aligned to a multiple of the ranks x
+ *                        trainer.microbatch_multiple by splitting, dealt to the ranks by
+ *                        Karmarkar-Karp on slime's FLOPs with equal microbatch counts
+ *              slime_kk  slime --balance-by-flops: the microbatches by Karmarkar-Karp on
+ *                        the FLOPs, dealt alike (both refuse
+ *                        trainer.equal_sequences_per_rank: ranks run different counts)
  *   placement  contiguous  expert e on EP rank floor(e * ep_size / E), no replicas
  *              eplb        EPLB from this step's expert loads: replicas apportioned by
  *                          load per replica, packed onto GPUs (hierarchical when the EP
@@ -53,13 +60,13 @@ RP_API rp_status rp_baseline_plan(rp_context *ctx, const rp_config *cfg, const r
                                   const rp_stats *stats, const rp_plan *previous, const char *name,
                                   int32_t num_microbatches, rp_plan **out, rp_error *err);
 
-/* The packing half of a baseline, alone: `name` is token_kk, verl_kk or attn_kk, built as
- * rp_baseline_plan builds it (stats needed by attn_kk only), except that `equal_size`
- * false replaces verl's equal sequence counts per DP rank by plain Karmarkar-Karp over
- * the ranks (true gives exactly rp_baseline_plan's packing; the config's
- * trainer.equal_sequences_per_rank forces true). The new plan holds the
- * packing and no placement (caller frees). The shipped policies token_kk, verl_kk and
- * attn_kk are this call (rp.kk_packing). Errors as rp_baseline_plan's. */
+/* The packing half of a baseline, alone: `name` is token_kk, verl_kk, attn_kk, slime_ff
+ * or slime_kk, built as rp_baseline_plan builds it (stats needed by attn_kk only), except
+ * that `equal_size` false replaces verl's equal sequence counts per DP rank by plain
+ * Karmarkar-Karp over the ranks (true gives exactly rp_baseline_plan's packing; the
+ * config's trainer.equal_sequences_per_rank forces true; slime's packings ignore it). The
+ * new plan holds the packing and no placement (caller frees). The shipped packing policies
+ * are this call (rp.kk_packing). Errors as rp_baseline_plan's. */
 RP_API rp_status rp_baseline_packing(rp_context *ctx, const rp_config *cfg, const rp_batch *batch,
                                      const rp_stats *stats, const char *name, int32_t num_microbatches,
                                      bool equal_size, rp_plan **out, rp_error *err);
