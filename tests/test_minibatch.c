@@ -528,7 +528,7 @@ static void test_every_packer(void)
             fixture f;
             rp_error err;
             if (!fixture_make(&f, 2, 400, trainers[t], 48, lens)) {
-                skip(11, "fixture");
+                skip(17, "fixture");
                 continue;
             }
             const rp_trainer *tr = rp_config_trainer(f.cfg);
@@ -537,6 +537,13 @@ static void test_every_packer(void)
                 rp_plan *p = NULL;
                 double worst = 0;
                 rp_status st = rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, *b, 0, &p, &err);
+                if (!strncmp(*b, "slime_", 6) && tr->equal_sequences_per_rank) {
+                    /* slime's ranks run different sequence counts: refused, naming the key */
+                    ok(st == RP_EINVAL && strstr(err.text, "trainer.equal_sequences_per_rank"),
+                       "{%s}: %s is refused, naming the key", trainers[t], *b);
+                    rp_plan_free(p);
+                    continue;
+                }
                 if (st != RP_OK) diag("%s: %s", *b, err.text);
                 ok(st == RP_OK && (rp_plan_num_microbatches(p) / K) % tr->microbatch_multiple == 0 &&
                        mini_batches_ok(p, f.batch, K, tr->equal_sequences_per_rank, 0, &worst) &&

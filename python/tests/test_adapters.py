@@ -603,7 +603,9 @@ def test_import_adapters_needs_no_torch():
 # ---- the examples ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["verl_batch.py", "megatron_packed.py",
-                                  "verl_batch.py --mini-batches 2 --microbatches 4"])
+                                  "verl_batch.py --mini-batches 2 --microbatches 4",
+                                  "slime_schedule.py", "slime_schedule.py --policy slime_ff+eplb",
+                                  "slime_schedule.py --mini-batches 2 --microbatches 4"])
 def test_example_runs(name):
     if name.startswith("megatron"):
         pytest.importorskip("torch")
