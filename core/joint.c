@@ -709,7 +709,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
         if (best_name) {
             rep.best_fallback_step_s = best.step_s;
             snprintf(rep.best_fallback, sizeof rep.best_fallback, "%s", best_name);
-            if (best.total < mine.total) {
+            if (best.total < chosen.total) { /* against the balancer's plan when it replaced the joint one */
                 chosen = best;
                 snprintf(rep.chosen, sizeof rep.chosen, "%s", best_name);
                 rp_plan_free(plan);

@@ -84,6 +84,51 @@ static bool contiguous_sets(const rp_plan *p)
 
 /* ---- the per-forward balancer candidate ---- */
 
+/* A fallback is weighed against the plan chosen so far, the balancer's when it beat the
+ * joint one, not against the joint one it replaced: with the joint placement's re-fits
+ * made dear (so the balancer's plan always beats it) and token_kk+contiguous as the one
+ * fallback (nothing migrates from the contiguous placement, so its total is its step),
+ * the returned plan is the better of the two on every seed, and on some seeds that is
+ * the balancer's. */
+static void test_fallback_against_the_balancer(void)
+{
+    static const char *const one_fallback[] = {"token_kk+contiguous", NULL};
+    int right = 0, balancer_wins = 0, seeds = 0;
+    for (uint64_t seed = 1; seed <= 24; seed++) {
+        fixture f;
+        if (!fixture_make(&f, make_config(1, 4, 4, 5), seed)) {
+            batch_fixture_free(&f);
+            continue;
+        }
+        rp_error err;
+        rp_plan *contig = NULL, *p = NULL;
+        rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk+contiguous", 0, &contig, &err);
+        rp_joint_params par = rp_joint_defaults();
+        par.fallbacks = one_fallback;
+        par.virtual_experts = true;
+        par.recurring_migration_s = 1e3;
+        rp_joint_report rep;
+        if (rp_joint_plan(ctx, f.cfg, f.batch, f.stats, contig, NULL, &par, &p, &rep, &err) == RP_OK) {
+            bool vx_better = rep.virtual_experts_step_s < rep.best_fallback_step_s;
+            seeds++;
+            balancer_wins += vx_better;
+            right += vx_better ? rep.per_forward_balancing && !strcmp(rep.chosen, "joint")
+                               : !strcmp(rep.chosen, "token_kk+contiguous");
+            if (vx_better && strcmp(rep.chosen, "joint"))
+                diag("seed %llu: balancer %.6g s, fallback %.6g s, chose %s", (unsigned long long)seed,
+                     rep.virtual_experts_step_s, rep.best_fallback_step_s, rep.chosen);
+        } else {
+            diag("seed %llu: %s", (unsigned long long)seed, err.text);
+        }
+        rp_plan_free(p);
+        rp_plan_free(contig);
+        batch_fixture_free(&f);
+    }
+    ok(seeds == 24 && right == seeds, "the better of the balancer's plan and the fallback is returned (%d of %d seeds)",
+       right, seeds);
+    ok(balancer_wins > 0, "the balancer's plan beats the fallback on %d of them", balancer_wins);
+}
+
 static void test_virtual_experts_candidate(void)
 {
     fixture f;
@@ -317,6 +362,7 @@ int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_virtual_experts_candidate();
+    test_fallback_against_the_balancer();
     test_candidate_under_pp();
     test_relabel();
     test_alloc_failures();
