@@ -226,9 +226,94 @@ static rp_status check_previous(const joint *jt, const rp_plan *prev, rp_error *
     return RP_OK;
 }
 
+/* The packings tried under pipeline parallelism: a token budget of one (microbatch, EP
+ * group), as a multiple of an even share (the batch's tokens over M x Q), and whether a
+ * cell takes at most an even share of the sequences (N over G x M, rounded up); the first
+ * is the surrogate's packing alone. On the DeepSeek-V3-like example the budget of one
+ * share wins; where a few long sequences a rank set the levels, the even count. */
+static const struct {
+    double budget;
+    bool even_count;
+} pipeline_packings[] = {{0.0, false}, {1.0, false}, {1.5, false}, {0.0, true}};
+/* The share of its step a limited packing must save over the surrogate's to replace it:
+ * the screen prices every packing on one placement, not the one the plan will have. */
+#define PIPELINE_MARGIN 0.01
+
+int32_t rp_joint_packing_evaluations(const rp_config *cfg)
+{
+    if (!cfg || rp_config_topology(cfg)->pipeline_parallel_size == 1) return 0;
+    return (int32_t)(sizeof pipeline_packings / sizeof *pipeline_packings);
+}
+
+/* Under pipeline parallelism the step is the schedule's critical path, not the sum over
+ * microbatches that the packing's surrogate takes: a microbatch crosses every stage in
+ * turn, so the heaviest one is paid about PP times, while the others run in its bubbles.
+ * Filling under the levels the longest sequences set is then no longer free: it loads the
+ * microbatch that sets the path with every sequence's expert work and dispatch (with few
+ * sequences a rank the surrogate packs the whole batch into one microbatch, and the
+ * pipeline runs none of it at once). So the packing is also made under the limits of
+ * pipeline_packings (a cell beyond them takes nothing while another is open), and the
+ * one with the shortest step wins, each priced exactly (rp_cost_evaluate, microbatches in
+ * their best order) on the same placement: the one in use, else the contiguous one; a
+ * limited packing must beat the surrogate's by PIPELINE_MARGIN. Keeps jt->seq_gpu and
+ * jt->seq_mb of the winner (the earlier on a tie). */
+static rp_status pack_pipeline(joint *jt, const rp_plan *previous_placed, int32_t M, rp_error *err)
+{
+    rp_context *ctx = jt->ctx;
+    const size_t n = (size_t)jt->N;
+    rp_plan *plan = NULL;
+    int32_t *best = rp_alloc(ctx, 2 * n * sizeof *best);
+    rp_status st = RP_OK;
+    if (!best) return rp_fail_nomem(err, "joint: pipeline packings");
+    RP_CHECK_GOTO(rp_plan_new(ctx, jt->cfg, M, &plan, err), st, out);
+    if (previous_placed && rp_plan_balancing(previous_placed) == RP_BALANCING_NONE) {
+        for (int32_t l = 0; l < jt->L; l++)
+            RP_CHECK_GOTO(rp_plan_set_phy2log(plan, l, rp_plan_phy2log(previous_placed, l), err), st, out);
+    } else {
+        RP_CHECK_GOTO(rp_plan_set_contiguous(plan, err), st, out);
+        if (rp_config_execution(jt->cfg)->per_forward_balancing == RP_BALANCING_VIRTUAL_EXPERTS)
+            RP_CHECK_GOTO(rp_plan_set_balancing(plan, RP_BALANCING_VIRTUAL_EXPERTS, err), st, out);
+    }
+    const double share = (double)rp_batch_num_tokens(jt->batch) / ((double)M * jt->Q);
+    const int32_t cell_share = (int32_t)(((int64_t)jt->N + (int64_t)jt->G * M - 1) / ((int64_t)jt->G * M));
+    double best_s = INFINITY;
+    for (size_t i = 0; i < sizeof pipeline_packings / sizeof *pipeline_packings; i++) {
+        const double budget = pipeline_packings[i].budget;
+        jt->pack_budget = budget > 0 ? (int64_t)ceil(budget * share) : 0;
+        jt->pack_cell_quota = pipeline_packings[i].even_count ? cell_share : 0;
+        if (i > 0) {
+            st = joint_pack(jt, M, err);
+            if (st == RP_ERANGE) { /* this budget led the greedy where a sequence fits nowhere */
+                st = RP_OK;
+                continue;
+            }
+            if (st != RP_OK) goto out;
+        }
+        double step_s;
+        RP_CHECK_GOTO(rp_plan_set_packing(plan, jt->N, jt->seq_gpu, jt->seq_mb, err), st, out);
+        RP_CHECK_GOTO(rp_cost_evaluate(jt->cost, plan, NULL, err), st, out);
+        RP_CHECK_GOTO(rp_cost_order_microbatches(jt->cost, plan, &step_s, err), st, out);
+        if (i == 0) step_s *= 1.0 - PIPELINE_MARGIN;
+        if (step_s < best_s) {
+            best_s = step_s;
+            memcpy(best, jt->seq_gpu, n * sizeof *best);
+            memcpy(best + n, jt->seq_mb, n * sizeof *best);
+        }
+    }
+    memcpy(jt->seq_gpu, best, n * sizeof *best);
+    memcpy(jt->seq_mb, best + n, n * sizeof *best);
+out:
+    jt->pack_budget = 0;
+    jt->pack_cell_quota = 0;
+    rp_plan_free(plan);
+    rp_free(ctx, best);
+    return st;
+}
+
 /* Packing: ours, with as few microbatches as fit (or the fixed count), or token_kk's.
- * Under trainer.nonempty_microbatches both leave no (rank, microbatch) empty. */
-static rp_status pack_cells(joint *jt, rp_error *err)
+ * Under trainer.nonempty_microbatches both leave no (rank, microbatch) empty. Under
+ * pipeline parallelism, the best of a few microbatch budgets (pack_pipeline). */
+static rp_status pack_cells(joint *jt, const rp_plan *previous_placed, rp_error *err)
 {
     int32_t fixed = jt->par->num_microbatches > 0 ? jt->par->num_microbatches
                                                    : rp_config_limits(jt->cfg)->num_microbatches;
@@ -268,14 +353,15 @@ static rp_status pack_cells(joint *jt, rp_error *err)
         return rp_fail(err, RP_EINVAL,
                        "joint: %d microbatches is not a multiple of %d (trainer.mini_batches %d x "
                        "trainer.microbatch_multiple %d)", fixed, multiple, K, tr->microbatch_multiple);
-    if (fixed > 0) return joint_pack(jt, fixed, err);
-    int64_t M = rp_limits_least_microbatches(jt->cfg, rp_batch_num_tokens(jt->batch));
+    int64_t M = fixed > 0 ? fixed : rp_limits_least_microbatches(jt->cfg, rp_batch_num_tokens(jt->batch));
     for (;; M += multiple) {
-        if (M > INT32_MAX / jt->G - multiple || M > (int64_t)jt->N + multiple)
+        if (fixed <= 0 && (M > INT32_MAX / jt->G - multiple || M > (int64_t)jt->N + multiple))
             return rp_fail(err, RP_ERANGE, "joint: the batch does not fit under the caps with up to %lld microbatches",
                            (long long)(M - 1));
         rp_status st = joint_pack(jt, (int32_t)M, err);
-        if (st != RP_ERANGE) return st;
+        if (st == RP_ERANGE && fixed <= 0) continue;
+        if (st != RP_OK || rp_config_topology(jt->cfg)->pipeline_parallel_size == 1) return st;
+        return pack_pipeline(jt, previous_placed, (int32_t)M, err);
     }
 }
 
@@ -590,7 +676,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     RP_CHECK_GOTO(rp_limits_check_batch(rp_config_limits(cfg), batch, err), st, out);
 
     /* packing */
-    RP_CHECK_GOTO(pack_cells(&jt, err), st, out);
+    RP_CHECK_GOTO(pack_cells(&jt, previous_placed, err), st, out);
     rep.num_microbatches = jt.M;
     RP_CHECK_GOTO(rp_plan_new(ctx, cfg, jt.M, &plan, err), st, out);
     RP_CHECK_GOTO(rp_plan_set_packing(plan, jt.N, jt.seq_gpu, jt.seq_mb, err), st, out);

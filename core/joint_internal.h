@@ -33,6 +33,11 @@ typedef struct joint {
     bool uniform_speed;
     bool unit_speed;            /* every GPU at speed 1: joint_per_speed divides by nothing */
     int64_t cap;                /* token cap of one cell, the activation cap included */
+    /* Pipeline packings (joint.c, pack_pipeline): the tokens of one (microbatch, EP group)
+     * and the sequences of one cell the packing fills to while a cell within them is
+     * open; 0: no such limit. */
+    int64_t pack_budget;
+    int32_t pack_cell_quota;
 
     /* Surrogate unit costs, forward and backward (step seconds), each term at its own
      * backward multiplier as the cost model has them. */
@@ -143,6 +148,7 @@ typedef struct joint_pack_prep {
      * sequence may go */
     int32_t *cell_count, *empty_rank;
     int64_t empty;
+    int32_t *cell_seqs; /* sequences per cell [G * M] under jt->pack_cell_quota, else NULL */
 } joint_pack_prep;
 /* RP_ERANGE naming the sequence when one is longer than the cap; joint_pack_prep_free
  * whatever it returns. */
@@ -169,11 +175,19 @@ static inline bool joint_pack_open(const joint_pack_prep *p, int32_t g, size_t c
     if ((int64_t)left - 1 < p->empty) return false;
     return p->rank_quota == INT32_MAX || p->rank_quota - p->rank_count[u] - 1 >= p->empty_rank[u];
 }
+/* Whether cell c, of (microbatch, EP group) holding tq tokens, stays within the pipeline
+ * packing's limits after a sequence of n tokens (an empty microbatch takes any one). */
+static inline bool joint_pack_within(const joint *jt, const joint_pack_prep *p, size_t c, int64_t tq, int64_t n)
+{
+    if (jt->pack_budget > 0 && tq > 0 && tq + n > jt->pack_budget) return false;
+    return !p->cell_seqs || p->cell_seqs[c] < jt->pack_cell_quota;
+}
 /* Sequence placed in cell c of rank g: the counts above and rank_count. */
 static inline void joint_pack_placed(joint_pack_prep *p, int32_t g, size_t c)
 {
     const size_t u = joint_pack_unit(p, g, c);
     p->rank_count[u]++;
+    if (p->cell_seqs) p->cell_seqs[c]++;
     if (p->cell_count && p->cell_count[c]++ == 0) {
         p->empty--;
         p->empty_rank[u]--;

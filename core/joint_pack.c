@@ -58,6 +58,8 @@ rp_status joint_pack_prepare(joint *jt, int32_t M, joint_pack_prep *p, rp_error 
     p->rank_quota = rp_config_trainer(jt->cfg)->equal_sequences_per_rank ? N / G / p->KB : INT32_MAX;
     if (!p->len || !p->attn || !p->order || !p->prompt || !p->rank_count)
         return rp_fail_nomem(err, "joint packing");
+    if (jt->pack_cell_quota > 0 && !(p->cell_seqs = rp_calloc(ctx, (size_t)cells, sizeof *p->cell_seqs)))
+        return rp_fail_nomem(err, "joint packing: sequences per cell");
     if (rp_config_trainer(jt->cfg)->nonempty_microbatches) {
         rp_status st = rp_nonempty_check_counts(N, G, M, "joint", err);
         if (st != RP_OK) return st;
@@ -107,6 +109,7 @@ void joint_pack_prep_free(const joint *jt, joint_pack_prep *p)
     rp_free(jt->ctx, p->rank_count);
     rp_free(jt->ctx, p->cell_count);
     rp_free(jt->ctx, p->empty_rank);
+    rp_free(jt->ctx, p->cell_seqs);
     memset(p, 0, sizeof *p);
 }
 
@@ -177,6 +180,9 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
         const double pen_unit = rho * gamma_x * n;
         double best_inc = INFINITY, best_tie = INFINITY;
         int32_t bg = -1, bm = -1;
+        /* under the pipeline packing's limits, a cell beyond them takes nothing while any
+         * cell within them is open (the second pass, without them, when none is) */
+        for (int32_t pass = jt->pack_budget > 0 || jt->pack_cell_quota > 0 ? 0 : 1; pass < 2 && bg < 0; pass++)
         for (int32_t m = 0; m < M; m++) {
             const double am = amax[m];
             const int64_t tm = tmax[m], tqm = tqmax[m];
@@ -202,6 +208,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
                     if (t1 > jt->cap || !joint_pack_open(&p, g, c, N - i)) continue; /* cap, quota, nonempty */
+                    if (pass == 0 && !joint_pack_within(jt, &p, c, tq - ni, ni)) continue;
                     const double a1 = (A[c] + a) / jt->speed[g];
                     double inc = inc_q;
                     if (a1 > am) inc += L * (a1 - am);

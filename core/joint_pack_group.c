@@ -78,6 +78,9 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
         }
         double best_top = INFINITY, best_inc = INFINITY, best_tie = INFINITY;
         int32_t bg = -1, bm = -1;
+        /* under the pipeline packing's limits, a cell beyond them takes nothing while any
+         * cell within them is open (the second pass, without them, when none is) */
+        for (int32_t pass = jt->pack_budget > 0 || jt->pack_cell_quota > 0 ? 0 : 1; pass < 2 && bg < 0; pass++)
         for (int32_t m = 0; m < M; m++)
             for (int32_t q = 0; q < Q; q++) {
                 const size_t k = (size_t)m * Q + q;
@@ -100,6 +103,7 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
                     if (t1 > jt->cap || !joint_pack_open(&p, g, c, N - i)) continue; /* cap, quota, nonempty */
+                    if (pass == 0 && !joint_pack_within(jt, &p, c, TQ[k], ni)) continue;
                     const double a1 = (A[c] + a) / jt->speed[g];
                     const double inc = group_value(&u, a1 > amax[k] ? a1 : amax[k],
                                                    (double)(t1 > tmax[k] ? t1 : tmax[k]), (double)(TQ[k] + ni)) -

@@ -1113,7 +1113,8 @@ static int l_joint(lua_State *L)
      * charged after the call (the refinement stops once it has counted what the call has
      * left, and the charge then trips the limit) */
     int64_t evaluations = eval + (num_fallbacks > 0 || par.refine_evaluations > 0 || par.virtual_experts ? eval : 0) +
-                          (int64_t)(num_fallbacks + par.virtual_experts) * eval;
+                          (int64_t)(num_fallbacks + par.virtual_experts) * eval +
+                          (par.pack ? (int64_t)rp_joint_packing_evaluations(h->cfg) * eval : 0);
     /* the evaluator's memory for the planner's plans: ctx.plan's, scaled to the
      * microbatches the planner uses (the fewest the caps and the trainer allow, one step
      * of K x microbatch_multiple more when it retries), checked before it runs */

@@ -9,6 +9,7 @@
 #include "stats_internal.h"
 
 #include "routepack/baseline.h"
+#include "routepack/joint.h"
 
 #include <jansson.h>
 #include <math.h>
@@ -98,11 +99,12 @@ static uint64_t mix64(uint64_t x)
 /* The default instruction budget of a step's policy call: the sandbox's default, or 16
  * full evaluations of the cost model on this batch if that is more, so that a policy
  * that leans on the C primitives (rp.joint, rp.evaluate) is not stopped on a large batch
- * where the same work is legitimate (docs/policies.md, Limits). */
+ * where the same work is legitimate (docs/policies.md, Limits); under pipeline
+ * parallelism also those rp.joint makes to choose its packing. */
 static int64_t step_instructions(const rp_sched *s, const rp_batch *b)
 {
-    int64_t eval = rp_lua_evaluation_units(s->cfg, b);
-    return 16 * eval > RP_SANDBOX_DEFAULT_INSTRUCTIONS ? 16 * eval : RP_SANDBOX_DEFAULT_INSTRUCTIONS;
+    int64_t eval = rp_lua_evaluation_units(s->cfg, b) * (16 + rp_joint_packing_evaluations(s->cfg));
+    return eval > RP_SANDBOX_DEFAULT_INSTRUCTIONS ? eval : RP_SANDBOX_DEFAULT_INSTRUCTIONS;
 }
 
 static uint64_t step_seed(const rp_sched *s, int64_t step, int32_t which)

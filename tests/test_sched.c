@@ -744,12 +744,12 @@ static void test_instruction_budget(void)
     for (size_t i = 0; i < n_ids; i++) big[i] = (uint8_t)((i * 2654435761u >> 7) % (uint32_t)md->num_experts);
     rp_routing r;
     rp_routing_packed(&r, RP_ID_U8, md->num_layers, md->top_k, big);
-    /* 16 x (L (N min(E, k (LEN + 1)) + M (S + G E + Q 2 ep (E + ep))) + N) on
-     * config-small.json: L = 16, E = 64, k = 8, G = ep = 8, Q = 1, S = 8 x 10 = 80 slots,
-     * M = 160000 / (8 x 16384) rounded up = 2, N = 20000, LEN = 8, so min(64, 72) = 64:
-     * 16 x (16 x (1280000 + 2 x (80 + 512 + 1152)) + 20000) = 16 x (16 x 1283488 + 20000)
-     * = 16 x 20555808 = 328892928 */
-    const int64_t want = 328892928;
+    /* 16 x (L (N 2 E + M (S + G E + Q (2 ep (E + ep) + 3 ep^2 + 5 E + 9 ep))) + N) on
+     * config-small.json: L = 16, E = 64, G = ep = 8, Q = 1, S = 8 x 10 = 80 slots,
+     * M = 160000 / (8 x 16384) rounded up = 2, N = 20000:
+     * 16 x (16 x (2560000 + 2 x (80 + 512 + 1152 + 192 + 320 + 72)) + 20000)
+     * = 16 x (16 x 2564656 + 20000) = 16 x 41054496 = 656871936 */
+    const int64_t want = 656871936;
     char text[64];
     snprintf(text, sizeof text, "instruction limit (%lld)", (long long)want);
     rp_sched_options o;
@@ -967,14 +967,15 @@ static const rp_step_report *spread_step(int64_t max_instructions, size_t max_me
 
 static void test_engine_work(void)
 {
-    /* 16 layers x (64 seqs x 64 experts + 64 mb x 8 GPUs x 64 experts + 64 mb x 80 slots
-     * + 64 mb x 1 EP group x 2 x 8 EP ranks x (64 experts + 8)) + 64 */
+    /* 16 layers x (64 seqs x 2 x 64 experts + 64 mb x 8 GPUs x 64 experts + 64 mb x 80
+     * slots + 64 mb x 1 EP group x (2 x 8 EP ranks x (64 experts + 8) + 3 x 8^2 + 5 x 64
+     * + 9 x 8)) + 64 */
     const rp_step_report *rep = spread_step(300000, (size_t)32 << 20, SPREAD_BODY);
     ok(rep && rep->fallback, "a plan whose evaluation is over the instruction limit falls back");
     if (rep)
         like(rep->fallback_reason,
              "returned a plan the engine will not evaluate: evaluating it (64 microbatches x 16 layers x 8 GPUs x 64 "
-             "experts) would take 1851456 work units, over the instruction limit of 300000",
+             "experts) would take 2515008 work units, over the instruction limit of 300000",
              "the reason names the shape, the work and the limit");
     rep = spread_step(300000, (size_t)32 << 20, "return ctx.plan");
     ok(rep && !rep->fallback, "under the same limits an ordinary plan is evaluated");

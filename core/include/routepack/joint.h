@@ -139,6 +139,12 @@ typedef struct rp_joint_report {
                                   and the joint candidate above fallback_above_ratio */
 } rp_joint_report;
 
+/* The exact evaluations rp_joint_plan makes to choose its packing before it places the
+ * experts: under pipeline parallelism (topology.pipeline_parallel_size > 1) one for each
+ * packing it tries (docs/routepack-policy.md, "Packing under pipeline parallelism"); 0
+ * otherwise, and for a NULL config. For work budgets (the sandbox's rp.joint). */
+RP_API int32_t rp_joint_packing_evaluations(const rp_config *cfg);
+
 /* Plan one step jointly (docs/routepack-policy.md gives the algorithm).
  * - `stats`: this step's routing statistics (required).
  * - `previous`: the last step's plan or NULL: its placement is kept where moving
