@@ -166,9 +166,9 @@ def test_metrics_match_simulate(cli, tmp_path):
 
 def test_the_shipped_policy_fits_its_budget_at_ep_64(cli):
     """The DeepSeek-V3-like example (EP 64, 256 experts, PP 4): the default instruction
-    budget (16 evaluations' work) priced an evaluation without its dispatch pairs, a
-    third of its work there, and the routepack policy's persistence scoring ran past it
-    from step 1 on and fell back."""
+    budget (16 evaluations' work, plus the joint packing's screen under PP) once priced an
+    evaluation without its dispatch pairs, a third of its work there, and the routepack
+    policy's persistence scoring ran past it from step 1 on and fell back."""
     config = SMALL_CONFIG.parent / "config-deepseek-v3-pp.json"
     gen = SMALL_CONFIG.parent / "gen-deepseek-v3.json"
     out = json.loads(run_cli(cli, "simulate", "--config", config, "--gen", gen, "--steps", 2,
