@@ -241,6 +241,16 @@ double joint_layer_migration_s(const joint *jt, const joint_layer *from, const j
 /* joint_levers.c: shares and extra replicas of every (mb, layer) into `plan`, whose
  * placement must equal jt->layers. Counts what it added. */
 rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *extras, rp_error *err);
+/* Extra replicas are tried at a (mb, layer) only where, after the shares, its busiest rank
+ * (U: token-choices per speed of every (group, rank) [Q * ep]) is more than
+ * JOINT_EXTRAS_MARGIN above the balanced level, the largest over the groups of the group's
+ * work over its summed speed, which no lever goes below. Below the margin the shares have
+ * done what there is to do: at the reference scale half the cells are within 3.3% after the
+ * shares, and leaving out every cell within 10% takes a quarter off the levers' time with
+ * the frozen batches' step 0.010% shorter in sum and none longer (bench_policies
+ * --scores-against tests/bench/joint-scores-reference.csv). */
+#define JOINT_EXTRAS_MARGIN 0.1
+bool joint_extras_may_gain(const joint *jt, const double *U);
 /* Expert slot time of n token-choices (forward, speed 1), as the cost model's t(n). */
 double joint_slot_time(const joint *jt, double n);
 /* joint_fill.c: the level h in (lo, hi] where F(h) = sum over i < R of

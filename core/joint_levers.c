@@ -172,6 +172,33 @@ static double trial_max(const joint *jt, lever_state *ls, int32_t e, const int32
     return best;
 }
 
+/* A floor under trial_max for the same trial, without the fill: the ranks the trial
+ * leaves alone keep their loads (rank_u: each rank's largest over the groups), and in
+ * each group the touched ranks rk[0..R) (e's replicas and the new one) keep their total
+ * work, so the largest of their loads per speed is at least that work over their summed
+ * speed. Scaled down by 1e-9 so that rounding (U's running sums, the fill's shares summing
+ * to 1) never puts it above the maximum trial_max computes. */
+static double trial_floor(const joint *jt, const lever_state *ls, const int32_t *rk, int32_t R)
+{
+    const int32_t ep = jt->ep;
+    unsigned char *touched = ls->touched;
+    memset(touched, 0, (size_t)ep);
+    for (int32_t i = 0; i < R; i++) touched[rk[i]] = 1;
+    double best = 0;
+    for (int32_t j = 0; j < ep; j++)
+        if (!touched[j]) best = ls->rank_u[j] > best ? ls->rank_u[j] : best;
+    for (int32_t q = 0; q < jt->Q; q++) {
+        double work = 0, speed = 0;
+        for (int32_t i = 0; i < R; i++) {
+            double sp = gspeed(jt, q, rk[i]);
+            work += ls->U[(size_t)q * ep + rk[i]] * sp;
+            speed += sp;
+        }
+        best = work / speed > best ? work / speed : best;
+    }
+    return best * (1.0 - 1e-9);
+}
+
 /* joint_slot_time of an integer load n >= 0, without its interpolation: the table's
  * entry itself (the interpolation adds (T[n + 1] - T[n]) x 0 to it), the same bits. */
 static inline double slot_time_whole(const joint *jt, int64_t n)
@@ -231,6 +258,23 @@ static void reset_even(const joint *jt, lever_state *ls, int32_t l)
     ls->n_extra = 0;
 }
 
+bool joint_extras_may_gain(const joint *jt, const double *U)
+{
+    double most = 0, level = 0;
+    for (int32_t q = 0; q < jt->Q; q++) {
+        const double *u = U + (size_t)q * jt->ep;
+        double work = 0, speed = 0;
+        for (int32_t j = 0; j < jt->ep; j++) {
+            double sp = gspeed(jt, q, j);
+            work += u[j] * sp;
+            speed += sp;
+            most = u[j] > most ? u[j] : most;
+        }
+        level = work / speed > level ? work / speed : level;
+    }
+    return most > (1.0 + JOINT_EXTRAS_MARGIN) * level;
+}
+
 /* One (mb, layer): shares, then extra replicas while they pay; kept only if the exact
  * slot times say the slowest GPU got faster by more than the copies cost. */
 static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
@@ -284,7 +328,7 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
             }
     }
 
-    if (par->max_extra_per_rank > 0 && ep > 1) {
+    if (par->max_extra_per_rank > 0 && ep > 1 && joint_extras_may_gain(jt, ls->U)) {
         double cur = u_max(jt, ls);
         for (int32_t iter = 0; iter < par->max_extra_per_rank * ep; iter++) {
             int32_t hq = 0, hj = 0;
@@ -341,11 +385,15 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
                     if (!source) continue;
                     memcpy(ls->rk, ls->rank + (size_t)e * ep, (size_t)R * sizeof *ls->rk);
                     ls->rk[R] = j2;
+                    int32_t k_after = ls->extra_count[j2] + 1 > kmax ? ls->extra_count[j2] + 1 : kmax;
+                    double copy = 2.0 * ((k_after - kmax) * jt->copy_s + (kmax == 0 ? jt->nv_lat : 0.0));
+                    /* the most this trial could save: skip the fill when that cannot win */
+                    if (!(joint_mb_value(jt, m, cur) - joint_mb_value(jt, m, trial_floor(jt, ls, ls->rk, R + 1)) - copy >
+                          best_gain))
+                        continue;
                     prepare(jt, ls, m, l, e, ls->rk, R + 1);
                     minmax_fill(jt, ls, ls->rk, R + 1, ls->wt);
                     double nm = trial_max(jt, ls, e, ls->rk, R + 1, ls->wt);
-                    int32_t k_after = ls->extra_count[j2] + 1 > kmax ? ls->extra_count[j2] + 1 : kmax;
-                    double copy = 2.0 * ((k_after - kmax) * jt->copy_s + (kmax == 0 ? jt->nv_lat : 0.0));
                     /* net saving, step seconds */
                     double gain = joint_mb_value(jt, m, cur) - joint_mb_value(jt, m, nm) - copy;
                     if (gain > best_gain) {

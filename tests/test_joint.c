@@ -625,9 +625,36 @@ static void test_evaluator_reuse(void)
     ok(ran && reused, "the caller's evaluator stays bound to the returned plan's packing (its counts are reused)");
 }
 
+/* ---- extra replicas where a cell can gain ---- */
+
+/* No spare slot (8 experts in 4 x 2 slots) and every token on expert 0 (K = 1): shares have
+ * nothing to split, the cell's busiest rank holds all of it, four times its balanced level,
+ * so the extras are tried (joint_extras_may_gain) and the planner copies expert 0 out. */
+static void test_extras_where_they_gain(void)
+{
+    int32_t lens[16];
+    for (int i = 0; i < 16; i++) lens[i] = 2000 + 100 * i;
+    fixture f;
+    if (!fixture_make(&f, make_config(1, 4, 4, 2, 1, 8, 1, 65536, NULL), 16, lens, 1.0)) {
+        skip(2, "fixture");
+        batch_fixture_free(&f);
+        return;
+    }
+    rp_joint_params par = rp_joint_defaults();
+    par.fallbacks = no_fallbacks;
+    rp_plan *p = NULL;
+    rp_error err;
+    is_int(rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &par, &p, NULL, &err), RP_OK, "plans");
+    ok(p && rp_plan_num_extra_replicas(p) > 0, "a cell whose one hot expert shares cannot split gets extra replicas (%d)",
+       p ? rp_plan_num_extra_replicas(p) : -1);
+    rp_plan_free(p);
+    batch_fixture_free(&f);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
+    test_extras_where_they_gain();
     test_determinism();
     test_random_batches();
     test_never_worse();

@@ -268,6 +268,31 @@ static void test_improve_scores(void)
     ok(!bad_relabel, "a relabelled placement scores the same, bit for bit (%d differ)", bad_relabel);
 }
 
+/* joint_extras_may_gain: extras are tried only where the busiest rank is more than
+ * JOINT_EXTRAS_MARGIN (10%) above the balanced level, the largest over the groups of
+ * work / summed speed. Two groups of two ranks. */
+static void test_extras_margin(void)
+{
+    static const int64_t hist[4] = {1, 1, 1, 1};
+    static const int32_t p2l[2] = {0, 1};
+    hand h;
+    hand_init(&h, 1, 2, 2, 2, 1, hist, p2l);
+    /* group 0 at level 1.025, busiest 1.05: within the margin */
+    const double near[4] = {1.0, 1.05, 1.0, 1.0};
+    ok(!joint_extras_may_gain(&h.jt, near), "a cell 2.4%% above its balanced level is left to the shares");
+    /* group 1 at level 1.25, busiest 1.5: 20% above */
+    const double hot[4] = {1.0, 1.0, 1.0, 1.5};
+    ok(joint_extras_may_gain(&h.jt, hot), "a cell 20%% above its balanced level tries extra replicas");
+    /* per speed: rank 1 of group 0 twice as fast takes twice the work at the same load per
+     * speed, balanced; a plain mean of the loads per speed would not see it */
+    h.speed[1] = 2.0;
+    const double fast[4] = {1.0, 1.0, 0.5, 0.5};
+    ok(!joint_extras_may_gain(&h.jt, fast), "equal loads per speed on unequal GPUs are balanced");
+    const double slow[4] = {1.3, 1.0, 0.5, 0.5}; /* level (1.3 + 2) / 3 = 1.1, busiest 18% above */
+    ok(joint_extras_may_gain(&h.jt, slow), "the balanced level weighs each rank's load per speed by its speed");
+    joint_layer_free(&h.jt, &h.lay);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -275,6 +300,7 @@ int main(void)
     test_place_improve();
     test_improve_scores();
     test_pack_group();
+    test_extras_margin();
     rp_context_free(ctx);
     return tap_done();
 }
