@@ -619,8 +619,8 @@ static void rank_loads(const joint *jt, int32_t l, const joint_layer *lay, int32
 }
 
 /* Rounds of best improvement. The hottest rank is the one whose load, summed over
- * microbatches (its largest over groups), is largest; the cool ranks the two with the
- * least. Candidates: each replica of the hottest rank moves to a free slot of a cool
+ * microbatches (its largest over groups), is largest; the cool rank the one with the
+ * least. Candidates: each replica of the hottest rank moves to a free slot of the cool
  * rank, or swaps with the cool rank's replica whose aggregate load best halves the
  * gap; and the two heaviest replicas of the hottest rank each take, as an extra
  * replica, the slot of the lightest replica of an expert that has several (a change of
@@ -729,8 +729,8 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             int32_t R = lay->rep_off[e + 1] - lay->rep_off[e];
             per_replica[e] = R > 0 ? expert_sum[e] / R : 0.0;
         }
-        int32_t hot = 0, cool[2] = {-1, -1};
-        double heat_hot = -1, heat_c[2] = {INFINITY, INFINITY};
+        int32_t hot = 0, jc = -1;
+        double heat_hot = -1, heat_cool = INFINITY;
         for (int32_t j = 0; j < ep; j++) {
             /* heat: the rank's load summed over microbatches, its largest over groups, or
              * in the group form its load in the critical group */
@@ -741,23 +741,19 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
                 heat_hot = h;
                 hot = j;
             }
-            if (h < heat_c[0]) {
-                heat_c[1] = heat_c[0];
-                cool[1] = cool[0];
-                heat_c[0] = h;
-                cool[0] = j;
-            } else if (h < heat_c[1]) {
-                heat_c[1] = h;
-                cool[1] = j;
+            if (h < heat_cool) {
+                heat_cool = h;
+                jc = j;
             }
         }
         int32_t ba = -1, bxa = -1, bb = -1, bxb = -1; /* best: slot a gets xa, slot b gets xb */
         double best_v = value - 1e-9 * (value > 0 ? value : 1.0);
-        for (int32_t c = 0; c < 2; c++) {
-            int32_t jc = cool[c];
-            if (jc < 0 || jc == hot) continue;
+        /* moves and swaps with the coolest rank only: the second coolest too (twice the
+         * trials, a fifth of the construction at the reference scale) shortened the frozen
+         * batches' step by 0.024% in sum */
+        if (jc >= 0 && jc != hot) {
             /* heat is per group (largest over groups); per_replica sums over groups */
-            double gap = (heat_hot - heat_c[c]) * Q;
+            double gap = (heat_hot - heat_cool) * Q;
             for (int32_t a = jt->slot_begin[hot]; a < jt->slot_begin[hot + 1]; a++) {
                 int32_t e = lay->phy2log[a];
                 if (e < 0 || holds[(size_t)jc * E + e]) continue;

@@ -124,6 +124,38 @@ static void test_place_improve(void)
     joint_layer_free(&h.jt, &h.lay);
 }
 
+/* Moves and swaps go to the coolest rank only. One group of three ranks with two slots,
+ * experts {0, 1 | 2, 3 | 4, 5} of loads {6, 6 | 4, 4 | 1, 6}: rank 0 holds 12 (the
+ * value), rank 1 8, rank 2 (the coolest) 7. With rank 2 the swap closest to half the gap
+ * (2.5) gives it expert 0 for expert 4: rank 2 would hold 12, no better; nothing moves. The
+ * swap of expert 0 with expert 2 on rank 1, the second coolest (10 | 10 | 7), is not tried.
+ * With rank 1 at 3 + 4 and rank 2 at 4 + 4, rank 1 is the coolest and its swap pays:
+ * expert 0 for expert 2 (moving 3, as close to 2.5 as moving 2) leaves 9 | 10 | 8, so
+ * the placement becomes {2, 1 | 0, 3 | 4, 5}. */
+static void test_place_improve_coolest(void)
+{
+    static const int64_t hist[6] = {6, 6, 4, 4, 1, 6};
+    static const int32_t p2l[6] = {0, 1, 2, 3, 4, 5};
+    hand h;
+    hand_init(&h, 1, 1, 3, 6, 2, hist, p2l);
+    is_double(score(&h, false), 12.0, 1e-12, "before: rank 0 holds 12");
+    double *scratch = calloc(joint_place_scratch_doubles(&h.jt), sizeof *scratch);
+    rp_error err;
+    is_int(joint_place_improve(&h.jt, 0, &h.lay, NULL, 0.0, 4, scratch, NULL, NULL, &err), RP_OK, "improves");
+    ok(!memcmp(h.lay.phy2log, p2l, sizeof p2l), "the coolest rank's one swap does not pay: nothing moves, "
+       "though a swap with the second coolest would (placement %d %d | %d %d | %d %d)", h.lay.phy2log[0],
+       h.lay.phy2log[1], h.lay.phy2log[2], h.lay.phy2log[3], h.lay.phy2log[4], h.lay.phy2log[5]);
+    /* rank 1 the coolest: experts 2, 3 hold 3 and 4, experts 4, 5 hold 4 and 4 */
+    static const int64_t hist2[6] = {6, 6, 3, 4, 4, 4};
+    memcpy(h.hist, hist2, sizeof hist2);
+    is_int(joint_place_improve(&h.jt, 0, &h.lay, NULL, 0.0, 1, scratch, NULL, NULL, &err), RP_OK, "improves");
+    ok(h.lay.phy2log[0] == 2 && h.lay.phy2log[2] == 0, "with rank 1 the coolest, its swap is made (placement %d %d | "
+       "%d %d | %d %d)", h.lay.phy2log[0], h.lay.phy2log[1], h.lay.phy2log[2], h.lay.phy2log[3],
+       h.lay.phy2log[4], h.lay.phy2log[5]);
+    free(scratch);
+    joint_layer_free(&h.jt, &h.lay);
+}
+
 /* Group-form packing with only the dense term (t = d = 0, no fixed cost, L = 1), four
  * GPUs in two EP groups of two, two microbatches, lengths 40, 38, 20, 10, 10 (dense
  * work a(n) rises with n, a(38) + a(20) > a(40), and 2 a(10) < a(20): attention is
@@ -298,6 +330,7 @@ int main(void)
     rp_context_new(NULL, NULL, &ctx);
     test_place_score();
     test_place_improve();
+    test_place_improve_coolest();
     test_improve_scores();
     test_pack_group();
     test_extras_margin();
