@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 DEFAULTS = ["token_kk+contiguous", "token_kk+eplb", "token_kk+eplb_periodic", "verl_kk+eplb", "attn_kk+eplb",
-            "slime_ff+eplb", "token_kk+virtual_experts", "routepack"]
+            "slime_ff+eplb", "slime_kk+eplb", "token_kk+virtual_experts", "routepack"]
 
 
 def label(spec):
@@ -395,7 +395,8 @@ def readme_summary(runs, args):
     return ("Predicted by the cost model on the bundled example and generated traces (small scale, seeds not "
             "used for tuning), step + migration over the run against the best baseline of "
             "`token_kk+contiguous`, `token_kk+eplb`, `token_kk+eplb_periodic` (EPLB as vLLM and SGLang run it), "
-            "`verl_kk+eplb`, `attn_kk+eplb`, `slime_ff+eplb` (slime's packing) and `token_kk+virtual_experts` "
+            "`verl_kk+eplb`, `attn_kk+eplb`, `slime_ff+eplb` and `slime_kk+eplb` (slime's packings: its recipes' "
+            "first fit and its FLOPs balancing) and `token_kk+virtual_experts` "
             "(Megatron's per-forward balancer, MoonEP): " + "; ".join(parts) + ". Like that baseline, routepack may run with the balancer where the "
             "config allows it (`trainer.per_forward_balancer`, default true; set it false for a trainer without "
             "the balancer, and both leave) and it scores better; the sweep's `novx` row is routepack without it. "

@@ -18,13 +18,13 @@
 #include <unistd.h>
 
 /* token_kk+virtual_experts (Megatron's per-forward balancing) joins where the config
- * allows the balancer (rp_vexp_check_config); slime_ff+eplb (slime's recipe) where the
- * trainer does not need equal sequence counts per rank (verl's), which slime does not keep. */
+ * allows the balancer (rp_vexp_check_config); slime's packings (its recipes' first fit and
+ * its FLOPs balancing) where the trainer does not need equal sequence counts per rank
+ * (verl's), which slime does not keep. */
 #define SIM_VEXP "token_kk+virtual_experts"
-#define SIM_SLIME "slime_ff+eplb"
 static const char *const default_policies[] = {"token_kk+contiguous", "token_kk+eplb", "token_kk+eplb_periodic",
-                                               "verl_kk+eplb", "attn_kk+eplb", SIM_SLIME, SIM_VEXP, "routepack",
-                                               NULL};
+                                               "verl_kk+eplb", "attn_kk+eplb", "slime_ff+eplb", "slime_kk+eplb",
+                                               SIM_VEXP, "routepack", NULL};
 
 /* The shipped baselines' components (docs/baselines.md): a policy made only of these
  * ("token_kk+eplb_periodic", "eplb") is a baseline; speedups and the verdict compare
@@ -312,7 +312,7 @@ static int split_policies(const char *list, const char *watch, bool vexp, bool s
     if (!copy || !v) goto oom;
     if (!list)
         for (const char *const *d = default_policies; *d; d++) {
-            if ((!vexp && !strcmp(*d, SIM_VEXP)) || (!slime && !strcmp(*d, SIM_SLIME))) continue;
+            if ((!vexp && !strcmp(*d, SIM_VEXP)) || (!slime && !strncmp(*d, "slime_", 6))) continue;
             if (n == cap && !(v = realloc(v, (size_t)(cap *= 2) * sizeof *v))) goto oom;
             if (!(v[n++] = strdup(*d))) goto oom;
         }
