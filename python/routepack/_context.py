@@ -56,6 +56,17 @@ class Owned:
                 p._children -= 1
                 p._try_free()
 
+    def release(self):
+        """The C side took the object (freed it, or reused its storage for a new one):
+        forget the handle without freeing it, and let the parents go."""
+        if not self.handle:
+            return
+        self.handle = None
+        self._dropped = True
+        for p in self._parents:
+            p._children -= 1
+            p._try_free()
+
     def __del__(self):
         try:
             self.close()

@@ -270,6 +270,8 @@ _SCHED = {
     "rp_stats_deserialize": (c_int, [P, c_void_p, c_size_t, POINTER(P), PERR]),
     "rp_stats_merge_serialized": (c_int, [P, c_int32, POINTER(c_void_p), POINTER(c_size_t),
                                           POINTER(PI32), c_int32, POINTER(P), PERR]),
+    "rp_stats_merge_serialized_reusing": (c_int, [P, c_int32, POINTER(c_void_p), POINTER(c_size_t),
+                                                  POINTER(PI32), c_int32, POINTER(P), PERR]),
     "rp_sched_step_stats": (c_int, [P, c_int64, P, P, POINTER(P),
                                     POINTER(POINTER(rp_step_report)), PERR]),
     "rp_remap_rank": (c_int, [P, P, c_int32, c_int32, P, POINTER(rp_routing), c_int, PI32, PI64,

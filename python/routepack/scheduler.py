@@ -536,14 +536,16 @@ class Scheduler:
         del view
         return distributed.Stats(out, self._ctx)
 
-    def merge_stats(self, parts, global_ids, num_seqs=None):
+    def merge_stats(self, parts, global_ids, num_seqs=None, reuse=None):
         """The whole step's statistics (rp_stats_merge_serialized) from every rank's
         serialised part (bytes-like, Stats.to_bytes()) and its global sequence ids (one
         int array per part, in the part's order); ``num_seqs`` defaults to the total. Bit
-        for bit rp_stats_compute over the whole batch. Raises InvalidArgumentError naming
-        a missing, duplicate or out-of-range id; FormatError, ChecksumError or
+        for bit rp_stats_compute over the whole batch. ``reuse``: the Stats of an earlier
+        merge_stats that are no longer needed (e.g. last step's, after step_from_stats):
+        their storage takes this merge and they are gone. Raises InvalidArgumentError
+        naming a missing, duplicate or out-of-range id; FormatError, ChecksumError or
         NotSupportedError for bad bytes (the message names the part)."""
-        return distributed.merge(self._ctx, parts, global_ids, num_seqs)
+        return distributed.merge(self._ctx, parts, global_ids, num_seqs, reuse)
 
     def stats_from_bytes(self, data):
         """Stats from one serialised part (rp_stats_deserialize, every field checked)."""

@@ -56,6 +56,36 @@ def test_merged_parts_equal_the_whole_batch(sched, P):
     assert np.array_equal(merged.expert_load(), sched.stats_from_bytes(whole).expert_load())
 
 
+def test_merge_reusing_the_last_merge(sched):
+    """merge_stats(..., reuse=last): the same bytes as a fresh merge, step after step of
+    other shapes; the reused Stats are gone, and kept when the merge fails."""
+    rng = np.random.default_rng(11)
+    last = None
+    for n in (37, 12, 64):
+        lens, ids = random_step(rng, n, L, K, E, max_len=300, dtype=np.uint8)
+        groups = split_ranks(rng, n, 3)
+        parts = [sched.compute_stats(*part_of(lens, ids, g)).to_bytes() for g in groups]
+        fresh = sched.merge_stats(parts, groups)
+        merged = sched.merge_stats(parts, groups, reuse=last)
+        assert merged.to_bytes() == fresh.to_bytes() == sched.compute_stats(lens, ids).to_bytes()
+        if last is not None:
+            with pytest.raises(routepack.InvalidArgumentError, match="the statistics were freed"):
+                last.to_bytes()
+        fresh.close()
+        last = merged
+    # a failing merge leaves the statistics to reuse as they were
+    before = last.to_bytes()
+    with pytest.raises(routepack.InvalidArgumentError, match="is in no part"):
+        sched.merge_stats(parts, groups, num_seqs=65, reuse=last)
+    assert last.to_bytes() == before
+    with routepack.Scheduler(SMALL_CONFIG, policy="token_kk+eplb", num_threads=1) as other:
+        with pytest.raises(routepack.InvalidArgumentError, match="same context"):
+            other.merge_stats(parts, groups, reuse=last)
+    with pytest.raises(routepack.InvalidArgumentError, match="same context"):
+        sched.merge_stats(parts, groups, reuse=b"not statistics")
+    last.close()
+
+
 def test_step_from_stats_equals_step():
     rng = np.random.default_rng(7)
     a = routepack.Scheduler(SMALL_CONFIG, policy="token_kk+eplb", num_threads=1)
