@@ -66,6 +66,14 @@ static void sort_mb_keys(mb_key *k, mb_key *tmp, int32_t n)
 
 /* ---- packing ---- */
 
+/* verl's packing as lists: cell (rank g, microbatch b) is counts[g * M + b] sequences,
+ * the cells' lists laid end to end in seqs, rank-major, in the order each rank runs them. */
+typedef struct packing_out {
+    int32_t M;
+    int32_t *counts; /* [G * M] */
+    int32_t *seqs;   /* [n] */
+} packing_out;
+
 /* verl's two levels: DP balancing (_balance_batch: KK with equal sizes over the ranks)
  * then, per rank, dynamic batch size (rearrange_micro_batches: KK over microbatches,
  * their count the largest over ranks of ceil(tokens / cap)). With trainer.mini_batches K
@@ -395,10 +403,11 @@ static rp_status build_packing(rp_context *ctx, const rp_config *cfg, const rp_b
                                                                   : rp_slime_workload(md, len);
         }
     }
-    if (kind == PACK_SLIME_FF || kind == PACK_SLIME_KK)
-        RP_CHECK_GOTO(rp_baseline_pack_slime(ctx, cfg, batch, key, kind == PACK_SLIME_FF, fixed_M, &pk, err), st, out);
-    else
-        RP_CHECK_GOTO(pack_kk(ctx, cfg, batch, kind, key, fixed_M, equal_size, &pk, err), st, out);
+    if (kind == PACK_SLIME_FF || kind == PACK_SLIME_KK) {
+        RP_CHECK_GOTO(rp_baseline_pack_slime(ctx, cfg, batch, key, kind == PACK_SLIME_FF, fixed_M, out, err), st, out);
+        goto out;
+    }
+    RP_CHECK_GOTO(pack_kk(ctx, cfg, batch, kind, key, fixed_M, equal_size, &pk, err), st, out);
 
     const int32_t G = rp_config_topology(cfg)->num_gpus;
     size_t cells = (size_t)G * (size_t)pk.M;

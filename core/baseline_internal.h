@@ -1,19 +1,12 @@
-/* What the baseline packings share (baseline.c: verl's two levels; baseline_slime.c:
- * slime's pack-first, distribute-second). Not installed. */
+/* slime's packings for baseline.c (baseline_slime.c: pack first, distribute second).
+ * Not installed. */
 #ifndef RP_BASELINE_INTERNAL_H
 #define RP_BASELINE_INTERNAL_H
 
 #include "internal.h"
 #include "routepack/batch.h"
 #include "routepack/config.h"
-
-/* A packing as lists: cell (rank g, microbatch b) is counts[g * M + b] sequences, the
- * cells' lists laid end to end in seqs, rank-major, in the order each rank runs them. */
-typedef struct packing_out {
-    int32_t M;
-    int32_t *counts; /* [G * M] */
-    int32_t *seqs;   /* [n] */
-} packing_out;
+#include "routepack/plan.h"
 
 /* slime's workload of one sequence of `len` tokens (calculate_fwd_flops, dense
  * attention): per layer 2 L d (h + 2 h_kv) d_h + 2 L d^2 + 6 L d f k for the
@@ -26,8 +19,8 @@ double rp_slime_workload(const rp_model *md, double len);
  * slime_kk), their count aligned to a multiple of the ranks x
  * trainer.microbatch_multiple by splitting the largest, and then dealt to the ranks by
  * Karmarkar-Karp on `key` with equal counts. `fixed_M` > 0 fixes the count per rank. On
- * success out->counts and out->seqs are new (rp_free). */
+ * success *out is a new plan holding the packing and no placement. */
 rp_status rp_baseline_pack_slime(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const double *key,
-                                 bool first_fit, int32_t fixed_M, packing_out *out, rp_error *err);
+                                 bool first_fit, int32_t fixed_M, rp_plan **out, rp_error *err);
 
 #endif

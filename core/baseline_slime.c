@@ -64,20 +64,18 @@ static int32_t slime_bins(rp_context *ctx, const rp_batch *batch, const double *
  * bin with the most tokens (ties: the later bin) is split in two by LPT on tokens, its
  * sequences longest first (ties: lower id) each to the lighter half (ties: the first);
  * the first half keeps the bin, the second becomes the last. Stops when every bin holds
- * one sequence. Returns the bin count. */
+ * one sequence. Returns the bin count; tokens[b] and members[b] ([target]) are then each
+ * bin's tokens and sequences (0 for the bins left empty). */
 static int32_t slime_split(rp_context *ctx, const rp_batch *batch, int32_t lo, int32_t m, int32_t nb,
-                           int32_t target, int32_t *bin, double *len, int32_t *order, rp_error *err)
+                           int32_t target, int32_t *bin, double *tokens, int32_t *members, double *len,
+                           int32_t *order, rp_error *err)
 {
+    for (int32_t b = 0; b < target; b++) tokens[b] = 0, members[b] = 0;
+    for (int32_t j = 0; j < m; j++) tokens[bin[j]] += (double)rp_batch_seq_len(batch, lo + j), members[bin[j]]++;
     while (nb < target) {
         int32_t best = -1;
-        int64_t best_tokens = -1;
-        for (int32_t b = 0; b < nb; b++) {
-            int64_t t = 0;
-            int32_t c = 0;
-            for (int32_t j = 0; j < m; j++)
-                if (bin[j] == b) t += rp_batch_seq_len(batch, lo + j), c++;
-            if (c > 1 && t >= best_tokens) best = b, best_tokens = t;
-        }
+        for (int32_t b = 0; b < nb; b++)
+            if (members[b] > 1 && (best < 0 || tokens[b] >= tokens[best])) best = b;
         if (best < 0) break;
         int32_t c = 0;
         for (int32_t j = 0; j < m; j++)
@@ -86,26 +84,28 @@ static int32_t slime_split(rp_context *ctx, const rp_batch *batch, int32_t lo, i
         int32_t *idx = order + m;
         if (rp_sort_index(ctx, len, c, true, idx, err) != RP_OK) return -1;
         double half[2] = {0, 0};
+        int32_t count[2] = {0, 0};
         for (int32_t i = 0; i < c; i++) {
             int32_t j = order[idx[i]], h = half[0] <= half[1] ? 0 : 1;
             half[h] += len[idx[i]];
+            count[h]++;
             bin[j] = h == 0 ? best : nb;
         }
+        tokens[best] = half[0], members[best] = count[0];
+        tokens[nb] = half[1], members[nb] = count[1];
         nb++;
     }
     return nb;
 }
 
 rp_status rp_baseline_pack_slime(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const double *key,
-                                 bool first_fit, int32_t fixed_M, packing_out *out, rp_error *err)
+                                 bool first_fit, int32_t fixed_M, rp_plan **out, rp_error *err)
 {
     const rp_topology *t = rp_config_topology(cfg);
     const rp_trainer *tr = rp_config_trainer(cfg);
     const int32_t G = t->num_gpus, n = rp_batch_num_seqs(batch), K = tr->mini_batches,
                   N = tr->microbatch_multiple;
     const int64_t cap = rp_limits_token_cap(rp_config_limits(cfg));
-    out->counts = NULL;
-    out->seqs = NULL;
     if (tr->equal_sequences_per_rank)
         return rp_fail(err, RP_EINVAL,
                        "baseline: slime's packings deal microbatches, not sequences, to the DP ranks, so ranks run "
@@ -125,7 +125,8 @@ rp_status rp_baseline_pack_slime(rp_context *ctx, const rp_config *cfg, const rp
     int32_t *cell_rank = rp_alloc(ctx, nz * sizeof *cell_rank), *cell_mb = rp_alloc(ctx, nz * sizeof *cell_mb);
     double *scratch = rp_alloc(ctx, 2 * nz * sizeof *scratch);
     double *weight = NULL;
-    int32_t *rank_of = NULL, *slot = NULL, *start = NULL;
+    int32_t *rank_of = NULL, *slot = NULL, *members = NULL;
+    rp_plan *plan = NULL;
     if (!bin || !order || !nbins || !cell_rank || !cell_mb || !scratch) goto nomem;
     int32_t *bin0 = bin + nz; /* the mini-batches' bins before splitting */
 
@@ -169,18 +170,20 @@ rp_status rp_baseline_pack_slime(rp_context *ctx, const rp_config *cfg, const rp
         }
         T = (int32_t)target;
         rp_free(ctx, weight);
-        if (!(weight = rp_alloc(ctx, (size_t)T * sizeof *weight))) goto nomem;
+        rp_free(ctx, members);
+        weight = rp_alloc(ctx, (size_t)T * sizeof *weight);
+        members = rp_alloc(ctx, (size_t)T * sizeof *members);
+        if (!weight || !members) goto nomem;
         bool again = false;
         for (int32_t b = 0; b < K && !again; b++) {
             int32_t lo = (int32_t)((int64_t)b * n / K), m = (int32_t)((int64_t)(b + 1) * n / K) - lo;
             if (m < 1) continue;
             memcpy(bin + lo, bin0 + lo, (size_t)m * sizeof *bin);
-            if (slime_split(ctx, batch, lo, m, nbins[b], T, bin + lo, scratch, order, err) < 0) {
+            /* weight[] is then each bin's tokens */
+            if (slime_split(ctx, batch, lo, m, nbins[b], T, bin + lo, weight, members, scratch, order, err) < 0) {
                 st = err->status;
                 goto out;
             }
-            for (int32_t j = 0; j < T; j++) weight[j] = 0;
-            for (int32_t j = 0; j < m; j++) weight[bin[lo + j]] += (double)rp_batch_seq_len(batch, lo + j);
             bool over = false;
             for (int32_t j = 0; j < T; j++) over |= weight[j] > (double)cap;
             if (!over) continue;
@@ -219,30 +222,18 @@ rp_status rp_baseline_pack_slime(rp_context *ctx, const rp_config *cfg, const rp
         (st = rp_fill_empty_cells(ctx, batch, G, M, K, cell_rank, cell_mb, false, "baseline", err)) != RP_OK)
         goto out;
 
-    /* lists: per rank, per microbatch, ascending id (slime's order inside a microbatch
-     * differs for split bins; it does not change what the microbatch costs) */
-    out->counts = rp_calloc(ctx, (size_t)G * (size_t)M, sizeof *out->counts);
-    out->seqs = rp_alloc(ctx, nz * sizeof *out->seqs);
-    if (!out->counts || !out->seqs) goto nomem;
-    for (int32_t s = 0; s < n; s++) out->counts[(size_t)cell_rank[s] * M + cell_mb[s]]++;
-    start = rp_alloc(ctx, ((size_t)G * M + 1) * sizeof *start); /* cell -> its next position */
-    if (!start) goto nomem;
-    for (size_t c = 0, pos = 0; c < (size_t)G * M; c++) {
-        start[c] = (int32_t)pos;
-        pos += (size_t)out->counts[c];
+    /* inside a microbatch ascending id (slime's order differs for split bins; it does not
+     * change what the microbatch costs) */
+    if ((st = rp_plan_new(ctx, cfg, M, &plan, err)) == RP_OK &&
+        (st = rp_plan_set_packing(plan, n, cell_rank, cell_mb, err)) == RP_OK) {
+        *out = plan;
+        plan = NULL;
     }
-    for (int32_t s = 0; s < n; s++) out->seqs[start[(size_t)cell_rank[s] * M + cell_mb[s]]++] = s;
-    out->M = M;
     goto out;
 nomem:
     st = rp_fail_nomem(err, "a slime packing");
 out:
-    if (st != RP_OK) {
-        rp_free(ctx, out->counts);
-        rp_free(ctx, out->seqs);
-        out->counts = NULL;
-        out->seqs = NULL;
-    }
+    rp_plan_free(plan);
     rp_free(ctx, bin);
     rp_free(ctx, order);
     rp_free(ctx, nbins);
@@ -252,6 +243,6 @@ out:
     rp_free(ctx, weight);
     rp_free(ctx, rank_of);
     rp_free(ctx, slot);
-    rp_free(ctx, start);
+    rp_free(ctx, members);
     return st;
 }
