@@ -1,8 +1,9 @@
 """routepack.adapters: plans of real configs (examples/config-small.json with its bundled
-batch examples/small.rpt, and a TP 2 / ETP 1 layout of it) through the verl and
+batch examples/small.rpt, and a TP 2 / ETP 1 layout of it) through the verl, slime and
 Megatron-Core adapters: every sequence exactly once, equal counts per rank, micro-batch
-token sums and cu_seqlens equal to the plan's, the expert permutation stock Megatron runs,
-and the errors for what verl or stock Megatron cannot take.
+token sums and cu_seqlens equal to the plan's, slime's schedule invariants, the expert
+permutation stock Megatron runs, and the errors for what verl, slime or stock Megatron
+cannot take.
 
 The upstream forms are pinned here with where they come from; the Megatron test builds the
 real PackedSeqParams when megatron-core is installed (scripts/test-python.sh installs
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import routepack
-from routepack.adapters import megatron, verl
+from routepack.adapters import megatron, slime, verl
 from conftest import REPO, SMALL_CONFIG, random_step
 
 # megatron-core 0.16.1, megatron/core/packed_seq_params.py (the newest release for Python
@@ -598,6 +599,94 @@ def test_import_adapters_needs_no_torch():
             "assert 'torch' not in sys.modules, 'routepack.adapters imported torch'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# ---- slime ---------------------------------------------------------------------------
+# routepack.adapters.slime: a plan in build_dp_schedule's shapes, with the invariants slime's
+# scheduler states (THUDM/slime 624b824a, slime/utils/dp_schedule.py): every rank the same
+# micro-batch count per step, every kept sample exactly once, each rank's micro-batch
+# indices tiling its partition; and refusals where slime could not run the plan.
+
+def slime_config(**trainer):
+    """config-small as slime's trainer runs it: ranks may hold different sample counts."""
+    return small_config(equal_sequences_per_rank=False, **trainer)
+
+
+def check_slime_invariants(sched, res):
+    G, S = len(res.microbatches), int(res.num_seqs)
+    assert len(sched.partitions) == len(sched.micro_batch_indices) == G
+    every = sorted(i for part in sched.partitions for i in part)
+    assert every == list(range(S)), "every sample exactly once"
+    for r in range(G):
+        flat = [i for mb in sched.micro_batch_indices[r] for i in mb]
+        assert flat == list(range(len(sched.partitions[r]))), "rank %d's indices tile its partition" % r
+        assert len(sched.micro_batch_indices[r]) == sum(sched.num_microbatches)
+
+
+@pytest.mark.parametrize("policy", ["slime_ff+eplb", "slime_kk+contiguous", "routepack"])
+def test_slime_one_step_is_the_plan(policy, batch):
+    res = plan(slime_config(nonempty_microbatches=True), batch, policy)
+    sched = slime.dp_schedule(res)
+    check_slime_invariants(sched, res)
+    assert sched.num_microbatches == [res.num_microbatches]
+    assert sched.global_batch_sizes == [res.num_seqs]
+    for r, row in enumerate(res.microbatches):
+        got = [[sched.partitions[r][i] for i in mb] for mb in sched.micro_batch_indices[r]]
+        assert got == [list(ids) for ids in row], "rank %d runs the plan's micro-batches, in order" % r
+    assert sched.as_tuple() == (sched.partitions, sched.micro_batch_indices, sched.num_microbatches,
+                                sched.global_batch_sizes)
+
+
+def test_slime_mini_batches_are_optimizer_steps(batch):
+    cfg = slime_config(mini_batches=2, nonempty_microbatches=True)
+    cfg["limits"]["num_microbatches"] = 4
+    res = plan(cfg, batch, "slime_ff+eplb")
+    sched = slime.dp_schedule(res)
+    check_slime_invariants(sched, res)
+    assert sched.num_microbatches == [2, 2]
+    # step k is the plan's mini-batch k: micro-batches 2k, 2k + 1 of every rank
+    for r, row in enumerate(res.microbatches):
+        mbs = sched.micro_batch_indices[r]
+        for k in range(2):
+            got = sorted(sched.partitions[r][i] for mb in mbs[2 * k:2 * k + 2] for i in mb)
+            assert got == sorted(int(s) for m in (2 * k, 2 * k + 1) for s in row[m])
+    assert sum(sched.global_batch_sizes) == res.num_seqs
+    # one rollout a sample without rollout_ids; with them, distinct rollouts per step
+    ids = np.arange(res.num_seqs) // 1
+    assert slime.dp_schedule(res, rollout_ids=ids).global_batch_sizes == sched.global_batch_sizes
+
+
+def test_slime_rollout_split_over_steps_is_refused(batch):
+    cfg = slime_config(mini_batches=2, nonempty_microbatches=True)
+    cfg["limits"]["num_microbatches"] = 4
+    res = plan(cfg, batch, "slime_ff+eplb")
+    first = [int(s) for row in res.microbatches for s in row[0]][0]
+    second = [int(s) for row in res.microbatches for s in row[2]][0]
+    rollout = np.arange(res.num_seqs)
+    rollout[second] = rollout[first]          # one rollout, two optimizer steps
+    with pytest.raises(routepack.PlanError, match="rollout %d has samples in optimizer step" % first):
+        slime.dp_schedule(res, rollout_ids=rollout)
+    with pytest.raises(routepack.InvalidArgumentError, match="rollout_ids has shape"):
+        slime.dp_schedule(res, rollout_ids=rollout[:3])
+
+
+def test_slime_refusals(batch):
+    res = plan(slime_config(nonempty_microbatches=True), batch, "slime_ff+eplb")
+    with pytest.raises(routepack.InvalidArgumentError, match="8 DP ranks.*dp_size is 4"):
+        slime.dp_schedule(res, dp_size=4)
+    empty = copy.copy(res)
+    empty.microbatches = [list(row) for row in res.microbatches]
+    moved = list(empty.microbatches[0][0])
+    empty.microbatches[0] = [[]] + [list(x) for x in empty.microbatches[0][1:]]
+    empty.microbatches[1] = [list(empty.microbatches[1][0]) + moved] + [list(x) for x in empty.microbatches[1][1:]]
+    with pytest.raises(routepack.PlanError, match="rank 0 micro-batch 0 holds no sample.*nonempty_microbatches"):
+        slime.dp_schedule(empty)
+    lost = copy.copy(res)
+    lost.microbatches = [list(row) for row in res.microbatches]
+    gone = int(lost.microbatches[0][0][0])
+    lost.microbatches[0] = [list(lost.microbatches[0][0][1:])] + [list(x) for x in lost.microbatches[0][1:]]
+    with pytest.raises(routepack.PlanError, match="sample %d is in no micro-batch" % gone):
+        slime.dp_schedule(lost)
 
 
 # ---- the examples ---------------------------------------------------------------------
