@@ -996,7 +996,15 @@ static void state_free(rp_context *ctx, cost_state *s)
                       s->gpair, s->lay_dst, s->lay_seg, s->lay_ord, s->vexp_owner,
                       s->pipe_ops, s->pipe_begin, s->pipe_fend, s->pipe_bend, s->pipe_tdev, s->pipe_next};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
+    rp_plan_free(s->evaluated);
     rp_free(ctx, s);
+}
+
+void cost_state_edited(rp_cost *c)
+{
+    if (!c->st) return;
+    rp_plan_free(c->st->evaluated);
+    c->st->evaluated = NULL;
 }
 
 static void scratch_free(rp_context *ctx, cost_scratch *sc)
@@ -1529,6 +1537,12 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     if (!c) return rp_fail(err, RP_EINVAL, "cost: no evaluator");
     rp_status st = check_plan_shape(c, plan, err);
     if (st != RP_OK) return st;
+    if (c->st && rp_plan_equal(c->st->evaluated, plan)) {
+        /* the bound state is this plan's evaluation: bind it to this copy of the plan */
+        c->st->plan = plan;
+        if (out) cost_summary(c, c->st, out);
+        return RP_OK;
+    }
     cost_state *s = NULL;
     cost_scratch sc;
     memset(&sc, 0, sizeof sc);
@@ -1644,6 +1658,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
         if (stage_s > s->extra_s) s->extra_s = stage_s;
     }
     s->step_s = cost_step_from(c, s, s->layer_t, s->grad_s);
+    if (rp_plan_copy(plan, &s->evaluated, NULL) != RP_OK) s->evaluated = NULL; /* only a shortcut lost */
 
     /* commit (nothing below can fail) */
     state_free(c->ctx, c->st);

@@ -343,6 +343,7 @@ rp_status rp_cost_apply_move(rp_cost *c, rp_plan *plan, int32_t seq, int32_t ran
     seq_move mv = {0}; /* zeroed: at -O3 GCC cannot see that the check fills it on RP_OK */
     bool noop;
     if ((st = check_move(c, seq, rank, mb, &mv, &noop, err)) != RP_OK || noop) return st;
+    cost_state_edited(c);
     count_list_shift(c, plan, &mv, 1);
     if ((st = rp_plan_move_sequence(plan, seq, rank, mb, err)) != RP_OK) return st;
     run_moves(c, &mv, 1, true);
@@ -356,6 +357,7 @@ rp_status rp_cost_apply_swap(rp_cost *c, rp_plan *plan, int32_t a, int32_t b, rp
     seq_move mv[2] = {0}; /* zeroed: at -O3 GCC cannot see that the check fills it on RP_OK */
     bool noop;
     if ((st = check_swap(c, a, b, mv, &noop, err)) != RP_OK || noop) return st;
+    cost_state_edited(c);
     count_list_shift(c, plan, mv, 2);
     if ((st = rp_plan_move_sequence(plan, a, mv[0].g_to, mv[0].m_to, err)) != RP_OK) return st;
     if ((st = rp_plan_move_sequence(plan, b, mv[1].g_to, mv[1].m_to, err)) != RP_OK) {
@@ -474,6 +476,7 @@ rp_status rp_cost_apply_slot(rp_cost *c, rp_plan *plan, int32_t layer, int32_t s
     if (st != RP_OK) return st;
     bool noop;
     if ((st = check_slot(c, layer, slot, expert, &noop, err)) != RP_OK || noop) return st;
+    cost_state_edited(c);
     const int32_t S = c->st->S;
     int32_t *row = c->sc.row;
     memcpy(row, c->st->phy2log + (size_t)layer * S, (size_t)S * sizeof(int32_t));

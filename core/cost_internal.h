@@ -46,6 +46,11 @@ typedef struct cost_pipe_times {
  * counts (m, l, g, e) = ((m * L + l) * G + g) * E + e. */
 typedef struct cost_state {
     const rp_plan *plan;
+    /* A copy of the plan as it was evaluated, while this state is still that evaluation
+     * (cost_state_edited drops it): evaluating an equal plan again returns the summary
+     * without repeating the work (what a scheduler does with the plan its policy scored).
+     * NULL when the copy could not be made. */
+    rp_plan *evaluated;
     int32_t M;          /* microbatches */
     int32_t S;          /* physical slots of one EP group */
     int32_t slots_max;  /* largest slot count of one EP rank */
@@ -288,6 +293,9 @@ void cost_index_layer(int32_t E, int32_t S, const int32_t *slot_rank_of, const i
 void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_off,
                      const int32_t *rep_rank, double *row);
 double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row);
+/* The bound state no longer is the evaluation of the plan it was made from (a move,
+ * swap, slot change or microbatch order was applied): no plan is equal to it any more. */
+void cost_state_edited(rp_cost *c);
 void cost_summary(const rp_cost *c, const cost_state *st, rp_cost_summary *out);
 /* The sync domain with the largest sum of layer times (0 under global sync). */
 int32_t cost_critical_domain(const rp_cost *c, const cost_state *st);

@@ -363,6 +363,7 @@ rp_status rp_cost_order_microbatches(rp_cost *c, rp_plan *plan, double *step_s, 
             search_domain(c, st, &o, &buf, best, cur, stack);
             for (int32_t i = 0; i < Mk; i++) best[i] += base;
         }
+    cost_state_edited(c);
     /* commit: the first call may allocate the plan's order (nothing changed if it fails);
      * the others only fill it */
     const int32_t G = c->G, span = c->NQ == 1 ? G : c->ep;

@@ -590,18 +590,21 @@ static rp_status score_plan(const joint *jt, const rp_plan *plan, const rp_plan 
 }
 
 /* The joint candidate's score (`mine`) and the virtual-expert one's (`vs`, when `vx`).
- * The joint plan is scored last, so the evaluator stays bound to its packing: the
- * engine's evaluation of the returned plan (the same evaluator, through rp.joint) then
- * reuses the per-microbatch counts instead of reading every histogram again, unless
- * fallbacks are scored after it. The order changes no score (each is a full evaluation). */
+ * The one likelier to be returned is scored last: the one of the kind the step before
+ * returned (the balancer's plan when the placement in use ran under it). The evaluator
+ * then stays bound to it, and the engine's evaluation of the returned plan (the same
+ * evaluator, through rp.joint) finds it already evaluated (rp_cost_evaluate returns the
+ * bound state's summary for an equal plan), unless fallbacks are scored after it. Both
+ * candidates share the packing, so the second reuses the first's per-microbatch counts.
+ * The order changes no score (each is a full evaluation). */
 static rp_status score_joint(const joint *jt, const rp_plan *plan, const rp_plan *vx, const rp_plan *previous,
                              scored *mine, scored *vs, rp_error *err)
 {
-    if (vx) {
-        rp_status st = score_plan(jt, vx, previous, vs, err);
-        if (st != RP_OK) return st;
-    }
-    rp_status st = score_plan(jt, plan, previous, mine, err);
+    const bool vx_last = vx && previous && rp_plan_balancing(previous) == RP_BALANCING_VIRTUAL_EXPERTS;
+    rp_status st = RP_OK;
+    if (vx && !vx_last) st = score_plan(jt, vx, previous, vs, err);
+    if (st == RP_OK) st = score_plan(jt, plan, previous, mine, err);
+    if (st == RP_OK && vx_last) st = score_plan(jt, vx, previous, vs, err);
     if (st != RP_OK) return st;
     /* the joint placement's re-fits recur on every later step of the horizon */
     const rp_joint_params *par = jt->par;

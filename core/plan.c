@@ -826,6 +826,45 @@ static void hash_i32(hasher *h, int32_t v)
     for (int i = 0; i < 4; i++) h->buf[h->n++] = (unsigned char)(u >> (8 * i));
 }
 
+static bool same_ints(const int32_t *a, const int32_t *b, size_t n)
+{
+    return n == 0 || memcmp(a, b, n * sizeof *a) == 0;
+}
+
+bool rp_plan_equal(const rp_plan *a, const rp_plan *b)
+{
+    if (a == b) return true;
+    if (!a || !b) return false;
+    if (a->num_gpus != b->num_gpus || a->num_microbatches != b->num_microbatches || a->ep_size != b->ep_size ||
+        a->num_layers != b->num_layers || a->num_experts != b->num_experts || a->total_slots != b->total_slots ||
+        !same_ints(a->slot_begin, b->slot_begin, (size_t)a->ep_size + 1))
+        return false;
+    if (a->has_packing != b->has_packing || a->has_placement != b->has_placement || a->balancing != b->balancing ||
+        !a->mb_order != !b->mb_order || a->num_extras != b->num_extras || a->num_shares != b->num_shares)
+        return false;
+    const size_t lists = (size_t)a->num_gpus * a->num_microbatches;
+    if (a->has_packing) {
+        const packing *p = &a->pack, *q = &b->pack;
+        if (p->num_seqs != q->num_seqs || memcmp(p->begin, q->begin, (lists + 1) * sizeof *p->begin) != 0 ||
+            !same_ints(p->seqs, q->seqs, (size_t)p->begin[lists]))
+            return false;
+    }
+    if (a->has_placement && !same_ints(a->phy2log, b->phy2log, (size_t)a->num_layers * a->total_slots)) return false;
+    if (a->mb_order && !same_ints(a->mb_order, b->mb_order, lists)) return false;
+    for (int32_t i = 0; i < a->num_extras; i++) {
+        const extra_replica *x = &a->extras[i], *y = &b->extras[i];
+        if (x->mb != y->mb || x->layer != y->layer || x->expert != y->expert || x->ep_rank != y->ep_rank) return false;
+    }
+    for (int32_t i = 0; i < a->num_shares; i++) {
+        const share_set *x = &a->shares[i], *y = &b->shares[i];
+        /* bit for bit, as rp_plan_hash hashes them */
+        if (x->mb != y->mb || x->layer != y->layer || x->expert != y->expert || x->count != y->count ||
+            memcmp(x->shares, y->shares, (size_t)x->count * sizeof *x->shares) != 0)
+            return false;
+    }
+    return true;
+}
+
 uint64_t rp_plan_hash(const rp_plan *plan)
 {
     hasher h;

@@ -979,6 +979,104 @@ static bool same_summary(const rp_cost_summary *a, const rp_cost_summary *b)
            a->straggler_layer == b->straggler_layer && a->straggler_side == b->straggler_side;
 }
 
+
+/* Evaluating a plan equal to the one the evaluator is bound to returns the bound state's
+ * summary without the work, and binds the evaluator to the new copy; once a move or a
+ * slot change edited the bound state, an equal plan of the old content is evaluated
+ * again in full (it no longer matches the state). Each result against a fresh
+ * evaluator's. */
+static void test_evaluated_again(void)
+{
+    rng r = {0x9E3779B97F4A7C15ULL};
+    int hits = 0, fresh_after_edit = 0, differ = 0, runs = 0;
+    for (int i = 0; i < 8; i++) {
+        fixture f;
+        random_fixture(&f, &r, i % 2 ? 8 : 4, i % 2 ? 2 : 4, "1", 100000);
+        rp_error err;
+        const int32_t M = 1 + rnd_int(&r, 3);
+        rp_plan *p = random_plan(&f, &r, M, true), *copy = NULL, *again = NULL;
+        rp_cost *c = NULL, *fresh = NULL;
+        rp_cost_summary a, b, want;
+        if (rp_plan_copy(p, &copy, &err) != RP_OK || rp_plan_copy(p, &again, &err) != RP_OK ||
+            rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err) != RP_OK ||
+            rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &fresh, &err) != RP_OK ||
+            rp_cost_evaluate(fresh, p, &want, &err) != RP_OK) {
+            diag("setup: %s", err.text);
+            goto next;
+        }
+        runs++;
+        int64_t o0 = rp_cost_operations(c);
+        rp_cost_evaluate(c, p, &a, &err);
+        int64_t full = rp_cost_operations(c) - o0;
+        o0 = rp_cost_operations(c);
+        rp_status st = rp_cost_evaluate(c, copy, &b, &err);
+        int64_t second = rp_cost_operations(c) - o0;
+        /* the same summary, a fraction of the work, and bound to the copy */
+        if (st == RP_OK && memcmp(&a, &b, sizeof a) == 0 && same_summary(&a, &want) && second * 4 < full &&
+            rp_cost_apply_move(c, p, 0, 0, 0, NULL) == RP_EINVAL)
+            hits++;
+        else
+            diag("run %d: status %d, second evaluation %lld operations of %lld", i, st, (long long)second,
+                 (long long)full);
+        /* an edit of the bound plan (a move, then a slot change): the old content is new to it */
+        const int32_t G = rp_plan_num_gpus(copy);
+        int32_t seq = 0;
+        while (seq < RN && rp_plan_seq_rank(copy, seq) < 0) seq++;
+        int32_t to = (rp_plan_seq_rank(copy, seq) + 1) % G;
+        rp_cost_summary after;
+        if (rp_cost_apply_move(c, copy, seq, to, 0, &err) == RP_OK && rp_cost_evaluate(c, again, &after, &err) == RP_OK &&
+            same_summary(&after, &want) && memcmp(&after.step_s, &want.step_s, sizeof want.step_s) == 0)
+            fresh_after_edit++;
+        else
+            diag("run %d: after a move: %s", i, err.text);
+        /* without levers (any slot change is then valid): bound to `bare`, a slot change on
+         * it, then `again` (its old content) evaluates afresh; a plan that differs from the
+         * bound one only in its levers is not taken for it */
+        rp_plan *bare = NULL, *bare_old = NULL;
+        rp_cost_summary bare_want, got, lv;
+        rp_status made = rp_plan_copy(p, &bare, &err);
+        if (made == RP_OK) rp_plan_clear_levers(bare);
+        if (made == RP_OK && rp_plan_copy(bare, &bare_old, &err) == RP_OK && rp_cost_evaluate(fresh, bare, &bare_want, &err) == RP_OK &&
+            rp_cost_evaluate(c, bare, NULL, &err) == RP_OK) {
+            const int32_t S = rp_plan_total_slots(bare);
+            const int32_t *row = rp_plan_phy2log(bare, 0);
+            int32_t slot = -1, expert = -1;
+            for (int32_t k = 0; k < S && slot < 0; k++) {
+                int32_t n = 0;
+                for (int32_t j = 0; j < S; j++) n += row[j] == row[k];
+                if (row[k] < 0) slot = k, expert = 0; /* a second replica of expert 0 */
+                else if (n > 1) slot = k, expert = -1; /* one of two replicas dropped */
+            }
+            if (rp_cost_apply_slot(c, bare, 0, slot, expert, &err) == RP_OK &&
+                rp_cost_evaluate(c, bare_old, &got, &err) == RP_OK &&
+                memcmp(&got.step_s, &bare_want.step_s, sizeof got.step_s) == 0 && same_summary(&got, &bare_want))
+                fresh_after_edit++;
+            else
+                diag("run %d: after a slot change (slot %d to %d): %s", i, slot, expert, err.text);
+            if (rp_cost_evaluate(c, p, &lv, &err) == RP_OK && memcmp(&lv.step_s, &want.step_s, sizeof lv.step_s) == 0 &&
+                same_summary(&lv, &want))
+                differ++;
+            else
+                diag("run %d: with its levers: %s", i, err.text);
+        } else {
+            diag("run %d: without levers: %s", i, err.text);
+        }
+        rp_plan_free(bare);
+        rp_plan_free(bare_old);
+    next:
+        rp_plan_free(p);
+        rp_plan_free(copy);
+        rp_plan_free(again);
+        rp_cost_free(c);
+        rp_cost_free(fresh);
+        batch_fixture_free(&f);
+    }
+    is_int(runs, 8, "8 plans evaluated twice");
+    is_int(hits, runs, "an equal plan: the bound summary, bit for bit, without the work, bound to the new copy");
+    is_int(fresh_after_edit, 2 * runs, "after a move or a slot change the old content evaluates as on a fresh evaluator");
+    is_int(differ, runs, "a plan that differs from the bound one only in its levers evaluates as on a fresh evaluator");
+}
+
 static int64_t cell_tokens(const rp_plan *p, const rp_batch *b, int32_t g, int32_t m)
 {
     int32_t count = 0;
@@ -1604,6 +1702,7 @@ int main(void)
     }
     random_execution = "";
     test_same_packing();
+    test_evaluated_again();
     test_evaluation_needs();
     test_json();
     test_bad_constants();

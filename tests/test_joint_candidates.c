@@ -133,7 +133,7 @@ static void test_virtual_experts_candidate(void)
 {
     fixture f;
     if (!fixture_make(&f, make_config(2, 4, 4, 5), 7)) {
-        skip(14, "fixture");
+        skip(15, "fixture");
         batch_fixture_free(&f);
         return;
     }
@@ -178,6 +178,31 @@ static void test_virtual_experts_candidate(void)
            rep.step_s == (rep.per_forward_balancing ? rep.virtual_experts_step_s : rep.joint_step_s),
        "the better of the two is returned (joint %.6g s + migration, balancer %.6g s: %s)", rep.joint_step_s,
        rep.virtual_experts_step_s, rep.per_forward_balancing ? "balancer" : "joint");
+
+    /* after a step under the balancer its candidate is scored last: the caller's evaluator
+     * stays bound to it, so evaluating the returned plan again (as the scheduler does)
+     * repeats none of the work */
+    rp_cost *c = NULL;
+    rp_plan *next = NULL;
+    par.recurring_migration_s = 1e3;
+    bool bound = false;
+    if (vx && rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err) == RP_OK &&
+        rp_joint_plan(ctx, f.cfg, f.batch, f.stats, vx, c, &par, &next, &rep, &err) == RP_OK && rep.per_forward_balancing) {
+        rp_cost_summary again;
+        int64_t o0 = rp_cost_operations(c);
+        bound = rp_cost_evaluate(c, next, &again, &err) == RP_OK && again.step_s == rep.step_s;
+        int64_t repeat = rp_cost_operations(c) - o0;
+        rp_cost *fresh = NULL;
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &fresh, &err);
+        o0 = rp_cost_operations(fresh);
+        rp_cost_evaluate(fresh, next, NULL, &err);
+        int64_t full = rp_cost_operations(fresh) - o0;
+        if (!(repeat * 4 < full)) bound = false, diag("operations: %lld again, %lld in full", (long long)repeat, (long long)full);
+        rp_cost_free(fresh);
+    }
+    ok(bound, "after a balancer step, the returned balancer plan is the one the evaluator is bound to");
+    rp_plan_free(next);
+    rp_cost_free(c);
 
     rp_plan *bad = NULL;
     par.recurring_migration_s = -1;

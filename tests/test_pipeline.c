@@ -582,7 +582,7 @@ static bool next_permutation(int32_t *a, int32_t n)
  * job): for M <= 6 it finds the best one; for larger M it is never worse than index order. */
 static void test_order_search(void)
 {
-    int bad_exact = 0, bad_large = 0, cases = 0, improved = 0;
+    int bad_exact = 0, bad_large = 0, cases = 0, improved = 0, stale = 0;
     for (int it = 0; it < 16; it++) {
         int pp = 2 << rnd(2);
         int32_t M = it < 12 ? 2 + (int32_t)rnd(4) : 7 + (int32_t)rnd(6);
@@ -622,6 +622,17 @@ static void test_order_search(void)
         rp_cost_new(ctx, s.cfg, s.batch, s.stats, RP_SPLIT_EVEN, &fresh, &err);
         bool same = rp_plan_validate(s.plan, s.cfg, s.batch, &err) == RP_OK &&
                     rp_cost_evaluate(fresh, s.plan, &again, &err) == RP_OK && again.step_s == got;
+        /* the evaluator's state now holds the chosen order: the plan in index order (what
+         * it was bound to) is evaluated again, not taken for the bound one */
+        rp_plan *unordered = NULL;
+        rp_cost_summary back;
+        if (rp_plan_copy(s.plan, &unordered, &err) == RP_OK) {
+            for (int32_t g = 0; g < G; g++) rp_plan_set_microbatch_order(unordered, g, NULL, &err);
+            if (rp_cost_evaluate(cost, unordered, &back, &err) != RP_OK || back.step_s != identity)
+                stale++, diag("case %d: index order evaluates to %.17g after ordering, %.17g before", it, back.step_s,
+                              identity);
+        }
+        rp_plan_free(unordered);
         cases++;
         if (got < identity) improved++;
         if (M <= 6) {
@@ -637,6 +648,7 @@ static void test_order_search(void)
     }
     ok(bad_exact == 0, "M <= 6: the chosen order's step is the best over every order (brute force), and the plan's");
     ok(bad_large == 0, "M 7-12: never slower than index order");
+    ok(stale == 0, "after ordering, the plan in index order evaluates to its own step again");
     diag("%d of %d plans ordered to a shorter step", improved, cases);
 }
 

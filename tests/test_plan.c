@@ -619,11 +619,14 @@ static void test_copy_and_hash(rp_context *ctx)
     is_int(rp_plan_copy(p, &c, &err), RP_OK, "copy");
     uint64_t h = rp_plan_hash(p);
     is_int(rp_plan_hash(c), h, "the copy hashes equal");
+    ok(rp_plan_equal(c, p) && rp_plan_equal(p, p), "... and is equal");
+    ok(!rp_plan_equal(c, NULL) && !rp_plan_equal(NULL, c) && rp_plan_equal(NULL, NULL), "NULL equals only NULL");
     rp_plan_move_sequence(c, 0, 3, 1, NULL);
     rp_plan_set_phy2log(c, 0, layer1, NULL);
     rp_plan_add_extra_replica(c, 1, 1, 1, 1, NULL);
     rp_plan_set_shares(c, 0, 0, 5, (double[]){0.5, 0.5}, 2, NULL);
     ok(rp_plan_hash(c) != h, "the mutated copy differs");
+    ok(!rp_plan_equal(c, p), "... and is not equal");
     is_int(rp_plan_hash(p), h, "mutating the copy leaves the original");
     ok(list_is(p, 0, 0, (int32_t[]){0, 1}, 2) && same_ints(rp_plan_phy2log(p, 0), layer0, 10),
        "the original's packing and placement intact");
@@ -673,6 +676,7 @@ static void test_copy_and_hash(rp_context *ctx)
     rp_plan_add_extra_replica(u, 0, 0, 2, 0, NULL);
     rp_plan_set_shares(u, 0, 0, 2, (double[]){0.75, 0.25}, 2, NULL);
     is_int(rp_plan_hash(u), canonical, "same content built another way hashes equal");
+    ok(rp_plan_equal(u, t), "... and is equal");
 
     /* sensitive to each field */
     struct { const char *what; uint64_t h; } seen[16];
@@ -685,6 +689,7 @@ static void test_copy_and_hash(rp_context *ctx)
         seen[n].what = name;                                       \
         seen[n++].h = rp_plan_hash(v);                             \
         ok(rp_plan_hash(v) != canonical, "hash sees %s", name);    \
+        ok(!rp_plan_equal(v, t), "equality sees %s", name);       \
         rp_plan_free(v);                                           \
     } while (0)
     VARIANT("a sequence's rank", rp_plan_move_sequence(v, 0, 0, 0, NULL));
@@ -699,21 +704,25 @@ static void test_copy_and_hash(rp_context *ctx)
     VARIANT("no shares", (rp_plan_clear_levers(v), rp_plan_add_extra_replica(v, 0, 0, 2, 0, NULL)));
     VARIANT("an empty packing",
             rp_plan_set_microbatches(v, 0, (const int32_t *[]){NULL, NULL}, (int32_t[]){0, 0}, NULL));
+    VARIANT("the balancing", rp_plan_set_balancing(v, RP_BALANCING_VIRTUAL_EXPERTS, NULL));
 #undef VARIANT
     rp_plan *w, *w3;
     rp_config *tiny2 = make_config(ctx, 1, 2, 2, "[1, 2]", 1, 3, 100, "");
     rp_plan_new(ctx, tiny, 2, &w, NULL);
     rp_plan_new(ctx, tiny2, 2, &w3, NULL);
     ok(rp_plan_hash(w) != rp_plan_hash(w3), "hash sees the slots of each EP rank");
+    ok(!rp_plan_equal(w, w3), "equality sees the slots of each EP rank");
     rp_plan_free(w3);
     rp_config_free(tiny2);
     rp_plan *w1;
     rp_plan_new(ctx, tiny, 1, &w1, NULL);
     ok(rp_plan_hash(w) != rp_plan_hash(w1), "hash sees the microbatch count");
+    ok(!rp_plan_equal(w, w1), "equality sees the microbatch count");
     rp_plan_set_packing(w1, 0, NULL, NULL, NULL);
     rp_plan *w2;
     rp_plan_new(ctx, tiny, 1, &w2, NULL);
     ok(rp_plan_hash(w1) != rp_plan_hash(w2), "hash sees an empty packing vs none");
+    ok(!rp_plan_equal(w1, w2), "equality sees an empty packing vs none");
     bool distinct = true;
     for (int i = 0; i < n; i++)
         for (int j = i + 1; j < n; j++)

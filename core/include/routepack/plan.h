@@ -204,6 +204,10 @@ RP_API rp_status rp_plan_save(const rp_plan *plan, const char *path, rp_error *e
 /* XXH64 of the plan's canonical content (shape, packing lists in order, phy2log,
  * levers): equal plans hash equal on every rank and machine. */
 RP_API uint64_t rp_plan_hash(const rp_plan *plan);
+/* Whether two plans have the same content: what rp_plan_hash hashes (shape, packing
+ * lists in order, phy2log, balancing, microbatch order, extra replicas, shares bit for
+ * bit), compared exactly. Two NULLs are equal; NULL and a plan are not. */
+RP_API bool rp_plan_equal(const rp_plan *a, const rp_plan *b);
 
 #ifdef __cplusplus
 }
