@@ -867,6 +867,35 @@ static void flush_row(int64_t *restrict row, uint32_t *restrict acc, size_t cell
     memset(acc, 0, cells * sizeof *acc);
 }
 
+void stats_add_layers(const rp_stats *stats, int32_t seq, int32_t *rows, size_t stride)
+{
+    const size_t E = (size_t)stats->num_experts;
+    const unsigned char *h = stats->hist + stats->offset[seq];
+    /* the width chosen once for the whole block: per-layer calls through a decoded
+     * buffer cost the evaluator's histogram pass about twice this */
+    switch (stats->width[seq]) {
+    case 1:
+        for (int32_t l = 0; l < stats->num_layers; l++, h += E) {
+            int32_t *restrict row = rows + (size_t)l * stride;
+            for (size_t e = 0; e < E; e++) row[e] += h[e];
+        }
+        break;
+    case 2:
+        for (int32_t l = 0; l < stats->num_layers; l++, h += 2 * E) {
+            int32_t *restrict row = rows + (size_t)l * stride;
+            for (size_t e = 0; e < E; e++) row[e] += (int32_t)load_u16(h + 2 * e);
+        }
+        break;
+    case 4:
+        for (int32_t l = 0; l < stats->num_layers; l++, h += 4 * E) {
+            int32_t *restrict row = rows + (size_t)l * stride;
+            for (size_t e = 0; e < E; e++) row[e] += (int32_t)load_u32(h + 4 * e);
+        }
+        break;
+    default: break; /* width 0: no counts */
+    }
+}
+
 /* narrow[mb]: the 1- and 2-byte sequences in acc's row mb since its last flush */
 static void loads_narrow(const rp_stats *stats, const int32_t *seq_microbatch, int32_t num_microbatches,
                          size_t cells, uint32_t *acc, int32_t *narrow, int64_t *loads)

@@ -68,6 +68,11 @@ rp_status stats_from_rows(rp_context *ctx, int32_t num_seqs, int32_t num_layers,
                           int32_t top_k, int64_t num_tokens, stats_row_fn row, void *ud,
                           const int64_t *expert_load, rp_stats **out, rp_error *err);
 
+/* Add sequence `seq`'s counts to 32-bit rows: layer l's num_experts counts to
+ * rows + l * stride. The caller knows the sums fit (the cost model checks its batch);
+ * `seq` must exist. */
+void stats_add_layers(const rp_stats *stats, int32_t seq, int32_t *rows, size_t stride);
+
 /* A copy of `stats` allocated through ctx (the scheduler keeps the last step's
  * inputs). Errors: no memory. */
 rp_status stats_copy(rp_context *ctx, const rp_stats *stats, rp_stats **out, rp_error *err);
