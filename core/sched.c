@@ -1197,6 +1197,22 @@ rp_status rp_sched_step(rp_sched *s, int64_t step, const rp_batch *batch, const 
     return run_step(s, step, batch, stats, st, t0, plan_out, report_out, err);
 }
 
+/* Statistics that describe the batch and the config's model (both statistics calls;
+ * an error goes through run_step, so every rank fails the step together). */
+static rp_status check_step_stats(const rp_sched *s, int64_t step, const rp_batch *batch, const rp_stats *stats,
+                                  rp_error *err)
+{
+    const rp_model *md = rp_config_model(s->cfg);
+    if (rp_stats_num_layers(stats) != md->num_layers || rp_stats_num_experts(stats) != md->num_experts ||
+        rp_stats_top_k(stats) != md->top_k)
+        return rp_fail(err, RP_EINVAL,
+                       "sched: step %lld: the statistics have %d layers, %d experts, top-%d; the config's model has "
+                       "%d, %d, top-%d",
+                       (long long)step, rp_stats_num_layers(stats), rp_stats_num_experts(stats),
+                       rp_stats_top_k(stats), md->num_layers, md->num_experts, md->top_k);
+    return rp_stats_check_batch(stats, batch, err);
+}
+
 rp_status rp_sched_step_stats(rp_sched *s, int64_t step, const rp_batch *batch, const rp_stats *stats,
                               const rp_plan **plan_out, const rp_step_report **report_out, rp_error *err)
 {
@@ -1206,19 +1222,31 @@ rp_status rp_sched_step_stats(rp_sched *s, int64_t step, const rp_batch *batch, 
     rp_status st = step_begin(s, step, batch, stats, "statistics", plan_out, report_out, err);
     if (st != RP_OK) return st;
     double t0 = now_s();
-    const rp_model *md = rp_config_model(s->cfg);
     rp_stats *copy = NULL;
-    if (rp_stats_num_layers(stats) != md->num_layers || rp_stats_num_experts(stats) != md->num_experts ||
-        rp_stats_top_k(stats) != md->top_k)
-        st = rp_fail(err, RP_EINVAL,
-                     "sched: step %lld: the statistics have %d layers, %d experts, top-%d; the config's model has "
-                     "%d, %d, top-%d",
-                     (long long)step, rp_stats_num_layers(stats), rp_stats_num_experts(stats), rp_stats_top_k(stats),
-                     md->num_layers, md->num_experts, md->top_k);
-    if (st == RP_OK) st = rp_stats_check_batch(stats, batch, err);
+    st = check_step_stats(s, step, batch, stats, err);
     s->keep_spare = true;
     if (st == RP_OK) st = stats_copy_reusing(s->ctx, stats, &s->spare_stats, &copy, err);
     return run_step(s, step, batch, copy, st, t0, plan_out, report_out, err);
+}
+
+rp_status rp_sched_step_stats_take(rp_sched *s, int64_t step, const rp_batch *batch, rp_stats **stats,
+                                   const rp_plan **plan_out, const rp_step_report **report_out, rp_error *err)
+{
+    if (!s) return rp_fail(err, RP_EINVAL, "sched: no scheduler");
+    rp_error local;
+    if (!err) err = &local;
+    rp_status st = step_begin(s, step, batch, stats ? *stats : NULL, "statistics", plan_out, report_out, err);
+    if (st != RP_OK) return st;
+    double t0 = now_s();
+    s->keep_spare = true;
+    st = check_step_stats(s, step, batch, *stats, err);
+    if (st != RP_OK) return run_step(s, step, batch, NULL, st, t0, plan_out, report_out, err); /* still the caller's */
+    rp_stats *own = *stats;
+    st = run_step(s, step, batch, own, RP_OK, t0, plan_out, report_out, err);
+    /* taken: kept as the step's statistics, or freed with a failed step */
+    *stats = s->spare_stats;
+    s->spare_stats = NULL;
+    return st;
 }
 
 /* ---- staging ---------------------------------------------------------------------------- */

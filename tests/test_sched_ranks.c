@@ -94,6 +94,8 @@ static rp_status rp_fail_text(rp_error *err, rp_status st, const char *text)
 /* What a distributed trainer does before the step: its part's bytes and ids go to
  * every rank (an allgather of the sizes, then of the padded parts and ids), and every
  * rank merges them into the whole step's statistics. */
+/* The whole step's statistics from every rank's part; into *whole's storage when it
+ * holds an earlier merge (rp_stats_merge_serialized_reusing). */
 static rp_status exchange(rp_context *ctx, const rp_comm *c, int t, rp_stats **whole, rp_error *err)
 {
     const int P = c->size > 0 && c->size <= MAX_RANKS ? c->size : 1;
@@ -135,7 +137,7 @@ static rp_status exchange(rp_context *ctx, const rp_comm *c, int t, rp_stats **w
         memcpy(id_copies[q], all + (size_t)q * most + lens[q], 4 * sizes[2 * q + 1]);
         gids[q] = id_copies[q];
     }
-    st = rp_stats_merge_serialized(ctx, P, bytes, lens, gids, n, whole, err);
+    st = rp_stats_merge_serialized_reusing(ctx, P, bytes, lens, gids, n, whole, err);
     for (int q = 0; q < P; q++) free(id_copies[q]);
     free(buf);
     free(all);
@@ -151,6 +153,7 @@ typedef struct rank_run {
     hub_rank me;
     int rank;
     bool distributed;          /* statistics from the exchange and rp_sched_step_stats */
+    bool take;                 /* ... rp_sched_step_stats_take, each merge into the spare it returns */
     int64_t max_instructions;  /* 0: the default */
     int bad_step;              /* this rank's routing has a bad id at this step (-1: none) */
     long fail_alloc_at;        /* fail this allocation of the step `fail_step` (0: none) */
@@ -191,16 +194,19 @@ static void *rank_main(void *arg)
         diag("rank %d: %s", rr->rank, err.text);
     }
     if (s && rr->stage && rp_sched_stage_policy(s, rr->stage, NULL, 2, &err) != RP_OK) rr->setup_failed = 1;
+    rp_stats *spare = NULL;
     for (int t = 0; t < STEPS && s; t++) {
         const rp_plan *plan = NULL;
         const rp_step_report *rep = NULL;
         rr->plan_before[t] = hash_of(rp_sched_plan(s));
-        rp_stats *whole = NULL;
+        rp_stats *whole = rr->take ? spare : NULL;
+        spare = NULL;
         rp_status st = RP_OK;
         if (rr->distributed) st = exchange(ctx, &c, t, &whole, &err);
         if (t == rr->fail_step && rr->fail_alloc_at) cnt.fail_at = cnt.calls + rr->fail_alloc_at;
         if (rr->distributed) {
-            if (st == RP_OK) st = rp_sched_step_stats(s, t, batches[t], whole, &plan, &rep, &err);
+            if (st == RP_OK && rr->take) st = rp_sched_step_stats_take(s, t, batches[t], &whole, &plan, &rep, &err);
+            else if (st == RP_OK) st = rp_sched_step_stats(s, t, batches[t], whole, &plan, &rep, &err);
         } else if (t == rr->bad_step) {
             /* this rank's copy of the routing has an id out of range */
             const rp_routing *r = &routings[t];
@@ -216,7 +222,8 @@ static void *rank_main(void *arg)
             st = rp_sched_step(s, t, batches[t], &routings[t], &plan, &rep, &err);
         }
         cnt.fail_at = 0;
-        rp_stats_free(whole);
+        if (rr->take) spare = whole; /* the scheduler's spare (or, refused, the merge): the next merge's storage */
+        else rp_stats_free(whole);
         rr->st[t] = st;
         rr->plan_after[t] = hash_of(rp_sched_plan(s));
         if (st == RP_OK) {
@@ -231,6 +238,7 @@ static void *rank_main(void *arg)
             if (st == RP_ETRANSPORT && strstr(err.text, "allgather")) break; /* the trainer stops here */
         }
     }
+    rp_stats_free(spare);
     rp_sched_free(s);
     /* blocks (LuaJIT under-reports some sizes it frees, test_util.h), less the context */
     rr->leaked = cnt.blocks - 1;
@@ -321,6 +329,35 @@ static void reference(rp_context *ctx)
     like(err.text, "the batch", "and the message says they do not match the batch");
     ok(rp_plan_hash(rp_sched_plan(b)) == before, "and the plan in use stays");
     ok(rp_sched_step_stats(b, STEPS, batches[0], NULL, &p, &r, &err) == RP_EINVAL, "no statistics is refused");
+
+    /* rp_sched_step_stats_take: the statistics taken, an earlier step's returned */
+    rp_sched *c = NULL;
+    rp_sched_new(ctx, cfg, &o, &c, &err);
+    int taken = 1;
+    rp_stats *given[STEPS] = {NULL};
+    for (int t = 0; t < STEPS; t++) {
+        rp_stats *mine = NULL;
+        const rp_plan *pc;
+        const rp_step_report *rc;
+        rp_stats_compute(ctx, batches[t], &routings[t], rp_config_model(cfg)->num_experts, 1, &mine, &err);
+        given[t] = mine;
+        if (rp_sched_step_stats_take(c, t, batches[t], &mine, &pc, &rc, &err) != RP_OK) diag("take: %s", err.text);
+        /* step 0 has nothing to give back; step t gives back step t - 1's, which it kept until now */
+        taken &= rp_plan_hash(pc) == ref_hash[t] && rc->cost.step_s == ref_step_s[t] &&
+                 mine == (t >= 1 ? given[t - 1] : NULL);
+        rp_stats_free(mine);
+    }
+    ok(taken, "rp_sched_step_stats_take plans the same %d steps and gives back the step before's statistics",
+       STEPS);
+    uint64_t kept = rp_plan_hash(rp_sched_plan(c));
+    rp_stats *held = st;
+    ok(rp_sched_step_stats_take(c, STEPS, batches[1], &held, &p, &r, &err) == RP_EINVAL && held == st &&
+           rp_plan_hash(rp_sched_plan(c)) == kept,
+       "another batch's statistics are refused, stay the caller's, and the plan in use stays");
+    ok(rp_sched_step_stats_take(c, STEPS, batches[0], NULL, &p, &r, &err) == RP_EINVAL, "no statistics is refused");
+    rp_stats *none = NULL;
+    ok(rp_sched_step_stats_take(c, STEPS, batches[0], &none, &p, &r, &err) == RP_EINVAL, "... nor NULL statistics");
+    rp_sched_free(c);
     rp_stats_free(st);
     rp_sched_free(a);
     rp_sched_free(b);
@@ -340,6 +377,22 @@ static void test_distributed(void)
            "%d ranks, each with its own sequences' routing only: every rank plans every step exactly as one "
            "process with the whole routing", P);
     }
+    /* the same without the scheduler's copy: it takes each merge and returns an earlier
+     * one, which the next merge fills (no leak, no double free: the counting allocator) */
+    const int P = 3;
+    rank_run runs[MAX_RANKS];
+    runs_init(runs, P);
+    for (int r = 0; r < P; r++) runs[r].distributed = runs[r].take = true;
+    bool fine = run_ranks(runs, P);
+    int match = 1;
+    long leaked = 0;
+    for (int r = 0; r < P; r++) {
+        leaked += runs[r].leaked;
+        for (int t = 0; t < STEPS; t++) match &= runs[r].st[t] == RP_OK && runs[r].hash[t] == ref_hash[t];
+    }
+    ok(fine && ranks_alike(runs, P) && match && leaked == 0,
+       "rp_sched_step_stats_take on %d ranks, merging into the statistics it returns: the same plans, nothing leaked "
+       "(%ld blocks)", P, leaked);
 }
 
 static void test_policy_fails_on_one_rank(void)
@@ -406,11 +459,13 @@ static void test_alloc_failure_on_one_rank(void)
     const int P = 3;
     int fine = 1, alike = 1, kept = 1, runs_n = 0, failures = 0, leaks = 0;
     for (long n = 1; n < 40000; n += n < 64 ? 1 : n / 8) {
-        for (int distributed = 0; distributed < 2; distributed++) {
+        for (int mode = 0; mode < 3; mode++) { /* routing; statistics copied; statistics taken */
+            const bool distributed = mode > 0;
             rank_run runs[MAX_RANKS];
             runs_init(runs, P);
             for (int r = 0; r < P; r++) {
                 runs[r].distributed = distributed;
+                runs[r].take = mode == 2;
                 runs[r].stage = distributed ? "attn_kk+eplb" : NULL;
             }
             runs[1].fail_step = 2;

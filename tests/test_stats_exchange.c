@@ -256,6 +256,10 @@ static void test_bad_bytes(rp_context *ctx)
     c[48] ^= 1;
     ok(load(ctx, c, len, &err) == RP_ECHECKSUM, "a wrong checksum is RP_ECHECKSUM");
     memcpy(c, b, len);
+    c[64] = 3; /* the first sequence's width: invalid, and the checksum no longer matches */
+    ok(load(ctx, c, len, &err) == RP_ECHECKSUM && strstr(err.text, "XXH64"),
+       "a bad width under a stale checksum is the checksum's error (judged first)");
+    memcpy(c, b, len);
     c[0] = 'X';
     ok(load(ctx, c, len, &err) == RP_EFORMAT, "a wrong magic is RP_EFORMAT");
     memcpy(c, b, len);

@@ -274,6 +274,8 @@ _SCHED = {
                                                   POINTER(PI32), c_int32, POINTER(P), PERR]),
     "rp_sched_step_stats": (c_int, [P, c_int64, P, P, POINTER(P),
                                     POINTER(POINTER(rp_step_report)), PERR]),
+    "rp_sched_step_stats_take": (c_int, [P, c_int64, P, POINTER(P), POINTER(P),
+                                         POINTER(POINTER(rp_step_report)), PERR]),
     "rp_remap_rank": (c_int, [P, P, c_int32, c_int32, P, POINTER(rp_routing), c_int, PI32, PI64,
                               PERR]),
     # the step's migration plan (migrate.h), copied into StepResult.migration

@@ -86,6 +86,50 @@ def test_merge_reusing_the_last_merge(sched):
     last.close()
 
 
+def test_step_from_stats_taking():
+    """step_from_stats(take=True): the same plans as step(); the Stats are taken (gone),
+    the step before's come back from take_spare_stats() and the next merge reuses them;
+    refused statistics stay the caller's; bytes and another context's Stats are refused."""
+    rng = np.random.default_rng(11)
+    a = routepack.Scheduler(SMALL_CONFIG, policy="token_kk+eplb", num_threads=1)
+    b = routepack.Scheduler(SMALL_CONFIG, policy="token_kk+eplb", num_threads=1)
+    spare = None
+    for t in range(4):
+        lens, ids = random_step(rng, 48, L, K, E, max_len=300, dtype=np.uint8)
+        ra = a.step(lens, ids)
+        gids = split_ranks(rng, 48, 3)
+        parts = [b.compute_stats(*part_of(lens, ids, g)).to_bytes() for g in gids]
+        merged = b.merge_stats(parts, gids, reuse=spare)
+        if spare is not None:
+            with pytest.raises(routepack.InvalidArgumentError, match="freed"):
+                spare.handle  # its storage went into this merge
+        rb = b.step_from_stats(lens, merged, take=True)
+        assert rb.plan_hash == ra.plan_hash and rb.step_time_s == ra.step_time_s
+        with pytest.raises(routepack.InvalidArgumentError, match="freed"):
+            merged.handle  # taken
+        spare = b.take_spare_stats()
+        assert (spare is None) == (t == 0)
+        assert b.take_spare_stats() is None  # given once
+        if spare is not None:
+            assert spare.num_seqs == 48
+    lens, ids = random_step(rng, 20, L, K, E, dtype=np.uint8)
+    other_lens, _ = random_step(rng, 20, L, K, E, dtype=np.uint8)
+    mine = b.compute_stats(lens, ids)
+    before = b.last.plan_hash
+    with pytest.raises(routepack.InvalidArgumentError, match="the batch"):
+        b.step_from_stats(other_lens, mine, take=True)
+    assert b.last.plan_hash == before and mine.num_seqs == 20 and mine.handle  # still the caller's
+    with pytest.raises(routepack.InvalidArgumentError, match="bytes"):
+        b.step_from_stats(lens, mine.to_bytes(), take=True)
+    with pytest.raises(routepack.InvalidArgumentError, match="context"):
+        b.step_from_stats(lens, a.compute_stats(lens, ids), take=True)
+    mine.close()
+    if spare is not None:
+        spare.close()
+    a.close()
+    b.close()
+
+
 def test_step_from_stats_equals_step():
     rng = np.random.default_rng(7)
     a = routepack.Scheduler(SMALL_CONFIG, policy="token_kk+eplb", num_threads=1)

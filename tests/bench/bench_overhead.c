@@ -3,8 +3,9 @@
  * (docs/distributed.md): statistics of the rank's own sequences (1/64 of the batch), the
  * exchange of the serialised parts (bytes, and time at the config's network bandwidth),
  * the merge (rp_stats_merge_serialized_reusing into the last step's statistics, as a trainer
- * merges step after step; merge_fresh_ms: into fresh memory), and rp_sched_step_stats with the config's policy (its policy call and the
- * engine's work around it), with a placement in use (the third step); the step where the
+ * merges step after step; merge_fresh_ms: into fresh memory), and rp_sched_step_stats_take
+ * (the scheduler takes the merge and gives back the last step's, for the next merge) with
+ * the config's policy (its policy call and the engine's work around it), with a placement in use (the third step); the step where the
  * policy next checks the fallbacks (check_*), the mean step of that interval (interval_*),
  * and the policy checking every step (fallback_interval 1: every_step_*), alternated in
  * each repetition; the joint construction alone (rp_joint_plan without fallbacks) and with
@@ -111,12 +112,23 @@ typedef struct step_cost {
 
 #define STEPS_MAX 64
 
+/* The ranks' serialised parts of one step and their global ids: what a rank merges. */
+typedef struct step_parts {
+    const void *const *bytes;
+    const size_t *lens;
+    const int32_t *const *ids;
+    int32_t num_seqs;
+} step_parts;
+
 /* Steps 0, 1, ... of a fresh scheduler on the same batch and statistics with the config's
  * policy under `params` (NULL: the config's), keeping each step's least cost in cost[t];
  * up to `steps`, or with `to_check` up to the first step from the third on that checks
- * the fallbacks. The predicted step time, the policy's name and (when `first` points to
- * NULL) a copy of the first step's plan come back. Returns the last step run. */
-static int run_steps(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const rp_stats *stats,
+ * the fallbacks. Each step as a trainer's rank runs it: the parts merged (untimed: the
+ * merge has its own figure) into the statistics the scheduler gave back from the step
+ * before, then rp_sched_step_stats_take. The predicted step time, the policy's name and
+ * (when `first` points to NULL) a copy of the first step's plan come back. Returns the
+ * last step run. */
+static int run_steps(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const step_parts *in,
                      const char *params, int steps, bool to_check, step_cost *cost, double *predicted_s,
                      char policy[64], rp_plan **first)
 {
@@ -127,12 +139,16 @@ static int run_steps(rp_context *ctx, const rp_config *cfg, const rp_batch *batc
     rp_sched *s = NULL;
     rp_error err;
     if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) die("scheduler", &err);
+    rp_stats *stats = NULL;
     int t = 0;
     for (; t < steps; t++) {
         const rp_plan *p;
         const rp_step_report *rep;
+        if (rp_stats_merge_serialized_reusing(ctx, RANKS, in->bytes, in->lens, in->ids, in->num_seqs, &stats, &err) !=
+            RP_OK)
+            die("merge", &err);
         double t0 = thread_s();
-        if (rp_sched_step_stats(s, t, batch, stats, &p, &rep, &err) != RP_OK) die("step", &err);
+        if (rp_sched_step_stats_take(s, t, batch, &stats, &p, &rep, &err) != RP_OK) die("step", &err);
         double step_cpu = thread_s() - t0;
         if (t == 0 && first && !*first && rp_plan_copy(p, first, &err) != RP_OK) die("plan copy", &err);
         step_cost *c = &cost[t];
@@ -145,6 +161,7 @@ static int run_steps(rp_context *ctx, const rp_config *cfg, const rp_batch *batc
         snprintf(policy, 64, "%s", rep->policy_name);
         if (to_check && t >= 2 && rep->fallback_checks > 0) break;
     }
+    rp_stats_free(stats);
     rp_sched_free(s);
     return t < steps ? t : steps - 1;
 }
@@ -276,11 +293,12 @@ int main(int argc, char **argv)
         json_decref(params);
     }
     int check_step = 0;
+    const step_parts in = {parts, lens, ids, n};
     for (int r = 0; r < (construction ? 1 : reps); r++) {
-        run_steps(ctx, cfg, batch, whole, every_params, construction ? 1 : 3, false, every, &predicted_s, policy,
+        run_steps(ctx, cfg, batch, &in, every_params, construction ? 1 : 3, false, every, &predicted_s, policy,
                   &previous);
         if (construction) break;
-        check_step = run_steps(ctx, cfg, batch, whole, NULL, STEPS_MAX, true, now, &predicted_s, policy, NULL);
+        check_step = run_steps(ctx, cfg, batch, &in, NULL, STEPS_MAX, true, now, &predicted_s, policy, NULL);
     }
 
     if (construction) {

@@ -105,8 +105,9 @@ class DistributedScheduler:
             raise errors.InvalidArgumentError("the config has %d GPUs; the group has %d ranks"
                                               % (self.config.num_gpus, self.size))
         self.last_exchange_bytes = None
-        # last step's merged statistics: the next merge takes their storage (merge_stats's
-        # reuse) instead of faulting in fresh pages, 50 MB a step at the reference scale
+        # statistics no longer needed (the scheduler gives back the step before's): the next
+        # merge takes their storage (merge_stats's reuse) instead of faulting in fresh
+        # pages, 50 MB a step at the reference scale
         self._spare_stats = None
 
     # the executor and trainers reach the plain scheduler's API through here
@@ -181,9 +182,14 @@ class DistributedScheduler:
                 raise errors.InvalidArgumentError("a global sequence id is outside 0 .. %d" % (S - 1))
             all_lens[m[:, 0]] = m[:, 1]
             all_groups[m[:, 0]] = m[:, 2]
-        # on error the spare stays valid (and kept); on success it is gone, and the merge is
-        # the next step's spare (step_from_stats copies what it keeps)
-        self._spare_stats = self.scheduler.merge_stats(parts, [m[:, 0] for m in per_rank], S,
-                                                       reuse=self._spare_stats)
-        return self.scheduler.step_from_stats(all_lens, self._spare_stats, step=step,
-                                              group_ids=all_groups if group_ids is not None else None)
+        # on error the spare stays valid (and kept); on success it is gone into the merge
+        merged = self.scheduler.merge_stats(parts, [m[:, 0] for m in per_rank], S, reuse=self._spare_stats)
+        self._spare_stats = None
+        try:
+            # the scheduler keeps the merge itself (no 48 MB copy at the reference scale)
+            # and gives back the step before's, which the next merge fills
+            return self.scheduler.step_from_stats(all_lens, merged, step=step, take=True,
+                                                  group_ids=all_groups if group_ids is not None else None)
+        finally:
+            spare = self.scheduler.take_spare_stats()
+            self._spare_stats = spare if merged._owned.handle is None else merged
