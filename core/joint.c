@@ -19,7 +19,7 @@ rp_joint_params rp_joint_defaults(void)
                              .balance_evaluations = 0, .place_rounds = 4, .shares = true, .max_extra_per_rank = 1,
                              .horizon_steps = 10.0, .refine_evaluations = 0, .seed = 0, .fallbacks = NULL,
                              .persistence = 1.0, .virtual_experts = false, .relabel = true,
-                             .recurring_migration_s = 0.0, .fallback_above_ratio = 0.0};
+                             .recurring_migration_s = 0.0, .fallback_above_ratio = 0.0, .balancer_first = false};
 }
 
 static bool known_baseline(const char *name)
@@ -597,9 +597,10 @@ static rp_status score_plan(const joint *jt, const rp_plan *plan, const rp_plan 
  * bound state's summary for an equal plan), unless fallbacks are scored after it. Both
  * candidates share the packing, so the second reuses the first's per-microbatch counts.
  * The order changes no score (each is a full evaluation). */
-static rp_status score_joint(const joint *jt, const rp_plan *plan, const rp_plan *vx, const rp_plan *previous,
-                             scored *mine, scored *vs, rp_error *err)
+static rp_status score_joint(const joint *jt, const rp_plan *plan, const rp_plan *vx, bool vx_scored,
+                             const rp_plan *previous, scored *mine, scored *vs, rp_error *err)
 {
+    if (vx_scored) vx = NULL; /* balancer_first scored it already */
     const bool vx_last = vx && previous && rp_plan_balancing(previous) == RP_BALANCING_VIRTUAL_EXPERTS;
     rp_status st = RP_OK;
     if (vx && !vx_last) st = score_plan(jt, vx, previous, vs, err);
@@ -654,6 +655,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     rp_joint_report rep;
     memset(&rep, 0, sizeof rep);
     snprintf(rep.chosen, sizeof rep.chosen, "joint");
+    rep.joint_built = true;
     rep.step_s = rep.lower_bound_s = rep.ratio = rep.joint_step_s = rep.joint_ratio = NAN;
     rep.best_fallback_step_s = rep.virtual_experts_step_s = NAN;
     if (!cost) {
@@ -691,6 +693,37 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
      * group's tokens, which the balancer cannot move. */
     const bool vexp = rp_config_execution(cfg)->per_forward_balancing == RP_BALANCING_VIRTUAL_EXPERTS;
     rep.per_forward_balancing = vexp;
+    const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;
+    const char *vexp_fallbacks[VEXP_PACKINGS + 1] = {NULL};
+    if (vexp) fallbacks = with_virtual_experts(fallbacks, vexp_fallbacks);
+    const bool vx_applies = par->virtual_experts && !vexp && par->place && rp_vexp_check_config(cfg, NULL) == RP_OK;
+    /* balancer_first: the virtual-expert candidate alone, unless the gate opens */
+    const bool gate_set = *fallbacks && par->fallback_above_ratio > 0;
+    bool vx_scored = false, force_check = false;
+    scored vs_first = {0};
+    if (vx_applies && par->balancer_first && gate_set && par->refine_evaluations == 0 &&
+        par->balance_evaluations == 0) {
+        RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);
+        RP_CHECK_GOTO(score_plan(&jt, vx, previous_placed, &vs_first, err), st, out);
+        vx_scored = true;
+        if (vs_first.ratio <= par->fallback_above_ratio) {
+            rep.evaluated = true;
+            rep.per_forward_balancing = true;
+            rep.joint_built = false;
+            rep.virtual_experts_step_s = vs_first.step_s;
+            rep.step_s = vs_first.step_s;
+            rep.lower_bound_s = vs_first.lower_bound_s;
+            rep.ratio = vs_first.ratio;
+            rep.migration_s = vs_first.migration_s;
+            rep.migration_bytes = vs_first.migration_bytes;
+            rep.layers_replaced = layers_changed(&jt, previous_placed, vx);
+            *out = vx;
+            vx = NULL;
+            if (report) *report = rep;
+            goto out;
+        }
+        force_check = true; /* the gate opened: the full comparison, with the fallbacks */
+    }
     if (vexp) {
         RP_CHECK_GOTO(rp_plan_set_contiguous(plan, err), st, out);
         RP_CHECK_GOTO(rp_plan_set_balancing(plan, RP_BALANCING_VIRTUAL_EXPERTS, err), st, out);
@@ -753,18 +786,14 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
         RP_CHECK_GOTO(rp_cost_order_microbatches(cost, plan, NULL, err), st, out);
     }
 
-    const char *const *fallbacks = par->fallbacks ? par->fallbacks : default_fallbacks;
-    const char *vexp_fallbacks[VEXP_PACKINGS + 1] = {NULL};
-    if (vexp) fallbacks = with_virtual_experts(fallbacks, vexp_fallbacks);
-    if (par->virtual_experts && !vexp && par->place && rp_vexp_check_config(cfg, NULL) == RP_OK)
-        RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);
+    if (vx_applies && !vx) RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);
     if (*fallbacks || par->refine_evaluations > 0 || vx) {
-        scored mine = {0}, best = {0}, s, vs = {0};
+        scored mine = {0}, best = {0}, s, vs = vs_first;
         const char *best_name = NULL;
         /* Under the gate the joint candidate is scored first: its ratio decides whether
          * the fallbacks are checked (a NaN ratio checks). Otherwise it is scored last. */
-        const bool gated = *fallbacks && par->fallback_above_ratio > 0;
-        if (gated) RP_CHECK_GOTO(score_joint(&jt, plan, vx, previous_placed, &mine, &vs, err), st, out);
+        const bool gated = gate_set && !force_check;
+        if (gated) RP_CHECK_GOTO(score_joint(&jt, plan, vx, vx_scored, previous_placed, &mine, &vs, err), st, out);
         rep.fallbacks_checked = *fallbacks && !(gated && mine.ratio <= par->fallback_above_ratio);
         for (const char *const *n = fallbacks; rep.fallbacks_checked && *n; n++) {
             RP_CHECK_GOTO(rp_baseline_plan(ctx, cfg, batch, stats, previous_placed, *n, 0, &cand, err), st, out);
@@ -779,7 +808,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
             }
             cand = NULL;
         }
-        if (!gated) RP_CHECK_GOTO(score_joint(&jt, plan, vx, previous_placed, &mine, &vs, err), st, out);
+        if (!gated) RP_CHECK_GOTO(score_joint(&jt, plan, vx, vx_scored, previous_placed, &mine, &vs, err), st, out);
         if (vx) rep.virtual_experts_step_s = vs.step_s;
         rep.evaluated = true;
         rep.joint_step_s = mine.step_s;

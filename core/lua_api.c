@@ -1024,7 +1024,7 @@ static int l_joint(lua_State *L)
                                         "place_rounds", "shares", "max_extra_per_rank", "horizon",
                                         "refine_evaluations", "fallbacks", "expected_loads", "persistence",
                                         "virtual_experts", "relabel", "recurring_migration_s",
-                                        "fallback_above_ratio", NULL};
+                                        "fallback_above_ratio", "balancer_first", NULL};
     rp_lua_host *h = rp_lua_host_of(L);
     const rp_lua_frame *f = need_step(L, h, "rp.joint");
     rp_lua_check_opts(L, 1, "rp.joint", known);
@@ -1068,6 +1068,8 @@ static int l_joint(lua_State *L)
     lua_pop(L, 1);
     if (opt(L, 1, "fallback_above_ratio") != LUA_TNIL)
         par.fallback_above_ratio = check_num(L, -1, "rp.joint: opts.fallback_above_ratio");
+    lua_pop(L, 1);
+    if (opt(L, 1, "balancer_first") != LUA_TNIL) par.balancer_first = check_bool(L, -1, "rp.joint: opts.balancer_first");
     lua_pop(L, 1);
     /* fallbacks: a list of baseline names (the strings stay alive in opts meanwhile) */
     int32_t num_fallbacks = 4; /* rp_joint_defaults' list */
@@ -1164,6 +1166,8 @@ static int l_joint(lua_State *L)
     set_num(L, "virtual_experts_step_s", rep.virtual_experts_step_s);
     lua_pushboolean(L, rep.fallbacks_checked);
     lua_setfield(L, -2, "fallbacks_checked");
+    lua_pushboolean(L, rep.joint_built);
+    lua_setfield(L, -2, "joint_built");
     return 2;
 }
 

@@ -19,13 +19,15 @@
 -- 5. Where the trainer runs Megatron's per-forward virtual-expert balancer (config
 --    trainer.per_forward_balancer, default true), the same packing run with it is
 --    scored too and returned when it is faster with its migration (`virtual_experts`).
+--    After it won a check, the steps until the next one build only it
+--    (`balancer_between_checks`): the joint placement is judged again at each check.
 --
 -- All of it is one C primitive, rp.joint; this file chooses its options and gives it the
 -- loads the coming steps are expected to have.
 
 local P = {
   name = "routepack",
-  version = "0.6.0",
+  version = "0.7.0",
   api = 1,
   description = "joint policy: attention-, token- and expert-balanced packing, migration-aware placement with per-microbatch shares and replicas, checked against the baselines",
   params = {
@@ -88,6 +90,10 @@ local P = {
     persistence_window = {
       type = "integer", default = 16, min = 1, max = 1000,
       doc = "scored steps (realised against predicted saving) the persistence estimate averages over",
+    },
+    balancer_between_checks = {
+      type = "boolean", default = true,
+      doc = "after the virtual-expert plan won the last check, return it on the steps until the next check without building the joint placement, unless its step / lower bound rose by more than fallback_ratio_rise (the next check judges the joint placement again)",
     },
   },
 }
@@ -202,8 +208,10 @@ local function note_refit(ctx, report)
 end
 
 -- ---- when to check the baselines (docs/routepack-policy.md, section 7, "When the policy checks") ----
--- ctx.state.check: the last check's `ratio` (the joint plan's step / lower bound), `age`
--- (steps since it) and `lost` (a baseline won it). Steps count policy calls, not clocks,
+-- ctx.state.check: the last check's `ratio` (the joint plan's step / lower bound, or the
+-- balancer's plan's under `balancer`), `age` (steps since it), `lost` (a baseline won it)
+-- and `balancer` (the balancer's plan won it, and the steps until the next check build
+-- only it: rp.joint's balancer_first). Steps count policy calls, not clocks,
 -- so every rank decides alike. Returns rp.joint's fallback_above_ratio: 0 checks
 -- unconditionally, a ratio checks only a joint plan above it.
 local function check_gate(ctx)
@@ -218,7 +226,12 @@ end
 local function note_check(ctx, report)
   local st = ctx.state
   if report.fallbacks_checked then
-    st.check = {ratio = report.joint_ratio, age = 0, lost = report.chosen ~= "joint"}
+    -- the ratio the gate compares until the next check: the joint plan's, or, where the
+    -- balancer's plan won and the steps until then build only it, that plan's
+    local balancer = report.chosen == "joint" and report.per_forward_balancing and
+                     ctx.params.balancer_between_checks
+    st.check = {ratio = balancer and report.ratio or report.joint_ratio, age = 0,
+                lost = report.chosen ~= "joint", balancer = balancer}
   elseif st.check then
     st.check.age = st.check.age + 1
   end
@@ -227,6 +240,7 @@ end
 local function joint(ctx)
   local p = ctx.params
   local persistence, observations = estimate(ctx)
+  local gate = check_gate(ctx)
   local plan, report = rp.joint({
     num_microbatches = p.num_microbatches,
     prompt_spread = p.prompt_spread,
@@ -237,7 +251,9 @@ local function joint(ctx)
     horizon = p.horizon,
     refine_evaluations = p.search_evaluations,
     fallbacks = p.fallbacks and FALLBACKS or {},
-    fallback_above_ratio = check_gate(ctx),
+    fallback_above_ratio = gate,
+    -- between checks after the balancer's plan won: it alone, unless the gate opens
+    balancer_first = gate > 0 and ctx.state.check.balancer,
     expected_loads = expected_loads(ctx),
     persistence = persistence,
     -- the trainer says whether it runs the balancer at all (trainer.per_forward_balancer)

@@ -124,6 +124,102 @@ static void test_gate(void)
     }
 }
 
+/* rp.joint's balancer_first, from a probe policy (the joint placement's re-fits charged
+ * dearly, so the balancer's candidate wins): under a closed gate the candidate comes
+ * back without the joint placement, the plan the full call returns; with the gate open
+ * (just below its ratio) it is the full comparison, as the ungated call; without the
+ * gate it is ignored. */
+static void test_balancer_first(void)
+{
+    rp_sched *s = make(body_policy(
+        "local base = {virtual_experts = true, recurring_migration_s = 1000}\n"
+        "local function with(extra) local o = {} for k, v in pairs(base) do o[k] = v end\n"
+        "  for k, v in pairs(extra) do o[k] = v end return o end\n"
+        "local p0, r0 = rp.joint(with({fallback_above_ratio = 1000}))\n"
+        "assert(r0.per_forward_balancing and r0.joint_built, 'the candidate did not win, or no joint placement')\n"
+        "local p1, r1 = rp.joint(with({fallback_above_ratio = 1000, balancer_first = true}))\n"
+        "assert(not r1.joint_built and r1.per_forward_balancing and not r1.fallbacks_checked, 'gate closed: built')\n"
+        "assert(r1.joint_step_s ~= r1.joint_step_s and r1.joint_ratio ~= r1.joint_ratio, 'a joint score')\n"
+        "assert(p1:hash() == p0:hash() and r1.step_s == r0.step_s and r1.chosen == 'joint', 'another plan')\n"
+        "assert(r1.virtual_experts_step_s == r1.step_s, 'the candidate step')\n"
+        "local p2, r2 = rp.joint(with({fallback_above_ratio = r1.ratio * (1 - 1e-9), balancer_first = true}))\n"
+        "local p3, r3 = rp.joint(base)\n"
+        "assert(r2.joint_built and r2.fallbacks_checked, 'gate open: not the full comparison')\n"
+        "assert(p2:hash() == p3:hash() and r2.chosen == r3.chosen and r2.step_s == r3.step_s and\n"
+        "       r2.joint_step_s == r3.joint_step_s, 'the open gate differs from the ungated call')\n"
+        "local p4, r4 = rp.joint(with({balancer_first = true}))\n"
+        "assert(r4.joint_built and r4.fallbacks_checked and p4:hash() == p3:hash(), 'no gate: not ignored')\n"
+        "return p1"),
+        NULL);
+    const rp_step_report *rep = step(s, 0, NULL);
+    ok(rep != NULL, "rp.joint balancer_first: under a closed gate the balancer's plan without the joint placement, "
+                    "the full comparison when the gate opens, ignored without the gate");
+    rp_sched_free(s);
+}
+
+/* The shipped policy with a counter injected after its rp.joint call: how many of its
+ * `STEPS` calls on the steps of `g` built the joint placement (the last step reports it
+ * as its failure). */
+static int joint_builds(const gen_steps *g, const char *params)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/policies/routepack.lua", RP_SOURCE_DIR);
+    size_t len = 0;
+    char *src = slurp(path, &len);
+    const char *after = "  note_refit(ctx, report)\n";
+    char *at = src ? strstr(src, after) : NULL;
+    if (!at) {
+        free(src);
+        return -1;
+    }
+    char probe[512];
+    snprintf(probe, sizeof probe,
+             "  ctx.state.built = (ctx.state.built or 0) + (report.joint_built and 1 or 0)\n"
+             "  ctx.state.calls = (ctx.state.calls or 0) + 1\n"
+             "  if ctx.state.calls == %d then error('built ' .. ctx.state.built .. ' of') end\n",
+             STEPS);
+    size_t head = (size_t)(at - src) + strlen(after);
+    char *out = malloc(len + strlen(probe) + 1);
+    memcpy(out, src, head);
+    strcpy(out + head, probe);
+    strcat(out, src + head);
+    free(src);
+    rp_sched *s = make(policy_file(out), params);
+    free(out);
+    int built = -1;
+    for (int t = 0; t < STEPS && s; t++) {
+        const rp_plan *p = NULL;
+        const rp_step_report *r = NULL;
+        rp_error err;
+        if (rp_sched_step(s, t, g->batches[t], &g->routings[t], &p, &r, &err) != RP_OK) break;
+        const char *b = r->fallback ? strstr(r->fallback_reason, "built ") : NULL;
+        if (t == STEPS - 1 && b) built = atoi(b + 6);
+        else if (r->fallback) break;
+    }
+    rp_sched_free(s);
+    return built;
+}
+
+/* The shipped policy on the bundled example's steps (gen-example.json, where the
+ * balancer's plan wins every check): after it won a check, the steps until the next one
+ * build no joint placement (balancer_between_checks); without it, every step does. */
+static void test_between_checks(void)
+{
+    gen_steps ex;
+    rp_error err;
+    if (!gen_steps_load_from(&ex, "between-checks", "gen-example.json", STEPS, &err)) {
+        ok(0, "setup: %s", err.text);
+        ok(0, "setup");
+        return;
+    }
+    int gated = joint_builds(&ex, "{\"fallback_interval\": 4}");
+    int every = joint_builds(&ex, "{\"balancer_between_checks\": false, \"fallback_interval\": 4}");
+    gen_steps_free(&ex);
+    is_int(every, STEPS, "balancer_between_checks false: every step builds the joint placement");
+    ok(gated >= 2 && gated < STEPS, "balancer_between_checks (default): only the checks build it (%d of %d steps)",
+       gated, STEPS);
+}
+
 /* The policy's rule replayed from the step reports. Without the balancer's candidate the
  * returned plan is the joint plan whenever no baseline won, so the report's ratio is the
  * joint plan's step / lower bound that the gate compares. Returns the checks made. */
@@ -210,7 +306,7 @@ static void test_every_step(void)
     snprintf(path, sizeof path, "%s/policies/routepack.lua", RP_SOURCE_DIR);
     size_t len = 0;
     char *src = slurp(path, &len);
-    const char *gate = "    fallback_above_ratio = check_gate(ctx),\n";
+    const char *gate = "    fallback_above_ratio = gate,\n";
     char *at = src ? strstr(src, gate) : NULL;
     ok(at != NULL, "policies/routepack.lua passes the gate to rp.joint in one line");
     if (!at) {
@@ -246,6 +342,8 @@ int main(void)
     }
     ctx = fx.ctx, cfg = fx.cfg, batches = fx.batches, routings = fx.routings, tmp = fx.tmp;
     test_gate();
+    test_balancer_first();
+    test_between_checks();
     test_rule();
     test_sticky();
     test_every_step();

@@ -462,16 +462,20 @@ static inline void gen_steps_free(gen_steps *g)
     memset(g, 0, sizeof *g);
 }
 
-/* Set up the fixture (see gen_steps) for the test `name`; false with the reason in
- * err->text, having freed what it made. */
-static inline bool gen_steps_load(gen_steps *g, const char *name, int32_t num_steps, rp_error *err)
+/* Set up the fixture (see gen_steps) for the test `name` from the generator settings
+ * examples/GEN (with config-small.json); false with the reason in err->text, having
+ * freed what it made. */
+static inline bool gen_steps_load_from(gen_steps *g, const char *name, const char *gen_file, int32_t num_steps,
+                                       rp_error *err)
 {
     memset(g, 0, sizeof *g);
     rp_gen *gen = NULL;
     rp_error_clear(err);
+    char gen_path[1024];
+    snprintf(gen_path, sizeof gen_path, "%s/examples/%s", RP_SOURCE_DIR, gen_file);
     bool good = rp_context_new(NULL, NULL, &g->ctx) == RP_OK &&
                 rp_config_load(g->ctx, RP_SOURCE_DIR "/examples/config-small.json", &g->cfg, err) == RP_OK &&
-                rp_gen_load(g->ctx, RP_SOURCE_DIR "/examples/gen-small.json", &gen, err) == RP_OK;
+                rp_gen_load(g->ctx, gen_path, &gen, err) == RP_OK;
     if (good) {
         g->num_steps = num_steps;
         g->batches = calloc((size_t)num_steps, sizeof *g->batches);
@@ -494,6 +498,12 @@ static inline bool gen_steps_load(gen_steps *g, const char *name, int32_t num_st
     }
     unsetenv("RP_POLICY_PATH");
     return true;
+}
+
+/* gen_steps_load_from with examples/gen-small.json. */
+static inline bool gen_steps_load(gen_steps *g, const char *name, int32_t num_steps, rp_error *err)
+{
+    return gen_steps_load_from(g, name, "gen-small.json", num_steps, err);
 }
 #endif
 

@@ -100,6 +100,17 @@ typedef struct rp_joint_params {
      * times a tolerance, so a step where the joint plan fits its batch worse is still
      * checked. 0 (the default): always check. Finite, >= 0. */
     double fallback_above_ratio;
+    /* Gate on the joint placement, beside the virtual-expert candidate, under the
+     * fallback gate (fallbacks and fallback_above_ratio > 0): the candidate is built and
+     * scored first and returned as it is when its step / lower bound is at most
+     * fallback_above_ratio; above it, the joint placement is built and everything is
+     * compared, the fallbacks included. For a caller whose last check returned the
+     * balancer's plan, on the steps between checks: it skips the construction of a
+     * placement that lost (most of the planner's time), which the next check judges
+     * again. false (the default): always both. Ignored without the fallback gate, where
+     * the virtual-expert candidate does not apply (virtual_experts), and with
+     * refine_evaluations or balance_evaluations. */
+    bool balancer_first;
 } rp_joint_params;
 
 /* Defaults: the full joint planner, prompt_spread 0.5, no balance evaluations,
@@ -137,6 +148,9 @@ typedef struct rp_joint_report {
     double virtual_experts_step_s; /* that candidate's step time; NAN when not scored */
     bool fallbacks_checked;    /* the fallbacks were built and evaluated: a non-empty list,
                                   and the joint candidate above fallback_above_ratio */
+    bool joint_built;          /* the joint placement was built (false: balancer_first
+                                  returned the virtual-expert candidate; joint_step_s and
+                                  joint_ratio are then NAN) */
 } rp_joint_report;
 
 /* The exact evaluations rp_joint_plan makes to choose its packing before it places the
