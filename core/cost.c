@@ -170,6 +170,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     rp_cost *c = rp_calloc(ctx, 1, sizeof *c);
     if (!c) return rp_fail_nomem(err, "a cost evaluator");
     c->ctx = ctx;
+    c->memo_bound = -1;
     c->cfg = cfg;
     c->batch = batch;
     c->stats = stats;
@@ -330,6 +331,7 @@ void rp_cost_free(rp_cost *c)
     rp_context *ctx = c->ctx;
     state_free(ctx, c->st);
     scratch_free(ctx, &c->sc);
+    for (int32_t i = 0; i < COST_MEMO; i++) rp_plan_free(c->memo[i].plan);
     rp_free(ctx, c->gpu_node);
     rp_free(ctx, c->pipe_same_node);
     rp_free(ctx, c->layer_stage);
@@ -1003,15 +1005,35 @@ static void state_free(rp_context *ctx, cost_state *s)
                       s->gpair, s->lay_dst, s->lay_seg, s->lay_ord, s->vexp_owner,
                       s->pipe_ops, s->pipe_begin, s->pipe_fend, s->pipe_bend, s->pipe_tdev, s->pipe_next};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
-    rp_plan_free(s->evaluated);
     rp_free(ctx, s);
 }
 
-void cost_state_edited(rp_cost *c)
+void cost_state_edited(rp_cost *c) { c->memo_bound = -1; }
+
+/* Remember `plan` (a copy) and its summary as the newest evaluation, the bound state's. */
+static void memo_push(rp_cost *c, const rp_plan *plan, const rp_cost_summary *sum)
 {
-    if (!c->st) return;
-    rp_plan_free(c->st->evaluated);
-    c->st->evaluated = NULL;
+    const int32_t at = c->memo_next;
+    c->memo_next = (at + 1) % COST_MEMO;
+    rp_plan_free(c->memo[at].plan);
+    c->memo[at].plan = NULL;
+    c->memo_bound = -1;
+    if (rp_plan_copy(plan, &c->memo[at].plan, NULL) != RP_OK) { /* only a shortcut lost */
+        c->memo[at].plan = NULL;
+        return;
+    }
+    c->memo[at].sum = *sum;
+    c->memo_bound = at;
+}
+
+rp_status cost_summary_of(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, rp_error *err)
+{
+    for (int32_t i = 0; c && plan && i < COST_MEMO; i++)
+        if (c->memo[i].plan && rp_plan_equal(c->memo[i].plan, plan)) {
+            *out = c->memo[i].sum;
+            return RP_OK;
+        }
+    return rp_cost_evaluate(c, plan, out, err);
 }
 
 static void scratch_free(rp_context *ctx, cost_scratch *sc)
@@ -1544,10 +1566,10 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     if (!c) return rp_fail(err, RP_EINVAL, "cost: no evaluator");
     rp_status st = check_plan_shape(c, plan, err);
     if (st != RP_OK) return st;
-    if (c->st && rp_plan_equal(c->st->evaluated, plan)) {
+    if (c->st && c->memo_bound >= 0 && rp_plan_equal(c->memo[c->memo_bound].plan, plan)) {
         /* the bound state is this plan's evaluation: bind it to this copy of the plan */
         c->st->plan = plan;
-        if (out) cost_summary(c, c->st, out);
+        if (out) *out = c->memo[c->memo_bound].sum;
         return RP_OK;
     }
     cost_state *s = NULL;
@@ -1660,7 +1682,6 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
         if (stage_s > s->extra_s) s->extra_s = stage_s;
     }
     s->step_s = cost_step_from(c, s, s->layer_t, s->grad_s);
-    if (rp_plan_copy(plan, &s->evaluated, NULL) != RP_OK) s->evaluated = NULL; /* only a shortcut lost */
 
     /* commit (nothing below can fail) */
     state_free(c->ctx, c->st);
@@ -1669,7 +1690,10 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     c->sc = sc;
     s = NULL;
     memset(&sc, 0, sizeof sc);
-    if (out) cost_summary(c, c->st, out);
+    rp_cost_summary sum;
+    cost_summary(c, c->st, &sum);
+    memo_push(c, plan, &sum);
+    if (out) *out = sum;
 out:
     state_free(c->ctx, s);
     scratch_free(c->ctx, &sc);

@@ -46,11 +46,6 @@ typedef struct cost_pipe_times {
  * counts (m, l, g, e) = ((m * L + l) * G + g) * E + e. */
 typedef struct cost_state {
     const rp_plan *plan;
-    /* A copy of the plan as it was evaluated, while this state is still that evaluation
-     * (cost_state_edited drops it): evaluating an equal plan again returns the summary
-     * without repeating the work (what a scheduler does with the plan its policy scored).
-     * NULL when the copy could not be made. */
-    rp_plan *evaluated;
     int32_t M;          /* microbatches */
     int32_t S;          /* physical slots of one EP group */
     int32_t slots_max;  /* largest slot count of one EP rank */
@@ -131,6 +126,9 @@ typedef struct cost_scratch {
     int64_t trial_tok[2];
 } cost_scratch;
 
+/* Evaluations an evaluator remembers (rp_cost.memo). */
+#define COST_MEMO 4
+
 struct rp_cost {
     rp_context *ctx;
     const rp_config *cfg;
@@ -193,6 +191,17 @@ struct rp_cost {
     double vexp_comm_scale;    /* weight: 3 pushes' time (forward, backward, gradient) as dispatch time */
 
     cost_state *st;            /* NULL until an evaluation succeeds */
+    /* The last COST_MEMO plans evaluated (copies; NULL where none or a copy failed) with
+     * their summaries, the newest at memo_next - 1: a plan's summary depends on its content
+     * alone, so an equal plan needs no second evaluation (cost_summary_of; the
+     * scheduler's judgement of the plan its policy scored). memo_bound: the entry the bound
+     * state is the evaluation of, -1 once rp_cost_apply_* or rp_cost_order_microbatches
+     * changed the state (cost_state_edited). */
+    struct {
+        rp_plan *plan;
+        rp_cost_summary sum;
+    } memo[COST_MEMO];
+    int32_t memo_next, memo_bound;
     cost_scratch sc;
     /* Elementary operations performed so far (loop iterations of the evaluation, full
      * and incremental), counted where they happen: what callers charge (rp_cost_operations). */
@@ -296,6 +305,10 @@ double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, co
 /* The bound state no longer is the evaluation of the plan it was made from (a move,
  * swap, slot change or microbatch order was applied): no plan is equal to it any more. */
 void cost_state_edited(rp_cost *c);
+/* The summary of `plan`: a remembered evaluation's when an equal plan is among the last
+ * COST_MEMO evaluated (the evaluator's binding unchanged), else rp_cost_evaluate's (which
+ * binds it). For a caller that needs the summary only. */
+rp_status cost_summary_of(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, rp_error *err);
 void cost_summary(const rp_cost *c, const cost_state *st, rp_cost_summary *out);
 /* The sync domain with the largest sum of layer times (0 under global sync). */
 int32_t cost_critical_domain(const rp_cost *c, const cost_state *st);

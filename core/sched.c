@@ -1009,7 +1009,8 @@ static rp_status judge(rp_sched *s, step_inputs *in, const rp_plan *plan, rp_ste
                        sched_migration_next *migration, rp_error *err)
 {
     sched_migration_discard(s->ctx, migration);
-    rp_status st = rp_cost_evaluate(in->cost, plan, &rep->cost, err);
+    /* the summary only: the plan the policy returned was most likely just scored */
+    rp_status st = cost_summary_of(in->cost, plan, &rep->cost, err);
     if (st != RP_OK) return st;
     st = sched_migration_prepare(&s->migration, s->ctx, s->cfg, in->placement, plan, migration, rep, err);
     if (st != RP_OK) {

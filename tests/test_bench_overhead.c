@@ -37,7 +37,9 @@ int main(void)
                           "rank_peak_mib", "rank_routing_bytes", "step_routing_bytes", "stats_bytes",
                           "check_step", "check_policy_ms", "check_validate_ms", "check_total_ms", "interval_checks",
                           "interval_policy_ms", "interval_validate_ms", "interval_total_ms", "every_step_policy_ms",
-                          "every_step_validate_ms", "every_step_total_ms", "step_fallback_checks"};
+                          "every_step_validate_ms", "every_step_total_ms", "step_fallback_checks",
+                          "no_balancer_policy_ms", "no_balancer_validate_ms", "no_balancer_total_ms",
+                          "no_balancer_interval_total_ms"};
     int all = 1;
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!(num(o, keys[i]) >= 0)) all = 0, diag("missing or negative: %s", keys[i]);
@@ -47,8 +49,8 @@ int main(void)
     ok(fabs(parts - num(o, "total_ms")) < 0.01, "the parts add up to total_ms (%.3f vs %.3f)", parts,
        num(o, "total_ms"));
     const double fixed = num(o, "stats_ms") + num(o, "exchange_ms") + num(o, "merge_ms");
-    const char *const kinds[] = {"check", "interval", "every_step"};
-    for (int k = 0; k < 3; k++) {
+    const char *const kinds[] = {"check", "interval", "every_step", "no_balancer"};
+    for (int k = 0; k < 4; k++) {
         char policy[64], validate[64], total[64];
         snprintf(policy, sizeof policy, "%s_policy_ms", kinds[k]);
         snprintf(validate, sizeof validate, "%s_validate_ms", kinds[k]);

@@ -1077,6 +1077,49 @@ static void test_evaluated_again(void)
     is_int(differ, runs, "a plan that differs from the bound one only in its levers evaluates as on a fresh evaluator");
 }
 
+/* cost_summary_of: a plan among the last COST_MEMO evaluated comes back with its
+ * summary, no work and the binding unchanged; an older one is evaluated again (and bound). */
+static void test_summary_of(void)
+{
+    rng r = {0xC2B2AE3D27D4EB4FULL};
+    fixture f;
+    random_fixture(&f, &r, 4, 4, "1", 100000);
+    rp_error err;
+    rp_cost *c = NULL, *fresh = NULL;
+    rp_plan *p[COST_MEMO + 2] = {NULL};
+    rp_cost_summary want[COST_MEMO + 2];
+    bool made = rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err) == RP_OK &&
+                rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &fresh, &err) == RP_OK;
+    for (int i = 0; made && i < COST_MEMO + 2; i++) {
+        p[i] = random_plan(&f, &r, 1 + i % 3, i % 2 == 0);
+        made = rp_cost_evaluate(fresh, p[i], &want[i], &err) == RP_OK;
+    }
+    /* evaluated in order: the last COST_MEMO are remembered, the bound one is the newest */
+    for (int i = 0; made && i < COST_MEMO + 2; i++) made = rp_cost_evaluate(c, p[i], NULL, &err) == RP_OK;
+    ok(made, "setup: %s", made ? "" : err.text);
+    if (made) {
+        const int newest = COST_MEMO + 1, oldest_kept = 2;
+        rp_cost_summary got;
+        rp_plan *copy = NULL;
+        rp_plan_copy(p[oldest_kept], &copy, &err);
+        int64_t o0 = rp_cost_operations(c);
+        rp_status st = cost_summary_of(c, copy, &got, &err);
+        ok(st == RP_OK && memcmp(&got, &want[oldest_kept], sizeof got) == 0 && rp_cost_operations(c) == o0,
+           "a remembered plan (an equal copy): its summary bit for bit, no work counted");
+        ok(rp_cost_current_s(c) == want[newest].step_s, "... and the evaluator still bound to the newest plan");
+        o0 = rp_cost_operations(c);
+        st = cost_summary_of(c, p[1], &got, &err);
+        ok(st == RP_OK && memcmp(&got.step_s, &want[1].step_s, sizeof got.step_s) == 0 && rp_cost_operations(c) > o0 &&
+               rp_cost_current_s(c) == want[1].step_s,
+           "a plan evaluated %d evaluations ago is evaluated again, and bound", COST_MEMO + 1);
+        rp_plan_free(copy);
+    }
+    for (int i = 0; i < COST_MEMO + 2; i++) rp_plan_free(p[i]);
+    rp_cost_free(c);
+    rp_cost_free(fresh);
+    batch_fixture_free(&f);
+}
+
 static int64_t cell_tokens(const rp_plan *p, const rp_batch *b, int32_t g, int32_t m)
 {
     int32_t count = 0;
@@ -1703,6 +1746,7 @@ int main(void)
     random_execution = "";
     test_same_packing();
     test_evaluated_again();
+    test_summary_of();
     test_evaluation_needs();
     test_json();
     test_bad_constants();

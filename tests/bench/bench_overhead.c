@@ -278,20 +278,22 @@ int main(int argc, char **argv)
      * every fallback_interval steps): that step, and the mean over the steps 1 to it,
      * one interval; and alternated with it, the same policy checking every step
      * (fallback_interval 1, as before the interval): its third step. */
-    step_cost every[STEPS_MAX], now[STEPS_MAX];
-    for (int t = 0; t < STEPS_MAX; t++) every[t] = now[t] = (step_cost){1e30, 1e30, 1e30, 0};
+    step_cost every[STEPS_MAX], now[STEPS_MAX], alone[STEPS_MAX];
+    for (int t = 0; t < STEPS_MAX; t++) every[t] = now[t] = alone[t] = (step_cost){1e30, 1e30, 1e30, 0};
     double predicted_s = 0;
     rp_plan *previous = NULL;
-    char policy[64] = "", every_params[4096];
-    {
+    char policy[64] = "", every_params[4096], alone_params[4096];
+    for (int k = 0; k < 2; k++) {
         json_t *params = json_loads(rp_config_policy(cfg)->params_json, 0, &je);
         if (!params) die("the config's policy params", NULL);
-        json_object_set_new(params, "fallback_interval", json_integer(1));
+        if (k == 0) json_object_set_new(params, "fallback_interval", json_integer(1));
+        else json_object_set_new(params, "virtual_experts", json_false());
         char *text = json_dumps(params, JSON_COMPACT);
-        snprintf(every_params, sizeof every_params, "%s", text);
+        snprintf(k == 0 ? every_params : alone_params, sizeof every_params, "%s", text);
         free(text);
         json_decref(params);
     }
+    int alone_check = 0;
     int check_step = 0;
     const step_parts in = {parts, lens, ids, n};
     for (int r = 0; r < (construction ? 1 : reps); r++) {
@@ -299,6 +301,8 @@ int main(int argc, char **argv)
                   &previous);
         if (construction) break;
         check_step = run_steps(ctx, cfg, batch, &in, NULL, STEPS_MAX, true, now, &predicted_s, policy, NULL);
+        double unused;
+        alone_check = run_steps(ctx, cfg, batch, &in, alone_params, STEPS_MAX, true, alone, &unused, policy, NULL);
     }
 
     if (construction) {
@@ -312,7 +316,12 @@ int main(int argc, char **argv)
         mean.engine_s += now[t].engine_s / check_step;
         mean.checks += now[t].checks;
     }
-    const step_cost skip = now[2], check = now[check_step], old = every[2];
+    const step_cost skip = now[2], check = now[check_step], old = every[2], alone_skip = alone[2];
+    step_cost alone_mean = {0, 0, 0, 0};
+    for (int t = 1; t <= alone_check; t++) {
+        alone_mean.policy_s += alone[t].policy_s / alone_check;
+        alone_mean.engine_s += alone[t].engine_s / alone_check;
+    }
 
     if (construction) {
         construction_only(ctx, cfg, batch, whole, previous, reps);
@@ -356,7 +365,9 @@ int main(int argc, char **argv)
     /* per step: this rank's statistics, the exchange and the merge, then the policy and the engine */
     const double fixed_s = stats_s + exchange_s + merge_s;
     const double total_s = fixed_s + skip.policy_s + skip.engine_s, check_total_s = fixed_s + check.policy_s + check.engine_s,
-                 interval_total_s = fixed_s + mean.policy_s + mean.engine_s, old_total_s = fixed_s + old.policy_s + old.engine_s;
+                 interval_total_s = fixed_s + mean.policy_s + mean.engine_s, old_total_s = fixed_s + old.policy_s + old.engine_s,
+                 alone_total_s = fixed_s + alone_skip.policy_s + alone_skip.engine_s,
+                 alone_interval_s = fixed_s + alone_mean.policy_s + alone_mean.engine_s;
     if (as_json) {
         printf("{\"scale\": %d, \"reps\": %d, \"ranks\": %d, \"num_seqs\": %d, \"rank_seqs\": %d, \"rank_tokens\": %lld, "
                "\"policy\": \"%s\", \"part_bytes\": %zu, \"exchange_bytes\": %.0f, \"stats_ms\": %.3f, "
@@ -365,7 +376,8 @@ int main(int argc, char **argv)
                "\"step_fallback_checks\": %d, \"check_step\": %d, \"check_policy_ms\": %.3f, \"check_validate_ms\": %.3f, "
                "\"check_total_ms\": %.3f, \"interval_checks\": %d, \"interval_policy_ms\": %.3f, "
                "\"interval_validate_ms\": %.3f, \"interval_total_ms\": %.3f, \"every_step_policy_ms\": %.3f, "
-               "\"every_step_validate_ms\": %.3f, \"every_step_total_ms\": %.3f, "
+               "\"every_step_validate_ms\": %.3f, \"every_step_total_ms\": %.3f, \"no_balancer_policy_ms\": %.3f, "
+               "\"no_balancer_validate_ms\": %.3f, \"no_balancer_total_ms\": %.3f, \"no_balancer_interval_total_ms\": %.3f, "
                "\"construction_ms\": %.3f, \"checked_construction_ms\": %.3f, \"fallback_check_ms\": %.3f, "
                "\"fallback_chosen\": \"%s\", \"fallback_changed\": %d, \"peak_rss_mib\": %.1f, "
                "\"rank_peak_mib\": %.1f, \"rank_routing_bytes\": %.0f, \"step_routing_bytes\": %.0f, "
@@ -375,7 +387,8 @@ int main(int argc, char **argv)
                skip.policy_wall_s * ms, skip.engine_s * ms, total_s * ms, predicted_s * ms, 100 * total_s / predicted_s,
                skip.checks, check_step, check.policy_s * ms, check.engine_s * ms, check_total_s * ms, mean.checks,
                mean.policy_s * ms, mean.engine_s * ms, interval_total_s * ms, old.policy_s * ms, old.engine_s * ms,
-               old_total_s * ms, construction_s * ms, checked_s * ms, (checked_s - construction_s) * ms, jrep.chosen,
+               old_total_s * ms, alone_skip.policy_s * ms, alone_skip.engine_s * ms, alone_total_s * ms,
+               alone_interval_s * ms, construction_s * ms, checked_s * ms, (checked_s - construction_s) * ms, jrep.chosen,
                check_changed, ru.ru_maxrss / 1024.0, ru.ru_maxrss / 1024.0, rank_routing_bytes, step_routing_bytes,
                rp_stats_bytes(whole));
     } else {
@@ -400,6 +413,10 @@ int main(int argc, char **argv)
                100 * interval_total_s / predicted_s);
         printf("  checking every step (fallback_interval 1), step 2: policy %.3f ms, engine %.3f ms, total %.3f ms = "
                "%.3f%%\n", old.policy_s * ms, old.engine_s * ms, old_total_s * ms, 100 * old_total_s / predicted_s);
+        printf("  without the balancer's candidate (virtual_experts false: the joint placement every step), step 2: "
+               "policy %.3f ms, engine %.3f ms, total %.3f ms = %.3f%%; a step of its interval %.3f ms = %.3f%%\n",
+               alone_skip.policy_s * ms, alone_skip.engine_s * ms, alone_total_s * ms, 100 * alone_total_s / predicted_s,
+               alone_interval_s * ms, 100 * alone_interval_s / predicted_s);
         printf("  joint construction alone (no fallbacks) %7.3f ms\n", construction_s * ms);
         printf("  with the fallback check (4 baselines)   %7.3f ms: the check %.3f ms, chose %s (%s the plan)\n",
                checked_s * ms, (checked_s - construction_s) * ms, jrep.chosen, check_changed ? "changed" : "kept");

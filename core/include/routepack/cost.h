@@ -105,7 +105,9 @@ RP_API double rp_cost_expert_move_s(const rp_cost *cost, bool same_node);
  * rp_cost_apply_* until the next evaluation. On error the previous binding stays.
  * A plan equal (rp_plan_equal) to the one the evaluator is bound to, as evaluated and
  * not since changed by rp_cost_apply_* or rp_cost_order_microbatches, is not evaluated
- * again: the bound summary is returned and the evaluator bound to this plan.
+ * again: the bound summary is returned and the evaluator bound to this plan. (The
+ * evaluator also remembers the summaries of its last few evaluations, for the
+ * scheduler's judgement of the plan its policy returned.)
  * `out` may be NULL. */
 RP_API rp_status rp_cost_evaluate(rp_cost *cost, const rp_plan *plan, rp_cost_summary *out,
                                   rp_error *err);
