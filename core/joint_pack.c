@@ -185,6 +185,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
         for (int32_t pass = jt->pack_budget > 0 || jt->pack_cell_quota > 0 ? 0 : 1; pass < 2 && bg < 0; pass++)
         for (int32_t m = 0; m < M; m++) {
             const double am = amax[m];
+            const size_t mu = (size_t)m / (size_t)p.Mk; /* the microbatch's mini-batch */
             const int64_t tm = tmax[m], tqm = tqmax[m];
             /* nothing in this microbatch can beat the best so far: skip it */
             double lb = (tqmin[m] + ni > tqm ? gamma * (double)(tqmin[m] + ni - tqm) : 0.0) +
@@ -207,7 +208,7 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
                 for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
-                    if (t1 > jt->cap || !joint_pack_open(&p, g, c, N - i)) continue; /* cap, quota, nonempty */
+                    if (t1 > jt->cap || !joint_pack_open(&p, (size_t)g * p.KB + mu, c, N - i)) continue; /* cap, quota, nonempty */
                     if (pass == 0 && !joint_pack_within(jt, &p, c, tq - ni, ni)) continue;
                     const double a1 = (A[c] + a) / jt->speed[g];
                     double inc = inc_q;

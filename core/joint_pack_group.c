@@ -102,7 +102,7 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
                 for (int32_t g = q * ep; g < (q + 1) * ep; g++) {
                     const size_t c = (size_t)g * M + m;
                     const int64_t t1 = tok[c] + ni;
-                    if (t1 > jt->cap || !joint_pack_open(&p, g, c, N - i)) continue; /* cap, quota, nonempty */
+                    if (t1 > jt->cap || !joint_pack_open(&p, (size_t)g * p.KB + (size_t)b, c, N - i)) continue; /* cap, quota, nonempty */
                     if (pass == 0 && !joint_pack_within(jt, &p, c, TQ[k], ni)) continue;
                     const double a1 = (A[c] + a) / jt->speed[g];
                     const double inc = group_value(&u, a1 > amax[k] ? a1 : amax[k],
