@@ -438,10 +438,10 @@ static void top3(const joint *jt, const double *rmax, int32_t *top)
 
 /* Value after a move or swap between ranks a and b: `d(m, q)` token-choices leave a for
  * b (replica counts unchanged, so no other rank changes). */
-static double trial_pair(const joint *jt, int32_t l, const double *U, const double *rmax, const int32_t *top,
-                         int32_t ra, int32_t rb, int32_t e, int32_t Re, int32_t f, int32_t Rf)
+static double trial_pair(const joint *jt, const double *pr, const double *U, const double *rmax, const int32_t *top,
+                         int32_t ra, int32_t rb, int32_t e, int32_t f)
 {
-    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
     double sum = 0;
     for (int32_t m = 0; m < M; m++) {
         double other = 0;
@@ -453,8 +453,8 @@ static double trial_pair(const joint *jt, int32_t l, const double *U, const doub
             }
         double na = 0, nb = 0;
         for (int32_t q = 0; q < Q; q++) {
-            const int64_t *h = grp_row(jt, m, q, l);
-            double d = (e >= 0 ? per_replica_load(h[e], Re) : 0.0) - (f >= 0 ? per_replica_load(h[f], Rf) : 0.0);
+            const double *w = pr + ((size_t)m * Q + q) * E;
+            double d = w[e] - (f >= 0 ? w[f] : 0.0);
             const double *u = U + ((size_t)m * Q + q) * ep;
             double xa = joint_per_speed(jt, u[ra] - d, q, ra), xb = joint_per_speed(jt, u[rb] + d, q, rb);
             na = xa > na ? xa : na;
@@ -494,10 +494,10 @@ static void top3_groups(const joint *jt, const double *U, int32_t *top)
 }
 
 /* trial_pair in the group form: every group's own sum, the slowest group's. */
-static double trial_pair_group(const joint *jt, int32_t l, const double *U, const int32_t *top, int32_t ra,
-                               int32_t rb, int32_t e, int32_t Re, int32_t f, int32_t Rf)
+static double trial_pair_group(const joint *jt, const double *pr, const double *U, const int32_t *top, int32_t ra,
+                               int32_t rb, int32_t e, int32_t f)
 {
-    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
     double worst = 0;
     for (int32_t q = 0; q < Q; q++) {
         double sum = 0;
@@ -510,8 +510,8 @@ static double trial_pair_group(const joint *jt, int32_t l, const double *U, cons
                     best = joint_per_speed(jt, u[t[k]], q, t[k]);
                     break;
                 }
-            const int64_t *h = grp_row(jt, m, q, l);
-            double d = (e >= 0 ? per_replica_load(h[e], Re) : 0.0) - (f >= 0 ? per_replica_load(h[f], Rf) : 0.0);
+            const double *w = pr + ((size_t)m * Q + q) * E;
+            double d = w[e] - (f >= 0 ? w[f] : 0.0);
             double xa = joint_per_speed(jt, u[ra] - d, q, ra), xb = joint_per_speed(jt, u[rb] + d, q, rb);
             best = xa > best ? xa : best;
             best = xb > best ? xb : best;
@@ -524,10 +524,10 @@ static double trial_pair_group(const joint *jt, int32_t l, const double *U, cons
 
 /* Value after slot `b` (on rank rb, holding f with several replicas) is given to
  * another replica of e: every rank holding e or f changes. */
-static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, const double *U,
+static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, const double *pr, const double *U,
                             const double *rmax, int32_t rb, int32_t e, int32_t f, double *row, double *gsum)
 {
-    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
     const int32_t Re = lay->rep_off[e + 1] - lay->rep_off[e], Rf = lay->rep_off[f + 1] - lay->rep_off[f];
     double sum = 0;
     for (int32_t q = 0; q < Q; q++) gsum[q] = 0;
@@ -538,8 +538,9 @@ static double trial_replace(const joint *jt, int32_t l, const joint_layer *lay, 
         for (int32_t q = 0; q < Q; q++) {
             const int64_t *h = grp_row(jt, m, q, l);
             double *u = u2 + (size_t)q * ep;
-            double we_old = per_replica_load(h[e], Re), we_new = (double)h[e] / (Re + 1);
-            double wf_old = per_replica_load(h[f], Rf), wf_new = Rf > 1 ? per_replica_load(h[f], Rf - 1) : 0.0;
+            const double *w = pr + ((size_t)m * Q + q) * E;
+            double we_old = w[e], we_new = (double)h[e] / (Re + 1);
+            double wf_old = w[f], wf_new = Rf > 1 ? per_replica_load(h[f], Rf - 1) : 0.0;
             for (int32_t i = lay->rep_off[e]; i < lay->rep_off[e + 1]; i++) u[lay->rep_rank[i]] += we_new - we_old;
             for (int32_t i = lay->rep_off[f]; i < lay->rep_off[f + 1]; i++) {
                 int32_t r = lay->rep_rank[i];
@@ -597,13 +598,46 @@ static int32_t pair_delta(const joint *jt, const unsigned char *held, int32_t j,
     return (x >= 0 && !held[(size_t)j * jt->E + x]) - (y >= 0 && !held[(size_t)j * jt->E + y]);
 }
 
+/* The search's per-replica loads, pr[(m * Q + q) * E + e] = per_replica_load of expert e
+ * at (m, q) under the layout's replica counts, for experts [e0, e1): divided once, not in
+ * every trial and column the search computes from them. */
+static void replica_loads(const joint *jt, int32_t l, const joint_layer *lay, int32_t e0, int32_t e1, double *pr)
+{
+    const int32_t Q = jt->Q, E = jt->E;
+    for (int32_t m = 0; m < jt->M; m++)
+        for (int32_t q = 0; q < Q; q++) {
+            const int64_t *h = grp_row(jt, m, q, l);
+            double *w = pr + ((size_t)m * Q + q) * E;
+            for (int32_t e = e0; e < e1; e++) w[e] = per_replica_load(h[e], lay->rep_off[e + 1] - lay->rep_off[e]);
+        }
+}
+
+/* layer_loads from the per-replica loads pr: the same additions, the same bits. */
+static void layer_loads_from(const joint *jt, const joint_layer *lay, const double *pr, int32_t l, double *U)
+{
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
+    for (int32_t m = 0; m < M; m++)
+        for (int32_t q = 0; q < Q; q++) {
+            double *u = U + ((size_t)m * Q + q) * ep;
+            const int64_t *h = grp_row(jt, m, q, l);
+            const double *w = pr + ((size_t)m * Q + q) * E;
+            for (int32_t j = 0; j < ep; j++) u[j] = 0.0;
+            for (int32_t e = 0; e < E; e++) {
+                if (!h[e]) continue;
+                for (int32_t i = lay->rep_off[e]; i < lay->rep_off[e + 1]; i++) u[lay->rep_rank[i]] += w[e];
+            }
+        }
+}
+
 /* Rank j's column of U (every (mb, group)) recomputed from the layout: its experts in
  * ascending id, each adding its load over its replica count, the very additions
  * layer_loads makes to it, so the column comes out bit for bit as a full pass would
- * give it. `experts` is scratch of the rank's slot count. */
-static void rank_loads(const joint *jt, int32_t l, const joint_layer *lay, int32_t j, double *U, int32_t *experts)
+ * give it (the experts with no load add +0.0, which leaves a sum of nonnegative loads
+ * as it is). `experts` is scratch of the rank's slot count. */
+static void rank_loads(const joint *jt, const double *pr, int32_t j, const joint_layer *lay, double *U,
+                       int32_t *experts)
 {
-    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep;
+    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
     int32_t n = 0;
     for (int32_t s = jt->slot_begin[j]; s < jt->slot_begin[j + 1]; s++) {
         int32_t e = lay->phy2log[s], k = n++;
@@ -619,13 +653,9 @@ static void rank_loads(const joint *jt, int32_t l, const joint_layer *lay, int32
     }
     for (int32_t m = 0; m < M; m++)
         for (int32_t q = 0; q < Q; q++) {
-            const int64_t *h = grp_row(jt, m, q, l);
+            const double *w = pr + ((size_t)m * Q + q) * E;
             double u = 0.0;
-            for (int32_t k = 0; k < n; k++) {
-                int32_t e = experts[k];
-                if (!h[e]) continue;
-                u += per_replica_load(h[e], lay->rep_off[e + 1] - lay->rep_off[e]);
-            }
+            for (int32_t k = 0; k < n; k++) u += w[experts[k]];
             U[((size_t)m * Q + q) * ep + j] = u;
         }
 }
@@ -657,9 +687,11 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
     int32_t top[3 * 64], *topv = top;
     int32_t *topa = NULL;
     unsigned char *held = NULL;
-    /* per expert: its load summed over (mb, group); per (rank, expert): held (rank_has
-     * as a lookup); a rank's experts (rank_loads); the ranks a change touches */
-    double *expert_sum = rp_alloc(jt->ctx, (size_t)E * sizeof *expert_sum);
+    /* per expert: its load summed over (mb, group), and behind it the per-replica loads
+     * (replica_loads); per (rank, expert): held (rank_has as a lookup); a rank's experts
+     * (rank_loads); the ranks a change touches */
+    double *expert_sum = rp_alloc(jt->ctx, ((size_t)E + (size_t)M * Q * E) * sizeof *expert_sum);
+    double *pr = expert_sum ? expert_sum + E : NULL; /* [M * Q * E]; set in round 0 */
     unsigned char *holds = rp_alloc(jt->ctx, (size_t)ep * E);
     int32_t *list = rp_alloc(jt->ctx, ((size_t)jt->S + 1) * sizeof *list);
     unsigned char *changed = rp_alloc(jt->ctx, (size_t)ep);
@@ -712,7 +744,10 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
     double last_value = 0; /* the score of the layout as the last round found it */
     bool scored = false;   /* ... and nothing has moved since */
     for (int32_t round = 0; round < rounds; round++) {
-        if (round == 0) layer_loads(jt, l, lay, U); /* later rounds: kept current below */
+        if (round == 0) { /* later rounds: kept current below */
+            replica_loads(jt, l, lay, 0, E, pr);
+            layer_loads_from(jt, lay, pr, l, U);
+        }
         rank_maxima(jt, U, rmax);
         int32_t crit = -1; /* group form: the group whose sum sets the value */
         double value;
@@ -769,7 +804,6 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             for (int32_t a = jt->slot_begin[hot]; a < jt->slot_begin[hot + 1]; a++) {
                 int32_t e = lay->phy2log[a];
                 if (e < 0 || holds[(size_t)jc * E + e]) continue;
-                int32_t Re = lay->rep_off[e + 1] - lay->rep_off[e];
                 /* partner: a free slot, or the replica whose swap moves closest to half the gap */
                 int32_t pb = -1;
                 double pd = INFINITY;
@@ -786,9 +820,8 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
                 }
                 if (pb < 0) continue;
                 int32_t f = lay->phy2log[pb];
-                int32_t Rf = f >= 0 ? lay->rep_off[f + 1] - lay->rep_off[f] : 1;
-                double v = jt->group_form ? trial_pair_group(jt, l, U, topv, hot, jc, e, Re, f, Rf)
-                                          : trial_pair(jt, l, U, rmax, topv, hot, jc, e, Re, f, Rf);
+                double v = jt->group_form ? trial_pair_group(jt, pr, U, topv, hot, jc, e, f)
+                                          : trial_pair(jt, pr, U, rmax, topv, hot, jc, e, f);
                 v += pen * (pairs + pair_delta(jt, held, hot, e, f) + pair_delta(jt, held, jc, f, e));
                 if (v < best_v) {
                     best_v = v;
@@ -820,7 +853,7 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
             }
             if (pb < 0) continue;
             int32_t f = lay->phy2log[pb], rb = jt->slot_rank[pb];
-            double v = trial_replace(jt, l, lay, U, rmax, rb, e, f, row, gsum);
+            double v = trial_replace(jt, l, lay, pr, U, rmax, rb, e, f, row, gsum);
             v += pen * (pairs + pair_delta(jt, held, rb, f, e));
             /* replica counts change: so does the gradient all-reduce they add */
             lay->phy2log[pb] = e;
@@ -855,8 +888,12 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
         if (bxa >= 0) holds[(size_t)jt->slot_rank[ba] * E + bxa] = 1;
         if (bb >= 0) holds[(size_t)jt->slot_rank[bb] * E + bxb] = 1;
         joint_layer_index(jt, lay);
+        if (bb < 0) { /* a re-assignment: two experts' replica counts changed */
+            replica_loads(jt, l, lay, was_a, was_a + 1, pr);
+            replica_loads(jt, l, lay, bxa, bxa + 1, pr);
+        }
         for (int32_t j = 0; j < ep; j++)
-            if (changed[j]) rank_loads(jt, l, lay, j, U, list);
+            if (changed[j]) rank_loads(jt, pr, j, lay, U, list);
         scored = false;
     }
     /* the last round moved something: score the loads it left (kept current) */
