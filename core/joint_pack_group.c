@@ -104,19 +104,21 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
                     const int64_t t1 = tok[c] + ni;
                     if (t1 > jt->cap || !joint_pack_open(&p, (size_t)g * p.KB + (size_t)b, c, N - i)) continue; /* cap, quota, nonempty */
                     if (pass == 0 && !joint_pack_within(jt, &p, c, TQ[k], ni)) continue;
-                    const double a1 = (A[c] + a) / jt->speed[g];
+                    const double a1 = joint_per_speed(jt, A[c] + a, q, g - q * ep);
                     const double inc = group_value(&u, a1 > amax[k] ? a1 : amax[k],
                                                    (double)(t1 > tmax[k] ? t1 : tmax[k]), (double)(TQ[k] + ni)) -
                                        val[k] + pen;
                     const double top = (phi_q + inc > top0 ? phi_q + inc : top0) - base;
+                    /* the tie-break (two divisions) only for a candidate the first keys do
+                     * not already decide: most lose on them */
+                    if (top > best_top || (top == best_top && inc > best_inc)) continue;
                     const double tie = a1 / a_ref + (double)t1 / t_ref;
-                    if (top < best_top || (top == best_top && (inc < best_inc || (inc == best_inc && tie < best_tie)))) {
-                        best_top = top;
-                        best_inc = inc;
-                        best_tie = tie;
-                        bg = g;
-                        bm = m;
-                    }
+                    if (top == best_top && inc == best_inc && !(tie < best_tie)) continue;
+                    best_top = top;
+                    best_inc = inc;
+                    best_tie = tie;
+                    bg = g;
+                    bm = m;
                 }
             }
         if (bg < 0) {
