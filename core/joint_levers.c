@@ -38,6 +38,7 @@ typedef struct lever_state {
     bool *explicit_shares; /* [E] */
     double *U;             /* [Q * ep] token-choices / speed */
     double *tq;            /* [Q] one expert's token-choices per group */
+    double *inv_tq;        /* [Q] minmax_fill at unit speed: 1 / tq (0 where tq is 0) */
     double *base_load;     /* [Q * (ep + 1)] trial: loads without the expert */
     double *wt, *best_w;   /* [ep + 1] trial shares */
     int32_t *rk;           /* [ep + 1] trial ranks */
@@ -99,16 +100,31 @@ static double minmax_fill(const joint *jt, lever_state *ls, const int32_t *rk, i
     /* s_i(h) = min over groups with tq > 0 of slope * h - offset */
     double *slope = ls->fill_a, *offset = ls->fill_c;
     double lo = 0, hi = 0;
-    for (int32_t i = 0; i < R; i++)
-        for (int32_t q = 0; q < Q; q++) {
-            double b = ls->base_load[(size_t)q * stride + i], sp = gspeed(jt, q, rk[i]);
-            double all = b + ls->tq[q] / sp;
-            lo = b > lo ? b : lo;
-            hi = all > hi ? all : hi;
-            double k = ls->tq[q] > 0 ? sp / ls->tq[q] : 0.0;
-            slope[(size_t)i * Q + q] = k;
-            offset[(size_t)i * Q + q] = b * k;
-        }
+    if (jt->unit_speed) {
+        /* the same lines without the 2 R Q divisions: tq / 1 is tq, and 1 / tq is
+         * computed once per group (slope is 1 / tq there whatever the rank) */
+        double *inv = ls->inv_tq;
+        for (int32_t q = 0; q < Q; q++) inv[q] = ls->tq[q] > 0 ? 1.0 / ls->tq[q] : 0.0;
+        for (int32_t i = 0; i < R; i++)
+            for (int32_t q = 0; q < Q; q++) {
+                double b = ls->base_load[(size_t)q * stride + i], all = b + ls->tq[q];
+                lo = b > lo ? b : lo;
+                hi = all > hi ? all : hi;
+                slope[(size_t)i * Q + q] = inv[q];
+                offset[(size_t)i * Q + q] = b * inv[q];
+            }
+    } else {
+        for (int32_t i = 0; i < R; i++)
+            for (int32_t q = 0; q < Q; q++) {
+                double b = ls->base_load[(size_t)q * stride + i], sp = gspeed(jt, q, rk[i]);
+                double all = b + ls->tq[q] / sp;
+                lo = b > lo ? b : lo;
+                hi = all > hi ? all : hi;
+                double k = ls->tq[q] > 0 ? sp / ls->tq[q] : 0.0;
+                slope[(size_t)i * Q + q] = k;
+                offset[(size_t)i * Q + q] = b * k;
+            }
+    }
     if (!(hi > lo)) {
         for (int32_t i = 0; i < R; i++) share[i] = 1.0 / R;
         return lo;
@@ -446,6 +462,7 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
     ls.explicit_shares = rp_alloc(ctx, (size_t)E * sizeof *ls.explicit_shares);
     ls.U = rp_alloc(ctx, (size_t)Q * ep * sizeof *ls.U);
     ls.tq = rp_alloc(ctx, (size_t)Q * sizeof *ls.tq);
+    ls.inv_tq = rp_alloc(ctx, (size_t)Q * sizeof *ls.inv_tq);
     ls.base_load = rp_alloc(ctx, (size_t)Q * (ep + 1) * sizeof *ls.base_load);
     ls.wt = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.wt);
     ls.best_w = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.best_w);
@@ -482,7 +499,7 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
         double n = free_bytes > 0 && extra_bytes > 0 ? floor(free_bytes / extra_bytes) : 0;
         ls.room[j] = n < (double)INT32_MAX ? (int64_t)n : INT32_MAX;
     }
-    if (!ls.cnt || !ls.base || !ls.rank || !ls.w || !ls.explicit_shares || !ls.U || !ls.tq || !ls.base_load ||
+    if (!ls.cnt || !ls.base || !ls.rank || !ls.w || !ls.explicit_shares || !ls.U || !ls.tq || !ls.inv_tq || !ls.base_load ||
         !ls.wt || !ls.best_w || !ls.rk || !ls.rank_u || !ls.touched || !ls.extra_count || !ls.extra_e || !ls.extra_r || !ls.reps ||
         !ls.rtot || !ls.fill_a || !ls.fill_c || !order) {
         st = rp_fail_nomem(err, "joint: shares and extra replicas");
@@ -531,6 +548,7 @@ out:
     rp_free(ctx, ls.explicit_shares);
     rp_free(ctx, ls.U);
     rp_free(ctx, ls.tq);
+    rp_free(ctx, ls.inv_tq);
     rp_free(ctx, ls.base_load);
     rp_free(ctx, ls.wt);
     rp_free(ctx, ls.best_w);
