@@ -612,23 +612,6 @@ static void replica_loads(const joint *jt, int32_t l, const joint_layer *lay, in
         }
 }
 
-/* layer_loads from the per-replica loads pr: the same additions, the same bits. */
-static void layer_loads_from(const joint *jt, const joint_layer *lay, const double *pr, int32_t l, double *U)
-{
-    const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
-    for (int32_t m = 0; m < M; m++)
-        for (int32_t q = 0; q < Q; q++) {
-            double *u = U + ((size_t)m * Q + q) * ep;
-            const int64_t *h = grp_row(jt, m, q, l);
-            const double *w = pr + ((size_t)m * Q + q) * E;
-            for (int32_t j = 0; j < ep; j++) u[j] = 0.0;
-            for (int32_t e = 0; e < E; e++) {
-                if (!h[e]) continue;
-                for (int32_t i = lay->rep_off[e]; i < lay->rep_off[e + 1]; i++) u[lay->rep_rank[i]] += w[e];
-            }
-        }
-}
-
 /* Rank j's column of U (every (mb, group)) recomputed from the layout: its experts in
  * ascending id, each adding its load over its replica count, the very additions
  * layer_loads makes to it, so the column comes out bit for bit as a full pass would
@@ -746,7 +729,9 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
     for (int32_t round = 0; round < rounds; round++) {
         if (round == 0) { /* later rounds: kept current below */
             replica_loads(jt, l, lay, 0, E, pr);
-            layer_loads_from(jt, lay, pr, l, U);
+            /* rank by rank: each sum in a register, where layer_loads' scatter into U
+             * chains every add of a rank through memory (a quarter of the search) */
+            for (int32_t j = 0; j < ep; j++) rank_loads(jt, pr, j, lay, U, list);
         }
         rank_maxima(jt, U, rmax);
         int32_t crit = -1; /* group form: the group whose sum sets the value */
