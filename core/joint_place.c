@@ -77,7 +77,7 @@ rp_status joint_layer_copy_from_plan(const joint *jt, const rp_plan *plan, int32
  * largest over groups of each rank's load / speed, a row of Q * ep for trials, E for
  * per-replica loads, gm[M * Q] the largest over ranks of each (mb, group) and Q group
  * sums (the group form). joint_place_score_ideal lays its own over the start: 2 ep + Q
- * doubles and 2E ints, which fit as the total is at least 3 ep + Q + E doubles. */
+ * doubles and E + ep + 1 ints, which fit as the total is at least 3 ep + Q + E doubles. */
 size_t joint_place_scratch_doubles(const joint *jt)
 {
     return (size_t)jt->M * jt->Q * jt->ep + (size_t)jt->M * jt->ep + (size_t)jt->Q * jt->ep + (size_t)jt->E + 16 +
@@ -209,16 +209,21 @@ double joint_place_score_ideal(const joint *jt, int32_t l, const joint_layer *la
 {
     const int32_t M = jt->M, Q = jt->Q, ep = jt->ep, E = jt->E;
     double *u = scratch, *lv = u + ep, *gsum = lv + ep; /* lv: at most ep replicas */
-    /* The experts sorted once for every (mb, group), each kind in ascending id as the
-     * passes below take them: ids[0, n1) have one replica, on rank one_rank[i]; ids[n1,
-     * n) several. 2E ints in the E doubles joint_place_scratch_doubles leaves after gsum. */
-    int32_t *ids = (int32_t *)(gsum + Q), *one_rank = ids + E, n1 = 0, n = 0;
+    /* The experts sorted once for every (mb, group): ids[first[j], first[j + 1]) have one
+     * replica, on rank j, ascending; ids[first[ep], n) several, ascending. So each rank's
+     * single experts add up in a register in the order a scatter over the experts would
+     * add them. E + ep + 1 ints, within the ep + E doubles joint_place_scratch_doubles
+     * leaves after gsum. */
+    int32_t *ids = (int32_t *)(gsum + Q), *first = ids + E, n = 0;
+    for (int32_t j = 0; j <= ep; j++) first[j] = 0;
     for (int32_t e = 0; e < E; e++)
-        if (lay->rep_off[e + 1] - lay->rep_off[e] == 1) {
-            one_rank[n1] = lay->rep_rank[lay->rep_off[e]];
-            ids[n1++] = e;
-        }
-    n = n1;
+        if (lay->rep_off[e + 1] - lay->rep_off[e] == 1) first[lay->rep_rank[lay->rep_off[e]] + 1]++;
+    for (int32_t j = 0; j < ep; j++) first[j + 1] += first[j];
+    for (int32_t e = 0; e < E; e++)
+        if (lay->rep_off[e + 1] - lay->rep_off[e] == 1) ids[first[lay->rep_rank[lay->rep_off[e]]]++] = e;
+    for (int32_t j = ep; j > 0; j--) first[j] = first[j - 1];
+    first[0] = 0;
+    n = first[ep];
     for (int32_t e = 0; e < E; e++)
         if (lay->rep_off[e + 1] - lay->rep_off[e] >= 2) ids[n++] = e;
     int32_t ord[64];
@@ -229,9 +234,12 @@ double joint_place_score_ideal(const joint *jt, int32_t l, const joint_layer *la
         for (int32_t q = 0; q < Q; q++) {
             double best_q = 0;
             const int64_t *h = grp_row(jt, m, q, l);
-            for (int32_t j = 0; j < ep; j++) u[j] = 0;
-            for (int32_t i = 0; i < n1; i++) u[one_rank[i]] += (double)h[ids[i]];
-            for (int32_t x = n1; x < n; x++) {
+            for (int32_t j = 0; j < ep; j++) {
+                double sum_j = 0;
+                for (int32_t i = first[j]; i < first[j + 1]; i++) sum_j += (double)h[ids[i]];
+                u[j] = sum_j;
+            }
+            for (int32_t x = first[ep]; x < n; x++) {
                 const int32_t e = ids[x], a = lay->rep_off[e], R = lay->rep_off[e + 1] - a;
                 if (!h[e]) continue;
                 if (R > 64) { /* spread evenly: bounded work */
