@@ -1,6 +1,7 @@
 /* The cost model: per-sequence attention, per-slot expert time, dispatch and combine
  * traffic, and the full evaluation of a plan with its breakdown (docs/cost-model.md). */
 #include "cost_internal.h"
+#include "plan_internal.h"
 #include "routepack/memory.h"
 #include "routepack/virtual_experts.h"
 #include "stats_internal.h"
@@ -1018,7 +1019,7 @@ static void memo_push(rp_cost *c, const rp_plan *plan, const rp_cost_summary *su
     rp_plan_free(c->memo[at].plan);
     c->memo[at].plan = NULL;
     c->memo_bound = -1;
-    if (rp_plan_copy(plan, &c->memo[at].plan, NULL) != RP_OK) { /* only a shortcut lost */
+    if (plan_copy_in(c->ctx, plan, &c->memo[at].plan, NULL) != RP_OK) { /* only a shortcut lost */
         c->memo[at].plan = NULL;
         return;
     }

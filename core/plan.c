@@ -1,6 +1,7 @@
 /* The plan object: shape, packing (CSR lists per rank and microbatch), placement (one
  * phy2log per layer with a replica index), the per-microbatch levers, copy and hash. */
 #include "internal.h"
+#include "plan_internal.h"
 #include "routepack/plan.h"
 
 #include <string.h>
@@ -202,7 +203,11 @@ static void copy_bytes(void *dst, const void *src, size_t bytes)
 rp_status rp_plan_copy(const rp_plan *src, rp_plan **out, rp_error *err)
 {
     if (!src || !out) return rp_fail(err, RP_EINVAL, "plan: nothing to copy");
-    rp_context *ctx = src->ctx;
+    return plan_copy_in(src->ctx, src, out, err);
+}
+
+rp_status plan_copy_in(rp_context *ctx, const rp_plan *src, rp_plan **out, rp_error *err)
+{
     size_t lists = (size_t)src->num_gpus * (size_t)src->num_microbatches;
     size_t cells = (size_t)src->num_layers * (size_t)src->total_slots;
     size_t index = (size_t)src->num_layers * ((size_t)src->num_experts + 1);
@@ -212,6 +217,7 @@ rp_status rp_plan_copy(const rp_plan *src, rp_plan **out, rp_error *err)
     rp_plan *p = rp_calloc(ctx, 1, sizeof *p);
     if (!p) return rp_fail_nomem(err, "a plan copy");
     *p = *src;
+    p->ctx = ctx;
     memset(&p->pack, 0, sizeof p->pack);
     p->slot_begin = p->phy2log = p->rep_begin = p->rep_slots = NULL;
     p->extras = NULL;

@@ -247,21 +247,23 @@ def section_overhead(runs, args):
         ("statistics of the rank's %d sequences (one thread)" % o["rank_seqs"], o["stats_ms"]),
         ("exchange: %s bytes a part, %.1f MB gathered, modelled as a ring over the config's network"
          % (format(o["part_bytes"], ","), o["exchange_bytes"] / 1e6), o["exchange_ms"]),
-        ("merge of the %d parts into the last step's statistics (`rp_stats_merge_serialized_reusing`; "
+        ("merge of the %d parts into the statistics the scheduler gave back (`rp_stats_merge_serialized_reusing`; "
          "%.1f ms into fresh memory)" % (o["ranks"], o.get("merge_fresh_ms", float("nan"))), o["merge_ms"]),
-        ("policy calls (`%s`: construction, persistence scoring; a step between fallback checks)" % o["policy"],
-         o["policy_ms"]),
-        ("the engine around them (validation, evaluation, migration plan)", o["validate_ms"]),
+        ("policy calls (`%s`, a step between fallback checks: after the balancer's plan won the last check, "
+         "that plan alone)" % o["policy"], o["policy_ms"]),
+        ("the engine around them (`rp_sched_step_stats_take`: validation, the plan's summary, migration plan)",
+         o["validate_ms"]),
     ]
     out = ["## Planning overhead per rank (issue 16)", "",
            "`./build/bench/bench_overhead --reps %d --json` (tests/bench/bench_overhead.c): one rank of the"
            % o.get("reps", 3),
            "reference config's %d holds %d sequences (%s tokens) and computes their statistics; the other"
            % (o["ranks"], o["rank_seqs"], format(o["rank_tokens"], ",")),
-           "ranks' parts are the same bytes under shuffled global ids; every part is merged and the config's",
-           "policy plans the third step (a placement in use) with `rp_sched_step_stats`, and on to the step",
-           "where it next checks the fallbacks (the same batch each step; checking every step alternated",
-           "with it in each repetition). CPU time of the",
+           "ranks' parts are the same bytes under shuffled global ids; every step the parts are merged into",
+           "the statistics the scheduler gave back and the config's policy plans with",
+           "`rp_sched_step_stats_take`: the third step (a placement in use), and on to the step where it next",
+           "checks the fallbacks (the same batch each step; checking every step, and the policy without the",
+           "balancer's candidate, alternated with it in each repetition). CPU time of the",
            "thread, the least of the repetitions, on the shared 2-core development machine (its load moves",
            "these figures by tens of percent from run to run).", "",
            "| part | ms | % of the predicted step |", "| --- | --- | --- |"]
@@ -275,6 +277,12 @@ def section_overhead(runs, args):
                % (o["check_step"], o["interval_policy_ms"], o["interval_total_ms"], pct(o["interval_total_ms"])))
     out.append("| total checking every step (`fallback_interval` 1, as before issue 16's interval; policy %.1f ms) "
                "| %.1f | %.2f%% |" % (o["every_step_policy_ms"], o["every_step_total_ms"], pct(o["every_step_total_ms"])))
+    if "no_balancer_total_ms" in o:
+        out.append("| total without the balancer's candidate (`virtual_experts` false: the joint placement every "
+                   "step; policy %.1f ms), a step between checks | %.1f | %.2f%% |"
+                   % (o["no_balancer_policy_ms"], o["no_balancer_total_ms"], pct(o["no_balancer_total_ms"])))
+        out.append("| ... the mean step of its interval | %.1f | %.2f%% |"
+                   % (o["no_balancer_interval_total_ms"], pct(o["no_balancer_interval_total_ms"])))
     rest = o["check_policy_ms"] - o["checked_construction_ms"]
     out.append("| of the policy: the joint construction (`rp_joint_plan`, no fallbacks; goal 20 ms) | %.1f | %.2f%% |"
                % (o["construction_ms"], pct(o["construction_ms"])))

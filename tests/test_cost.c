@@ -1120,6 +1120,39 @@ static void test_summary_of(void)
     batch_fixture_free(&f);
 }
 
+/* The evaluator's memory of the plans it evaluated lives in its own context: a plan made
+ * (and freed, with its context) elsewhere, as a policy's sandbox does, leaves nothing
+ * behind that the evaluator frees later (under the sanitizer build: no use after free). */
+static void test_memo_context(void)
+{
+    rng r = {0x94D049BB133111EBULL};
+    fixture f;
+    random_fixture(&f, &r, 4, 4, "1", 100000);
+    rp_error err;
+    rp_context *other = NULL;
+    rp_cost *c = NULL;
+    rp_plan *p = random_plan(&f, &r, 2, true), *q = NULL;
+    rp_cost_summary a, b;
+    bool fine = rp_context_new(NULL, NULL, &other) == RP_OK &&
+                rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err) == RP_OK &&
+                rp_plan_new(other, f.cfg, rp_plan_num_microbatches(p), &q, &err) == RP_OK;
+    /* q: p's content, made in the other context */
+    for (int32_t l = 0; fine && l < rp_plan_num_layers(p); l++)
+        fine = rp_plan_set_phy2log(q, l, rp_plan_phy2log(p, l), &err) == RP_OK;
+    int32_t rank[RN], mb[RN];
+    for (int32_t k = 0; k < RN; k++) rank[k] = rp_plan_seq_rank(p, k), mb[k] = rp_plan_seq_microbatch(p, k);
+    fine = fine && rp_plan_set_packing(q, RN, rank, mb, &err) == RP_OK && rp_cost_evaluate(c, q, &a, &err) == RP_OK;
+    rp_plan_free(q);
+    rp_context_free(other);
+    rp_plan_clear_levers(p);
+    fine = fine && cost_summary_of(c, p, &b, &err) == RP_OK && memcmp(&a, &b, sizeof a) == 0;
+    ok(fine, "a plan of another context, freed with it after its evaluation: the evaluator's memory of it stays "
+             "valid (%s)", fine ? "its summary comes back" : err.text);
+    rp_cost_free(c);
+    rp_plan_free(p);
+    batch_fixture_free(&f);
+}
+
 static int64_t cell_tokens(const rp_plan *p, const rp_batch *b, int32_t g, int32_t m)
 {
     int32_t count = 0;
@@ -1747,6 +1780,7 @@ int main(void)
     test_same_packing();
     test_evaluated_again();
     test_summary_of();
+    test_memo_context();
     test_evaluation_needs();
     test_json();
     test_bad_constants();
