@@ -614,6 +614,22 @@ static rp_status score_joint(const joint *jt, const rp_plan *plan, const rp_plan
     return RP_OK;
 }
 
+/* The report of balancer_first's candidate returned alone (`vx`, scored `vs`): no joint
+ * placement was built, so no joint figures. */
+static void report_balancer_alone(const joint *jt, const rp_plan *previous, const rp_plan *vx, const scored *vs,
+                                  rp_joint_report *rep)
+{
+    rep->evaluated = true;
+    rep->per_forward_balancing = true;
+    rep->joint_built = false;
+    rep->virtual_experts_step_s = rep->step_s = vs->step_s;
+    rep->lower_bound_s = vs->lower_bound_s;
+    rep->ratio = vs->ratio;
+    rep->migration_s = vs->migration_s;
+    rep->migration_bytes = vs->migration_bytes;
+    rep->layers_replaced = layers_changed(jt, previous, vx);
+}
+
 rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const rp_stats *stats,
                         const rp_plan *previous, rp_cost *cost, const rp_joint_params *params, rp_plan **out,
                         rp_joint_report *report, rp_error *err)
@@ -706,17 +722,8 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
         RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);
         RP_CHECK_GOTO(score_plan(&jt, vx, previous_placed, &vs_first, err), st, out);
         vx_scored = true;
-        if (vs_first.ratio <= par->fallback_above_ratio) {
-            rep.evaluated = true;
-            rep.per_forward_balancing = true;
-            rep.joint_built = false;
-            rep.virtual_experts_step_s = vs_first.step_s;
-            rep.step_s = vs_first.step_s;
-            rep.lower_bound_s = vs_first.lower_bound_s;
-            rep.ratio = vs_first.ratio;
-            rep.migration_s = vs_first.migration_s;
-            rep.migration_bytes = vs_first.migration_bytes;
-            rep.layers_replaced = layers_changed(&jt, previous_placed, vx);
+        if (vs_first.ratio <= par->fallback_above_ratio) { /* it stands as it is */
+            report_balancer_alone(&jt, previous_placed, vx, &vs_first, &rep);
             *out = vx;
             vx = NULL;
             if (report) *report = rep;
