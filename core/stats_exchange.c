@@ -54,17 +54,23 @@ static int64_t row_sum_max(const unsigned char *row, int32_t n, int width, uint3
     uint64_t sum = 0;
     uint32_t m = *max;
     if (width == 1) {
+        /* 32-bit sums in the vector lanes (n <= STATS_MAX_EXPERTS counts of at most
+         * 2^16 - 1 fit), widened once per row */
+        uint32_t s32 = 0;
         for (int32_t e = 0; e < n; e++) {
             uint32_t c = row[e];
-            sum += c;
+            s32 += c;
             m = c > m ? c : m;
         }
+        sum = s32;
     } else if (host_little_endian() && width == 2) {
+        uint32_t s32 = 0;
         for (int32_t e = 0; e < n; e++) {
             uint32_t c = stats_u16_at(row, (size_t)e);
-            sum += c;
+            s32 += c;
             m = c > m ? c : m;
         }
+        sum = s32;
     } else if (host_little_endian() && width == 4) {
         for (int32_t e = 0; e < n; e++) {
             uint32_t c = stats_u32_at(row, (size_t)e);
