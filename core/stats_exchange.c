@@ -263,6 +263,16 @@ static rp_status part_of_bytes(const void *bytes, size_t len, const char *who, p
 
 /* ---- merging parts ------------------------------------------------------------------- */
 
+/* 1- and 2-byte sequences summed in 32 bits before a flush: 65536 counts of at most
+ * 2^16 - 1 fit. */
+#define MERGE_NARROW_MAX 65536
+
+static void flush_loads(int64_t *restrict load, uint32_t *restrict acc, size_t cells)
+{
+    for (size_t c = 0; c < cells; c++) load[c] += acc[c];
+    memset(acc, 0, cells * sizeof *acc);
+}
+
 /* Build the merged statistics from checked parts. */
 static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *parts, const int32_t *const *ids,
                              int32_t num_seqs, rp_stats *reuse, rp_stats **out, rp_error *err)
@@ -283,6 +293,8 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
     const size_t cells = (size_t)L * (size_t)E;
     rp_status st = RP_OK;
     rp_stats *m = NULL;
+    uint32_t *acc = NULL; /* [cells]: partial loads (below) */
+    int32_t narrow = 0;
     /* where each global id comes from: part and index (-1: not yet seen) */
     int32_t *src_part = rp_alloc(ctx, sizeof(int32_t) * ((size_t)num_seqs + 1));
     uint64_t *src_off = rp_alloc(ctx, sizeof(uint64_t) * ((size_t)num_seqs + 1));
@@ -347,7 +359,8 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
     m->expert_load = rp_calloc(ctx, cells, sizeof(int64_t));
     m->width = rp_alloc(ctx, (size_t)num_seqs + 1);
     m->offset = rp_alloc(ctx, ((size_t)num_seqs + 1) * sizeof(uint64_t));
-    if (!m->expert_load || !m->width || !m->offset) {
+    acc = rp_calloc(ctx, cells, sizeof *acc);
+    if (!m->expert_load || !m->width || !m->offset || !acc) {
         st = rp_fail_nomem(err, "merged statistics");
         goto out;
     }
@@ -392,24 +405,27 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
                 if (w == 2) stats_u16_put(to, c, v);
                 else memcpy(to + 4 * c, &v, 4);
             }
-        /* the loads are sums of the counts, as the scan makes them */
-        for (int32_t l = 0; w > 0 && l < L; l++) {
-            int64_t *load = m->expert_load + (size_t)l * E;
-            const unsigned char *row = to + (size_t)l * (size_t)E * (size_t)w;
-            switch (w) {
-            case 1:
-                for (int32_t e = 0; e < E; e++) load[e] += row[e];
-                break;
-            case 2:
-                for (int32_t e = 0; e < E; e++) load[e] += stats_u16_at(row, (size_t)e);
-                break;
-            case 4:
-                for (int32_t e = 0; e < E; e++) load[e] += stats_u32_at(row, (size_t)e);
-                break;
-            default: break;
-            }
+        /* the loads are sums of the counts, as the scan makes them: the 1- and 2-byte
+         * sequences' in 32-bit partial sums, flushed every MERGE_NARROW_MAX of them (no
+         * overflow), which vectorize where 64-bit sums widened every count */
+        switch (w) {
+        case 1:
+            for (size_t c = 0; c < cells; c++) acc[c] += to[c];
+            break;
+        case 2:
+            for (size_t c = 0; c < cells; c++) acc[c] += stats_u16_at(to, c);
+            break;
+        case 4:
+            for (size_t c = 0; c < cells; c++) m->expert_load[c] += stats_u32_at(to, c);
+            break;
+        default: break;
+        }
+        if ((w == 1 || w == 2) && ++narrow == MERGE_NARROW_MAX) {
+            flush_loads(m->expert_load, acc, cells);
+            narrow = 0;
         }
     }
+    flush_loads(m->expert_load, acc, cells);
     m->bytes = sizeof *m + cells * sizeof(int64_t) + ((size_t)num_seqs + 1) +
                ((size_t)num_seqs + 1) * sizeof(uint64_t) + (size_t)pos;
     *out = m;
@@ -418,6 +434,7 @@ out:
     rp_stats_free(m);
     rp_free(ctx, src_part);
     rp_free(ctx, src_off);
+    rp_free(ctx, acc);
     return st;
 }
 

@@ -205,6 +205,37 @@ static void test_merge_random(rp_context *ctx)
     ok(from_bytes, "and so does the merge of the serialised parts");
 }
 
+/* More sequences than the merge sums in 32 bits before a flush (MERGE_NARROW_MAX =
+ * 65536 of 1 or 2 bytes a count): the merged loads still equal the whole batch's. */
+static void test_merge_many(rp_context *ctx)
+{
+    world w;
+    world_make(&w, ctx, 70000, 1, 1, 2, 0);
+    rp_stats *whole = stats_of(ctx, &w);
+    int32_t *ids = malloc(sizeof *ids * (size_t)w.n);
+    for (int32_t s = 0; s < w.n; s++) ids[s] = s;
+    const int32_t half = w.n / 2;
+    rp_stats *a = part_stats(ctx, &w, ids, half), *b = part_stats(ctx, &w, ids + half, w.n - half);
+    size_t la = 0, lb = 0;
+    unsigned char *ba = serialise(a, &la), *bb = serialise(b, &lb);
+    const void *bytes[2] = {ba, bb};
+    const size_t lens[2] = {la, lb};
+    const int32_t *part_ids[2] = {ids, ids + half};
+    rp_stats *m = NULL;
+    rp_error err;
+    rp_status st = rp_stats_merge_serialized(ctx, 2, bytes, lens, part_ids, w.n, &m, &err);
+    ok(st == RP_OK && stats_same(m, whole), "70,000 sequences in 2 parts: the merge equals the whole batch's "
+                                            "statistics, loads included (%s)", st == RP_OK ? "merged" : err.text);
+    rp_stats_free(m);
+    rp_stats_free(a);
+    rp_stats_free(b);
+    rp_stats_free(whole);
+    free(ba);
+    free(bb);
+    free(ids);
+    world_free(&w);
+}
+
 /* Re-sign a payload after editing it (the checksum covers everything after the header). */
 static void resign(unsigned char *b, size_t len)
 {
@@ -685,6 +716,7 @@ int main(void)
     rp_context_new(NULL, NULL, &ctx);
     test_round_trip(ctx);
     test_merge_random(ctx);
+    test_merge_many(ctx);
     test_bad_bytes(ctx);
     test_merge_errors(ctx);
     test_check_batch(ctx);
