@@ -408,9 +408,24 @@ def readme_summary(runs, args):
             "(Megatron's per-forward balancer, MoonEP): " + "; ".join(parts) + ". Like that baseline, routepack may run with the balancer where the "
             "config allows it (`trainer.per_forward_balancer`, default true; set it false for a trainer without "
             "the balancer, and both leave) and it scores better; the sweep's `novx` row is routepack without it. "
+            + readme_overhead(args) +
             "`docs/results.md` has every figure, "
             "the verdicts, the sweep the defaults came from and what limits them; `scripts/results.sh` "
             "produces it.")
+
+
+def readme_overhead(args):
+    """README's sentence on the planning overhead per rank (bench_overhead's JSON), or nothing."""
+    path = os.path.join(args.work, "bench-overhead.out")
+    if not os.path.exists(path):
+        return ""
+    o = json.load(open(path))
+    pct = lambda ms: 100.0 * ms / o["predicted_step_ms"]
+    return ("Planning overhead per rank at the reference scale (64 GPUs, 4096 sequences; one CPU thread, "
+            "`bench_overhead`): %.0f ms a step between fallback checks (%.2f%% of the predicted %.1f s step), "
+            "%.0f ms the mean step of an interval (%.2f%%). "
+            % (o["total_ms"], pct(o["total_ms"]), o["predicted_step_ms"] / 1e3, o["interval_total_ms"],
+               pct(o["interval_total_ms"])))
 
 
 def main():
