@@ -837,12 +837,11 @@ static void add_sequence(const rp_stats *stats, int32_t s, size_t cells, int64_t
  * by that read: 50 MB at the reference scale; an order by microbatch was slower). The adds
  * run over LOADS_CHUNK cells, a constant trip count, so GCC vectorises them at -O2 (whose
  * cost model refuses loops that need a scalar epilogue). A partial load cannot wrap: it
- * holds at most LOADS_NARROW_MAX counts of at most 65535 each, and 65537 x 65535 =
+ * holds at most STATS_NARROW_MAX counts of at most 65535 each, and 65537 x 65535 =
  * 2^32 - 1, so a row is flushed before it takes more sequences than that. 4-byte counts go
  * to the 64-bit loads directly. Integer sums do not depend on their order, so the loads
  * equal the plain pass's bit for bit. */
 #define LOADS_CHUNK 16
-#define LOADS_NARROW_MAX 65537
 
 static void add_u8(uint32_t *restrict acc, const unsigned char *restrict h, size_t cells)
 {
@@ -861,9 +860,15 @@ static void add_u16(uint32_t *restrict acc, const unsigned char *restrict h, siz
     for (size_t c = chunks * LOADS_CHUNK; c < cells; c++) acc[c] += load_u16(h + 2 * c);
 }
 
-static void flush_row(int64_t *restrict row, uint32_t *restrict acc, size_t cells)
+void stats_add_narrow(uint32_t *acc, const unsigned char *counts, int width, size_t cells)
 {
-    for (size_t c = 0; c < cells; c++) row[c] += acc[c];
+    if (width == 1) add_u8(acc, counts, cells);
+    else add_u16(acc, counts, cells);
+}
+
+void stats_flush_loads(int64_t *restrict loads, uint32_t *restrict acc, size_t cells)
+{
+    for (size_t c = 0; c < cells; c++) loads[c] += acc[c];
     memset(acc, 0, cells * sizeof *acc);
 }
 
@@ -914,13 +919,13 @@ static void loads_narrow(const rp_stats *stats, const int32_t *seq_microbatch, i
         case 1: add_u8(row, h, cells); break;
         default: add_u16(row, h, cells); break;
         }
-        if (++narrow[mb] == LOADS_NARROW_MAX) {
-            flush_row(loads + (size_t)mb * cells, row, cells);
+        if (++narrow[mb] == STATS_NARROW_MAX) {
+            stats_flush_loads(loads + (size_t)mb * cells, row, cells);
             narrow[mb] = 0;
         }
     }
     for (int32_t mb = 0; mb < num_microbatches; mb++)
-        flush_row(loads + (size_t)mb * cells, acc + (size_t)mb * cells, cells);
+        stats_flush_loads(loads + (size_t)mb * cells, acc + (size_t)mb * cells, cells);
 }
 
 rp_status rp_stats_microbatch_loads(const rp_stats *stats, const int32_t *seq_microbatch,

@@ -263,16 +263,6 @@ static rp_status part_of_bytes(const void *bytes, size_t len, const char *who, p
 
 /* ---- merging parts ------------------------------------------------------------------- */
 
-/* 1- and 2-byte sequences summed in 32 bits before a flush: 65536 counts of at most
- * 2^16 - 1 fit. */
-#define MERGE_NARROW_MAX 65536
-
-static void flush_loads(int64_t *restrict load, uint32_t *restrict acc, size_t cells)
-{
-    for (size_t c = 0; c < cells; c++) load[c] += acc[c];
-    memset(acc, 0, cells * sizeof *acc);
-}
-
 /* Build the merged statistics from checked parts. */
 static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *parts, const int32_t *const *ids,
                              int32_t num_seqs, rp_stats *reuse, rp_stats **out, rp_error *err)
@@ -406,26 +396,19 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
                 else memcpy(to + 4 * c, &v, 4);
             }
         /* the loads are sums of the counts, as the scan makes them: the 1- and 2-byte
-         * sequences' in 32-bit partial sums, flushed every MERGE_NARROW_MAX of them (no
-         * overflow), which vectorize where 64-bit sums widened every count */
-        switch (w) {
-        case 1:
-            for (size_t c = 0; c < cells; c++) acc[c] += to[c];
-            break;
-        case 2:
-            for (size_t c = 0; c < cells; c++) acc[c] += stats_u16_at(to, c);
-            break;
-        case 4:
+         * sequences' in 32-bit partial sums (stats_add_narrow, as rp_stats_microbatch_loads
+         * sums), which vectorize where 64-bit sums widened every count */
+        if (w == 4)
             for (size_t c = 0; c < cells; c++) m->expert_load[c] += stats_u32_at(to, c);
-            break;
-        default: break;
-        }
-        if ((w == 1 || w == 2) && ++narrow == MERGE_NARROW_MAX) {
-            flush_loads(m->expert_load, acc, cells);
-            narrow = 0;
+        else if (w > 0) {
+            stats_add_narrow(acc, to, w, cells);
+            if (++narrow == STATS_NARROW_MAX) {
+                stats_flush_loads(m->expert_load, acc, cells);
+                narrow = 0;
+            }
         }
     }
-    flush_loads(m->expert_load, acc, cells);
+    stats_flush_loads(m->expert_load, acc, cells);
     m->bytes = sizeof *m + cells * sizeof(int64_t) + ((size_t)num_seqs + 1) +
                ((size_t)num_seqs + 1) * sizeof(uint64_t) + (size_t)pos;
     *out = m;

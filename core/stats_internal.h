@@ -73,6 +73,14 @@ rp_status stats_from_rows(rp_context *ctx, int32_t num_seqs, int32_t num_layers,
  * `seq` must exist. */
 void stats_add_layers(const rp_stats *stats, int32_t seq, int32_t *rows, size_t stride);
 
+/* 32-bit partial loads of 1- and 2-byte counts (rp_stats_microbatch_loads, the merge):
+ * stats_add_narrow adds `cells` counts of `width` 1 or 2 to acc; after STATS_NARROW_MAX
+ * such adds (65537 x 65535 = 2^32 - 1: no wrap) stats_flush_loads adds acc to the 64-bit
+ * loads and zeroes it. */
+#define STATS_NARROW_MAX 65537
+void stats_add_narrow(uint32_t *acc, const unsigned char *counts, int width, size_t cells);
+void stats_flush_loads(int64_t *loads, uint32_t *acc, size_t cells);
+
 /* A copy of `stats` allocated through ctx (the scheduler keeps the last step's
  * inputs). Errors: no memory. */
 rp_status stats_copy(rp_context *ctx, const rp_stats *stats, rp_stats **out, rp_error *err);

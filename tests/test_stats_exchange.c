@@ -205,8 +205,8 @@ static void test_merge_random(rp_context *ctx)
     ok(from_bytes, "and so does the merge of the serialised parts");
 }
 
-/* More sequences than the merge sums in 32 bits before a flush (MERGE_NARROW_MAX =
- * 65536 of 1 or 2 bytes a count): the merged loads still equal the whole batch's. */
+/* More sequences than the merge sums in 32 bits before a flush (STATS_NARROW_MAX =
+ * 65537 of 1 or 2 bytes a count): the merged loads still equal the whole batch's. */
 static void test_merge_many(rp_context *ctx)
 {
     world w;
