@@ -157,35 +157,44 @@ static void test_balancer_first(void)
     rp_sched_free(s);
 }
 
-/* The shipped policy with a counter injected after its rp.joint call: how many of its
- * `STEPS` calls on the steps of `g` built the joint placement (the last step reports it
- * as its failure). */
-static int joint_builds(const gen_steps *g, const char *params)
+/* policies/routepack.lua with the first occurrence of `line` replaced by `with`, as a
+ * policy file in the scratch folder; NULL when the source has no such line. */
+static const char *shipped_edited(const char *line, const char *with)
 {
     char path[512];
     snprintf(path, sizeof path, "%s/policies/routepack.lua", RP_SOURCE_DIR);
     size_t len = 0;
     char *src = slurp(path, &len);
-    const char *after = "  note_refit(ctx, report)\n";
-    char *at = src ? strstr(src, after) : NULL;
+    char *at = src ? strstr(src, line) : NULL;
     if (!at) {
         free(src);
-        return -1;
+        return NULL;
     }
-    char probe[512];
+    char *out = malloc(len + strlen(with) + 1);
+    memcpy(out, src, (size_t)(at - src));
+    strcpy(out + (at - src), with);
+    strcat(out, at + strlen(line));
+    free(src);
+    const char *file = policy_file(out);
+    free(out);
+    return file;
+}
+
+/* The shipped policy with a counter injected after its rp.joint call: how many of its
+ * `STEPS` calls on the steps of `g` built the joint placement (the last step reports it
+ * as its failure). */
+static int joint_builds(const gen_steps *g, const char *params)
+{
+    char probe[768];
     snprintf(probe, sizeof probe,
+             "  note_refit(ctx, report)\n"
              "  ctx.state.built = (ctx.state.built or 0) + (report.joint_built and 1 or 0)\n"
              "  ctx.state.calls = (ctx.state.calls or 0) + 1\n"
              "  if ctx.state.calls == %d then error('built ' .. ctx.state.built .. ' of') end\n",
              STEPS);
-    size_t head = (size_t)(at - src) + strlen(after);
-    char *out = malloc(len + strlen(probe) + 1);
-    memcpy(out, src, head);
-    strcpy(out + head, probe);
-    strcat(out, src + head);
-    free(src);
-    rp_sched *s = make(policy_file(out), params);
-    free(out);
+    const char *file = shipped_edited("  note_refit(ctx, report)\n", probe);
+    if (!file) return -1;
+    rp_sched *s = make(file, params);
     int built = -1;
     for (int t = 0; t < STEPS && s; t++) {
         const rp_plan *p = NULL;
@@ -302,20 +311,10 @@ static void test_sticky(void)
  * policy with the gate taken out (rp.joint's check on every step, as before the gate). */
 static void test_every_step(void)
 {
-    char path[512];
-    snprintf(path, sizeof path, "%s/policies/routepack.lua", RP_SOURCE_DIR);
-    size_t len = 0;
-    char *src = slurp(path, &len);
-    const char *gate = "    fallback_above_ratio = gate,\n";
-    char *at = src ? strstr(src, gate) : NULL;
-    ok(at != NULL, "policies/routepack.lua passes the gate to rp.joint in one line");
-    if (!at) {
-        free(src);
-        return;
-    }
-    memmove(at, at + strlen(gate), strlen(at + strlen(gate)) + 1);
-    rp_sched *every = make("routepack", "{\"fallback_interval\": 1}"), *ungated = make(policy_file(src), NULL);
-    free(src);
+    const char *file = shipped_edited("    fallback_above_ratio = gate,\n", "");
+    ok(file != NULL, "policies/routepack.lua passes the gate to rp.joint in one line");
+    if (!file) return;
+    rp_sched *every = make("routepack", "{\"fallback_interval\": 1}"), *ungated = make(file, NULL);
     int same = 0, checks = 0, ran = 0;
     for (int t = 0; t < STEPS && every && ungated; t++) {
         const rp_plan *a = NULL, *b = NULL;

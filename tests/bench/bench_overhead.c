@@ -112,6 +112,19 @@ typedef struct step_cost {
 
 #define STEPS_MAX 64
 
+/* The mean step of one interval: the steps after the first up to `last`, the check that
+ * ends it (its checks summed). */
+static step_cost interval_mean(const step_cost *cost, int last)
+{
+    step_cost mean = {0, 0, 0, 0};
+    for (int t = 1; t <= last; t++) {
+        mean.policy_s += cost[t].policy_s / last;
+        mean.engine_s += cost[t].engine_s / last;
+        mean.checks += cost[t].checks;
+    }
+    return mean;
+}
+
 /* The ranks' serialised parts of one step and their global ids: what a rank merges. */
 typedef struct step_parts {
     const void *const *bytes;
@@ -309,24 +322,8 @@ int main(int argc, char **argv)
         construction_only(ctx, cfg, batch, whole, previous, reps);
         goto done;
     }
-    /* one interval: the steps after the first up to the check that ends it */
-    step_cost mean = {0, 0, 0, 0};
-    for (int t = 1; t <= check_step; t++) {
-        mean.policy_s += now[t].policy_s / check_step;
-        mean.engine_s += now[t].engine_s / check_step;
-        mean.checks += now[t].checks;
-    }
+    const step_cost mean = interval_mean(now, check_step), alone_mean = interval_mean(alone, alone_check);
     const step_cost skip = now[2], check = now[check_step], old = every[2], alone_skip = alone[2];
-    step_cost alone_mean = {0, 0, 0, 0};
-    for (int t = 1; t <= alone_check; t++) {
-        alone_mean.policy_s += alone[t].policy_s / alone_check;
-        alone_mean.engine_s += alone[t].engine_s / alone_check;
-    }
-
-    if (construction) {
-        construction_only(ctx, cfg, batch, whole, previous, reps);
-        goto done;
-    }
 
     /* 5. the joint construction alone, with a placement in use, no fallbacks; then with the
      * shipped policy's fallback check (policies/routepack.lua's list): what the check costs
