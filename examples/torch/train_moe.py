@@ -69,18 +69,18 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, num_slots):
+    def __init__(self, num_slots, dispatch_dedup):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
         self.attn = Attention()
-        self.moe = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, num_slots)
+        self.moe = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, num_slots, dispatch_dedup=dispatch_dedup)
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, num_slots):
+    def __init__(self, num_slots, dispatch_dedup="gpu"):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block(num_slots) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(num_slots, dispatch_dedup) for _ in range(LAYERS))
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
@@ -148,7 +148,8 @@ def main():
     # loaded into the slots of the placement the scheduler starts from.
     torch.manual_seed(args.seed)
     slots = config["topology"]["slots_per_gpu"]
-    model = TinyMoE(slots).to(device)
+    # the layer dispatches as the cost model prices it: the config's execution.dispatch_dedup
+    model = TinyMoE(slots, config.get("execution", {}).get("dispatch_dedup", "gpu")).to(device)
     g = torch.Generator().manual_seed(args.seed + 1)
     start = sched.initial_placement()
     slot_begin = np.arange(world + 1) * slots

@@ -77,15 +77,27 @@ def _reference(d, world):
     return ys, xs, w_in.grad, w_out.grad, [p.grad for p in router]
 
 
-def _moe_rank(rank, world, seed, slots_per_rank):
+def _moe_rank(rank, world, seed, slots_per_rank, dedup="gpu", kernel=None, main_grad=False, outputs=None):
+    """The layer on this rank against the dense reference: errors by name. ``main_grad``:
+    the expert gradients kept as Megatron DDP keeps them (a post-accumulate hook adds
+    .grad into main_grad and drops it). ``outputs``: a list that receives the outputs
+    and gradients, for comparing two runs."""
     from routepack.torch import ExpertPlacement, MoELayer
     d = _data(world, seed, slots_per_rank)
     ref_y, ref_x, ref_gin, ref_gout, ref_router = _reference(d, world)
     placement = ExpertPlacement(d["phy2log"], d["slot_begin"], d["extras"])
-    layer = MoELayer(HID, FFN, E, K, slots_per_rank)
+    layer = MoELayer(HID, FFN, E, K, slots_per_rank, dispatch_dedup=dedup, expert_kernel=kernel)
     layer.load_experts(d["w_in"], d["w_out"], placement)
     with torch.no_grad():
         layer.router.weight.copy_(d["router"])
+    if main_grad:
+        for p in (layer.w_in, layer.w_out):
+            p.main_grad = torch.zeros_like(p)
+
+            def into_main(p):
+                p.main_grad += p.grad
+                p.grad = None
+            p.register_post_accumulate_grad_hook(into_main)
     layer.set_placement(placement)
     errs = {}
     for m in range(d["M"]):
@@ -95,11 +107,20 @@ def _moe_rank(rank, world, seed, slots_per_rank):
         errs["y%d" % m] = (y - ref_y[rank, m]).abs().max().item() if y.numel() else 0.0
         errs["x%d" % m] = (x.grad - ref_x[rank, m].grad).abs().max().item() if y.numel() else 0.0
         assert y.shape == ref_y[rank, m].shape
+        if outputs is not None:
+            outputs += [y.detach(), x.grad]
+    # the exchange started when the last microbatch's backward of the layer ended
+    errs["exchange not started"] = float(layer._grad_exchange is None)
     layer.reduce_replica_grads()
     b = int(d["slot_begin"][rank])
     mine = d["phy2log"][b:b + slots_per_rank]
-    errs["w_in"] = (layer.w_in.grad - ref_gin[mine]).abs().max().item()
-    errs["w_out"] = (layer.w_out.grad - ref_gout[mine]).abs().max().item()
+    g_in, g_out = (layer.w_in.main_grad, layer.w_out.main_grad) if main_grad else (layer.w_in.grad, layer.w_out.grad)
+    if main_grad:
+        assert layer.w_in.grad is None and layer.w_out.grad is None
+    if outputs is not None:
+        outputs += [g_in, g_out, layer.router.weight.grad]
+    errs["w_in"] = (g_in - ref_gin[mine]).abs().max().item()
+    errs["w_out"] = (g_out - ref_gout[mine]).abs().max().item()
     errs["router"] = (layer.router.weight.grad - ref_router[rank]).abs().max().item()
     errs["scale"] = max(ref_gin.abs().max().item(), ref_gout.abs().max().item())
     errs["replicated"] = int(len(mine) - len(set(mine.tolist())) + len(placement.step_extras()))
@@ -109,9 +130,9 @@ def _moe_rank(rank, world, seed, slots_per_rank):
     return errs
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_moe_layer_equals_dense_reference(seed):
-    out = torch_world.run(_moe_rank, 4, seed, 3)
+@pytest.mark.parametrize("seed,dedup", [(1, "gpu"), (2, "gpu"), (3, "gpu"), (1, "choice"), (2, "choice")])
+def test_moe_layer_equals_dense_reference(seed, dedup):
+    out = torch_world.run(_moe_rank, 4, seed, 3, dedup)
     for rank, errs in enumerate(out):
         for key, v in errs.items():
             if key in ("scale", "replicated"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -49,31 +50,46 @@ def _is_gated(w_in, w_out):
 
 
 def _loop(rows, counts, w_in, w_out, gated):
+    """One GEMM per expert with rows. The weights are split with unbind (one backward node
+    that stacks the experts' gradients: linear in the experts, where indexing w_in[j]
+    gives each expert a full-size zero gradient)."""
     outs = []
+    w_ins, w_outs = w_in.unbind(0), w_out.unbind(0)
     for j, chunk in enumerate(torch.split(rows, list(counts))):
-        outs.append(_activation(chunk @ w_in[j], gated) @ w_out[j])
+        if chunk.shape[0] or (j == len(counts) - 1 and not outs):
+            # without rows, the last expert still runs on none: the output stays in the
+            # graph of ``rows``, so a backward runs the same collectives on every rank
+            outs.append(_activation(chunk @ w_ins[j], gated) @ w_outs[j])
     return torch.cat(outs) if outs else rows.new_zeros((0, w_out.shape[-1]))
 
 
 def _grouped(rows, counts, w_in, w_out, gated):
-    """Rows padded per group to GROUP_ALIGN_ROWS (zero rows, dropped afterwards: they cost
-    what they cost in Megatron and torchtitan too), two grouped GEMMs."""
-    counts_t = torch.as_tensor(list(counts), dtype=torch.int64, device=rows.device)
-    padded = (counts_t + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
-    starts = torch.cumsum(padded, 0) - padded
-    total = int(padded.sum()) if len(counts) else 0
-    src_start = torch.cumsum(counts_t, 0) - counts_t
-    group_of = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts_t)
-    dest = starts[group_of] + (torch.arange(rows.shape[0], device=rows.device) - src_start[group_of])
-    x = rows.new_zeros((total, rows.shape[1])).index_copy(0, dest, rows)
-    offs = torch.cumsum(padded, 0).to(torch.int32)
+    """Two grouped GEMMs. ``counts`` are host integers (the caller's): the group offsets
+    are computed on the host and copied down, nothing is read back. On CUDA each group is
+    padded to GROUP_ALIGN_ROWS (zero rows, dropped afterwards: they cost what they cost in
+    Megatron and torchtitan too); the CPU kernel needs no alignment."""
+    counts = np.asarray(list(counts), dtype=np.int64)
+    if rows.device.type != "cuda":
+        offs = torch.as_tensor(np.cumsum(counts), dtype=torch.int32)
+        h = torch._grouped_mm(rows, w_in, offs=offs)
+        return torch._grouped_mm(_activation(h, gated), w_out, offs=offs)
+    padded = (counts + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
+    starts = np.cumsum(padded) - padded
+    src_start = np.cumsum(counts) - counts
+    shift = torch.as_tensor(starts - src_start).to(rows.device, non_blocking=True)
+    group_of = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
+                                       torch.as_tensor(counts).to(rows.device, non_blocking=True),
+                                       output_size=rows.shape[0])
+    dest = torch.arange(rows.shape[0], device=rows.device) + shift[group_of]
+    x = rows.new_zeros((int(padded.sum()), rows.shape[1])).index_copy(0, dest, rows)
+    offs = torch.as_tensor(np.cumsum(padded), dtype=torch.int32).to(rows.device, non_blocking=True)
     h = torch._grouped_mm(x, w_in, offs=offs)
     y = torch._grouped_mm(_activation(h, gated), w_out, offs=offs)
     return y.index_select(0, dest)
 
 
 def expert_mlp(rows, counts, w_in, w_out, kernel=GROUPED):
-    """``rows`` [N, d] grouped by local expert, ``counts`` (ints, sum N) rows of each of the
+    """``rows`` [N, d] grouped by local expert, ``counts`` (host ints, sum N) rows of each of the
     E experts, ``w_in`` [E, d, f or 2f], ``w_out`` [E, f, d] -> [N, d]. ``kernel``:
     GROUPED or LOOP (same result up to rounding). Differentiable."""
     gated = _is_gated(w_in, w_out)
@@ -91,18 +107,32 @@ def _close(a, b, what):
         raise RuntimeError("%s differs from the reference by %.3g (scale %.3g)" % (what, err, scale))
 
 
-def choose_expert_kernel(device, dtype):
+_CHOSEN = {}   # (device, dtype, hidden, ffn, gated) -> (kernel, why): checked once per process
+
+
+def choose_expert_kernel(device, dtype, hidden=64, ffn=32, gated=True):
     """(kernel, why): GROUPED when torch has _grouped_mm and it gives the per-expert loop's
-    output and gradients on this device and dtype (skewed counts, an empty group), else
-    LOOP with the reason."""
+    output and gradients on this device and dtype for experts of this shape (``hidden``,
+    ``ffn``, SwiGLU when ``gated``: the kernel may refuse row strides that are not a
+    multiple of 16 bytes) with skewed counts and an empty group, else LOOP with the
+    reason. Checked once per device, dtype and shape in a process."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), dtype, int(hidden), int(ffn), bool(gated))
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _check_grouped(device, dtype, int(hidden), int(ffn), bool(gated))
+    return _CHOSEN[key]
+
+
+def _check_grouped(device, dtype, d, f, gated):
     if not hasattr(torch, "_grouped_mm"):
         return LOOP, "torch %s has no torch._grouped_mm" % torch.__version__
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
         counts = [5, 0, 37, 16]
-        d, f = 64, 32
         x = (torch.randn(sum(counts), d, generator=g) * 0.5).to(device, dtype)
-        w_in = (torch.randn(len(counts), d, 2 * f, generator=g) * 0.1).to(device, dtype)
+        w_in = (torch.randn(len(counts), d, 2 * f if gated else f, generator=g) * 0.1).to(device, dtype)
         w_out = (torch.randn(len(counts), f, d, generator=g) * 0.1).to(device, dtype)
         outs = []
         for kern in (GROUPED, LOOP):

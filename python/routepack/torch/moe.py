@@ -7,9 +7,15 @@ the work runs, never what is computed: the output and the gradients equal those 
 same experts held once each (tests/torch check this against a dense reference).
 
 The structure follows Megatron-Core's alltoall token dispatcher, so each piece maps onto
-one there: ``_dispatch_layout`` is its preprocess (counts per rank and local expert),
-``all_to_all`` its _AllToAll, ``_expert_compute`` its GroupedMLP, ``reduce_replica_grads``
-the extra reduction a replicated expert needs next to the usual expert-data-parallel one."""
+one there: ``_dispatch_layout`` is its preprocess (counts per rank and local expert, the
+layer's one device-to-host synchronisation, as its cuda_sync_point), ``all_to_all`` its
+_AllToAll, ``_expert_compute`` its GroupedMLP, ``reduce_replica_grads`` the extra
+reduction a replicated expert needs next to the usual expert-data-parallel one.
+
+What a forward costs the host: placement tables live on the device (made once per
+set_placement), the counts cross to the host once, the expert weights are the slot
+parameter and the step's extra-replica buffer as they are (two grouped GEMMs, no copy of
+weights per forward, a backward linear in the slots)."""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import kernels
+
+DISPATCH_DEDUP = ("gpu", "choice")   # execution.dispatch_dedup values the layer runs
 
 
 class _AllToAll(torch.autograd.Function):
@@ -48,6 +56,41 @@ def all_to_all(x, output_splits, input_splits, group=None):
     """Rows of ``x`` [n, ...]: input_splits[r] rows go to rank r; returns the rows received,
     output_splits[r] from rank r, in rank order. Differentiable."""
     return _AllToAll.apply(x, list(map(int, output_splits)), list(map(int, input_splits)), group)
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity on the layer's input whose backward runs once the layer's whole backward
+    has (every other gradient of the layer is computed before its input's): it tells the
+    layer, which can then start reducing replica gradients while earlier layers run."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.layer._backward_ended()
+        return grad, None
+
+
+def to_host(t):
+    """The one way the layer reads a device tensor on the host (numpy): where a CUDA
+    tensor makes the host wait. Tests count calls through torch.Tensor.numpy."""
+    return t.cpu().numpy()
+
+
+def ring_padding(rank, size, like, group_rank_to_global, group):
+    """Zero-element point-to-point operations (send to rank + 1, receive from rank - 1):
+    added by every rank to a batch_isend_irecv so that every rank of the group takes part
+    in it (NCCL requires all ranks in a group's first batched call; padding every call
+    keeps that true whatever the batch is)."""
+    if size < 2:
+        return []
+    out = like.new_empty(0)
+    inp = like.new_empty(0)
+    return [dist.P2POp(dist.isend, out, group_rank_to_global((rank + 1) % size), group),
+            dist.P2POp(dist.irecv, inp, group_rank_to_global((rank - 1) % size), group)]
 
 
 @dataclass
@@ -86,22 +129,36 @@ class ExpertPlacement:
     def ep_size(self):
         return int(self.slot_begin.shape[0] - 1)
 
+    @property
+    def num_microbatches(self):
+        return max(len(self.extras), 1)
+
     def local_slots(self, ep_rank):
         return int(self.slot_begin[ep_rank + 1] - self.slot_begin[ep_rank])
+
+    def slot_rank(self):
+        """int64 [S]: the EP rank of each slot."""
+        return (np.searchsorted(self.slot_begin, np.arange(self.num_slots), side="right") - 1).astype(np.int64)
+
+    def microbatch_extras(self, microbatch):
+        if not self.extras:
+            return np.zeros((0, 2), np.int64)
+        return np.asarray(self.extras[microbatch], np.int64).reshape(-1, 2)
 
     def physical(self, microbatch):
         """(logical expert, EP rank, local index) of every physical id of a microbatch,
         int64 arrays [P]. A rank's local experts are its slots, then its extra replicas
-        in plan order."""
+        of the whole step (step_extras order): a microbatch uses some of them."""
         S = self.num_slots
-        extras = self.extras[microbatch] if self.extras else np.zeros((0, 2), np.int64)
-        slot_rank = np.searchsorted(self.slot_begin, np.arange(S), side="right") - 1
+        extras = self.microbatch_extras(microbatch)
+        slot_rank = self.slot_rank()
+        step = self.step_extras()
         logical = np.concatenate([self.phy2log, extras[:, 0]])
         rank = np.concatenate([slot_rank, extras[:, 1]])
         local = np.concatenate([np.arange(S) - self.slot_begin[slot_rank], np.zeros(len(extras), np.int64)])
-        for r in range(self.ep_size):   # extras after the slots, in plan order
-            mine = np.nonzero(extras[:, 1] == r)[0]
-            local[S + mine] = self.local_slots(r) + np.arange(len(mine))
+        for i, (e, r) in enumerate(extras):
+            mine = step[step[:, 1] == r]
+            local[S + i] = self.local_slots(int(r)) + int(np.nonzero(mine[:, 0] == e)[0][0])
         return logical.astype(np.int64), rank.astype(np.int64), local.astype(np.int64)
 
     def first_replica(self):
@@ -116,10 +173,47 @@ class ExpertPlacement:
     def step_extras(self):
         """Sorted unique (expert, ep_rank) pairs over every microbatch: the weights that
         have to be fetched for the step."""
-        rows = [e for e in self.extras if len(e)]
+        rows = [np.asarray(e, np.int64).reshape(-1, 2) for e in self.extras if len(e)]
         if not rows:
             return np.zeros((0, 2), np.int64)
         return np.unique(np.concatenate(rows), axis=0)
+
+    def replica_holders(self, num_experts):
+        """{expert: sorted distinct EP ranks holding a copy} for every expert with more
+        than one copy in the step (slots and extra replicas): the experts whose
+        gradients are summed over their copies."""
+        copies = np.bincount(self.phy2log[self.phy2log >= 0], minlength=num_experts)
+        step = self.step_extras()
+        copies = copies + np.bincount(step[:, 0], minlength=num_experts) if len(step) else copies
+        slot_rank = self.slot_rank()
+        out = {}
+        for e in np.nonzero(copies > 1)[0]:
+            ranks = set(slot_rank[self.phy2log == e].tolist()) | set(step[step[:, 0] == e, 1].tolist())
+            out[int(e)] = sorted(ranks)
+        return out
+
+
+class _PlacementTables:
+    """Everything a forward needs from a placement, made once per set_placement: per
+    microbatch the destination key (EP rank x max_local + local expert) of every physical
+    id, on the layer's device; the lowest slot of each expert (default routing)."""
+
+    def __init__(self, placement, device):
+        W = placement.ep_size
+        S = placement.num_slots
+        step = placement.step_extras()
+        self.local_extras = [int(np.sum(step[:, 1] == r)) for r in range(W)]
+        self.num_local = [placement.local_slots(r) + self.local_extras[r] for r in range(W)]
+        self.max_local = max(max(self.num_local), 1)
+        slot_rank = placement.slot_rank()
+        self.keys = []
+        for m in range(placement.num_microbatches):
+            _, rank, local = placement.physical(m)
+            self.keys.append(torch.as_tensor(rank * self.max_local + local, dtype=torch.int64).to(device))
+        first = placement.first_replica()
+        self.first_key = torch.as_tensor(np.where(first >= 0, slot_rank[np.maximum(first, 0)] * self.max_local
+                                                  + (first - placement.slot_begin[slot_rank[np.maximum(first, 0)]]),
+                                                  -1), dtype=torch.int64).to(device)
 
 
 class MoELayer(nn.Module):
@@ -130,32 +224,57 @@ class MoELayer(nn.Module):
     and ``w_out`` [num_slots, ffn, hidden]: slot s holds the expert the placement puts in
     this rank's slot s (expert(x) = silu(x @ w_in) @ w_out). ``gated=True``: SwiGLU experts,
     ``w_in`` [num_slots, hidden, 2 ffn] (gate, then up) and expert(x) = (silu(x @ w_gate) *
-    (x @ w_up)) @ w_out. ``expert_kernel``: kernels.LOOP (default: one GEMM per expert) or
-    kernels.GROUPED (torch._grouped_mm, one launch per projection; check it on the device
-    with kernels.choose_expert_kernel). ``ep_group``: the EP group's process group (None:
+    (x @ w_up)) @ w_out. ``expert_kernel``: None (default) chooses once, at the first
+    forward, with kernels.choose_expert_kernel for the weights' device, dtype and shape
+    (GROUPED where it matches the loop there; ``expert_kernel_reason`` says why);
+    kernels.GROUPED or kernels.LOOP force one. ``dispatch_dedup``: the config's ``execution.dispatch_dedup``, the setting
+    the cost model prices: "gpu" (default) sends one copy of a token to each EP rank
+    that runs any of its choices and sums its gated expert outputs there (DeepEP's
+    dispatch and combine), "choice" sends one copy per token-choice and sums at the
+    source (Megatron's alltoall dispatcher); "node" is refused (fan-out over NVLink is
+    the dispatcher's, not this layer's). ``ep_group``: the EP group's process group (None:
     the world); its rank r is EP rank r of the plan.
 
     Per step: set_placement(placement) (collective: fetches the weights of this step's
-    extra replicas), then per microbatch forward(x, routing, physical, microbatch) on
-    every rank of the group in lockstep (even with no tokens), backward, and after the
-    last microbatch reduce_replica_grads() (collective) before the optimizer step."""
+    extra replicas into a buffer kept for the step), then per microbatch forward(x,
+    routing, physical, microbatch) on every rank of the group in lockstep (even with no
+    tokens), backward; the replica-gradient exchange starts by itself when the layer's
+    backward of the step's last microbatch ends, and reduce_replica_grads() (collective)
+    finishes it before the optimizer step (or does it all, if it did not start)."""
 
     def __init__(self, hidden_size, ffn_size, num_experts, top_k, num_slots, *, ep_group=None,
-                 dtype=torch.float32, device=None, gated=False, expert_kernel=kernels.LOOP):
+                 dtype=torch.float32, device=None, gated=False, expert_kernel=None, dispatch_dedup="gpu"):
         super().__init__()
         self.hidden_size, self.ffn_size = int(hidden_size), int(ffn_size)
         self.num_experts, self.top_k, self.num_slots = int(num_experts), int(top_k), int(num_slots)
         self.ep_group = ep_group
         self.ep_rank = dist.get_rank(ep_group)
         self.ep_size = dist.get_world_size(ep_group)
+        if dispatch_dedup not in DISPATCH_DEDUP:
+            raise ValueError("dispatch_dedup %r: MoELayer runs %s (execution.dispatch_dedup \"node\" fans copies "
+                             "out over NVLink, which is the dispatcher's, not this layer's)"
+                             % (dispatch_dedup, " and ".join('"%s"' % d for d in DISPATCH_DEDUP)))
+        self.dispatch_dedup = dispatch_dedup
         self.router = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
-        self.gated, self.expert_kernel = bool(gated), expert_kernel
+        self.gated = bool(gated)
+        self.expert_kernel = expert_kernel
+        self.expert_kernel_reason = "given" if expert_kernel is not None else None
+        self._kernel_for = None   # (device, dtype) the kernel was chosen for
         in_width = 2 * ffn_size if gated else ffn_size
         self.w_in = nn.Parameter(torch.empty(num_slots, hidden_size, in_width, dtype=dtype, device=device))
         self.w_out = nn.Parameter(torch.empty(num_slots, ffn_size, hidden_size, dtype=dtype, device=device))
         self.placement = None
         self.last_routing = None
-        self._extra = {}       # expert -> (w_in, w_out) leaves fetched for this step
+        # This step's extra replicas held here ([n, hidden, in_width], [n, ffn, hidden],
+        # leaves whose .grad sums every microbatch's): placement.step_extras() rows of this
+        # rank, in that order. Not parameters: the optimizer never sees them.
+        self.extra_w_in = None
+        self.extra_w_out = None
+        self._tables = None
+        self._gplan = None
+        self._backwards = 0
+        self._grad_exchange = None
+        self.replica_grad_bytes = {"sent": 0, "received": 0}   # the last reduction's
 
     # ---- weights ----
 
@@ -180,6 +299,18 @@ class MoELayer(nn.Module):
         first = torch.as_tensor(placement.first_replica(), device=every_in.device)
         return every_in[first], every_out[first]
 
+    def extra_replica_bytes(self):
+        """Bytes this layer holds for the step's extra replicas: their weights and, once
+        a backward ran, their gradients (what rp_memory_gpu counts as extra_replica_bytes
+        for this layer on this rank)."""
+        n = 0
+        for t in (self.extra_w_in, self.extra_w_out):
+            if t is not None:
+                n += t.numel() * t.element_size()
+                if t.grad is not None:
+                    n += t.grad.numel() * t.grad.element_size()
+        return n
+
     # ---- per step ----
 
     def _global(self, r):
@@ -188,83 +319,165 @@ class MoELayer(nn.Module):
     def set_placement(self, placement):
         """Use ``placement`` (ExpertPlacement, this step's) from now on, and fetch the
         weights of every extra replica this rank holds in some microbatch of the step from
-        the lowest slot holding that expert (one batch_isend_irecv, collective over the
-        EP group: every rank calls it). The slots must hold the placement's experts
-        already (migration executed)."""
+        the lowest slot holding that expert, into the step's extra-replica buffers (one
+        batch_isend_irecv, collective over the EP group: every rank calls it and takes
+        part in it). The slots must hold the placement's experts already (migration
+        executed). A replica-gradient exchange still in flight is finished first."""
         if placement.ep_size != self.ep_size or placement.local_slots(self.ep_rank) != self.num_slots:
             raise ValueError("the placement has %d EP ranks and %d slots on rank %d; this layer has %d "
                              "ranks and %d slots" % (placement.ep_size, placement.local_slots(self.ep_rank),
                                                      self.ep_rank, self.ep_size, self.num_slots))
+        if self._grad_exchange is not None:
+            self.reduce_replica_grads()
         self.placement = placement
-        self._extra = {}
+        self._tables = _PlacementTables(placement, self.w_in.device)
+        self._gplan = self._grad_plan(placement)
+        self._backwards = 0
         pairs = placement.step_extras()
+        mine = pairs[pairs[:, 1] == self.ep_rank]
+        n = len(mine)
+        if self.extra_w_in is None or self.extra_w_in.shape[0] != n:
+            self.extra_w_in = self.w_in.new_empty((n,) + tuple(self.w_in.shape[1:]))
+            self.extra_w_out = self.w_out.new_empty((n,) + tuple(self.w_out.shape[1:]))
+        self.extra_w_in.grad = None
+        self.extra_w_out.grad = None
         if len(pairs) == 0:
             return
         first = placement.first_replica()
-        slot_rank = np.searchsorted(placement.slot_begin, np.arange(placement.num_slots), side="right") - 1
-        ops, fetched = [], []
-        for e, r in pairs:   # every rank walks the same list in the same order
-            src_slot = int(first[e])
-            src = int(slot_rank[src_slot])
-            local = src_slot - int(placement.slot_begin[src])
-            if r == self.ep_rank:
-                w_in = torch.empty_like(self.w_in[0])
-                w_out = torch.empty_like(self.w_out[0])
-                if src == self.ep_rank:
-                    w_in.copy_(self.w_in.detach()[local])
-                    w_out.copy_(self.w_out.detach()[local])
-                else:
-                    ops += [dist.P2POp(dist.irecv, w_in, self._global(src), self.ep_group),
-                            dist.P2POp(dist.irecv, w_out, self._global(src), self.ep_group)]
-                fetched.append((int(e), w_in, w_out))
-            elif src == self.ep_rank:
-                ops += [dist.P2POp(dist.isend, self.w_in.detach()[local].contiguous(), self._global(r),
-                                   self.ep_group),
-                        dist.P2POp(dist.isend, self.w_out.detach()[local].contiguous(), self._global(r),
-                                   self.ep_group)]
-        if ops:
+        slot_rank = placement.slot_rank()
+        ops, remote, j = [], False, 0
+        w_in, w_out = self.w_in.detach(), self.w_out.detach()
+        with torch.no_grad():
+            for e, r in pairs:   # every rank walks the same list in the same order
+                src_slot = int(first[e])
+                src = int(slot_rank[src_slot])
+                local = src_slot - int(placement.slot_begin[src])
+                remote |= src != r
+                if r == self.ep_rank:
+                    if src == self.ep_rank:
+                        self.extra_w_in[j].copy_(w_in[local])
+                        self.extra_w_out[j].copy_(w_out[local])
+                    else:
+                        ops += [dist.P2POp(dist.irecv, self.extra_w_in[j], self._global(src), self.ep_group),
+                                dist.P2POp(dist.irecv, self.extra_w_out[j], self._global(src), self.ep_group)]
+                    j += 1
+                elif src == self.ep_rank:
+                    ops += [dist.P2POp(dist.isend, w_in[local], self._global(r), self.ep_group),
+                            dist.P2POp(dist.isend, w_out[local], self._global(r), self.ep_group)]
+        if remote:   # the same on every rank: then every rank takes part
+            ops += ring_padding(self.ep_rank, self.ep_size, w_in, self._global, self.ep_group)
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        for e, w_in, w_out in fetched:
-            self._extra[e] = (w_in.requires_grad_(), w_out.requires_grad_())
+        self.extra_w_in.requires_grad_()
+        self.extra_w_out.requires_grad_()
+
+    # ---- replica gradients ----
+
+    @staticmethod
+    def _grad_of(p):
+        """Where a trainer keeps p's gradient: Megatron DDP's main_grad (with .grad None),
+        else .grad (created as zeros when missing)."""
+        g = getattr(p, "main_grad", None)
+        if g is not None:
+            return g
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def _backward_ended(self):
+        self._backwards += 1
+        if self._backwards == self.placement.num_microbatches and self._grad_exchange is None:
+            self._start_grad_exchange()
+
+    def _grad_plan(self, placement):
+        """What this rank's replica-gradient exchange moves, fixed per placement: the
+        replicated experts it holds (``shared``, by id), which rows of its [shared,
+        params] sum its slots and its extra replicas add into, and per peer holder the
+        rows they share (sent and received in that order)."""
+        holders = placement.replica_holders(self.num_experts)
+        shared = [e for e, ranks in sorted(holders.items()) if self.ep_rank in ranks]
+        index = {e: i for i, e in enumerate(shared)}
+        dev = self.w_in.device
+        b = int(placement.slot_begin[self.ep_rank])
+        slot_rows = [(index[int(e)], s) for s, e in enumerate(placement.phy2log[b:b + self.num_slots])
+                     if int(e) in index]
+        step = placement.step_extras()
+        peers = {}
+        for e in shared:
+            for r in holders[e]:
+                if r != self.ep_rank:
+                    peers.setdefault(r, []).append(index[e])
+
+        def ids(v):
+            return torch.as_tensor(v, dtype=torch.int64).to(dev)
+        return dict(shared=len(shared), exchange=any(len(r) > 1 for r in holders.values()),
+                    rows=ids([i for i, _ in slot_rows]), slots=ids([s for _, s in slot_rows]),
+                    extra_rows=ids([index[int(e)] for e in step[step[:, 1] == self.ep_rank, 0]]),
+                    peers={r: ids(v) for r, v in sorted(peers.items())})
+
+    def _start_grad_exchange(self):
+        """Each rank sums its own copies of every replicated expert it holds (slots and
+        extra replicas) in the gradient's dtype, and sends that sum to every other holder
+        of the expert (one message per peer: the experts it shares with that peer, by
+        id), receiving theirs; nothing goes to ranks without a copy. Every rank calls
+        this (its list may be empty) and takes part in the one batch_isend_irecv."""
+        plan = self._gplan
+        g_in, g_out = self._grad_of(self.w_in), self._grad_of(self.w_out)
+        n_in = g_in[0].numel()
+        own = g_in.new_zeros((plan["shared"], n_in + g_out[0].numel()))
+        with torch.no_grad():
+            if plan["rows"].numel():
+                own[:, :n_in].index_add_(0, plan["rows"], g_in.reshape(self.num_slots, -1)[plan["slots"]])
+                own[:, n_in:].index_add_(0, plan["rows"], g_out.reshape(self.num_slots, -1)[plan["slots"]])
+            if plan["extra_rows"].numel() and self.extra_w_in.grad is not None:
+                own[:, :n_in].index_add_(0, plan["extra_rows"],
+                                         self.extra_w_in.grad.reshape(self.extra_w_in.shape[0], -1).to(own.dtype))
+                own[:, n_in:].index_add_(0, plan["extra_rows"],
+                                         self.extra_w_out.grad.reshape(self.extra_w_out.shape[0], -1).to(own.dtype))
+        ops, recv = [], {}
+        for r, rows in plan["peers"].items():
+            recv[r] = own.new_empty((rows.numel(), own.shape[1]))
+            ops += [dist.P2POp(dist.isend, own[rows], self._global(r), self.ep_group),
+                    dist.P2POp(dist.irecv, recv[r], self._global(r), self.ep_group)]
+        if plan["exchange"]:   # the same on every rank: then every rank takes part
+            ops += ring_padding(self.ep_rank, self.ep_size, own, self._global, self.ep_group)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        moved = sum(t.numel() for t in recv.values()) * own.element_size()
+        self.replica_grad_bytes = {"sent": moved, "received": moved}
+        self._grad_exchange = (works, own, recv, n_in)
 
     def reduce_replica_grads(self):
         """Give every replica of an expert (slots and this step's extra replicas) the sum of
-        all their gradients, so replicas stay identical after the optimizer step: one
-        all_reduce over the EP group of [R, params] for the R experts that have more than
-        one replica (none: no collective; the list is the placement's, the same on every
-        rank). Call after the step's last backward. Reducing over expert-data-parallel
-        groups (several EP groups) stays the trainer's, as without RoutePack."""
-        p = self.placement
-        counts = np.bincount(p.phy2log[p.phy2log >= 0], minlength=self.num_experts)
-        extras = p.step_extras()
-        shared = sorted(set(np.nonzero(counts > 1)[0].tolist()) | set(extras[:, 0].tolist()))
-        if not shared:
+        all their gradients, so replicas stay identical after the optimizer step. The
+        exchange runs among the ranks holding copies only (replica_holders): started
+        when the layer's backward of the step's last microbatch ends, or here; this call
+        waits for it and writes each sum, added in EP-rank order on every holder (the
+        same bits everywhere), into this rank's slots' gradients (main_grad where the
+        trainer keeps one, else .grad). Collective over the EP group (every rank calls
+        it). Call after the step's last backward, before the data parallel reduction
+        reads the expert gradients; reducing over expert-data-parallel groups (several EP
+        groups) stays the trainer's, as without RoutePack."""
+        if self.placement is None:
             return
-        index = {e: i for i, e in enumerate(shared)}
-        n_in = self.w_in[0].numel()
-        buf = torch.zeros(len(shared), n_in + self.w_out[0].numel(), dtype=self.w_in.dtype,
-                          device=self.w_in.device)
-        for w in (self.w_in, self.w_out):
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-        b = int(p.slot_begin[self.ep_rank])
-        mine = p.phy2log[b:b + self.num_slots]
-        for s, e in enumerate(mine):
-            if int(e) in index:
-                i = index[int(e)]
-                buf[i, :n_in] += self.w_in.grad[s].reshape(-1)
-                buf[i, n_in:] += self.w_out.grad[s].reshape(-1)
-        for e, (w_in, w_out) in self._extra.items():
-            if w_in.grad is not None:
-                buf[index[e], :n_in] += w_in.grad.reshape(-1)
-                buf[index[e], n_in:] += w_out.grad.reshape(-1)
-        dist.all_reduce(buf, group=self.ep_group)
-        for s, e in enumerate(mine):
-            if int(e) in index:
-                i = index[int(e)]
-                self.w_in.grad[s].copy_(buf[i, :n_in].view_as(self.w_in[s]))
-                self.w_out.grad[s].copy_(buf[i, n_in:].view_as(self.w_out[s]))
+        if self._grad_exchange is None:
+            self._start_grad_exchange()
+        works, own, recv, n_in = self._grad_exchange
+        self._grad_exchange = None
+        for w in works:
+            w.wait()
+        plan = self._gplan
+        if not plan["rows"].numel():
+            return
+        with torch.no_grad():
+            total = torch.zeros_like(own)
+            for r in range(self.ep_size):   # rank order: every holder adds the same terms in the same order
+                if r == self.ep_rank:
+                    total += own
+                elif r in recv:
+                    total.index_add_(0, plan["peers"][r], recv[r])
+            g_in, g_out = self._grad_of(self.w_in), self._grad_of(self.w_out)
+            g_in.view(self.num_slots, -1).index_copy_(0, plan["slots"], total[plan["rows"], :n_in])
+            g_out.view(self.num_slots, -1).index_copy_(0, plan["slots"], total[plan["rows"], n_in:])
 
     # ---- forward ----
 
@@ -279,44 +492,53 @@ class MoELayer(nn.Module):
             g = probs.gather(1, routing)
         return routing, g / g.sum(dim=-1, keepdim=True)
 
-    def _dispatch_layout(self, physical, microbatch):
-        """Where each token-choice goes: (order [N] sorting choices by destination rank then
-        local expert, input_splits [W], output_splits [W], rows received per local expert
-        and source [W, n_local], local expert weights)."""
-        logical, rank, local = self.placement.physical(microbatch)
-        dev = physical.device
-        max_local = int(max(self.placement.local_slots(r) + int(np.sum(rank[self.placement.num_slots:] == r))
-                            for r in range(self.ep_size)))
-        flat = physical.reshape(-1).to(torch.int64)
-        dest = torch.as_tensor(rank, device=dev)[flat]
-        key = dest * max_local + torch.as_tensor(local, device=dev)[flat]
-        order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=self.ep_size * max_local).view(self.ep_size, max_local)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
-        return order, counts.sum(1).tolist(), recv_counts.sum(1).tolist(), recv_counts, logical, rank, local
+    def _dispatch_layout(self, key, T):
+        """Counts for the dispatch of choices with destination keys ``key`` [T*k] (EP rank
+        x max_local + local expert): choices per (rank, local expert), and with "gpu"
+        dedup the token copies per rank, exchanged with one all_to_all_single and read
+        on the host once (the layer's one synchronisation). Returns host arrays
+        (choices sent [W, max_local], choices received [W, max_local], copies sent [W],
+        copies received [W])."""
+        W, ML = self.ep_size, self._tables.max_local
+        dev = key.device
+        counts = torch.zeros(W, ML + 1, dtype=torch.int64, device=dev)
+        # index_add, not bincount: bincount on CUDA reads the largest id on the host
+        flat = torch.zeros(W * ML, dtype=torch.int64, device=dev).index_add_(0, key, torch.ones_like(key))
+        counts[:, :ML] = flat.view(W, ML)
+        if self.dispatch_dedup == "gpu" and key.numel():
+            dest = key // ML
+            per_token = torch.zeros(T, W, dtype=torch.int64, device=dev)
+            per_token.view(-1).index_fill_(0, torch.arange(T, device=dev).repeat_interleave(self.top_k) * W + dest, 1)
+            counts[:, ML] = per_token.sum(0)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.ep_group)
+        host = to_host(torch.stack([counts, recv]))
+        return host[0, :, :ML], host[1, :, :ML], host[0, :, ML], host[1, :, ML]
 
-    def _local_weights(self, microbatch, logical, rank, local):
-        """This rank's local experts in local order: its slots, then its extra replicas."""
-        weights = [(self.w_in[s], self.w_out[s]) for s in range(self.num_slots)]
-        S = self.placement.num_slots
-        for p in range(S, len(logical)):
-            if rank[p] == self.ep_rank:
-                weights.append(self._extra[int(logical[p])])
-        return weights
+    def _choose_kernel(self):
+        """The expert kernel for the weights' device and dtype, checked once (at the first
+        forward, and again only if the module moved to another device or dtype)."""
+        where = (self.w_in.device, self.w_in.dtype)
+        if self._kernel_for != where and self.expert_kernel_reason != "given":
+            self.expert_kernel, self.expert_kernel_reason = kernels.choose_expert_kernel(
+                self.w_in.device, self.w_in.dtype, self.hidden_size, self.ffn_size, self.gated)
+        self._kernel_for = where
 
-    def _expert_compute(self, rows, per_expert, weights):
+    def _expert_compute(self, rows, per_expert):
         """Each local expert on its rows (rows grouped by local expert, per_expert[j] rows
-        for expert j): kernels.expert_mlp with this layer's expert_kernel (the grouped GEMM
-        of Megatron's GroupedMLP, or one GEMM per expert)."""
-        if not weights:
-            return rows.new_zeros((0, self.hidden_size))
-        if len(weights) == self.num_slots:   # no extra replicas: the slots as they are
-            w_in, w_out = self.w_in, self.w_out
-        else:
-            w_in = torch.stack([w for w, _ in weights])
-            w_out = torch.stack([w for _, w in weights])
-        return kernels.expert_mlp(rows, per_expert, w_in, w_out, self.expert_kernel)
+        for local expert j: the slots, then the step's extra replicas held here): the
+        slots' rows through the slot parameters and the extras' through the step's
+        buffer, each kernels.expert_mlp with this layer's expert_kernel (Megatron's
+        GroupedMLP), on the weights as they are."""
+        n_slot_rows = int(sum(per_expert[:self.num_slots]))
+        n_extra = self.extra_w_in.shape[0] if self.extra_w_in is not None else 0
+        out = kernels.expert_mlp(rows[:n_slot_rows], per_expert[:self.num_slots], self.w_in, self.w_out,
+                                 self.expert_kernel)
+        if rows.shape[0] > n_slot_rows:
+            extra = kernels.expert_mlp(rows[n_slot_rows:], per_expert[self.num_slots:self.num_slots + n_extra],
+                                       self.extra_w_in, self.extra_w_out, self.expert_kernel)
+            out = torch.cat([out, extra])
+        return out
 
     def forward(self, x, routing=None, physical=None, microbatch=0):
         """``x`` [T, hidden]; ``routing`` [T, k] int: the replayed experts (None: the
@@ -324,30 +546,66 @@ class MoELayer(nn.Module):
         microbatch's placement (rp_remap's ids for this layer; None: the lowest slot of
         each expert). Returns [T, hidden]. Collective over the EP group: every rank calls
         it for every microbatch, with or without tokens."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            x = _BackwardEnd.apply(x, self)
         T, k = x.shape[0], self.top_k
         routing, gates = self.gates(x, routing)
         self.last_routing = routing.detach()   # what a rollout records for replay (R3)
+        tables = self._tables
+        if self._kernel_for is None or self._kernel_for[0] != self.w_in.device:
+            self._choose_kernel()
         if physical is None:
-            first = torch.as_tensor(self.placement.first_replica(), device=x.device)
-            physical = first[routing]
-        physical = physical.to(device=x.device, dtype=torch.int64)
-        order, input_splits, output_splits, recv_counts, logical, rank, local = \
-            self._dispatch_layout(physical, microbatch)
-        token = torch.arange(T, device=x.device).repeat_interleave(k)
-        sent = x[token[order]]                                   # [T*k, hidden], by destination
-        received = all_to_all(sent, output_splits, input_splits, self.ep_group)
-        # received is source-rank-major, each source's rows by local expert: regroup by
-        # local expert for the compute, then back.
-        n_local = recv_counts.shape[1]
-        expert_of_row = torch.arange(n_local, device=x.device).repeat(self.ep_size).repeat_interleave(
-            recv_counts.reshape(-1))
-        by_expert = torch.argsort(expert_of_row, stable=True)
-        per_expert = recv_counts.sum(0).tolist()
-        weights = self._local_weights(microbatch, logical, rank, local)
-        per_expert = per_expert[:len(weights)]
-        computed = self._expert_compute(received[by_expert], per_expert, weights)
-        back = torch.empty_like(computed).index_copy(0, by_expert, computed) if computed.shape[0] else computed
-        returned = all_to_all(back, input_splits, output_splits, self.ep_group)
-        out = torch.empty_like(returned).index_copy(0, order, returned) if returned.shape[0] else returned
-        out = out.view(T, k, self.hidden_size)
-        return (out * gates.to(out.dtype).unsqueeze(-1)).sum(dim=1)
+            key = tables.first_key[routing.reshape(-1)]
+        else:
+            key = tables.keys[microbatch][physical.to(device=x.device, dtype=torch.int64).reshape(-1)]
+        sent_c, recv_c, sent_t, recv_t = self._dispatch_layout(key, T)
+        ML = tables.max_local
+        per_expert = recv_c.sum(0)[:tables.num_local[self.ep_rank]].tolist()
+        n_recv = int(recv_c.sum())
+        if self.dispatch_dedup == "choice":
+            order = torch.argsort(key, stable=True)
+            sent = x[order // k]                                     # [T*k, hidden], by destination
+            received = all_to_all(sent, recv_c.sum(1), sent_c.sum(1), self.ep_group)
+            # received is source-rank-major, each source's rows by local expert: regroup
+            # by local expert for the compute, then back.
+            by_expert = self._by_expert(received.device, recv_c, n_recv)
+            computed = self._expert_compute(received[by_expert], per_expert)
+            back = torch.empty_like(computed).index_copy(0, by_expert, computed)
+            returned = all_to_all(back, sent_c.sum(1), recv_c.sum(1), self.ep_group)
+            out = torch.empty_like(returned).index_copy(0, order, returned).view(T, k, self.hidden_size)
+            return (out * gates.to(out.dtype).unsqueeze(-1)).sum(dim=1)
+        # "gpu": one copy of a token per destination rank; its choices there travel as
+        # (local expert, gate) pairs beside it (-1: a choice that runs elsewhere)
+        dest = key // ML
+        token_key = dest * max(T, 1) + torch.arange(T * k, device=x.device) // k
+        order = torch.argsort(token_key, stable=True)               # by rank, then token
+        sorted_key = token_key[order]
+        new = torch.ones_like(sorted_key, dtype=torch.bool)
+        new[1:] = sorted_key[1:] != sorted_key[:-1]
+        copy_of = torch.cumsum(new.to(torch.int64), 0) - 1            # each sorted choice's copy
+        U = int(sent_t.sum())
+        token = torch.zeros(U, dtype=torch.int64, device=x.device).index_copy(
+            0, copy_of, (order // k)) if U else torch.zeros(0, dtype=torch.int64, device=x.device)
+        slot = copy_of * k + order % k
+        local = torch.full((U * k,), -1, dtype=torch.int64, device=x.device).index_copy(0, slot, key[order] % ML)
+        gate = gates.reshape(-1).new_zeros(U * k).index_copy(0, slot, gates.reshape(-1)[order])
+        meta = torch.cat([gate.view(U, k).double(), local.view(U, k).double()], dim=1)
+        rows = all_to_all(x[token], recv_t, sent_t, self.ep_group)                  # [U_r, hidden]
+        meta_r = all_to_all(meta, recv_t, sent_t, self.ep_group)                    # [U_r, 2k]
+        local_r = meta_r[:, k:].detach().reshape(-1).to(torch.int64)
+        gate_r = meta_r[:, :k].reshape(-1).float()
+        choice_order = torch.argsort(torch.where(local_r >= 0, local_r, ML), stable=True)[:n_recv]
+        row_of = choice_order // k
+        computed = self._expert_compute(rows[row_of], per_expert)
+        weighted = computed * gate_r[choice_order].to(computed.dtype).unsqueeze(-1)
+        back = rows.new_zeros(rows.shape).index_add(0, row_of, weighted)
+        returned = all_to_all(back, sent_t, recv_t, self.ep_group)
+        return x.new_zeros((T, self.hidden_size)).index_add(0, token, returned)
+
+    def _by_expert(self, device, recv_c, n_recv):
+        """Order of received rows (source-rank-major, each source's by local expert) that
+        groups them by local expert, stable; computed on the device from the counts."""
+        W, ML = recv_c.shape
+        counts = torch.as_tensor(recv_c.reshape(-1), device=device)
+        expert_of_row = torch.arange(ML, device=device).repeat(W).repeat_interleave(counts, output_size=n_recv)
+        return torch.argsort(expert_of_row, stable=True)
