@@ -812,15 +812,24 @@ static rp_status check_memory(loader *ld, json_t *topology)
     if (st != RP_OK || mem.total_bytes <= mem.capacity_bytes) return st;
     char what[RP_ERROR_TEXT / 2];
     rp_memory_describe(&mem, what, sizeof what);
-    const rp_execution *x = &ld->cfg->execution;
+    rp_execution *x = &ld->cfg->execution;
     const char *path = json_object_get(topology, "slots_per_gpu") ? "topology.slots_per_gpu" : "topology";
+    /* sharding the optimizer state is suggested only where it lowers the peak: an
+     * expert's state shards over the EP groups holding its slot (none to share with in
+     * one EP group), a dense parameter's over every GPU (nothing with no dense params) */
+    const char *dp = "";
+    if (x->optimizer_sharding == RP_OPTIMIZER_SHARDING_NONE) {
+        rp_gpu_memory sharded;
+        x->optimizer_sharding = RP_OPTIMIZER_SHARDING_DP;
+        st = rp_memory_peak(ld->cfg, NULL, &sharded, ld->err);
+        x->optimizer_sharding = RP_OPTIMIZER_SHARDING_NONE;
+        if (st != RP_OK) return st;
+        if (sharded.total_bytes < mem.total_bytes) dp = ", set execution.optimizer_sharding \"dp\"";
+    }
     return rp_jdoc_fail(&ld->doc, ld->err, RP_ERANGE, path,
                         "does not fit in GPU memory: %s; lower topology.slots_per_gpu%s%s or raise "
                         "hardware.hbm_bytes",
-                        what,
-                        x->optimizer_sharding == RP_OPTIMIZER_SHARDING_NONE
-                            ? ", set execution.optimizer_sharding \"dp\"" : "",
-                        x->staging_budget_bytes == 0 ? ", set execution.staging_budget_bytes" : "");
+                        what, dp, x->staging_budget_bytes == 0 ? ", set execution.staging_budget_bytes" : "");
 }
 
 /* ---- trainer ------------------------------------------------------------------------- */

@@ -876,6 +876,32 @@ static bool find_in(void *ud, const char *dir)
     return false;
 }
 
+/* The "did you mean" of an unknown policy name: the closest file name (without .lua) on
+ * the search path, at most 2 edits away and fewer than the name's length. */
+typedef struct near_job {
+    const char *name;
+    char best[128];
+    size_t best_d;
+} near_job;
+
+static bool near_in(void *ud, const char *dir)
+{
+    near_job *f = ud;
+    DIR *d = opendir(dir);
+    if (!d) return false;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        size_t n = strlen(e->d_name);
+        if (n <= 4 || n - 4 >= sizeof f->best || strcmp(e->d_name + n - 4, ".lua") != 0) continue;
+        char stem[sizeof f->best];
+        memcpy(stem, e->d_name, n - 4);
+        stem[n - 4] = '\0';
+        size_t dist = rp_edit_distance(f->name, stem);
+        if (dist < f->best_d) f->best_d = dist, memcpy(f->best, stem, n - 3);
+    }
+    closedir(d);
+    return false;
+}
+
 rp_status rp_policy_resolve(rp_context *ctx, const rp_config *cfg, const char *name_or_path,
                             const char *base_dir, char **path, rp_error *err)
 {
@@ -888,11 +914,16 @@ rp_status rp_policy_resolve(rp_context *ctx, const rp_config *cfg, const char *n
         f.name = name_or_path;
         walk_dirs(cfg, find_in, &f);
         if (f.nomem) return rp_fail_nomem(err, "a policy path");
-        if (!f.found)
+        if (!f.found) {
+            near_job near = {name_or_path, "", len > 2 ? 3 : len};
+            walk_dirs(cfg, near_in, &near);
+            char hint[sizeof near.best + 32] = "";
+            if (near.best[0]) snprintf(hint, sizeof hint, "did you mean '%s'? ", near.best);
             return rp_fail(err, RP_EIO,
-                           "policy '%s' not found (looked for %s.lua in: %s; set policy.search_path in the config or "
-                           "RP_POLICY_PATH, or give a path)",
-                           name_or_path, name_or_path, f.looked);
+                           "policy '%s' not found (%slooked for %s.lua in: %s; set policy.search_path in the config "
+                           "or RP_POLICY_PATH, or give a path)",
+                           name_or_path, hint, name_or_path, f.looked);
+        }
         *path = f.found;
         return RP_OK;
     }

@@ -28,12 +28,13 @@ typedef struct rp_report_policy {
     int32_t fallbacks, swaps;
     double migrated_bytes_per_step;
     double mean_plan_s;
-    /* the worst step: the largest step / lower bound, its straggler (mb, layer) and the
-     * forward time each GPU spends at that microbatch and layer */
-    int64_t worst_step;
-    double worst_ratio;
-    int32_t worst_mb, worst_layer, worst_gpu;
-    rp_side worst_side;
+    /* at step rp_report.load_step (the per-GPU charts show one step for every policy, so
+     * that they compare): its step / lower bound, its straggler (mb, layer) and the
+     * forward time each GPU spends at that microbatch and layer; attention NULL when the
+     * policy did not run that step */
+    double load_ratio;
+    int32_t straggler_mb, straggler_layer, straggler_gpu;
+    rp_side straggler_side;
     const double *attention, *dispatch, *expert, *combine; /* [num_gpus] seconds */
     /* per step [num_steps]: predicted step time and migration time (seconds), bytes
      * migrated, rounds of the migration plan and the most staging one GPU used in a round
@@ -62,8 +63,9 @@ typedef struct rp_report {
     int32_t num_layers;         /* MoE layers (rows of rp_report_policy.expert_layer) */
     int32_t num_policies;
     const rp_report_policy *policies;
-    int64_t load_step;          /* the step of the expert load chart (one for all policies,
-                                   so their bars compare: the CLI takes the worst overall) */
+    int64_t load_step;          /* the step of the expert load and per-GPU charts (one for
+                                   all policies, so their bars compare: the CLI takes the
+                                   worst overall) */
     const char *verdict;        /* one line shown first (simulate's verdict); may be NULL */
 } rp_report;
 

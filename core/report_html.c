@@ -12,6 +12,15 @@ bool report_charted(const rp_report_policy *p)
     return p->num_steps > 0;
 }
 
+size_t report_longest_label(const rp_report *r)
+{
+    size_t longest = 0;
+    for (int i = 0; i < r->num_policies; i++)
+        if (report_charted(&r->policies[i]) && strlen(r->policies[i].label) > longest)
+            longest = strlen(r->policies[i].label);
+    return longest;
+}
+
 static double layer_time(const rp_report_policy *p, int32_t G)
 {
     double a = 0, d = 0, x = 0, c = 0;
@@ -192,8 +201,7 @@ static void put_ratio_chart(svg_buf *b, const rp_report *r)
                           "was used." : "",
            any_coincide ? " Lines that coincide are drawn as nested outlines." : "");
     /* legend rows below the x axis title */
-    int per_row = (int)(f.w / 270);
-    double legend_h = ((n + per_row - 1) / per_row) * 22.0;
+    double legend_h = svg_legend_rows(f.w, n, report_longest_label(r)) * 22.0;
     double H = f.y0 + f.h + 64 + legend_h;
     svg_put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
            "aria-label=\"step time over lower bound per step\">\n", W, H, W, H);
@@ -250,8 +258,8 @@ static void put_ratio_chart(svg_buf *b, const rp_report *r)
     svg_put(b, "</svg>\n");
 }
 
-/* One small chart: the forward time of each GPU at the worst step's straggler
- * (microbatch, layer), stacked by side, on a shared scale. */
+/* One small chart: the forward time of each GPU at the straggler (microbatch, layer) of
+ * step rp_report.load_step, stacked by side, on a shared scale. */
 static void put_gpu_stack(svg_buf *b, const rp_report *r, int i, double ymax)
 {
     const rp_report_policy *p = &r->policies[i];
@@ -261,14 +269,14 @@ static void put_gpu_stack(svg_buf *b, const rp_report *r, int i, double ymax)
     svg_put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" aria-label=\"",
         W, H, W, H);
     svg_text(b, p->label);
-    svg_put(b, ": per-GPU time at the worst step's straggler layer\">\n");
+    svg_put(b, ": per-GPU time at step %lld's straggler layer\">\n", (long long)r->load_step);
     svg_put(b, "<rect x=\"0\" y=\"4\" width=\"10\" height=\"14\" fill=\"%s\"/><text class=\"title\" x=\"16\" y=\"16\">",
         svg_colour(i));
     svg_text(b, p->label);
     svg_put(b, "</text>\n<text class=\"note\" x=\"16\" y=\"34\">step %lld (step / lower bound %.3f): "
            "microbatch %d, layer %d; straggler GPU %d (%s)</text>\n",
-        (long long)p->worst_step, p->worst_ratio, p->worst_mb, p->worst_layer, p->worst_gpu,
-        svg_side_label[p->worst_side >= 0 && p->worst_side < 4 ? p->worst_side : 0]);
+        (long long)r->load_step, p->load_ratio, p->straggler_mb, p->straggler_layer, p->straggler_gpu,
+        svg_side_label[p->straggler_side >= 0 && p->straggler_side < 4 ? p->straggler_side : 0]);
     svg_y_axis(b, &f, "forward time (ms)");
     double slot = f.w / G, bw = slot * 0.72;
     int every = G <= 16 ? 1 : G <= 32 ? 2 : G <= 64 ? 4 : (G + 15) / 16;
@@ -291,7 +299,7 @@ static void put_gpu_stack(svg_buf *b, const rp_report *r, int i, double ymax)
         if (g % every == 0)
             svg_put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%d</text>",
                 f.x0 + (g + 0.5) * slot, f.y0 + f.h + 16, g);
-        if (g == p->worst_gpu) /* a marker above the straggler's bar */
+        if (g == p->straggler_gpu) /* a marker above the straggler's bar */
             svg_put(b, "<path d=\"M%.1f %.1f l-5 -8 h10 z\" fill=\"#c00\"><title>straggler GPU %d</title></path>",
                 f.x0 + (g + 0.5) * slot, svg_px_y(&f, base) - 3, g);
         svg_put(b, "\n");
@@ -313,7 +321,7 @@ static void put_gpu_stacks(svg_buf *b, const rp_report *r)
     double ymax = 0;
     for (int i = 0; i < r->num_policies; i++) {
         const rp_report_policy *p = &r->policies[i];
-        if (!report_charted(p)) continue;
+        if (!report_charted(p) || !p->attention) continue;
         ymax = fmax(ymax, layer_time(p, G));
         for (int32_t g = 0; g < G; g++)
             ymax = fmax(ymax, p->attention[g] + p->dispatch[g] + p->expert[g] + p->combine[g]);
@@ -322,20 +330,21 @@ static void put_gpu_stacks(svg_buf *b, const rp_report *r)
     ymax *= 1e3;
     svg_ticks t = svg_ticks_for(0, ymax, 5);
     if (t.hi - ymax < (t.hi - t.lo) * 0.1) ymax += (t.hi - t.lo) * 0.1;
-    svg_put(b, "<h2>Where the worst step's time goes, per GPU</h2>\n<p>For each policy, its worst "
-           "step (the largest step / lower bound) at that step's <b>straggler microbatch and layer</b> "
+    svg_put(b, "<h2>Where step %lld's time goes, per GPU</h2>\n<p>For each policy at the same step, %lld "
+           "(the worst step overall, the largest step / lower bound averaged over the policies, as "
+           "in the expert load chart), at its <b>straggler microbatch and layer</b> "
            "(the one whose slowest term is the largest): the forward time of each GPU, stacked "
            "attention, dispatch, expert and combine. Every GPU waits for the slowest at each term "
            "(the all-to-all runs in lockstep), so the layer takes the dashed line: max attention + "
            "max dispatch + max expert + max combine. All charts share one scale; a red triangle marks "
            "the straggler GPU%s.</p>\n",
-           r->gpus_per_node > 0 && r->gpus_per_node < G ? "; dotted lines separate nodes" : "");
+           (long long)r->load_step, (long long)r->load_step, r->gpus_per_node > 0 && r->gpus_per_node < G ? "; dotted lines separate nodes" : "");
     const char *colours[4] = {svg_side_colour[0], svg_side_colour[1], svg_side_colour[2], svg_side_colour[3]};
     svg_put(b, "<svg width=\"1120\" height=\"30\" viewBox=\"0 0 1120 30\" role=\"img\" aria-label=\"legend\">\n");
     svg_legend(b, 10, 15, 1100, 4, svg_side_label, colours, NULL, false);
     svg_put(b, "</svg>\n<div class=\"grid2\">\n");
     for (int i = 0; i < r->num_policies; i++)
-        if (report_charted(&r->policies[i])) put_gpu_stack(b, r, i, ymax);
+        if (report_charted(&r->policies[i]) && r->policies[i].attention) put_gpu_stack(b, r, i, ymax);
     svg_put(b, "</div>\n");
 }
 
@@ -351,7 +360,7 @@ rp_status rp_report_html(rp_context *ctx, const rp_report *r, char **text, size_
         if (!p->label) return rp_fail(err, RP_EINVAL, "report: policy %d has no label", i);
         if (p->num_steps < 0) return rp_fail(err, RP_EINVAL, "report: policy '%s' has %d steps", p->label, p->num_steps);
         if (!report_charted(p)) continue;
-        if (!p->steps || !p->ratio || !p->attention || !p->dispatch || !p->expert || !p->combine)
+        if (!p->steps || !p->ratio || (p->attention && (!p->dispatch || !p->expert || !p->combine)))
             return rp_fail(err, RP_EINVAL, "report: policy '%s' ran %d steps but lacks its per-step or "
                            "per-GPU figures", p->label, p->num_steps);
         ran++;

@@ -7,6 +7,8 @@
 
 /* The policy ran at least one step, so it has figures to chart. */
 bool report_charted(const rp_report_policy *p);
+/* The longest label of the charted policies, in characters (legend widths). */
+size_t report_longest_label(const rp_report *r);
 
 /* Step and migration time per step; the migration table; plan time against step time. */
 void report_steps(svg_buf *b, const rp_report *r);

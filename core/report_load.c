@@ -37,8 +37,8 @@ static void put_load_bars(svg_buf *b, const rp_report *r)
            "experts; the legend gives max / mean across GPUs.</p>\n",
            (long long)r->load_step, (long long)r->load_step);
     svg_frame f = {80, 20, W - 110, 300, -0.5, G - 0.5, svg_ticks_for(0, ymax * 1.04, 6)};
-    int per_row = (int)(f.w / 270);
-    double H = f.y0 + f.h + 64 + ((n + per_row - 1) / per_row) * 22.0;
+    /* the labels get " (max/mean 1.234)": 18 or 19 characters more */
+    double H = f.y0 + f.h + 64 + svg_legend_rows(f.w, n, report_longest_label(r) + 19) * 22.0;
     svg_put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
            "aria-label=\"expert load per GPU\">\n", W, H, W, H);
     svg_y_axis(b, &f, "expert time, forward (ms)");

@@ -47,8 +47,7 @@ static void put_time_chart(svg_buf *b, const rp_report *r)
             any_migration ? "; a ring marks a step with a migration" : "; no policy migrated");
     double pad = smax > smin ? fmax(0.25, 0.5 * (double)(smax - smin) / 12) : 0;
     svg_frame f = {80, 20, W - 110, 280, (double)smin - pad, (double)smax + pad, svg_ticks_for(0, ymax * 1.05, 6)};
-    int per_row = (int)(f.w / 270);
-    double H = f.y0 + f.h + 64 + ((n + per_row - 1) / per_row) * 22.0;
+    double H = f.y0 + f.h + 64 + svg_legend_rows(f.w, n, report_longest_label(r)) * 22.0;
     svg_put(b, "<svg width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
                "aria-label=\"step time with migration per step\">\n", W, H, W, H);
     svg_y_axis(b, &f, "step + migration (ms)");

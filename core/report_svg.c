@@ -4,12 +4,15 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
-/* Okabe-Ito colours (distinguishable with colour-vision deficiencies), then greys. */
-static const char *const policy_colour[] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7",
-                                            "#E69F00", "#56B4E9", "#000000", "#999999"};
-#define NUM_POLICY_COLOURS 8
-/* Line dashes for the ninth policy on, so lines stay apart once colours repeat. */
+/* Okabe-Ito colours (distinguishable with colour-vision deficiencies), then four of Paul
+ * Tol's muted scheme and grey: the shipped default runs 9 policies, every one its own
+ * colour. */
+static const char *const policy_colour[] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9",
+                                            "#000000", "#882255", "#44AA99", "#999933", "#332288", "#999999"};
+#define NUM_POLICY_COLOURS 12
+/* Line dashes for the 13th policy on, so lines stay apart once colours repeat. */
 static const char *const policy_dash[] = {"", "6 3", "2 3", "8 3 2 3"};
 
 const char *const svg_side_label[4] = {"attention", "dispatch", "expert", "combine"};
@@ -117,10 +120,27 @@ void svg_x_title(svg_buf *b, const svg_frame *f, const char *title)
     svg_put(b, "</text>\n");
 }
 
+/* 13 px legend text: about 7.5 px a character at most for these fonts (names are mostly
+ * lower case, '_' and '+'), after the 34 px sample, and a gap before the next item. */
+static double legend_item_width(size_t max_chars)
+{
+    double w = 34 + 7.5 * (double)max_chars + 20;
+    return w > 270 ? w : 270;
+}
+
+int svg_legend_rows(double width, int n, size_t max_chars)
+{
+    int per_row = (int)(width / legend_item_width(max_chars));
+    if (per_row < 1) per_row = 1;
+    return (n + per_row - 1) / per_row;
+}
+
 double svg_legend(svg_buf *b, double x, double y, double width, int n, const char *const *labels,
                          const char *const *colours, const char *const *dashes, bool lines)
 {
-    const double item_w = 270, row_h = 22;
+    size_t longest = 0;
+    for (int i = 0; i < n; i++) longest = strlen(labels[i]) > longest ? strlen(labels[i]) : longest;
+    const double item_w = legend_item_width(longest), row_h = 22;
     int per_row = (int)(width / item_w);
     if (per_row < 1) per_row = 1;
     for (int i = 0; i < n; i++) {

@@ -44,9 +44,12 @@ double svg_px_x(const svg_frame *f, double v);
 /* Y grid lines with labels, the axis title (rotated), and the frame's border. */
 void svg_y_axis(svg_buf *b, const svg_frame *f, const char *title);
 void svg_x_title(svg_buf *b, const svg_frame *f, const char *title);
-/* A legend of swatches (or line samples) laid out in rows from (x, y); returns the height
- * used. */
+/* A legend of swatches (or line samples) laid out in rows from (x, y), each item as wide as
+ * the longest label needs (no label runs into the next); returns the height used. */
 double svg_legend(svg_buf *b, double x, double y, double width, int n, const char *const *labels,
                   const char *const *colours, const char *const *dashes, bool lines);
+/* The rows svg_legend takes for n labels of at most max_chars characters in `width`: what a
+ * chart's height must leave room for. */
+int svg_legend_rows(double width, int n, size_t max_chars);
 
 #endif

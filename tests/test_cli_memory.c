@@ -52,7 +52,8 @@ int main(void)
        out);
 
     rc = run_routepack(out, sizeof out, "simulate --policies token_kk+eplb --steps 1 --max-memory 1000");
-    ok(rc == 1 && strstr(out, "more than --max-memory 0.00 GB"), "a small --max-memory refuses the example: %s",
+    ok(rc == 1 && strstr(out, "more than --max-memory 1.0 KB (1000 bytes)") && !strstr(out, "0.00 GB"),
+       "a small --max-memory refuses the example, each figure in a unit that shows it: %s",
        out);
     rc = run_routepack(out, sizeof out, "simulate --steps 1 --max-memory 0");
     ok(rc == 2 && strstr(out, "--max-memory must be >= 1"), "--max-memory 0 is a usage error: %s", out);

@@ -161,6 +161,18 @@ static void test_config_refused(void)
          "topology.slots_per_gpu, set execution.optimizer_sharding \"dp\", set execution.staging_budget_bytes or raise "
          "hardware.hbm_bytes",
          "the message names the GPU, the bytes, the capacity and the keys");
+    /* one EP group and no dense parameters: sharding has nothing to share with */
+    snprintf(json, sizeof json,
+             "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 2, \"ep_size\": 2, \"slots_per_gpu\": 3},"
+             " \"hardware\": {\"hbm_bytes\": 1000},"
+             " \"model\": {\"num_layers\": 2, \"num_experts\": 4, \"top_k\": 2, \"hidden_size\": 8,"
+             "  \"expert_ffn_size\": 4, \"num_heads\": 2, \"num_kv_heads\": 1, \"head_dim\": 4, \"dense_params\": 0},"
+             " \"limits\": {\"max_tokens_per_microbatch\": 64}}");
+    ok(rp_config_parse(ctx, json, strlen(json), "<one-group>", &cfg, &err) == RP_ERANGE &&
+           strstr(err.text, "lower topology.slots_per_gpu, set execution.staging_budget_bytes or raise") &&
+           !strstr(err.text, "optimizer_sharding"),
+       "in one EP group without dense parameters the message does not suggest optimizer_sharding \"dp\": %s",
+       err.text);
     cfg = tiny("{\"optimizer_sharding\": \"dp\"}", 36000);
     ok(cfg != NULL, "the same machine fits under the distributed optimizer");
     rp_config_free(cfg);
@@ -304,7 +316,8 @@ static void test_joint_within_memory(void)
     snprintf(roomy, sizeof roomy, "%s", small_with_hbm("roomy.json", 141e9));
     snprintf(tight, sizeof tight, "%s", small_with_hbm("tight.json", base.total_bytes + 1.5 * extra));
     snprintf(plans, sizeof plans, "%s", tmpdir); /* the plan folders are made inside it */
-    int rc = run_routepack(out, sizeof out, "simulate --config '%s' --policies routepack --steps 2 --plans '%s/roomy'",
+    int rc = run_routepack(out, sizeof out, "simulate --config '%s' --trace " RP_SOURCE_DIR "/examples/small.rpt --policies routepack "
+                           "--steps 2 --plans '%s/roomy'",
                            roomy, plans);
     is_int(rc, 0, "the joint policy plans the example with room");
     if (rc != 0) diag("%s", out);
@@ -312,7 +325,8 @@ static void test_joint_within_memory(void)
     snprintf(path, sizeof path, "%s/roomy/routepack/step-1.json", plans);
     int64_t most = most_extras(roomy, path);
     ok(most > 1, "with room, some EP rank holds %lld extra replicas in step 1", (long long)most);
-    rc = run_routepack(out, sizeof out, "simulate --config '%s' --policies routepack --steps 2 --plans '%s/tight'",
+    rc = run_routepack(out, sizeof out, "simulate --config '%s' --trace " RP_SOURCE_DIR "/examples/small.rpt --policies routepack "
+                       "--steps 2 --plans '%s/tight'",
                        tight, plans);
     is_int(rc, 0, "and with room for one extra replica per GPU");
     int64_t most_tight = 0;

@@ -327,6 +327,12 @@ static void test_search_path(void)
     ok(st == RP_EIO && strstr(err.text, "policy 'mine' not found (looked for mine.lua in: ") &&
            strstr(err.text, "RP_POLICY_PATH"),
        "a missing name is RP_EIO listing where it looked");
+    st = rp_policy_resolve(ctx, cfg, "routepak", NULL, &found, &err);
+    ok(st == RP_EIO && strstr(err.text, "policy 'routepak' not found (did you mean 'routepack'? looked for"),
+       "a misspelt name suggests the policy on the search path it is closest to");
+    if (st != RP_EIO) rp_free(ctx, found), found = NULL;
+    st = rp_policy_resolve(ctx, cfg, "zzzzzz", NULL, &found, &err);
+    ok(st == RP_EIO && !strstr(err.text, "did you mean"), "a name close to none suggests nothing");
 
     char env[700];
     snprintf(env, sizeof env, "%s::%s", b, a);

@@ -29,6 +29,14 @@ int cli_fail(const rp_error *err);
 /* Print "routepack: <message>" to stderr and return CLI_USAGE. */
 int cli_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* The name in `names` a typo of `word` most likely meant (at most 2 edits away, fewer
+ * than the word's length), or NULL: the "did you mean" of commands, options and policy
+ * names. */
+const char *cli_closest(const char *word, const char *const *names, size_t count);
+/* "COMMAND: unknown option 'OPT' (did you mean '--opt'?)" on stderr, the options taken
+ * from COMMAND's help page ("simulate", "plan eval", ...); returns CLI_USAGE. */
+int cli_unknown_option(const char *command, const char *option);
+
 /* Minimal option parsing: returns true and advances *i when argv[*i] is `name`
  * followed by a value (stored in *value). A missing value is a usage error reported
  * through *bad. */
@@ -85,6 +93,15 @@ int cmd_plan_validate(rp_context *ctx, int argc, char **argv);
 int cmd_memory(rp_context *ctx, int argc, char **argv);
 /* One GPU's memory figures as a JSON object (cmd_memory.c; NULL when out of memory). */
 struct json_t *cli_memory_json(const rp_gpu_memory *m);
+
+/* A --policies spec with params, `NAME:KEY=VALUE[:KEY=VALUE]` (core/cli/policy_params.c):
+ * *name gets NAME and *params_json the params as rp_sched_options.params_json takes them
+ * ({"key": value}; for a PACKING+PLACEMENT pair one object per component, KEY written
+ * COMPONENT.KEY or, where one component declares it, KEY alone), each value typed and
+ * checked against the declared params (unknown keys with a "did you mean"). A spec
+ * without ':' (or an existing file) is *name alone, *params_json NULL. Both malloc'd.
+ * Returns CLI_OK, or CLI_USAGE after a message. */
+int cli_policy_params(rp_context *ctx, const rp_config *cfg, const char *spec, char **name, char **params_json);
 
 /* ---- shared by simulate, policy and plan (defined in cmd_simulate.c) ---- */
 

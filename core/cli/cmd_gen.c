@@ -179,7 +179,7 @@ int cmd_trace_gen(rp_context *ctx, int argc, char **argv)
             cli_opt(argc, argv, &i, "--seed", &seed_text, &bad))
             continue;
         if (argv[i][0] == '-' && argv[i][1] != '\0')
-            return cli_usage("trace gen: unknown option '%s'", argv[i]);
+            return cli_unknown_option("trace gen", argv[i]);
         if (settings) return cli_usage("trace gen: one settings file, got '%s' and '%s'", settings, argv[i]);
         settings = argv[i];
     }

@@ -181,6 +181,7 @@ static int parse_import(int argc, char **argv, import_opts *o)
             o->force = true;
             continue;
         }
+        if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("trace import", argv[i]);
         return cli_usage("trace import: unknown argument '%s'", argv[i]);
     }
     if (bad) return CLI_USAGE;

@@ -33,7 +33,7 @@ int cmd_memory(rp_context *ctx, int argc, char **argv)
             json = true;
             continue;
         }
-        if (argv[i][0] == '-' && argv[i][1]) return cli_usage("memory: unknown option '%s'", argv[i]);
+        if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("memory", argv[i]);
         return cli_usage("memory takes no positional arguments, got '%s'", argv[i]);
     }
     if (bad) return CLI_USAGE;

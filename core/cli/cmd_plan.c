@@ -34,7 +34,11 @@ static int parse_plan_opts(const char *cmd, int argc, char **argv, plan_opts *o,
             o->json = true;
             continue;
         }
-        if (argv[i][0] == '-' && argv[i][1]) return cli_usage("plan %s: unknown option '%s'", cmd, argv[i]);
+        if (argv[i][0] == '-' && argv[i][1]) {
+            char command[32];
+            snprintf(command, sizeof command, "plan %s", cmd);
+            return cli_unknown_option(command, argv[i]);
+        }
         if (!positional) return cli_usage("plan %s takes no positional argument, got '%s'", cmd, argv[i]);
         if (*positional) return cli_usage("plan %s: one argument expected, got '%s' and '%s'", cmd, *positional, argv[i]);
         *positional = argv[i];

@@ -21,7 +21,7 @@ int cmd_policy_list(rp_context *ctx, int argc, char **argv)
             json = true;
             continue;
         }
-        if (argv[i][0] == '-' && argv[i][1]) return cli_usage("policy list: unknown option '%s'", argv[i]);
+        if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("policy list", argv[i]);
         return cli_usage("policy list takes no positional arguments, got '%s'", argv[i]);
     }
     if (bad) return CLI_USAGE;
@@ -277,7 +277,7 @@ int cmd_policy_check(rp_context *ctx, int argc, char **argv)
         if (cli_opt(argc, argv, &i, "--config", &o.config, &bad) || cli_opt(argc, argv, &i, "--trace", &o.trace, &bad) ||
             cli_opt(argc, argv, &i, "--step", &step, &bad))
             continue;
-        if (argv[i][0] == '-' && argv[i][1]) return cli_usage("policy check: unknown option '%s'", argv[i]);
+        if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("policy check", argv[i]);
         if (o.file) return cli_usage("policy check takes one POLICY.lua, got '%s' and '%s'", o.file, argv[i]);
         o.file = argv[i];
     }
@@ -316,15 +316,12 @@ int cmd_policy_check(rp_context *ctx, int argc, char **argv)
         rc = cli_fail(&err);
         goto out;
     }
-    /* the batch: the given trace step, else the bundled generator's first step when its
-     * model is the config's, else the hand-made one */
-    const char *gen = NULL;
-    if (!o.trace && have_example) {
-        const char *p = cli_example_path("gen-small.json");
-        if (p) gen = p;
-    }
-    if (o.trace || gen) {
-        if (cli_input_open(ctx, o.trace, o.trace ? NULL : gen, &in, &err) != RP_OK) {
+    /* the batch: the given trace step, else the bundled example's first step (simulate's
+     * default input) when its model is the config's, else the hand-made one */
+    const char *trace = o.trace ? o.trace : have_example ? ex_trace : NULL;
+    const char *gen = !o.trace && have_example ? ex_gen : NULL;
+    if (trace || gen) {
+        if (cli_input_open(ctx, trace, gen, &in, &err) != RP_OK) {
             rc = cli_fail(&err);
             goto out;
         }
@@ -347,7 +344,7 @@ int cmd_policy_check(rp_context *ctx, int argc, char **argv)
             rc = cli_fail(&err);
             goto out;
         }
-        batch_what = in.trace ? "step of a trace" : "the bundled generator's first step";
+        batch_what = o.trace ? "step of a trace" : "the bundled example's first step";
         snprintf(batch_desc, sizeof batch_desc, "%s (%s)", batch_what, in.path);
     } else {
         if ((rc = handmade_batch(ctx, cfg, &batch, &routing, &ids)) != CLI_OK) goto out;

@@ -41,9 +41,13 @@ static bool is_baseline_part(const char *name, size_t len)
 
 static bool is_baseline_spec(const char *spec)
 {
-    const char *plus = strchr(spec, '+');
-    if (!plus) return is_baseline_part(spec, strlen(spec));
-    return is_baseline_part(spec, (size_t)(plus - spec)) && is_baseline_part(plus + 1, strlen(plus + 1));
+    /* NAME or NAME:KEY=VALUE...: a baseline with params is still that baseline */
+    const char *colon = strchr(spec, ':');
+    const size_t len = colon ? (size_t)(colon - spec) : strlen(spec);
+    const char *plus = memchr(spec, '+', len);
+    if (!plus) return is_baseline_part(spec, len);
+    return is_baseline_part(spec, (size_t)(plus - spec)) &&
+           is_baseline_part(plus + 1, len - (size_t)(plus - spec) - 1);
 }
 
 /* ---- shared helpers ---- */
@@ -183,6 +187,14 @@ bool cli_default_example(const char **config, const char **trace, const char **g
     const char *slash = strrchr(cfg_buf, '/');
     int dir_len = slash ? (int)(slash - cfg_buf) : 1;
     const char *dir = slash ? cfg_buf : ".";
+    /* one example for every command that defaults to it (docs/cli.md): steps generated
+     * at a batch size where a step outweighs a re-placement (gen-example.json); else the
+     * bundled trace; else its generator settings */
+    snprintf(gen_buf, sizeof gen_buf, "%.*s/gen-example.json", dir_len, dir);
+    if (access(gen_buf, R_OK) == 0) {
+        *gen = gen_buf;
+        return true;
+    }
     snprintf(trace_buf, sizeof trace_buf, "%.*s/small.rpt", dir_len, dir);
     snprintf(gen_buf, sizeof gen_buf, "%.*s/gen-small.json", dir_len, dir);
     if (access(trace_buf, R_OK) == 0) *trace = trace_buf;
@@ -212,7 +224,9 @@ typedef struct step_rec {
 } step_rec;
 
 typedef struct sim_policy {
-    const char *spec;
+    const char *spec;     /* as given: NAME or NAME:KEY=VALUE... */
+    char *name;           /* the policy to load, and its params (NULL: the defaults) */
+    char *params_json;
     rp_context *ctx;      /* the command's, for reading the watched file */
     rp_sched *sched;
     char *error;          /* why it stopped (load or step), NULL while fine */
@@ -221,11 +235,11 @@ typedef struct sim_policy {
     /* --watch */
     bool watched;
     struct stat seen;     /* the file as last loaded or staged */
-    /* the worst step so far (largest ratio) and its per-GPU breakdown, for --report */
-    int32_t worst;        /* index into steps, -1 before the first */
-    int32_t worst_mb, worst_layer, worst_gpu;
-    rp_side worst_side;
-    double *attention, *dispatch, *expert, *combine; /* [G] each */
+    /* --report: every step's per-GPU breakdown at its straggler (microbatch, layer), so
+     * that the report can show all policies at one step */
+    int32_t tracked;      /* steps priced so far (the first `tracked` of steps) */
+    int32_t *straggler;   /* [steps x 4]: microbatch, layer, GPU, side */
+    double *attention, *dispatch, *expert, *combine; /* [steps x G] each */
     /* forward expert time of each GPU at each layer, summed over microbatches, per step
      * run [steps x L x G], for the expert load chart */
     double *expert_by_step;
@@ -239,6 +253,7 @@ typedef struct sim_opts {
     int64_t steps, microbatches;
     int64_t max_memory_bytes;  /* --max-memory: what the estimate may reach */
     bool json;
+    bool wide;                 /* --wide: every column of the table */
 } sim_opts;
 
 /* Default of --max-memory (docs/cli.md): the reference configs need well under it. */
@@ -271,7 +286,11 @@ static int parse_sim_opts(int argc, char **argv, sim_opts *o)
             o->json = true;
             continue;
         }
-        if (argv[i][0] == '-' && argv[i][1]) return cli_usage("simulate: unknown option '%s'", argv[i]);
+        if (!strcmp(argv[i], "--wide")) {
+            o->wide = true;
+            continue;
+        }
+        if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("simulate", argv[i]);
         return cli_usage("simulate takes no positional arguments, got '%s' (use --trace or --config)",
                          argv[i]);
     }
@@ -411,8 +430,7 @@ static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *p
 
 /* Price the step's plan with our own evaluator (built for the step with the scheduler's
  * split rule, so the arrays are the cost model's own): keep each GPU's expert time, and
- * the per-GPU breakdown at the straggler (microbatch, layer) if this is the policy's
- * worst step so far. */
+ * the per-GPU breakdown at the step's straggler (microbatch, layer). */
 static rp_status track_step(sim_policy *p, rp_cost *cost, const rp_plan *plan, const rp_config *cfg,
                             rp_error *err)
 {
@@ -434,23 +452,21 @@ static rp_status track_step(sim_policy *p, rp_cost *cost, const rp_plan *plan, c
             for (int32_t m = 0; m < M; m++) total += X[((size_t)m * L + l) * G + g];
             rows[(size_t)l * G + g] = total;
         }
-    if (p->worst >= 0 && !(p->steps[last].cost.ratio > p->steps[p->worst].cost.ratio)) return RP_OK;
     int32_t mb = sum.straggler_mb, layer = sum.straggler_layer;
     if (mb < 0 || mb >= M || layer < 0 || layer >= L)
         return cli_error(err, RP_EINVAL, "the cost model named microbatch %d layer %d as the straggler "
                          "of a plan with %d microbatches and %d layers", mb, layer, M, L);
-    p->worst = last;
-    p->worst_mb = mb;
-    p->worst_layer = layer;
-    p->worst_gpu = sum.straggler_gpu;
-    p->worst_side = sum.straggler_side;
+    int32_t *at_step = p->straggler + (size_t)last * 4;
+    at_step[0] = mb, at_step[1] = layer, at_step[2] = sum.straggler_gpu, at_step[3] = (int32_t)sum.straggler_side;
+    const size_t row = (size_t)last * G;
     for (int32_t g = 0; g < G; g++) {
         size_t at = ((size_t)mb * L + layer) * G + g;
-        p->attention[g] = A[(size_t)g * M + mb];
-        p->dispatch[g] = D[at];
-        p->expert[g] = X[at];
-        p->combine[g] = C[at];
+        p->attention[row + g] = A[(size_t)g * M + mb];
+        p->dispatch[row + g] = D[at];
+        p->expert[row + g] = X[at];
+        p->combine[row + g] = C[at];
     }
+    p->tracked = p->num_steps;
     return RP_OK;
 }
 
@@ -588,30 +604,129 @@ static void verdict_text(const sim_verdict *v, char *buf, size_t n)
     if (f == 0) snprintf(fb, sizeof fb, "%s never fell back", judged->spec);
     else snprintf(fb, sizeof fb, "%s fell back at %d of %d steps", judged->spec, f, judged->num_steps);
     if (!v->best_base) {
-        snprintf(buf, n, "verdict: %s is the fastest on step + migration (%.3f ms a step over %d steps); no baseline "
-                 "ran; %s", v->fastest->spec, v->fastest_s * per, v->steps, fb);
+        snprintf(buf, n, "verdict: %s is the fastest on predicted step + migration (%.3f ms a step over %d steps); "
+                 "no baseline ran; %s", v->fastest->spec, v->fastest_s * per, v->steps, fb);
         return;
     }
     if (!is_baseline_spec(v->fastest->spec)) {
         snprintf(buf, n,
-                 "verdict: %s is the fastest on step + migration, %.1f%% faster than the best baseline %s "
+                 "verdict: %s is the fastest on predicted step + migration, %.1f%% faster than the best baseline %s "
                  "(%.3f vs %.3f ms a step over %d steps); %s",
                  v->fastest->spec, (v->base_s / v->fastest_s - 1) * 100, v->best_base->spec, v->fastest_s * per,
                  v->base_s * per, v->steps, fb);
     } else if (v->best_other) {
         snprintf(buf, n,
-                 "verdict: the baseline %s is the fastest on step + migration (%.3f ms a step over %d steps); "
-                 "%s is %.1f%% slower (%.3f ms); %s",
+                 "verdict: the baseline %s is the fastest on predicted step + migration (%.3f ms a step over %d "
+                 "steps); %s is %.1f%% slower (%.3f ms); %s",
                  v->fastest->spec, v->fastest_s * per, v->steps, v->best_other->spec,
                  (v->other_s / v->base_s - 1) * 100, v->other_s * per, fb);
     } else {
-        snprintf(buf, n, "verdict: the baseline %s is the fastest on step + migration (%.3f ms a step over %d "
-                 "steps); only baselines ran", v->fastest->spec, v->fastest_s * per, v->steps);
+        snprintf(buf, n, "verdict: the baseline %s is the fastest on predicted step + migration (%.3f ms a step "
+                 "over %d steps); only baselines ran", v->fastest->spec, v->fastest_s * per, v->steps);
     }
 }
 
+/* The cost model's terms of a run, means per step over its first n steps: what the
+ * `why:` line compares. Communication is dispatch + combine + the replicas' gradient
+ * reduction and extra-replica copies. */
+typedef struct sim_terms {
+    double attention_s, expert_s, communication_s, migration_s, attn_imb, expert_imb;
+} sim_terms;
+
+static void mean_terms(const sim_policy *p, int32_t n, sim_terms *t)
+{
+    memset(t, 0, sizeof *t);
+    if (n > p->num_steps) n = p->num_steps;
+    for (int32_t i = 0; i < n; i++) {
+        const rp_cost_summary *c = &p->steps[i].cost;
+        t->attention_s += c->attention_s;
+        t->expert_s += c->expert_s;
+        t->communication_s += c->dispatch_s + c->combine_s + c->grad_reduce_s + c->extra_copy_s;
+        t->migration_s += p->steps[i].migration_s;
+        t->attn_imb += c->attention_imbalance;
+        t->expert_imb += c->expert_imbalance;
+    }
+    if (n > 0)
+        t->attention_s /= n, t->expert_s /= n, t->communication_s /= n, t->migration_s /= n, t->attn_imb /= n,
+            t->expert_imb /= n;
+}
+
+/* What the verdict's winner is compared with: the best baseline when the winner is not
+ * one, else the best non-baseline, else the next fastest policy; NULL when it ran alone. */
+static const sim_policy *why_reference(const sim_policy *pol, int np, const sim_verdict *v)
+{
+    if (!v->fastest) return NULL;
+    if (!is_baseline_spec(v->fastest->spec)) return v->best_base;
+    if (v->best_other) return v->best_other;
+    const sim_policy *next = NULL;
+    for (int i = 0; i < np; i++)
+        if (&pol[i] != v->fastest && pol[i].num_steps > 0 &&
+            (!next || run_total(&pol[i], v->steps) < run_total(next, v->steps)))
+            next = &pol[i];
+    return next;
+}
+
+/* One line, no newline: "why: ..." (docs/cli.md): the cost model's terms of the winner
+ * against its reference, the term it reduced most named first, with both values. */
+static void why_text(const sim_policy *pol, int np, const sim_verdict *v, char *buf, size_t n)
+{
+    const sim_policy *ref = why_reference(pol, np, v);
+    if (!ref) {
+        snprintf(buf, n, "why: %s", v->fastest ? "no other policy ran to compare with" : "no policy ran");
+        return;
+    }
+    sim_terms w, r;
+    mean_terms(v->fastest, v->steps, &w);
+    mean_terms(ref, v->steps, &r);
+    const char *names[4] = {"attention", "expert", "communication", "migration"};
+    const double mine[4] = {w.attention_s, w.expert_s, w.communication_s, w.migration_s};
+    const double theirs[4] = {r.attention_s, r.expert_s, r.communication_s, r.migration_s};
+    int order[4] = {0, 1, 2, 3};
+    for (int i = 1; i < 4; i++) /* by what the winner saves, most first (stable) */
+        for (int j = i; j > 0 && theirs[order[j]] - mine[order[j]] > theirs[order[j - 1]] - mine[order[j - 1]]; j--) {
+            int t = order[j];
+            order[j] = order[j - 1], order[j - 1] = t;
+        }
+    size_t used = 0;
+    const int top = order[0];
+    const double saved = theirs[top] - mine[top];
+    if (saved > 0)
+        used += (size_t)snprintf(buf + used, n - used, "why: %s reduced %s most against %s (predicted ms a step): ",
+                                 v->fastest->spec, names[top], ref->spec);
+    else
+        used += (size_t)snprintf(buf + used, n - used, "why: %s reduced no term against %s (predicted ms a step): ",
+                                 v->fastest->spec, ref->spec);
+    for (int i = 0; i < 4 && used < n; i++) {
+        const int k = order[i];
+        used += (size_t)snprintf(buf + used, n - used, "%s%s %.3f vs %.3f", i ? "; " : "", names[k], mine[k] * 1e3,
+                                 theirs[k] * 1e3);
+        if (used < n && k == 0)
+            used += (size_t)snprintf(buf + used, n - used, " (imbalance %.3f vs %.3f)", w.attn_imb, r.attn_imb);
+        if (used < n && k == 1)
+            used += (size_t)snprintf(buf + used, n - used, " (imbalance %.3f vs %.3f)", w.expert_imb, r.expert_imb);
+    }
+}
+
+/* Planning is measured wall time on this machine; on a tiny example's step it looks
+ * large. Above 2% of the winner's predicted step (twice the reference scale's), one line
+ * says what it is at the reference scale (docs/results.md, the planning overhead). False
+ * when there is nothing to say. */
+static bool plan_note(const sim_verdict *v, char *buf, size_t n)
+{
+    if (!v->fastest || v->fastest->num_steps == 0) return false;
+    sim_summary s;
+    summarize_shared(v->fastest, NULL, 0, NULL, &s);
+    if (!(s.mean_step_s > 0) || !(s.plan_s > 0.02 * s.mean_step_s)) return false;
+    snprintf(buf, n,
+             "note: planning took %.1f ms a step here (measured), %.0f%% of this small example's predicted %.1f ms "
+             "step; at the reference scale (64 GPUs, 4096 sequences a step) it is about 0.7-1%% of the step "
+             "(docs/results.md)",
+             s.plan_s * 1e3, 100 * s.plan_s / s.mean_step_s, s.mean_step_s * 1e3);
+    return true;
+}
+
 static void print_table(const sim_policy *pol, int np, const sim_policy *base, const char *config,
-                        const cli_input *in, int32_t steps, const rp_config *cfg)
+                        const cli_input *in, int32_t steps, const rp_config *cfg, bool wide)
 {
     const rp_topology *t = rp_config_topology(cfg);
     const rp_model *m = rp_config_model(cfg);
@@ -647,8 +762,13 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
     printf("\n");
     int w = 6;
     for (int i = 0; i < np; i++) w = (int)strlen(pol[i].spec) > w ? (int)strlen(pol[i].spec) : w;
-    printf("%-*s  %9s  %8s  %9s  %9s  %8s  %9s  %10s  %9s  %13s  %8s\n", w, "policy", "step ms", "step/LB",
-           "step/sLB", "migr. ms", "speedup", "attn imb", "expert imb", "fallbacks", "migrated/step", "plan ms");
+    /* the default table fits 100 columns with the shipped names; --wide adds the bounds and
+     * the bytes moved */
+    printf("%-*s  %9s", w, "policy", "step ms");
+    if (wide) printf("  %8s  %9s", "step/LB", "step/sLB");
+    printf("  %9s  %8s  %8s  %10s  %9s", "migr. ms", "speedup", "attn imb", "expert imb", "fallbacks");
+    if (wide) printf("  %13s", "migrated/step");
+    printf("  %8s\n", "plan ms");
     for (int i = 0; i < np; i++) {
         const sim_policy *p = &pol[i];
         if (p->num_steps == 0) {
@@ -660,24 +780,33 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
         char speed[32], mig[32];
         if (isnan(s.speedup)) snprintf(speed, sizeof speed, "-");
         else snprintf(speed, sizeof speed, "%.3fx", s.speedup);
-        printf("%-*s  %9.3f  %8.3f  %9.3f  %9.3f  %8s  %9.3f  %10.3f  %9d  %13s  %8.2f%s\n", w, p->spec,
-               s.mean_step_s * 1e3, s.mean_ratio, s.mean_shared_ratio, s.migration_s * 1e3, speed, s.attn_imb,
-               s.expert_imb, s.fallbacks, cli_human_bytes(s.migrated, mig, sizeof mig), s.plan_s * 1e3,
-               p->error ? "  (stopped early)" : "");
+        printf("%-*s  %9.3f", w, p->spec, s.mean_step_s * 1e3);
+        if (wide) printf("  %8.3f  %9.3f", s.mean_ratio, s.mean_shared_ratio);
+        printf("  %9.3f  %8s  %8.3f  %10.3f  %9d", s.migration_s * 1e3, speed, s.attn_imb, s.expert_imb, s.fallbacks);
+        if (wide) printf("  %13s", cli_human_bytes(s.migrated, mig, sizeof mig));
+        printf("  %8.2f%s\n", s.plan_s * 1e3, p->error ? "  (stopped early)" : "");
     }
-    printf("\nstep ms: mean predicted step time (forward + backward); step/LB: mean of step time /\n"
-           "the plan's own lower bound (its imbalance); step/sLB: mean of step time / the step's\n"
-           "shared bound (the least of all plans' own bounds for that step: comparable across\n"
-           "policies); migr. ms: mean predicted expert migration time per step; speedup: the best\n"
-           "baseline's (%s) step + migration time / the policy's, over the steps both ran;\n"
-           "imbalance: max/mean over GPUs (attention per microbatch, experts per microbatch, layer\n"
-           "and EP group), mean over steps; plan ms: statistics + policy + validation per step.\n",
+    printf("\nAll times are predicted by the cost model for the config's GPUs, except plan ms.\n"
+           "step ms: mean predicted step time (forward + backward); migr. ms: mean predicted\n"
+           "expert migration time per step; speedup: the best baseline's (%s)\n"
+           "step + migration time / the policy's, over the steps both ran; imbalance: max/mean over\n"
+           "GPUs (attention per microbatch, experts per microbatch, layer and EP group), mean over\n"
+           "steps; plan ms: statistics + policy + validation per step, measured on this machine.\n",
            base ? base->spec : "none ran");
+    if (wide)
+        printf("step/LB: mean of step time / the plan's own lower bound (its imbalance); step/sLB:\n"
+               "mean of step time / the step's shared bound (the least of all plans' own bounds for\n"
+               "that step: comparable across policies); migrated/step: expert bytes moved per step.\n");
+    else
+        printf("--wide adds step/LB, step/sLB (step time over lower bounds) and migrated/step.\n");
     sim_verdict v;
     make_verdict(pol, np, &v);
     char line[1024];
     verdict_text(&v, line, sizeof line);
     printf("\n%s\n", line);
+    why_text(pol, np, &v, line, sizeof line);
+    printf("%s\n", line);
+    if (plan_note(&v, line, sizeof line)) printf("%s\n", line);
 }
 
 static json_t *step_json(const step_rec *r)
@@ -763,7 +892,11 @@ static bool print_json(const sim_policy *pol, int np, const sim_policy *base, co
     make_verdict(pol, np, &v);
     char line[1024];
     verdict_text(&v, line, sizeof line);
-    json_t *vj = json_pack("{s:s, s:s?, s:s?, s:i, s:o, s:b, s:i}", "text", line, "fastest",
+    char why[1024], note[512];
+    why_text(pol, np, &v, why, sizeof why);
+    bool noted = plan_note(&v, note, sizeof note);
+    json_t *vj = json_pack("{s:s, s:s, s:s?, s:s?, s:s?, s:i, s:o, s:b, s:i}", "text", line, "why", why, "note",
+                           noted ? note : NULL, "fastest",
                            v.fastest ? v.fastest->spec : NULL, "best_baseline", v.best_base ? v.best_base->spec : NULL,
                            "steps", v.steps,
                            "margin_over_best_baseline",
@@ -802,7 +935,7 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
         const sim_policy *p = &pol[i];
         rp_report_policy *r = &rp[i];
         r->label = p->spec;
-        if (p->num_steps == 0 || p->worst < 0) {
+        if (p->num_steps == 0 || p->tracked == 0) {
             r->error = p->error ? p->error : "did not run";
             continue;
         }
@@ -858,33 +991,33 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
         r->swaps = s.swaps;
         r->migrated_bytes_per_step = s.migrated;
         r->mean_plan_s = s.plan_s;
-        r->worst_step = p->steps[p->worst].step;
-        r->worst_ratio = p->steps[p->worst].cost.ratio;
-        r->worst_mb = p->worst_mb;
-        r->worst_layer = p->worst_layer;
-        r->worst_gpu = p->worst_gpu;
-        r->worst_side = p->worst_side;
-        r->attention = p->attention;
-        r->dispatch = p->dispatch;
-        r->expert = p->expert;
-        r->combine = p->combine;
     }
-    /* the expert load chart compares the policies at one step: the worst overall, the
-     * largest mean step / lower bound over the policies that ran it */
+    /* the expert load and per-GPU charts compare the policies at one step: the worst
+     * overall, the largest mean step / lower bound over the policies that ran it */
     int32_t load_at = -1;
     double load_worst = -1;
     for (int32_t k = 0; k < steps; k++) {
         double sum = 0;
         int ran = 0;
         for (int i = 0; i < np; i++)
-            if (pol[i].num_steps > k && pol[i].worst >= 0) sum += pol[i].steps[k].cost.ratio, ran++;
+            if (pol[i].tracked > k) sum += pol[i].steps[k].cost.ratio, ran++;
         if (ran && sum / ran > load_worst) load_worst = sum / ran, load_at = k;
     }
     int64_t load_step = 0;
     for (int i = 0; i < np && load_at >= 0; i++) {
-        if (pol[i].num_steps <= load_at || pol[i].worst < 0) continue;
-        load_step = pol[i].steps[load_at].step;
-        rp[i].expert_layer = pol[i].expert_by_step + (size_t)load_at * m->num_layers * t->num_gpus;
+        const sim_policy *p = &pol[i];
+        if (p->tracked <= load_at) continue;
+        load_step = p->steps[load_at].step;
+        rp[i].expert_layer = p->expert_by_step + (size_t)load_at * m->num_layers * t->num_gpus;
+        const int32_t *at_step = p->straggler + (size_t)load_at * 4;
+        const size_t row = (size_t)load_at * t->num_gpus;
+        rp[i].load_ratio = p->steps[load_at].cost.ratio;
+        rp[i].straggler_mb = at_step[0], rp[i].straggler_layer = at_step[1];
+        rp[i].straggler_gpu = at_step[2], rp[i].straggler_side = (rp_side)at_step[3];
+        rp[i].attention = p->attention + row;
+        rp[i].dispatch = p->dispatch + row;
+        rp[i].expert = p->expert + row;
+        rp[i].combine = p->combine + row;
     }
     char line1[1200], line2[512];
     snprintf(line1, sizeof line1, "config %s; %s %s; %d step%s", config,
@@ -946,7 +1079,10 @@ static void free_policies(sim_policy *pol, int np)
             json_decref(p->steps[k].metrics);
         }
         free(p->steps);
+        free(p->name);
+        free(p->params_json);
         free(p->error);
+        free(p->straggler);
         free(p->attention);
         free(p->dispatch);
         free(p->expert);
@@ -1080,14 +1216,21 @@ static int check_memory(rp_context *ctx, const rp_config *cfg, cli_input *in, co
                       : by_slots >= total / 2 ? "topology.slots_per_gpu"
                       : hist * np >= total / 2 ? "the history length (rp_sched_options.history)"
                                                : "model.num_layers or model.num_experts";
+    /* each figure in its own unit (cli_human_bytes): a small --max-memory must not read
+     * "0.00 GB > 0.00 GB" */
+    char b_total[32], b_max[32], b_eval[32], b_plan[32], b_hist[32], b_stats[32];
     fprintf(stderr,
-            "routepack: simulate: the run would hold about %.2f GB at once, more than --max-memory %.2f GB: "
-            "%d polic%s x (2 evaluations of %.2f GB for plans of %d microbatches x %d layers x %d GPUs x %d "
-            "experts, %lld slots a layer; plans %.2f GB; history %.2f GB) + statistics %.2f GB%s; lower %s, or "
+            "routepack: simulate: the run would hold about %s at once, more than --max-memory %s (%lld bytes): "
+            "%d polic%s x (2 evaluations of %s for plans of %d microbatches x %d layers x %d GPUs x %d "
+            "experts, %lld slots a layer; plans %s; history %s) + statistics %s%s; lower %s, or "
             "raise --max-memory\n",
-            total / 1e9, (double)o->max_memory_bytes / 1e9, np, np == 1 ? "y" : "ies", (double)eval / 1e9, mbs,
-            md->num_layers, tp->num_gpus, md->num_experts, (long long)slots, 2.0 * plan / 1e9, hist / 1e9,
-            (double)rp_stats_bytes(stats) / 1e9, o->report ? " + one evaluation for --report" : "", key);
+            cli_human_bytes(total, b_total, sizeof b_total),
+            cli_human_bytes((double)o->max_memory_bytes, b_max, sizeof b_max), (long long)o->max_memory_bytes, np,
+            np == 1 ? "y" : "ies", cli_human_bytes((double)eval, b_eval, sizeof b_eval), mbs, md->num_layers,
+            tp->num_gpus, md->num_experts, (long long)slots, cli_human_bytes(2.0 * plan, b_plan, sizeof b_plan),
+            cli_human_bytes(hist, b_hist, sizeof b_hist),
+            cli_human_bytes((double)rp_stats_bytes(stats), b_stats, sizeof b_stats),
+            o->report ? " + one evaluation for --report" : "", key);
 out:
     rp_cost_free(cost);
     rp_stats_free(stats);
@@ -1104,21 +1247,11 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
     const char *ex_config = NULL, *ex_trace = NULL, *ex_gen = NULL;
     if ((!o.config || (!o.trace && !o.gen)) && !cli_default_example(&ex_config, &ex_trace, &ex_gen)) {
         fprintf(stderr, "routepack: cannot find the bundled example (examples/config-small.json and "
-                "small.rpt or gen-small.json); set RP_EXAMPLES_DIR or give --config and --trace\n");
+                "gen-example.json, small.rpt or gen-small.json); set RP_EXAMPLES_DIR or give --config and --trace\n");
         return CLI_FAIL;
     }
     const char *config = o.config ? o.config : ex_config;
-    static char ex_sim[4096 + 32];
-    if (!o.trace && !o.gen) {
-        o.trace = ex_trace, o.gen = ex_gen;
-        /* simulate's own example, next to the example config: steps generated at a batch
-         * size where a step outweighs a re-placement (examples/gen-example.json); the
-         * bundled trace stays the other commands' example */
-        const char *slash = strrchr(ex_config, '/');
-        snprintf(ex_sim, sizeof ex_sim, "%.*s/gen-example.json", slash ? (int)(slash - ex_config) : 1,
-                 slash ? ex_config : ".");
-        if (!o.config && access(ex_sim, R_OK) == 0) o.trace = NULL, o.gen = ex_sim;
-    }
+    if (!o.trace && !o.gen) o.trace = ex_trace, o.gen = ex_gen;
 
     rp_config *cfg = NULL;
     cli_input in;
@@ -1158,22 +1291,27 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
     const int32_t G = rp_config_topology(cfg)->num_gpus, L = rp_config_model(cfg)->num_layers;
     rp_sched_options opts;
     rp_sched_options_default(&opts);
+    /* params on the command line are checked before anything runs: a typo is a usage error */
+    for (int i = 0; i < np; i++) {
+        pol[i].spec = specs[i];
+        if ((rc = cli_policy_params(ctx, cfg, specs[i], &pol[i].name, &pol[i].params_json)) != CLI_OK) goto out;
+    }
     if ((rc = check_memory(ctx, cfg, &in, &o, np, opts.history)) != CLI_OK) goto out;
     rc = CLI_FAIL;
     int loaded = 0;
     for (int i = 0; i < np; i++) {
         sim_policy *p = &pol[i];
         p->spec = specs[i];
-        p->worst = -1;
         p->steps = calloc((size_t)steps, sizeof *p->steps);
         if (o.report) {
-            p->attention = calloc((size_t)G, sizeof(double));
-            p->dispatch = calloc((size_t)G, sizeof(double));
-            p->expert = calloc((size_t)G, sizeof(double));
-            p->combine = calloc((size_t)G, sizeof(double));
+            p->straggler = calloc((size_t)steps * 4, sizeof(int32_t));
+            p->attention = calloc((size_t)steps * (size_t)G, sizeof(double));
+            p->dispatch = calloc((size_t)steps * (size_t)G, sizeof(double));
+            p->expert = calloc((size_t)steps * (size_t)G, sizeof(double));
+            p->combine = calloc((size_t)steps * (size_t)G, sizeof(double));
             p->expert_by_step = calloc((size_t)steps * (size_t)L * (size_t)G, sizeof(double));
         }
-        if (!p->steps || (o.report && (!p->attention || !p->dispatch || !p->expert || !p->combine ||
+        if (!p->steps || (o.report && (!p->straggler || !p->attention || !p->dispatch || !p->expert || !p->combine ||
                                        !p->expert_by_step))) {
             fprintf(stderr, "routepack: out of memory\n");
             goto out;
@@ -1182,7 +1320,8 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
         p->watched = o.watch && !strcmp(p->spec, o.watch);
         p->ctx = ctx;
         if (p->watched && stat(p->spec, &p->seen) != 0) memset(&p->seen, 0, sizeof p->seen);
-        opts.policy = p->spec;
+        opts.policy = p->name;
+        opts.params_json = p->params_json;
         rp_error_clear(&err);
         if (rp_sched_new(ctx, cfg, &opts, &p->sched, &err) != RP_OK) {
             p->sched = NULL;
@@ -1262,7 +1401,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
             goto out;
         }
     } else {
-        print_table(pol, np, base, config, &in, steps, cfg);
+        print_table(pol, np, base, config, &in, steps, cfg, o.wide);
     }
     if (o.report) {
         if (write_report(ctx, o.report, pol, np, base, config, &in, steps, cfg, &err) != RP_OK) {

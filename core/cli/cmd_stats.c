@@ -189,7 +189,7 @@ int cmd_stats(rp_context *ctx, int argc, char **argv)
         } else if (!strcmp(argv[i], "--shift")) {
             shift = true;
         } else if (argv[i][0] == '-' && argv[i][1]) {
-            return cli_usage("stats: unknown option '%s'", argv[i]);
+            return cli_unknown_option("stats", argv[i]);
         } else if (new_path) {
             return cli_usage("stats takes at most two traces, got '%s', '%s' and '%s'", path, new_path, argv[i]);
         } else if (path) {

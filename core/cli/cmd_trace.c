@@ -14,13 +14,13 @@
 
 /* Collect the non-option arguments; true when every option was known. `json` may be
  * NULL when --json is not accepted. */
-static bool trace_args(int argc, char **argv, bool *json, const char **paths, int *num_paths)
+static bool trace_args(const char *command, int argc, char **argv, bool *json, const char **paths, int *num_paths)
 {
     *num_paths = 0;
     for (int i = 0; i < argc; i++) {
         if (json && !strcmp(argv[i], "--json")) *json = true;
         else if (argv[i][0] == '-' && argv[i][1]) {
-            cli_usage("unknown option '%s'", argv[i]);
+            cli_unknown_option(command, argv[i]);
             return false;
         } else paths[(*num_paths)++] = argv[i];
     }
@@ -82,7 +82,7 @@ int cmd_trace_info(rp_context *ctx, int argc, char **argv)
     const char **paths = calloc((size_t)argc + 1, sizeof *paths);
     int num_paths;
     if (!paths) return cli_usage("out of memory");
-    if (!trace_args(argc, argv, &json, paths, &num_paths)) {
+    if (!trace_args("trace info", argc, argv, &json, paths, &num_paths)) {
         free(paths);
         return CLI_USAGE;
     }
@@ -115,7 +115,7 @@ int cmd_trace_validate(rp_context *ctx, int argc, char **argv)
     const char **paths = calloc((size_t)argc + 1, sizeof *paths);
     int num_paths;
     if (!paths) return cli_usage("out of memory");
-    if (!trace_args(argc, argv, NULL, paths, &num_paths)) {
+    if (!trace_args("trace validate", argc, argv, NULL, paths, &num_paths)) {
         free(paths);
         return CLI_USAGE;
     }

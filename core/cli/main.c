@@ -1,5 +1,6 @@
 /* routepack: the command-line tool. Dispatches to one file per command group. */
 #include "cli.h"
+#include "internal.h"
 
 #include <stdarg.h>
 #include <stdlib.h>
@@ -54,19 +55,23 @@ static const cli_command commands[] = {
      "  --threads N        threads of the scan, 0 to 1024 (default 0: all CPUs)\n",
      "routepack stats examples/small.rpt --step 1"},
     {"simulate", NULL, cmd_simulate,
-     "[--config C] [--trace T | --gen SETTINGS] [--policies P1,P2,...] [--steps N] [--json] "
+     "[--config C] [--trace T | --gen SETTINGS] [--policies P1,P2,...] [--steps N] [--json] [--wide] "
      "[--report OUT.html] [--plans DIR] [--watch POLICY.lua] [--microbatches M] [--max-memory BYTES]",
      "compare policies side by side over the same steps (no arguments: the bundled example)",
      "  --config C         config (default: the bundled config-small.json)\n"
-     "  --trace T          steps to plan (default: the bundled small.rpt)\n"
+     "  --trace T          steps to plan (default: the bundled example, 16 steps generated\n"
+     "                     in memory from gen-example.json)\n"
      "  --gen SETTINGS     generate the steps in memory instead of reading a trace\n"
      "  --policies P1,...  policies to compare (default: token_kk+contiguous,token_kk+eplb,\n"
      "                     token_kk+eplb_periodic,verl_kk+eplb,attn_kk+eplb,\n"
      "                     slime_ff+eplb,slime_kk+eplb unless the config's trainer needs\n"
      "                     equal sequences per rank, token_kk+virtual_experts where the\n"
-     "                     config allows Megatron's virtual experts, routepack)\n"
+     "                     config allows Megatron's virtual experts, routepack);\n"
+     "                     NAME:KEY=VALUE[:KEY=VALUE] sets the policy's params\n"
+     "                     (routepack:virtual_experts=false; in a pair, eplb.KEY=VALUE)\n"
      "  --steps N          run the first N steps (default: every step of the trace)\n"
      "  --json             the whole run as JSON instead of the table\n"
+     "  --wide             every column of the table (default: those that fit 100 columns)\n"
      "  --report OUT.html  also write the HTML report (its folder is checked first)\n"
      "  --plans DIR        write each policy's plan of each step to DIR/POLICY/step-K.json\n"
      "                     (DIR is created when its parent exists)\n"
@@ -84,7 +89,8 @@ static const cli_command commands[] = {
      "load a policy in the sandbox, show its metadata and what it does on a small batch",
      "  POLICY.lua         the policy file to try\n"
      "  --config C         config (default: the bundled config-small.json)\n"
-     "  --trace T          run the policy on this trace's step (default: a generated batch)\n"
+     "  --trace T          run the policy on this trace's step (default: the bundled\n"
+     "                     example's first step, from gen-example.json)\n"
      "  --step K           which step of --trace, counted from 0 (default 0)\n",
      "routepack policy check policies/eplb.lua"},
     {"plan", "baseline", cmd_plan_baseline,
@@ -128,6 +134,24 @@ static const cli_command commands[] = {
      "routepack memory --config examples/config-reference.json"},
 };
 #define NUM_COMMANDS (sizeof commands / sizeof commands[0])
+
+static size_t command_options(const cli_command *c, const char **out, size_t cap);
+
+int cli_unknown_option(const char *command, const char *option)
+{
+    const char *names[66];
+    size_t n = 0;
+    for (size_t i = 0; i < NUM_COMMANDS && !n; i++) {
+        const cli_command *c = &commands[i];
+        size_t g = strlen(c->group);
+        if (!strncmp(command, c->group, g) &&
+            (c->name ? command[g] == ' ' && !strcmp(command + g + 1, c->name) : command[g] == '\0'))
+            n = command_options(c, names, sizeof names / sizeof names[0]);
+    }
+    const char *near = cli_closest(option, names, n);
+    if (near) return cli_usage("%s: unknown option '%s' (did you mean '%s'?)", command, option, near);
+    return cli_usage("%s: unknown option '%s' (try: routepack help %s)", command, option, command);
+}
 
 static void print_usage(FILE *out)
 {
@@ -207,6 +231,43 @@ int cli_usage(const char *fmt, ...)
     fprintf(stderr, "\n");
     va_end(ap);
     return CLI_USAGE;
+}
+
+const char *cli_closest(const char *word, const char *const *names, size_t count)
+{
+    /* a typo: at most 2 edits, and fewer than the word has letters ("-x" suggests nothing) */
+    size_t len = strlen(word), best_d = len > 2 ? 3 : len;
+    const char *best = NULL;
+    for (size_t i = 0; i < count; i++) {
+        size_t d = rp_edit_distance(word, names[i]);
+        if (d < best_d) best_d = d, best = names[i];
+    }
+    return best;
+}
+
+/* The options a command's help page names ("--config", ...; --quiet and --help for
+ * all), collected from its usage line and options text into `out` (static storage). */
+static size_t command_options(const cli_command *c, const char **out, size_t cap)
+{
+    static char words[64][32];
+    size_t n = 0;
+    const char *texts[2] = {c->usage, c->options};
+    out[n++] = "--quiet", out[n++] = "--help";
+    for (int t = 0; t < 2; t++)
+        for (const char *p = texts[t]; (p = strstr(p, "--")) != NULL;) {
+            size_t len = 2;
+            while ((p[len] >= 'a' && p[len] <= 'z') || p[len] == '-') len++;
+            bool seen = len == 2 || len >= sizeof words[0];
+            for (size_t i = 0; i < n && !seen; i++) seen = strlen(out[i]) == len && !strncmp(out[i], p, len);
+            if (!seen && n < cap && n - 2 < sizeof words / sizeof words[0]) {
+                memcpy(words[n - 2], p, len);
+                words[n - 2][len] = '\0';
+                out[n] = words[n - 2];
+                n++;
+            }
+            p += len;
+        }
+    return n;
 }
 
 bool cli_opt(int argc, char **argv, int *i, const char *name, const char **value, bool *bad)
@@ -298,15 +359,30 @@ int main(int argc, char **argv)
     /* a known group without one of its subcommands: list them */
     char names[256] = "";
     size_t used = 0;
-    for (size_t i = 0; i < NUM_COMMANDS && used < sizeof names; i++)
-        if (commands[i].name && !strcmp(argv[1], commands[i].group))
-            used += (size_t)snprintf(names + used, sizeof names - used, "%s%s", used ? ", " : "", commands[i].name);
+    const char *subs[NUM_COMMANDS], *groups[NUM_COMMANDS + 2] = {"help", "version"};
+    size_t num_subs = 0, num_groups = 2;
+    for (size_t i = 0; i < NUM_COMMANDS; i++) {
+        bool seen = false;
+        for (size_t j = 0; j < num_groups && !seen; j++) seen = !strcmp(groups[j], commands[i].group);
+        if (!seen) groups[num_groups++] = commands[i].group;
+        if (commands[i].name && !strcmp(argv[1], commands[i].group)) {
+            subs[num_subs++] = commands[i].name;
+            if (used < sizeof names)
+                used += (size_t)snprintf(names + used, sizeof names - used, "%s%s", used ? ", " : "", commands[i].name);
+        }
+    }
     if (used) {
-        if (argc > 2) cli_usage("%s: unknown subcommand '%s' (subcommands: %s)", argv[1], argv[2], names);
+        const char *near = argc > 2 ? cli_closest(argv[2], subs, num_subs) : NULL;
+        if (near) cli_usage("%s: unknown subcommand '%s' (did you mean '%s %s'?)", argv[1], argv[2], argv[1], near);
+        else if (argc > 2) cli_usage("%s: unknown subcommand '%s' (subcommands: %s)", argv[1], argv[2], names);
         else cli_usage("%s needs a subcommand: %s (try: routepack help)", argv[1], names);
         return CLI_USAGE;
     }
-    cli_usage("unknown command '%s%s%s' (try: routepack help)", argv[1], argc > 2 ? " " : "",
-              argc > 2 ? argv[2] : "");
+    const char *near = cli_closest(argv[1], groups, num_groups);
+    if (near)
+        cli_usage("unknown command '%s' (did you mean '%s'? try: routepack help)", argv[1], near);
+    else
+        cli_usage("unknown command '%s%s%s' (try: routepack help)", argv[1], argc > 2 ? " " : "",
+                  argc > 2 ? argv[2] : "");
     return CLI_USAGE;
 }
