@@ -13,5 +13,9 @@ packages=(
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -q
-$sudo apt-get install -y -q --no-install-recommends "${packages[@]}"
+# Another apt (unattended-upgrades on a fresh machine, a second install) holding the dpkg
+# or lists lock is waited for, up to RP_APT_LOCK_TIMEOUT seconds (default 600), instead of
+# failing at once (apt >= 1.9.11, Debian 11 on).
+wait_lock=(-o "DPkg::Lock::Timeout=${RP_APT_LOCK_TIMEOUT:-600}")
+$sudo apt-get "${wait_lock[@]}" update -q
+$sudo apt-get "${wait_lock[@]}" install -y -q --no-install-recommends "${packages[@]}"
