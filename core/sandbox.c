@@ -38,6 +38,10 @@ enum { REF_ENV, REF_MSGH, REF_GC, REF_ERROR_TEXT, REF_MSG_FIRST, REF_COUNT = REF
 #define SCAN_BYTES_PER_UNIT 4
 /* Chunk name of the sandbox's own Lua wrappers; their frames are left out of traces. */
 #define PRELUDE_NAME "=(sandbox)"
+/* Keys pairs and next visit between two charges (a charge may raise: nothing is held). */
+#define KEYS_PER_CHARGE 4096
+/* Bytes of two string keys memcmp compares for one unit (pairs' sort, next). */
+#define KEY_BYTES_PER_UNIT 64
 
 struct rp_sandbox {
     rp_context *ctx;
@@ -299,6 +303,18 @@ static bool spend(rp_sandbox *sb, int64_t units)
     return true;
 }
 
+/* A C loop calls back into Lua or C (a comparator, a metamethod, a gsub replacement, a
+ * __tostring, __pairs): the callback's own work is hooked (Lua) or bounded and charged
+ * (every C function a policy can reach, docs/sandbox.md's inventory), but between two
+ * callbacks no hook fires, so the loop charges each one and reads the clock at each. */
+void rp_sandbox_charge_callback(lua_State *L)
+{
+    rp_sandbox *sb = rp_sandbox_of(L);
+    if (!sb->in_call) return;
+    if (spend(sb, RP_SANDBOX_CALLBACK_UNITS) && now_s(sb) > sb->deadline) trip(sb, TRIP_WALL);
+    if (sb->tripped != TRIP_NONE) raise_trip(sb, L);
+}
+
 void rp_sandbox_charge(lua_State *L, int64_t units)
 {
     rp_sandbox *sb = rp_sandbox_of(L);
@@ -523,6 +539,7 @@ void rp_sandbox_tostring(lua_State *L, int idx)
     idx = abs_index(L, idx);
     if (luaL_getmetafield(L, idx, "__tostring")) {
         rp_sandbox_check_c_stack(L);
+        rp_sandbox_charge_callback(L);
         lua_pushvalue(L, idx);
         lua_call(L, 1, 1);
         if (!lua_isstring(L, -1)) luaL_error(L, "'__tostring' must return a string");
@@ -642,12 +659,14 @@ static int push_ordered_keys(lua_State *L, int t, const char *who, lua_Integer *
      * string hash per state): not the work charged, not what is allocated. */
     int n = 0, others = 0, total = 0;
     bool mixed = false;
+    size_t longest = 0; /* the longest string key: what one comparison of the sort may read */
     lua_pushnil(L); /* first pass: check the keys, count those outside the run */
     while (lua_next(L, t)) {
         lua_pop(L, 1);
         key_entry probe;
-        total++;
+        if (++total % KEYS_PER_CHARGE == 0) rp_sandbox_charge(L, KEYS_PER_CHARGE);
         if (!classify_key(L, -1, &probe)) unordered_key_error(L, who, -1);
+        if (probe.len > longest) longest = probe.len;
         if (is_run_key(&probe, *run)) continue;
         /* rare: another number sorts among the run: one sorted array of all keys */
         if (*run > 0 && probe.rank == 0 && probe.number < (double)*run) mixed = true;
@@ -657,7 +676,7 @@ static int push_ordered_keys(lua_State *L, int t, const char *who, lua_Integer *
         *run = 0;
         others = total;
     }
-    rp_sandbox_charge(L, total);
+    rp_sandbox_charge(L, total % KEYS_PER_CHARGE);
     lua_createtable(L, others, 0);
     int keys = lua_gettop(L);
     lua_pushnil(L);
@@ -678,8 +697,10 @@ static int push_ordered_keys(lua_State *L, int t, const char *who, lua_Integer *
         lua_pop(L, 1);
         e[i].slot = i + 1;
     }
-    /* sorted and rebuilt even when lua_next happened to visit them in order */
-    rp_sandbox_charge(L, sort_cost(n));
+    /* sorted and rebuilt even when lua_next happened to visit them in order; a
+     * comparison of string keys reads up to the longest key */
+    int64_t per_comparison = 1 + (int64_t)(longest / KEY_BYTES_PER_UNIT), comparisons = sort_cost(n);
+    rp_sandbox_charge(L, comparisons > INT64_MAX / per_comparison ? INT64_MAX : comparisons * per_comparison);
     qsort(e, (size_t)n, sizeof *e, compare_entries); /* keys are distinct: a strict order */
     if (n <= 64 && lua_checkstack(L, n)) { /* reorder in place through the stack */
         for (int i = 0; i < n; i++) lua_rawgeti(L, keys, e[i].slot);
@@ -732,6 +753,7 @@ static int sb_pairs(lua_State *L)
     luaL_checkany(L, 1);
     if (luaL_getmetafield(L, 1, "__pairs")) { /* views the engine exposes as userdata */
         rp_sandbox_check_c_stack(L);
+        rp_sandbox_charge_callback(L);
         lua_pushvalue(L, 1);
         lua_call(L, 1, 3);
         return 3;
@@ -770,8 +792,12 @@ static int sb_next(lua_State *L)
     lua_pushnil(L);
     while (lua_next(L, 1)) {
         lua_pop(L, 1);
-        n++;
         if (!classify_key(L, 4, &e)) unordered_key_error(L, "next", 4);
+        n += 1 + (int64_t)(2 * e.len / KEY_BYTES_PER_UNIT); /* two comparisons read up to the key */
+        if (n >= KEYS_PER_CHARGE) {
+            rp_sandbox_charge(L, n);
+            n = 0;
+        }
         if (have_after && compare_keys(&e, &after) <= 0) continue;
         if (!have_best || compare_keys(&e, &best) < 0) {
             lua_pushvalue(L, 4);
@@ -793,32 +819,6 @@ static int sb_next(lua_State *L)
 
 /* ---- table functions ---------------------------------------------------------------- */
 
-/* table.insert with a bounded position (Lua 5.3's rule): LuaJIT's shifts from the end
- * down to any position, 2^31 steps for insert(t, -2^31, v) with no hook able to fire. */
-static int sb_tinsert(lua_State *L)
-{
-    luaL_checktype(L, 1, LUA_TTABLE);
-    int64_t e = (int64_t)lua_objlen(L, 1) + 1, pos;
-    luaL_argcheck(L, e <= INT32_MAX, 1, "table too large");
-    switch (lua_gettop(L)) {
-    case 2: pos = e; break;
-    case 3: {
-        double at = luaL_checknumber(L, 2);
-        luaL_argcheck(L, at >= 1 && at < (double)e + 1, 2, "position out of bounds");
-        pos = (int64_t)at; /* truncated, as LuaJIT does */
-        rp_sandbox_charge(L, e - pos);
-        for (int64_t i = e; i > pos; i--) {
-            lua_rawgeti(L, 1, (int)(i - 1));
-            lua_rawseti(L, 1, (int)i);
-        }
-        break;
-    }
-    default: return luaL_error(L, "wrong number of arguments to 'insert'");
-    }
-    lua_rawseti(L, 1, (int)pos);
-    return 0;
-}
-
 static int error_at_caller(lua_State *L, const char *message)
 {
     luaL_where(L, 2); /* level 1 is the prelude wrapper */
@@ -835,11 +835,10 @@ static int wrapper_argerror(lua_State *L, int arg, const char *fname, const char
     return error_at_caller(L, lua_tostring(L, -1));
 }
 
-/* Checks for the prelude's sort before LuaJIT's (C) sort runs: argument types, the C
- * stack (a comparator may sort again) and the charge for the C work: n*log2(n)
- * comparisons, each costing the longest string's length when the default order
- * compares strings. A C function as comparator is refused: its comparisons would run
- * entirely in C (string.find on long strings ran minutes on 2000 elements). */
+/* Checks for the prelude's sort before the sandbox's (sandbox_table.c, which charges
+ * every comparison) runs: argument types, the C stack (a comparator may sort again). A C
+ * function as comparator is refused: a policy has no use for one, and its comparisons
+ * would only be bounded by the charges of the function itself. */
 static int sb_sort_check(lua_State *L)
 {
     if (lua_type(L, 1) != LUA_TTABLE) return wrapper_argerror(L, 1, "sort", "table");
@@ -849,18 +848,6 @@ static int sb_sort_check(lua_State *L)
         return error_at_caller(L, "bad argument #2 to 'sort' (a C function as comparator is not available to "
                                   "policies: its comparisons run where no limit is checked; pass a Lua function)");
     rp_sandbox_check_c_stack(L);
-    int64_t n = (int64_t)lua_objlen(L, 1);
-    rp_sandbox_charge(L, n);
-    size_t longest = 0;
-    if (lua_isnoneornil(L, 2))
-        for (int64_t i = 1; i <= n; i++) {
-            lua_rawgeti(L, 1, (int)i);
-            if (lua_type(L, -1) == LUA_TSTRING && lua_objlen(L, -1) > longest) longest = lua_objlen(L, -1);
-            lua_pop(L, 1);
-        }
-    int64_t per_comparison = 1 + (int64_t)(longest / SCAN_BYTES_PER_UNIT);
-    int64_t comparisons = sort_cost(n);
-    rp_sandbox_charge(L, comparisons > INT64_MAX / per_comparison ? INT64_MAX : comparisons * per_comparison);
     return 0;
 }
 
@@ -949,6 +936,7 @@ static int xpcall_handler(lua_State *L)
     lua_settop(L, 1);
     if (sb->tripped != TRIP_NONE) return 1;
     rp_sandbox_check_c_stack(L);
+    rp_sandbox_charge_callback(L);
     lua_pushvalue(L, lua_upvalueindex(1));
     lua_insert(L, 1);
     lua_call(L, 1, 1);
@@ -1013,13 +1001,13 @@ static int sb_format_args(lua_State *L)
  * and table.concat are the prelude's charged wrappers around LuaJIT's. */
 static const char *const base_names[] = {
     "assert", "error",  "ipairs", "pcall",  "select",   "type",
-    "unpack", "rawequal", "rawget", "rawset", "rawlen", "setmetatable", NULL};
+    "rawequal", "rawget", "rawset", "rawlen", "setmetatable", NULL};
 static const char *const math_names[] = {
     "abs", "acos", "asin", "atan", "atan2", "ceil", "cos", "cosh", "deg", "exp",
     "floor", "fmod", "frexp", "huge", "ldexp", "log", "log10", "max", "min", "modf",
     "pi", "pow", "rad", "sin", "sinh", "sqrt", "tan", "tanh", NULL};
 static const char *const string_names[] = {"byte", "char", "len", NULL};
-static const char *const table_names[] = {"maxn", "remove", NULL};
+static const char *const table_names[] = {"remove", NULL}; /* LuaJIT's is Lua: hooked */
 
 /* Copy the whitelisted fields that exist from table `from` into table `to`. */
 static void copy_fields(lua_State *L, int from, int to, const char *const *names)
@@ -1089,15 +1077,15 @@ static int build_sandbox(lua_State *L)
     lua_getglobal(L, LUA_TABLIBNAME); /* 2 */
     lua_newtable(L);                  /* 3 */
     copy_fields(L, 2, 3, table_names);
-    set_function(L, 3, "insert", sb_tinsert);
+    rp_sandbox_open_table(L, 1, 3);
 
     lua_getglobal(L, LUA_STRLIBNAME); /* 4 */
     lua_newtable(L);                  /* 5 */
     copy_fields(L, 4, 5, string_names);
     rp_sandbox_open_string(L, 5);
 
-    /* The prelude's wrappers: xpcall, string.format, table.sort, and the pre-charged
-     * tonumber, string.sub/upper/lower/reverse/rep and table.concat. */
+    /* The prelude's wrappers: xpcall, string.format, table.sort, the pre-charged
+     * tonumber, string.sub/upper/lower/reverse/rep and table.concat, and table.maxn. */
     if (luaL_loadbuffer(L, rp_lua_sandbox_prelude, sizeof rp_lua_sandbox_prelude, PRELUDE_NAME) != 0)
         return lua_error(L);
     lua_newtable(L);
@@ -1106,7 +1094,7 @@ static int build_sandbox(lua_State *L)
     lua_pushcfunction(L, sb_handler_for);
     lua_getfield(L, 4, "format");
     lua_pushcfunction(L, sb_format_args);
-    lua_getfield(L, 2, "sort");
+    rp_sandbox_push_sort(L);
     lua_pushcfunction(L, sb_sort_check);
     lua_pushcfunction(L, sb_check_clock);
     lua_pushcfunction(L, sb_charge_args);
@@ -1117,7 +1105,14 @@ static int build_sandbox(lua_State *L)
     lua_getfield(L, 4, "reverse");
     lua_getfield(L, 4, "rep");
     lua_getfield(L, 2, "concat");
-    lua_call(L, 15, 10);
+    lua_getglobal(L, "next");
+    lua_getglobal(L, "type");
+    lua_getfield(L, 2, "maxn");
+    lua_getglobal(L, LUA_MATHLIBNAME);
+    lua_getfield(L, -1, "max");
+    lua_remove(L, -2);
+    lua_call(L, 19, 11);
+    lua_setfield(L, 3, "maxn");
     lua_setfield(L, 3, "concat");
     lua_setfield(L, 5, "rep");
     lua_setfield(L, 5, "reverse");
@@ -1289,6 +1284,12 @@ void rp_sandbox_set_clock(rp_sandbox *sb, double (*clock_s)(void *ud), void *ud)
 {
     sb->clock_s = clock_s;
     sb->clock_ud = ud;
+}
+
+void rp_sandbox_copy_clock(rp_sandbox *to, const rp_sandbox *from)
+{
+    to->clock_s = from->clock_s;
+    to->clock_ud = from->clock_ud;
 }
 
 void rp_sandbox_set_max_instructions(rp_sandbox *sb, int64_t max_instructions)

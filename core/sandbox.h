@@ -57,6 +57,10 @@ typedef struct rp_sandbox_limits {
  * nesting trips the depth limit, so the calling thread needs this much spare stack. */
 #define RP_SANDBOX_C_STACK_BYTES ((size_t)256 << 10)
 
+/* What one callback from a C loop into Lua or C costs (rp_sandbox_charge_callback): the
+ * call's own frame, about as much as a few VM instructions. */
+#define RP_SANDBOX_CALLBACK_UNITS 4
+
 typedef struct rp_sandbox rp_sandbox;
 
 /* The documented defaults: 200M instructions, 5 s, 256 MiB, 200 levels. */
@@ -98,6 +102,8 @@ void rp_sandbox_set_max_instructions(rp_sandbox *sb, int64_t max_instructions);
  * CLOCK_MONOTONIC. For tests of the wall-time limit: an injected clock makes them
  * independent of the machine's speed. Takes effect at the next call. */
 void rp_sandbox_set_clock(rp_sandbox *sb, double (*clock_s)(void *ud), void *ud);
+/* Give `to` the clock `from` reads (a rebuilt policy keeps an injected clock). */
+void rp_sandbox_copy_clock(rp_sandbox *to, const rp_sandbox *from);
 
 /* Compile `source` (text only: precompiled bytecode is refused) as a chunk named
  * `chunkname` ("policy.lua"; NULL means "policy"), give it the policy environment, run
@@ -125,6 +131,10 @@ rp_status rp_sandbox_call(rp_sandbox *sb, int nargs, int nresults, rp_error *err
  * nothing. Every C function whose work can exceed the memory it produces must charge
  * before or while it works. */
 void rp_sandbox_charge(lua_State *L, int64_t units);
+/* For a C loop that calls back into Lua or C (a comparator, a metamethod, a replacement
+ * function): charge RP_SANDBOX_CALLBACK_UNITS and read the clock, before each callback.
+ * Raises the limit error when a limit has tripped. Outside a call it does nothing. */
+void rp_sandbox_charge_callback(lua_State *L);
 /* The non-raising form: charge and return RP_ELIMIT when a limit has tripped; the
  * caller frees what it holds and then calls rp_sandbox_raise(L). */
 rp_status rp_sandbox_try_charge(lua_State *L, int64_t units);
@@ -145,6 +155,11 @@ void rp_sandbox_check_c_stack(lua_State *L);
 /* Inside the sandbox (sandbox_string.c): set the bounded pattern functions find, match,
  * gmatch and gsub in the table at stack index `table`. */
 void rp_sandbox_open_string(lua_State *L, int table);
+/* Inside the sandbox (sandbox_table.c): set the charged table.insert in the table at stack
+ * index `table` and unpack in the environment at `env`. */
+void rp_sandbox_open_table(lua_State *L, int env, int table);
+/* Push the C part of table.sort (every comparison charged; the prelude wraps it). */
+void rp_sandbox_push_sort(lua_State *L);
 /* Push the sandbox's tostring of the value at `idx` (no addresses). */
 void rp_sandbox_tostring(lua_State *L, int idx);
 

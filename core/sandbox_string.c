@@ -445,12 +445,16 @@ static void add_value(match_state *ms, luaL_Buffer *b, const char *s, const char
     case LUA_TNUMBER:
     case LUA_TSTRING: add_s(ms, b, s, e); return;
     case LUA_TFUNCTION: {
+        steps_flush(ms);
+        rp_sandbox_charge_callback(L);
         lua_pushvalue(L, 3);
         int n = push_captures(ms, s, e);
         lua_call(L, n, 1);
         break;
     }
-    case LUA_TTABLE:
+    case LUA_TTABLE: /* an __index may run: a callback */
+        steps_flush(ms);
+        rp_sandbox_charge_callback(L);
         push_onecapture(ms, 0, s, e);
         lua_gettable(L, 3);
         break;
