@@ -2,6 +2,7 @@
  * params, finding it by name on the search path, listing what is installed, and calling
  * its init and plan functions under the sandbox's limits. */
 #include "jsonx.h"
+#include "policy_state.h"
 #include "sched_internal.h"
 
 #include <lauxlib.h>
@@ -623,6 +624,7 @@ void rp_policy_free(rp_policy *pol)
     rp_free(pol->ctx, pol->params);
     rp_free(pol->ctx, pol->params_json);
     rp_free(pol->ctx, pol->source);
+    json_decref(pol->saved_state);
     rp_free(pol->ctx, pol);
 }
 
@@ -722,13 +724,17 @@ rp_status rp_policy_init(rp_policy *pol, const rp_lua_frame *frame, rp_error *er
         lua_pop(L, 1);
         return rp_fail_nomem(err, "the policy state");
     }
-    if (pol->init_ref == LUA_NOREF) return RP_OK;
-    call_job job;
-    memset(&job, 0, sizeof job);
-    job.kind = JOB_INIT;
-    job.pol = pol;
     rp_error e;
-    rp_status st = run_job(pol, &job, frame, &e);
+    rp_status st = RP_OK;
+    if (pol->init_ref != LUA_NOREF) {
+        call_job job;
+        memset(&job, 0, sizeof job);
+        job.kind = JOB_INIT;
+        job.pol = pol;
+        st = run_job(pol, &job, frame, &e);
+    }
+    /* the state a rebuild after a limit trip starts from until a plan call succeeds */
+    if (st == RP_OK) st = policy_keep_state(pol, NULL, &e);
     if (st != RP_OK)
         return rp_fail(err, st, "policy '%s': init failed: %s", pol->info.name, e.text);
     return RP_OK;
@@ -749,6 +755,10 @@ rp_status rp_policy_plan(rp_policy *pol, const rp_lua_frame *frame, int32_t num_
     rp_error_clear(&e);
     rp_status st = run_job(pol, &job, frame, &e);
     if (work) *work = rp_sandbox_work(pol->sb);
+    /* what a rebuild after a later limit trip starts from; a state that cannot be kept
+     * (over the call's instruction limit, or not a checkpoint's tree) fails the call */
+    bool keeping = st == RP_OK;
+    if (keeping) st = policy_keep_state(pol, work, &e);
     if (st == RP_OK) {
         *why = RP_CALL_OK;
         return RP_OK;
@@ -756,6 +766,11 @@ rp_status rp_policy_plan(rp_policy *pol, const rp_lua_frame *frame, int32_t num_
     rp_plan_free(out->plan);
     memset(out, 0, sizeof *out);
     const char *P = pol->info.name;
+    if (keeping) {
+        *why = st == RP_ELIMIT ? RP_CALL_LIMIT : st == RP_ENOMEM ? RP_CALL_NOMEM : RP_CALL_ERROR;
+        return rp_fail(err, st == RP_EINVAL ? RP_EPOLICY : st, "policy '%s' %s: %s", P,
+                       st == RP_ELIMIT ? "stopped" : "failed", e.text);
+    }
     if (st == RP_ENOMEM) {
         *why = RP_CALL_NOMEM;
         return rp_fail(err, st, "policy '%s': %s", P, e.text);

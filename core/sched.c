@@ -4,6 +4,7 @@
 #include "cost_internal.h"
 #include "jsonx.h"
 #include "limits_internal.h"
+#include "policy_state.h"
 #include "sched_internal.h"
 #include "sched_migrate.h"
 #include "stats_internal.h"
@@ -619,6 +620,13 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
             /* whatever failed inside the policy's call, out of memory included, is the
              * policy's failure: the step falls back */
             textf(r->reason, sizeof r->reason, "%s", err.text);
+            /* a limit trip leaves the policy's Lua state as the interrupted code left it,
+             * at a point that depends on the machine's speed: start again from its source
+             * and the ctx.state of its last successful call */
+            if (r->why == RP_CALL_LIMIT && policy_rebuild(&ps->pol[i], &err) != RP_OK) {
+                size_t used = strlen(r->reason);
+                textf(r->reason + used, sizeof r->reason - used, " (and rebuilding it failed: %s)", err.text);
+            }
             goto fail;
         }
         /* what the policy omitted stays as ctx.plan had it */

@@ -43,6 +43,9 @@ typedef struct rp_policy {
     int plan_ref, init_ref, state_ref, call_ref; /* registry references */
     char *source;                /* the text loaded (NUL-terminated), for checkpoints */
     size_t source_len;
+    /* ctx.state as its last successful call (or init) left it, encoded as a checkpoint
+     * holds it (core/policy_rebuild.c): what a rebuild after a limit trip starts from */
+    struct json_t *saved_state;
 } rp_policy;
 
 /* The longest policy source accepted (shipped policies are under 5 KiB): a larger file

@@ -3,6 +3,7 @@
  * from their saved text, ctx.state rebuilt) before swapping it in. docs/formats.md,
  * "Scheduler state", gives the layout. */
 #include "jsonx.h"
+#include "policy_state.h"
 #include "sched_internal.h"
 #include "sched_migrate.h"
 #include "stats_internal.h"
@@ -18,8 +19,6 @@
 
 #define STATE_FORMAT "routepack-sched-state"
 #define STATE_VERSION 1
-/* Tables nested deeper than this in ctx.state are refused (the C and Lua stacks). */
-#define MAX_STATE_DEPTH 64
 #define PATH_LEN 256
 #define DUMP_FLAGS (JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(17))
 
@@ -39,331 +38,6 @@ static bool parse_hex64(const char *s, uint64_t *out)
     return true;
 }
 
-/* ---- values: strings that JSON cannot hold verbatim go as {"bytes": hex} ------------- */
-
-static json_t *encode_bytes(const char *s, size_t n)
-{
-    if (!memchr(s, '\0', n)) {
-        json_t *j = json_stringn(s, n); /* NULL: not UTF-8 (or no memory: retried below) */
-        if (j) return j;
-    }
-    static const char digits[] = "0123456789abcdef";
-    char *hex = malloc(2 * n + 1);
-    if (!hex) return NULL;
-    for (size_t i = 0; i < n; i++) {
-        hex[2 * i] = digits[(unsigned char)s[i] >> 4];
-        hex[2 * i + 1] = digits[(unsigned char)s[i] & 15];
-    }
-    hex[2 * n] = '\0';
-    json_t *j = json_pack("{s:s}", "bytes", hex);
-    free(hex);
-    return j;
-}
-
-/* The bytes of an encoded string: a JSON string, or {"bytes": hex} decoded into *buf
- * (malloc'ed; the caller frees it). False when `v` is neither. */
-static bool decode_bytes(json_t *v, const char **s, size_t *n, char **buf)
-{
-    *buf = NULL;
-    if (json_is_string(v)) {
-        *s = json_string_value(v);
-        *n = json_string_length(v);
-        return true;
-    }
-    json_t *h = json_is_object(v) && json_object_size(v) == 1 ? json_object_get(v, "bytes") : NULL;
-    if (!json_is_string(h)) return false;
-    size_t hn = json_string_length(h);
-    const char *hex = json_string_value(h);
-    if (hn % 2) return false;
-    *buf = malloc(hn / 2 + 1);
-    if (!*buf) return false;
-    for (size_t i = 0; i < hn / 2; i++) {
-        int d[2];
-        for (int k = 0; k < 2; k++) {
-            char c = hex[2 * i + (size_t)k];
-            d[k] = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-        }
-        if (d[0] < 0 || d[1] < 0) {
-            free(*buf);
-            *buf = NULL;
-            return false;
-        }
-        (*buf)[i] = (char)(d[0] << 4 | d[1]);
-    }
-    *s = *buf;
-    *n = hn / 2;
-    return true;
-}
-
-static json_t *encode_number(double x)
-{
-    if (isfinite(x)) return json_real(x);
-    return json_pack("{s:s}", "number", isnan(x) ? "nan" : x > 0 ? "inf" : "-inf");
-}
-
-static bool decode_number(json_t *v, double *x)
-{
-    if (json_is_number(v)) {
-        *x = json_number_value(v);
-        return true;
-    }
-    json_t *w = json_is_object(v) && json_object_size(v) == 1 ? json_object_get(v, "number") : NULL;
-    const char *s = json_string_value(w);
-    if (!s) return false;
-    if (strcmp(s, "nan") == 0) *x = NAN;
-    else if (strcmp(s, "inf") == 0) *x = INFINITY;
-    else if (strcmp(s, "-inf") == 0) *x = -INFINITY;
-    else return false;
-    return true;
-}
-
-/* ---- ctx.state -> JSON ------------------------------------------------------------------
- * A value is a boolean, a number (17 significant digits; {"number": "inf"} for what JSON
- * lacks), a string ({"bytes": hex} when not UTF-8 or holding NUL), or {"table": [[key,
- * value], ...]} with keys in the sandbox's pairs order: numbers ascending, strings by
- * their bytes, false, true. The walk allocates nothing in Lua (lua_next, raw reads), so
- * it runs unprotected once the stack is reserved. */
-
-typedef struct state_enc {
-    lua_State *L;
-    const char *policy;
-    const void **seen;   /* tables visited: ctx.state must be a tree */
-    size_t num_seen, cap_seen;
-    rp_status st;
-    rp_error *err;
-} state_enc;
-
-typedef struct state_entry {
-    int cls;             /* 0 number, 1 string, 2 boolean */
-    double num;
-    const char *str;
-    size_t len;
-    int kidx;            /* the key's stack slot */
-    json_t *key, *value;
-} state_entry;
-
-static int entry_cmp(const void *pa, const void *pb)
-{
-    const state_entry *a = pa, *b = pb;
-    if (a->cls != b->cls) return a->cls < b->cls ? -1 : 1;
-    if (a->cls > 2) return (a->kidx > b->kidx) - (a->kidx < b->kidx);
-    if (a->cls == 0) return a->num < b->num ? -1 : a->num > b->num;
-    if (a->cls == 2) return (a->num > b->num) - (a->num < b->num);
-    size_t n = a->len < b->len ? a->len : b->len;
-    int c = memcmp(a->str, b->str, n);
-    if (c) return c;
-    return (a->len > b->len) - (a->len < b->len);
-}
-
-static json_t *enc_fail(state_enc *e, rp_status st, const char *fmt, ...) RP_PRINTF(3, 4);
-static json_t *enc_fail(state_enc *e, rp_status st, const char *fmt, ...)
-{
-    char msg[RP_ERROR_TEXT];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    e->st = rp_fail(e->err, st, "policy '%s': %s", e->policy, msg);
-    return NULL;
-}
-
-static bool is_identifier(const char *s, size_t n)
-{
-    if (n == 0 || !((s[0] >= 'a' && s[0] <= 'z') || (s[0] >= 'A' && s[0] <= 'Z') || s[0] == '_')) return false;
-    for (size_t i = 1; i < n; i++)
-        if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || (s[i] >= '0' && s[i] <= '9') ||
-              s[i] == '_'))
-            return false;
-    return true;
-}
-
-/* The path of the entry whose key is at stack index -2 ("ctx.state.avg[3]"). */
-static void child_path(lua_State *L, const char *path, char *out)
-{
-    switch (lua_type(L, -2)) {
-    case LUA_TNUMBER: snprintf(out, PATH_LEN, "%s[%.17g]", path, lua_tonumber(L, -2)); break;
-    case LUA_TBOOLEAN: snprintf(out, PATH_LEN, "%s[%s]", path, lua_toboolean(L, -2) ? "true" : "false"); break;
-    case LUA_TSTRING: {
-        size_t n;
-        const char *s = lua_tolstring(L, -2, &n);
-        if (is_identifier(s, n)) snprintf(out, PATH_LEN, "%s.%.*s", path, (int)(n > 64 ? 64 : n), s);
-        else snprintf(out, PATH_LEN, "%s[\"%.*s\"]", path, (int)(n > 64 ? 64 : n), s);
-        break;
-    }
-    default: snprintf(out, PATH_LEN, "%s[<%s>]", path, lua_typename(L, lua_type(L, -2))); break;
-    }
-}
-
-static json_t *encode_value(state_enc *e, int idx, const char *path, int depth);
-
-/* Grow the stack by *(int *)ud free slots (a protected call: growing may raise). */
-static int reserve_stack(lua_State *L)
-{
-    const int *want = lua_touserdata(L, 1);
-    if (!lua_checkstack(L, *want)) return luaL_error(L, "stack overflow");
-    return 0;
-}
-
-static json_t *encode_table(state_enc *e, int idx, const char *path, int depth)
-{
-    lua_State *L = e->L;
-    if (depth >= MAX_STATE_DEPTH)
-        return enc_fail(e, RP_EINVAL, "%s nests tables deeper than %d; a checkpoint cannot hold it", path,
-                        MAX_STATE_DEPTH);
-    const void *p = lua_topointer(L, idx);
-    for (size_t i = 0; i < e->num_seen; i++)
-        if (e->seen[i] == p)
-            return enc_fail(e, RP_EINVAL,
-                            "%s is a table that ctx.state also holds at another place (a cycle or a shared table); a "
-                            "checkpoint holds a tree of tables",
-                            path);
-    if (e->num_seen == e->cap_seen) {
-        size_t cap = e->cap_seen ? 2 * e->cap_seen : 64;
-        const void **seen = realloc(e->seen, cap * sizeof *seen);
-        if (!seen) return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
-        e->seen = seen;
-        e->cap_seen = cap;
-    }
-    e->seen[e->num_seen++] = p;
-    if (lua_getmetatable(L, idx)) {
-        lua_pop(L, 1);
-        return enc_fail(e, RP_EINVAL, "%s has a metatable; a checkpoint holds plain tables only", path);
-    }
-    size_t n = 0;
-    lua_pushnil(L);
-    while (lua_next(L, idx)) {
-        n++;
-        lua_pop(L, 1);
-    }
-    /* the keys go on the stack and the values are encoded in key order, so the first
-     * problem reported is the same in every process */
-    if (n > (size_t)INT32_MAX / 2) return enc_fail(e, RP_EINVAL, "%s has too many entries", path);
-    int want = (int)n + 2 * MAX_STATE_DEPTH + 16;
-    if (lua_cpcall(L, reserve_stack, &want) != 0) {
-        lua_pop(L, 1);
-        return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
-    }
-    state_entry *ents = n ? calloc(n, sizeof *ents) : NULL;
-    if (n && !ents) return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
-    json_t *out = NULL, *list = NULL;
-    size_t got = 0;
-    char sub[PATH_LEN];
-    int base = lua_gettop(L);
-    lua_pushnil(L);
-    while (lua_next(L, idx)) {
-        lua_pop(L, 1);
-        lua_pushvalue(L, -1); /* one copy stays, the other goes on with lua_next */
-        state_entry *en = &ents[got];
-        en->kidx = lua_gettop(L) - 1;
-        int kt = lua_type(L, -1);
-        if (kt == LUA_TNUMBER) {
-            en->cls = 0;
-            en->num = lua_tonumber(L, -1);
-        } else if (kt == LUA_TSTRING) {
-            en->cls = 1;
-            en->str = lua_tolstring(L, -1, &en->len);
-        } else if (kt == LUA_TBOOLEAN) {
-            en->cls = 2;
-            en->num = lua_toboolean(L, -1);
-        } else {
-            en->cls = 3 + kt; /* refused below, in key order */
-        }
-        got++;
-    }
-    if (got) qsort(ents, got, sizeof *ents, entry_cmp);
-    for (size_t i = 0; i < got; i++) {
-        state_entry *en = &ents[i];
-        lua_pushvalue(L, en->kidx);
-        lua_pushvalue(L, en->kidx);
-        lua_rawget(L, idx);
-        child_path(L, path, sub);
-        if (en->cls > 2) {
-            enc_fail(e, RP_EINVAL, "%s has a key that is %s; keys can be numbers, strings and booleans", path,
-                     lua_typename(L, en->cls - 3));
-            goto out;
-        }
-        en->key = en->cls == 0 ? encode_number(en->num)
-                  : en->cls == 1 ? encode_bytes(en->str, en->len)
-                                 : json_boolean(en->num != 0);
-        if (!en->key) {
-            enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
-            goto out;
-        }
-        en->value = encode_value(e, lua_gettop(L), sub, depth + 1);
-        if (!en->value) goto out;
-        lua_pop(L, 2);
-    }
-    list = json_array();
-    if (!list) {
-        enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
-        goto out;
-    }
-    for (size_t i = 0; i < got; i++) {
-        json_t *pair = json_pack("[OO]", ents[i].key, ents[i].value);
-        if (!pair || json_array_append_new(list, pair) != 0) {
-            enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
-            goto out;
-        }
-    }
-    out = json_pack("{s:O}", "table", list);
-    if (!out) enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
-out:
-    lua_settop(L, base);
-    for (size_t i = 0; i < got; i++) {
-        json_decref(ents[i].key);
-        json_decref(ents[i].value);
-    }
-    free(ents);
-    json_decref(list);
-    return out;
-}
-
-static json_t *encode_value(state_enc *e, int idx, const char *path, int depth)
-{
-    lua_State *L = e->L;
-    json_t *j;
-    int t = lua_type(L, idx);
-    switch (t) {
-    case LUA_TBOOLEAN: j = json_boolean(lua_toboolean(L, idx)); break;
-    case LUA_TNUMBER: j = encode_number(lua_tonumber(L, idx)); break;
-    case LUA_TSTRING: {
-        size_t n;
-        const char *s = lua_tolstring(L, idx, &n);
-        j = encode_bytes(s, n);
-        break;
-    }
-    case LUA_TTABLE: return encode_table(e, idx, path, depth);
-    default:
-        return enc_fail(e, RP_EINVAL,
-                        "%s is %s; a checkpoint holds tables, strings, numbers and booleans in ctx.state (keep "
-                        "functions in the chunk, copy views with v:totable())",
-                        path, t == LUA_TFUNCTION ? "a function" : t == LUA_TTHREAD ? "a coroutine" : "userdata");
-    }
-    if (!j) return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state");
-    return j;
-}
-
-
-static json_t *encode_state(const rp_policy *pol, rp_status *st, rp_error *err)
-{
-    lua_State *L = rp_sandbox_state(pol->sb);
-    int want = 8;
-    if (lua_cpcall(L, reserve_stack, &want) != 0) {
-        lua_pop(L, 1);
-        *st = rp_fail_nomem(err, "saving ctx.state");
-        return NULL;
-    }
-    int top = lua_gettop(L);
-    state_enc e = {.L = L, .policy = pol->info.name, .st = RP_OK, .err = err};
-    lua_rawgeti(L, LUA_REGISTRYINDEX, pol->state_ref);
-    json_t *j = lua_istable(L, -1) ? encode_value(&e, lua_gettop(L), "ctx.state", 0) : json_pack("{s:[]}", "table");
-    if (!j && e.st == RP_OK) e.st = rp_fail_nomem(err, "saving ctx.state");
-    lua_settop(L, top);
-    free(e.seen);
-    *st = e.st;
-    return j;
-}
-
 /* ---- JSON -> ctx.state: checked first (messages name the JSON path), then built inside
  * a protected call, where only memory can fail ------------------------------------------ */
 
@@ -374,8 +48,8 @@ static rp_status check_value(const rp_jdoc *doc, json_t *v, const char *path, in
     const char *s;
     size_t n;
     char *buf;
-    if (decode_number(v, &x)) return RP_OK;
-    if (decode_bytes(v, &s, &n, &buf)) {
+    if (state_decode_number(v, &x)) return RP_OK;
+    if (state_decode_bytes(v, &s, &n, &buf)) {
         free(buf);
         return RP_OK;
     }
@@ -385,8 +59,8 @@ static rp_status check_value(const rp_jdoc *doc, json_t *v, const char *path, in
                             "is %s; a state value is a boolean, a number, a string, {\"number\": \"inf\"|\"-inf\"|\"nan\"}, "
                             "{\"bytes\": hex} or {\"table\": [[key, value], ...]}",
                             rp_jdoc_type_name(v));
-    if (depth >= MAX_STATE_DEPTH)
-        return rp_jdoc_fail(doc, err, RP_EFORMAT, path, "nests tables deeper than %d", MAX_STATE_DEPTH);
+    if (depth >= RP_STATE_MAX_DEPTH)
+        return rp_jdoc_fail(doc, err, RP_EFORMAT, path, "nests tables deeper than %d", RP_STATE_MAX_DEPTH);
     char sub[PATH_LEN], kv[PATH_LEN];
     size_t i;
     json_t *pair;
@@ -395,8 +69,8 @@ static rp_status check_value(const rp_jdoc *doc, json_t *v, const char *path, in
         if (!json_is_array(pair) || json_array_size(pair) != 2)
             return rp_jdoc_fail(doc, err, RP_EFORMAT, sub, "must be a [key, value] pair");
         json_t *key = json_array_get(pair, 0);
-        bool key_ok = json_is_boolean(key) || (decode_number(key, &x) && !isnan(x));
-        if (!key_ok && decode_bytes(key, &s, &n, &buf)) {
+        bool key_ok = json_is_boolean(key) || (state_decode_number(key, &x) && !isnan(x));
+        if (!key_ok && state_decode_bytes(key, &s, &n, &buf)) {
             free(buf);
             key_ok = true;
         }
@@ -407,45 +81,6 @@ static rp_status check_value(const rp_jdoc *doc, json_t *v, const char *path, in
         if (st != RP_OK) return st;
     }
     return RP_OK;
-}
-
-/* Push an encoded value (checked by check_value). Raises only on memory. */
-static void push_value(lua_State *L, json_t *v)
-{
-    double x;
-    const char *s;
-    size_t n;
-    char *buf;
-    if (json_is_boolean(v)) lua_pushboolean(L, json_is_true(v));
-    else if (decode_number(v, &x)) lua_pushnumber(L, x);
-    else if (decode_bytes(v, &s, &n, &buf)) {
-        lua_pushlstring(L, s, n); /* on a memory error buf leaks: malloc'ed, tiny, rare */
-        free(buf);
-    } else {
-        json_t *list = json_object_get(v, "table");
-        luaL_checkstack(L, 4, "ctx.state");
-        lua_createtable(L, 0, (int)json_array_size(list));
-        size_t i;
-        json_t *pair;
-        json_array_foreach(list, i, pair) {
-            push_value(L, json_array_get(pair, 0));
-            push_value(L, json_array_get(pair, 1));
-            lua_rawset(L, -3);
-        }
-    }
-}
-
-typedef struct build_job {
-    json_t *state;
-    int ref;
-} build_job;
-
-static int build_state(lua_State *L)
-{
-    build_job *job = lua_touserdata(L, 1);
-    push_value(L, job->state);
-    job->ref = luaL_ref(L, LUA_REGISTRYINDEX);
-    return 0;
 }
 
 /* ---- policy sets -------------------------------------------------------------------------- */
@@ -459,13 +94,13 @@ static json_t *encode_set(const policy_set *ps, int64_t at_step, bool staged, rp
     if (!pols) goto nomem;
     for (int32_t i = 0; i < ps->count; i++) {
         const rp_policy *pol = ps->pol[i];
-        json_t *state = encode_state(pol, st, err);
+        json_t *state = policy_state_encode(pol, INT64_MAX, NULL, st, err);
         if (!state) goto fail;
         char ph[17];
         hex64(ph, pol->info.hash);
         json_t *one = json_pack("{s:s, s:s, s:s, s:s, s:s, s:o, s:o}", "name", pol->info.name, "version",
                                 pol->info.version, "path", pol->info.path, "hash", ph, "params", pol->params_json,
-                                "source", encode_bytes(pol->source, pol->source_len), "state", state);
+                                "source", state_encode_bytes(pol->source, pol->source_len), "state", state);
         if (!one || json_array_append_new(pols, one) != 0) goto nomem;
     }
     out = json_pack("{s:s, s:s, s:s, s:O}", "name", ps->name, "version", ps->version, "hash", h, "policies", pols);
@@ -527,7 +162,7 @@ static rp_status load_set(const rp_jdoc *doc, const sched_fields *f, json_t *obj
         size_t src_len;
         char *buf;
         json_t *source = json_object_get(one, "source");
-        if (!source || !decode_bytes(source, &src, &src_len, &buf)) {
+        if (!source || !state_decode_bytes(source, &src, &src_len, &buf)) {
             st = rp_jdoc_fail(doc, err, RP_EFORMAT, rp_jpath_key(key, sizeof key, at, "source"),
                               "must be the policy's text (a string or {\"bytes\": hex})");
             goto fail;
@@ -560,15 +195,7 @@ static rp_status load_set(const rp_jdoc *doc, const sched_fields *f, json_t *obj
             goto fail;
         }
         ps->pol[ps->count++] = pol;
-        lua_State *L = rp_sandbox_state(pol->sb);
-        build_job job = {state, LUA_NOREF};
-        if (lua_cpcall(L, build_state, &job) != 0) {
-            lua_pop(L, 1);
-            st = rp_fail_nomem(err, "rebuilding ctx.state");
-            goto fail;
-        }
-        luaL_unref(L, LUA_REGISTRYINDEX, pol->state_ref);
-        pol->state_ref = job.ref;
+        RP_CHECK_GOTO(policy_state_restore(pol, state, err), st, fail);
     }
     if (ps->count == 2 && strcmp(ps->pol[0]->info.name, ps->pol[1]->info.name) == 0) {
         st = rp_jdoc_fail(doc, err, RP_EFORMAT, sub, "names policy '%s' twice", ps->pol[0]->info.name);

@@ -282,15 +282,23 @@ static void test_hostile(void)
 
 static void test_stale_view(void)
 {
-    /* a view kept in ctx.state is dead in the next call */
-    rp_sched *s = make(body_policy("if ctx.step == 0 then ctx.state.v = ctx.batch.seq_len return nil end\n"
-                                   "local x = ctx.state.v[0]\nreturn nil"),
+    /* a view kept in a global is dead in the next call */
+    rp_sched *s = make(body_policy("if ctx.step == 0 then kept = ctx.batch.seq_len return nil end\n"
+                                   "local x = kept[0]\nreturn nil"),
                        NULL);
     const rp_step_report *rep = step(s, 0, NULL);
-    ok(rep && !rep->fallback, "a view can be kept in ctx.state");
+    ok(rep && !rep->fallback, "a view can be kept in a global");
     rep = step(s, 1, NULL);
     ok(rep && rep->fallback && strstr(rep->fallback_reason, "ctx.batch.seq_len belongs to an earlier call"),
        "reading it in a later call is an error naming it");
+    rp_sched_free(s);
+    /* ctx.state is kept after every call as a checkpoint holds it: a view there fails
+     * the step that put it there */
+    s = make(body_policy("ctx.state.v = ctx.batch.seq_len return nil"), NULL);
+    rep = step(s, 0, NULL);
+    ok(rep && rep->fallback && strstr(rep->fallback_reason, "ctx.state cannot be kept after the call: ctx.state.v is "
+                                                             "userdata"),
+       "a view kept in ctx.state fails its step, naming it: %s", rep ? rep->fallback_reason : "");
     rp_sched_free(s);
 }
 
