@@ -144,6 +144,17 @@ class rp_migration_summary(Structure):
                 ("predicted_s", c_double)]
 
 
+class rp_gpu_memory(Structure):
+    # routepack/memory.h
+    _fields_ = [("gpu", c_int32), ("expert_weight_bytes", c_double), ("expert_grad_bytes", c_double),
+                ("expert_optimizer_bytes", c_double), ("dense_weight_bytes", c_double),
+                ("dense_grad_bytes", c_double), ("dense_optimizer_bytes", c_double),
+                ("extra_replicas", c_int64), ("extra_replica_bytes", c_double), ("staging_bytes", c_double),
+                ("total_bytes", c_double), ("capacity_bytes", c_double), ("expert_optimizer_shards", c_int32),
+                ("dense_optimizer_shards", c_int32), ("pipeline_stage", c_int32), ("stage_layers", c_int32),
+                ("context_parallel_size", c_int32), ("activation_tokens", c_int64), ("activation_bytes", c_double)]
+
+
 class rp_policy_info(Structure):
     _fields_ = [("name", c_char * 64), ("version", c_char * 32), ("api", c_int32),
                 ("description", c_char * 256), ("path", c_char * 1024), ("hash", c_uint64),
@@ -227,6 +238,7 @@ _REQUIRED = {
     "rp_plan_logcnt": (c_int32, [P, c_int32, PI32]),
     "rp_plan_eplb_arrays": (c_int, [P, c_int32, PI32, PI32, PI32, PERR]),
     "rp_plan_num_extra_replicas": (c_int32, [P]),
+    "rp_memory_gpu": (c_int, [P, P, c_int32, POINTER(rp_gpu_memory), PERR]),
     "rp_plan_extra_replica": (None, [P, c_int32, PI32, PI32, PI32, PI32]),
     "rp_plan_num_share_sets": (c_int32, [P]),
     "rp_plan_share_set": (POINTER(c_double), [P, c_int32, PI32, PI32, PI32, PI32]),

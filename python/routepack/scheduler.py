@@ -308,6 +308,19 @@ class StepResult:
         idx[bad] = len(flat) - 1
         return flat[idx]
 
+    def memory(self, gpu):
+        """What GPU ``gpu`` holds to train this plan (C rp_memory_gpu, docs/cost-model.md
+        "Memory per GPU"): a dict of routepack/memory.h's fields, bytes as floats
+        (``extra_replica_bytes``: the plan's extra replicas it holds in the step, weights
+        and gradients)."""
+        out = _lib.rp_gpu_memory()
+        err = _lib.new_error()
+        st = self._lib.rp_memory_gpu(self._config.handle, self._plan.handle, int(gpu), ctypes.byref(out),
+                                     ctypes.byref(err))
+        if st != errors.OK:
+            _lib.raise_error(st, err)
+        return {name: getattr(out, name) for name, _ in out._fields_}
+
     def microbatch_tokens(self, rank):
         """Token counts of each microbatch of `rank`."""
         lens = np.diff(self.cu_seqlens)

@@ -270,3 +270,86 @@ def test_every_rank_takes_part_in_every_batched_p2p_call():
     width = 2 * 8 * 8 * 4
     assert out[0][1]["sent"] == 2 * width and out[1][1]["sent"] == 2 * width
     assert out[2][1]["sent"] == 0 and out[3][1]["sent"] == 0
+
+
+# ---- memory: what the layer keeps is what rp_memory_gpu counts ----
+
+_MEMORY_POLICY = """
+return {
+  name = "two_extras", version = "1.0.0", api = 1, description = "contiguous; extras of rank 0's experts on rank 1",
+  plan = function(ctx)
+    local packing = {{{}, {}}, {{}, {}}}
+    for s = 0, ctx.batch.num_seqs - 1 do table.insert(packing[s % 2 + 1][math.floor(s / 2) % 2 + 1], s) end
+    return {packing = packing, placement = {{{0, 1}, {2, 3}}}, num_microbatches = 2,
+            extra_replicas = {{microbatch = 0, layer = 0, expert = 0, ep_rank = 1},
+                              {microbatch = 0, layer = 0, expert = 1, ep_rank = 1},
+                              {microbatch = 1, layer = 0, expert = 0, ep_rank = 1}}}
+  end,
+}
+"""
+
+
+def _memory_rank(rank, world, policy):
+    import routepack
+    from routepack.torch import ExpertPlacement, MoELayer, kernels
+    d, f, E, k = 16, 64, 4, 2
+    cfg = {"topology": {"num_nodes": 1, "gpus_per_node": 2, "ep_size": 2, "slots_per_gpu": 2},
+           "model": {"num_layers": 1, "num_experts": E, "top_k": k, "hidden_size": d, "expert_ffn_size": f,
+                     "num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "bytes_per_param": 4, "bytes_per_grad": 4},
+           "limits": {"max_tokens_per_microbatch": 4096, "num_microbatches": 2}}
+    lens = np.full(8, 2, np.int32)   # few tokens: a copy of the weights would outweigh them
+    rng = np.random.default_rng(3)
+    routing = np.stack([rng.choice(E, k, replace=False) for _ in range(int(lens.sum()))]).astype(np.int32)
+    res = routepack.Scheduler(cfg, policy=policy, log_level=None).step(lens, routing.reshape(-1, 1, k))
+    assert res.policy_name == "two_extras", res.fallback_reason
+    model = res.memory(rank)
+    placement = ExpertPlacement.from_step(res, 0)
+    layer = MoELayer(d, f, E, k, 2, gated=True)
+    kernels.choose_expert_kernel("cpu", torch.float32, d, f, True)   # its check's tensors are not the layer's
+    g = torch.Generator().manual_seed(0)
+    layer.load_experts(torch.randn(E, d, 2 * f, generator=g), torch.randn(E, f, d, generator=g), placement)
+    layer.set_placement(placement)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    own = {t.untyped_storage().data_ptr() for t in (layer.w_in, layer.w_out, layer.extra_w_in, layer.extra_w_out,
+                                                    layer.router.weight)}
+    in_flight = []
+    for m in range(2):
+        ids = res.microbatches[rank][m]
+        rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in ids])
+        phys = torch.as_tensor(res.remap_rank(rank, m, routing[rows].reshape(-1, 1, k)), dtype=torch.int64)[:, 0]
+        x = torch.randn(len(rows), d, generator=g).requires_grad_()
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(x, torch.as_tensor(routing[rows], dtype=torch.int64), phys, microbatch=m)
+        # what this microbatch keeps for its backward beyond the layer's own tensors
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+                    if t.untyped_storage().data_ptr() not in own and t.untyped_storage().data_ptr() != x.data_ptr()}
+        in_flight.append((sum(storages.values()), len(rows)))
+        y.square().sum().backward()
+    layer.reduce_replica_grads()
+    expert_bytes = 3 * d * f * 4
+    return dict(layer=layer.extra_replica_bytes(), model=model["extra_replica_bytes"],
+                count=model["extra_replicas"], held=int(layer.extra_w_in.shape[0]), in_flight=in_flight,
+                expert_bytes=expert_bytes)
+
+
+def test_layer_memory_is_what_the_model_counts(tmp_path):
+    policy = tmp_path / "two_extras.lua"
+    policy.write_text(_MEMORY_POLICY)
+    out = torch_world.run(_memory_rank, 2, str(policy))
+    assert out[0]["count"] == 0 and out[0]["layer"] == 0 == out[0]["model"]
+    # rank 1 holds experts 0 and 1 as extra replicas in the step (expert 0 in both
+    # microbatches counts once): weights and gradients, 3 d f x (4 + 4) bytes each
+    assert out[1]["count"] == 2 == out[1]["held"]
+    assert out[1]["layer"] == out[1]["model"] == 2 * 2 * out[1]["expert_bytes"]
+    for r in out:
+        for kept, tokens in r["in_flight"]:
+            # what a microbatch keeps for its backward beyond the layer's tensors:
+            # activations, at most 4 rows of hidden + 3 ffn width per token-choice (fp32),
+            # here less than the 4 experts' weights (2 slots + 2 extras, 48 KiB) that the
+            # old per-forward stack kept for every microbatch
+            assert kept <= tokens * 2 * 4 * (16 + 3 * 64) * 4 < 4 * r["expert_bytes"], (kept, tokens)

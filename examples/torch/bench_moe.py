@@ -1,0 +1,371 @@
+#!/usr/bin/env python3
+"""MoELayer measured on CPU ranks (gloo, one thread each): figures, never assertions.
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/torch/bench_moe.py plain [--reps 9]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/torch/bench_moe.py plans [--reps 9]
+
+``plain``: MoELayer with no levers (every expert once, contiguous) against a plain
+expert-parallel layer written as Megatron's alltoall dispatcher is (destination = expert //
+experts per rank, one row per token-choice, the same expert kernel), forward + backward of
+the same tokens, the variants interleaved (their order rotates every repetition).
+
+``plans``: the same skewed batch (rank 0's experts 3x hotter) under three plans the
+scheduler makes with a config whose hardware is this CPU (GEMM FLOP/s and gloo bandwidth
+measured first): contiguous (token_kk+contiguous), replicas and shares only (routepack,
+max_extra_per_rank 0) and with extra replicas (routepack). Each plan's step runs as a
+trainer runs it: set_placement (extra replicas fetched), every microbatch's forward and
+backward with the plan's physical ids, reduce_replica_grads. Printed: each plan's
+predicted step time (the scheduler's cost model under the layer's dispatch_dedup) and
+measured time, their ratios to the contiguous plan, and the replica-gradient bytes per rank
+against the formula.
+
+Times per repetition are the slowest rank's: wall (perf_counter) and the rank's thread CPU
+time (time.thread_time: what a rank computes, not what it waits for; with more ranks than
+cores the wall clock measures the scheduler of the machine). Medians, min-max over the
+repetitions. Each rank is pinned to core rank % cores."""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import routepack
+from routepack.torch import ExpertPlacement, MoELayer, all_to_all, kernels
+
+
+class PlainEP(nn.Module):
+    """Expert parallelism without levers: expert e on rank e // n_local, one row per
+    token-choice there and back (Megatron's MoEAlltoAllTokenDispatcher), the experts in
+    the same kernel as MoELayer's."""
+
+    def __init__(self, d, f, E, k, kernel, group=None):
+        super().__init__()
+        self.W = dist.get_world_size(group)
+        self.n_local, self.k, self.kernel, self.group = E // self.W, k, kernel, group
+        self.router = nn.Linear(d, E, bias=False)
+        self.w_in = nn.Parameter(torch.empty(self.n_local, d, f))
+        self.w_out = nn.Parameter(torch.empty(self.n_local, f, d))
+
+    def forward(self, x, routing):
+        T, k = x.shape[0], self.k
+        probs = torch.softmax(self.router(x).float(), -1)
+        gates = probs.gather(1, routing)
+        gates = gates / gates.sum(-1, keepdim=True)
+        key = routing.reshape(-1)
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(self.W * self.n_local, dtype=torch.int64).index_add_(0, key, torch.ones_like(key))
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        host = torch.stack([counts, recv]).numpy()
+        sent_c, recv_c = host[0].reshape(self.W, -1), host[1].reshape(self.W, -1)
+        rows = all_to_all(x[order // k], recv_c.sum(1), sent_c.sum(1), self.group)
+        expert_of_row = torch.arange(self.n_local).repeat(self.W).repeat_interleave(
+            torch.as_tensor(recv_c.reshape(-1)), output_size=rows.shape[0])
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        y = kernels.expert_mlp(rows[by_expert], recv_c.sum(0).tolist(), self.w_in, self.w_out, self.kernel)
+        back = torch.empty_like(y).index_copy(0, by_expert, y)
+        returned = all_to_all(back, sent_c.sum(1), recv_c.sum(1), self.group)
+        out = torch.empty_like(returned).index_copy(0, order, returned).view(T, k, -1)
+        return (out * gates.to(out.dtype).unsqueeze(-1)).sum(1)
+
+
+def slowest(values):
+    """The largest of each value over the ranks."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def timed(fn):
+    dist.barrier()
+    w0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    c1 = time.thread_time()
+    dist.barrier()
+    return slowest([time.perf_counter() - w0, c1 - c0])
+
+
+def summary(xs):
+    return "%.2f (%.2f-%.2f)" % (statistics.median(xs), min(xs), max(xs))
+
+
+def skewed_routing(rng, T, E, k, hot, factor):
+    p = np.ones(E)
+    p[hot] = factor
+    p /= p.sum()
+    g = np.log(p)[None, :] + rng.gumbel(size=(T, E))
+    return np.argsort(-g, axis=1)[:, :k]
+
+
+def part_plain(args, rank, world):
+    d, f, E, k, T = args.hidden, args.ffn, args.experts, args.top_k, args.tokens
+    kern, why = kernels.choose_expert_kernel("cpu", torch.float32, d, f, False)
+    g = torch.Generator().manual_seed(0)
+    w_in, w_out = torch.randn(E, d, f, generator=g) * d ** -0.5, torch.randn(E, f, d, generator=g) * f ** -0.5
+    router = torch.randn(E, d, generator=g) * d ** -0.5
+    n_local = E // world
+    placement = ExpertPlacement(np.arange(E), np.arange(world + 1) * n_local, [np.zeros((0, 2), np.int64)])
+    plain = PlainEP(d, f, E, k, kern)
+    layers = {"plain": plain}
+    for mode in ("choice", "gpu"):
+        layer = MoELayer(d, f, E, k, n_local, dispatch_dedup=mode, expert_kernel=kern)
+        layer.load_experts(w_in, w_out, placement)
+        layer.set_placement(placement)
+        layers["moe_" + mode] = layer
+    with torch.no_grad():
+        plain.w_in.copy_(w_in[rank * n_local:(rank + 1) * n_local])
+        plain.w_out.copy_(w_out[rank * n_local:(rank + 1) * n_local])
+        for layer in layers.values():
+            layer.router.weight.copy_(router)
+    rng = np.random.default_rng(rank)
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(rank + 1))
+    routing = torch.as_tensor(skewed_routing(rng, T, E, k, np.arange(E), 1.0))
+    cot = torch.randn(T, d)
+
+    def run(layer):
+        def go():
+            xi = x.clone().requires_grad_()
+            y = layer(xi, routing)
+            y.backward(cot)
+            if isinstance(layer, MoELayer):
+                layer.reduce_replica_grads()
+        return go
+    names = list(layers)
+    times = {n: [] for n in names}
+    for rep in range(args.warmup + args.reps):
+        for j in range(len(names)):
+            n = names[(rep + j) % len(names)]
+            t = timed(run(layers[n]))
+            if rep >= args.warmup:
+                times[n].append(t)
+    if rank == 0:
+        print("plain: %d ranks, %d tokens a rank, d %d, f %d, %d experts, top-%d; expert kernel %s (%s); "
+              "%d reps after %d warm-up, interleaved" % (world, T, d, f, E, k, kern, why, args.reps, args.warmup))
+        for n in names:
+            print("  %-10s wall %s ms   thread CPU %s ms" % (
+                n, summary([w * 1e3 for w, _ in times[n]]), summary([c * 1e3 for _, c in times[n]])))
+        for n in names[1:]:
+            print("  %s / plain: wall %s   thread CPU %s" % (
+                n, summary([a[0] / b[0] for a, b in zip(times[n], times["plain"])]),
+                summary([a[1] / b[1] for a, b in zip(times[n], times["plain"])])))
+
+
+def cpu_hardware(args, world):
+    """Hardware constants of this CPU for the cost model: one thread's GEMM FLOP/s at
+    the experts' shape, gloo's bandwidth and latency between two ranks."""
+    d, f = args.hidden, args.ffn
+    a, b = torch.randn(512, d), torch.randn(d, f)
+    for _ in range(3):
+        a @ b
+    n, t0 = 0, time.thread_time()
+    while time.thread_time() - t0 < 0.2:
+        a @ b
+        n += 1
+    flops = 2.0 * 512 * d * f * n / (time.thread_time() - t0)
+    flops = -slowest([-flops])[0]   # the slowest rank's
+    small, big = torch.zeros(world), torch.zeros(world * (1 << 18))
+
+    def a2a(t):
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t)
+    lat = min(timed(lambda: a2a(small))[0] for _ in range(5))
+    bw_time = min(timed(lambda: a2a(big))[0] for _ in range(3))
+    bw = big.numel() * 4 * (world - 1) / world / max(bw_time - lat, 1e-6)
+    return {"peak_flops": flops, "gemm_efficiency": [[1, 1.0], [1 << 20, 1.0]], "dense_efficiency": 1.0,
+            "hbm_bytes_per_s": 20e9, "nvlink_bytes_per_s": bw, "nvlink_latency_us": lat * 1e6 / 2}
+
+
+# The three plans, written by hand so that they share one packing (sequence s on rank
+# s % W, microbatch (s // W) % M) and differ only in the expert side; the scheduler
+# validates each and prices it with the config's cost model.
+PLANS_POLICY = """
+return {
+  name = "bench_levers", version = "1.0.0", api = 1,
+  description = "one packing; contiguous, replicas with shares, or extra replicas with shares",
+  params = {mode = {type = "string", default = "contiguous", values = {"contiguous", "replicas", "extras"},
+                    doc = "the expert side"},
+            extra_experts = {type = "integer", default = 1, min = 1, max = 1024,
+                             doc = "extras: rank 0's experts 0 .. this - 1 get an extra replica"}},
+  plan = function(ctx)
+    local W = ctx.topology.ep_size
+    local E, L = ctx.model.num_experts, ctx.model.num_layers
+    local n = math.floor(E / W)
+    local M = %d
+    local packing = {}
+    for g = 1, W do packing[g] = {} for m = 1, M do packing[g][m] = {} end end
+    for s = 0, ctx.batch.num_seqs - 1 do
+      local g, m = s %% W, math.floor(s / W) %% M
+      table.insert(packing[g + 1][m + 1], s)
+    end
+    local placement, extras, shares = {}, {}, {}
+    for l = 0, L - 1 do
+      local layer = {}
+      for j = 0, W - 1 do
+        local slots = {}
+        for i = 0, n - 1 do slots[#slots + 1] = j * n + i end
+        -- replicas: EP rank j >= 1 holds rank 0's expert j - 1 in its spare slot
+        slots[#slots + 1] = (ctx.params.mode == "replicas" and j >= 1) and (j - 1) or -1
+        layer[j + 1] = slots
+      end
+      placement[l + 1] = layer
+      for m = 0, M - 1 do
+        if ctx.params.mode == "replicas" then
+          for j = 1, W - 1 do
+            shares[#shares + 1] = {microbatch = m, layer = l, expert = j - 1, shares = {0.5, 0.5}}
+          end
+        elseif ctx.params.mode == "extras" then
+          -- rank 0's first experts each get an extra replica on rank 1 + e %% (W - 1)
+          for e = 0, math.min(ctx.params.extra_experts, n) - 1 do
+            extras[#extras + 1] = {microbatch = m, layer = l, expert = e, ep_rank = 1 + e %% (W - 1)}
+            shares[#shares + 1] = {microbatch = m, layer = l, expert = e, shares = {0.5, 0.5}}
+          end
+        end
+      end
+    end
+    return {packing = packing, placement = placement, extra_replicas = extras, shares = shares,
+            num_microbatches = M}
+  end,
+}
+"""
+
+
+def part_plans(args, rank, world):
+    d, f, E, k, T = args.hidden, args.ffn, args.experts, args.top_k, args.tokens
+    kern, why = kernels.choose_expert_kernel("cpu", torch.float32, d, f, False)
+    hw = cpu_hardware(args, world)
+    M, seqs = args.microbatches, args.seqs
+    links = {"nvlink_bytes_per_s": hw.pop("nvlink_bytes_per_s"), "nvlink_latency_us": hw.pop("nvlink_latency_us")}
+    cfg = {"topology": dict({"num_nodes": 1, "gpus_per_node": world, "ep_size": world,
+                             "slots_per_gpu": E // world + 1}, **links),
+           "model": {"num_layers": 1, "num_experts": E, "top_k": k, "hidden_size": d, "expert_ffn_size": f,
+                     "num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "dense_params": 0,
+                     "bytes_per_param": 4, "bytes_per_grad": 4},
+           "hardware": hw,
+           "limits": {"max_tokens_per_microbatch": 1 << 20, "num_microbatches": M},
+           "execution": {"dispatch_dedup": args.dedup}}
+    # one batch: every rank's tokens, rank 0's experts args.skew times hotter
+    lens = np.full(seqs * world, T // seqs, np.int32)
+    rng = np.random.default_rng(7)
+    routing = skewed_routing(rng, int(lens.sum()), E, k, np.arange(E // world), args.skew).astype(np.int32)
+    routing = routing.reshape(-1, 1, k)
+    results = []
+    policy = os.path.join(tempfile.mkdtemp(prefix="bench-moe-"), "bench_levers.lua")
+    with open(policy, "w") as fh:
+        fh.write(PLANS_POLICY % M)
+    for mode in ("contiguous", "replicas", "extras"):
+        # extras: enough of rank 0's experts to level rank 0 with the others at half shares
+        extra = args.extra_experts or max(1, (E // world) // 2 if world == 2 else E // world)
+        sched = routepack.Scheduler(cfg, policy=policy, params={"mode": mode, "extra_experts": extra},
+                                    log_level=None)
+        res = sched.step(lens, routing)
+        if res.fallback or res.policy_name != "bench_levers":
+            raise SystemExit("the %s plan fell back: %s" % (mode, res.fallback_reason))
+        results.append((mode, res))
+    g = torch.Generator().manual_seed(0)
+    w_in, w_out = torch.randn(E, d, f, generator=g) * d ** -0.5, torch.randn(E, f, d, generator=g) * f ** -0.5
+    router = torch.randn(E, d, generator=g) * d ** -0.5
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    runs = []
+    for name, res in results:
+        placement = ExpertPlacement.from_step(res, 0)
+        layer = MoELayer(d, f, E, k, placement.local_slots(rank), dispatch_dedup=args.dedup, expert_kernel=kern)
+        layer.load_experts(w_in, w_out, placement)
+        with torch.no_grad():
+            layer.router.weight.copy_(router)
+        mbs = []
+        for m in range(res.num_microbatches):
+            ids = res.microbatches[rank][m]
+            rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in ids]) if len(ids) else np.zeros(0, np.int64)
+            r = routing[rows]
+            phys = torch.as_tensor(res.remap_rank(rank, m, r), dtype=torch.int64)[:, 0]
+            x = torch.randn(len(rows), d, generator=torch.Generator().manual_seed(1000 * rank + m))
+            mbs.append((x, torch.as_tensor(r[:, 0], dtype=torch.int64), phys, torch.randn(len(rows), d)))
+        runs.append((name, res, placement, layer, mbs))
+
+    def step(placement, layer, mbs):
+        def go():
+            layer.set_placement(placement)
+            for m, (x, r, phys, cot) in enumerate(mbs):
+                xi = x.clone().requires_grad_()
+                layer(xi, r, phys, microbatch=m).backward(cot)
+            layer.reduce_replica_grads()
+        return go
+    times = {name: [] for name, *_ in runs}
+    for rep in range(args.warmup + args.reps):
+        for j in range(len(runs)):
+            name, res, placement, layer, mbs = runs[(rep + j) % len(runs)]
+            t = timed(step(placement, layer, mbs))
+            if rep >= args.warmup:
+                times[name].append(t)
+    # replica-gradient bytes: measured (the layer's count) against the formula
+    grad_bytes = []
+    for name, res, placement, layer, mbs in runs:
+        holders = placement.replica_holders(E)
+        P = (layer.w_in[0].numel() + layer.w_out[0].numel()) * 4
+        formula = sum((len(h) - 1) * P for h in holders.values() if rank in h)
+        allreduce = 2 * (world - 1) / world * len(holders) * P
+        got = torch.tensor([layer.replica_grad_bytes["sent"], formula, allreduce], dtype=torch.float64)
+        every = [torch.zeros_like(got) for _ in range(world)]
+        dist.all_gather(every, got)
+        grad_bytes.append((name, [e.tolist() for e in every]))
+    if rank == 0:
+        print("plans: %d ranks, %d tokens in %d sequences, %d microbatch(es), d %d, f %d, %d experts, top-%d, "
+              "rank 0's experts %.0fx hotter, %d spare slot(s) a rank; dispatch_dedup %s; kernel %s; %d reps after "
+              "%d warm-up, interleaved" % (world, int(lens.sum()), len(lens), M, d, f, E, k, args.skew,
+                                           args.spare_slots, args.dedup, kern, args.reps, args.warmup))
+        print("  CPU hardware for the model: %.1f GFLOP/s a thread, gloo %.0f MB/s, latency %.0f us"
+              % (hw["peak_flops"] / 1e9, links["nvlink_bytes_per_s"] / 1e6, links["nvlink_latency_us"]))
+        base_pred = results[0][1].step_time_s
+        base = times[results[0][0]]
+        for name, res in results:
+            extras = len(res.extra_replicas)
+            reps_n = int(np.sum(np.bincount(res.phy2log[0][res.phy2log[0] >= 0], minlength=E) > 1))
+            print("  %-16s predicted %.2f ms (x%.3f)  wall %s ms (x%s)  thread CPU %s ms (x%s)  [%d replicated "
+                  "experts, %d share sets, %d extra replicas]"
+                  % (name, res.step_time_s * 1e3, res.step_time_s / base_pred,
+                     summary([w * 1e3 for w, _ in times[name]]),
+                     summary([a[0] / b[0] for a, b in zip(times[name], base)]),
+                     summary([c * 1e3 for _, c in times[name]]),
+                     summary([a[1] / b[1] for a, b in zip(times[name], base)]),
+                     reps_n, len(res.shares), extras))
+        for name, every in grad_bytes:
+            print("  replica gradients, %-16s bytes sent per rank %s; formula %s; an all-reduce over the EP group "
+                  "would move %s" % (name, [int(e[0]) for e in every], [int(e[1]) for e in every],
+                                     [int(e[2]) for e in every]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=["plain", "plans"])
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens a rank")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--seqs", type=int, default=8, help="plans: sequences a rank")
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--spare-slots", type=int, default=1)
+    ap.add_argument("--skew", type=float, default=3.0)
+    ap.add_argument("--extra-experts", type=int, default=0, help="plans: extra replicas a microbatch (0: by world)")
+    ap.add_argument("--dedup", default="gpu", choices=["gpu", "choice"])
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    (part_plain if args.part == "plain" else part_plans)(args, rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
