@@ -5,10 +5,12 @@ batch_isend_irecv of the same bytes between the same ranks, in the same run.
 
     torchrun --nproc-per-node 4 examples/torch/bench_migrate.py [--expert-mib 4] [--steps 4]
 
-Prints, per step, the bytes this rank group moved, each path's time and throughput; the
-figures are measured, never asserted."""
+Prints, per step, the bytes this rank group moved, each path's time (the slowest rank's,
+between barriers) and throughput, the two run in alternating order, then the medians over
+the steps; the figures are measured, never asserted."""
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -23,7 +25,7 @@ LAYERS, EXPERTS, TOP_K = 2, 16, 2
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--expert-mib", type=float, default=4.0, help="MiB of one expert's weights")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=9)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -40,6 +42,7 @@ def main():
     for l in range(LAYERS):
         ex.register(l, slot_tensors([weights[l]]))
     ex.sync()
+    figures = []
     for step in range(args.steps):
         rng = np.random.default_rng(step)
         lens = rng.integers(16, 64, 8).astype(np.int32)
@@ -54,41 +57,52 @@ def main():
         res = sched.step(torch.as_tensor(ids[rows], dtype=torch.int32), lens[mine], mine, step=step)
         if res.migration is None:
             continue
-        dist.barrier()
-        t0 = time.perf_counter()
-        r = ex.execute()
-        t_exec = time.perf_counter() - t0
-        # the same transfers as a plain batch_isend_irecv of the same byte counts
-        ops, bufs = [], []
+        # the same transfers as a plain batch_isend_irecv of the same byte counts: sends
+        # from the slot tensors, receives into buffers allocated (and touched) beforehand
+        ops = []
+        flat = [w.view(-1).view(torch.uint8) for w in weights]
         for tr in res.migration.transfers:
             if tr["src_gpu"] == tr["dst_gpu"]:
                 continue
             n = int(tr["bytes"])
             if tr["src_gpu"] == rank:
-                b = torch.empty(n, dtype=torch.uint8)
-                ops.append(dist.P2POp(dist.isend, b, int(tr["dst_gpu"])))
-                bufs.append(b)
+                ops.append(dist.P2POp(dist.isend, flat[int(tr["layer"])][:n], int(tr["dst_gpu"])))
             elif tr["dst_gpu"] == rank:
-                b = torch.empty(n, dtype=torch.uint8)
-                ops.append(dist.P2POp(dist.irecv, b, int(tr["src_gpu"])))
-                bufs.append(b)
-        dist.barrier()
-        t0 = time.perf_counter()
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        dist.barrier()
-        t_plain = time.perf_counter() - t0
-        moved = torch.tensor([r.bytes_received if r else 0, t_exec, t_plain], dtype=torch.float64)
+                ops.append(dist.P2POp(dist.irecv, torch.zeros(n, dtype=torch.uint8), int(tr["src_gpu"])))
+
+        def executor():
+            return ex.execute()
+
+        def plain():
+            if ops:
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+        # interleaved: the executor first on even steps, the plain exchange first on odd
+        t = {}
+        for name, fn in ((("executor", executor), ("plain", plain)) if step % 2 == 0
+                         else (("plain", plain), ("executor", executor))):
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = fn()
+            dist.barrier()
+            t[name] = time.perf_counter() - t0
+            if name == "executor":
+                r = out
+        moved = torch.tensor([r.bytes_received if r else 0, t["executor"], t["plain"]], dtype=torch.float64)
         dist.all_reduce(moved[:1])
         dist.all_reduce(moved[1:], op=dist.ReduceOp.MAX)
+        mib = moved[0].item() / 2**20
+        figures.append((mib / moved[1].item(), mib / max(moved[2].item(), 1e-9), moved[1].item() / max(moved[2].item(), 1e-9)))
         if rank == 0:
-            mib = moved[0].item() / 2**20
             print("step %d: %.1f MiB moved between ranks; executor %.3f s (%.0f MiB/s), "
                   "batch_isend_irecv %.3f s (%.0f MiB/s), ratio %.2f"
-                  % (step, mib, moved[1].item(), mib / moved[1].item(), moved[2].item(),
-                     mib / max(moved[2].item(), 1e-9), moved[1].item() / max(moved[2].item(), 1e-9)),
-                  flush=True)
+                  % (step, mib, moved[1].item(), figures[-1][0], moved[2].item(), figures[-1][1], figures[-1][2]), flush=True)
+    if rank == 0 and figures:
+        cols = list(zip(*figures))
+        print("median over %d steps: executor %.0f MiB/s (%.0f-%.0f), batch_isend_irecv %.0f MiB/s (%.0f-%.0f), "
+              "ratio %.2f (%.2f-%.2f)" % (len(figures), statistics.median(cols[0]), min(cols[0]), max(cols[0]),
+                                          statistics.median(cols[1]), min(cols[1]), max(cols[1]),
+                                          statistics.median(cols[2]), min(cols[2]), max(cols[2])))
     sched.close()
     dist.destroy_process_group()
 

@@ -854,7 +854,8 @@ class Scheduler:
             if st != errors.OK:
                 self._fail(st, err)
 
-    def execute_migration(self, registry, transport, timeout_s=60.0, ep_group=-1, exchange_timeout_s=0.0):
+    def execute_migration(self, registry, transport, timeout_s=60.0, ep_group=-1, exchange_timeout_s=0.0,
+                          staging=None):
         """Run the last step's migration plan (rp_sched_migration) with the C executor on
         this rank's ``registry`` (routepack.executor.Registry) over ``transport``
         (routepack.executor.CallbackTransport): call on every rank of the transport after
@@ -865,7 +866,12 @@ class Scheduler:
         next step plans from what the weights are) and MigrationFailed is raised, the
         same on every rank. ``ep_group``: for a transport over one EP group, that group.
         ``timeout_s`` bounds the transfers, ``exchange_timeout_s`` the exchanges between
-        ranks (0: ``timeout_s``; docs/migration.md, "Deadlines")."""
+        ranks (0: ``timeout_s``; docs/migration.md, "Deadlines"). ``staging``: None (the
+        executor allocates its staging for the call) or a callable that takes the bytes
+        this migration's largest round stages on a GPU and returns the address of that
+        much memory of the transport's kind, the caller's, kept for the call (a trainer
+        keeps one buffer across steps instead of allocating, and faulting in, staging
+        every call)."""
         from . import executor
         xlib = executor.lib()
         with self._lock:
@@ -878,6 +884,12 @@ class Scheduler:
             opts.timeout_s = float(timeout_s)
             opts.ep_group = int(ep_group)
             opts.exchange_timeout_s = float(exchange_timeout_s)
+            if staging is not None:
+                summary = _lib.rp_migration_summary()
+                self._lib.rp_migration_plan_summary(mp, ctypes.byref(summary))
+                if summary.max_staging_bytes > 0:
+                    opts.staging = staging(int(summary.max_staging_bytes))
+                    opts.staging_bytes = int(summary.max_staging_bytes)
             raw = executor.rp_migration_result()
             err = _lib.new_error()
             st = xlib.rp_migration_execute(mp, registry.handle, transport.handle,

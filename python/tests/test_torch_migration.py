@@ -138,3 +138,31 @@ def test_weights_and_adam_state_follow_the_placement_and_a_failure_rolls_back(bu
     if budget_layers:
         assert max(r[2] for r in out[0]) > 1   # several rounds
         assert out[0][1][1] >= 1              # the failure came after a committed round
+
+
+def _join_rank(rank, world):
+    import routepack
+    import torch.distributed as dist
+    from routepack.torch import MigrationExecutor
+    calls = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        calls.append(sorted((op.op.__name__, op.peer, op.tensor.numel()) for op in ops))
+        return real(ops)
+    dist.batch_isend_irecv = recording
+    try:
+        MigrationExecutor(routepack.Scheduler(CONFIG, policy="token_kk+eplb"), timeout_s=5.0)
+    finally:
+        dist.batch_isend_irecv = real
+    dist.barrier()
+    return calls
+
+
+def test_every_rank_joins_the_message_group_first():
+    """NCCL requires every rank of a group in its first batched point-to-point call; the
+    executor's batches involve only ranks that move something, so making the executor
+    joins every rank first with a zero-element ring exchange (no tags anywhere)."""
+    out = torch_world.run(_join_rank, 4)
+    for rank, calls in enumerate(out):
+        assert calls == [sorted([("irecv", (rank - 1) % 4, 0), ("isend", (rank + 1) % 4, 0)])], (rank, calls)

@@ -53,35 +53,43 @@ class VirtualExpertBalancer:
         self.placement = placement
 
     def plan(self, routing):
-        """One forward. ``routing``: int [T, k], this rank's expert ids. Collective over the
-        EP group (one all_gather of [E] int64 histograms). Returns (placement, physical,
-        plan): the ExpertPlacement to pass to MoELayer.set_placement (the virtual experts
-        as microbatch 0's extra replicas), int64 [T, k] physical ids for
-        MoELayer.forward(..., microbatch=0), and the OffloadPlan."""
-        routing = torch.as_tensor(routing).to(torch.int64)
-        flat = routing.reshape(-1).cpu()
-        mine = torch.bincount(flat, minlength=self.num_experts)
-        every = [torch.empty_like(mine) for _ in range(self.ep_size)]
-        dist.all_gather(every, mine, group=self.ep_group)
-        counts = torch.stack(every).numpy()                                   # [W, E]
-        p = plan_forward(counts, self.owner)
+        """One forward. ``routing``: int [T, k], this rank's expert ids, on the CPU or a
+        CUDA device. Collective over the EP group (one all_gather of [E] int64
+        histograms, on the routing's device: NCCL takes CUDA tensors). The histograms
+        are counted on the device and read on the host once (the offload plan is the C
+        planner's); the token-choices are mapped on the device. Returns (placement,
+        physical, plan): the ExpertPlacement to pass to MoELayer.set_placement (the
+        virtual experts as microbatch 0's extra replicas), int64 [T, k] physical ids on
+        the routing's device for MoELayer.forward(..., microbatch=0), and the
+        OffloadPlan."""
+        routing = torch.as_tensor(routing)
+        device = routing.device
+        flat = routing.reshape(-1).to(torch.int64)
         W, E = self.ep_size, self.num_experts
+        mine = torch.zeros(E, dtype=torch.int64, device=device).index_add_(0, flat, torch.ones_like(flat))
+        every = [torch.empty_like(mine) for _ in range(W)]
+        dist.all_gather(every, mine, group=self.ep_group)
+        counts = torch.stack(every).cpu().numpy()                             # [W, E]: the one host read
+        p = plan_forward(counts, self.owner)
         # virtual experts as extra replicas, in rank then slot order: row i is physical S + i
         rows = [(int(e), r) for r in range(W) for e in p.slot_expert[r] if e >= 0]
         extras = np.array(rows, np.int64).reshape(-1, 2)
-        extra_id = {(e, r): self.placement.num_slots + i for i, (e, r) in enumerate(rows)}
+        # physical id of an expert's choices sent to rank d: its slot on its owner, the
+        # virtual expert on another rank (-1: the plan sends none there)
+        table = np.full((E, W), -1, np.int64)
+        table[np.arange(E), self.owner] = self.home
+        for i, (e, r) in enumerate(rows):
+            table[e, r] = self.placement.num_slots + i
         # Each expert's choices, ordered by source rank and, within a rank, by position,
         # fill its destinations in rank order (Megatron's destination boundaries).
-        ids = flat.numpy()
-        before = np.cumsum(counts, axis=0) - counts                           # [W, E] choices of earlier ranks
-        order = np.argsort(ids, kind="stable")
-        start = np.concatenate([[0], np.cumsum(np.bincount(ids, minlength=E))[:-1]])
-        position = np.empty(len(ids), np.int64)
-        position[order] = np.arange(len(ids)) - start[ids[order]]
-        position += before[self.ep_rank, ids]
-        bounds = np.cumsum(p.allocation, axis=1)                              # [E, W]
-        dest = (position[:, None] >= bounds[ids]).sum(axis=1)
-        physical = np.where(dest == self.owner[ids], self.home[ids],
-                            [extra_id.get((int(e), int(d)), -1) for e, d in zip(ids, dest)])
+        before = torch.as_tensor((np.cumsum(counts, axis=0) - counts)[self.ep_rank]).to(device)   # [E]
+        order = torch.argsort(flat, stable=True)
+        start = torch.cumsum(mine, 0) - mine
+        position = torch.empty_like(flat)
+        position[order] = torch.arange(flat.numel(), device=device) - start[flat[order]]
+        position += before[flat]
+        bounds = torch.as_tensor(np.cumsum(p.allocation, axis=1)).to(device)          # [E, W]
+        dest = (position.unsqueeze(1) >= bounds[flat]).sum(dim=1)
+        physical = torch.as_tensor(table).to(device)[flat, dest]
         placement = ExpertPlacement(self.placement.phy2log, self.placement.slot_begin, [extras])
-        return placement, torch.as_tensor(physical.reshape(routing.shape), dtype=torch.int64), p
+        return placement, physical.view(routing.shape), p

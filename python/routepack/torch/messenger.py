@@ -1,11 +1,14 @@
 """TorchMessenger: the messages and exchanges of the C migration executor moved by
 torch.distributed (routepack.executor.CallbackTransport calls it).
 
-Receives land in buffers this object owns and are copied into the executor's memory only
-when they completed, so a receive abandoned after a failure (gloo and NCCL cannot cancel
-one) never writes the executor's staging: finish() keeps such buffers alive forever and
-reports the transport still safe. Tags carry the executor call number, so a message left
-over from a failed call never matches one of a later call."""
+Receives land in buffers this object owns (kept and reused between batches) and are
+copied into the executor's memory only when they completed, so a receive abandoned after
+a failure (gloo and NCCL cannot cancel one) never writes the executor's staging: finish()
+keeps such buffers alive forever and reports the transport still safe. Expert bytes are
+sent from the registered slot tensors as they are; headers, which live in the executor's
+memory, are copied first. No tags: NCCL ignores them, so a message left over from a
+failed call must never meet a later call's on the same group, and MigrationExecutor
+replaces the message group on every rank after a failed call instead."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from .. import errors
 from ..executor import TransportFailure
+from ._p2p import join_group
 
 
 class _CudaMemory:
@@ -75,31 +79,61 @@ class TorchMessenger:
         self._batch = []       # (message, work, buffer)
         self._orphans = []     # (work, buffer) of abandoned operations, kept alive
         self._memory = {}      # address -> tensor, for alloc/free of device memory
+        self._pool = {}        # nbytes -> receive buffers of finished batches, reused
+        # A uint8 tensor of the caller's (MigrationExecutor's staging) that receives may
+        # write directly, also after being abandoned: its owner never reuses it after a
+        # failed call (drop_direct), and an orphaned receive keeps it alive.
+        self.direct = None
 
     def begin_call(self):
         """Count an executor call (MigrationExecutor does this before each one)."""
         self.call += 1
 
+    def join(self):
+        """The message group's first batched point-to-point call, with every rank in it
+        (NCCL requires it; the executor's own batches involve only the ranks that move
+        something). Collective over the group: MigrationExecutor calls it on every rank
+        whenever it makes the group."""
+        join_group(self.rank, self.size, torch.empty(0, device=self.device), self._peer, self.group)
+
     def _peer(self, rank):
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _tag(self, tag):
-        return ((self.call % 65536) << 15) | int(tag)
-
     # ---- point to point ----
+
+    def _direct_view(self, address, nbytes):
+        d = self.direct
+        if d is None or d.device != self.device:
+            return None
+        off = address - d.data_ptr()
+        if 0 <= off and off + nbytes <= d.numel():
+            return d[off:off + nbytes]
+        return None
+
+    def _receive_buffer(self, nbytes):
+        free = self._pool.get(nbytes)
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def start(self, messages):
         ops, batch = [], []
         for m in messages:
-            if m.send:
-                # A copy: an abandoned send may still be read after the executor returns.
+            if m.send and m.payload:
+                # Expert bytes are read where they are: the registered slot tensors,
+                # which the trainer keeps alive and the executor does not write while
+                # this batch is in flight (a failed round writes nothing).
+                buf = bytes_at(m.address, m.nbytes, self.device)
+                op = dist.P2POp(dist.isend, buf, self._peer(m.peer), self.group)
+            elif m.send:
+                # A header lives in the executor's memory, which an abandoned send may
+                # still read after the executor returns: a copy.
                 buf = bytes_at(m.address, m.nbytes, self.device).clone()
-                op = dist.P2POp(dist.isend, buf, self._peer(m.peer), self.group, self._tag(m.tag))
+                op = dist.P2POp(dist.isend, buf, self._peer(m.peer), self.group)
             else:
-                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
-                op = dist.P2POp(dist.irecv, buf, self._peer(m.peer), self.group, self._tag(m.tag))
+                direct = self._direct_view(m.address, m.nbytes) if m.payload else None
+                buf = direct if direct is not None else self._receive_buffer(m.nbytes)
+                op = dist.P2POp(dist.irecv, buf, self._peer(m.peer), self.group)
             ops.append(op)
-            batch.append([m, None, buf])
+            batch.append([m, None, buf, direct is not None if not m.send else False])
         self._batch = batch
         if ops:
             works = dist.batch_isend_irecv(ops)
@@ -112,22 +146,24 @@ class TorchMessenger:
 
     def wait(self, timeout_s):
         deadline = time.monotonic() + timeout_s
-        for i, (m, work, buf) in enumerate(self._batch):
+        for i, (m, work, buf, direct) in enumerate(self._batch):
             if work is None:
                 continue
             # Work.wait with a timeout: gloo's send/recv handles only complete inside wait
             # (is_completed stays False until then), so they cannot be polled.
             _wait_work(work, deadline, i, ("rank %d did not take the message before the deadline" if m.send
                                            else "nothing arrived from rank %d before the deadline") % m.peer)
-            if not m.send:
-                bytes_at(m.address, m.nbytes, self.device).copy_(buf)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            if not m.send and not direct:
+                # queued on the current stream: whatever reads staging next (a copy,
+                # a checksum) is ordered after it, so no synchronisation per message
+                bytes_at(m.address, m.nbytes, self.device).copy_(buf, non_blocking=True)
 
     def finish(self):
-        for _, work, buf in self._batch:
+        for m, work, buf, direct in self._batch:
             if work is not None and not work.is_completed():
                 self._orphans.append((work, buf))
+            elif not m.send and not direct:
+                self._pool.setdefault(buf.numel(), []).append(buf)
         self._batch = []
         return True   # the executor's buffers are never written from here
 
@@ -160,5 +196,6 @@ class TorchMessenger:
         src_dev = host if kind == "from_host" else self.device
         dst_dev = host if kind == "to_host" else self.device
         bytes_at(dst, nbytes, dst_dev).copy_(bytes_at(src, nbytes, src_dev))
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and kind == "to_host":
+            # the executor reads host memory next; device-side copies stay queued
             torch.cuda.current_stream(self.device).synchronize()

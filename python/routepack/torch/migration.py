@@ -97,10 +97,12 @@ class MigrationExecutor:
         self.group = self._new_group()
         self.control_group = self._new_group()
         self.messenger = TorchMessenger(self.group, device=device, control_group=self.control_group)
+        self.messenger.join()
         self.timeout_s = float(timeout_s)
         # None: the config's execution.staging_budget_bytes (what the memory check counts)
         self.staging_budget_bytes = None if staging_budget_bytes is None else int(staging_budget_bytes)
         self._layers = {}
+        self._staging = None   # uint8 staging kept across calls (grown to the largest round)
         self._registry = None
         self._transport = None
         self.last = None
@@ -160,6 +162,19 @@ class MigrationExecutor:
         self._registry = reg
         return reg
 
+    def _staging_at(self, nbytes):
+        """Address of ``nbytes`` of staging on the registered tensors' device: one buffer
+        kept across calls (the memory check counts staging as held: execution.
+        staging_budget_bytes), grown when a migration's largest round needs more."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            device = self._layers[0][0].device
+            self._staging = None
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # payload receives land in it directly (no copy): after a failed call it is
+        # dropped, never reused, so a receive abandoned there writes nothing in use
+        self.messenger.direct = self._staging
+        return self._staging.data_ptr()
+
     def expert_bytes(self):
         """Bytes of one expert per layer, as registered (int list)."""
         reg = self._registry or self._build()
@@ -186,13 +201,16 @@ class MigrationExecutor:
         reg = self._build()   # pointers as they are now (state may have been re-created)
         self.messenger.begin_call()
         try:
-            self.last = self.scheduler.execute_migration(reg, self._transport, self.timeout_s)
+            self.last = self.scheduler.execute_migration(reg, self._transport, self.timeout_s,
+                                                         staging=self._staging_at)
         except errors.Error:
+            self._staging = self.messenger.direct = None   # an abandoned receive may still write it
             if self._transport.usable:
                 # Every rank is here (the outcome was agreed): a message that failed may
                 # have closed the message group's connections, so every rank replaces it.
                 old, self.group = self.group, self._new_group()
                 self.messenger.group = self.group
+                self.messenger.join()
                 try:
                     dist.destroy_process_group(old)
                 except Exception:  # noqa: BLE001 (a broken group may not shut down cleanly)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import kernels
+from ._p2p import ring_padding
 
 DISPATCH_DEDUP = ("gpu", "choice")   # execution.dispatch_dedup values the layer runs
 
@@ -78,19 +79,6 @@ def to_host(t):
     """The one way the layer reads a device tensor on the host (numpy): where a CUDA
     tensor makes the host wait. Tests count calls through torch.Tensor.numpy."""
     return t.cpu().numpy()
-
-
-def ring_padding(rank, size, like, group_rank_to_global, group):
-    """Zero-element point-to-point operations (send to rank + 1, receive from rank - 1):
-    added by every rank to a batch_isend_irecv so that every rank of the group takes part
-    in it (NCCL requires all ranks in a group's first batched call; padding every call
-    keeps that true whatever the batch is)."""
-    if size < 2:
-        return []
-    out = like.new_empty(0)
-    inp = like.new_empty(0)
-    return [dist.P2POp(dist.isend, out, group_rank_to_global((rank + 1) % size), group),
-            dist.P2POp(dist.irecv, inp, group_rank_to_global((rank - 1) % size), group)]
 
 
 @dataclass
