@@ -433,8 +433,11 @@ double rp_cost_expert_s(const rp_cost *c, double tokens)
 double rp_cost_expert_move_s(const rp_cost *c, bool same_node)
 {
     if (!c) return 0.0;
-    return same_node ? migrate_links_s(&c->move_links, c->expert_move_bytes, 0.0, 0.0)
-                     : migrate_links_s(&c->move_links, 0.0, c->expert_move_bytes, 0.0);
+    /* received over one link, then written into its slot (the staged copy read, the slot
+     * written: 2 x its bytes of HBM), as the migration plan charges one copy */
+    const double b = c->expert_move_bytes;
+    return same_node ? migrate_links_s(&c->move_links, b, 0.0, 2.0 * b)
+                     : migrate_links_s(&c->move_links, 0.0, b, 2.0 * b);
 }
 
 /* The CP ring of a cell beyond its attention compute, forward and backward: the packed

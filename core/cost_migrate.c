@@ -1,6 +1,7 @@
-/* Predicted cost of changing placements: which experts must move, over which links,
- * and how long the busiest EP rank spends receiving them (docs/cost-model.md, "Migration"). */
+/* Predicted cost of changing placements: the migration plan's copies and predicted time
+ * (migrate_build.h), the time the executor is charged (docs/cost-model.md, "Migration"). */
 #include "cost_internal.h"
+#include "migrate_build.h"
 
 #include <string.h>
 
@@ -52,63 +53,52 @@ rp_status rp_cost_migration(const rp_cost *c, const rp_plan *from, const rp_plan
     rp_status st;
     if ((st = check_placement(c, from, "from", err)) != RP_OK || (st = check_placement(c, to, "to", err)) != RP_OK)
         return st;
-    const int32_t ep = c->ep, E = c->E, G = c->G, R = c->move_links.ep_ranks;
-    const int32_t *sb = rp_plan_slot_begin(to);
+    const int32_t ep = c->ep, E = c->E, L = c->L;
+    const int32_t *sb = rp_plan_slot_begin(to), *sb_from = rp_plan_slot_begin(from);
+    for (int32_t j = 0; j <= ep; j++)
+        if (sb[j] != sb_from[j])
+            return rp_fail(err, RP_EINVAL, "cost: migration: the 'from' and 'to' plans give EP rank %d different slot "
+                           "counts", j > 0 ? j - 1 : 0);
     unsigned char *had = rp_alloc(c->ctx, (size_t)ep * E), *want = rp_alloc(c->ctx, (size_t)ep * E);
-    /* per (pipeline stage, GPU, EP rank of the GPU): under PP a stage's GPUs receive only
-     * its layers' experts, and the stages migrate at once; a copy lands on the EP rank
-     * whose slot first wants it and runs over that rank's links */
-    double *recv_nv = rp_calloc(c->ctx, (size_t)G * c->PP * R, sizeof(double));
-    double *recv_net = rp_calloc(c->ctx, (size_t)G * c->PP * R, sizeof(double));
-    double total = 0.0;
-    if (!had || !want || !recv_nv || !recv_net) {
+    const int32_t **rows = rp_alloc(c->ctx, 2 * (size_t)L * sizeof *rows);
+    migrate_build built;
+    memset(&built, 0, sizeof built);
+    if (!had || !want || !rows) {
         st = rp_fail_nomem(err, "a migration estimate");
         goto out;
     }
-    for (int32_t l = 0; l < c->L; l++) {
+    /* every expert `to` places must be somewhere in `from` to be copied */
+    for (int32_t l = 0; l < L; l++) {
         RP_CHECK_GOTO(mark_held(c, from, "from", l, had, err), st, out);
         RP_CHECK_GOTO(mark_held(c, to, "to", l, want, err), st, out);
-        const int32_t *row = rp_plan_phy2log(to, l);
-        for (int32_t r = 0; r < ep; r++)
-            for (int32_t e = 0; e < E; e++) {
-                if (!want[(size_t)r * E + e] || had[(size_t)r * E + e]) continue;
-                int32_t k = sb[r];
-                while (row[k] != e) k++; /* want says one of r's slots holds e */
-                const int32_t u = migrate_links_ep_rank(R, sb[r + 1] - sb[r], k - sb[r]);
-                /* every EP group fetches its own copy from its nearest holder */
-                bool anywhere = false;
-                for (int32_t j = 0; j < ep && !anywhere; j++) anywhere = had[(size_t)j * E + e];
-                if (!anywhere) {
-                    rp_fail(err, RP_EINVAL, "cost: migration: layer %d expert %d is on no EP rank of the 'from' "
-                            "placement, so it cannot be copied", l, e);
-                    if (err) err->expert = e;
-                    st = RP_EINVAL;
-                    goto out;
-                }
-                for (int32_t q = 0; q < c->Q; q++) {
-                    int32_t g = q * ep + r;
-                    const size_t at = ((size_t)c->layer_stage[l] * G + g) * R + u;
-                    bool near = false;
-                    for (int32_t j = 0; j < ep && !near; j++)
-                        near = had[(size_t)j * E + e] && c->gpu_node[q * ep + j] == c->gpu_node[g];
-                    if (near) recv_nv[at] += c->expert_move_bytes;
-                    else recv_net[at] += c->expert_move_bytes;
-                    total += c->expert_move_bytes;
-                }
+        for (int32_t e = 0; e < E; e++) {
+            bool wanted = false, anywhere = false;
+            for (int32_t r = 0; r < ep; r++) {
+                wanted |= want[(size_t)r * E + e] && !had[(size_t)r * E + e];
+                anywhere |= had[(size_t)r * E + e];
             }
+            if (wanted && !anywhere) {
+                rp_fail(err, RP_EINVAL, "cost: migration: layer %d expert %d is on no EP rank of the 'from' "
+                        "placement, so it cannot be copied", l, e);
+                if (err) err->expert = e;
+                st = RP_EINVAL;
+                goto out;
+            }
+        }
+        rows[l] = rp_plan_phy2log(from, l);
+        rows[L + l] = rp_plan_phy2log(to, l);
     }
-    double worst = 0.0;
-    for (size_t i = 0; i < (size_t)G * c->PP * R; i++) {
-        double t = migrate_links_s(&c->move_links, recv_nv[i], recv_net[i], 0.0);
-        if (t > worst) worst = t;
-    }
-    if (seconds) *seconds = worst;
-    if (bytes) *bytes = total;
+    /* the migration plan's own copies, sources, rounds and predicted time, with the
+     * staging budget the scheduler plans with until the trainer sets its own */
+    rp_migration_options o = {NULL, rp_config_execution(c->cfg)->staging_budget_bytes};
+    RP_CHECK_GOTO(migrate_build_new(c->ctx, c->cfg, sb, rows, rows + L, &o, &built, err), st, out);
+    if (seconds) *seconds = built.summary.predicted_s;
+    if (bytes) *bytes = (double)built.summary.moved_bytes;
     st = RP_OK;
 out:
+    migrate_build_free(c->ctx, &built);
     rp_free(c->ctx, had);
     rp_free(c->ctx, want);
-    rp_free(c->ctx, recv_nv);
-    rp_free(c->ctx, recv_net);
+    rp_free(c->ctx, (void *)rows);
     return st;
 }

@@ -533,8 +533,10 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
             double p_kept = persistent_score(jt, l, &kept, share_max, share_mq, scratch);
             /* the persistent part counts only as far as earlier moves' savings held */
             double saving = (s_kept - s_fresh) + (H - 1) * jt->par->persistence * (p_kept - p_fresh);
-            double cost = joint_layer_migration_s(jt, old, lay) - joint_layer_migration_s(jt, old, &kept);
-            fresh = saving > cost;
+            double move_fresh = 0, move_kept = 0;
+            RP_CHECK_GOTO(joint_layer_migration_s(jt, l, old, lay, &move_fresh, err), st, out);
+            RP_CHECK_GOTO(joint_layer_migration_s(jt, l, old, &kept, &move_kept, err), st, out);
+            fresh = saving > move_fresh - move_kept;
         }
         if (!fresh) {
             memcpy(lay->phy2log, kept.phy2log, (size_t)jt->S * sizeof *lay->phy2log);

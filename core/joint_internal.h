@@ -237,8 +237,11 @@ double joint_place_score_ideal(const joint *jt, int32_t l, const joint_layer *la
 /* Gradient all-reduce time a layer's replicas add (step seconds, mean over ranks);
  * per_rank is scratch of ep doubles. */
 double joint_layer_grad_s(const joint *jt, const joint_layer *lay, double *per_rank);
-/* Time to migrate layer l from `from` to `to` alone (slowest EP rank). */
-double joint_layer_migration_s(const joint *jt, const joint_layer *from, const joint_layer *to);
+/* joint_migrate.c: *seconds = the time the migration plan predicts (and the executor is
+ * charged) for moving layer `layer` alone from `from` to `to` (migrate_build.h); errors
+ * as migrate_build_new's. */
+rp_status joint_layer_migration_s(const joint *jt, int32_t layer, const joint_layer *from, const joint_layer *to,
+                                  double *seconds, rp_error *err);
 
 /* joint_levers.c: shares and extra replicas of every (mb, layer) into `plan`, whose
  * placement must equal jt->layers. Counts what it added. */

@@ -4,7 +4,6 @@
  * to the previous placement so that only moves that pay are made
  * (docs/routepack-policy.md, "Placement"). */
 #include "joint_internal.h"
-#include "migrate_links.h"
 #include "routepack/primitives.h"
 
 #include <math.h>
@@ -412,13 +411,6 @@ out:
 }
 
 /* ---- improvement ----------------------------------------------------------------- */
-
-static bool rank_has(const joint *jt, const joint_layer *lay, int32_t j, int32_t e)
-{
-    for (int32_t s = jt->slot_begin[j]; s < jt->slot_begin[j + 1]; s++)
-        if (lay->phy2log[s] == e) return true;
-    return false;
-}
 
 /* Per microbatch, the three ranks with the largest rmax (ties: lower rank), so that the
  * maximum over the ranks a change leaves alone is a lookup. */
@@ -898,35 +890,4 @@ rp_status joint_place_improve(joint *jt, int32_t l, joint_layer *lay, const join
     rp_free(jt->ctx, list);
     rp_free(jt->ctx, changed);
     return RP_OK;
-}
-
-/* ---- migration of one layer ------------------------------------------------------- */
-
-double joint_layer_migration_s(const joint *jt, const joint_layer *from, const joint_layer *to)
-{
-    double worst = 0;
-    const rp_topology *t = rp_config_topology(jt->cfg);
-    /* per EP rank of each DP rank: a copy runs over the links of the EP rank whose slot
-     * takes it (migrate_links.h), at the move times' bandwidth */
-    const int32_t R = migrate_links_ep_ranks(t);
-    for (int32_t j = 0; j < jt->ep; j++) {
-        const int32_t begin = jt->slot_begin[j], slots = jt->slot_begin[j + 1] - begin;
-        for (int32_t u = 0; u < R; u++) {
-            int32_t nv = 0, net = 0;
-            const int32_t end = begin + migrate_links_first_slot(R, slots, u + 1);
-            for (int32_t s = begin + migrate_links_first_slot(R, slots, u); s < end; s++) {
-                int32_t e = to->phy2log[s];
-                if (e < 0 || rank_has(jt, from, j, e)) continue;
-                bool near = false;
-                for (int32_t i = from->rep_off[e]; i < from->rep_off[e + 1] && !near; i++)
-                    near = jt->node_of_rank[from->rep_rank[i]] == jt->node_of_rank[j];
-                if (near) nv++;
-                else net++;
-            }
-            double time = nv * (jt->move_nv_s - t->nvlink_latency_s) + net * (jt->move_net_s - t->net_latency_s) +
-                          (nv ? t->nvlink_latency_s : 0) + (net ? t->net_latency_s : 0);
-            if (time > worst) worst = time;
-        }
-    }
-    return worst;
 }

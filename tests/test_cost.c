@@ -191,8 +191,9 @@ static void test_hand_two_nodes(void)
     is_double(s.lower_bound_s, 229.05, 1e-12 * 229.05, "bound pays the network's traffic too");
     const double *D = rp_cost_dispatch_breakdown(c);
     ok(D[0] == 7.5 && D[2] == 17.5, "dispatch pays the network and both latencies");
-    is_double(rp_cost_expert_move_s(c, false), 336.0 / 4 + 1, 1e-12, "expert move over the network");
-    is_double(rp_cost_expert_move_s(c, true), 336.0 / 8 + 0.5, 1e-12, "expert move over NVLink");
+    /* and its commit, 2 x 336 bytes of HBM at 48 B/s: 14 s */
+    is_double(rp_cost_expert_move_s(c, false), 336.0 / 4 + 1 + 14, 1e-12, "expert move over the network");
+    is_double(rp_cost_expert_move_s(c, true), 336.0 / 8 + 0.5 + 14, 1e-12, "expert move over NVLink");
     rp_plan_free(p);
     rp_cost_free(c);
     batch_fixture_free(&f);
@@ -741,10 +742,17 @@ static void test_migration(void)
     rp_plan *pf = plan_of(&f, 1, NULL, NULL, from), *pt = plan_of(&f, 1, NULL, NULL, to);
     double secs = -1, bytes = -1;
     is_int(rp_cost_migration(c, pf, pt, &secs, &bytes, &err), RP_OK, "migration estimate");
-    /* 5 copies x 336 = 1680 bytes. GPU 3 receives 2 x 336 over the network:
-     * 672 / 4 + 1 = 169 s, the slowest (GPU 2: 85, GPUs 0 and 1: 42.5). */
+    /* The migration plan's copies (docs/migration.md): 5 between GPUs x 336 = 1680 bytes;
+     * GPUs 0 and 1 each copy their 2 L0 slots locally (a read and a write, 2 x 336 bytes of
+     * HBM each, and 2 x 336 to write the slot). A GPU is busy max(sent, received) per link
+     * at its bandwidth plus its latency, plus its HBM bytes at 48 B/s:
+     *   GPU 0 sends 0, 1 over the network (L0) and 0 over NVLink (L1), receives 2 (L1):
+     *         336/8 + 0.5 + 672/4 + 1 + (4 x 672 + 672)/48 = 42.5 + 169 + 70 = 281.5 s
+     *   GPU 1: NVLink 336 each way, sends 3 over the network: 42.5 + 85 + 70 = 197.5 s
+     *   GPU 2: receives 0 over the network: 85 + 14 = 99 s; GPU 3: 2 of them: 169 + 28 = 197 s
+     * The busiest is a sender: the receiving side alone (GPU 3's 169 s) misses it. */
     is_double(bytes, 1680.0, 0.0, "bytes moved");
-    is_double(secs, 169.0, 1e-12, "time of the busiest receiver");
+    is_double(secs, 281.5, 1e-12, "time of the busiest GPU, sends and commit included");
     is_int(rp_cost_migration(c, pf, pf, &secs, &bytes, &err), RP_OK, "no change");
     ok(secs == 0 && bytes == 0, "nothing moves when nothing changes");
     int32_t bad[16] = {0, 1, 2, 2, -1, -1, -1, -1, /**/ 0, 1, 2, 3, 0, -1, -1, -1};
@@ -762,7 +770,8 @@ static void test_migration(void)
     batch_fixture_free(&f);
 
     /* Two EP groups, one per node: a swap of experts 1 and 2 is copied in each group
-     * over its own NVLink: 4 copies, 1344 bytes, 336/8 + 0.5 = 42.5 s. */
+     * over its own NVLink: 4 copies, 1344 bytes; each GPU sends and receives one,
+     * 336/8 + 0.5 = 42.5 s, and writes it, 672/48 = 14 s: 56.5 s. */
     snprintf(json, sizeof json, cfg_fmt, 2);
     fixture_make(&f, json, 1, lens, ids);
     rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err);
@@ -771,7 +780,7 @@ static void test_migration(void)
     pt = plan_of(&f, 1, NULL, NULL, to2);
     is_int(rp_cost_migration(c, pf, pt, &secs, &bytes, &err), RP_OK, "migration in two EP groups");
     is_double(bytes, 1344.0, 0.0, "every group moves its own copies");
-    is_double(secs, 42.5, 1e-12, "in parallel, over NVLink");
+    is_double(secs, 56.5, 1e-12, "in parallel, over NVLink, each written");
     rp_plan_free(pf);
     rp_plan_free(pt);
     rp_cost_free(c);

@@ -322,17 +322,21 @@ static void test_surrogate_comm(void)
         ok(close_to(jt.grad_net_s, x / bw_net + t->net_latency_s), "%s: and across nodes", name[i]);
         /* a migrating expert lands on one EP rank, ETP GPUs, and runs over their links only */
         const double m = (double)rp_memory_expert_move_bytes(s.cfg), etp = t->expert_tensor_parallel_size;
-        ok(close_to(rp_cost_expert_move_s(s.cost, true), m / (etp * nv) + lat) &&
-               close_to(rp_cost_expert_move_s(s.cost, false), m / (etp * t->net_bytes_per_s) + t->net_latency_s),
-           "%s: moving an expert (the surrogate's migration) runs over one EP rank's %g GPUs' links", name[i], etp);
+        const double commit = 2 * m / (etp * rp_config_hardware(s.cfg)->hbm_bytes_per_s);
+        ok(close_to(rp_cost_expert_move_s(s.cost, true), m / (etp * nv) + lat + commit) &&
+               close_to(rp_cost_expert_move_s(s.cost, false),
+                        m / (etp * t->net_bytes_per_s) + t->net_latency_s + commit),
+           "%s: moving an expert (the surrogate's migration) runs over one EP rank's %g GPUs' links and HBM",
+           name[i], etp);
         toy_scene_free(&s);
     }
 }
 
-/* The joint planner's per-layer migration counts per EP rank, as the cost model does
- * (tests/test_migrate_ep.c has the same plan by hand): TP 2 ETP 1, DP rank 0's slots 0-1
- * (EP rank 0) take experts 4 and 5, slot 3 (EP rank 1) expert 6, and DP rank 1 the
- * mirror image; the busiest EP rank receives 2 copies over one GPU's NVLink. */
+/* The joint planner's per-layer migration is the migration plan's prediction for that
+ * layer alone (tests/test_migrate_ep.c has the same plan by hand): TP 2 ETP 1, DP rank
+ * 0's slots 0-1 (EP rank 0) take experts 4 and 5, slot 3 (EP rank 1) expert 6, and DP
+ * rank 1 the mirror image; the busiest EP rank sends and receives 2 copies over one GPU's
+ * NVLink and writes 2 slots (a read and a write each in HBM). */
 static void test_joint_migration(void)
 {
     toy_scene s;
@@ -342,29 +346,31 @@ static void test_joint_migration(void)
         return;
     }
     int32_t cur[8] = {0, 1, 2, 3, 4, 5, 6, 7}, tgt[8] = {4, 5, 2, 6, 0, 1, 3, 7};
-    int32_t off[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, rank[8] = {0, 0, 0, 0, 1, 1, 1, 1}, node[2] = {0, 0};
+    int32_t off[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, rank[8] = {0, 0, 0, 0, 1, 1, 1, 1};
     joint jt;
     memset(&jt, 0, sizeof jt);
+    jt.ctx = ctx;
     jt.cfg = s.cfg;
     jt.ep = 2;
     jt.slot_begin = rp_plan_slot_begin(s.plan);
-    jt.node_of_rank = node;
-    jt.move_nv_s = rp_cost_expert_move_s(s.cost, true);
-    jt.move_net_s = rp_cost_expert_move_s(s.cost, false);
     joint_layer from = {cur, off, rank}, to = {tgt, off, rank};
-    const double joint_s = joint_layer_migration_s(&jt, &from, &to);
-    /* the cost model's estimate of the same change at layer 0 (layer 1 stays) */
+    double joint_s = -1;
+    rp_status st = joint_layer_migration_s(&jt, 0, &from, &to, &joint_s, NULL);
+    /* the migration plan of the same change at layer 0 (layer 1 stays) */
     rp_plan *a = NULL, *b = NULL;
-    double est = -1;
+    rp_migration_plan *mp = NULL;
+    rp_migration_summary sum = {0};
     if (rp_plan_new(ctx, s.cfg, 1, &a, NULL) == RP_OK && rp_plan_new(ctx, s.cfg, 1, &b, NULL) == RP_OK &&
         rp_plan_set_phy2log(a, 0, cur, NULL) == RP_OK && rp_plan_set_phy2log(a, 1, cur, NULL) == RP_OK &&
-        rp_plan_set_phy2log(b, 0, tgt, NULL) == RP_OK && rp_plan_set_phy2log(b, 1, cur, NULL) == RP_OK)
-        rp_cost_migration(s.cost, a, b, &est, NULL, NULL);
-    const double m = (double)rp_memory_expert_move_bytes(s.cfg), nv = 450e9, lat = 3e-6;
-    ok(close_to(joint_s, 2 * m / nv + lat) && close_to(est, joint_s),
-       "TP 2 ETP 1: the joint planner's layer migration, 2 copies into one EP rank (2 m / bw_nv + lat = %.4f us), "
-       "is the cost model's estimate (%.4f us); the DP rank's 3 over its 2 GPUs would be %.4f us",
-       joint_s * 1e6, est * 1e6, (3 * m / (2 * nv) + lat) * 1e6);
+        rp_plan_set_phy2log(b, 0, tgt, NULL) == RP_OK && rp_plan_set_phy2log(b, 1, cur, NULL) == RP_OK &&
+        rp_migration_plan_new(ctx, s.cfg, a, b, NULL, &mp, NULL) == RP_OK)
+        rp_migration_plan_summary(mp, &sum);
+    const double m = (double)rp_memory_expert_move_bytes(s.cfg), nv = 450e9, lat = 3e-6, hbm = 4.8e12;
+    ok(st == RP_OK && close_to(joint_s, 2 * m / nv + lat + 4 * m / hbm) && joint_s == sum.predicted_s,
+       "TP 2 ETP 1: the joint planner's layer migration, 2 copies into one EP rank and their commit "
+       "(2 m / bw_nv + lat + 4 m / bw_hbm = %.4f us), is the migration plan's prediction (%.4f us); the "
+       "receiving side alone would be %.4f us", joint_s * 1e6, sum.predicted_s * 1e6, (2 * m / nv + lat) * 1e6);
+    rp_migration_plan_free(mp);
     rp_plan_free(a);
     rp_plan_free(b);
     toy_scene_free(&s);

@@ -92,8 +92,9 @@ RP_API double rp_cost_dense_s(const rp_cost *cost, int64_t seq_len);
 /* Forward time of one expert slot processing `tokens` tokens at speed 1. */
 RP_API double rp_cost_expert_s(const rp_cost *cost, double tokens);
 /* Time to move one expert (weights and optimizer state) over NVLink (same node) or
- * the network, into one EP rank: over its ETP GPUs' links (docs/cost-model.md,
- * "Migration"). */
+ * the network, into one EP rank: over its ETP GPUs' links, and its commit (the staged
+ * copy read and the slot written in HBM), as the migration plan prices a lone copy
+ * (docs/cost-model.md, "Migration"). */
 RP_API double rp_cost_expert_move_s(const rp_cost *cost, bool same_node);
 
 /* Evaluate a plan fully (packing and placement are both required; the plan should be
