@@ -81,8 +81,9 @@ struct rp_transport {
     rp_fault faults[RP_MAX_FAULTS]; /* injected faults (tests only; see transport_fault.h) */
     int32_t num_faults;
     int64_t fault_events[RP_FAULT_NUM_SITES]; /* events per site since the faults were set */
-    bool device_checksum;      /* NCCL: checksums run on the GPU; false: through the host
-                                * (where the kernel cannot run; tests clear it to test that) */
+    bool device_checksum;      /* NCCL, and callbacks with CUDA memory: checksums run on the GPU;
+                                * false: through the host (where the kernel cannot run; tests
+                                * clear it to test that) */
 };
 
 /* Every rank waits until all have arrived (an allgather of one byte), until `deadline`. */

@@ -4,6 +4,7 @@
 #include "transport.h"
 
 #include "routepack/checksum.h"
+#include "routepack/gpu.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -16,6 +17,9 @@ typedef struct callback_transport {
     int32_t cap;
     bool in_flight;
     unsigned char *swap_host;    /* memory callbacks: the host bounce buffer of swap */
+    void *swap_device;           /* CUDA memory: a device bounce buffer of swap (taken at the
+                                    first swap; NULL: none could be, the host one serves) */
+    bool swap_device_tried;
 } callback_transport;
 
 #define SWAP_CHUNK (1u << 20)
@@ -180,6 +184,19 @@ static rp_status cb_checksum(rp_transport *t, const void *const *part_ptr, const
     callback_transport *ct = (callback_transport *)t;
     if (!ct->cb.copy)
         return rp_transport_checksum_host(t, part_ptr, part_bytes, part_begin, num_experts, checksums, deadline, err);
+    if (t->device_checksum && num_experts > 0) {
+        /* On the callbacks' stream, after the copies they queued there (the kernel
+         * synchronises its stream before returning). */
+        rp_error e;
+        rp_error_clear(&e);
+        rp_status gs = rp_gpu_checksum(t->ctx, part_ptr, part_bytes, part_begin, num_experts, checksums,
+                                       ct->cb.stream, &e);
+        if (gs == RP_OK) return RP_OK;
+        if (gs != RP_ENOTSUP)
+            return rp_fail(err, gs == RP_ENOMEM ? RP_ENOMEM : RP_ETRANSPORT,
+                           "transport: the checksum kernel failed: %s", e.text);
+        t->device_checksum = false; /* no device for the kernel: host copies from now on */
+    }
     rp_status st = RP_OK;
     size_t cap = 0;
     int32_t max_parts = 0;
@@ -218,6 +235,21 @@ static rp_status cb_swap(rp_transport *t, void *a, void *b, size_t bytes, double
     callback_transport *ct = (callback_transport *)t;
     if (!ct->cb.copy) return rp_transport_swap_host(t, a, b, bytes, deadline, err);
     unsigned char *pa = a, *pb = b;
+    if (t->memory == RP_MEMORY_CUDA && !ct->swap_device_tried) {
+        ct->swap_device_tried = true;
+        ct->swap_device = ct->cb.alloc(ct->ud, SWAP_CHUNK);
+    }
+    if (ct->swap_device) { /* three copies on the device, queued: no trip through the host */
+        for (size_t done = 0; done < bytes;) {
+            size_t n = bytes - done < SWAP_CHUNK ? bytes - done : SWAP_CHUNK;
+            rp_status st = cb_copy(t, ct->swap_device, pa + done, n, deadline, err);
+            if (st == RP_OK) st = cb_copy(t, pa + done, pb + done, n, deadline, err);
+            if (st == RP_OK) st = cb_copy(t, pb + done, ct->swap_device, n, deadline, err);
+            if (st != RP_OK) return st;
+            done += n;
+        }
+        return RP_OK;
+    }
     for (size_t done = 0; done < bytes;) {
         size_t n = bytes - done < SWAP_CHUNK ? bytes - done : SWAP_CHUNK;
         rp_status st = cb_to_host(t, ct->swap_host, pa + done, n, deadline, err);
@@ -233,6 +265,7 @@ static void cb_destroy(rp_transport *t)
 {
     callback_transport *ct = (callback_transport *)t;
     cb_finish(t);
+    if (ct->swap_device) ct->cb.free(ct->ud, ct->swap_device);
     rp_free(t->ctx, ct->msgs);
     rp_free(t->ctx, ct->swap_host);
     rp_free(t->ctx, ct);
@@ -276,6 +309,7 @@ rp_status rp_transport_callback_new(rp_context *ctx, const rp_transport_callback
     }
     ct->cb = *cb;
     ct->ud = ud;
+    ct->base.device_checksum = memory == RP_MEMORY_CUDA; /* tried at the first checksum */
     *out = &ct->base;
     return RP_OK;
 }

@@ -50,7 +50,7 @@ COPY_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_in
 class rp_transport_callbacks(Structure):
     _fields_ = [("start", START_FN), ("wait", WAIT_FN), ("finish", FINISH_FN),
                 ("allgather", ALLGATHER_FN), ("alloc", ALLOC_FN), ("free", FREE_FN),
-                ("copy", COPY_FN), ("max_message_bytes", c_size_t)]
+                ("copy", COPY_FN), ("max_message_bytes", c_size_t), ("stream", c_void_p)]
 
 
 class rp_migration_exec_options(Structure):
@@ -252,6 +252,9 @@ class CallbackTransport:
             self._fns += mem
             cb.alloc, cb.free, cb.copy = mem
         cb.max_message_bytes = int(getattr(messenger, "max_message_bytes", 0))
+        # CUDA memory: the stream the messenger queues its copies on, where the checksum
+        # kernel then runs after them (None: the default stream)
+        cb.stream = getattr(messenger, "stream", None) or None
         self._cb = cb
         handle = c_void_p()
         err = _lib.new_error()

@@ -316,13 +316,19 @@ typedef struct rp_transport_callbacks {
                     double timeout_s, char *why, size_t why_bytes);
     /* Largest message the callbacks take; larger payloads are split. 0: no limit. */
     size_t max_message_bytes;
+    /* CUDA memory: the cudaStream_t the callbacks queue their copies on (NULL: the
+     * default stream). Expert checksums then run on the device on this stream, after
+     * the copies queued there (rp_gpu_checksum); without a usable device, through host
+     * copies. Appended after the first version; ignored for host memory. */
+    void *stream;
 } rp_transport_callbacks;
 
 /* A transport whose messages, exchanges and (optionally) memory go through `cb` (the
  * struct is copied; `ud` is borrowed and passed to every callback). `rank` of `size`
  * ranks; `memory`: the kind of every buffer it moves (the registry's). Checksums of
- * non-host memory are computed on host copies made with the copy callback, so they
- * equal rp_checksum_expert. rp_transport_free calls finish on a batch still in flight,
+ * CUDA memory run on the device (rp_gpu_checksum on cb->stream) where it can, else on
+ * host copies made with the copy callback; either way they equal rp_checksum_expert.
+ * rp_transport_free calls finish on a batch still in flight,
  * never anything else. Errors (RP_EINVAL): a required callback missing, memory
  * callbacks only partly set or missing for CUDA memory, rank or size out of range. */
 RP_API rp_status rp_transport_callback_new(rp_context *ctx, const rp_transport_callbacks *cb,

@@ -75,6 +75,9 @@ class TorchMessenger:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
                 else torch.device("cpu")
         self.device = torch.device(device)
+        # the stream every copy of this messenger is queued on (the current one when
+        # made); the executor's checksum kernel runs on it after them
+        self.stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
         self.call = 0          # executor calls so far, the same on every rank
         self._batch = []       # (message, work, buffer)
         self._orphans = []     # (work, buffer) of abandoned operations, kept alive
