@@ -373,6 +373,8 @@ class MoELayer(nn.Module):
         return p.grad
 
     def _backward_ended(self):
+        if self._backwards is None:   # this step's replica gradients are reduced already
+            return
         self._backwards += 1
         if self._backwards == self.placement.num_microbatches and self._grad_exchange is None:
             self._start_grad_exchange()
@@ -451,6 +453,7 @@ class MoELayer(nn.Module):
             self._start_grad_exchange()
         works, own, recv, n_in = self._grad_exchange
         self._grad_exchange = None
+        self._backwards = None   # one exchange a step: a late backward does not start another
         for w in works:
             w.wait()
         plan = self._gplan
