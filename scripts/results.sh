@@ -14,6 +14,10 @@
 #      slime's own recipe on one node, where slime's packing joins the baselines), each on its generated batch
 #      with seeds 1 and 2, every default policy (scripts/results/layouts.py:
 #      section-tp-pp-layouts.md);
+#   1e. the planner against the per-forward balancer (issue 35; PLANNER below: 8 GPUs in
+#      one EP group, 64 GPUs in 8 EP groups, EP 64 across 8 nodes), on unseen seeds,
+#      routepack with and without the balancer's candidate (scripts/results/planner.py:
+#      section-vs-balancer.md); --planner runs it alone and splices its section in;
 #   2. the horizon and persistence sweep the routepack policy's defaults were chosen by
 #      (tuning seed 11: 2, 8 and 24 steps, and the bundled example): routepack with its
 #      params set otherwise, as policy files in the work folder (novx: without the
@@ -27,9 +31,11 @@
 #
 # Usage: scripts/results.sh [--quick] [--reference] [--bench small|all|none] [BUILD_DIR]
 #        scripts/results.sh --layouts [BUILD_DIR]
+#        scripts/results.sh --planner [BUILD_DIR]
 #   --layouts    step 1d alone (minutes a layout): its section replaces (or joins)
 #                the one in the existing docs/results.md, where a full run puts it
 #                (scripts/results.py --splice); every other section stays as it is
+#   --planner    step 1e alone (minutes), spliced in as --layouts is
 #   --quick      the 24-step traces become 8 steps (minutes less; for a look, not for the docs)
 #   --reference  also the reference shape (config-reference.json) with a reduced batch
 #                (gen-reference.json at 32 prompts x 8), 8 steps, seed 21
@@ -38,14 +44,15 @@
 # traces already there with the same settings are reused.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-quick=0 reference=0 bench=none layouts_only=0
+quick=0 reference=0 bench=none layouts_only=0 planner_only=0
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
     --reference) reference=1 ;;
     --layouts) layouts_only=1 ;;
+    --planner) planner_only=1 ;;
     --bench) bench=$2; shift ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
     -*) echo "results.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -121,6 +128,53 @@ if [ $layouts_only = 1 ]; then
   exit 0
 fi
 
+# 1e. the planner against the per-forward balancer (issue 35), one line a run: NAME CONFIG
+# (in examples/) GEN (in examples/; reference-reduced: gen-reference.json at 32 prompts x 8)
+# SEED STEPS BALANCER (yes: the config admits Megatron's balancer, so token_kk+virtual_experts
+# joins). Seeds the defaults were not tuned on.
+PLANNER="
+small-8gpu config-small.json gen-results-small.json 23 8 yes
+reference-64gpu-8groups config-reference.json reference-reduced 23 6 yes
+deepseek-v3-ep64-8nodes config-deepseek-v3-pp.json gen-deepseek-v3.json 3 4 no
+deepseek-v3-ep64-8nodes-s1 config-deepseek-v3-pp.json gen-deepseek-v3.json 1 4 no
+deepseek-v3-ep64-8nodes-s2 config-deepseek-v3-pp.json gen-deepseek-v3.json 2 4 no
+"
+planner() {
+  local name config gen seed steps vx settings t policies
+  : > "$work/planner.tsv.part"
+  while read -r name config gen seed steps vx; do
+    [ -n "$name" ] || continue
+    settings="$ex/$gen"
+    if [ "$gen" = reference-reduced ]; then
+      settings="$work/gen-reference-reduced.json"
+      python3 - "$ex/gen-reference.json" "$settings" "$ex" <<'EOF2'
+import json, sys
+g = json.load(open(sys.argv[1]))
+g["num_prompts"] = 32
+g["experts"]["counts_file"] = sys.argv[3] + "/" + g["experts"]["counts_file"]
+g["lengths"]["prompt"]["csv"] = sys.argv[3] + "/" + g["lengths"]["prompt"]["csv"]
+json.dump(g, open(sys.argv[2], "w"))
+EOF2
+    fi
+    t=$(trace "planner-$(basename "$settings" .json)" "$settings" "$seed" "$steps")
+    policies=token_kk+contiguous,token_kk+eplb,token_kk+eplb_periodic,verl_kk+eplb,attn_kk+eplb
+    [ "$vx" = yes ] && policies=$policies,token_kk+virtual_experts
+    policies=$policies,routepack,routepack:virtual_experts=false
+    echo "results: simulate planner-$name seed $seed ($steps steps)" >&2
+    (cd "$root" && "$rp" simulate --json --config "examples/$config" --trace "$t" --policies "$policies") \
+      > "$work/planner-$name.json"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "examples/$config" "$gen" "$seed" "$steps" \
+      "planner-$name.json" >> "$work/planner.tsv.part"
+  done <<< "$PLANNER"
+  mv "$work/planner.tsv.part" "$work/planner.tsv"
+  python3 "$root/scripts/results/planner.py" "$work" "$root" > "$work/section-vs-balancer.md"
+}
+if [ $planner_only = 1 ]; then
+  planner
+  python3 "$root/scripts/results.py" "$work" "$root" --splice vs-balancer
+  exit 0
+fi
+
 # 1. the comparison on unseen seeds
 simulate example
 small8=$(trace small "$ex/gen-results-small.json" 21 8)
@@ -168,6 +222,7 @@ EOF
 done
 python3 "$root/scripts/results/structure.py" "$work" > "$work/section-structure.md"
 layouts
+planner
 
 # 2. the sweep: routepack with other horizon / persistence settings, as policy files
 variants=()

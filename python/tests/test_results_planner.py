@@ -1,0 +1,72 @@
+"""scripts/results/planner.py (docs/results.md's "The planner against the per-forward
+balancer" section, issue 35) on small fake simulate runs: the "done when" clauses and the
+steps where the balancer's plan still wins come from the runs' figures."""
+
+import importlib.util
+import json
+import sys
+
+from conftest import REPO
+
+SCRIPTS = REPO / "scripts"
+
+
+def _load(name, path):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+planner = _load("results_planner", SCRIPTS / "results" / "planner.py")
+
+TERMS = ("attention_ms", "dispatch_ms", "expert_ms", "combine_ms", "grad_reduce_ms", "extra_copy_ms")
+
+
+def _policy(name, baseline, steps):
+    """steps: (attention_ms, expert_ms, migration_ms) per step; the step is their sum."""
+    out = []
+    for i, (a, x, m) in enumerate(steps):
+        s = {"step": i, "step_ms": a + x, "migration_ms": m, "ratio": 1.0, "shared_ratio": 1.0,
+             "migration_bytes": 0, "fallback": False}
+        s.update({t: 0.0 for t in TERMS})
+        s.update(attention_ms=a, expert_ms=x)
+        out.append(s)
+    return {"policy": name, "status": "ok", "summary": {"baseline": baseline}, "steps": out}
+
+
+def _run(policies, best):
+    return {"format": "routepack-simulate", "version": 1, "config": "c.json",
+            "input": {"kind": "trace", "path": "/tmp/x.rpt", "steps": 2},
+            "shape": {"num_gpus": 8, "num_nodes": 1, "gpus_per_node": 8, "ep_size": 8, "num_layers": 2,
+                      "num_experts": 16, "top_k": 2},
+            "policies": policies, "verdict": {"text": "verdict: fake", "steps": 2, "best_baseline": best,
+                                              "fastest": "routepack"}}
+
+
+def test_done_when_and_balancer_wins(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    vx = _policy("token_kk+virtual_experts", True, [(50.0, 50.0, 0.0), (50.0, 50.0, 0.0)])
+    eplb = _policy("token_kk+eplb", True, [(50.0, 60.0, 5.0), (50.0, 60.0, 5.0)])
+    # the own plan: 2 ms behind on step 0 (its expert side 3 ms worse, attention 1 ms better),
+    # 4 ms ahead on step 1: 2 ms ahead of 200 over both, 1.0%; with the candidate 1.5% ahead
+    own = _policy("routepack:virtual_experts=false", False, [(49.0, 53.0, 0.0), (48.0, 48.0, 0.0)])
+    full = _policy("routepack", False, [(49.0, 49.0, 0.0), (49.0, 50.0, 0.0)])
+    (work / "planner-a.json").write_text(json.dumps(_run([eplb, vx, own, full], "token_kk+virtual_experts")))
+    # a cross-node run, no balancer: routepack 2% ahead of the best baseline, short of 5%
+    (work / "planner-b.json").write_text(json.dumps(_run([
+        _policy("token_kk+eplb", True, [(50.0, 50.0, 4.0), (50.0, 50.0, 0.0)]),
+        _policy("routepack", False, [(50.0, 50.0, 0.0), (50.0, 50.0, 0.0)])], "token_kk+eplb")))
+    (work / "planner.tsv").write_text(
+        "a\texamples/c.json\tg.json\t5\t2\tplanner-a.json\nb\texamples/c.json\tg.json\t6\t2\tplanner-b.json\n")
+    md = planner.render(str(work), str(REPO))
+    assert md.startswith(planner.HEADING)
+    assert "step 0 by 2.000 ms (expert, 3.000 ms)" in md
+    assert "step 1 by" not in md
+    assert "| a | +1.0% | +1.5% | met |" in md
+    assert "| b (cross-node; the balancer cannot run) | - | +2.0% vs token_kk+eplb | not met |" in md
