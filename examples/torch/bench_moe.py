@@ -169,13 +169,14 @@ def cpu_hardware(args, world):
         n += 1
     flops = 2.0 * 512 * d * f * n / (time.thread_time() - t0)
     flops = -slowest([-flops])[0]   # the slowest rank's
-    small, big = torch.zeros(world), torch.zeros(world * (1 << 18))
+    small, big = torch.zeros(world), torch.zeros(world * (1 << 20))   # 4 MiB to each rank
 
     def a2a(t):
         out = torch.empty_like(t)
         dist.all_to_all_single(out, t)
-    lat = min(timed(lambda: a2a(small))[0] for _ in range(5))
-    bw_time = min(timed(lambda: a2a(big))[0] for _ in range(3))
+    # the least of several: other jobs on the machine only ever make a transfer slower
+    lat = min(timed(lambda: a2a(small))[0] for _ in range(9))
+    bw_time = min(timed(lambda: a2a(big))[0] for _ in range(7))
     bw = big.numel() * 4 * (world - 1) / world / max(bw_time - lat, 1e-6)
     return {"peak_flops": flops, "gemm_efficiency": [[1, 1.0], [1 << 20, 1.0]], "dense_efficiency": 1.0,
             "hbm_bytes_per_s": 20e9, "nvlink_bytes_per_s": bw, "nvlink_latency_us": lat * 1e6 / 2}
