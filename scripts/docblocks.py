@@ -47,7 +47,7 @@ NOT_RUN = {
     "python examples/python/train_loop.py": "python/tests/test_example.py runs it",
     "python examples/adapters/": "python/tests/test_adapters.py runs both adapter examples",
     "python -c \"import routepack": "python/tests/test_install.py imports the installed binding",
-    "torchrun": "needs several processes; python/tests/test_torch_example.py runs the example",
+    "torchrun": "needs several processes; python/tests/test_torch_example.py and test_megatron_moe.py run the examples",
     "routepack trace import --routing routing.npy": "inputs made by the reader; python/tests/test_import_npz.py and tests/test_cli_trace.c run imports",
 }
 

@@ -80,7 +80,8 @@ class MigrationExecutor:
     C executor then tracks each slot's identity and refuses a migration whose starting
     placement differs from what the slots hold.
 
-    register(layer, tensors) for every MoE layer, then sync() (collective-free; tells
+    register(layer, tensors) (or register_slots(layer, slots) for experts that are not
+    stacked) for every MoE layer, then sync() (collective-free; tells
     the scheduler the expert bytes and budget for the migrations of later steps). After
     each step: execute() on every rank."""
 
@@ -129,6 +130,38 @@ class MigrationExecutor:
                                                   % (layer, tensors[0].device, t.device))
         self._layers[int(layer)] = tensors
 
+    def register_slots(self, layer, slots):
+        """The expert tensors of MoE layer ``layer`` on this rank, slot by slot: ``slots[s]``
+        is the list of contiguous tensors that make up slot s's expert (the same count,
+        sizes and order at every slot, and on every rank), for experts that are not
+        stacked slot-major (Megatron-Core's per-expert parameters:
+        routepack.adapters.megatron_migration). Borrowed like register()'s."""
+        slots = [list(ts) for ts in slots]
+        if not slots or not slots[0]:
+            raise errors.InvalidArgumentError("layer %d: no tensors to register" % layer)
+        shapes = [(t.numel() * t.element_size()) for t in slots[0]]
+        for s, ts in enumerate(slots):
+            sizes = [t.numel() * t.element_size() for t in ts]
+            if sizes != shapes:
+                raise errors.InvalidArgumentError("layer %d slot %d: tensors of %s bytes, slot 0's are %s"
+                                                  % (layer, s, sizes, shapes))
+            for i, t in enumerate(ts):
+                if not t.is_contiguous():
+                    raise errors.InvalidArgumentError("layer %d slot %d tensor %d is not contiguous"
+                                                      % (layer, s, i))
+                if t.device != slots[0][0].device:
+                    raise errors.InvalidArgumentError("layer %d: tensors on %s and %s"
+                                                      % (layer, slots[0][0].device, t.device))
+        self._layers[int(layer)] = slots
+
+    def _slots(self, layer):
+        """Layer ``layer``'s tensors slot by slot, read now (a stacked parameter's storage
+        may have been replaced since it was registered)."""
+        ts = self._layers[layer]
+        if torch.is_tensor(ts[0]):
+            return [[t[s] for t in ts] for s in range(ts[0].shape[0])]
+        return ts
+
     def _build(self):
         """The registry with the tensors' current addresses. It is made once and kept: it
         carries the slots' identities, which the C executor updates as it commits."""
@@ -136,19 +169,19 @@ class MigrationExecutor:
         missing = [l for l in range(L) if l not in self._layers]
         if missing:
             raise errors.InvalidArgumentError("MoE layers %s have no registered tensors" % missing)
-        slots = self._layers[0][0].shape[0]
-        memory = "cuda" if self._layers[0][0].is_cuda else "host"
+        slots = len(self._slots(0))
+        memory = "cuda" if self._slots(0)[0][0].is_cuda else "host"
         reg = self._registry
         fresh = reg is None or reg.memory != memory or reg.num_slots != slots
         if fresh:
             reg = Registry(L, slots, memory)
         for l in range(L):
-            ts = self._layers[l]
-            if ts[0].shape[0] != slots:
+            per_slot = self._slots(l)
+            if len(per_slot) != slots:
                 raise errors.InvalidArgumentError("layer %d has %d slots, layer 0 has %d"
-                                                  % (l, ts[0].shape[0], slots))
+                                                  % (l, len(per_slot), slots))
             for s in range(slots):
-                reg.set(l, s, [(t[s].data_ptr(), t[s].numel() * t.element_size()) for t in ts])
+                reg.set(l, s, [(t.data_ptr(), t.numel() * t.element_size()) for t in per_slot[s]])
         reg.check()
         if fresh:
             rank = self.messenger.rank
@@ -167,13 +200,19 @@ class MigrationExecutor:
         kept across calls (the memory check counts staging as held: execution.
         staging_budget_bytes), grown when a migration's largest round needs more."""
         if self._staging is None or self._staging.numel() < nbytes:
-            device = self._layers[0][0].device
+            device = self._slots(0)[0][0].device
             self._staging = None
             self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
         # payload receives land in it directly (no copy): after a failed call it is
         # dropped, never reused, so a receive abandoned there writes nothing in use
         self.messenger.direct = self._staging
         return self._staging.data_ptr()
+
+    def slot_experts(self, layer):
+        """The logical expert each of this rank's slots of ``layer`` holds now (the C
+        executor's slot identities; -1: none), list of int."""
+        reg = self._registry or self._build()
+        return [reg.identity(layer, s)[1] for s in range(reg.num_slots)]
 
     def expert_bytes(self):
         """Bytes of one expert per layer, as registered (int list)."""
