@@ -39,7 +39,8 @@ int main(void)
                           "interval_policy_ms", "interval_validate_ms", "interval_total_ms", "every_step_policy_ms",
                           "every_step_validate_ms", "every_step_total_ms", "step_fallback_checks",
                           "no_balancer_policy_ms", "no_balancer_validate_ms", "no_balancer_total_ms",
-                          "no_balancer_interval_total_ms"};
+                          "no_balancer_interval_total_ms", "plan_ahead_ms", "plan_ahead_train_ms", "exposed_ms",
+                          "exposed_percent"};
     int all = 1;
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!(num(o, keys[i]) >= 0)) all = 0, diag("missing or negative: %s", keys[i]);

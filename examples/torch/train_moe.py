@@ -126,6 +126,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--plan-ahead", action="store_true",
+                    help="plan step t + 1 on a host thread while step t trains")
     args = ap.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -139,7 +141,7 @@ def main():
     config = config_for(world)
     # Every rank plans the same step from all ranks' routing statistics (only those are
     # exchanged), agreeing on the plan through torch.distributed.
-    sched = DistributedScheduler(config, policy=args.policy, log_level=None)
+    sched = DistributedScheduler(config, policy=args.policy, log_level=None, plan_ahead=args.plan_ahead)
     swap_to = args.swap_to
     if swap_to == "auto":
         swap_to = "none" if args.policy == "token_kk+contiguous" else "token_kk+eplb"
@@ -168,12 +170,8 @@ def main():
     executor.sync()
     placement = [ExpertPlacement(start[l], slot_begin, [np.zeros((0, 2), np.int64)]) for l in range(LAYERS)]
 
-    losses = []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        if swap_to != "none" and step == args.steps // 2:
-            sched.stage_policy(swap_to)
-        # Rollout (R3): each rank runs its own sequences once and records their routing.
+    def rollout(step):
+        """Each rank runs its own sequences of `step` once and records their routing (R3)."""
         lens, tokens, owner = rollout_batch(step, world, args.seqs_per_rank, args.seed)
         mine = np.nonzero(owner == rank)[0]
         my_tokens = torch.cat([tokens[s] for s in mine]).to(device)
@@ -183,11 +181,41 @@ def main():
                 b.moe.set_placement(ExpertPlacement(placement[l].phy2log, slot_begin, [np.zeros((0, 2), np.int64)]))
             model(my_tokens, my_cu)
             my_routing = torch.stack([b.moe.last_routing for b in model.blocks], dim=1).to(torch.int32)
+        return lens, owner, mine, my_tokens, my_routing
 
-        # Plan, migrate, pack.
-        res = sched.step(my_routing, lens[mine], mine, step=step)
+    losses, planning = [], []
+    ahead = None
+    if args.plan_ahead:
+        # Step 0's plan has nothing to hide behind; from then on step t + 1 is planned on a
+        # host thread while step t trains (its rollout made with the weights before step
+        # t's update, as an asynchronous RL trainer's is).
+        if swap_to != "none" and args.steps // 2 == 0:
+            sched.stage_policy(swap_to)
+        ro = rollout(0)
+        ahead = sched.step_ahead(ro[4], ro[0][ro[2]], ro[2], step=0)
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        if not args.plan_ahead:
+            if swap_to != "none" and step == args.steps // 2:
+                sched.stage_policy(swap_to)
+            ro = rollout(step)
+            tp = time.perf_counter()
+            res = sched.step(ro[4], ro[0][ro[2]], ro[2], step=step)
+            plan_s = waited_s = time.perf_counter() - tp
+        else:
+            res = ahead.result()          # waits for a late plan; never skips it
+            plan_s, waited_s = ahead.planning_s, ahead.waited_s
+        planning.append((plan_s, waited_s))
+        lens, owner, mine, my_tokens, my_routing = ro
+
+        # Migrate, then (plan-ahead) start the next step's plan, then pack and train.
         executor.execute()
         placement = [ExpertPlacement.from_step(res, l) for l in range(LAYERS)]
+        if args.plan_ahead and step + 1 < args.steps:
+            if swap_to != "none" and step + 1 == args.steps // 2:
+                sched.stage_policy(swap_to)
+            ro = rollout(step + 1)       # this step's was unpacked above
+            ahead = sched.step_ahead(ro[4], ro[0][ro[2]], ro[2], step=step + 1)
         for l, b in enumerate(model.blocks):
             b.moe.set_placement(placement[l])
         packed = pack_microbatches(res.microbatches, owner, lens, mine,
@@ -220,9 +248,11 @@ def main():
         if rank == 0:
             swapped = "  swapped to %s" % res.policy_name if res.swapped else ""
             print("step %d  policy %s  predicted %.3f ms  wall %s ms  experts moved %d  stats sent %d B  "
-                  "loss %.6f%s" % (step, res.policy_name, res.step_time_s * 1e3,
-                                   "/".join("%.0f" % (w.item() * 1e3) for w in walls), res.experts_moved,
-                                   sched.last_exchange_bytes["sent"], step_loss, swapped), flush=True)
+                  "planning %.1f ms  waited %.1f ms  loss %.6f%s"
+                  % (step, res.policy_name, res.step_time_s * 1e3,
+                     "/".join("%.0f" % (w.item() * 1e3) for w in walls), res.experts_moved,
+                     sched.last_exchange_bytes["sent"], plan_s * 1e3, waited_s * 1e3, step_loss, swapped),
+                  flush=True)
 
     # Logical parameters: dense ones as they are, experts gathered by id.
     logical = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if id(p) not in experts}
@@ -230,6 +260,14 @@ def main():
         w_in, w_out = b.moe.gather_experts(placement[l])
         logical["blocks.%d.moe.experts.w_in" % l] = w_in.cpu()
         logical["blocks.%d.moe.experts.w_out" % l] = w_out.cpu()
+    if rank == 0 and len(planning) > 1:
+        # The trainer waits for all of a synchronous plan; planned ahead, for the part the
+        # step before's training did not hide. Step 0 has no step before it.
+        plan_ms = sum(p for p, _ in planning[1:]) * 1e3
+        wait_ms = sum(w for _, w in planning[1:]) * 1e3
+        print("planning steps 1-%d: %.1f ms, the trainer waited %.1f ms (%.1f%%)%s; step 0: %.1f ms"
+              % (len(planning) - 1, plan_ms, wait_ms, 100 * wait_ms / max(plan_ms, 1e-9),
+                 " (planned ahead)" if args.plan_ahead else " (synchronous)", planning[0][0] * 1e3), flush=True)
     if rank == 0:
         if args.dump:
             torch.save({"losses": losses, "params": logical}, args.dump)

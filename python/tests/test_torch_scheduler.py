@@ -93,3 +93,51 @@ def test_one_ranks_policy_failing_falls_back_on_every_rank_alike():
         assert len({o[step]["hash"] for o in out}) == 1, "ranks diverged after one rank's policy failed"
         assert out[1][step]["fallback"]            # rank 1's own policy failed
         assert all(o[step]["remap"] for o in out)
+
+
+def _ahead_rank(rank, world):
+    import time
+
+    from routepack import errors
+    from routepack.torch import DistributedScheduler
+    sync = DistributedScheduler(CONFIG, policy="routepack")
+    ahead = DistributedScheduler(CONFIG, policy="routepack", plan_ahead=True)
+    out = {"hashes": [], "refused": []}
+    try:
+        sync.step_ahead(None, [], [])
+    except errors.InvalidArgumentError as e:
+        out["refused"].append(str(e))
+    for step in range(3):
+        lens, ids, groups = _batch(step)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        mine = _mine(lens, world, rank, step)
+        rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
+        routing = torch.as_tensor(ids[rows])
+        want = sync.step(routing, lens[mine], mine, groups[mine], step=step)
+        if step == 2 and rank == 1:
+            time.sleep(1.0)      # rank 0's plan is late: its exchange waits for this rank
+        planned = ahead.step_ahead(routing, lens[mine], mine, groups[mine], step=step)
+        if step == 1:
+            for call in (lambda: ahead.step(routing, lens[mine], mine, groups[mine], step=step),
+                         lambda: ahead.step_ahead(routing, lens[mine], mine, groups[mine], step=step)):
+                try:
+                    call()
+                except errors.InvalidArgumentError as e:
+                    out["refused"].append(str(e))
+        res = planned.result()
+        out["hashes"].append((res.plan_hash, want.plan_hash))
+        out.setdefault("waited", []).append(planned.waited_s)
+        assert planned.planning_s > 0 and planned.done()
+    sync.close()
+    ahead.close()
+    return out
+
+
+def test_planned_ahead_is_the_synchronous_plan_and_waits_when_late():
+    out = torch_world.run(_ahead_rank, 3)
+    for o in out:
+        assert [a for a, _ in o["hashes"]] == [b for _, b in o["hashes"]]   # the same plans
+        assert "plan_ahead=True" in o["refused"][0]
+        assert all("a plan is in flight" in r for r in o["refused"][1:]) and len(o["refused"]) == 3
+    assert len({tuple(o["hashes"]) for o in out}) == 1                       # on every rank
+    assert out[0]["waited"][2] > 0.5     # the late plan was waited for, not skipped

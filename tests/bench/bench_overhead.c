@@ -14,6 +14,10 @@
  * of this process, which does one rank's work, and the routing it holds (its own sequences)
  * against the whole step's. The other ranks' parts are this rank's bytes again, under
  * shuffled global ids, so no rank ever generates the whole step's routing.
+ * Planned ahead (plan_ahead_ms, exposed_ms): the third step planned on a thread while the
+ * step before trains (a sleep of the predicted step, at most 1 s), the statistics and
+ * exchange slept for their times there; exposed_ms is what the trainer then waits for in
+ * the join, beside total_ms, what it waits for when it plans synchronously.
  * Usage: bench_overhead [--scale N] [--reps R] [--json] [--construction]; N in 1, 2, 4, 8
  * divides the sequences (a quick run). --construction times the joint construction alone
  * (first step and with a placement in use) and prints the plans' hashes, for comparing
@@ -23,6 +27,7 @@
 #include "routepack/routepack.h"
 
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -179,6 +184,83 @@ static int run_steps(rp_context *ctx, const rp_config *cfg, const rp_batch *batc
     return t < steps ? t : steps - 1;
 }
 
+static double wall_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void sleep_s(double s)
+{
+    if (s <= 0) return;
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}
+
+/* One step planned on a host thread, as routepack.torch's DistributedScheduler.step_ahead
+ * runs it: the rank's statistics and their exchange (their measured and modelled times,
+ * slept: the thread waits on them as on the network), the merge into the statistics the
+ * scheduler gave back, and rp_sched_step_stats_take. */
+typedef struct plan_job {
+    rp_context *ctx;
+    rp_sched *sched;
+    const rp_batch *batch;
+    const step_parts *in;
+    rp_stats **stats;
+    double before_s; /* the rank's statistics and the exchange */
+    int step;
+    double wall_s;   /* the thread's wall time for the whole step */
+} plan_job;
+
+static void *plan_job_run(void *arg)
+{
+    plan_job *j = arg;
+    rp_error err;
+    const rp_plan *p;
+    const rp_step_report *rep;
+    double t0 = wall_s();
+    sleep_s(j->before_s);
+    if (rp_stats_merge_serialized_reusing(j->ctx, RANKS, j->in->bytes, j->in->lens, j->in->ids, j->in->num_seqs,
+                                          j->stats, &err) != RP_OK)
+        die("merge", &err);
+    if (rp_sched_step_stats_take(j->sched, j->step, j->batch, j->stats, &p, &rep, &err) != RP_OK) die("step", &err);
+    j->wall_s = wall_s() - t0;
+    return NULL;
+}
+
+/* Planning ahead (steps 0 to 2 of the config's policy): step t + 1 is planned on a thread
+ * while step t trains, here a sleep of `train_s`; what the trainer then waits for in the
+ * join is the exposed part. Step 0 has no step before it; the third step's figures come
+ * back (the steady state, as total_ms's), each the least of the calls. */
+static void plan_ahead(rp_context *ctx, const rp_config *cfg, const rp_batch *batch, const step_parts *in,
+                       double before_s, double train_s, double *plan_s, double *exposed_s)
+{
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.num_threads = 1;
+    rp_sched *s = NULL;
+    rp_error err;
+    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) die("scheduler", &err);
+    rp_stats *stats = NULL;
+    for (int t = 0; t < 3; t++) {
+        plan_job job = {ctx, s, batch, in, &stats, before_s, t, 0};
+        pthread_t th;
+        if (pthread_create(&th, NULL, plan_job_run, &job) != 0) die("pthread_create", NULL);
+        if (t > 0) sleep_s(train_s); /* step t - 1 trains meanwhile */
+        double t0 = wall_s();
+        pthread_join(th, NULL);
+        double waited = wall_s() - t0;
+        if (t == 2) {
+            *plan_s = job.wall_s < *plan_s ? job.wall_s : *plan_s;
+            *exposed_s = waited < *exposed_s ? waited : *exposed_s;
+        }
+    }
+    rp_stats_free(stats);
+    rp_sched_free(s);
+}
+
 int main(int argc, char **argv)
 {
     int scale = 1, reps = 3, as_json = 0, construction = 0;
@@ -322,6 +404,13 @@ int main(int argc, char **argv)
         construction_only(ctx, cfg, batch, whole, previous, reps);
         goto done;
     }
+    /* Planned ahead: the training it hides behind is the step before's, the reference
+     * step's predicted time, cut to 1 s to keep the benchmark short (a plan shorter than
+     * that is hidden all the same by the whole step). */
+    const double train_s = predicted_s < 1.0 ? predicted_s : 1.0;
+    double ahead_s = 1e30, exposed_s = 1e30;
+    for (int r = 0; r < reps; r++)
+        plan_ahead(ctx, cfg, batch, &in, stats_s + exchange_s, train_s, &ahead_s, &exposed_s);
     const step_cost mean = interval_mean(now, check_step), alone_mean = interval_mean(alone, alone_check);
     const step_cost skip = now[2], check = now[check_step], old = every[2], alone_skip = alone[2];
 
@@ -378,7 +467,8 @@ int main(int argc, char **argv)
                "\"construction_ms\": %.3f, \"checked_construction_ms\": %.3f, \"fallback_check_ms\": %.3f, "
                "\"fallback_chosen\": \"%s\", \"fallback_changed\": %d, \"peak_rss_mib\": %.1f, "
                "\"rank_peak_mib\": %.1f, \"rank_routing_bytes\": %.0f, \"step_routing_bytes\": %.0f, "
-               "\"stats_bytes\": %zu}\n",
+               "\"stats_bytes\": %zu, \"plan_ahead_ms\": %.3f, \"plan_ahead_train_ms\": %.3f, \"exposed_ms\": %.3f, "
+               "\"exposed_percent\": %.4f}\n",
                scale, reps, RANKS, n, m, (long long)rp_batch_num_tokens(mine), policy, part_bytes, exchange_bytes,
                stats_s * ms, exchange_s * ms, merge_s * ms, merge_fresh_s * ms, skip.policy_s * ms,
                skip.policy_wall_s * ms, skip.engine_s * ms, total_s * ms, predicted_s * ms, 100 * total_s / predicted_s,
@@ -387,7 +477,7 @@ int main(int argc, char **argv)
                old_total_s * ms, alone_skip.policy_s * ms, alone_skip.engine_s * ms, alone_total_s * ms,
                alone_interval_s * ms, construction_s * ms, checked_s * ms, (checked_s - construction_s) * ms, jrep.chosen,
                check_changed, ru.ru_maxrss / 1024.0, ru.ru_maxrss / 1024.0, rank_routing_bytes, step_routing_bytes,
-               rp_stats_bytes(whole));
+               rp_stats_bytes(whole), ahead_s * ms, train_s * ms, exposed_s * ms, 100 * exposed_s / predicted_s);
     } else {
         printf("bench_overhead: reference config, %d ranks, %d sequences (this rank: %d, %lld tokens), scale 1/%d, "
                "policy %s; CPU ms of this thread, min of %d\n",
@@ -414,6 +504,9 @@ int main(int argc, char **argv)
                "policy %.3f ms, engine %.3f ms, total %.3f ms = %.3f%%; a step of its interval %.3f ms = %.3f%%\n",
                alone_skip.policy_s * ms, alone_skip.engine_s * ms, alone_total_s * ms, 100 * alone_total_s / predicted_s,
                alone_interval_s * ms, 100 * alone_interval_s / predicted_s);
+        printf("  planned ahead (step t + 1 on a thread while step t trains, %.0f ms of it): the plan %.3f ms "
+               "(wall), the trainer waited %.3f ms = %.4f%% of the predicted step\n",
+               train_s * ms, ahead_s * ms, exposed_s * ms, 100 * exposed_s / predicted_s);
         printf("  joint construction alone (no fallbacks) %7.3f ms\n", construction_s * ms);
         printf("  with the fallback check (4 baselines)   %7.3f ms: the check %.3f ms, chose %s (%s the plan)\n",
                checked_s * ms, (checked_s - construction_s) * ms, jrep.chosen, check_changed ? "changed" : "kept");

@@ -28,11 +28,11 @@ from .migration import MigrationExecutor, init_optimizer_state, slot_tensors
 from .moe import ExpertPlacement, MoELayer, all_to_all
 from .packing import PackedMicrobatch, pack_microbatches
 from .router_shift import router_shift_weights
-from .scheduler import DistributedScheduler, TorchComm, all_gather_bytes
+from .scheduler import DistributedScheduler, PlannedStep, TorchComm, all_gather_bytes
 
 __all__ = [
     "TorchMessenger", "MigrationExecutor", "init_optimizer_state", "slot_tensors",
     "ExpertPlacement", "MoELayer", "all_to_all", "PackedMicrobatch", "pack_microbatches",
-    "DistributedScheduler", "TorchComm", "all_gather_bytes", "router_shift_weights",
+    "DistributedScheduler", "PlannedStep", "TorchComm", "all_gather_bytes", "router_shift_weights",
     "VirtualExpertBalancer",
 ]

@@ -7,6 +7,8 @@ plan hashes and any fallback agreed through torch.distributed (the scheduler's r
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 
 import numpy as np
 import torch
@@ -93,11 +95,18 @@ class DistributedScheduler:
     with all_gather it receives every rank's parts, padded to the largest
     (docs/torch.md)."""
 
-    def __init__(self, config, policy=None, group=None, **options):
-        self.group = group
+    def __init__(self, config, policy=None, group=None, *, plan_ahead=False, **options):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.device = _device_of(group)
+        # Planning ahead runs the step's collectives on a host thread while the trainer's
+        # run on theirs: a group of its own keeps the two streams of collectives apart
+        # (each group sees its own in one order on every rank).
+        self.plan_ahead = bool(plan_ahead)
+        if self.plan_ahead:
+            ranks = list(range(self.size)) if group is None else dist.get_process_group_ranks(group)
+            group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        self.group = group
         self.comm = TorchComm(group, self.device)
         self.scheduler = routepack.Scheduler(config, policy, comm=self.comm, **options)
         self.config = self.scheduler.config
@@ -109,12 +118,21 @@ class DistributedScheduler:
         # merge takes their storage (merge_stats's reuse) instead of faulting in fresh
         # pages, 50 MB a step at the reference scale
         self._spare_stats = None
+        self._ahead = None   # the PlannedStep in flight (plan_ahead)
 
     # the executor and trainers reach the plain scheduler's API through here
     def __getattr__(self, name):
+        ahead = self.__dict__.get("_ahead")
+        if ahead is not None and not ahead.done():
+            raise errors.InvalidArgumentError(
+                "a plan is in flight (step_ahead of step %s): take it with .result() before "
+                "calling the scheduler's %s" % (ahead.step, name))
         return getattr(self.scheduler, name)
 
     def close(self):
+        if self._ahead is not None:
+            self._ahead.wait()
+            self._ahead = None
         if self._spare_stats is not None:
             self._spare_stats.close()
             self._spare_stats = None
@@ -158,6 +176,13 @@ class DistributedScheduler:
         return Stats(out, self.scheduler._ctx)
 
     def step(self, routing, seq_lens, global_ids, group_ids=None, step=None):
+        if self._ahead is not None:
+            raise errors.InvalidArgumentError(
+                "a plan is in flight (step_ahead of step %s): take it with .result() first"
+                % self._ahead.step)
+        return self._step(routing, seq_lens, global_ids, group_ids, step)
+
+    def _step(self, routing, seq_lens, global_ids, group_ids=None, step=None):
         lens = np.asarray(seq_lens.cpu() if torch.is_tensor(seq_lens) else seq_lens, dtype=np.int64)
         ids = np.asarray(global_ids.cpu() if torch.is_tensor(global_ids) else global_ids, dtype=np.int64)
         groups = np.zeros(len(lens), np.int64) if group_ids is None else \
@@ -193,3 +218,76 @@ class DistributedScheduler:
         finally:
             spare = self.scheduler.take_spare_stats()
             self._spare_stats = spare if merged._owned.handle is None else merged
+
+    def step_ahead(self, routing, seq_lens, global_ids, group_ids=None, step=None):
+        """step()'s plan made on a host thread, so that it overlaps what the trainer does
+        next (the step before's training): call it as soon as the step's rollout has ended,
+        on every rank, and take the plan with ``.result()`` when the trainer needs it. The
+        thread runs all of step(): this rank's statistics, their exchange (the scheduler's
+        own process group: made at construction with ``plan_ahead=True``, required here),
+        the merge and the C step, which releases the GIL while it plans. Returns a
+        PlannedStep.
+
+        The plan is step()'s, bit for bit, whatever the timing: the same inputs, the same
+        collectives in the same order on every rank. One plan is in flight at a time, and
+        nothing else may be called on the scheduler (stage_policy, the migration of the
+        step before, ...) until its ``result()`` is taken; call step_ahead for step t + 1
+        after step t's migration. A plan that is late is waited for by ``result()``, never
+        skipped; an error of the step is raised there. ``routing`` is read on the thread:
+        keep it unchanged until ``result()`` returns (a CUDA tensor: written on the
+        current stream before the call)."""
+        if not self.plan_ahead:
+            raise errors.InvalidArgumentError(
+                "step_ahead needs DistributedScheduler(..., plan_ahead=True), which gives the "
+                "planning thread its own process group")
+        if self._ahead is not None:
+            raise errors.InvalidArgumentError(
+                "a plan is in flight (step_ahead of step %s): take it with .result() first"
+                % self._ahead.step)
+        self._ahead = PlannedStep(self, (routing, seq_lens, global_ids, group_ids, step), step)
+        return self._ahead
+
+
+class PlannedStep:
+    """A step planned on a host thread (DistributedScheduler.step_ahead). ``result()``
+    waits for it and returns its StepResult (or raises the step's error); ``planning_s``:
+    the thread's wall time for the whole step (statistics, exchange, merge, plan);
+    ``waited_s``: how long ``result()`` blocked the caller (0 when the plan was ready),
+    the part of the planning the trainer did not hide."""
+
+    def __init__(self, sched, args, step):
+        self.step = step
+        self.planning_s = None
+        self.waited_s = None
+        self._sched = sched
+        self._value = None
+        self._error = None
+        self._thread = threading.Thread(target=self._run, args=args, name="routepack-plan-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, *args):
+        t0 = time.perf_counter()
+        try:
+            self._value = self._sched._step(*args)
+        except BaseException as e:  # noqa: BLE001 (raised by result() on the trainer's thread)
+            self._error = e
+        self.planning_s = time.perf_counter() - t0
+
+    def done(self):
+        """Whether the plan is ready (result() will not wait)."""
+        return not self._thread.is_alive()
+
+    def wait(self):
+        self._thread.join()
+
+    def result(self):
+        if self.waited_s is None:
+            t0 = time.perf_counter()
+            self._thread.join()
+            self.waited_s = time.perf_counter() - t0
+            if self._sched._ahead is self:
+                self._sched._ahead = None
+        if self._error is not None:
+            raise self._error
+        return self._value
