@@ -97,3 +97,61 @@ def test_megatron_migration_refuses_weights_only():
         assert said[0] is not None and "no optimizer" in said[0]
         assert said[1] is not None and "MoE layer 0 local expert 0 linear_fc1.weight" in said[1], said[1]
         assert num_local == 4
+
+
+def _grouped_forward(rank, world):
+    """Megatron's GroupedMLP (the real class) with grouped_gemm's gmm given as the loop it
+    computes (x[rows of expert i] @ w[i]): its output against each expert computed alone from
+    expert_pieces' parts of weight1 / weight2."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    import megatron_cpu
+    megatron_cpu.apply()
+    import megatron.core.transformer.moe.experts as experts_mod
+    import megatron.core.transformer.moe.grouped_gemm_util as gg
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from routepack.adapters.megatron_migration import expert_form, expert_pieces
+
+    class _Ops:
+        @staticmethod
+        def gmm(a, b, batch_sizes, trans_b=False):
+            out, at = [], 0
+            for i, n in enumerate(batch_sizes.tolist()):
+                out.append(a[at:at + n] @ (b[i].t() if trans_b else b[i]))
+                at += n
+            return torch.cat(out)
+    gg.assert_grouped_gemm_is_available = lambda: None
+    experts_mod.gg.ops = _Ops
+    ps.initialize_model_parallel(1, 1)
+    n, hidden, ffn = 4, 8, 6
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=n,
+                            moe_ffn_hidden_size=ffn, use_cpu_initialization=True, moe_grouped_gemm=True,
+                            gated_linear_unit=True, add_bias_linear=False, bf16=True,
+                            params_dtype=torch.bfloat16)
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    mlp = experts_mod.GroupedMLP(n, cfg, pg_collection=get_default_pg_collection())
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    tokens = torch.tensor([3, 0, 2, 4])
+    x = torch.randn(int(tokens.sum()), hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+    probs = torch.rand(int(tokens.sum()), generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        out, _ = mlp(x, tokens, probs)
+        want, at = [], 0
+        for i, count in enumerate(tokens.tolist()):
+            pieces = {name: select(p.data) for name, p, select in expert_pieces(mlp, i)}
+            w1, w2 = pieces["weight1"].view(hidden, -1), pieces["weight2"].view(-1, hidden)
+            h = x[at:at + count] @ w1
+            a, b = h.chunk(2, dim=-1)
+            want.append((cfg.activation_func(a) * b * probs[at:at + count, None]) @ w2)   # its GLU
+            at += count
+    ps.destroy_model_parallel()
+    return expert_form(mlp), [tuple(p.shape) for _, p, _ in expert_pieces(mlp, 0)], \
+        float((out.float() - torch.cat(want).float()).abs().max()), float(out.float().abs().max())
+
+
+def test_grouped_mlp_experts_are_what_its_forward_multiplies():
+    form, shapes, diff, scale = torch_world.run(_grouped_forward, 1, timeout=120)[0]
+    assert form == "GroupedMLP" and shapes == [(8, 4 * 2 * 6), (4 * 6, 8)]
+    assert scale > 0 and diff <= 2e-2 * scale       # bf16 round-off only
