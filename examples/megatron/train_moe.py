@@ -1,23 +1,28 @@
 #!/usr/bin/env python3
 """A tiny GPT-MoE built from Megatron-Core's own modules (GPTModel, MoELayer with
 SequentialMLP experts and the all-to-all token dispatcher, DDP, the distributed
-optimizer) trained with RoutePack's plans.
+optimizer) trained with RoutePack's plans, replicas included.
 
     torchrun --nproc-per-node 2 examples/megatron/train_moe.py [--policy P] [--steps N]
 
 Every step: each rank rolls out its own sequences (a forward pass, routing recorded from
 Megatron's router); the ranks exchange routing statistics and plan the same step
 (DistributedScheduler); MegatronMigration runs the plan's placement on the Megatron model
-(experts' weights, main_grad, the distributed optimizer's fp32 state shards, router rows
-and expert_bias); each rank trains the micro-batches the plan gives it; DDP reduces the
-gradients and the distributed optimizer steps. Placement changes where the work runs,
+(experts' weights, main_grad, the distributed optimizer's fp32 state shards; with the stock
+layer router rows and expert_bias too); each rank trains the micro-batches the plan gives
+it, routed as their rollout was (Megatron's router replay) to the slots the plan gives them
+(RoutePackMoELayer: a spare slot per rank, where token_kk+eplb puts replicas); replicas'
+gradients are summed among their holders, DDP reduces the gradients and the distributed
+optimizer steps. Placement changes where the work runs,
 never what is computed: the losses equal those of --policy token_kk+contiguous (no
 placement change) to fp32 round-off (python/tests/test_megatron_moe.py checks the losses,
 every logical parameter and optimizer state). On CPU (gloo) the CUDA calls megatron-core
 0.16.1 makes unconditionally get stand-ins (megatron_cpu.py, said there).
 
-Options: --policy (default token_kk+eplb: a permutation of the experts each step, as stock
-Megatron holds them), --steps, --seqs-per-rank, --seed, --lr, --dump PATH (rank 0 saves
+Options: --policy (default token_kk+eplb: replicas of the hottest experts in the spare
+slots, or with --layer stock a permutation of the experts), --layer routepack|stock
+(RoutePackMoELayer over the plan's slots, default; or Megatron's MoELayer, each expert
+once), --steps, --seqs-per-rank, --seed, --lr, --dump PATH (rank 0 saves
 the per-step losses and MegatronMigration.logical_state_dict() with torch.save), --load
 PATH (a --dump file's logical state loaded into the model and optimizer first)."""
 
@@ -35,12 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 32, 2, 8, 2
 
 
-def config_for(world):
-    """One node of `world` GPUs = Megatron's EP group; num_experts / EP slots each (stock
-    Megatron holds every expert once)."""
+def config_for(world, layer="routepack"):
+    """One node of `world` GPUs = Megatron's EP group; num_experts / EP slots each, and a
+    spare slot for a replica with RoutePack's layer (stock Megatron holds every expert once)."""
     return {
         "topology": {"num_nodes": 1, "gpus_per_node": world, "ep_size": world,
-                     "slots_per_gpu": EXPERTS // world},
+                     "slots_per_gpu": EXPERTS // world + (layer == "routepack")},
         "model": {"num_layers": LAYERS, "num_experts": EXPERTS, "top_k": TOP_K, "hidden_size": HIDDEN,
                   "expert_ffn_size": FFN, "num_heads": HEADS, "num_kv_heads": HEADS,
                   "head_dim": HIDDEN // HEADS},
@@ -48,28 +53,34 @@ def config_for(world):
     }
 
 
-def build(world, seed, start):
+def build(world, seed, start, layer="routepack"):
     """GPTModel with MoE layers, every weight a function of its logical name (an expert's
-    of its logical id), loaded where placement `start` (phy2log [L, E]) puts the experts."""
+    of its logical id), loaded where placement `start` (phy2log [L, slots]) puts the
+    experts. layer "routepack": RoutePackMoELayer over the plan's slots (replicas), with
+    Megatron's router replay; "stock": Megatron's MoELayer, one slot per expert."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from routepack.adapters.megatron_layer import with_routepack_layers
     from routepack.adapters.megatron_migration import expert_pieces, moe_layers
 
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     model_parallel_cuda_manual_seed(seed)
+    slots = len(start[0])
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-        num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=FFN,
+        num_moe_experts=slots, moe_router_topk=TOP_K, moe_enable_routing_replay=layer == "routepack", moe_ffn_hidden_size=FFN,
         moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, expert_model_parallel_size=world,
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, add_bias_linear=False,
         use_cpu_initialization=not torch.cuda.is_available(), params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=False)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS),
-                     vocab_size=VOCAB, max_sequence_length=64)
+    spec = get_gpt_layer_local_spec(num_experts=slots)
+    if layer == "routepack":
+        spec = with_routepack_layers(spec, EXPERTS)
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64)
     if torch.cuda.is_available():
         model.cuda()
 
@@ -78,17 +89,19 @@ def build(world, seed, start):
         return torch.randn(shape, generator=g) * shape[-1] ** -0.5
 
     experts = set()
-    n = EXPERTS // world
+    n = slots // world
     rank = ps.get_expert_model_parallel_rank()
     with torch.no_grad():
-        for l, layer in enumerate(moe_layers(model)):
+        for l, moe in enumerate(moe_layers(model)):
             for i in range(n):
                 e = int(start[l][rank * n + i])
-                for name, p, select in expert_pieces(layer.experts, i):
-                    select(p.data).copy_(value("moe.%d.expert.%d.%s" % (l, e, name), select(p.data).shape))
+                for name, p, select in expert_pieces(moe.experts, i):
+                    select(p.data).copy_(value("moe.%d.expert.%d.%s" % (l, e, name), select(p.data).shape)
+                                         if e >= 0 else torch.zeros_like(select(p.data)))
                     experts.add(id(p))
-            order = torch.as_tensor(np.asarray(start[l]), device=layer.router.weight.device)
-            layer.router.weight.copy_(value("moe.%d.router" % l, layer.router.weight.shape)[order.cpu()])
+            # stock: the router's rows in Megatron's order; RoutePackMoELayer's is logical
+            order = np.asarray(start[l]) if layer == "stock" else np.arange(EXPERTS)
+            moe.router.weight.copy_(value("moe.%d.router" % l, (EXPERTS, HIDDEN))[torch.as_tensor(order)])
         for name, p in model.named_parameters():
             if id(p) not in experts and "router" not in name:
                 p.copy_(value(name, p.shape) if p.dim() > 1 else torch.ones_like(p) if "weight" in name
@@ -126,14 +139,37 @@ def batch_of(ids, tokens, device):
     return inp.to(device), labels.to(device), mask.to(device)
 
 
+def replay_plan(layers, res, rank, m, routing, mask, lens, actions):
+    """Micro-batch m's tokens ([b, s] right-padded, `mask` 1 on tokens with a target) routed
+    as their rollout was (Megatron's router replay) and dispatched to the slots the plan gives
+    them (routepack's remap): per MoE layer, set in Megatron's token order (s x b)."""
+    b, s = mask.shape
+    real = torch.zeros((b, s), dtype=torch.bool)
+    for row, sid in enumerate(res.microbatches[rank][m]):
+        real[row, :int(lens[sid])] = True
+    physical = torch.as_tensor(res.remap_rank(rank, m, routing.numpy()), dtype=torch.long)
+    for l, moe in enumerate(layers):
+        # padding (and an empty micro-batch's one pad token): experts 0 .. k-1, first slots
+        target = torch.arange(TOP_K).repeat(b, s, 1)
+        slots = moe.first_slot[target]
+        target[real] = routing[:, l].long()
+        slots[real] = physical[:, l]
+        moe.router.router_replay.set_target_indices(target.transpose(0, 1).reshape(s * b, TOP_K).to(mask.device))
+        moe.router.router_replay.set_router_replay_action(actions.REPLAY_FORWARD)
+        moe.set_physical(slots.transpose(0, 1).reshape(s * b, TOP_K).to(mask.device))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", default="token_kk+eplb")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seqs-per-rank", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--layer", choices=("routepack", "stock"), default="routepack",
+                    help="routepack: RoutePackMoELayer over the plan's slots (replicas in a spare "
+                         "slot per rank); stock: Megatron's MoELayer, the experts renumbered")
     ap.add_argument("--load", default=None,
                     help="a --dump file: its logical state loaded before the first step")
     args = ap.parse_args()
@@ -153,13 +189,15 @@ def main():
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    from routepack.adapters.megatron_layer import reduce_replica_grads
     from routepack.adapters.megatron_migration import MegatronMigration, moe_layers
-    from routepack.torch import DistributedScheduler
+    from routepack.torch import DistributedScheduler, pack_microbatches
 
-    config = config_for(world)
+    config = config_for(world, args.layer)
     sched = DistributedScheduler(config, policy=args.policy, log_level=None)
     start = sched.initial_placement()
-    mcfg, model = build(world, args.seed, start)
+    mcfg, model = build(world, args.seed, start, args.layer)
     ddp = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(
@@ -177,7 +215,7 @@ def main():
 
     def record(l):
         def hook(module, inputs, output):
-            routed[l] = output[1].detach()     # routing_map [tokens, E] (Megatron order)
+            routed[l] = output[1].detach()     # routing_map [tokens, E]
         return hook
     for l, layer in enumerate(layers):
         layer.router.register_forward_hook(record(l))
@@ -196,11 +234,16 @@ def main():
         for l in range(len(layers)):
             ids = routed[l].view(s, b, EXPERTS).transpose(0, 1)[keep]   # [tokens, E] of real tokens
             meg = ids.nonzero()[:, 1].view(-1, TOP_K)
-            routing.append(torch.as_tensor(migration.expert_order[l], device=device)[meg])
+            # stock: the router's rows are in Megatron's order; RoutePackMoELayer's are logical
+            routing.append(torch.as_tensor(migration.expert_order[l], device=device)[meg]
+                           if args.layer == "stock" else meg)
         my_routing = torch.stack(routing, dim=1).to(torch.int32).cpu()
 
         res = sched.step(my_routing, lens[mine], mine, step=step)
         migration.execute(res)
+        if args.layer == "routepack":
+            # each micro-batch's tokens with their rollout routing, fetched from who rolled them out
+            packed = pack_microbatches(res.microbatches, owner, lens, mine, {"routing": my_routing})
 
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -209,11 +252,19 @@ def main():
         for m in range(len(res.microbatches[rank])):
             inp, labels, mask = batch_of(res.microbatches[rank][m], tokens, device)
             pos = torch.arange(inp.shape[1], device=device)[None].expand_as(inp)
+            if args.layer == "routepack":
+                replay_plan(layers, res, rank, m, packed[m]["routing"], mask, lens, RouterReplayAction)
             per_token = ddp(inp, pos, None, labels=labels)
             loss = (per_token * mask).sum()
             # DDP averages over the DP ranks: scaled so the update is the whole batch's mean
             (loss * world / num_targets).backward()
             loss_sum += loss.detach()
+        if args.layer == "routepack":
+            for moe in layers:       # the next rollout routes by itself
+                moe.router.router_replay.set_router_replay_action(None)
+                moe.set_physical(None)
+            # replicas of an expert take the sum of their gradients, before DDP's reduction
+            reduce_replica_grads(layers, res.phy2log, ps.get_expert_model_parallel_group())
         finalize_model_grads([ddp])
         opt.step()
         dist.all_reduce(loss_sum)

@@ -208,8 +208,12 @@ class MegatronMigration:
     """Executes each step's expert placement on a Megatron-Core model.
 
     ``scheduler``: the routepack.Scheduler / routepack.torch.DistributedScheduler planning
-    for Megatron's EP group (plan GPU g = EP rank g; ``slots_per_gpu`` = num_experts / EP:
-    stock Megatron holds each expert once, routepack.adapters.megatron.expert_placement).
+    for Megatron's EP group (plan GPU g = EP rank g). With Megatron's stock MoELayer,
+    ``slots_per_gpu`` = num_experts / EP (it holds each expert once;
+    routepack.adapters.megatron.expert_placement renumbers them, and the router's rows
+    follow); with RoutePackMoELayer (routepack.adapters.megatron_layer) Megatron's local
+    experts are the plan's slots (``num_moe_experts`` = EP x slots_per_gpu), replicas and
+    empty slots included, and the router stays in logical order.
     ``model``: the Megatron model (module, DDP wrapper or list of chunks) whose MoE layers,
     in forward order, are the plan's layers. ``optimizer``: its Megatron optimizer
     (DistributedOptimizer, a ChainedOptimizer of them, or FP32Optimizer; Float16Optimizer's
@@ -246,14 +250,23 @@ class MegatronMigration:
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         E = cfg.num_experts
-        self.num_local = E // self.ep_size
+        # RoutePackMoELayer (megatron_layer): Megatron's experts are the plan's slots, replicas
+        # and empty slots included, and the router stays logical; stock MoELayer: one slot per
+        # expert, the experts renumbered (expert_placement) and the router rows with them.
+        self.physical = hasattr(self.layers[0], "num_logical_experts")
+        P = self.layers[0].config.num_moe_experts if self.physical else E
+        self.num_local = P // self.ep_size
         missing = []
         for l, layer in enumerate(self.layers):
             n = len(getattr(layer, "local_expert_indices", [])) or layer.experts.num_local_experts
-            if n != self.num_local or self.num_local * self.ep_size != E:
+            if n != self.num_local or self.num_local * self.ep_size != P or \
+                    (self.physical and n != cfg.slots[self.ep_rank]):
                 raise errors.NotSupportedError(
-                    "MoE layer %d holds %d local experts; stock Megatron-Core with %d experts over "
-                    "EP %d holds %d" % (l, n, E, self.ep_size, self.num_local))
+                    "MoE layer %d holds %d local experts; %s with %d %s over EP %d holds %d%s"
+                    % (l, n, "RoutePackMoELayer" if self.physical else "stock Megatron-Core", P,
+                       "slots" if self.physical else "experts", self.ep_size, self.num_local,
+                       " (the config's slots_per_gpu is %d)" % cfg.slots[self.ep_rank]
+                       if self.physical else ""))
             for i in range(self.num_local):
                 for name, p, _ in expert_pieces(layer.experts, i):
                     if not self.index.covers(p):
@@ -270,11 +283,22 @@ class MegatronMigration:
         self.device = self.layers[0].router.weight.device
         start = np.asarray(self.scheduler.initial_placement() if placement is None else placement,
                            dtype=np.int64)
-        if start.shape != (cfg.num_layers, E) or (np.sort(start, axis=1) != np.arange(E)).any():
+        if start.shape != (cfg.num_layers, P) or (
+                not self.physical and (np.sort(start, axis=1) != np.arange(E)).any()):
             raise errors.NotSupportedError(
-                "the starting placement is not a permutation of the %d experts per layer (shape %s): "
-                "stock Megatron-Core holds each expert once" % (E, start.shape))
+                "the starting placement (shape %s) is not %s" % (
+                    start.shape, "one of the %d slots per layer" % P if self.physical else
+                    "a permutation of the %d experts per layer: stock Megatron-Core holds each "
+                    "expert once" % E))
+        for r in (getattr(m, "ddp_config", None) for m in self._roots):
+            if self.physical and r is not None and r.overlap_grad_reduce:
+                raise errors.NotSupportedError(
+                    "overlap_grad_reduce: DDP would reduce the replicas' gradients before "
+                    "reduce_replica_grads sums them among their holders")
         self.expert_order = start.copy()
+        if self.physical:
+            for l, layer in enumerate(self.layers):
+                layer.set_placement(start[l])
         self.executor = MigrationExecutor(self.scheduler, group, placement=start, timeout_s=timeout_s,
                                           staging_budget_bytes=staging_budget_bytes, device=self.device)
         self._register(None)
@@ -324,11 +348,22 @@ class MegatronMigration:
         """Run step ``res``'s placement (StepResult; every rank, after the step, before the
         step's first forward). Returns routepack.executor.MigrationResult, or None when the
         placement did not change. The new Megatron order is ``self.expert_order`` (int64
-        [L, E]: Megatron index p holds logical expert expert_order[l, p]). A plan stock
-        Megatron cannot hold (replicas, spare slots, extra replicas, shares) is refused before
-        anything moves (expert_placement's NotSupportedError). On MigrationFailed the layers of
+        [L, slots]: Megatron's expert index p holds logical expert expert_order[l, p], -1
+        none). A plan the layer cannot hold is refused before anything moves: for the stock
+        MoELayer replicas, spare slots, extra replicas and shares (expert_placement's
+        NotSupportedError); for RoutePackMoELayer per-microbatch extra replicas (Megatron's
+        expert forms hold a fixed number of local experts). On MigrationFailed the layers of
         committed rounds are in the new order (their routers permuted), the others in the old."""
-        new = _megatron.expert_placement(res).expert_order
+        if self.physical:
+            if len(res.extra_replicas):
+                raise errors.NotSupportedError(
+                    "the plan has %d per-microbatch extra replicas; Megatron's expert forms "
+                    "(SequentialMLP, TEGroupedMLP, GroupedMLP) hold a fixed number of local experts, "
+                    "so the megatron_alltoall executor cannot run them: plan without them "
+                    "(the policy's extra-replica lever off)" % len(res.extra_replicas))
+            new = np.asarray(res.phy2log, dtype=np.int64)
+        else:
+            new = _megatron.expert_placement(res).expert_order
         if res.migration is None and (new == self.expert_order).all():
             return None
         params = [p for l in range(len(self.layers)) for p in self._expert_params(l)]
@@ -359,6 +394,11 @@ class MegatronMigration:
         return t.cpu().numpy().astype(bool)
 
     def _permute_routers(self, new, layers):
+        if self.physical:        # the router is logical: only the slots' record changes
+            for l in layers:
+                self.expert_order[l] = new[l]
+                self.layers[l].set_placement(new[l])
+            return
         perm = {l: torch.as_tensor(np.argsort(self.expert_order[l])[new[l]], device=self.device)
                 for l in layers}
         weights = [self.layers[l].router.weight for l in layers]
@@ -400,6 +440,13 @@ class MegatronMigration:
         placement (every rank; each takes the experts its slots hold)."""
         self._logical(True, load=state)
 
+    def _router_order(self, l):
+        """The logical expert of each router row (stock: Megatron's order; a
+        RoutePackMoELayer's router is logical)."""
+        if self.physical:
+            return np.arange(self.scheduler.config.num_experts)
+        return self.expert_order[l]
+
     def _named_params(self):
         experts = {id(p) for l in range(len(self.layers)) for p in self._expert_params(l)}
         routers = {id(layer.router.weight): l for l, layer in enumerate(self.layers)}
@@ -439,14 +486,18 @@ class MegatronMigration:
                         parts = [torch.empty_like(mine.contiguous()) for _ in range(self.ep_size)]
                         dist.all_gather(parts, mine.contiguous(), group=self.group)
                         for r, part in enumerate(parts):
-                            out[key_of(int(self.expert_order[l, r * self.num_local + i]))] = part.cpu()
+                            e = int(self.expert_order[l, r * self.num_local + i])
+                            # an expert's first slot (replicas are kept alike); none: nothing
+                            if e >= 0 and key_of(e) not in out:
+                                out[key_of(e)] = part.cpu()
                     else:
                         e = int(self.expert_order[l, self.ep_rank * self.num_local + i])
-                        with torch.no_grad():
-                            mine.copy_(load[key_of(e)].to(mine.device))
+                        if e >= 0:
+                            with torch.no_grad():
+                                mine.copy_(load[key_of(e)].to(mine.device))
                 elif kind == "router":
                     key = "moe.%d.router.weight%s" % (l, suffix)
-                    order = torch.as_tensor(self.expert_order[l], device=t.device)
+                    order = torch.as_tensor(self._router_order(l), device=t.device)
                     with torch.no_grad():
                         if load is None:
                             logical = torch.empty_like(t)
@@ -462,7 +513,7 @@ class MegatronMigration:
                         with torch.no_grad():
                             t.copy_(load[key].to(t.device))
         for l, layer in enumerate(self.layers):
-            order = torch.as_tensor(self.expert_order[l])
+            order = torch.as_tensor(self._router_order(l))
             for name in ("expert_bias", "local_tokens_per_expert"):
                 buf = getattr(layer.router, name, None)
                 if torch.is_tensor(buf) and buf.dim() == 1:
