@@ -528,7 +528,7 @@ static rp_status place(joint *jt, const joint_layer *prev, rp_joint_report *rep,
         double s_old = x_old + joint_layer_grad_s(jt, old, scratch);
         double s_fresh = x_fresh + g_fresh, s_kept = x_kept + g_kept;
         bool fresh = true;
-        if (!isinf(H)) {
+        if (!isinf(H) && !jt->previous_balanced) {
             double p_fresh = persistent_score(jt, l, lay, share_max, share_mq, scratch);
             double p_kept = persistent_score(jt, l, &kept, share_max, share_mq, scratch);
             /* the persistent part counts only as far as earlier moves' savings held */
@@ -683,6 +683,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     jt.cost = cost;
     RP_CHECK_GOTO(setup(&jt, err), st, out);
     const rp_plan *previous_placed = previous && rp_plan_has_placement(previous) ? previous : NULL;
+    jt.previous_balanced = previous_placed && rp_plan_balancing(previous_placed) == RP_BALANCING_VIRTUAL_EXPERTS;
     if (previous_placed) {
         RP_CHECK_GOTO(check_previous(&jt, previous_placed, err), st, out);
         prev = rp_calloc(ctx, (size_t)jt.L, sizeof *prev);

@@ -25,6 +25,10 @@ typedef struct joint {
     const rp_stats *stats;
     rp_cost *cost;
     const rp_joint_params *par;
+    /* the placement in use ran under the per-forward balancer: keeping a layer of it
+     * without the balancer is no plan anyone runs, so placement re-places every layer and
+     * the candidates' scores (step + migration) decide (issue 35) */
+    bool previous_balanced;
     int32_t N, G, ep, Q, gpn, L, E, K, M, S;
     const int32_t *slot_begin;  /* [ep + 1] slots of each EP rank (a plan's offsets) */
     const double *speed;        /* [G] */

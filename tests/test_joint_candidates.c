@@ -383,6 +383,43 @@ static void test_alloc_failures(void)
     batch_fixture_free(&f);
 }
 
+/* After a step that ran under the balancer, keeping a layer of its placement without the
+ * balancer is no plan anyone runs: the joint placement re-places every layer, and the
+ * candidates' scores (step + migration) decide. From the same contiguous placement run
+ * without the balancer, a horizon of one step keeps the layers whose move does not pay. */
+static void test_previous_balanced(void)
+{
+    fixture f;
+    if (!fixture_make(&f, make_config(2, 4, 4, 5), 7)) {
+        skip(2, "fixture");
+        batch_fixture_free(&f);
+        return;
+    }
+    rp_error err;
+    rp_plan *plain = NULL, *balanced = NULL, *a = NULL, *b = NULL;
+    rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk+contiguous", 0, &plain, &err);
+    rp_baseline_plan(ctx, f.cfg, f.batch, f.stats, NULL, "token_kk+contiguous", 0, &balanced, &err);
+    if (balanced) rp_plan_set_balancing(balanced, RP_BALANCING_VIRTUAL_EXPERTS, &err);
+    rp_joint_params par = rp_joint_defaults();
+    par.fallbacks = no_fallbacks;
+    par.horizon_steps = 1;
+    rp_joint_report ra, rb;
+    memset(&ra, 0, sizeof ra);
+    memset(&rb, 0, sizeof rb);
+    rp_status sa = rp_joint_plan(ctx, f.cfg, f.batch, f.stats, plain, NULL, &par, &a, &ra, &err);
+    rp_status sb = rp_joint_plan(ctx, f.cfg, f.batch, f.stats, balanced, NULL, &par, &b, &rb, &err);
+    ok(sa == RP_OK && sb == RP_OK && rb.layers_replaced == 4,
+       "after the balancer's step every layer is re-placed (%d of 4)", rb.layers_replaced);
+    ok(sa == RP_OK && ra.layers_replaced < rb.layers_replaced,
+       "after the same placement without it, only the moves that pay in one step (%d of 4 layers)",
+       ra.layers_replaced);
+    rp_plan_free(plain);
+    rp_plan_free(balanced);
+    rp_plan_free(a);
+    rp_plan_free(b);
+    batch_fixture_free(&f);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
@@ -390,6 +427,7 @@ int main(void)
     test_fallback_against_the_balancer();
     test_candidate_under_pp();
     test_relabel();
+    test_previous_balanced();
     test_alloc_failures();
     rp_context_free(ctx);
     return tap_done();
