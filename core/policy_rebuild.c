@@ -18,7 +18,11 @@ rp_status policy_rebuild(rp_policy **pol, rp_error *err)
         return st;
     }
     rp_sandbox_copy_clock(fresh->sb, old->sb);
-    fresh->saved_state = json_incref(old->saved_state);
+    /* The load kept the fresh state's own ctx.state (and the restore replaced it): the
+     * copy to keep is the old one, whichever of the two holds a reference now. */
+    json_t *kept = json_incref(old->saved_state);
+    json_decref(fresh->saved_state);
+    fresh->saved_state = kept;
     *pol = fresh;
     rp_policy_free(old);
     return RP_OK;
