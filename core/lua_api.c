@@ -4,6 +4,7 @@
 #include "cost_internal.h"
 #include "limits_internal.h"
 #include "lua_api.h"
+#include "utf8_internal.h"
 
 #include "routepack/baseline.h"
 #include "routepack/joint.h"
@@ -1183,7 +1184,17 @@ static bool append_escaped(char *msg, size_t cap, size_t *used, const char *s, s
         unsigned char c = (unsigned char)s[i];
         char esc[4];
         size_t n = 0;
-        if (c == '\n') esc[n++] = '\\', esc[n++] = 'n';
+        if (c >= 0x80) { /* a well-formed UTF-8 character passes whole; any other byte is escaped */
+            size_t seq = utf8_sequence((const unsigned char *)s + i, len - i);
+            if (seq) {
+                if (*used + seq >= cap) return false;
+                memcpy(msg + *used, s + i, seq);
+                *used += seq;
+                i += seq - 1;
+                continue;
+            }
+            esc[n++] = '\\', esc[n++] = 'x', esc[n++] = hex[c >> 4], esc[n++] = hex[c & 15];
+        } else if (c == '\n') esc[n++] = '\\', esc[n++] = 'n';
         else if (c == '\t') esc[n++] = '\\', esc[n++] = 't';
         else if (c == '\r') esc[n++] = '\\', esc[n++] = 'r';
         else if (c == '\\') esc[n++] = '\\', esc[n++] = '\\';
@@ -1197,8 +1208,10 @@ static bool append_escaped(char *msg, size_t cap, size_t *used, const char *s, s
 }
 
 /* rp.log(...): strings and numbers joined by spaces, to the context's log at INFO, with
- * control characters escaped; at most RP_LUA_LOG_RECORDS records and RP_LUA_LOG_BYTES
- * bytes a call, the rest counted and reported once when the call ends. */
+ * control characters and bytes that are not well-formed UTF-8 escaped (\xNN), so the
+ * embedder's log sink always receives valid UTF-8; at most RP_LUA_LOG_RECORDS records
+ * and RP_LUA_LOG_BYTES bytes a call, the rest counted and reported once when the call
+ * ends. */
 static int l_log(lua_State *L)
 {
     rp_lua_host *h = rp_lua_host_of(L);

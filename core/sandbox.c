@@ -3,6 +3,7 @@
  * what a policy sees: docs/policies.md, "The sandbox"). */
 #include "sandbox.h"
 #include "sandbox_big.h"
+#include "sandbox_stack.h"
 
 #include <lauxlib.h>
 #include <luajit.h>
@@ -81,6 +82,8 @@ struct rp_sandbox {
     trip_kind tripped;
     bool rearmed; /* hook set to fire at every instruction */
     uintptr_t c_stack_base;
+    size_t c_stack_bytes; /* the call's C stack guard: RP_SANDBOX_C_STACK_BYTES or less */
+    sandbox_stack stack;  /* the calling thread's stack bounds */
     char where[192];  /* where the limit tripped */
     char trace[320];  /* short traceback of the error that reached rp_sandbox_call */
     int32_t trace_line;
@@ -354,7 +357,7 @@ void rp_sandbox_check_c_stack(lua_State *L)
     rp_sandbox *sb = rp_sandbox_of(L);
     uintptr_t here = (uintptr_t)__builtin_frame_address(0);
     if (sb->c_stack_base && here < sb->c_stack_base &&
-        sb->c_stack_base - here > RP_SANDBOX_C_STACK_BYTES) {
+        sb->c_stack_base - here > sb->c_stack_bytes) {
         trip(sb, TRIP_DEPTH);
         raise_trip(sb, L);
     }
@@ -1426,6 +1429,24 @@ static rp_status describe_failure(rp_sandbox *sb, int status, rp_error *err)
     return RP_EPOLICY;
 }
 
+/* The C stack guard for a call whose frame is at `frame`: RP_SANDBOX_C_STACK_BYTES, or
+ * what the thread has below less the reserve; RP_EINVAL when that is under the minimum
+ * (`what`: "call the policy", "compile the policy"). */
+static rp_status size_c_stack(rp_sandbox *sb, uintptr_t frame, size_t least, const char *what, rp_error *err)
+{
+    size_t room = sandbox_stack_room(&sb->stack, frame);
+    if (room < RP_SANDBOX_C_STACK_RESERVE + least)
+        return rp_fail(err, RP_EINVAL,
+                       "sandbox: the calling thread has %zu KiB of stack left, and the sandbox needs %zu KiB to %s "
+                       "safely (%zu KiB for LuaJIT and the sandbox, %zu KiB for C functions that call back); run it "
+                       "on a thread with a larger stack",
+                       room >> 10, (RP_SANDBOX_C_STACK_RESERVE + least) >> 10, what, RP_SANDBOX_C_STACK_RESERVE >> 10,
+                       least >> 10);
+    room -= RP_SANDBOX_C_STACK_RESERVE;
+    sb->c_stack_bytes = room < RP_SANDBOX_C_STACK_BYTES ? room : RP_SANDBOX_C_STACK_BYTES;
+    return RP_OK;
+}
+
 /* The function is at `func` with its arguments above it. */
 static rp_status protected_call(rp_sandbox *sb, int func, int nargs, int nresults, rp_error *err)
 {
@@ -1433,6 +1454,12 @@ static rp_status protected_call(rp_sandbox *sb, int func, int nargs, int nresult
     if (!lua_checkstack(L, LUA_MINSTACK)) {
         lua_settop(L, func - 1);
         return rp_fail(err, RP_ENOMEM, "sandbox: no Lua stack space left to call the policy");
+    }
+    rp_status sized = size_c_stack(sb, (uintptr_t)__builtin_frame_address(0), RP_SANDBOX_C_STACK_MIN,
+                                   "call the policy", err);
+    if (sized != RP_OK) {
+        lua_settop(L, func - 1);
+        return sized;
     }
     lua_rawgeti(L, LUA_REGISTRYINDEX, sb->refs[REF_MSGH]);
     lua_insert(L, func);
@@ -1502,6 +1529,9 @@ rp_status rp_sandbox_load_text(rp_sandbox *sb, const char *source, size_t len,
     snprintf(name, sizeof name, "%s%s", chunkname[0] == '=' || chunkname[0] == '@' ? "" : "=", chunkname);
     if (!lua_checkstack(L, LUA_MINSTACK))
         return rp_fail(err, RP_ENOMEM, "%s: no Lua stack space left", chunkname);
+    /* LuaJIT's parser recurses in C, up to 200 levels of nesting */
+    rp_status sized = size_c_stack(sb, (uintptr_t)__builtin_frame_address(0), 0, "compile the policy", err);
+    if (sized != RP_OK) return sized;
 
     sb->tripped = TRIP_NONE;
     sb->mem_refused = false;

@@ -54,8 +54,26 @@ typedef struct rp_sandbox_limits {
 #define RP_SANDBOX_BYTES_PER_UNIT 16
 /* C stack a call may use below rp_sandbox_call's frame for C functions that call back
  * into Lua (gsub with a function, sort with a comparator, __tostring, ...). Deeper
- * nesting trips the depth limit, so the calling thread needs this much spare stack. */
+ * nesting trips the depth limit. On a thread with less stack the guard shrinks to what
+ * the thread has below the call less RP_SANDBOX_C_STACK_RESERVE (found with
+ * pthread_getattr_np), and a call that would get less than RP_SANDBOX_C_STACK_MIN is
+ * refused (RP_EINVAL). */
 #define RP_SANDBOX_C_STACK_BYTES ((size_t)256 << 10)
+/* Kept free below the guard for LuaJIT itself (its parser, the allocator, raising an
+ * error) and the sandbox's own C frames: measured under 40 KiB without sanitizers;
+ * AddressSanitizer's frames are several times larger. */
+#if defined(__SANITIZE_ADDRESS__)
+#define RP_SANDBOX_C_STACK_RESERVE ((size_t)256 << 10)
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define RP_SANDBOX_C_STACK_RESERVE ((size_t)256 << 10)
+#endif
+#endif
+#ifndef RP_SANDBOX_C_STACK_RESERVE
+#define RP_SANDBOX_C_STACK_RESERVE ((size_t)64 << 10)
+#endif
+/* The least guard a call runs with: C callbacks two levels deep (gsub holds 8 KiB). */
+#define RP_SANDBOX_C_STACK_MIN ((size_t)16 << 10)
 
 /* What one callback from a C loop into Lua or C costs (rp_sandbox_charge_callback): the
  * call's own frame, about as much as a few VM instructions. */
@@ -149,7 +167,8 @@ int rp_sandbox_raise(lua_State *L);
  * primitive, a library function), so that such a call fails even when it returned. */
 void rp_sandbox_check_clock(lua_State *L);
 /* Call before a C function calls back into Lua: trips the depth limit when the C stack
- * below rp_sandbox_call exceeds RP_SANDBOX_C_STACK_BYTES. */
+ * below rp_sandbox_call exceeds the call's guard (RP_SANDBOX_C_STACK_BYTES, less on a
+ * small thread stack). */
 void rp_sandbox_check_c_stack(lua_State *L);
 
 /* Inside the sandbox (sandbox_string.c): set the bounded pattern functions find, match,

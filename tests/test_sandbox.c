@@ -388,6 +388,20 @@ static void run_on_small_stack(const char *source, size_t stack_bytes, char *out
     pthread_attr_destroy(&attr);
 }
 
+/* One chunk run in an existing sandbox on a thread of its own. */
+typedef struct tiny_job {
+    rp_sandbox *sb;
+    char *out;
+    size_t out_len;
+} tiny_job;
+
+static void *tiny_main(void *arg)
+{
+    tiny_job *job = arg;
+    snprintf(job->out, job->out_len, "%s", eval(job->sb, "return 1"));
+    return NULL;
+}
+
 static void test_hostile(void)
 {
     rp_sandbox *sb = new_sandbox(5000000, 0, 32 << 20, 0);
@@ -559,6 +573,46 @@ static void test_hostile(void)
         like(got, "ELIMIT: policy exceeded the call depth limit of 10000",
              "C recursion on a 1 MiB thread stack trips the depth limit (case %zu)", i + 1);
     }
+
+    /* Smaller thread stacks than the guard's 256 KiB (musl's default is 128 KiB): the
+     * guard is sized from what the thread has, or the call is refused; a recursive gsub
+     * at the largest depth limit crashed a 256 KiB thread before. */
+    static const char gsub_recursion[] =
+        "local function f(s) return (string.gsub(s, '.', function(c) return f(c) end)) end return f('x')";
+    static const size_t small_stacks[] = {(size_t)128 << 10, (size_t)192 << 10, (size_t)256 << 10};
+    for (size_t i = 0; i < sizeof small_stacks / sizeof small_stacks[0]; i++) {
+        char got[512];
+        run_on_small_stack(gsub_recursion, small_stacks[i], got, sizeof got);
+        ok(strstr(got, "ELIMIT: policy exceeded the call depth limit of 10000") ||
+               strstr(got, "EINVAL: sandbox: the calling thread has"),
+           "recursive gsub on a %zu KiB thread stack trips the depth limit or is refused: %s", small_stacks[i] >> 10,
+           got);
+    }
+    char nested[600] = "return ";
+    for (int i = 0; i < 190; i++) strcat(nested, "(");
+    strcat(nested, "1");
+    for (int i = 0; i < 190; i++) strcat(nested, ")");
+    char got_nested[512];
+    run_on_small_stack(nested, (size_t)128 << 10, got_nested, sizeof got_nested);
+    ok(strcmp(got_nested, "1") == 0 || strstr(got_nested, "EINVAL: sandbox: the calling thread has"),
+       "190 nested parentheses compile on a 128 KiB thread stack, or are refused: %s", got_nested);
+    /* a stack of our own (glibc would hand out a larger cached one for a small size) */
+    char got_tiny[512] = "(thread did not start)";
+    rp_sandbox *tiny_sb = new_sandbox(50000000, 0, 64 << 20, 0);
+    tiny_job tj = {tiny_sb, got_tiny, sizeof got_tiny};
+    void *stack = NULL;
+    pthread_attr_t tiny_attr;
+    pthread_t tiny_thread;
+    pthread_attr_init(&tiny_attr);
+    if (posix_memalign(&stack, 4096, (size_t)48 << 10) == 0 &&
+        pthread_attr_setstack(&tiny_attr, stack, (size_t)48 << 10) == 0 &&
+        pthread_create(&tiny_thread, &tiny_attr, tiny_main, &tj) == 0)
+        pthread_join(tiny_thread, NULL);
+    pthread_attr_destroy(&tiny_attr);
+    free(stack);
+    rp_sandbox_free(tiny_sb);
+    like(got_tiny, "EINVAL: sandbox: the calling thread has",
+         "a call on a 48 KiB thread stack is refused, saying why: %s", got_tiny);
 
     /* memory: a 16 MiB cap */
     sb = new_sandbox(100000000, 0, 16 << 20, 0);

@@ -733,6 +733,19 @@ static void test_log_limits(void)
     is_str(probe("rp.log(string.rep('y', 100000))"), "", "one long record");
     rp_context_set_log(ctx, NULL, NULL, RP_LOG_INFO);
     ok(c.records == 1 && strstr(c.first, "yyy [cut]") && c.warnings == 0, "a long record is cut and says so");
+
+    /* the log sink gets valid UTF-8: well-formed characters pass, every other byte is
+     * escaped (a stray byte, a truncated sequence, a surrogate, past U+10FFFF, overlong) */
+    memset(&c, 0, sizeof c);
+    rp_context_set_log(ctx, capture_log, &c, RP_LOG_INFO);
+    is_str(probe("rp.log('caf\\xc3\\xa9 \\xe2\\x82\\xac \\xff \\xe2\\x82 \\xed\\xa0\\x80 \\xf4\\x90\\x80\\x80 "
+                 "\\xc0\\xaf end\\xf0')"),
+           "", "a record with invalid UTF-8");
+    rp_context_set_log(ctx, NULL, NULL, RP_LOG_INFO);
+    is_str(c.first,
+           "policy 'probe': caf\xc3\xa9 \xe2\x82\xac \\xff \\xe2\\x82 \\xed\\xa0\\x80 \\xf4\\x90\\x80\\x80 "
+           "\\xc0\\xaf end\\xf0",
+           "bytes that are not UTF-8 are escaped, characters pass");
 }
 
 /* The default instruction budget grows with the batch (16 full evaluations of the cost
