@@ -48,6 +48,8 @@ struct rp_sched {
 
     policy_set running;
     policy_set staged;
+    policy_set previous;     /* what the last hot swap replaced: a demotion's target */
+    int32_t failed_steps;    /* steps in a row that fell back on every rank */
     int64_t staged_at;       /* -1: the next step */
 
     rp_plan *current;        /* the plan in use */
@@ -321,6 +323,7 @@ void rp_sched_free(rp_sched *s)
     rp_context *ctx = s->ctx;
     set_free(&s->running);
     set_free(&s->staged);
+    set_free(&s->previous);
     rp_plan_free(s->current);
     rp_plan_free(s->initial);
     sched_migration_free(&s->migration, ctx);
@@ -359,6 +362,7 @@ rp_status rp_sched_new(rp_context *ctx, const rp_config *cfg, const rp_sched_opt
     s->opts.params_json = NULL;
     s->opts.comm = NULL;
     s->opts.initial_placement = NULL;
+    if (s->opts.demote_after == 0) s->opts.demote_after = RP_SCHED_DEMOTE_AFTER;
     s->staged_at = -1;
     s->limits = rp_sandbox_limits_default();
     if (opts->max_instructions > 0) s->limits.max_instructions = opts->max_instructions;
@@ -1066,6 +1070,36 @@ static rp_status agree(rp_sched *s, step_inputs *in, rp_status local, rp_plan **
     return ranks_failure(s, all, local, in->step, "taking the agreed plan", err);
 }
 
+/* Count the step's outcome and demote the running set after demote_after steps in a row
+ * that fell back on every rank (so every rank demotes at the same step): to the set the
+ * last hot swap replaced, else to RP_SCHED_DEMOTE_TO. Runs after the step committed: a
+ * replacement that cannot be loaded leaves the running set and says so. */
+static void demote_if_failing(rp_sched *s, rp_step_report *rep)
+{
+    bool failed = rep->ranks_fell_back >= (multi_rank(s) ? s->comm.size : 1);
+    s->failed_steps = failed ? s->failed_steps + 1 : 0;
+    rep->failed_steps = s->failed_steps;
+    if (s->opts.demote_after < 0 || s->failed_steps < s->opts.demote_after) return;
+    policy_set next;
+    memset(&next, 0, sizeof next);
+    if (s->previous.count > 0) {
+        next = s->previous;
+        memset(&s->previous, 0, sizeof s->previous);
+    } else {
+        if (strcmp(s->running.name, RP_SCHED_DEMOTE_TO) == 0) return; /* nothing safer to run */
+        rp_error e;
+        if (load_set(s, RP_SCHED_DEMOTE_TO, NULL, NULL, NULL, &next, &e) != RP_OK) {
+            textf(rep->demote_error, sizeof rep->demote_error, "%s", e.text);
+            return;
+        }
+    }
+    set_free(&s->running);
+    s->running = next;
+    s->failed_steps = 0;
+    rep->demoted = true;
+    textf(rep->demoted_to, sizeof rep->demoted_to, "%s", s->running.name);
+}
+
 /* One step from the whole step's statistics (owned; NULL when `prep`, the status of
  * making them, is an error): rp_sched_step and rp_sched_step_stats share it. */
 static rp_status run_step(rp_sched *s, int64_t step, const rp_batch *batch, rp_stats *stats, rp_status prep,
@@ -1112,8 +1146,10 @@ static rp_status run_step(rp_sched *s, int64_t step, const rp_batch *batch, rp_s
 
     /* 4. commit: nothing below can fail */
     if (decision == SWAP_DO) {
-        set_free(&s->running);
+        set_free(&s->previous);
+        s->previous = s->running;
         s->running = s->staged;
+        s->failed_steps = 0;
         memset(&s->staged, 0, sizeof s->staged);
         s->staged_at = -1;
         rep.swapped = true;
@@ -1140,6 +1176,7 @@ static rp_status run_step(rp_sched *s, int64_t step, const rp_batch *batch, rp_s
     stats = NULL;
     s->has_step = true;
     s->last_step = step;
+    demote_if_failing(s, &rep);
     rep.plan_wall_s = now_s() - t0;
     s->report = rep;
     s->has_report = true;
@@ -1412,6 +1449,13 @@ rp_status rp_sched_report_json(const rp_sched *s, char **text, size_t *len, rp_e
                              "ranks_disagreed", r->ranks_disagreed, "experts_moved", (int)r->experts_moved,
                              "migration_bytes", r->migration_bytes, "migration_s", r->migration_s, "policy_wall_s",
                              r->policy_wall_s);
+    /* demotion: the steps in a row that fell back, and the policy that replaced this one */
+    if (root && (json_object_set_new(root, "failed_steps", json_integer(r->failed_steps)) != 0 ||
+                 (r->demoted && json_object_set_new(root, "demoted_to", json_string(r->demoted_to)) != 0) ||
+                 (r->demote_error[0] && json_object_set_new(root, "demote_error", json_string(r->demote_error)) != 0))) {
+        json_decref(root);
+        root = NULL;
+    }
     if (root && r->has_shift) {
         const rp_shift_summary *m = &r->shift;
         json_t *shift = json_pack("{s:I, s:I, s:f, s:f, s:i, s:f, s:i, s:f, s:i, s:i}", "choices",

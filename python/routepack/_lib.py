@@ -81,7 +81,7 @@ class rp_sched_options(Structure):
                 ("history", c_int32), ("max_instructions", c_int64), ("max_wall_s", c_double),
                 ("max_memory_bytes", c_size_t), ("max_depth", c_int32), ("comm", c_void_p),
                 ("params_json", c_char_p), ("seed", c_uint64),
-                ("initial_placement", c_char_p),
+                ("initial_placement", c_char_p), ("demote_after", c_int32),
                 ("_reserved", c_char * 504)]
 
 
@@ -117,7 +117,9 @@ class rp_step_report(Structure):
                 ("persistence_observations", c_int32), ("predicted_saving_s", c_double),
                 ("realised_scored", c_bool), ("realised_saving_s", c_double),
                 ("fallback_checks", c_int32), ("fallback_check_changes", c_int32),
-                ("has_shift", c_bool), ("shift", rp_shift_summary)]
+                ("has_shift", c_bool), ("shift", rp_shift_summary),
+                ("failed_steps", c_int32), ("demoted", c_bool), ("demoted_to", c_char * 64),
+                ("demote_error", c_char * RP_ERROR_TEXT)]
 
 
 # migrate.h: RP_NUM_LINKS links, indexed by rp_link (an int-sized enum).

@@ -60,7 +60,17 @@ typedef struct rp_sched_options {
      * fallback and the migration of the first step all start from it; a checkpoint's
      * plan in use (rp_sched_load_state) replaces it. */
     const char *initial_placement;
+    /* A policy whose steps fall back this many times in a row (on every rank) is
+     * demoted after the last of them: the policy the last hot swap replaced runs again,
+     * else RP_SCHED_DEMOTE_TO, the safe default's packing keeping the placement (its
+     * steps then pay no more failures up to the wall-time limit). 0: the default
+     * (RP_SCHED_DEMOTE_AFTER); negative: never. Not kept in checkpoints: a restored
+     * scheduler counts from 0. */
+    int32_t demote_after;
 } rp_sched_options;
+
+#define RP_SCHED_DEMOTE_AFTER 3
+#define RP_SCHED_DEMOTE_TO "attn_kk"
 
 /* Fill `opts` with the defaults. */
 RP_API void rp_sched_options_default(rp_sched_options *opts);
@@ -129,6 +139,14 @@ typedef struct rp_step_report {
     int32_t fallback_check_changes;
     bool has_shift;                /* router shift attached (rp_sched_attach_shift) */
     rp_shift_summary shift;        /* its summary; zero until attached */
+    /* Demotion (rp_sched_options.demote_after): the steps in a row, this one included,
+     * that fell back; `demoted`: after this step the running policy was replaced by
+     * `demoted_to` (failed_steps then counts from 0 again); `demote_error`: demoting was
+     * due but the replacement could not be loaded ("" if none) */
+    int32_t failed_steps;
+    bool demoted;
+    char demoted_to[64];
+    char demote_error[RP_ERROR_TEXT];
 } rp_step_report;
 
 /* Plan step `step` for `batch` and its routing replay (host memory, or device memory:
