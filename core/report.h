@@ -7,6 +7,14 @@
 #include "routepack/cost.h"
 #include "routepack/memory.h"
 
+/* One distinct reason a policy's steps fell back: its text, the first step it occurred
+ * at and how many steps gave it. */
+typedef struct rp_report_reason {
+    const char *text;
+    int64_t first_step;
+    int32_t count;
+} rp_report_reason;
+
 /* One policy of a simulation. Every pointer is borrowed for the duration of the call. */
 typedef struct rp_report_policy {
     const char *label;          /* the policy spec as given ("token_kk+eplb", a path) */
@@ -50,6 +58,10 @@ typedef struct rp_report_policy {
     /* the most memory one GPU needed at any step of the run (rp_memory_peak of each step's
      * plan); NULL: the memory section leaves the policy out */
     const rp_gpu_memory *memory;
+    /* why its steps fell back, distinct reasons in the order they first occurred (and
+     * demotions, as reasons of their own); NULL or 0: none shown */
+    const rp_report_reason *fallback_reasons;
+    int32_t num_fallback_reasons;
 } rp_report_policy;
 
 typedef struct rp_report {

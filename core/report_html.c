@@ -138,6 +138,15 @@ static void put_summary(svg_buf *b, const rp_report *r)
             svg_text(b, p->error);
             svg_put(b, "</td></tr>\n");
         }
+        for (int32_t k = 0; p->fallback_reasons && k < p->num_fallback_reasons; k++) {
+            const rp_report_reason *why = &p->fallback_reasons[k];
+            svg_put(b, "<tr><td></td><td class=\"err\" colspan=\"9\">step %lld%s", (long long)why->first_step,
+                    why->count > 1 ? " first" : "");
+            if (why->count > 1) svg_put(b, " (%d steps)", (int)why->count);
+            svg_put(b, ": ");
+            svg_text(b, why->text);
+            svg_put(b, "</td></tr>\n");
+        }
     }
     svg_put(b, "</table>\n");
 }

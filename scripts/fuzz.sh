@@ -10,7 +10,8 @@
 #              seconds each, so a slow build makes the run longer rather than skip fuzzing.
 #   BUILD_DIR  default build-fuzz
 # Environment: CC (default clang, else clang-14), RP_FUZZ_ONLY (space-separated harness
-# names), RP_FUZZ_TIMEOUT_S (one input, default 25), RP_FUZZ_RSS_MB (default 2048; also the
+# names), RP_FUZZ_TIMEOUT_S (one input, default 25, or the harness's tests/fuzz/<h>.timeout:
+# fuzz_policy's is 3 s, 10 x its 0.3 s wall-time limit), RP_FUZZ_RSS_MB (default 2048; also the
 # largest single allocation). New corpus entries go to BUILD_DIR/fuzz/work/<harness>;
 # crash inputs to BUILD_DIR/fuzz/artifacts/. docs/fuzzing.md has the release run.
 set -euo pipefail
@@ -49,7 +50,11 @@ mkdir -p "$artifacts" "$build/fuzz/logs"
 # Common flags; a harness's dictionary (tests/fuzz/<harness>.dict) when it has one.
 flags() {
   local h=$1
-  local f=(-timeout="$timeout_s" -rss_limit_mb="$rss_mb" -artifact_prefix="$artifacts/$h-" -print_final_stats=1)
+  # a harness's own per-input timeout (tests/fuzz/<harness>.timeout, seconds) wins unless
+  # RP_FUZZ_TIMEOUT_S is set: fuzz_policy's is 10 x its wall-time limit (0.3 s)
+  local t=$timeout_s
+  if [ -z "${RP_FUZZ_TIMEOUT_S:-}" ] && [ -f "$root/tests/fuzz/$h.timeout" ]; then t=$(cat "$root/tests/fuzz/$h.timeout"); fi
+  local f=(-timeout="$t" -rss_limit_mb="$rss_mb" -artifact_prefix="$artifacts/$h-" -print_final_stats=1)
   if [ -f "$root/tests/fuzz/$h.dict" ]; then f+=(-dict="$root/tests/fuzz/$h.dict"); fi
   echo "${f[@]}"
 }

@@ -544,6 +544,28 @@ static void test_bad_policies(void)
            "the summary counts it");
     json_decref(root);
 
+    /* the reasons are under the table and in the report, not only in --json */
+    const char *report = tmp("flaky.html");
+    rc = rp("simulate --steps 3 --policies '%s' --report '%s'", flaky, report);
+    ok(rc == 0 && strstr(out, "Fallbacks:\n") && strstr(out, "flaky.lua fell back at 1 step:\n") &&
+           strstr(out, "    step 1: policy 'flaky' failed: flaky.lua:5: flaky at step 1"),
+       "simulate prints each policy's fallback reasons with their step under its table");
+    char *html = malloc((size_t)8 << 20);
+    slurp(report, html, (size_t)8 << 20);
+    like(html, "step 1: policy 'flaky' failed: flaky.lua:5: flaky at step 1",
+         "and the HTML report lists them under the policy's row");
+    free(html);
+    const char *late = tmp("late.lua");
+    write_file(late, "return {\n  name = 'late', version = '0.1.0', api = 1,\n"
+                     "  description = 'fails from step 2', params = {},\n"
+                     "  plan = function(ctx)\n    if ctx.step >= 2 then error('late failure') end\n"
+                     "    return rp.baseline('attn_kk+eplb')\n  end,\n}\n");
+    rc = rp("simulate --steps 7 --policies '%s'", late);
+    ok(rc == 0 && strstr(out, "late.lua fell back at 3 steps:\n") &&
+           strstr(out, "    step 2 first, 3 steps: policy 'late' failed: late.lua:5: late failure") &&
+           strstr(out, "    step 4: demoted after 3 steps in a row fell back: 'attn_kk' runs from the next step"),
+       "a reason seen at several steps is listed once with its first step and count, and the demotion too");
+
     rc = rp("simulate --steps 1 --policies no_such_policy");
     is_int(rc, 1, "no policy loaded: exit 1");
     like(err, "no policy could be loaded", "and it says so");
@@ -765,6 +787,18 @@ static void test_policy_check(void)
 
     rc = rp("policy check '%s/missing.lua'", tmpdir);
     is_int(rc, 1, "a missing file fails the check");
+
+    /* a policy that errors from its third step: the check runs 8 steps */
+    write_file(broken, "return {\n  name = 'broken', version = '1.0.0', api = 1,\n"
+                       "  description = 'fails from its third step', params = {},\n"
+                       "  plan = function(ctx) if ctx.step >= 2 then error('late boom') end\n"
+                       "    return rp.baseline('token_kk+eplb') end,\n}\n");
+    rc = rp("policy check '%s'", broken);
+    is_int(rc, 1, "a policy failing from its third step fails the check");
+    ok(strstr(out, "step 7: ") && strstr(out, "step 2: FAILED") && strstr(out, "late boom") &&
+           strstr(out, "the policy was demoted: 'attn_kk' runs from the next step"),
+       "8 steps, the failures and the demotion shown");
+    ok(!strstr(out, ": OK"), "and it does not say OK");
 }
 
 /* --watch: the file changes while the simulation runs; the new text is staged and

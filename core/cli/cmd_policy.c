@@ -108,6 +108,11 @@ static int handmade_batch(rp_context *ctx, const rp_config *cfg, rp_batch **batc
     const int32_t G = rp_config_topology(cfg)->num_gpus, n = 4 * G;
     int64_t cap = rp_config_limits(cfg)->max_tokens_per_microbatch;
     int64_t longest = cap < 4096 ? cap : 4096;
+    /* about 2^17 tokens in all (the lengths below average a third of the longest): the
+     * routing is tokens x layers x top-k choices, which took minutes to draw on the
+     * largest example configs at 4096 tokens a sequence */
+    int64_t budget = (int64_t)3 * 131072 / n;
+    if (longest > budget) longest = budget > 16 ? budget : 16;
     int32_t *prompt = malloc((size_t)n * sizeof *prompt), *response = malloc((size_t)n * sizeof *response);
     int32_t *group = malloc((size_t)n * sizeof *group);
     int rc = CLI_FAIL;
@@ -223,6 +228,11 @@ static bool print_description(const char *file, const char *config, const char *
     json_decref(d);
     return true;
 }
+
+/* Steps `policy check` runs: a policy failing from its third step, or after a few steps
+ * of history or state, or only once rp.joint's fallback check comes round, fails here;
+ * with the scheduler's default demote_after (3) the last failures show the demotion. */
+#define CHECK_STEPS 8
 
 typedef struct check_opts {
     const char *file, *config, *trace;
@@ -373,15 +383,26 @@ int cmd_policy_check(rp_context *ctx, int argc, char **argv)
         fprintf(stderr, "routepack: %s: %s\n", o.file, err.text[0] ? err.text : rp_strerror(err.status));
         goto out;
     }
-    printf("\nbatch: %s: %d sequences, %" PRId64 " tokens, %d GPUs\n", batch_desc, rp_batch_num_seqs(batch),
-           rp_batch_num_tokens(batch), rp_config_topology(cfg)->num_gpus);
+    bool successive = (in.trace || in.gen) && in.num_steps > 1;
+    printf("\nbatch: %s: %d sequences, %" PRId64 " tokens, %d GPUs; %s %d steps\n", batch_desc,
+           rp_batch_num_seqs(batch), rp_batch_num_tokens(batch), rp_config_topology(cfg)->num_gpus,
+           successive ? "then the input's next steps, for" : "the same batch for", CHECK_STEPS);
 
-    /* two steps on the same batch: the second runs with the state and history the first
-     * left, as in training */
+    /* CHECK_STEPS steps, each with the state and history the ones before left, as in
+     * training: the input's next steps (wrapping around), or the hand-made batch again */
     bool failed = false, good_before = false;
     const rp_plan *plan = NULL;
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < CHECK_STEPS; k++) {
         const rp_step_report *rep;
+        if (k > 0 && successive) {
+            rp_batch_free(batch);
+            batch = NULL;
+            int64_t ignored;
+            if (cli_input_read(&in, (int32_t)((o.step + k) % in.num_steps), &batch, &routing, &ignored, &err) != RP_OK) {
+                rc = cli_fail(&err);
+                goto out;
+            }
+        }
         if (rp_sched_step(sched, step_index + k, batch, &routing, &plan, &rep, &err) != RP_OK) {
             rc = cli_fail(&err);
             goto out;
@@ -398,6 +419,9 @@ int cmd_policy_check(rp_context *ctx, int argc, char **argv)
                    rep->cost.lower_bound_s * 1e3, rep->cost.ratio, rep->cost.attention_imbalance,
                    rep->cost.expert_imbalance, rep->policy_work, rep->plan_wall_s * 1e3);
         }
+        if (rep->demoted)
+            printf("  after %d steps in a row that fell back the policy was demoted: '%s' runs from the next step\n",
+                   (int)rep->failed_steps, rep->demoted_to);
     }
     /* what the plan in use does (after a failure: the fallback plan; the reason above
      * lists the validation problems of the plan the policy returned) */

@@ -2,6 +2,7 @@
  * scheduler, and compare them side by side (a table, JSON, or an HTML report). Also the
  * helpers that the policy and plan commands share: config loading and step input. */
 #include "cli.h"
+#include "fallback_reasons.h"
 #include "internal.h"
 #include "sched_internal.h"
 #include "report.h"
@@ -214,6 +215,7 @@ typedef struct step_rec {
     int64_t policy_work;
     bool fallback, swapped;
     char *fallback_reason, *swap_error; /* NULL when empty */
+    char *demotion;                     /* the policy was demoted after this step; NULL if not */
     char policy_name[64], policy_version[32];
     uint64_t policy_hash, plan_hash;
     int32_t experts_moved;
@@ -412,6 +414,15 @@ static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *p
     r->swapped = rep->swapped;
     r->fallback_reason = dup_or_null(rep->fallback_reason);
     r->swap_error = dup_or_null(rep->swap_error);
+    if (rep->demoted || rep->demote_error[0]) {
+        char text[RP_ERROR_TEXT + 128];
+        if (rep->demoted)
+            snprintf(text, sizeof text, "demoted after %d steps in a row fell back: '%s' runs from the next step",
+                     (int)rep->failed_steps, rep->demoted_to);
+        else
+            snprintf(text, sizeof text, "demoting it failed: %s", rep->demote_error);
+        r->demotion = dup_or_null(text);
+    }
     snprintf(r->policy_name, sizeof r->policy_name, "%s", rep->policy_name);
     snprintf(r->policy_version, sizeof r->policy_version, "%s", rep->policy_version);
     r->policy_hash = rep->policy_hash;
@@ -725,6 +736,16 @@ static bool plan_note(const sim_verdict *v, char *buf, size_t n)
     return true;
 }
 
+/* Why the policy's steps fell back (and when it was demoted), distinct reasons first
+ * occurrence first. */
+static void collect_reasons(const sim_policy *p, cli_reasons *r)
+{
+    for (int32_t k = 0; k < p->num_steps; k++) {
+        if (p->steps[k].fallback) cli_reasons_add(r, p->steps[k].fallback_reason, p->steps[k].step);
+        if (p->steps[k].demotion) cli_reasons_add(r, p->steps[k].demotion, p->steps[k].step);
+    }
+}
+
 static void print_table(const sim_policy *pol, int np, const sim_policy *base, const char *config,
                         const cli_input *in, int32_t steps, const rp_config *cfg, bool wide)
 {
@@ -785,6 +806,16 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
         printf("  %9.3f  %8s  %8.3f  %10.3f  %9d", s.migration_s * 1e3, speed, s.attn_imb, s.expert_imb, s.fallbacks);
         if (wide) printf("  %13s", cli_human_bytes(s.migrated, mig, sizeof mig));
         printf("  %8.2f%s\n", s.plan_s * 1e3, p->error ? "  (stopped early)" : "");
+    }
+    /* why the policies fell back, under the table (the steps' reasons are in --json too) */
+    bool titled = false;
+    for (int i = 0; i < np; i++) {
+        cli_reasons why = {0};
+        collect_reasons(&pol[i], &why);
+        if (why.count && !titled) printf("\nFallbacks:\n");
+        titled |= why.count > 0;
+        cli_reasons_print(stdout, pol[i].spec, &why, fallbacks_of(&pol[i]), 5);
+        cli_reasons_free(&why);
     }
     printf("\nAll times are predicted by the cost model for the config's GPUs, except plan ms.\n"
            "step ms: mean predicted step time (forward + backward); migr. ms: mean predicted\n"
@@ -925,9 +956,10 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
     int32_t **rounds = calloc((size_t)np, sizeof *rounds);
     int64_t **staging = calloc((size_t)np, sizeof *staging);
     char (*running)[128] = calloc((size_t)np, sizeof *running);
+    cli_reasons *reasons = calloc((size_t)np, sizeof *reasons);
     char *text = NULL;
     rp_status st = RP_OK;
-    if (!rp || !idx || !ratio || !fb || !per_step || !rounds || !staging || !running) {
+    if (!rp || !idx || !ratio || !fb || !per_step || !rounds || !staging || !running || !reasons) {
         st = cli_error(err, RP_ENOMEM, "out of memory building the report");
         goto out;
     }
@@ -991,6 +1023,9 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
         r->swaps = s.swaps;
         r->migrated_bytes_per_step = s.migrated;
         r->mean_plan_s = s.plan_s;
+        collect_reasons(p, &reasons[i]);
+        r->fallback_reasons = reasons[i].list;
+        r->num_fallback_reasons = reasons[i].count;
     }
     /* the expert load and per-GPU charts compare the policies at one step: the worst
      * overall, the largest mean step / lower bound over the policies that ran it */
@@ -1064,6 +1099,8 @@ out:
     free(rounds);
     free(staging);
     free(running);
+    for (int i = 0; reasons && i < np; i++) cli_reasons_free(&reasons[i]);
+    free(reasons);
     free(rp);
     return st;
 }
@@ -1076,6 +1113,7 @@ static void free_policies(sim_policy *pol, int np)
         for (int32_t k = 0; k < p->num_steps; k++) {
             free(p->steps[k].fallback_reason);
             free(p->steps[k].swap_error);
+            free(p->steps[k].demotion);
             json_decref(p->steps[k].metrics);
         }
         free(p->steps);
