@@ -217,8 +217,8 @@ static void child_path(lua_State *L, const char *path, char *out)
     }
 }
 
-/* The checkpoint's work: one unit per entry and per 16 bytes of every string. Past the
- * budget the walk stops. */
+/* The checkpoint's work: RP_STATE_UNITS_PER_ENTRY units per entry and one per 16 bytes of
+ * every string. Past the budget the walk stops. */
 static bool enc_charge(state_enc *e, int64_t units)
 {
     e->units += units;
@@ -298,7 +298,7 @@ static json_t *encode_table(state_enc *e, int idx, const char *path, int depth)
         } else {
             en->cls = 3 + kt; /* refused below, in key order */
         }
-        if (!enc_charge(e, 1 + (int64_t)(en->len / 16))) {
+        if (!enc_charge(e, RP_STATE_UNITS_PER_ENTRY + (int64_t)(en->len / 16))) {
             lua_settop(L, base);
             goto out;
         }
@@ -370,6 +370,7 @@ static json_t *encode_value(state_enc *e, int idx, const char *path, int depth)
     case LUA_TSTRING: {
         size_t n;
         const char *s = lua_tolstring(L, idx, &n);
+        if (!enc_charge(e, (int64_t)(n / 16))) return NULL;
         j = state_encode_bytes(s, n);
         break;
     }

@@ -10,8 +10,13 @@
 /* Tables nested deeper than this in ctx.state are refused (the C stack of the walk). */
 #define RP_STATE_MAX_DEPTH 64
 
-/* What encoding a state took: its work units (one per entry and per 16 bytes of every
- * string), tables and entries. */
+/* Work units one entry of ctx.state costs to encode: its key and value become jansson
+ * objects (allocations, a sort of the keys), about 80-100 ns an entry here against 5-6 ns
+ * a VM instruction, so an encoding costs about the time its units would in Lua. */
+#define RP_STATE_UNITS_PER_ENTRY 16
+
+/* What encoding a state took: its work units (RP_STATE_UNITS_PER_ENTRY per entry and one
+ * per 16 bytes of every string), tables and entries. */
 typedef struct rp_state_work {
     int64_t units;
     size_t tables, entries;

@@ -301,7 +301,7 @@ static void test_state_over_limit(void)
     rp_sched_options_default(&o);
     o.policy = policy_file("grows", src);
     o.num_threads = 1;
-    o.max_instructions = 1500000;
+    o.max_instructions = 12000000;
     rp_sched *s = NULL;
     rp_error err;
     if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new: %s", err.text);
@@ -313,7 +313,7 @@ static void test_state_over_limit(void)
         else if (rep) good++;
     }
     ok(failed_at > 0 && good == failed_at, "a growing state is kept for %d steps, then its step fails", good);
-    like(rep ? rep->fallback_reason : "", "policy exceeded the instruction limit (1500000) saving ctx.state after the call",
+    like(rep ? rep->fallback_reason : "", "policy exceeded the instruction limit (12000000) saving ctx.state after the call",
          "naming the limit: %s", rep ? rep->fallback_reason : "");
     size_t len = 0;
     char *text = save(s, &len);

@@ -82,6 +82,7 @@ class rp_sched_options(Structure):
                 ("max_memory_bytes", c_size_t), ("max_depth", c_int32), ("comm", c_void_p),
                 ("params_json", c_char_p), ("seed", c_uint64),
                 ("initial_placement", c_char_p), ("demote_after", c_int32),
+                ("_tail_padding", c_int32),  # the C struct's, after demote_after
                 ("_reserved", c_char * 504)]
 
 
