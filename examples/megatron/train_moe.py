@@ -239,7 +239,7 @@ def main():
                            if args.layer == "stock" else meg)
         my_routing = torch.stack(routing, dim=1).to(torch.int32).cpu()
 
-        res = sched.step(my_routing, lens[mine], mine, step=step)
+        res = sched.step(lens[mine], my_routing, mine, step=step)
         migration.execute(res)
         if args.layer == "routepack":
             # each micro-batch's tokens with their rollout routing, fetched from who rolled them out

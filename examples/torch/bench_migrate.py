@@ -54,7 +54,7 @@ def main():
         mine = np.nonzero(np.arange(len(lens)) % world == rank)[0]
         cu = np.concatenate([[0], np.cumsum(lens)])
         rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
-        res = sched.step(torch.as_tensor(ids[rows], dtype=torch.int32), lens[mine], mine, step=step)
+        res = sched.step(lens[mine], torch.as_tensor(ids[rows], dtype=torch.int32), mine, step=step)
         if res.migration is None:
             continue
         # the same transfers as a plain batch_isend_irecv of the same byte counts: sends

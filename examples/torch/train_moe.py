@@ -192,7 +192,7 @@ def main():
         if swap_to != "none" and args.steps // 2 == 0:
             sched.stage_policy(swap_to)
         ro = rollout(0)
-        ahead = sched.step_ahead(ro[4], ro[0][ro[2]], ro[2], step=0)
+        ahead = sched.step_ahead(ro[0][ro[2]], ro[4], ro[2], step=0)
     for step in range(args.steps):
         t0 = time.perf_counter()
         if not args.plan_ahead:
@@ -200,7 +200,7 @@ def main():
                 sched.stage_policy(swap_to)
             ro = rollout(step)
             tp = time.perf_counter()
-            res = sched.step(ro[4], ro[0][ro[2]], ro[2], step=step)
+            res = sched.step(ro[0][ro[2]], ro[4], ro[2], step=step)
             plan_s = waited_s = time.perf_counter() - tp
         else:
             res = ahead.result()          # waits for a late plan; never skips it
@@ -215,7 +215,7 @@ def main():
             if swap_to != "none" and step + 1 == args.steps // 2:
                 sched.stage_policy(swap_to)
             ro = rollout(step + 1)       # this step's was unpacked above
-            ahead = sched.step_ahead(ro[4], ro[0][ro[2]], ro[2], step=step + 1)
+            ahead = sched.step_ahead(ro[0][ro[2]], ro[4], ro[2], step=step + 1)
         for l, b in enumerate(model.blocks):
             b.moe.set_placement(placement[l])
         packed = pack_microbatches(res.microbatches, owner, lens, mine,
@@ -225,7 +225,7 @@ def main():
         # Train: every microbatch in lockstep on every rank, even an empty one.
         loss_sum = torch.zeros((), device=device)
         for m, pm in enumerate(packed):
-            phys = torch.as_tensor(res.remap_rank(rank, m, pm["routing"].cpu().numpy()), device=device)
+            phys = res.remap_rank(rank, m, pm["routing"])   # a tensor on the routing's device
             logits = model(pm["tokens"], pm.cu_seqlens, routing=pm["routing"], physical=phys, microbatch=m)
             loss = sum_loss(logits, pm["tokens"], pm.cu_seqlens)
             (loss / num_targets).backward()

@@ -5,6 +5,7 @@ view, and sequence lengths into the arrays rp_batch_new copies."""
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import numpy as np
 
@@ -64,6 +65,33 @@ class DeviceArray:
         if self.size and (self.ptr == 0 or self.ptr % item):
             raise _routing_error("%s in GPU memory is at address %#x, which cannot hold %d-byte ids"
                                  % (what, self.ptr, item))
+
+
+def torch_tensor_of(routing):
+    """The torch tensor `routing` is (or, for a list, its first item), or None. Read from
+    sys.modules, so the binding never imports torch itself: a tensor exists only when the
+    caller has."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    item = routing[0] if isinstance(routing, (list, tuple)) and len(routing) else routing
+    return item if torch.is_tensor(item) else None
+
+
+def host_arrays(routing):
+    """`routing` with its torch tensors as numpy arrays in host memory (a CPU tensor's
+    own memory; a device tensor copied); anything else as it is."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return routing
+    if isinstance(routing, (list, tuple)):
+        return [r.detach().cpu().numpy() if torch.is_tensor(r) else r for r in routing]
+    return routing.detach().cpu().numpy() if torch.is_tensor(routing) else routing
+
+
+def as_tensor_like(array, like):
+    """`array` (numpy) as a torch tensor on `like`'s device: torch in, torch out."""
+    return sys.modules["torch"].from_numpy(array).to(like.device)
 
 
 def is_device(obj):

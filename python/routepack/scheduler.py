@@ -194,7 +194,15 @@ class StepResult:
         sequences in that order (their THD concatenation), given only their routing, in
         any form step() takes. The same ids remap() gives those tokens. With
         ``slot_tokens=True`` returns (ids, counts): counts[layer, p] token-choices this
-        rank sends to physical id p of its EP group (int64, P = num_physical[mb])."""
+        rank sends to physical id p of its EP group (int64, P = num_physical[mb]).
+        Torch in, torch out: given a torch tensor (CPU or CUDA; a CUDA one is read through
+        a host copy), ids and counts are tensors on its device; else numpy arrays."""
+        like = _routing.torch_tensor_of(routing)
+        if like is not None:
+            out = self.remap_rank(rank, microbatch, _routing.host_arrays(routing), layout, slot_tokens=slot_tokens)
+            if slot_tokens:
+                return _routing.as_tensor_like(out[0], like), _routing.as_tensor_like(out[1], like)
+            return _routing.as_tensor_like(out, like)
         rank = _args.integer(rank, "rank", _args.INT32, 0, self.num_gpus - 1)
         mb = _args.integer(microbatch, "microbatch", _args.INT32, 0, self.num_microbatches - 1)
         seqs = self.microbatches[rank][mb]

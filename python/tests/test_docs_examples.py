@@ -10,7 +10,9 @@ Refresh them all with scripts/regen-docs.sh.
 
 Python blocks (```python) whose first line is `# doc-test: <what>` are run too, each in a
 fresh namespace (skipped, with the reason, when they import torch and torch is missing);
-they assert what they show."""
+they assert what they show. A block whose <what> ends with `(torchrun --nproc-per-node N)`
+is a whole distributed script: it is written to a file and run as the docs say, by
+torchrun (torch.distributed.run --standalone) with N CPU ranks."""
 
 import os
 import re
@@ -112,7 +114,16 @@ def test_the_docs_have_python_examples():
 
 
 @pytest.mark.parametrize("doc,what,code", PY_BLOCKS, ids=["%s:%s" % (d, w[:40]) for d, w, _ in PY_BLOCKS])
-def test_doc_python_example(doc, what, code):
+def test_doc_python_example(doc, what, code, tmp_path):
     if re.search(r"^\s*(import torch|from routepack\.torch)", code, re.M):
         pytest.importorskip("torch")
+    ranks = re.search(r"\(torchrun --nproc-per-node (\d+)\)$", what)
+    if ranks:
+        script = tmp_path / "example.py"
+        script.write_text(code)
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            ranks.group(1), str(script)], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, "%s (%s) under torchrun:\n%s" % (doc, what, (r.stdout + r.stderr)[-4000:])
+        return
     exec(compile(code, "%s (%s)" % (doc, what), "exec"), {"__name__": "doc_example"})

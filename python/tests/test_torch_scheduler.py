@@ -2,7 +2,9 @@
 sequences' routing: the merged statistics equal the single-process ones, every rank gets
 the plan a single process makes from the whole batch (hash, packing, placement), the
 physical routing of each rank's own tokens equals the whole-batch remap, and when one
-rank's policy fails the fallback is collective (every rank still on one plan)."""
+rank's policy fails the fallback is collective (every rank still on one plan). The API
+reads like the binding's: step(seq_lens, routing, ...) as Scheduler.step (the former order
+warns and still plans the same), and remap_rank gives tensors for tensors."""
 
 import numpy as np
 import pytest
@@ -46,7 +48,7 @@ def _sched_rank(rank, world, policy, fail_rank):
         cu = np.concatenate([[0], np.cumsum(lens)])
         mine = _mine(lens, world, rank, step)
         rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
-        res = ds.step(torch.as_tensor(ids[rows]), lens[mine], mine, groups[mine], step=step)
+        res = ds.step(lens[mine], torch.as_tensor(ids[rows]), mine, groups[mine], step=step)
         want = ref.step(lens, ids, step=step, group_ids=groups)
         # merged statistics: bit-identical to the single-process scan
         whole = ref.compute_stats(lens, ids)
@@ -113,13 +115,13 @@ def _ahead_rank(rank, world):
         mine = _mine(lens, world, rank, step)
         rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
         routing = torch.as_tensor(ids[rows])
-        want = sync.step(routing, lens[mine], mine, groups[mine], step=step)
+        want = sync.step(lens[mine], routing, mine, groups[mine], step=step)
         if step == 2 and rank == 1:
             time.sleep(1.0)      # rank 0's plan is late: its exchange waits for this rank
-        planned = ahead.step_ahead(routing, lens[mine], mine, groups[mine], step=step)
+        planned = ahead.step_ahead(lens[mine], routing, mine, groups[mine], step=step)
         if step == 1:
-            for call in (lambda: ahead.step(routing, lens[mine], mine, groups[mine], step=step),
-                         lambda: ahead.step_ahead(routing, lens[mine], mine, groups[mine], step=step)):
+            for call in (lambda: ahead.step(lens[mine], routing, mine, groups[mine], step=step),
+                         lambda: ahead.step_ahead(lens[mine], routing, mine, groups[mine], step=step)):
                 try:
                     call()
                 except errors.InvalidArgumentError as e:
@@ -141,3 +143,73 @@ def test_planned_ahead_is_the_synchronous_plan_and_waits_when_late():
         assert all("a plan is in flight" in r for r in o["refused"][1:]) and len(o["refused"]) == 3
     assert len({tuple(o["hashes"]) for o in out}) == 1                       # on every rank
     assert out[0]["waited"][2] > 0.5     # the late plan was waited for, not skipped
+def _order_rank(rank, world):
+    """Step 0 in the binding's order, step 1 in the former one (routing first)."""
+    import warnings
+    import routepack
+    from routepack.torch import DistributedScheduler
+    ds = DistributedScheduler(CONFIG, policy="routepack")
+    ref = routepack.Scheduler(CONFIG, policy="routepack")
+    out = []
+    for step in range(2):
+        lens, ids, groups = _batch(step)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        mine = _mine(lens, world, rank, step)
+        mine_ids = torch.as_tensor(np.concatenate([ids[cu[s]:cu[s + 1]] for s in mine]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if step == 0:
+                res = ds.step(lens[mine], mine_ids, mine, groups[mine], step=step)
+            else:
+                res = ds.step(mine_ids, lens[mine], mine, groups[mine], step=step)
+        out.append((res.plan_hash, ref.step(lens, ids, step=step, group_ids=groups).plan_hash,
+                    [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]))
+    try:
+        ds.step(np.zeros((2, 2)), np.zeros(4, np.int32), [0, 1])
+        refused = ""
+    except Exception as e:   # raised before any collective: every rank alike
+        refused = "%s: %s" % (type(e).__name__, e)
+    ds.close()
+    ref.close()
+    return out, refused
+
+
+def test_step_takes_lengths_then_routing_and_warns_on_the_former_order():
+    for out, refused in torch_world.run(_order_rank, 3):
+        (h0, want0, warned0), (h1, want1, warned1) = out
+        assert h0 == want0 and not warned0, "step(seq_lens, routing, ...) plans the single-process step"
+        assert h1 == want1, "the former order still plans the same step"
+        assert len(warned1) == 1 and "step(seq_lens, routing, global_ids" in warned1[0]
+        assert refused.startswith("InvalidArgumentError: seq_lens has 2 dimensions")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_remap_rank_gives_tensors_for_tensors(device):
+    """Torch in, torch out: the same ids (and counts) as for numpy, as int32 / int64
+    tensors on the routing's device."""
+    import routepack
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU (torch.cuda.is_available() is False)")
+    lens, ids, groups = _batch(0)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    with routepack.Scheduler(CONFIG, policy="routepack") as sched:
+        res = sched.step(lens, ids, group_ids=groups)
+    checked = 0
+    for rank in range(3):
+        for m in range(res.num_microbatches):
+            seqs = res.microbatches[rank][m]
+            rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs]) if len(seqs) else np.zeros(0, int)
+            want, want_counts = res.remap_rank(rank, m, ids[rows], slot_tokens=True)
+            assert isinstance(want, np.ndarray)
+            mine = torch.as_tensor(ids[rows]).to(device)
+            got = res.remap_rank(rank, m, mine)
+            got2, counts = res.remap_rank(rank, m, mine, slot_tokens=True)
+            assert torch.is_tensor(got) and got.device.type == device and got.dtype == torch.int32
+            assert counts.device.type == device and counts.dtype == torch.int64
+            assert np.array_equal(got.cpu().numpy(), want) and np.array_equal(got2.cpu().numpy(), want)
+            assert np.array_equal(counts.cpu().numpy(), want_counts)
+            # per layer, as Megatron's router replay keeps it: a list of [tokens, k] tensors
+            per_layer = res.remap_rank(rank, m, [mine[:, l] for l in range(mine.shape[1])])
+            assert torch.is_tensor(per_layer) and np.array_equal(per_layer.cpu().numpy(), want)
+            checked += len(rows) > 0
+    assert checked >= 3

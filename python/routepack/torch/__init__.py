@@ -3,9 +3,10 @@ NCCL on GPUs, gloo on CPUs).
 
     from routepack.torch import DistributedScheduler, MoELayer, MigrationExecutor, pack_microbatches
     sched = DistributedScheduler(config)      # every rank; plans from all ranks' statistics
-    res = sched.step(my_routing, my_lens, my_global_ids, my_group_ids)
+    res = sched.step(my_lens, my_routing, my_global_ids, my_group_ids)
     executor.execute()                        # expert weights and optimizer state move, all-or-nothing
     packed = pack_microbatches(res.microbatches, owner, lens, my_ids, {"tokens": t})
+    physical = res.remap_rank(rank, m, packed[m]["routing"])   # a tensor on the routing's device
     layer.set_placement(ExpertPlacement.from_step(res, l))   # then forward/backward per microbatch
     layer.reduce_replica_grads()              # replicas of an expert keep identical weights
     w = router_shift_weights(old_topk_ids, router_logits)   # RSPO trust weights per token

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -48,6 +49,29 @@ def all_gather_bytes(data, group=None, device=None):
     return [bytes(p[:n].cpu().numpy()) for p, n in zip(parts, sizes)]
 
 
+def _ndim(x):
+    """Dimensions of an array or tensor; None for anything else (a list is read as [n])."""
+    nd = getattr(x, "ndim", None)
+    return nd if isinstance(nd, int) else None
+
+
+def _lengths_first(seq_lens, routing, call):
+    """(seq_lens, routing) in the order Scheduler.step takes them. The former order,
+    (routing, seq_lens), is told apart by the arrays' dimensions (routing has 3, lengths
+    1) and still runs with a FutureWarning; lengths of any other shape are refused before
+    any collective."""
+    if _ndim(seq_lens) == 3 and _ndim(routing) == 1:
+        warnings.warn("DistributedScheduler.%s(routing, seq_lens, ...) is the old argument order; pass "
+                      "%s(seq_lens, routing, global_ids, ...) as Scheduler.step takes them" % (call, call),
+                      FutureWarning, stacklevel=3)
+        return routing, seq_lens
+    if _ndim(seq_lens) not in (None, 1):
+        raise errors.InvalidArgumentError(
+            "seq_lens has %d dimensions; DistributedScheduler.%s(seq_lens [n], routing [tokens, layers, "
+            "k], global_ids [n], ...) takes this rank's lengths first" % (_ndim(seq_lens), call))
+    return seq_lens, routing
+
+
 class TorchComm(Comm):
     """routepack.Comm (the scheduler's rp_comm) over a torch.distributed group: the
     scheduler's agreement (plan hashes, fallback flags, the agreed plan) travels with
@@ -81,13 +105,18 @@ class DistributedScheduler:
     together (None: the world; rank r of the group is plan GPU r). Creating it is not
     collective; every step is (every rank calls step() for every step, in order).
 
-    step(routing, seq_lens, global_ids, group_ids=None, step=None) -> StepResult: the plan
-    of the whole step, the same on every rank (plan_hash). ``routing``: this rank's
-    sequences' ids [tokens, layers, k] (a CPU or CUDA tensor of uint8/int16/int32, or a
-    numpy array; CUDA tensors are counted by the CUDA kernels where the library has
-    them), ``seq_lens``: their lengths, ``global_ids``: their ids in the step
-    (0 .. S-1 over all ranks, each id on exactly one rank), ``group_ids``: their GRPO
-    group ids. Physical routing: StepResult.remap_rank on the tokens a rank runs.
+    step(seq_lens, routing, global_ids, group_ids=None, step=None) -> StepResult: the plan
+    of the whole step, the same on every rank (plan_hash); lengths first and routing
+    second, as routepack.Scheduler.step(seq_lens, routing, ...). ``seq_lens``: this
+    rank's sequences' lengths (int [n]), ``routing``: their ids [tokens, layers, k] (a
+    CPU or CUDA tensor of uint8/int16/int32, or a numpy array; CUDA tensors are counted
+    by the CUDA kernels where the library has them), ``global_ids``: their ids in the
+    step (int [n], 0 .. S-1 over all ranks, each id on exactly one rank), ``group_ids``:
+    their GRPO group ids. The former order, step(routing, seq_lens, ...), is told apart
+    by the arrays' dimensions (routing has 3, lengths 1) and still runs, with a
+    FutureWarning; it will be refused in a later release. step_ahead takes the same
+    arguments. Physical routing: StepResult.remap_rank on the tokens a rank runs (a
+    tensor on the routing's device when given a tensor).
 
     Bytes a rank sends per step: its statistics (64 + n + the histogram bytes,
     routepack/stats.h), 8 bytes of size, 12 bytes per sequence (id, length, group), and
@@ -175,14 +204,15 @@ class DistributedScheduler:
             lib.rp_batch_free(batch)
         return Stats(out, self.scheduler._ctx)
 
-    def step(self, routing, seq_lens, global_ids, group_ids=None, step=None):
+    def step(self, seq_lens, routing, global_ids, group_ids=None, step=None):
+        seq_lens, routing = _lengths_first(seq_lens, routing, "step")
         if self._ahead is not None:
             raise errors.InvalidArgumentError(
                 "a plan is in flight (step_ahead of step %s): take it with .result() first"
                 % self._ahead.step)
-        return self._step(routing, seq_lens, global_ids, group_ids, step)
+        return self._step(seq_lens, routing, global_ids, group_ids, step)
 
-    def _step(self, routing, seq_lens, global_ids, group_ids=None, step=None):
+    def _step(self, seq_lens, routing, global_ids, group_ids=None, step=None):
         lens = np.asarray(seq_lens.cpu() if torch.is_tensor(seq_lens) else seq_lens, dtype=np.int64)
         ids = np.asarray(global_ids.cpu() if torch.is_tensor(global_ids) else global_ids, dtype=np.int64)
         groups = np.zeros(len(lens), np.int64) if group_ids is None else \
@@ -219,7 +249,7 @@ class DistributedScheduler:
             spare = self.scheduler.take_spare_stats()
             self._spare_stats = spare if merged._owned.handle is None else merged
 
-    def step_ahead(self, routing, seq_lens, global_ids, group_ids=None, step=None):
+    def step_ahead(self, seq_lens, routing, global_ids, group_ids=None, step=None):
         """step()'s plan made on a host thread, so that it overlaps what the trainer does
         next (the step before's training): call it as soon as the step's rollout has ended,
         on every rank, and take the plan with ``.result()`` when the trainer needs it. The
@@ -236,6 +266,7 @@ class DistributedScheduler:
         skipped; an error of the step is raised there. ``routing`` is read on the thread:
         keep it unchanged until ``result()`` returns (a CUDA tensor: written on the
         current stream before the call)."""
+        seq_lens, routing = _lengths_first(seq_lens, routing, "step_ahead")
         if not self.plan_ahead:
             raise errors.InvalidArgumentError(
                 "step_ahead needs DistributedScheduler(..., plan_ahead=True), which gives the "
@@ -244,7 +275,7 @@ class DistributedScheduler:
             raise errors.InvalidArgumentError(
                 "a plan is in flight (step_ahead of step %s): take it with .result() first"
                 % self._ahead.step)
-        self._ahead = PlannedStep(self, (routing, seq_lens, global_ids, group_ids, step), step)
+        self._ahead = PlannedStep(self, (seq_lens, routing, global_ids, group_ids, step), step)
         return self._ahead
 
 
