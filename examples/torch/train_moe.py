@@ -15,12 +15,25 @@ hot-swapped. Placement changes where the work runs, never what is computed: the 
 and parameters equal those of ``--policy token_kk+contiguous`` (fixed placement, no
 replicas) to fp32 round-off (python/tests/test_torch_example.py checks it).
 
+Then the benefit on this machine (CPU runs; --no-benefit skips it): a batch skewed as RL
+batches are (one long response in eight among short ones; a few hot experts per layer) is
+planned twice, by the policy and by ``token_kk+contiguous``, with the cost model
+calibrated on this CPU first (the example's own attention, expert MLP and projections
+timed, fp32, one thread: the config's ``hardware`` figures), and the model (its dense
+weights, experts BENEFIT_FFN wide) runs each plan's forward and backward. The closing line
+sets the MEASURED time of the two plans (each rank's own compute time, least of
+--benefit-reps runs, the slowest rank per microbatch summed: what the step waits for when
+every rank has a core of its own) beside the PREDICTED ratio. Communication is neither
+measured nor predicted there (gloo on one host is no interconnect), nor is the migration.
+
 Options: --policy (the scheduler's), --steps, --swap-to (the policy staged halfway;
 'none' keeps one), --seqs-per-rank, --seed, --dump PATH (rank 0 saves the per-step losses
-and every logical parameter, experts gathered by id, with torch.save)."""
+and every logical parameter, experts gathered by id, with torch.save), --no-benefit,
+--benefit-reps (timed runs of each plan, default 5)."""
 
 import argparse
 import os
+import statistics
 import time
 
 import numpy as np
@@ -33,15 +46,18 @@ from routepack.torch import (DistributedScheduler, ExpertPlacement, MigrationExe
                              init_optimizer_state, pack_microbatches, slot_tensors)
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 16, 32, 2, 8, 2
+# the closing comparison's experts are wider, so that their work, not Python's per-op cost,
+# is what a rank spends its time on (a real MoE layer's experts are far wider still)
+BENEFIT_FFN = 512
 
 
-def config_for(world):
+def config_for(world, ffn=FFN):
     """One node of `world` GPUs, one EP group over all of them, a spare slot each."""
     return {
         "topology": {"num_nodes": 1, "gpus_per_node": world, "ep_size": world,
                      "slots_per_gpu": -(-EXPERTS // world) + 1},
         "model": {"num_layers": LAYERS, "num_experts": EXPERTS, "top_k": TOP_K, "hidden_size": HIDDEN,
-                  "expert_ffn_size": FFN, "num_heads": HEADS, "num_kv_heads": HEADS, "head_dim": HEAD_DIM},
+                  "expert_ffn_size": ffn, "num_heads": HEADS, "num_kv_heads": HEADS, "head_dim": HEAD_DIM},
         "limits": {"max_tokens_per_microbatch": 256, "num_microbatches": 2},
     }
 
@@ -69,18 +85,18 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, num_slots, dispatch_dedup):
+    def __init__(self, num_slots, dispatch_dedup, ffn):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
         self.attn = Attention()
-        self.moe = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, num_slots, dispatch_dedup=dispatch_dedup)
+        self.moe = MoELayer(HIDDEN, ffn, EXPERTS, TOP_K, num_slots, dispatch_dedup=dispatch_dedup)
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, num_slots, dispatch_dedup="gpu"):
+    def __init__(self, num_slots, dispatch_dedup="gpu", ffn=FFN):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block(num_slots, dispatch_dedup) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(num_slots, dispatch_dedup, ffn) for _ in range(LAYERS))
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
@@ -116,6 +132,156 @@ def sum_loss(logits, tokens, cu_seqlens):
     return F.cross_entropy(logits[idx], tokens[idx + 1], reduction="sum")
 
 
+def cpu_hardware(ffn, peak=1e12, reps=5):
+    """The cost model's hardware figures for this CPU, measured with the example's own
+    operations (fp32, this thread): efficiencies are fractions of a nominal ``peak``. The
+    model counts an expert as 6 n d f FLOPs (SwiGLU); this MLP does 4 n d f, which its
+    measured efficiency absorbs, so that FLOPs / (peak x efficiency) is the time measured."""
+    def timed(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            fn()
+            times.append(time.thread_time() - t0)
+        return max(statistics.median(times), 1e-7)
+
+    def fwd_bwd(fn, leaves):
+        def run():
+            fn().sum().backward()
+            for t in leaves:
+                t.grad = None
+        with torch.no_grad():
+            tf = timed(fn)
+        return tf, timed(run)
+
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).requires_grad_()   # noqa: E731
+    gemm, attn, bwd_e, bwd_a = [], [], [], []
+    w_in, w_out = rnd(HIDDEN, ffn), rnd(ffn, HIDDEN)
+    for n in (4, 16, 64, 256, 1024):
+        x = rnd(n, HIDDEN)
+        tf, tb = fwd_bwd(lambda: F.silu(x @ w_in) @ w_out, [x, w_in, w_out])
+        gemm.append([n, min(1.0, 6.0 * n * HIDDEN * ffn / (tf * peak))])
+        if n >= 256:   # backward / forward where the work, not the per-op cost, is timed
+            bwd_e.append(tb / tf - 1)
+    for L in (16, 64, 256, 1024):
+        q, k, v = rnd(HEADS, L, HEAD_DIM), rnd(HEADS, L, HEAD_DIM), rnd(HEADS, L, HEAD_DIM)
+        tf, tb = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v])
+        attn.append([L, min(1.0, 2.0 * L * L * HEADS * HEAD_DIM / (tf * peak))])
+        if L >= 256:
+            bwd_a.append(tb / tf - 1)
+    T, hd = 1024, HEADS * HEAD_DIM
+    x, a, w_qkv, w_o = rnd(T, HIDDEN), rnd(T, hd), rnd(3 * hd, HIDDEN), rnd(HIDDEN, hd)
+    tf, tb = fwd_bwd(lambda: F.linear(x, w_qkv).sum(-1, keepdim=True) + F.linear(a, w_o), [x, a, w_qkv, w_o])
+    src = torch.empty(1 << 24, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return {"peak_flops": peak, "gemm_efficiency": gemm, "attention_efficiency": attn,
+            "dense_efficiency": min(1.0, 2.0 * T * HIDDEN * 4 * hd / (tf * peak)),
+            "hbm_bytes_per_s": 2.0 * src.numel() / timed(lambda: dst.copy_(src)),
+            "backward": {"attention": statistics.median(bwd_a), "experts": statistics.median(bwd_e),
+                         "projections": tb / tf - 1}}
+
+
+def benefit_batch(world, seed):
+    """An RL-like batch: 8 sequences a rank, most of 32-160 tokens and one in eight of
+    700-1000 (long reasoning responses), owned round robin; and per layer a routing skewed
+    to a few hot experts (Zipf 1.6 over a random order). Returns lens, owner, routing."""
+    rng = np.random.default_rng([seed, 12345])
+    S = 8 * world
+    lens = np.where(rng.random(S) < 0.125, rng.integers(700, 1000, S), rng.integers(32, 160, S)).astype(np.int32)
+    T = int(lens.sum())
+    routing = np.empty((T, LAYERS, TOP_K), np.int32)
+    for l in range(LAYERS):
+        p = 1.0 / np.arange(1, EXPERTS + 1) ** 1.6
+        p = p[rng.permutation(EXPERTS)] / p.sum()
+        gumbel = np.log(p)[None, :] + rng.gumbel(size=(T, EXPERTS))
+        routing[:, l] = np.argsort(-gumbel, axis=1)[:, :TOP_K]
+    return lens, np.arange(S) % world, routing
+
+
+def measure_benefit(args, model, rank, world, device):
+    """The closing comparison: the policy's plan and token_kk+contiguous's for one skewed
+    batch, predicted by the cost model calibrated on this CPU and measured on the model
+    (its dense weights; experts BENEFIT_FFN wide; forward + backward, no optimizer step).
+    Returns the closing line (rank 0)."""
+    # calibrate on rank 0 (the others wait), every rank takes its figures
+    hw = [cpu_hardware(BENEFIT_FFN) if rank == 0 else None]
+    dist.broadcast_object_list(hw, src=0)
+    config = config_for(world, BENEFIT_FFN)
+    config["hardware"] = hw[0]
+    config["topology"].update({"nvlink_bytes_per_s": 1e15, "nvlink_latency_us": 0})   # communication not compared
+    config["limits"] = {"max_tokens_per_microbatch": 8192, "num_microbatches": 2}
+    lens, owner, routing = benefit_batch(world, args.seed)
+    mine = np.nonzero(owner == rank)[0]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
+    my_routing = torch.as_tensor(routing[rows], device=device)
+    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    my_tokens = torch.randint(0, VOCAB, (len(rows),), generator=g).to(device)
+    # logical experts (the same on every rank), loaded at each plan's placement below
+    g = torch.Generator().manual_seed(args.seed + 2)
+    logical = [(torch.randn(EXPERTS, HIDDEN, BENEFIT_FFN, generator=g) * HIDDEN ** -0.5,
+                torch.randn(EXPERTS, BENEFIT_FFN, HIDDEN, generator=g) * BENEFIT_FFN ** -0.5) for _ in range(LAYERS)]
+    slots = config["topology"]["slots_per_gpu"]
+    slot_begin = np.arange(world + 1) * slots
+
+    plans = {}
+    for policy in (args.policy, "token_kk+contiguous"):
+        sched = DistributedScheduler(config, policy=policy, log_level=None)
+        res = sched.step(lens[mine], my_routing, mine)
+        sched.close()
+        run = TinyMoE(slots, model.blocks[0].moe.dispatch_dedup, BENEFIT_FFN).to(device)
+        run.load_state_dict({k: v for k, v in model.state_dict().items() if ".moe.w_" not in k}, strict=False)
+        for l, b in enumerate(run.blocks):
+            b.moe.load_experts(*(w.to(device) for w in logical[l]), ExpertPlacement(res.phy2log[l], slot_begin, []))
+            b.moe.set_placement(ExpertPlacement.from_step(res, l))
+        packed = pack_microbatches(res.microbatches, owner, lens, mine, {"tokens": my_tokens, "routing": my_routing})
+        physical = [res.remap_rank(rank, m, pm["routing"]) for m, pm in enumerate(packed)]
+        plans[policy] = (res, run, packed, physical)
+
+
+    def one_pass(res, run, packed, physical):
+        """This rank's compute time of each microbatch's forward + backward (its thread's
+        CPU time: waiting for the other ranks is not in it)."""
+        times = []
+        for m, pm in enumerate(packed):
+            t0 = time.thread_time()
+            logits = run(pm["tokens"], pm.cu_seqlens, routing=pm["routing"], physical=physical[m], microbatch=m)
+            sum_loss(logits, pm["tokens"], pm.cu_seqlens).backward()
+            times.append(time.thread_time() - t0)
+        for b in run.blocks:
+            b.moe.reduce_replica_grads()
+        run.zero_grad(set_to_none=True)
+        return times
+
+    # each rank's time of each microbatch: the least over the repetitions (other work on
+    # the machine only ever adds to it); then each microbatch waits for its slowest rank
+    best = {}
+    for rep in range(args.benefit_reps + 1):          # the first pass of each warms up
+        for policy, plan in plans.items():            # alternated, so drift hits both
+            t = torch.tensor(one_pass(*plan), dtype=torch.float64)
+            if rep:
+                best[policy] = t if policy not in best else torch.minimum(best[policy], t)
+    measured = {}
+    for policy in plans:                              # the same order on every rank
+        every = [torch.zeros_like(best[policy]) for _ in range(world)]
+        dist.all_gather(every, best[policy])
+        measured[policy] = float(torch.stack(every).max(0).values.sum())
+
+    if rank != 0:
+        return None
+    ours, base = plans[args.policy][0], plans["token_kk+contiguous"][0]
+    t_ours, t_base = measured[args.policy], measured["token_kk+contiguous"]
+    return ("benefit on this CPU (%d ranks, %d sequences, %d tokens): forward+backward MEASURED here %s %.1f ms "
+            "vs token_kk+contiguous %.1f ms = %.3fx (each rank's compute time, least of %d runs, the slowest "
+            "rank per microbatch); PREDICTED by the cost model calibrated on this CPU %.1f vs %.1f ms = %.3fx; "
+            "the plans %s" % (world, len(lens), int(lens.sum()), args.policy, t_ours * 1e3, t_base * 1e3,
+                              t_ours / t_base, args.benefit_reps, ours.step_time_s * 1e3, base.step_time_s * 1e3,
+                              ours.step_time_s / base.step_time_s,
+                              "differ" if ours.plan_hash != base.plan_hash else "are the same"))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", default="routepack")
@@ -128,6 +294,9 @@ def main():
     ap.add_argument("--dump", default=None)
     ap.add_argument("--plan-ahead", action="store_true",
                     help="plan step t + 1 on a host thread while step t trains")
+    ap.add_argument("--no-benefit", dest="benefit", action="store_false",
+                    help="skip the closing comparison with token_kk+contiguous")
+    ap.add_argument("--benefit-reps", type=int, default=5)
     args = ap.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -272,6 +441,10 @@ def main():
         if args.dump:
             torch.save({"losses": losses, "params": logical}, args.dump)
         print("final loss %.9g" % losses[-1], flush=True)
+    if args.benefit and backend == "gloo":   # on GPUs: scripts/device-check.sh and docs/calibration.md
+        line = measure_benefit(args, model, rank, world, device)
+        if rank == 0:
+            print(line, flush=True)
     # Every rank reaches teardown together: a rank that destroys its gloo group while a peer
     # is still writing the dump can abort in gloo's destructor ("terminate called without an
     # active exception", seen under load in CI).

@@ -2,9 +2,13 @@
 policy (migrations, replicas, shares, a hot swap to token_kk+eplb halfway) every step's
 loss and every logical parameter (experts gathered by id) equal those of the run with a
 fixed contiguous placement and no replicas (--policy token_kk+contiguous) to fp32
-round-off: placement changes where the work runs, never what is computed."""
+round-off: placement changes where the work runs, never what is computed. And its closing
+comparison on CPU: the policy's plan and token_kk+contiguous's for a skewed batch, measured
+and predicted (with the cost model calibrated on this CPU), in one line that says which is
+which (the figures are wall-clock: printed, never asserted)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -20,7 +24,8 @@ EXAMPLE = REPO / "examples" / "torch" / "train_moe.py"
 def _run(policy, dump, world=2, steps=10, extra=()):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           str(EXAMPLE), "--policy", policy, "--steps", str(steps), "--seqs-per-rank", "4", "--dump", str(dump)]
+           str(EXAMPLE), "--policy", policy, "--steps", str(steps), "--seqs-per-rank", "4", "--dump", str(dump),
+           "--no-benefit"]
     cmd += list(extra)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, "%s failed:\n%s\n%s" % (" ".join(cmd), p.stdout[-3000:], p.stderr[-5000:])
@@ -60,3 +65,22 @@ def test_planned_ahead_equals_the_contiguous_run_planned_ahead(tmp_path):
     for name, p in run["params"].items():
         q = ref["params"][name]
         assert (p - q).abs().max() <= 1e-5 * q.abs().max(), name
+
+
+@pytest.mark.skipif(not EXAMPLE.exists(), reason="examples/torch/train_moe.py is not in this tree")
+def test_example_ends_comparing_measured_and_predicted_with_contiguous():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+           "--steps", "1", "--seqs-per-rank", "2", "--benefit-reps", "1"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, "%s failed:\n%s\n%s" % (" ".join(cmd), p.stdout[-3000:], p.stderr[-5000:])
+    last = p.stdout.strip().splitlines()[-1]
+    m = re.match(r"benefit on this CPU \(2 ranks, 16 sequences, (\d+) tokens\): forward\+backward MEASURED here "
+                 r"routepack ([\d.]+) ms vs token_kk\+contiguous ([\d.]+) ms = ([\d.]+)x \(each rank's compute time, "
+                 r"least of 1 runs, the slowest rank per microbatch\); PREDICTED by the cost model calibrated on this "
+                 r"CPU ([\d.]+) vs ([\d.]+) ms = ([\d.]+)x; the plans differ$", last)
+    assert m, last
+    ours, base, ratio, p_ours, p_base, p_ratio = (float(x) for x in m.groups()[1:])
+    assert ours > 0 and base > 0 and abs(ratio - ours / base) < 2e-3 * max(1.0, ratio)
+    assert p_ours > 0 and p_base > 0 and abs(p_ratio - p_ours / p_base) < 2e-3 * max(1.0, p_ratio)
+    assert p_ratio < 1, "the cost model predicts the policy's plan faster on this skewed batch: %s" % last
