@@ -27,6 +27,7 @@ static const struct {
     RP_STRUCT(rp_trainer),
     RP_STRUCT(rp_policy_config),
     RP_STRUCT(rp_cost_summary),
+    RP_STRUCT(rp_step_outside),
     RP_STRUCT(rp_gen_info),
     RP_STRUCT(rp_joint_params),
     RP_STRUCT(rp_joint_report),

@@ -5,6 +5,7 @@
 #include "routepack/virtual_experts.h"
 #include "jsonx.h"
 #include "routepack/config.h"
+#include "routepack/executor.h"
 #include "routepack/memory.h"
 
 #include <float.h>
@@ -639,7 +640,7 @@ static rp_status load_token_linear(loader *ld, json_t *obj)
 static const char *const model_keys[] = {
     "num_layers", "num_experts", "top_k", "hidden_size", "expert_ffn_size", "num_heads",
     "num_kv_heads", "head_dim", "bytes_per_param", "bytes_per_optimizer_state", "bytes_per_grad",
-    "dense_params", "comment", NULL,
+    "dense_params", "vocab_size", "dense_layers", "dense_ffn_size", "comment", NULL,
 };
 
 static rp_status load_model(loader *ld, json_t *obj)
@@ -680,6 +681,10 @@ static rp_status load_model(loader *ld, json_t *obj)
     RP_CHECK_GOTO(rp_jdoc_int(&ld->doc, obj, P, "dense_params", false, dense_dflt, 0, MAX_DENSE_PARAMS,
                               &m->dense_params, ld->err),
                   st, out);
+    /* outside the MoE layers (docs/cost-model.md, "The whole step"): 0 leaves a part out */
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "vocab_size", false, 0, 0, 1 << 24, &m->vocab_size), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "dense_layers", false, 0, 0, MAX_LAYERS, &m->dense_layers), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "dense_ffn_size", false, 0, 0, MAX_DIM, &m->dense_ffn_size), st, out);
 out:
     return st;
 }
@@ -726,7 +731,8 @@ out:
 
 static const char *const execution_keys[] = {
     "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "combine_bytes_per_element", "optimizer_sharding",
-    "staging_budget_bytes", "per_forward_balancing", "comment", NULL,
+    "staging_budget_bytes", "per_forward_balancing", "executor", "replica_grad_reduce",
+    "replica_grad_bytes_per_element", "host_us_per_layer", "comment", NULL,
 };
 
 /* A string member that must be one of `names` (NULL-terminated); its index in *out. */
@@ -757,6 +763,69 @@ static const char *const sync_names[] = {"group", "global", NULL};
 static const char *const overlap_names[] = {"none", "layer", NULL};
 static const char *const dedup_names[] = {"choice", "gpu", "node", NULL};
 static const char *const sharding_names[] = {"none", "dp", NULL};
+/* in rp_executor order */
+static const char *const executor_names[] = {"routepack_torch", "megatron_alltoall", "deepep", "megatron_balancer",
+                                             "ideal", NULL};
+
+/* execution.executor alone, before the trainer (whose per_forward_balancer defaults to
+ * whether the executor runs the balancer) and the rest of the section. */
+static rp_status load_executor(loader *ld, json_t *obj)
+{
+    int v = RP_EXECUTOR_ROUTEPACK_TORCH;
+    rp_status st = obj ? get_choice(ld, obj, "execution", "executor", executor_names, RP_EXECUTOR_ROUTEPACK_TORCH, &v)
+                       : RP_OK;
+    ld->cfg->execution.executor = (rp_executor)v;
+    return st;
+}
+
+/* What the executor's profile sets (routepack/executor.h), each key an override. An
+ * executor that holds every expert once per EP group has no room for replicas: a config
+ * that gives it spare slots is refused here, naming the executor. */
+static rp_status load_profile(loader *ld, json_t *obj)
+{
+    const char *P = "execution";
+    rp_execution *x = &ld->cfg->execution;
+    const rp_model *m = &ld->cfg->model;
+    const rp_topology *t = &ld->cfg->topology;
+    const rp_executor_profile *pf = rp_executor_profile_of(x->executor);
+    rp_status st;
+    int v;
+    x->levers = pf->levers;
+    x->extras_stacked = pf->extras_stacked;
+    x->extras_once = pf->extras_once;
+    static const char *const grad_names[] = {"pairwise", "group", NULL};
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "replica_grad_reduce", grad_names, pf->grad_reduce, &v), st, out);
+    x->replica_grad_reduce = (rp_grad_reduce)v;
+    int32_t grad_dflt = pf->grad_in_grad_dtype && m->bytes_per_grad > 0 ? m->bytes_per_grad : m->bytes_per_param;
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "replica_grad_bytes_per_element", false, grad_dflt, 1, 16,
+                          &x->replica_grad_bytes_per_element),
+                  st, out);
+    /* local experts of one EP rank (a DP rank's slots over its TP x CP / ETP EP ranks) */
+    int32_t most = 0;
+    for (int32_t g = 0; g < t->num_gpus; g++)
+        if (t->slots[g] > most) most = t->slots[g];
+    int64_t ep_ranks = (int64_t)t->tensor_parallel_size * t->context_parallel_size / t->expert_tensor_parallel_size;
+    double local = ep_ranks > 0 ? (double)most / (double)ep_ranks : most;
+    double host_dflt = pf->host_syncs_per_layer * RP_HOST_SYNC_US + pf->launches_per_local_expert * local *
+                       RP_HOST_LAUNCH_US;
+    double us;
+    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "host_us_per_layer", false, host_dflt, 0, 1e9, &us, ld->err), st, out);
+    x->host_s_per_layer = us * 1e-6;
+    if (!(pf->levers & RP_LEVER_REPLICAS)) {
+        int64_t held = 0;
+        for (int32_t g = 0; g < t->ep_size; g++) held += t->slots[g];
+        if (held != m->num_experts) {
+            char kp[64];
+            return rp_jdoc_fail(&ld->doc, ld->err, RP_EINVAL, rp_jpath_key(kp, sizeof kp, P, "executor"),
+                                "is \"%s\", which holds every expert once per EP group, but topology.slots_per_gpu "
+                                "gives an EP group %lld slots for %d experts: give num_experts / ep_size slots per "
+                                "GPU, or an executor that runs replicas (\"routepack_torch\")",
+                                pf->name, (long long)held, m->num_experts);
+        }
+    }
+out:
+    return st;
+}
 
 static rp_status load_execution(loader *ld, json_t *obj)
 {
@@ -773,12 +842,17 @@ static rp_status load_execution(loader *ld, json_t *obj)
     x->sync = (rp_sync)v;
     RP_CHECK_GOTO(get_choice(ld, obj, P, "overlap", overlap_names, RP_OVERLAP_NONE, &v), st, out);
     x->overlap = (rp_overlap)v;
-    RP_CHECK_GOTO(get_choice(ld, obj, P, "dispatch_dedup", dedup_names, RP_DEDUP_GPU, &v), st, out);
+    const rp_executor_profile *pf = rp_executor_profile_of(x->executor);
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "dispatch_dedup", dedup_names, pf->dispatch_dedup, &v), st, out);
     x->dispatch_dedup = (rp_dispatch_dedup)v;
     RP_CHECK_GOTO(get_i32(ld, obj, P, "dispatch_bytes_per_element", false, 2, 1, 16, &x->dispatch_bytes_per_element),
                   st, out);
-    RP_CHECK_GOTO(get_i32(ld, obj, P, "combine_bytes_per_element", false, 2, 1, 16, &x->combine_bytes_per_element),
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "combine_bytes_per_element", false,
+                          pf->combine_bytes_per_element ? pf->combine_bytes_per_element
+                                                        : ld->cfg->model.bytes_per_param,
+                          1, 16, &x->combine_bytes_per_element),
                   st, out);
+    RP_CHECK_GOTO(load_profile(ld, obj), st, out);
     RP_CHECK_GOTO(get_choice(ld, obj, P, "optimizer_sharding", sharding_names, RP_OPTIMIZER_SHARDING_NONE, &v), st,
                   out);
     x->optimizer_sharding = (rp_optimizer_sharding)v;
@@ -836,7 +910,7 @@ static rp_status check_memory(loader *ld, json_t *topology)
 
 static const char *const trainer_keys[] = {"equal_sequences_per_rank", "microbatch_multiple",
                                            "nonempty_microbatches", "per_forward_balancer", "mini_batches",
-                                           "epochs", "comment", NULL};
+                                           "epochs", "logprob_forwards", "comment", NULL};
 
 /* The trainer's demands on a packing; read after the limits (a fixed microbatch count
  * must be a multiple of microbatch_multiple). */
@@ -856,9 +930,10 @@ static rp_status load_trainer(loader *ld, json_t *obj)
     RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "nonempty_microbatches", false, false,
                                &tr->nonempty_microbatches, ld->err),
                   st, out);
-    /* true by default: the token_kk+virtual_experts baseline and the routepack policy's
-     * candidate with the balancer assume the trainer runs it, as published results do */
-    RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "per_forward_balancer", false, true, &tr->per_forward_balancer,
+    /* by default what the executor runs: a stock trainer (routepack_torch, Megatron's
+     * all-to-all or DeepEP dispatcher) has no per-forward balancer; megatron_balancer has */
+    const bool balancer = (rp_executor_profile_of(ld->cfg->execution.executor)->levers & RP_LEVER_BALANCER) != 0;
+    RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "per_forward_balancer", false, balancer, &tr->per_forward_balancer,
                                ld->err),
                   st, out);
     /* Megatron's interleaved schedule runs microbatches in groups of PP per model chunk and
@@ -877,6 +952,7 @@ static rp_status load_trainer(loader *ld, json_t *obj)
     }
     RP_CHECK_GOTO(get_i32(ld, obj, P, "mini_batches", false, 1, 1, 1 << 16, &tr->mini_batches), st, out);
     RP_CHECK_GOTO(get_i32(ld, obj, P, "epochs", false, 1, 1, 1 << 16, &tr->epochs), st, out);
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "logprob_forwards", false, 0, 0, 16, &tr->logprob_forwards), st, out);
     /* every mini-batch runs the same count, itself a multiple of microbatch_multiple (verl
      * calls rearrange_micro_batches on each mini-batch) */
     if ((int64_t)tr->mini_batches * tr->microbatch_multiple > 1 << 20) {
@@ -1121,7 +1197,9 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(load_token_linear(&ld, hardware), st, out);
     RP_CHECK_GOTO(load_calibration(&ld, root, hardware), st, out);
     RP_CHECK_GOTO(load_limits(&ld, limits), st, out);
-    /* the trainer first: execution.per_forward_balancing needs trainer.per_forward_balancer */
+    /* the executor, then the trainer: trainer.per_forward_balancer defaults to what the
+     * executor runs, and execution.per_forward_balancing needs it */
+    RP_CHECK_GOTO(load_executor(&ld, execution), st, out);
     RP_CHECK_GOTO(load_trainer(&ld, trainer), st, out);
     RP_CHECK_GOTO(load_execution(&ld, execution), st, out);
     RP_CHECK_GOTO(check_memory(&ld, topology), st, out);

@@ -2,6 +2,7 @@
  * traffic, and the full evaluation of a plan with its breakdown (docs/cost-model.md). */
 #include "cost_internal.h"
 #include "plan_internal.h"
+#include "routepack/executor.h"
 #include "routepack/memory.h"
 #include "routepack/virtual_experts.h"
 #include "stats_internal.h"
@@ -248,7 +249,17 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->p2p_token_bytes = d * bpp;
     c->bwd = h->backward;
     c->token_linear_s = h->token_linear_bytes_per_token / h->hbm_bytes_per_s;
-    c->fixed_s = h->layer_fixed_s;
+    c->fixed_s = h->layer_fixed_s + x->host_s_per_layer;
+    /* the executor's replica gradient reduction and extra replicas (docs/cost-model.md,
+     * "Executor profiles") */
+    const rp_executor_profile *pf = rp_executor_profile_of(x->executor);
+    c->grad_bytes = 3.0 * d * f * x->replica_grad_bytes_per_element;
+    c->grad_form = x->replica_grad_reduce;
+    c->extras_stacked = x->extras_stacked;
+    c->extras_once = x->extras_once;
+    c->stack_s = 2.0 * c->expert_bytes / h->hbm_bytes_per_s;
+    c->extra_launch_s = (pf ? pf->launches_per_local_expert : 0) * RP_HOST_LAUNCH_US * 1e-6;
+    c->vexp_charges = pf && pf->balancer_charges;
     c->eff = h->gemm_efficiency;
     c->num_eff = h->num_gemm_efficiency;
     for (int32_t i = 0; i < c->num_eff; i++)
@@ -275,6 +286,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->token_linear_s /= rank_gpus;
     c->expert_token_s /= rank_gpus;
     c->expert_mem_s /= rank_gpus;
+    c->stack_s /= rank_gpus;
     c->nv_bw *= rank_gpus;
     c->net_bw *= rank_gpus;
     /* ... but an expert's weights live on one EP rank, ETP GPUs, whose links alone carry
@@ -310,7 +322,8 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
      * the config allows the balancer at all. Its weight pushes (forward, backward) and
      * gradient reduction, 3 transfers, are charged as dispatch time, which a layer pays
      * 2 (1 + backward.communication) times (dispatch and combine, forward and backward). */
-    c->vexp_comm_scale = 3.0 / (2.0 * (1.0 + c->bwd.communication));
+    c->vexp_comm_scale = 1.0 / (2.0 * (1.0 + c->bwd.communication));
+    c->vexp_grad_bytes = 3.0 * d * f * (md->bytes_per_grad > 0 ? md->bytes_per_grad : md->bytes_per_param);
     if (rp_vexp_check_config(cfg, NULL) == RP_OK && (st = rp_vexp_new(ctx, c->ep, c->E, &c->vexp, err)) != RP_OK) {
         rp_cost_free(c);
         return st;
@@ -803,6 +816,15 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
         }
     }
 
+    if (c->extras_stacked) {
+        /* routepack.torch stacks a GPU's slots and extras into one weight tensor every
+         * forward it has extras, and launches its GEMMs for each extra too */
+        const int32_t *nx = st->extra_count + (size_t)(m * c->L + l) * ep;
+        for (int32_t r = 0; r < ep; r++)
+            if (nx[r] > 0)
+                xa[r] += (double)(st->slot_begin[r + 1] - st->slot_begin[r] + nx[r]) * c->stack_s +
+                         nx[r] * c->extra_launch_s;
+    }
     cost_count(c, E + 2 * (int64_t)ep + 3 * (int64_t)ep * ep);
     group_traffic(c, st, g0, pair, sp, tokens, sc);
     const double *si = sc->si, *ri = sc->ri, *se = sc->se, *re = sc->re;
@@ -946,20 +968,111 @@ void cost_layer_dst(const rp_cost *c, cost_state *st, int32_t l, const int32_t *
     map_segments(c->E, c->ep, dst, st->lay_seg + (size_t)l * (c->ep + 2), st->lay_ord + (size_t)l * c->E);
 }
 
-/* Gradient reduction that replicas add, per GPU, for one layer: every replica beyond
- * the first (lowest slot) of an expert runs one two-party all-reduce of the expert's
- * weight gradient with the first replica's GPU, in every EP group; each of the two
- * GPUs sends and receives the gradient's bytes once, over NVLink inside a node and
- * the network across nodes, plus that link's latency. Replicas on the same GPU add
- * nothing (a local sum). */
-void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_off,
+/* Whether expert e has an extra replica at (m, l): the (m, l) overrides are sorted by
+ * expert. */
+static bool has_extra_at(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t e)
+{
+    const cost_override *o = st->ov + st->ov_begin[m * c->L + l], *end = st->ov + st->ov_begin[m * c->L + l + 1];
+    for (; o < end && o->expert <= e; o++)
+        if (o->expert == e && o->num_extra > 0) return true;
+    return false;
+}
+
+/* The experts of layer l one all-reduce of the EP group carries (routepack.torch's
+ * reduce_replica_grads): those with more than one replica in the placement, and those
+ * with an extra replica at some microbatch of the step. */
+static int32_t group_reduce_experts(const rp_cost *c, const cost_state *st, int32_t l, const int32_t *rep_off)
+{
+    int32_t R = 0;
+    for (int32_t e = 0; e < c->E; e++) R += rep_off[e + 1] - rep_off[e] >= 2;
+    if (!st->ov_begin || st->ov_begin[st->M * c->L] == 0) return R;
+    for (int32_t m = 0; m < st->M; m++) {
+        const cost_override *o = st->ov + st->ov_begin[m * c->L + l], *end = st->ov + st->ov_begin[m * c->L + l + 1];
+        for (; o < end; o++) {
+            if (o->num_extra == 0 || rep_off[o->expert + 1] - rep_off[o->expert] >= 2) continue;
+            bool seen = false;
+            for (int32_t k = 0; k < m && !seen; k++) seen = has_extra_at(c, st, k, l, o->expert);
+            R += !seen;
+        }
+    }
+    return R;
+}
+
+/* Whether (m, l) gives expert e an extra replica on EP rank j. */
+static bool extra_on(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t e, int32_t j)
+{
+    const cost_override *o = st->ov + st->ov_begin[m * c->L + l], *end = st->ov + st->ov_begin[m * c->L + l + 1];
+    for (; o < end && o->expert <= e; o++)
+        if (o->expert == e)
+            for (int32_t i = 0; i < o->num_extra; i++)
+                if (st->extra_rank[o->extra_off + i] == j) return true;
+    return false;
+}
+
+/* Extra-replica copies of an executor that fetches a step's extras once (routepack.torch's
+ * set_placement: the unique (expert, EP rank) pairs of the step, one batched exchange a
+ * layer; their gradients join the replica reduction): per layer of stage r, the EP rank
+ * that receives the most distinct experts (`mean`: their mean over EP ranks, the bound's
+ * even spread) at one NVLink transfer and one latency. */
+double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool mean)
+{
+    double stage_s = 0.0;
+    for (int32_t l = 0; l < c->L; l++) {
+        if (c->layer_stage[l] != r) continue;
+        double most = 0.0, sum = 0.0;
+        for (int32_t j = 0; j < c->ep; j++) {
+            int32_t k = 0;
+            for (int32_t m = 0; m < st->M; m++) {
+                const cost_override *o = st->ov + st->ov_begin[m * c->L + l];
+                const cost_override *end = st->ov + st->ov_begin[m * c->L + l + 1];
+                for (; o < end; o++) {
+                    bool here = false, seen = false;
+                    for (int32_t i = 0; i < o->num_extra && !here; i++) here = st->extra_rank[o->extra_off + i] == j;
+                    for (int32_t p = 0; here && p < m && !seen; p++) seen = extra_on(c, st, p, l, o->expert, j);
+                    k += here && !seen;
+                }
+            }
+            sum += k;
+            if (k > most) most = k;
+        }
+        const double n = mean ? sum / c->ep : most;
+        if (n > 0) stage_s += n * c->expert_bytes / c->nv_bw + c->nv_lat;
+    }
+    return stage_s;
+}
+
+/* Gradient reduction that replicas add, per GPU, for one layer, as the executor runs it
+ * (execution.replica_grad_reduce), each expert's gradient at grad_bytes (the executor's
+ * dtype):
+ * - pairwise: every replica beyond the first (lowest slot) of an expert runs one
+ *   two-party all-reduce of the expert's gradient with the first replica's GPU, in every
+ *   EP group; each of the two GPUs sends and receives the gradient's bytes once, over
+ *   NVLink inside a node and the network across nodes, plus that link's latency. Replicas
+ *   on the same GPU add nothing (a local sum).
+ * - group: one ring all-reduce of [R, params] over each EP group (routepack.torch), R the
+ *   experts group_reduce_experts counts (none: no collective): every GPU of the group sends
+ *   and receives 2 (ep - 1) / ep of its bytes, in 2 (ep - 1) steps of one latency each,
+ *   over the network when the group spans nodes. */
+void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
                      const int32_t *rep_rank, double *row)
 {
-    (void)st;
     cost_count(c, (int64_t)c->G + c->E);
     for (int32_t g = 0; g < c->G; g++) row[g] = 0.0;
-    const double nv = c->expert_bytes / c->nv_bw + c->nv_lat;
-    const double net = c->expert_bytes / c->net_bw + c->net_lat;
+    if (c->grad_form == RP_GRAD_REDUCE_GROUP) {
+        const int32_t R = c->ep > 1 ? group_reduce_experts(c, st, layer, rep_off) : 0;
+        if (R == 0) return;
+        const double steps = 2.0 * (c->ep - 1);
+        for (int32_t q = 0; q < c->Q; q++) {
+            const int32_t g0 = q * c->ep;
+            const bool in_node = c->gpu_node[g0] == c->gpu_node[g0 + c->ep - 1];
+            const double t = steps / c->ep * R * c->grad_bytes / (in_node ? c->nv_bw : c->net_bw) +
+                             steps * (in_node ? c->nv_lat : c->net_lat);
+            for (int32_t g = g0; g < g0 + c->ep; g++) row[g] = t;
+        }
+        return;
+    }
+    const double nv = c->grad_bytes / c->nv_bw + c->nv_lat;
+    const double net = c->grad_bytes / c->net_bw + c->net_lat;
     for (int32_t e = 0; e < c->E; e++) {
         if (rep_off[e + 1] - rep_off[e] < 2) continue;
         int32_t first = rep_rank[rep_off[e]];
@@ -1015,7 +1128,7 @@ static void state_free(rp_context *ctx, cost_state *s)
 void cost_state_edited(rp_cost *c) { c->memo_bound = -1; }
 
 /* Remember `plan` (a copy) and its summary as the newest evaluation, the bound state's. */
-static void memo_push(rp_cost *c, const rp_plan *plan, const rp_cost_summary *sum)
+static void memo_push(rp_cost *c, const rp_plan *plan, const rp_cost_summary *sum, double forward_s)
 {
     const int32_t at = c->memo_next;
     c->memo_next = (at + 1) % COST_MEMO;
@@ -1027,17 +1140,21 @@ static void memo_push(rp_cost *c, const rp_plan *plan, const rp_cost_summary *su
         return;
     }
     c->memo[at].sum = *sum;
+    c->memo[at].forward_s = forward_s;
     c->memo_bound = at;
 }
 
-rp_status cost_summary_of(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, rp_error *err)
+rp_status cost_summary_of(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, double *forward_s, rp_error *err)
 {
     for (int32_t i = 0; c && plan && i < COST_MEMO; i++)
         if (c->memo[i].plan && rp_plan_equal(c->memo[i].plan, plan)) {
             *out = c->memo[i].sum;
+            if (forward_s) *forward_s = c->memo[i].forward_s;
             return RP_OK;
         }
-    return rp_cost_evaluate(c, plan, out, err);
+    rp_status st = rp_cost_evaluate(c, plan, out, err);
+    if (st == RP_OK && forward_s) *forward_s = c->st->forward_s;
+    return st;
 }
 
 static void scratch_free(rp_context *ctx, cost_scratch *sc)
@@ -1666,7 +1783,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
                              s->xmax + ml * c->Q, s->layer_t + ml * c->LW);
         }
     for (int32_t l = 0; l < L; l++)
-        cost_grad_layer(c, s, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S,
+        cost_grad_layer(c, s, l, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S,
                         s->grad_gpu + (size_t)l * G);
     s->grad_s = cost_grad_total(c, s, -1, NULL);
     /* Extra replicas: a weight copy over NVLink before the microbatch's layer and its
@@ -1676,6 +1793,11 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     s->extra_s = 0.0;
     for (int32_t r = 0; r < c->PP; r++) {
         double stage_s = 0.0;
+        if (c->extras_once) {
+            stage_s = cost_extras_once(c, s, r, false);
+            if (stage_s > s->extra_s) s->extra_s = stage_s;
+            continue;
+        }
         for (int32_t i = 0; i < M * L; i++) {
             if (c->layer_stage[i % L] != r) continue;
             int32_t most = 0;
@@ -1696,7 +1818,8 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     memset(&sc, 0, sizeof sc);
     rp_cost_summary sum;
     cost_summary(c, c->st, &sum);
-    memo_push(c, plan, &sum);
+    c->st->forward_s = cost_forward_s(c, c->st);
+    memo_push(c, plan, &sum, c->st->forward_s);
     if (out) *out = sum;
 out:
     state_free(c->ctx, s);
@@ -2005,11 +2128,21 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
     sb_printf(&b, "},\n");
     static const char *const sync_names[] = {"group", "global"}, *const overlap_names[] = {"none", "layer"},
                              *const dedup_names[] = {"choice", "gpu", "node"};
-    sb_printf(&b, "\"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\", "
-              "\"dispatch_bytes_per_element\": %d, \"combine_bytes_per_element\": %d},\n",
-              sync_names[c->sync], overlap_names[c->overlap], dedup_names[c->dedup],
-              rp_config_execution(c->cfg)->dispatch_bytes_per_element,
-              rp_config_execution(c->cfg)->combine_bytes_per_element);
+    const rp_execution *xe = rp_config_execution(c->cfg);
+    sb_printf(&b, "\"execution\": {\"executor\": \"%s\", \"sync\": \"%s\", \"overlap\": \"%s\", "
+              "\"dispatch_dedup\": \"%s\", \"dispatch_bytes_per_element\": %d, \"combine_bytes_per_element\": %d, "
+              "\"host_us_per_layer\": %.17g},\n",
+              rp_executor_name(xe->executor), sync_names[c->sync], overlap_names[c->overlap], dedup_names[c->dedup],
+              xe->dispatch_bytes_per_element, xe->combine_bytes_per_element, xe->host_s_per_layer * 1e6);
+    /* what the replica gradient reduction carries per layer: under "group" the EP group's
+     * one all-reduce of [R, params] (routepack.torch's buffer, R experts) */
+    sb_printf(&b, "\"replica_grad\": {\"form\": \"%s\", \"bytes_per_element\": %d, \"layers\": [",
+              c->grad_form == RP_GRAD_REDUCE_GROUP ? "group" : "pairwise", xe->replica_grad_bytes_per_element);
+    for (int32_t l = 0; l < c->L; l++) {
+        const int32_t R = group_reduce_experts(c, s, l, s->rep_off + (size_t)l * (c->E + 1));
+        sb_printf(&b, "%s{\"experts\": %d, \"bytes\": %.17g}", l ? ", " : "", R, R * c->grad_bytes);
+    }
+    sb_printf(&b, "]},\n");
     sb_printf(&b, "\"shape\": {\"num_gpus\": %d, \"num_microbatches\": %d, \"num_layers\": %d, "
               "\"num_experts\": %d, \"ep_size\": %d, \"backward\": {\"attention\": %.17g, \"projections\": %.17g, "
               "\"experts\": %.17g, \"token_linear\": %.17g, \"communication\": %.17g, \"fixed\": %.17g}, "

@@ -84,6 +84,11 @@ double cost_bound_step(const rp_cost *c, const cost_state *st)
     double extra = 0.0;
     for (int32_t r = 0; r < c->PP; r++) {
         double stage_s = 0.0;
+        if (c->extras_once) {
+            stage_s = cost_extras_once(c, st, r, true);
+            if (stage_s > extra) extra = stage_s;
+            continue;
+        }
         for (size_t i = 0; i < (size_t)st->M * L; i++) {
             if (c->layer_stage[i % (size_t)L] != r) continue;
             int32_t copies = 0;

@@ -88,6 +88,7 @@ typedef struct cost_state {
                                       then under PP its forward and its backward apart (LW) */
     double *grad_gpu;              /* [L * G] replica gradient reduction per layer and GPU */
     double grad_s, extra_s, step_s;
+    double forward_s;              /* cost_forward_s at the evaluation (stale after rp_cost_apply_*) */
     bool vexp;                     /* the plan runs with per-forward balancing (virtual experts) */
     int32_t *vexp_owner;           /* [L * E] EP rank owning each expert, when vexp */
     cost_pipe_op *pipe_ops;        /* the schedule of one mini-batch (M / K microbatches):
@@ -163,7 +164,14 @@ struct rp_cost {
     migrate_links move_links;  /* one EP rank's, which expert migration runs over */
     rp_backward bwd;           /* per-term backward / forward */
     double token_linear_s;     /* per token: token_linear_bytes_per_token / hbm */
-    double fixed_s;            /* per (microbatch, layer) */
+    double fixed_s;            /* per (microbatch, layer): layer_fixed_s + the executor's host costs */
+    /* What the executor charges (execution.executor, routepack/executor.h) */
+    double grad_bytes;         /* 3 d f replica_grad_bytes_per_element: one expert's gradient */
+    rp_grad_reduce grad_form;
+    bool extras_stacked;       /* a GPU with extras stacks all its local weights each forward */
+    bool extras_once;          /* extras fetched once a step, their gradients reduced with replicas */
+    double stack_s;            /* one expert's weights read and written (the stack), per DP rank */
+    double extra_launch_s;     /* the launches one more local expert costs */
     double etp_gather_s;       /* per token a DP rank's experts take: the ETP all-gather over NVLink */
     /* Context parallelism (docs/cost-model.md, "Context parallelism"): every sequence
      * padded to a multiple of pad_multiple (1 without CP) and split over the CP ranks */
@@ -188,7 +196,9 @@ struct rp_cost {
     double act_cap, act_per_token;
 
     struct rp_vexp *vexp;      /* the virtual-expert planner; NULL where the config rules it out */
-    double vexp_comm_scale;    /* weight: 3 pushes' time (forward, backward, gradient) as dispatch time */
+    double vexp_comm_scale;    /* the pushes' time (forward, backward, gradient) as dispatch time */
+    double vexp_grad_bytes;    /* one expert's gradient in the balancer's FP32 main-grad dtype */
+    bool vexp_charges;         /* the balancer's padding, SM contention and FP32 push (its profile) */
 
     cost_state *st;            /* NULL until an evaluation succeeds */
     /* The last COST_MEMO plans evaluated (copies; NULL where none or a copy failed) with
@@ -200,6 +210,7 @@ struct rp_cost {
     struct {
         rp_plan *plan;
         rp_cost_summary sum;
+        double forward_s;      /* cost_forward_s of the evaluation */
     } memo[COST_MEMO];
     int32_t memo_next, memo_bound;
     cost_scratch sc;
@@ -299,7 +310,8 @@ double cost_step_from(const rp_cost *c, const cost_state *st, const double *laye
                       double grad_s);
 void cost_index_layer(int32_t E, int32_t S, const int32_t *slot_rank_of, const int32_t *phy2log,
                       int32_t *rep_off, int32_t *rep_rank);
-void cost_grad_layer(const rp_cost *c, const cost_state *st, const int32_t *rep_off,
+double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool mean);
+void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
                      const int32_t *rep_rank, double *row);
 double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row);
 /* The bound state no longer is the evaluation of the plan it was made from (a move,
@@ -308,7 +320,8 @@ void cost_state_edited(rp_cost *c);
 /* The summary of `plan`: a remembered evaluation's when an equal plan is among the last
  * COST_MEMO evaluated (the evaluator's binding unchanged), else rp_cost_evaluate's (which
  * binds it). For a caller that needs the summary only. */
-rp_status cost_summary_of(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, rp_error *err);
+rp_status cost_summary_of(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, double *forward_s, rp_error *err);
+double cost_forward_s(const rp_cost *c, const cost_state *s);
 void cost_summary(const rp_cost *c, const cost_state *st, rp_cost_summary *out);
 /* The sync domain with the largest sum of layer times (0 under global sync). */
 int32_t cost_critical_domain(const rp_cost *c, const cost_state *st);

@@ -3,6 +3,7 @@
  * forward's offload plan (core/virtual_experts.c), with the weight pushes and the
  * gradient reduction the plan costs. docs/cost-model.md, "Per-forward balancing". */
 #include "cost_internal.h"
+#include "routepack/executor.h"
 #include "routepack/virtual_experts.h"
 
 /* Owner of every expert at every layer, from an evenly owned placement (checked by
@@ -82,14 +83,33 @@ void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int
     for (int32_t r = 0; r < ep; r++) sp[(size_t)r * ep + r] = 0.0;
     cost_group_traffic(c, st, g0, pair, sp, tokens, sc);
 
+    /* Megatron pads every rank of the group to the same token count (the balancer's
+     * static shapes): each rank's experts run the largest cell's tokens, the group's
+     * balanced load scaled by max / mean tokens */
+    int64_t most = 0, sum = 0;
+    for (int32_t r = 0; r < ep; r++) {
+        sum += tokens[r];
+        if (tokens[r] > most) most = tokens[r];
+    }
+    const double pad = sum > 0 && c->vexp_charges ? (double)most * ep / (double)sum : 1.0;
     res->xmax = res->dmax = -1.0;
     res->xarg = res->darg = g0;
     for (int32_t r = 0; r < ep; r++) {
         double send = sc->si[r], recv = sc->ri[r];
         int32_t copies = pin[r] > pout[r] ? pin[r] : pout[r];
+        /* two weight pushes (forward, backward) and the gradients back in FP32 main-grad
+         * dtype (bytes_per_grad) */
         double push = copies ? copies * c->expert_bytes / c->nv_bw + c->nv_lat : 0.0;
-        double x = xa[r] / c->speed[g0 + r];
-        double d = (send > recv ? send : recv) * c->token_bytes / c->nv_bw + c->nv_lat + c->vexp_comm_scale * push;
+        double push_grad = copies ? copies * (c->vexp_charges ? c->vexp_grad_bytes : c->expert_bytes) / c->nv_bw +
+                                        c->nv_lat
+                                  : 0.0;
+        double x = xa[r] * pad / c->speed[g0 + r];
+        /* the push's copy kernels hold RP_BALANCER_PUSH_SM_FRACTION of the SMs while it
+         * runs beside the expert GEMMs: the GEMMs overlapping it run that much slower */
+        if (c->vexp_charges)
+            x += RP_BALANCER_PUSH_SM_FRACTION / (1.0 - RP_BALANCER_PUSH_SM_FRACTION) * (push < x ? push : x);
+        double d = (send > recv ? send : recv) * c->token_bytes / c->nv_bw + c->nv_lat +
+                   c->vexp_comm_scale * (2.0 * push + push_grad);
         x_out[r] = x;
         d_out[r] = d;
         group_result_note(res, g0 + r, x, d);

@@ -4,6 +4,7 @@
 #include "joint_internal.h"
 #include "limits_internal.h"
 #include "routepack/baseline.h"
+#include "routepack/executor.h"
 #include "routepack/virtual_experts.h"
 
 #include <math.h>
@@ -648,7 +649,12 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
                        rp_stats_num_seqs(stats), rp_stats_num_layers(stats), rp_stats_num_experts(stats),
                        rp_batch_num_seqs(batch), md->num_layers, md->num_experts);
     rp_joint_params defaults = rp_joint_defaults();
-    const rp_joint_params *par = params ? params : &defaults;
+    rp_joint_params runnable = params ? *params : defaults;
+    /* only the levers the executor runs (execution.executor): never a plan it cannot */
+    const uint32_t levers = rp_config_execution(cfg)->levers;
+    if (!(levers & RP_LEVER_SHARES)) runnable.shares = false;
+    if (!(levers & RP_LEVER_EXTRAS)) runnable.max_extra_per_rank = 0;
+    const rp_joint_params *par = &runnable;
     rp_status st = check_params(par, err);
     if (st == RP_OK && par->expected_loads)
         for (int64_t i = 0; i < (int64_t)md->num_layers * md->num_experts; i++)

@@ -2,6 +2,7 @@
  * a config and a batch, each reported with its own precise message. */
 #include "internal.h"
 #include "memory_internal.h"
+#include "routepack/executor.h"
 #include "routepack/virtual_experts.h"
 #include "routepack/plan.h"
 
@@ -495,6 +496,25 @@ static void check_balancing(const rp_plan *plan, const rp_config *cfg, reporter 
     }
 }
 
+/* The levers the config's executor runs (execution.executor): a plan with share sets or
+ * extra replicas it cannot run is invalid, named. (Replicas in spare slots cannot occur
+ * where the executor holds every expert once: the config has no spare slot then.) */
+static void check_executor_levers(const rp_plan *plan, const rp_config *cfg, reporter *r)
+{
+    const rp_execution *x = rp_config_execution(cfg);
+    int32_t num_sets = rp_plan_num_share_sets(plan), num_extras = rp_plan_num_extra_replicas(plan);
+    bool bad_sets = num_sets && !(x->levers & RP_LEVER_SHARES), bad_extras = num_extras && !(x->levers & RP_LEVER_EXTRAS);
+    if (!bad_sets && !bad_extras) return;
+    char runs[96];
+    rp_executor_levers_text(x->levers, runs, sizeof runs);
+    if (bad_sets)
+        report(r, -1, -1, "plan: execution.executor \"%s\" cannot run per-microbatch shares (it runs: %s), but the "
+               "plan has %d share set%s", rp_executor_name(x->executor), runs, num_sets, num_sets == 1 ? "" : "s");
+    if (bad_extras)
+        report(r, -1, -1, "plan: execution.executor \"%s\" cannot run extra replicas (it runs: %s), but the plan "
+               "has %d extra replica%s", rp_executor_name(x->executor), runs, num_extras, num_extras == 1 ? "" : "s");
+}
+
 /* Position k of every rank of an EP group runs together (the all-to-all of a microbatch
  * is collective; under sync "global" every rank meets at every layer): one order per EP
  * group, per job under global sync. Each order is a permutation (rp_plan_set_microbatch_order). */
@@ -539,6 +559,7 @@ static int32_t check(const rp_plan *plan, const rp_config *cfg, const rp_batch *
     check_levers(plan, cfg, r);
     check_memory(plan, cfg, r);
     check_balancing(plan, cfg, r);
+    check_executor_levers(plan, cfg, r);
     check_order(plan, cfg, r);
     return r->count;
 }

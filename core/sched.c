@@ -1022,8 +1022,9 @@ static rp_status judge(rp_sched *s, step_inputs *in, const rp_plan *plan, rp_ste
 {
     sched_migration_discard(s->ctx, migration);
     /* the summary only: the plan the policy returned was most likely just scored */
-    rp_status st = cost_summary_of(in->cost, plan, &rep->cost, err);
+    rp_status st = cost_summary_of(in->cost, plan, &rep->cost, &rep->forward_s, err);
     if (st != RP_OK) return st;
+    rp_cost_outside(in->cost, &rep->outside, NULL);
     st = sched_migration_prepare(&s->migration, s->ctx, s->cfg, in->placement, plan, migration, rep, err);
     if (st != RP_OK) {
         char msg[RP_ERROR_TEXT];

@@ -25,7 +25,8 @@ static bool fixture_make_trainer(fixture *f, int nodes, int cap, const char *slo
 {
     char json[1024];
     snprintf(json, sizeof json,
-             "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": 4, \"slots_per_gpu\": %s},"
+             "{\"execution\": {\"executor\": \"ideal\"},"
+             " \"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": 4, \"slots_per_gpu\": %s},"
              " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
              "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
              " \"limits\": {\"max_tokens_per_microbatch\": %d}, \"trainer\": %s}",

@@ -64,9 +64,19 @@ static void test_small_example(rp_context *ctx)
     is_double(h->gemm_efficiency[5].tokens, 4096, 0, "curve ends at 4096 tokens");
     is_double(h->gemm_efficiency[5].efficiency, 0.78, 0, "efficiency 0.78 at 4096 tokens");
     const rp_execution *x = rp_config_execution(cfg);
-    ok(x->sync == RP_SYNC_GROUP && x->overlap == RP_OVERLAP_NONE && x->dispatch_dedup == RP_DEDUP_GPU &&
+    ok(x->sync == RP_SYNC_GROUP && x->overlap == RP_OVERLAP_NONE && x->dispatch_dedup == RP_DEDUP_CHOICE &&
            x->dispatch_bytes_per_element == 2 && x->combine_bytes_per_element == 2,
-       "default execution: sync group, overlap none, dedup per GPU, 2 bytes per element each way");
+       "default execution: sync group, overlap none, a copy per token-choice (routepack_torch), 2 bytes per "
+       "element each way (bytes_per_param)");
+    /* routepack_torch on config-small: one all-reduce over the EP group in the weights'
+     * dtype; 4 syncs x 15 us + 3 launches x 10 local experts x 5 us = 210 us a layer */
+    ok(x->executor == RP_EXECUTOR_ROUTEPACK_TORCH && x->replica_grad_reduce == RP_GRAD_REDUCE_GROUP &&
+           x->replica_grad_bytes_per_element == 2 && fabs(x->host_s_per_layer - 210e-6) < 1e-15 &&
+           x->levers == (RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS) && x->extras_stacked &&
+           x->extras_once,
+       "default executor routepack_torch: group reduction in BF16, 210 us of host costs a layer, replicas, shares "
+       "and extras");
+    ok(!rp_config_trainer(cfg)->per_forward_balancer, "and no per-forward balancer");
 
     const rp_model *m = rp_config_model(cfg);
     is_int(m->num_layers, 16, "small: 16 layers");
@@ -259,8 +269,8 @@ static void test_structure_keys(rp_context *ctx)
         " \"model\": {\"num_layers\": 2, \"num_experts\": 4, \"top_k\": 2, \"hidden_size\": 64,\n"
         "   \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16, \"bytes_per_param\": 1},\n"
         " \"limits\": {\"max_tokens_per_microbatch\": 100},\n"
-        " \"execution\": {\"sync\": \"global\", \"overlap\": \"layer\", \"dispatch_dedup\": \"node\",\n"
-        "   \"dispatch_bytes_per_element\": 1, \"comment\": \"FP8 dispatch\"}}";
+        " \"execution\": {\"executor\": \"deepep\", \"sync\": \"global\", \"overlap\": \"layer\",\n"
+        "   \"dispatch_dedup\": \"node\", \"dispatch_bytes_per_element\": 1, \"comment\": \"FP8 dispatch\"}}";
     rp_status st = parse_inline(ctx, text, &cfg, &err);
     is_int(st, RP_OK, "config with every structure key parses");
     if (st != RP_OK) {
@@ -280,7 +290,7 @@ static void test_structure_keys(rp_context *ctx)
     const rp_execution *x = rp_config_execution(cfg);
     ok(x->sync == RP_SYNC_GLOBAL && x->overlap == RP_OVERLAP_LAYER && x->dispatch_dedup == RP_DEDUP_NODE &&
            x->dispatch_bytes_per_element == 1 && x->combine_bytes_per_element == 2,
-       "execution: sync global, overlap layer, dedup node, 1 byte per element (combine stays 2)");
+       "execution: sync global, overlap layer, dedup node, 1 byte per element (combine stays deepep's BF16 2)");
     rp_config_free(cfg);
 
     cfg = NULL;

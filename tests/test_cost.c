@@ -60,17 +60,22 @@ static const uint8_t HAND_IDS[] = {
 
 /* The hand cases' hardware terms and execution as the first model had them: one backward
  * multiplier of 2 for every term, no token-linear work, no fixed cost, one global
- * synchronisation, a copy per token-choice. */
+ * synchronisation, a copy per token-choice, and the executor it priced ("ideal": pairwise
+ * replica reductions, no host costs, extras copied per microbatch; the profiles' own
+ * terms are checked by hand in test_cost_executor.c). */
 static const char *const HAND_HW =
     "\"attention_efficiency\": 0.5, \"backward_multiplier\": 2, \"backward\": {\"communication\": 2},"
     " \"token_linear_bytes_per_token\": 0, \"layer_fixed_us\": 0";
-static const char *const HAND_EXEC = "\"sync\": \"global\", \"dispatch_dedup\": \"choice\"";
+static const char *const HAND_EXEC = "\"executor\": \"ideal\", \"sync\": \"global\", \"dispatch_dedup\": \"choice\"";
 
 static bool hand_fixture_with(fixture *f, int nodes, int per_node, int slots, const char *speed, const char *hw,
                               const char *exec)
 {
-    char json[2048];
-    snprintf(json, sizeof json, HAND_CFG, nodes, per_node, slots, speed, hw, exec);
+    char json[2048], x[512];
+    /* the executor the hand figures were derived under, unless the case names one */
+    snprintf(x, sizeof x, "%s%s%s", strstr(exec, "executor") ? "" : "\"executor\": \"ideal\"",
+             strstr(exec, "executor") || !*exec ? "" : ", ", exec);
+    snprintf(json, sizeof json, HAND_CFG, nodes, per_node, slots, speed, hw, x);
     return fixture_make(f, json, 3, HAND_LENS, HAND_IDS);
 }
 
@@ -289,7 +294,7 @@ static void test_locality_nodes(void)
         " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48, \"attention_efficiency\": 0.5,"
         "  \"dense_efficiency\": 1, \"gemm_efficiency\": [[1, 0.5], [4, 1]], \"backward_multiplier\": 2,"
         "  \"backward\": {\"communication\": 2}, \"token_linear_bytes_per_token\": 0, \"layer_fixed_us\": 0},"
-        " \"execution\": {\"sync\": \"global\", \"dispatch_dedup\": \"choice\"},"
+        " \"execution\": {\"executor\": \"ideal\", \"sync\": \"global\", \"dispatch_dedup\": \"choice\"},"
         " \"model\": {\"num_layers\": 1, \"num_experts\": 4, \"top_k\": 1, \"hidden_size\": 4,"
         "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"head_dim\": 2},"
         " \"limits\": {\"max_tokens_per_microbatch\": 100}}";
@@ -566,7 +571,7 @@ static void test_hand_dedup_node(void)
         "  \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000, \"net_bytes_per_s\": 4,"
         "  \"net_latency_us\": 1000000},"
         " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48, \"token_linear_bytes_per_token\": 0},"
-        " \"execution\": {\"dispatch_dedup\": \"%s\"},"
+        " \"execution\": {\"executor\": \"ideal\", \"dispatch_dedup\": \"%s\"},"
         " \"model\": {\"num_layers\": 1, \"num_experts\": 4, \"top_k\": 2, \"hidden_size\": 4,"
         "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"head_dim\": 2},"
         " \"limits\": {\"max_tokens_per_microbatch\": 100}}";
@@ -1112,12 +1117,12 @@ static void test_summary_of(void)
         rp_plan *copy = NULL;
         rp_plan_copy(p[oldest_kept], &copy, &err);
         int64_t o0 = rp_cost_operations(c);
-        rp_status st = cost_summary_of(c, copy, &got, &err);
+        rp_status st = cost_summary_of(c, copy, &got, NULL, &err);
         ok(st == RP_OK && memcmp(&got, &want[oldest_kept], sizeof got) == 0 && rp_cost_operations(c) == o0,
            "a remembered plan (an equal copy): its summary bit for bit, no work counted");
         ok(rp_cost_current_s(c) == want[newest].step_s, "... and the evaluator still bound to the newest plan");
         o0 = rp_cost_operations(c);
-        st = cost_summary_of(c, p[1], &got, &err);
+        st = cost_summary_of(c, p[1], &got, NULL, &err);
         ok(st == RP_OK && memcmp(&got.step_s, &want[1].step_s, sizeof got.step_s) == 0 && rp_cost_operations(c) > o0 &&
                rp_cost_current_s(c) == want[1].step_s,
            "a plan evaluated %d evaluations ago is evaluated again, and bound", COST_MEMO + 1);
@@ -1154,7 +1159,7 @@ static void test_memo_context(void)
     rp_plan_free(q);
     rp_context_free(other);
     rp_plan_clear_levers(p);
-    fine = fine && cost_summary_of(c, p, &b, &err) == RP_OK && memcmp(&a, &b, sizeof a) == 0;
+    fine = fine && cost_summary_of(c, p, &b, NULL, &err) == RP_OK && memcmp(&a, &b, sizeof a) == 0;
     ok(fine, "a plan of another context, freed with it after its evaluation: the evaluator's memory of it stays "
              "valid (%s)", fine ? "its summary comes back" : err.text);
     rp_cost_free(c);

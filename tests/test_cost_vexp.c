@@ -34,6 +34,7 @@ static const char *HAND =
     "  \"nvlink_bytes_per_s\": 8, \"nvlink_latency_us\": 500000, \"net_bytes_per_s\": 4, \"net_latency_us\": 1000000},"
     " \"hardware\": {\"peak_flops\": 64, \"hbm_bytes_per_s\": 48, \"attention_efficiency\": 0.5,"
     "  \"dense_efficiency\": 1, \"gemm_efficiency\": [[1, 0.5], [4, 1]], \"backward_multiplier\": 2},"
+    " \"execution\": {\"executor\": \"ideal\"},"
     " \"model\": {\"num_layers\": 1, \"num_experts\": 2, \"top_k\": 1, \"hidden_size\": 4,"
     "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"num_kv_heads\": 1, \"head_dim\": 2,"
     "  \"bytes_per_param\": 2, \"bytes_per_optimizer_state\": 12},"
@@ -140,6 +141,7 @@ static void test_refused_config(void)
  * full evaluations of the changed plans bit for bit, and the bound stays below the step. */
 static const char *RANDOM =
     "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": 4, \"slots_per_gpu\": 3},"
+    " \"trainer\": {\"per_forward_balancer\": true},"
     " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
     "  \"expert_ffn_size\": 32, \"num_heads\": 2, \"num_kv_heads\": 1, \"head_dim\": 16},"
     " \"limits\": {\"max_tokens_per_microbatch\": 100000}}";

@@ -117,7 +117,7 @@ static void test_mapping(void)
 static bool setup_make(toy_scene *s, const char *topology)
 {
     rp_error err;
-    rp_config *cfg = config(topology, ", \"execution\": {\"dispatch_dedup\": \"choice\"}", &err);
+    rp_config *cfg = config(topology, ", \"execution\": {\"executor\": \"ideal\", \"dispatch_dedup\": \"choice\"}", &err);
     if (!cfg) {
         diag("config: %s", err.text);
         return false;
@@ -261,7 +261,8 @@ static uint64_t cp1_hash(bool explicit_cp, int *cases)
                  " \"expert_tensor_parallel_size\": %d, \"ep_size\": %d, \"pipeline_parallel_size\": %d%s",
                  nodes, gpn, tp, etp, ep, pp, explicit_cp ? ", \"context_parallel_size\": 1" : "");
         snprintf(extra, sizeof extra,
-                 ", \"execution\": {\"sync\": \"%s\", \"overlap\": \"%s\", \"dispatch_dedup\": \"%s\"}",
+                 ", \"execution\": {\"executor\": \"ideal\", \"sync\": \"%s\", \"overlap\": \"%s\", "
+                 "\"dispatch_dedup\": \"%s\"}",
                  SYNCS[rnd(2)], OVERLAPS[rnd(2)], DEDUPS[rnd(3)]);
         random_scene s;
         if (!scene_make(&s, topo, extra, 1 + (int32_t)rnd(3))) {

@@ -20,7 +20,8 @@ static rp_config *make_config(int nodes, int gpn, int ep, int slots)
 {
     char json[1024];
     snprintf(json, sizeof json,
-             "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": %d, \"slots_per_gpu\": %d},"
+             "{\"execution\": {\"executor\": \"ideal\"},"
+             " \"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": %d, \"slots_per_gpu\": %d},"
              " \"model\": {\"num_layers\": 4, \"num_experts\": 16, \"top_k\": 4, \"hidden_size\": 256,"
              "  \"expert_ffn_size\": 128, \"num_heads\": 4, \"head_dim\": 64},"
              " \"limits\": {\"max_tokens_per_microbatch\": 1024}}",
@@ -241,7 +242,8 @@ static void test_virtual_experts_candidate(void)
  * plan does (rp_cost_order_microbatches). */
 static void test_candidate_under_pp(void)
 {
-    const char *json = "{\"topology\": {\"num_nodes\": 2, \"gpus_per_node\": 4, \"ep_size\": 4, \"slots_per_gpu\": 5,"
+    const char *json = "{\"execution\": {\"executor\": \"ideal\"},"
+                       " \"topology\": {\"num_nodes\": 2, \"gpus_per_node\": 4, \"ep_size\": 4, \"slots_per_gpu\": 5,"
                        " \"pipeline_parallel_size\": 2},"
                        " \"model\": {\"num_layers\": 4, \"num_experts\": 16, \"top_k\": 4, \"hidden_size\": 256,"
                        "  \"expert_ffn_size\": 128, \"num_heads\": 4, \"head_dim\": 64},"

@@ -191,7 +191,10 @@ static void test_balancer_candidate(void)
 int main(void)
 {
     rp_error err;
-    if (!gen_steps_load(&fx, "persistence", STEPS, &err)) {
+    /* priced as the persistence figures were derived: the "ideal" executor (under
+     * routepack_torch's one all-reduce over the EP group, baselines without replicas win
+     * and the joint placement seldom moves) */
+    if (!gen_steps_load_cfg(&fx, "persistence", "gen-small.json", EXECUTOR_IDEAL, STEPS, &err)) {
         ok(0, "setup: %s", err.text);
         return tap_done();
     }

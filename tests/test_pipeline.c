@@ -821,8 +821,10 @@ static void test_migration(void)
 static void test_extras(void)
 {
     rp_error err;
+    /* extras copied per microbatch and layer, as the "ideal" executor prices them
+     * (routepack_torch fetches a step's extras once: test_cost_executor.c) */
     rp_config *pp = config("\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": 2, \"ep_size\": 4,"
-                           " \"slots_per_gpu\": 2", "", &err);
+                           " \"slots_per_gpu\": 2", ", \"execution\": {\"executor\": \"ideal\"}", &err);
     int32_t lens[1] = {10}, zero[1] = {0}, rank[1] = {0}, mb[1] = {0};
     rp_batch *batch = NULL;
     rp_stats *stats = NULL;

@@ -894,7 +894,8 @@ static void test_errors(void)
 static int chaos_run(long fail_at, counting *c)
 {
     static const char *text =
-        "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": 4, \"slots_per_gpu\": 3},"
+        "{\"execution\": {\"executor\": \"ideal\"},"
+        " \"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": 4, \"slots_per_gpu\": 3},"
         " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
         "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
         " \"limits\": {\"max_tokens_per_microbatch\": 1000}}";
@@ -1404,7 +1405,9 @@ static void test_fallback_check_counts(void)
 int main(void)
 {
     rp_error err;
-    if (!gen_steps_load(&fx, "sched", STEPS, &err)) {
+    /* the bundled small config as the scheduler's checks were written: the "ideal"
+     * executor, which runs every lever (the balancer's plans included) */
+    if (!gen_steps_load_cfg(&fx, "sched", "gen-small.json", EXECUTOR_IDEAL, STEPS, &err)) {
         ok(0, "setup: %s", err.text);
         return tap_done();
     }

@@ -58,6 +58,11 @@ static rp_status parse(const char *json, rp_config **cfg, rp_error *err)
     " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"                \
     "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
 
+#define BASE_CONFIG_SLOTS(n)                                                                                  \
+    "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"slots_per_gpu\": " #n "},"                    \
+    " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"                \
+    "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
+
 static void test_config(void)
 {
     rp_config *cfg = NULL;
@@ -605,7 +610,8 @@ static void test_nonempty_packing_rule(void)
 
 /* ---- trainer.per_forward_balancer ---- */
 
-/* Whether the trainer runs Megatron's per-forward balancer at all: read (default true),
+/* Whether the trainer runs Megatron's per-forward balancer at all: read (default: whether
+ * execution.executor runs it, so false on the default routepack_torch),
  * refused beside execution.per_forward_balancing "virtual_experts", and where false no
  * plan may ask for the balancer (rp_vexp_check_config, so rp_plan_validate, the
  * *+virtual_experts baselines and the joint planner's candidate all follow it). */
@@ -614,9 +620,26 @@ static void test_per_forward_balancer(void)
     rp_config *cfg = NULL;
     rp_error err;
     is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}}", &cfg, &err), RP_OK, "no trainer section");
-    if (cfg) ok(rp_config_trainer(cfg)->per_forward_balancer, "per_forward_balancer defaults to true");
+    if (cfg) ok(!rp_config_trainer(cfg)->per_forward_balancer, "per_forward_balancer defaults to false (routepack_torch)");
     rp_config_free(cfg);
     cfg = NULL;
+    static const char *const runs[] = {"megatron_balancer", "ideal"}, *const lacks[] = {"megatron_alltoall", "deepep"};
+    for (int i = 0; i < 2; i++) {
+        char json[1024];
+        /* 2 slots a GPU: 8 experts held once, which every executor can run */
+        snprintf(json, sizeof json, BASE_CONFIG_SLOTS(2) " \"limits\": {\"max_tokens_per_microbatch\": 64}, "
+                 "\"execution\": {\"executor\": \"%s\"}}", runs[i]);
+        is_int(parse(json, &cfg, &err), RP_OK, "executor %s", runs[i]);
+        if (cfg) ok(rp_config_trainer(cfg)->per_forward_balancer, "%s: per_forward_balancer defaults to true", runs[i]);
+        rp_config_free(cfg);
+        cfg = NULL;
+        snprintf(json, sizeof json, BASE_CONFIG_SLOTS(2) " \"limits\": {\"max_tokens_per_microbatch\": 64}, "
+                 "\"execution\": {\"executor\": \"%s\"}}", lacks[i]);
+        is_int(parse(json, &cfg, &err), RP_OK, "executor %s", lacks[i]);
+        if (cfg) ok(!rp_config_trainer(cfg)->per_forward_balancer, "%s: per_forward_balancer defaults to false", lacks[i]);
+        rp_config_free(cfg);
+        cfg = NULL;
+    }
     is_int(parse(BASE_CONFIG " \"limits\": {\"max_tokens_per_microbatch\": 64}, \"trainer\": {\"per_forward_balancer\": false}}",
                  &cfg, &err),
            RP_OK, "per_forward_balancer given");

@@ -217,7 +217,8 @@ static inline bool batch_fixture_random(rp_context *ctx, batch_fixture *f, const
 /* test_trainer's and test_minibatch's fixture: 4 GPUs on one node in EP groups of `ep`
  * (8 / ep + 1 slots each), 2 layers of 8 experts, top-2, microbatches of at most `cap`
  * tokens, `trainer` the trainer section's body ("" for the defaults); n prompt-only
- * sequences of lens[s] tokens with batch_fixture_random's routing. */
+ * sequences of lens[s] tokens with batch_fixture_random's routing. The "ideal" executor,
+ * which runs every lever, so every baseline (the balancer's too) is one to check. */
 static inline bool trainer_fixture_make(rp_context *ctx, batch_fixture *f, int ep, int cap, const char *trainer,
                                         int32_t n, const int32_t *lens, uint64_t *rng, rp_error *err)
 {
@@ -226,7 +227,8 @@ static inline bool trainer_fixture_make(rp_context *ctx, batch_fixture *f, int e
              "{\"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 4, \"ep_size\": %d, \"slots_per_gpu\": %d},"
              " \"model\": {\"num_layers\": 2, \"num_experts\": 8, \"top_k\": 2, \"hidden_size\": 64,"
              "  \"expert_ffn_size\": 32, \"num_heads\": 4, \"head_dim\": 16},"
-             " \"limits\": {\"max_tokens_per_microbatch\": %d}, \"trainer\": {%s}}",
+             " \"limits\": {\"max_tokens_per_microbatch\": %d}, \"trainer\": {%s},"
+             " \"execution\": {\"executor\": \"ideal\"}}",
              ep, 8 / ep + 1, cap, trainer);
     return batch_fixture_random(ctx, f, json, n, lens, rng, err);
 }
@@ -462,19 +464,50 @@ static inline void gen_steps_free(gen_steps *g)
     memset(g, 0, sizeof *g);
 }
 
+/* A config file with `members` (JSON members and a trailing comma: `"trainer": {...},`)
+ * put first; the file must not have those sections itself. */
+static inline rp_status config_load_with(rp_context *ctx, const char *path, const char *members, rp_config **out,
+                                         rp_error *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        snprintf(err->text, sizeof err->text, "cannot open %s", path);
+        return RP_EIO;
+    }
+    static char text[1 << 16];
+    const size_t k = strlen(members);
+    size_t n = k < sizeof text / 2 ? fread(text, 1, sizeof text - k - 1, f) : 0;
+    fclose(f);
+    text[n] = '\0';
+    char *brace = strchr(text, '{');
+    if (!brace) return RP_EINVAL;
+    memmove(brace + 1 + k, brace + 1, strlen(brace + 1) + 1);
+    memcpy(brace + 1, members, k);
+    return rp_config_parse(ctx, text, strlen(text), path, out, err);
+}
+
+/* The same config on a trainer that runs Megatron's per-forward balancer (the default
+ * executor, routepack_torch, does not). */
+#define TRAINER_WITH_BALANCER "\"trainer\": {\"per_forward_balancer\": true},"
+/* The same config priced as before executor profiles (execution.executor "ideal": every
+ * lever, the balancer included, no host costs), for the figures derived under it. */
+#define EXECUTOR_IDEAL "\"execution\": {\"executor\": \"ideal\"},"
+
 /* Set up the fixture (see gen_steps) for the test `name` from the generator settings
- * examples/GEN (with config-small.json); false with the reason in err->text, having
- * freed what it made. */
-static inline bool gen_steps_load_from(gen_steps *g, const char *name, const char *gen_file, int32_t num_steps,
-                                       rp_error *err)
+ * examples/GEN (with config-small.json, with `members` put first where not NULL:
+ * config_load_with); false with the reason in err->text, having freed what it made. */
+static inline bool gen_steps_load_cfg(gen_steps *g, const char *name, const char *gen_file, const char *members,
+                                      int32_t num_steps, rp_error *err)
 {
     memset(g, 0, sizeof *g);
     rp_gen *gen = NULL;
     rp_error_clear(err);
     char gen_path[1024];
     snprintf(gen_path, sizeof gen_path, "%s/examples/%s", RP_SOURCE_DIR, gen_file);
+    const char *small = RP_SOURCE_DIR "/examples/config-small.json";
     bool good = rp_context_new(NULL, NULL, &g->ctx) == RP_OK &&
-                rp_config_load(g->ctx, RP_SOURCE_DIR "/examples/config-small.json", &g->cfg, err) == RP_OK &&
+                (members ? config_load_with(g->ctx, small, members, &g->cfg, err)
+                         : rp_config_load(g->ctx, small, &g->cfg, err)) == RP_OK &&
                 rp_gen_load(g->ctx, gen_path, &gen, err) == RP_OK;
     if (good) {
         g->num_steps = num_steps;
@@ -498,6 +531,13 @@ static inline bool gen_steps_load_from(gen_steps *g, const char *name, const cha
     }
     unsetenv("RP_POLICY_PATH");
     return true;
+}
+
+/* gen_steps_load_cfg on the default trainer (no balancer). */
+static inline bool gen_steps_load_from(gen_steps *g, const char *name, const char *gen_file, int32_t num_steps,
+                                       rp_error *err)
+{
+    return gen_steps_load_cfg(g, name, gen_file, NULL, num_steps, err);
 }
 
 /* gen_steps_load_from with examples/gen-small.json. */

@@ -395,7 +395,8 @@ static void test_reference(void)
 }
 
 static const char *CFG =
-    "{\"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": %d, \"slots_per_gpu\": %s},"
+    "{\"trainer\": {\"per_forward_balancer\": true},"
+    " \"topology\": {\"num_nodes\": %d, \"gpus_per_node\": %d, \"ep_size\": %d, \"slots_per_gpu\": %s},"
     " \"model\": {\"num_layers\": 2, \"num_experts\": %d, \"top_k\": 2, \"hidden_size\": 4,"
     "  \"expert_ffn_size\": 2, \"num_heads\": 1, \"num_kv_heads\": 1, \"head_dim\": 2},"
     " \"limits\": {\"max_tokens_per_microbatch\": 100}}";

@@ -6,6 +6,7 @@
 #include "internal.h"
 #include "sched_internal.h"
 #include "report.h"
+#include "routepack/executor.h"
 #include "routepack/memory.h"
 
 #include <errno.h>
@@ -223,6 +224,10 @@ typedef struct step_rec {
     int32_t migration_rounds;          /* of the step's migration plan; 0 when none */
     int64_t migration_staging_bytes;   /* the most staging one GPU uses in one round */
     json_t *metrics;                   /* rp_step_metrics_json of the step's report */
+    /* the whole step (docs/cost-model.md, "The whole step"): the MoE layers' time (the
+     * step and trainer.logprob_forwards forward passes) and what the step does outside
+     * them; end to end = moe_s + outside_s + migration_s */
+    double moe_s, outside_s;
 } step_rec;
 
 typedef struct sim_policy {
@@ -402,9 +407,11 @@ static void watch_check(sim_policy *p, int64_t step)
 }
 
 static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *plan,
-                        const rp_migration_plan *migration)
+                        const rp_migration_plan *migration, int32_t logprob_forwards)
 {
     memset(r, 0, sizeof *r);
+    r->moe_s = rep->cost.step_s + logprob_forwards * rep->forward_s;
+    r->outside_s = rep->outside.total_s;
     r->step = rep->step;
     r->cost = rep->cost;
     r->num_microbatches = plan ? rp_plan_num_microbatches(plan) : 0;
@@ -509,11 +516,14 @@ static int32_t common_steps(const sim_policy *pol, int np)
     return n < 0 ? 0 : n;
 }
 
-/* Step + migration time summed over the first n steps. */
+/* One step end to end: the MoE layers, the rest of the step, the migration. */
+static double step_total(const step_rec *r) { return r->moe_s + r->outside_s + r->migration_s; }
+
+/* Step + migration time, end to end, summed over the first n steps. */
 static double run_total(const sim_policy *p, int32_t n)
 {
     double t = 0;
-    for (int32_t i = 0; i < n && i < p->num_steps; i++) t += p->steps[i].cost.step_s + p->steps[i].migration_s;
+    for (int32_t i = 0; i < n && i < p->num_steps; i++) t += step_total(&p->steps[i]);
     return t;
 }
 
@@ -564,8 +574,8 @@ static void summarize_shared(const sim_policy *p, const sim_policy *pol, int np,
         int32_t common = n < base->num_steps ? n : base->num_steps;
         double mine = 0, theirs = 0;
         for (int32_t i = 0; i < common; i++) {
-            mine += p->steps[i].cost.step_s + p->steps[i].migration_s;
-            theirs += base->steps[i].cost.step_s + base->steps[i].migration_s;
+            mine += step_total(&p->steps[i]);
+            theirs += step_total(&base->steps[i]);
         }
         if (mine > 0) s->speedup = theirs / mine;
     }
@@ -576,12 +586,15 @@ static void summarize_shared(const sim_policy *p, const sim_policy *pol, int np,
 typedef struct sim_verdict {
     const sim_policy *fastest, *best_base, *best_other; /* best_other: fastest non-baseline */
     int32_t steps;
-    double fastest_s, base_s, other_s;                 /* totals over `steps` */
+    double fastest_s, base_s, other_s;                 /* totals over `steps`, end to end */
+    const char *executor;                              /* execution.executor priced */
+    double moe_share;                                  /* the fastest's MoE layers / its total */
 } sim_verdict;
 
-static void make_verdict(const sim_policy *pol, int np, sim_verdict *v)
+static void make_verdict(const sim_policy *pol, int np, const rp_config *cfg, sim_verdict *v)
 {
     memset(v, 0, sizeof *v);
+    v->executor = rp_executor_name(rp_config_execution(cfg)->executor);
     v->steps = common_steps(pol, np);
     v->best_base = best_baseline(pol, np);
     for (int i = 0; i < np; i++) {
@@ -592,6 +605,9 @@ static void make_verdict(const sim_policy *pol, int np, sim_verdict *v)
         if (!is_baseline_spec(p->spec) && (!v->best_other || t < v->other_s)) v->best_other = p, v->other_s = t;
     }
     if (v->best_base) v->base_s = run_total(v->best_base, v->steps);
+    double moe = 0;
+    for (int32_t i = 0; v->fastest && i < v->steps; i++) moe += v->fastest->steps[i].moe_s;
+    v->moe_share = v->fastest_s > 0 ? moe / v->fastest_s : 1.0;
 }
 
 static int32_t fallbacks_of(const sim_policy *p)
@@ -601,8 +617,20 @@ static int32_t fallbacks_of(const sim_policy *p)
     return n;
 }
 
-/* One line, no newline: "verdict: ..." */
+static void verdict_body(const sim_verdict *v, char *buf, size_t n);
+
+/* One line, no newline: "verdict: ...", then what it assumed: the executor, and that the
+ * times are end to end with the MoE layers' share of them. */
 static void verdict_text(const sim_verdict *v, char *buf, size_t n)
+{
+    verdict_body(v, buf, n);
+    if (!v->fastest) return;
+    size_t used = strlen(buf);
+    snprintf(buf + used, n - used, "; end to end, executor %s, MoE layers %.0f%% of the step", v->executor,
+             v->moe_share * 100);
+}
+
+static void verdict_body(const sim_verdict *v, char *buf, size_t n)
 {
     if (!v->fastest) {
         snprintf(buf, n, "verdict: no policy ran");
@@ -831,7 +859,7 @@ static void print_table(const sim_policy *pol, int np, const sim_policy *base, c
     else
         printf("--wide adds step/LB, step/sLB (step time over lower bounds) and migrated/step.\n");
     sim_verdict v;
-    make_verdict(pol, np, &v);
+    make_verdict(pol, np, cfg, &v);
     char line[1024];
     verdict_text(&v, line, sizeof line);
     printf("\n%s\n", line);
@@ -846,7 +874,7 @@ static json_t *step_json(const step_rec *r)
     snprintf(plan_hash, sizeof plan_hash, "%016" PRIx64, r->plan_hash);
     snprintf(policy_hash, sizeof policy_hash, "%016" PRIx64, r->policy_hash);
     const rp_cost_summary *c = &r->cost;
-    return json_pack("{s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f,"
+    json_t *o = json_pack("{s:I, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f,"
                      " s:{s:i, s:i, s:i, s:s}, s:i, s:f, s:I, s:b, s:s?, s:b, s:s?,"
                      " s:{s:s, s:s, s:s}, s:s, s:i, s:f, s:f, s:i, s:I, s:o}",
                      "step", (json_int_t)r->step, "step_ms", c->step_s * 1e3, "lower_bound_ms",
@@ -865,6 +893,15 @@ static json_t *step_json(const step_rec *r)
                      "migration_ms", r->migration_s * 1e3, "migration_rounds", r->migration_rounds,
                      "migration_staging_bytes", (json_int_t)r->migration_staging_bytes, "metrics",
                      r->metrics ? json_deep_copy(r->metrics) : json_null());
+    /* the whole step: the MoE layers (the step and the log-prob forwards), the rest, and
+     * end to end with the migration (what speedups and the verdict compare) */
+    if (o && (json_object_set_new(o, "moe_ms", json_real(r->moe_s * 1e3)) != 0 ||
+              json_object_set_new(o, "outside_ms", json_real(r->outside_s * 1e3)) != 0 ||
+              json_object_set_new(o, "end_to_end_ms", json_real(step_total(r) * 1e3)) != 0)) {
+        json_decref(o);
+        o = NULL;
+    }
+    return o;
 }
 
 /* The whole run as one JSON object on stdout (schema: docs/cli.md); false on failure. */
@@ -920,7 +957,7 @@ static bool print_json(const sim_policy *pol, int np, const sim_policy *base, co
         if (!o || json_array_append_new(arr, o) != 0) good = false;
     }
     sim_verdict v;
-    make_verdict(pol, np, &v);
+    make_verdict(pol, np, cfg, &v);
     char line[1024];
     verdict_text(&v, line, sizeof line);
     char why[1024], note[512];
@@ -1068,7 +1105,7 @@ static rp_status write_report(rp_context *ctx, const char *path, const sim_polic
     snprintf(base_label, sizeof base_label, "the best baseline, %s", base ? base->spec : "");
     sim_verdict verdict;
     char verdict_line[1024];
-    make_verdict(pol, np, &verdict);
+    make_verdict(pol, np, cfg, &verdict);
     verdict_text(&verdict, verdict_line, sizeof verdict_line);
     rp_report report = {"RoutePack simulation", context, base ? base_label : NULL, t->num_gpus,
                         t->gpus_per_node, t->ep_size, m->num_layers, np, rp, load_step, verdict_line};
@@ -1408,7 +1445,8 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
                 policy_stop(p, step_index, &err);
                 continue;
             }
-            record_step(&p->steps[p->num_steps++], rep, plan, rp_sched_migration(p->sched));
+            record_step(&p->steps[p->num_steps++], rep, plan, rp_sched_migration(p->sched),
+                        rp_config_trainer(cfg)->logprob_forwards);
             if (o.plans && save_step_plan(o.plans, p->spec, step_index, plan, &err) != RP_OK) {
                 cli_progress_clear();
                 rc = cli_fail(&err);

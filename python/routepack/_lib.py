@@ -51,7 +51,8 @@ class rp_model(Structure):
                 ("hidden_size", c_int32), ("expert_ffn_size", c_int32),
                 ("num_heads", c_int32), ("num_kv_heads", c_int32), ("head_dim", c_int32),
                 ("bytes_per_param", c_int32), ("bytes_per_optimizer_state", c_int32),
-                ("bytes_per_grad", c_int32), ("dense_params", c_int64)]
+                ("bytes_per_grad", c_int32), ("dense_params", c_int64),
+                ("vocab_size", c_int32), ("dense_layers", c_int32), ("dense_ffn_size", c_int32)]
 
 
 class rp_execution(Structure):
@@ -59,13 +60,16 @@ class rp_execution(Structure):
     _fields_ = [("sync", c_int), ("overlap", c_int), ("dispatch_dedup", c_int),
                 ("dispatch_bytes_per_element", c_int32), ("optimizer_sharding", c_int),
                 ("staging_budget_bytes", c_int64), ("per_forward_balancing", c_int),
-                ("combine_bytes_per_element", c_int32)]
+                ("combine_bytes_per_element", c_int32), ("executor", c_int),
+                ("replica_grad_reduce", c_int), ("replica_grad_bytes_per_element", c_int32),
+                ("host_s_per_layer", c_double), ("levers", c_uint32), ("extras_stacked", c_bool),
+                ("extras_once", c_bool)]
 
 
 class rp_trainer(Structure):
     _fields_ = [("equal_sequences_per_rank", c_bool), ("microbatch_multiple", c_int32),
                 ("nonempty_microbatches", c_bool), ("per_forward_balancer", c_bool),
-                ("mini_batches", c_int32), ("epochs", c_int32)]
+                ("mini_batches", c_int32), ("epochs", c_int32), ("logprob_forwards", c_int32)]
 
 
 class rp_limits(Structure):
@@ -104,6 +108,11 @@ class rp_shift_summary(Structure):
                 ("max_expert", c_int32)]
 
 
+class rp_step_outside(Structure):
+    _fields_ = [("lm_head_s", c_double), ("dense_layers_s", c_double), ("optimizer_s", c_double),
+                ("dp_grad_s", c_double), ("logprob_s", c_double), ("total_s", c_double)]
+
+
 class rp_step_report(Structure):
     _fields_ = [("step", c_int64), ("cost", rp_cost_summary), ("plan_wall_s", c_double),
                 ("policy_work", c_int64), ("fallback", c_bool),
@@ -120,7 +129,8 @@ class rp_step_report(Structure):
                 ("fallback_checks", c_int32), ("fallback_check_changes", c_int32),
                 ("has_shift", c_bool), ("shift", rp_shift_summary),
                 ("failed_steps", c_int32), ("demoted", c_bool), ("demoted_to", c_char * 64),
-                ("demote_error", c_char * RP_ERROR_TEXT)]
+                ("demote_error", c_char * RP_ERROR_TEXT), ("forward_s", c_double),
+                ("outside", rp_step_outside)]
 
 
 # migrate.h: RP_NUM_LINKS links, indexed by rp_link (an int-sized enum).

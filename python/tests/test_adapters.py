@@ -80,7 +80,12 @@ def plan(cfg, batch, policy=None, steps=1):
 
 @pytest.fixture(scope="module")
 def small_step(batch):
-    return plan(small_config(), batch)
+    # priced as the "ideal" executor (every lever): the joint plan then keeps its extra
+    # replicas and shares on this batch, which the Megatron adapter must refuse (under the
+    # default routepack_torch a baseline without them wins this step)
+    cfg = small_config()
+    cfg["execution"] = {"executor": "ideal"}
+    return plan(cfg, batch)
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,10 @@ def c_remap(config_text, plan_json, step, split, ids=None):
 
 def config_text(several):
     cfg = json.loads(SMALL_CONFIG.read_text())
+    # priced as the "ideal" executor: the joint plan keeps extra replicas and shares on this
+    # trace (under the default routepack_torch a baseline without them wins), which the
+    # remap must resolve
+    cfg["execution"] = {"executor": "ideal"}
     if several:
         cfg["topology"].update(ep_size=4, slots_per_gpu=20)
         cfg["limits"] = {"max_tokens_per_microbatch": 16384, "num_microbatches": 3}

@@ -106,6 +106,11 @@ typedef struct rp_model {
     int32_t bytes_per_optimizer_state;/* optimizer bytes per parameter kept beside it */
     int32_t bytes_per_grad;           /* gradient buffer bytes per parameter (4: FP32 main grads) */
     int64_t dense_params;             /* parameters outside the routed experts, held by every GPU */
+    /* Added after the first version (append only): what the step does outside the MoE
+     * layers (docs/cost-model.md, "The whole step"). */
+    int32_t vocab_size;               /* LM head and loss; 0: not priced */
+    int32_t dense_layers;             /* transformer layers with a dense MLP (not in num_layers) */
+    int32_t dense_ffn_size;           /* their MLP's intermediate size */
 } rp_model;
 
 /* Limits of one microbatch. */
@@ -134,6 +139,23 @@ typedef enum rp_dispatch_dedup {
     RP_DEDUP_NODE = 2     /* one per destination node across nodes, fanned out over NVLink */
 } rp_dispatch_dedup;
 
+/* What runs the plan (routepack/executor.h: each one's profile). */
+typedef enum rp_executor {
+    RP_EXECUTOR_ROUTEPACK_TORCH = 0,   /* this project's routepack.torch MoELayer */
+    RP_EXECUTOR_MEGATRON_ALLTOALL = 1, /* Megatron-Core's all-to-all token dispatcher, dropless */
+    RP_EXECUTOR_DEEPEP = 2,            /* Megatron-Core's flex dispatcher over DeepEP/HybridEP */
+    RP_EXECUTOR_MEGATRON_BALANCER = 3, /* Megatron-Core with its virtual-expert balancer (MoonEP) */
+    RP_EXECUTOR_IDEAL = 4              /* what the model priced before executor profiles: no
+                                          trainer runs exactly this (docs/cost-model.md) */
+} rp_executor;
+
+/* How the gradients of an expert's replicas are summed (docs/cost-model.md). */
+typedef enum rp_grad_reduce {
+    RP_GRAD_REDUCE_PAIRWISE = 0, /* every replica with the first: a two-party all-reduce each */
+    RP_GRAD_REDUCE_GROUP = 1     /* one all-reduce of [R, params] over the whole EP group, R the
+                                    experts with more than one replica at the layer */
+} rp_grad_reduce;
+
 /* Where optimizer state lives (docs/cost-model.md, "Memory per GPU"). */
 typedef enum rp_optimizer_sharding {
     RP_OPTIMIZER_SHARDING_NONE = 0, /* every GPU keeps the whole state of what it holds */
@@ -159,6 +181,16 @@ typedef struct rp_execution {
     rp_balancing per_forward_balancing;
     /* Added after the first version (append only). */
     int32_t combine_bytes_per_element;   /* 2: DeepEP combines in BF16 even after an FP8 dispatch */
+    /* What runs the plan (execution.executor) and what its profile sets, each overridable
+     * by its own key (routepack/executor.h). */
+    rp_executor executor;
+    rp_grad_reduce replica_grad_reduce;
+    int32_t replica_grad_bytes_per_element; /* bytes per parameter the replica reduction moves */
+    double host_s_per_layer;              /* host syncs and launches of one (microbatch, layer)
+                                             forward, beyond hardware.layer_fixed_us */
+    uint32_t levers;                      /* RP_LEVER_* the executor runs */
+    bool extras_stacked;                  /* rp_executor_profile.extras_stacked */
+    bool extras_once;                     /* rp_executor_profile.extras_once */
 } rp_execution;
 
 /* What the trainer demands of a packing (docs/config.md, "trainer"); every packer
@@ -175,7 +207,7 @@ typedef struct rp_trainer {
     bool nonempty_microbatches;
     /* the trainer can run Megatron-Core's per-forward expert balancer (virtual experts) on
      * a plan that asks for it; false: no plan may (rp_vexp_check_config refuses, naming the
-     * key). Default true. */
+     * key). Default: whether execution.executor runs it (megatron_balancer). */
     bool per_forward_balancer;
     /* the rollout batch is trained as this many mini-batches, one optimizer step each
      * (verl's ppo_mini_batch_size: the rank's chunk over it), >= 1: the plan's microbatches
@@ -184,6 +216,9 @@ typedef struct rp_trainer {
     int32_t mini_batches;
     /* passes over the mini-batches per rollout batch (verl's ppo_epochs), >= 1 */
     int32_t epochs;
+    /* forward-only passes over the rollout batch before training (RL: the old policy's and
+     * the reference policy's log-probabilities), >= 0 */
+    int32_t logprob_forwards;
 } rp_trainer;
 
 /* The policy to run and its parameters (checked by the policy engine, not here). */

@@ -50,6 +50,19 @@ typedef struct rp_cost_summary {
     rp_side straggler_side;
 } rp_cost_summary;
 
+/* What a training step does outside the MoE layers, for the config and batch the
+ * evaluator was made for, the same for every plan (docs/cost-model.md, "The whole
+ * step"). Seconds per rollout batch; a part the config does not describe is 0
+ * (model.vocab_size, model.dense_layers, trainer.logprob_forwards 0). */
+typedef struct rp_step_outside {
+    double lm_head_s;        /* LM head and loss, forward and backward, every epoch */
+    double dense_layers_s;   /* model.dense_layers: dense phase and dense MLP, every epoch */
+    double optimizer_s;      /* the optimizer step over what a GPU holds, every optimizer step */
+    double dp_grad_s;        /* gradients all-reduced over the data-parallel replicas, not overlapped */
+    double logprob_s;        /* trainer.logprob_forwards forward passes of the LM head and dense layers */
+    double total_s;          /* their sum */
+} rp_step_outside;
+
 /* Added after the first version (rp_cost_summary is embedded in rp_step_report, so it
  * stays as it was). How the step of the last evaluated plan splits along the pipeline
  * (docs/cost-model.md, "Pipeline figures"): per mini-batch (trainer.mini_batches; each
@@ -89,6 +102,9 @@ RP_API double rp_cost_attention_s(const rp_cost *cost, int64_t seq_len);
  * on a GPU of speed 1: attention, projections and the token-linear work, each at its own
  * backward multiplier (the fixed cost per layer is not a sequence's). */
 RP_API double rp_cost_dense_s(const rp_cost *cost, int64_t seq_len);
+/* What a step does outside the MoE layers (rp_step_outside) for the evaluator's config
+ * and batch. RP_EINVAL without an evaluator. */
+RP_API rp_status rp_cost_outside(const rp_cost *cost, rp_step_outside *out, rp_error *err);
 /* Forward time of one expert slot processing `tokens` tokens at speed 1. */
 RP_API double rp_cost_expert_s(const rp_cost *cost, double tokens);
 /* Time to move one expert (weights and optimizer state) over NVLink (same node) or

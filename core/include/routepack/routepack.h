@@ -5,6 +5,7 @@
 
 #include "routepack/base.h"
 #include "routepack/config.h"
+#include "routepack/executor.h"
 #include "routepack/batch.h"
 #include "routepack/trace.h"
 #include "routepack/gen.h"

@@ -147,6 +147,12 @@ typedef struct rp_step_report {
     bool demoted;
     char demoted_to[64];
     char demote_error[RP_ERROR_TEXT];
+    /* The whole step (docs/cost-model.md, "The whole step"): one forward pass of the
+     * plan's microbatches through the MoE layers (what each of trainer.logprob_forwards
+     * costs), and what the step does outside the MoE layers. The end-to-end step is
+     * cost.step_s + logprob_forwards x forward_s + outside.total_s (+ migration). */
+    double forward_s;
+    rp_step_outside outside;
 } rp_step_report;
 
 /* Plan step `step` for `batch` and its routing replay (host memory, or device memory:

@@ -1,0 +1,71 @@
+/* Executor profiles (routepack/executor.h): one row per executor, each figure with its
+ * source in docs/cost-model.md ("Executor profiles"). Data only. */
+#include "routepack/executor.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const rp_executor_profile profiles[] = {
+    /* python/routepack/torch/moe.py: one all_to_all_single row per token-choice each way
+     * (combine in the activations' dtype); reduce_replica_grads: one all_reduce of
+     * [R, params] over the EP group in the weights' dtype; 4 blocking syncs a forward
+     * (.tolist() of the counts); kernels.LOOP by default, 3 GEMM launches per local expert
+     * (gate-up, down, and the activation); torch.stack of every local weight when a rank
+     * has extra replicas; set_placement fetches a step's extras once. */
+    {RP_EXECUTOR_ROUTEPACK_TORCH, "routepack_torch", RP_DEDUP_CHOICE, 0, RP_GRAD_REDUCE_GROUP, false, 4, 3, true,
+     true, RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS, true},
+    /* megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher: the
+     * dropless path permutes tokens x topk rows before its all-to-all; one sync point a
+     * layer (cuda_sync_point); GroupedMLP; experts held once per EP group
+     * (num_local_experts = num_moe_experts / expert_model_parallel_size). */
+    {RP_EXECUTOR_MEGATRON_ALLTOALL, "megatron_alltoall", RP_DEDUP_CHOICE, 0, RP_GRAD_REDUCE_PAIRWISE, true, 1, 0,
+     false, false, 0, true},
+    /* DeepEP (and HybridEP) through Megatron's flex dispatcher: one copy per destination
+     * GPU inside a node, one per node across nodes (RDMA, then NVLink), combine in BF16;
+     * one host wait for the received counts; experts held once per EP group. */
+    {RP_EXECUTOR_DEEPEP, "deepep", RP_DEDUP_NODE, 2, RP_GRAD_REDUCE_PAIRWISE, true, 1, 0, false, false, 0, true},
+    /* Megatron-Core --moe-virtual-expert-load-balance (MoonEP) over HybridEP: the balancer
+     * makes its own replicas each forward; its costs are priced per forward (cost_vexp.c). */
+    {RP_EXECUTOR_MEGATRON_BALANCER, "megatron_balancer", RP_DEDUP_GPU, 2, RP_GRAD_REDUCE_PAIRWISE, true, 1, 0, false,
+     false, RP_LEVER_BALANCER, true},
+    /* The model before executor profiles (issue 30): DeepEP-like de-duplication, BF16
+     * combine, pairwise replica reductions in the weights' dtype, no host costs, extras
+     * copied per microbatch, the balancer's pushes alone: every lever. No trainer runs
+     * exactly this; it keeps the figures derived under it comparable. */
+    {RP_EXECUTOR_IDEAL, "ideal", RP_DEDUP_GPU, 2, RP_GRAD_REDUCE_PAIRWISE, false, 0, 0, false, false,
+     RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS | RP_LEVER_BALANCER, false},
+};
+
+const rp_executor_profile *rp_executor_profile_of(rp_executor executor)
+{
+    for (size_t i = 0; i < sizeof profiles / sizeof profiles[0]; i++)
+        if (profiles[i].executor == executor) return &profiles[i];
+    return NULL;
+}
+
+const char *rp_executor_name(rp_executor executor)
+{
+    const rp_executor_profile *p = rp_executor_profile_of(executor);
+    return p ? p->name : "?";
+}
+
+void rp_executor_levers_text(uint32_t levers, char *buf, size_t size)
+{
+    static const struct {
+        uint32_t bit;
+        const char *name;
+    } names[] = {{RP_LEVER_REPLICAS, "replicas"},
+                 {RP_LEVER_SHARES, "shares"},
+                 {RP_LEVER_EXTRAS, "extra replicas"},
+                 {RP_LEVER_BALANCER, "the per-forward balancer"}};
+    if (!buf || size == 0) return;
+    buf[0] = '\0';
+    size_t used = 0;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (!(levers & names[i].bit)) continue;
+        int n = snprintf(buf + used, size - used, "%s%s", used ? ", " : "", names[i].name);
+        if (n < 0 || (size_t)n >= size - used) return;
+        used += (size_t)n;
+    }
+    if (!used) snprintf(buf, size, "none");
+}

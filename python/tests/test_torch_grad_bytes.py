@@ -1,0 +1,97 @@
+"""The routepack_torch executor profile prices what routepack.torch runs: the bytes of the
+replica gradient reduction the cost model charges (`routepack plan eval --json`,
+"replica_grad") equal the bytes MoELayer.reduce_replica_grads hands to all_reduce, counted
+on 4 gloo ranks, for a placement with replicated experts and an extra replica."""
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="routepack.torch needs PyTorch (pip install torch)")
+
+import routepack  # noqa: E402
+import torch_world  # noqa: E402
+from conftest import cli_path  # noqa: E402
+
+HID, FFN, E, K, SLOTS, WORLD = 8, 6, 5, 2, 2, 4
+# EP rank r holds PHY2LOG[2r], PHY2LOG[2r + 1]: experts 0, 1, 2 twice, 3 and 4 once; an
+# extra replica of expert 3 on EP rank 0 in microbatch 0
+PHY2LOG = [0, 1, 1, 2, 2, 3, 4, 0]
+EXTRAS = [(3, 0)]
+
+
+def _config(tmp_path):
+    """4 GPUs in one node, EP 4, SwiGLU experts (3 d f parameters) in FP32 weights: the
+    layer's float32 parameters, so its all-reduce moves 4 bytes an element."""
+    cfg = {"topology": {"num_nodes": 1, "gpus_per_node": WORLD, "ep_size": WORLD, "slots_per_gpu": SLOTS},
+           "model": {"num_layers": 1, "num_experts": E, "top_k": K, "hidden_size": HID,
+                     "expert_ffn_size": FFN, "num_heads": 1, "head_dim": HID, "bytes_per_param": 4},
+           "limits": {"max_tokens_per_microbatch": 1000}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _model_bytes(tmp_path):
+    """The replica_grad bytes the cost model charges for the plan's only layer."""
+    cfg = _config(tmp_path)
+    rng = np.random.default_rng(0)
+    lens = [4, 4, 4, 4]
+    routing = np.stack([rng.choice(E, K, replace=False) for _ in range(sum(lens))])[:, None, :]
+    trace = tmp_path / "t.rpt"
+    with routepack.TraceWriter(trace, E) as w:
+        w.append(0, lens, routing.astype(np.uint8))
+    plan = {"format": "routepack-plan", "version": 1, "num_gpus": WORLD, "ep_size": WORLD,
+            "num_microbatches": 1, "num_layers": 1, "num_experts": E, "num_seqs": 4,
+            "packing": [[[0]], [[1]], [[2]], [[3]]],
+            "placement": [[PHY2LOG[2 * r:2 * r + 2] for r in range(WORLD)]],
+            "extra_replicas": [{"microbatch": 0, "layer": 0, "expert": e, "ep_rank": j} for e, j in EXTRAS]}
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    out = subprocess.run([str(cli_path()), "plan", "eval", "--config", str(cfg), "--trace", str(trace),
+                          "--plan", str(plan_path), "--json"], capture_output=True, text=True, check=True)
+    doc = json.loads(out.stdout)["breakdown"]
+    assert doc["execution"]["executor"] == "routepack_torch"
+    rg = doc["replica_grad"]
+    assert rg["form"] == "group" and rg["bytes_per_element"] == 4
+    return rg["layers"][0]
+
+
+def _layer_bytes(rank, world):
+    """Run one step of MoELayer and count what reduce_replica_grads all-reduces."""
+    import torch.distributed as dist
+
+    from routepack.torch import ExpertPlacement, MoELayer
+    extras = [np.array(EXTRAS, dtype=np.int64)]
+    placement = ExpertPlacement(np.array(PHY2LOG), np.arange(world + 1) * SLOTS, extras)
+    layer = MoELayer(HID, FFN, E, K, SLOTS, gated=True)
+    g = torch.Generator().manual_seed(1)
+    layer.load_experts(torch.randn(E, HID, 2 * FFN, generator=g), torch.randn(E, FFN, HID, generator=g), placement)
+    layer.set_placement(placement)
+    x = torch.randn(4, HID, generator=g).requires_grad_()
+    layer(x, microbatch=0).sum().backward()
+    seen = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kw):
+        seen.append(tensor.numel() * tensor.element_size())
+        return real(tensor, *args, **kw)
+
+    dist.all_reduce = counting
+    try:
+        layer.reduce_replica_grads()
+    finally:
+        dist.all_reduce = real
+    return seen
+
+
+def test_replica_gradient_bytes_equal_what_the_layer_moves(tmp_path):
+    model = _model_bytes(tmp_path)
+    # experts 0, 1, 2 (two slots each) and 3 (an extra replica): R = 4, 3 d f = 144
+    # parameters each, 4 bytes: 2304
+    assert model["experts"] == 4 and model["bytes"] == 4 * 3 * HID * FFN * 4
+    counted = torch_world.run(_layer_bytes, WORLD)
+    for rank in range(WORLD):
+        assert counted[rank] == [model["bytes"]], (rank, counted[rank], model)
