@@ -196,15 +196,24 @@ EOF
 fi
 
 # 1b. beside Megatron's per-forward virtual-expert balancer (issue 20): the same 8-step trace
-# under a config that says the trainer runs it (the joint policy then packs for it)
-python3 - "$ex/config-small.json" "$work/config-small-vexp.json" <<'EOF'
+# under a config that says the trainer runs it (the joint policy then packs for it): a
+# Megatron-Core with its balancer (execution.executor megatron_balancer), which holds
+# every expert once (8 slots a GPU, no spare slot); and the bundled example on that
+# trainer, every default policy (issue 30: both figures, the trainer's own layer and
+# Megatron's balancer)
+python3 - "$ex/config-small.json" "$work/config-small-vexp.json" "$work/config-small-balancer.json" <<'EOF'
 import json, sys
 c = json.load(open(sys.argv[1]))
-c.setdefault("execution", {})["per_forward_balancing"] = "virtual_experts"
+c["topology"]["slots_per_gpu"] = 8
+c["topology"]["comment"] = "Megatron holds every expert once per EP group: 8 slots a GPU"
+c["execution"] = {"executor": "megatron_balancer"}
+json.dump(c, open(sys.argv[3], "w"))
+c["execution"]["per_forward_balancing"] = "virtual_experts"
 json.dump(c, open(sys.argv[2], "w"))
 EOF
 simulate vexp-small-8 --config "$work/config-small-vexp.json" --trace "$small8" \
   --policies token_kk+eplb_periodic,token_kk+virtual_experts,routepack
+simulate example-balancer --config "$work/config-small-balancer.json" --gen "$ex/gen-example.json"
 
 # 1c. both sync settings, with and without overlap (issue 14): the same 8-step trace on
 # config-small.json spread over 4 nodes (4 EP groups of 8, one a node), under each
@@ -249,7 +258,9 @@ open(sys.argv[2], "w").write(src)
 EOF
   variants+=("$file")
 done
-list=$(IFS=,; echo "token_kk+contiguous,token_kk+eplb_periodic,token_kk+virtual_experts,routepack,${variants[*]}")
+# (no token_kk+virtual_experts: the bundled config's trainer, routepack_torch, has no
+# per-forward balancer; novx then equals h3)
+list=$(IFS=,; echo "token_kk+contiguous,token_kk+eplb_periodic,routepack,${variants[*]}")
 tune24=$(trace small "$ex/gen-results-small.json" 11 "$long")
 simulate sweep-example --policies "$list"
 simulate sweep-small-2 --config "$ex/config-small.json" --trace "$tune24" --steps 2 --policies "$list"
