@@ -793,7 +793,7 @@ static rp_status load_profile(loader *ld, json_t *obj)
     x->levers = pf->levers;
     x->extras_stacked = pf->extras_stacked;
     x->extras_once = pf->extras_once;
-    static const char *const grad_names[] = {"pairwise", "group", NULL};
+    static const char *const grad_names[] = {"pairwise", "group", "holders", NULL};
     RP_CHECK_GOTO(get_choice(ld, obj, P, "replica_grad_reduce", grad_names, pf->grad_reduce, &v), st, out);
     x->replica_grad_reduce = (rp_grad_reduce)v;
     int32_t grad_dflt = pf->grad_in_grad_dtype && m->bytes_per_grad > 0 ? m->bytes_per_grad : m->bytes_per_param;

@@ -1041,6 +1041,33 @@ double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool 
     return stage_s;
 }
 
+/* The distinct EP ranks holding a copy of expert e over the step at layer l (its replicas
+ * in the placement, rep_rank[rep_off[e] ..], and its extra replicas of every microbatch),
+ * into out (at most ep); their count. routepack.torch's replica_holders. */
+static int32_t expert_holders(const rp_cost *c, const cost_state *st, int32_t l, int32_t e, const int32_t *rep_off,
+                              const int32_t *rep_rank, int32_t *out)
+{
+    int32_t n = 0;
+    for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) {
+        bool seen = false;
+        for (int32_t k = 0; k < n && !seen; k++) seen = out[k] == rep_rank[i];
+        if (!seen) out[n++] = rep_rank[i];
+    }
+    for (int32_t m = 0; st->ov_begin && m < st->M; m++) {
+        const cost_override *o = st->ov + st->ov_begin[m * c->L + l], *end = st->ov + st->ov_begin[m * c->L + l + 1];
+        for (; o < end && o->expert <= e; o++) {
+            if (o->expert != e) continue;
+            for (int32_t i = 0; i < o->num_extra; i++) {
+                const int32_t j = st->extra_rank[o->extra_off + i];
+                bool seen = false;
+                for (int32_t k = 0; k < n && !seen; k++) seen = out[k] == j;
+                if (!seen && n < c->ep) out[n++] = j;
+            }
+        }
+    }
+    return n;
+}
+
 /* Gradient reduction that replicas add, per GPU, for one layer, as the executor runs it
  * (execution.replica_grad_reduce), each expert's gradient at grad_bytes (the executor's
  * dtype):
@@ -1052,12 +1079,50 @@ double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool 
  * - group: one ring all-reduce of [R, params] over each EP group (routepack.torch), R the
  *   experts group_reduce_experts counts (none: no collective): every GPU of the group sends
  *   and receives 2 (ep - 1) / ep of its bytes, in 2 (ep - 1) steps of one latency each,
- *   over the network when the group spans nodes. */
+ *   over the network when the group spans nodes.
+ * - holders: every distinct holder of an expert (its replicas and the step's extra
+ *   replicas, expert_holders) sends its gradient to every other holder and receives
+ *   theirs (routepack.torch's batched exchange among holders): each message the
+ *   gradient's bytes over that pair's link, plus the link's latency.
+ * `bytes` (NULL: not wanted) gets what each GPU of EP group 0 sends. */
+static void grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
+                       const int32_t *rep_rank, double *row, double *bytes);
+
 void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
                      const int32_t *rep_rank, double *row)
 {
+    grad_layer(c, st, layer, rep_off, rep_rank, row, NULL);
+}
+
+static void grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
+                       const int32_t *rep_rank, double *row, double *bytes)
+{
     cost_count(c, (int64_t)c->G + c->E);
     for (int32_t g = 0; g < c->G; g++) row[g] = 0.0;
+    if (bytes)
+        for (int32_t j = 0; j < c->ep; j++) bytes[j] = 0.0;
+    if (c->grad_form == RP_GRAD_REDUCE_HOLDERS) {
+        int32_t held[256], *h = held;
+        int32_t *big = NULL;
+        if (c->ep > 256) h = big = rp_alloc(c->ctx, (size_t)c->ep * sizeof *big); /* rare: EP > 256 */
+        for (int32_t e = 0; h && e < c->E; e++) {
+            const int32_t n = expert_holders(c, st, layer, e, rep_off, rep_rank, h);
+            cost_count(c, (int64_t)n * n * c->Q + rep_off[e + 1] - rep_off[e]);
+            if (n < 2) continue;
+            if (bytes)
+                for (int32_t a = 0; a < n; a++) bytes[h[a]] += (n - 1) * c->grad_bytes;
+            for (int32_t q = 0; q < c->Q; q++)
+                for (int32_t a = 0; a < n; a++)
+                    for (int32_t b = 0; b < n; b++) {
+                        if (a == b) continue;
+                        const int32_t ga = q * c->ep + h[a], gb = q * c->ep + h[b];
+                        row[ga] += c->gpu_node[ga] == c->gpu_node[gb] ? c->grad_bytes / c->nv_bw + c->nv_lat
+                                                                      : c->grad_bytes / c->net_bw + c->net_lat;
+                    }
+        }
+        rp_free(c->ctx, big);
+        return;
+    }
     if (c->grad_form == RP_GRAD_REDUCE_GROUP) {
         const int32_t R = c->ep > 1 ? group_reduce_experts(c, st, layer, rep_off) : 0;
         if (R == 0) return;
@@ -1069,6 +1134,8 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, cons
                              steps * (in_node ? c->nv_lat : c->net_lat);
             for (int32_t g = g0; g < g0 + c->ep; g++) row[g] = t;
         }
+        if (bytes)
+            for (int32_t j = 0; j < c->ep; j++) bytes[j] = steps / c->ep * R * c->grad_bytes;
         return;
     }
     const double nv = c->grad_bytes / c->nv_bw + c->nv_lat;
@@ -1080,6 +1147,7 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, cons
             int32_t r = rep_rank[i];
             cost_count(c, 1);
             if (r == first) continue;
+            if (bytes) bytes[first] += c->grad_bytes, bytes[r] += c->grad_bytes;
             cost_count(c, c->Q);
             for (int32_t q = 0; q < c->Q; q++) {
                 int32_t a = q * c->ep + first, b = q * c->ep + r;
@@ -2136,12 +2204,21 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
               xe->dispatch_bytes_per_element, xe->combine_bytes_per_element, xe->host_s_per_layer * 1e6);
     /* what the replica gradient reduction carries per layer: under "group" the EP group's
      * one all-reduce of [R, params] (routepack.torch's buffer, R experts) */
+    static const char *const grad_names[] = {"pairwise", "group", "holders"};
     sb_printf(&b, "\"replica_grad\": {\"form\": \"%s\", \"bytes_per_element\": %d, \"layers\": [",
-              c->grad_form == RP_GRAD_REDUCE_GROUP ? "group" : "pairwise", xe->replica_grad_bytes_per_element);
-    for (int32_t l = 0; l < c->L; l++) {
-        const int32_t R = group_reduce_experts(c, s, l, s->rep_off + (size_t)l * (c->E + 1));
-        sb_printf(&b, "%s{\"experts\": %d, \"bytes\": %.17g}", l ? ", " : "", R, R * c->grad_bytes);
+              grad_names[c->grad_form], xe->replica_grad_bytes_per_element);
+    double *row = rp_alloc(c->ctx, ((size_t)c->G + (size_t)c->ep) * sizeof *row);
+    for (int32_t l = 0; row && l < c->L; l++) {
+        const int32_t *off = s->rep_off + (size_t)l * (c->E + 1), *rank = s->rep_rank + (size_t)l * s->S;
+        const int32_t R = group_reduce_experts(c, s, l, off);
+        double *sent = row + c->G;
+        grad_layer(c, s, l, off, rank, row, sent);
+        sb_printf(&b, "%s{\"experts\": %d, \"bytes\": %.17g, \"sent_bytes\": [", l ? ", " : "", R, R * c->grad_bytes);
+        for (int32_t j = 0; j < c->ep; j++) sb_printf(&b, "%s%.17g", j ? ", " : "", sent[j]);
+        sb_printf(&b, "]}");
     }
+    if (!row) b.failed = true;
+    rp_free(c->ctx, row);
     sb_printf(&b, "]},\n");
     sb_printf(&b, "\"shape\": {\"num_gpus\": %d, \"num_microbatches\": %d, \"num_layers\": %d, "
               "\"num_experts\": %d, \"ep_size\": %d, \"backward\": {\"attention\": %.17g, \"projections\": %.17g, "

@@ -6,13 +6,13 @@
 #include <string.h>
 
 static const rp_executor_profile profiles[] = {
-    /* python/routepack/torch/moe.py: one all_to_all_single row per token-choice each way
-     * (combine in the activations' dtype); reduce_replica_grads: one all_reduce of
-     * [R, params] over the EP group in the weights' dtype; 4 blocking syncs a forward
-     * (.tolist() of the counts); kernels.LOOP by default, 3 GEMM launches per local expert
-     * (gate-up, down, and the activation); torch.stack of every local weight when a rank
-     * has extra replicas; set_placement fetches a step's extras once. */
-    {RP_EXECUTOR_ROUTEPACK_TORCH, "routepack_torch", RP_DEDUP_CHOICE, 0, RP_GRAD_REDUCE_GROUP, false, 4, 3, true,
+    /* python/routepack/torch/moe.py (issue 29's layer): dispatch_dedup "gpu" by default,
+     * one copy of a token per destination rank each way (combine in the activations'
+     * dtype); replica gradients: every holder sends its summed copy to every other holder
+     * in one batch_isend_irecv, in the gradient's dtype (.grad: the weights'); one
+     * device-to-host read a layer forward; grouped GEMMs (slots, then extras); the step's
+     * extras fetched once by set_placement into buffers (no per-forward stack). */
+    {RP_EXECUTOR_ROUTEPACK_TORCH, "routepack_torch", RP_DEDUP_GPU, 0, RP_GRAD_REDUCE_HOLDERS, false, 1, 0, false,
      true, RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS, true},
     /* megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher: the
      * dropless path permutes tokens x topk rows before its all-to-all; one sync point a

@@ -64,17 +64,17 @@ static void test_small_example(rp_context *ctx)
     is_double(h->gemm_efficiency[5].tokens, 4096, 0, "curve ends at 4096 tokens");
     is_double(h->gemm_efficiency[5].efficiency, 0.78, 0, "efficiency 0.78 at 4096 tokens");
     const rp_execution *x = rp_config_execution(cfg);
-    ok(x->sync == RP_SYNC_GROUP && x->overlap == RP_OVERLAP_NONE && x->dispatch_dedup == RP_DEDUP_CHOICE &&
+    ok(x->sync == RP_SYNC_GROUP && x->overlap == RP_OVERLAP_NONE && x->dispatch_dedup == RP_DEDUP_GPU &&
            x->dispatch_bytes_per_element == 2 && x->combine_bytes_per_element == 2,
-       "default execution: sync group, overlap none, a copy per token-choice (routepack_torch), 2 bytes per "
+       "default execution: sync group, overlap none, a copy per destination GPU (routepack_torch), 2 bytes per "
        "element each way (bytes_per_param)");
-    /* routepack_torch on config-small: one all-reduce over the EP group in the weights'
-     * dtype; 4 syncs x 15 us + 3 launches x 10 local experts x 5 us = 210 us a layer */
-    ok(x->executor == RP_EXECUTOR_ROUTEPACK_TORCH && x->replica_grad_reduce == RP_GRAD_REDUCE_GROUP &&
-           x->replica_grad_bytes_per_element == 2 && fabs(x->host_s_per_layer - 210e-6) < 1e-15 &&
-           x->levers == (RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS) && x->extras_stacked &&
+    /* routepack_torch on config-small: gradients exchanged among holders in the weights'
+     * dtype; one 15 us sync a layer forward; extras fetched once, not stacked */
+    ok(x->executor == RP_EXECUTOR_ROUTEPACK_TORCH && x->replica_grad_reduce == RP_GRAD_REDUCE_HOLDERS &&
+           x->replica_grad_bytes_per_element == 2 && fabs(x->host_s_per_layer - 15e-6) < 1e-15 &&
+           x->levers == (RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS) && !x->extras_stacked &&
            x->extras_once,
-       "default executor routepack_torch: group reduction in BF16, 210 us of host costs a layer, replicas, shares "
+       "default executor routepack_torch: holders exchange in BF16, 15 us of host costs a layer, replicas, shares "
        "and extras");
     ok(!rp_config_trainer(cfg)->per_forward_balancer, "and no per-forward balancer");
 

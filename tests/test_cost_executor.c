@@ -70,66 +70,63 @@ static bool scene4(scene *s, const char *exec, int bpp, bool extras)
     return s->good;
 }
 
-/* routepack_torch: one all-reduce of [R, params] over the EP group in the weights' dtype,
- * the step's extras fetched once (their gradients in the same all-reduce), stacked with
- * the slots every forward, and its host costs a layer; against "ideal" (the model before
- * profiles). */
+/* routepack_torch (issue 29's layer): replica gradients exchanged among the holders in
+ * the weights' dtype, the step's extras fetched once (their gradients in the same
+ * exchange) and run from buffers (no stack), one sync a layer; against "ideal" (the model
+ * before profiles) and against the group all-reduce the layer ran before. */
 static void test_routepack_torch(void)
 {
-    scene t, i, t0;
+    scene t, i, t0, g;
     bool made = scene4(&t, "", 2, true) && scene4(&i, "\"executor\": \"ideal\"", 2, true) &&
-                scene4(&t0, "\"host_us_per_layer\": 0", 2, true);
-    ok(made, "routepack_torch, ideal and routepack_torch without host costs evaluate the 4-GPU scene");
+                scene4(&t0, "\"host_us_per_layer\": 0", 2, true) &&
+                scene4(&g, "\"replica_grad_reduce\": \"group\"", 2, true);
+    ok(made, "routepack_torch, ideal, routepack_torch without host costs and with a group all-reduce evaluate");
     if (made) {
-        /* R = 4 (experts 0, 1, 2 held twice, 3 with an extra replica), 48 B each:
-         * 2 (ep - 1) / ep x 4 x 48 B / 8 B/s + 2 (ep - 1) x 0.5 s = 36 + 3 */
-        is_double(t.sum.grad_reduce_s, 39.0, 1e-9, "routepack_torch: one ring all-reduce of 4 experts' BF16 "
-                  "gradients over the EP group of 4: 1.5 x 192 B / 8 B/s + 6 x 0.5 s = 39 s");
+        /* holders: expert 0 on ranks 0 and 3, 1 on 0 and 1, 2 on 1 and 2, 3 on 2 (slot)
+         * and 0 (extra): rank 0 sends 3 messages of 48 B (6 s + 0.5 s each) */
+        is_double(t.sum.grad_reduce_s, 19.5, 1e-9, "routepack_torch: rank 0 exchanges 3 gradients with their other "
+                  "holders, 3 x (48 B / 8 B/s + 0.5 s) = 19.5 s");
+        /* the layer before issue 29: R = 4 experts in one ring all-reduce over the EP group
+         * of 4: 2 (ep - 1) / ep x 4 x 48 B / 8 B/s + 2 (ep - 1) x 0.5 s = 36 + 3 */
+        is_double(g.sum.grad_reduce_s, 39.0, 1e-9, "replica_grad_reduce group: one ring all-reduce of 4 experts' "
+                  "gradients over the EP group of 4: 39 s");
         /* pairwise (ideal): GPU 0 in two pairs (experts 0 and 1), 2 x (48 / 8 + 0.5) */
         is_double(i.sum.grad_reduce_s, 13.0, 1e-9, "ideal: two-party all-reduces, GPU 0 in two of 6.5 s = 13 s");
         /* once a step: EP rank 0 fetches expert 3 once, 48 B / 8 + 0.5; ideal: a copy and
          * the gradient back in each microbatch, 2 x 2 x 6.5 */
         is_double(t.sum.extra_copy_s, 6.5, 1e-9, "routepack_torch fetches the step's extra replica once: 6.5 s");
         is_double(i.sum.extra_copy_s, 26.0, 1e-9, "ideal: a copy and its gradient in each microbatch: 26 s");
-        /* the stack: rank 0 writes and reads its 2 slots and 1 extra (2 x 48 B / 48 B/s
-         * each) and launches 3 more GEMMs (5 us each) in each microbatch */
+        /* no stack: the experts' time is ideal's (the extra replica splits the same load) */
         const double *xt = rp_cost_expert_breakdown(t.cost), *xi = rp_cost_expert_breakdown(i.cost);
-        for (int m = 0; m < 2; m++) {
-            is_double(xt[m * 4 + 0] - xi[m * 4 + 0], 3 * 2.0 + 15e-6, 1e-9,
-                      "microbatch %d: rank 0's experts pay the stack of 3 weights, 6 s, and 3 launches, 15 us", m);
-            is_double(xt[m * 4 + 1] - xi[m * 4 + 1], 0.0, 0, "microbatch %d: rank 1 (no extras) pays nothing", m);
-        }
-        /* host costs: 4 syncs x 15 us + 3 launches x 2 local experts x 5 us = 90 us a
-         * (microbatch, layer) forward, 3 x with the backward, 2 microbatches */
-        is_double(rp_config_execution(t.f.cfg)->host_s_per_layer, 90e-6, 1e-15, "host costs 90 us a layer forward");
-        is_double(t.sum.step_s - t0.sum.step_s, 3 * 2 * 90e-6, 1e-9, "the step pays them: 3 x 2 x 90 us");
-        /* the breakdown gives the reduction's buffer, the layer's all-reduce */
+        bool same = true;
+        for (int k = 0; k < 8; k++) same = same && xt[k] == xi[k];
+        ok(same, "no per-forward stack: every GPU's expert time is ideal's");
+        /* host costs: one 15 us sync a (microbatch, layer) forward, 3 x with the backward,
+         * 2 microbatches */
+        is_double(rp_config_execution(t.f.cfg)->host_s_per_layer, 15e-6, 1e-15, "host costs 15 us a layer forward");
+        is_double(t.sum.step_s - t0.sum.step_s, 3 * 2 * 15e-6, 1e-9, "the step pays them: 3 x 2 x 15 us");
+        /* the breakdown gives what each GPU sends, as the layer counts it */
         char *text = NULL;
         size_t len = 0;
         rp_error err;
         ok(rp_cost_breakdown_json(t.cost, &text, &len, &err) == RP_OK && text &&
-               strstr(text, "\"replica_grad\": {\"form\": \"group\", \"bytes_per_element\": 2, \"layers\": "
-                            "[{\"experts\": 4, \"bytes\": 192}]}") &&
+               strstr(text, "\"replica_grad\": {\"form\": \"holders\", \"bytes_per_element\": 2, \"layers\": "
+                            "[{\"experts\": 4, \"bytes\": 192, \"sent_bytes\": [144, 96, 96, 48]}]}") &&
                strstr(text, "\"executor\": \"routepack_torch\""),
-           "breakdown JSON: executor routepack_torch, the all-reduce of 4 experts, 192 B");
+           "breakdown JSON: executor routepack_torch; ranks 0-3 send 3, 2, 2 and 1 gradients of 48 B");
         rp_text_free(ctx, text);
-        /* a copy per token-choice, as ideal with dispatch_dedup "choice" */
-        scene ic;
-        if (scene4(&ic, "\"executor\": \"ideal\", \"dispatch_dedup\": \"choice\"", 2, true)) {
-            const double *dt = rp_cost_dispatch_breakdown(t.cost), *di = rp_cost_dispatch_breakdown(ic.cost);
-            bool same = true;
-            for (int k = 0; k < 8; k++) same = same && dt[k] == di[k];
-            ok(same, "routepack_torch dispatches a copy per token-choice (ideal with \"choice\" gives the same)");
-        } else {
-            ok(0, "ideal choice scene");
-        }
-        scene_free(&ic);
+        /* a copy per destination GPU, as ideal's */
+        const double *dt = rp_cost_dispatch_breakdown(t.cost), *di = rp_cost_dispatch_breakdown(i.cost);
+        same = true;
+        for (int k = 0; k < 8; k++) same = same && dt[k] == di[k];
+        ok(same, "routepack_torch dispatches a copy per destination GPU (ideal's \"gpu\")");
     } else {
         skip(11, "no scene");
     }
     scene_free(&t);
     scene_free(&i);
     scene_free(&t0);
+    scene_free(&g);
     /* no replica, no extra: no collective at all */
     scene n;
     char json[2048];

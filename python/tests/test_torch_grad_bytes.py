@@ -1,7 +1,8 @@
 """The routepack_torch executor profile prices what routepack.torch runs: the bytes of the
-replica gradient reduction the cost model charges (`routepack plan eval --json`,
-"replica_grad") equal the bytes MoELayer.reduce_replica_grads hands to all_reduce, counted
-on 4 gloo ranks, for a placement with replicated experts and an extra replica."""
+replica gradient exchange the cost model charges each GPU (`routepack plan eval --json`,
+"replica_grad" "sent_bytes") equal the bytes MoELayer.reduce_replica_grads sends among the
+holders (its replica_grad_bytes), and each rank's point-to-point sends counted on 4 gloo
+ranks, for a placement with replicated experts and an extra replica."""
 
 import json
 import subprocess
@@ -55,12 +56,12 @@ def _model_bytes(tmp_path):
     doc = json.loads(out.stdout)["breakdown"]
     assert doc["execution"]["executor"] == "routepack_torch"
     rg = doc["replica_grad"]
-    assert rg["form"] == "group" and rg["bytes_per_element"] == 4
+    assert rg["form"] == "holders" and rg["bytes_per_element"] == 4
     return rg["layers"][0]
 
 
 def _layer_bytes(rank, world):
-    """Run one step of MoELayer and count what reduce_replica_grads all-reduces."""
+    """Run one step of MoELayer; (what it says it sent, the bytes of its isends counted)."""
     import torch.distributed as dist
 
     from routepack.torch import ExpertPlacement, MoELayer
@@ -69,29 +70,33 @@ def _layer_bytes(rank, world):
     layer = MoELayer(HID, FFN, E, K, SLOTS, gated=True)
     g = torch.Generator().manual_seed(1)
     layer.load_experts(torch.randn(E, HID, 2 * FFN, generator=g), torch.randn(E, FFN, HID, generator=g), placement)
-    layer.set_placement(placement)
-    x = torch.randn(4, HID, generator=g).requires_grad_()
-    layer(x, microbatch=0).sum().backward()
+    layer.set_placement(placement)   # (fetches the extra replica's weights: not counted)
     seen = []
-    real = dist.all_reduce
+    real = dist.P2POp
 
-    def counting(tensor, *args, **kw):
-        seen.append(tensor.numel() * tensor.element_size())
-        return real(tensor, *args, **kw)
+    def counting(op, tensor, *args, **kw):
+        if op is dist.isend:
+            seen.append(tensor.numel() * tensor.element_size())
+        return real(op, tensor, *args, **kw)
 
-    dist.all_reduce = counting
+    # the exchange may start as the step's last backward ends: count from the forward on
+    dist.P2POp = counting
     try:
+        x = torch.randn(4, HID, generator=g).requires_grad_()
+        layer(x, microbatch=0).sum().backward()
         layer.reduce_replica_grads()
     finally:
-        dist.all_reduce = real
-    return seen
+        dist.P2POp = real
+    return layer.replica_grad_bytes["sent"], sum(seen)
 
 
 def test_replica_gradient_bytes_equal_what_the_layer_moves(tmp_path):
     model = _model_bytes(tmp_path)
-    # experts 0, 1, 2 (two slots each) and 3 (an extra replica): R = 4, 3 d f = 144
-    # parameters each, 4 bytes: 2304
-    assert model["experts"] == 4 and model["bytes"] == 4 * 3 * HID * FFN * 4
+    # holders: expert 0 on ranks 0 and 3, 1 on 0 and 1, 2 on 1 and 2, 3 on 2 and 0 (its
+    # extra replica); 3 d f = 144 parameters, 4 bytes: rank 0 sends 3 x 576 B, ranks 1 and
+    # 2 send 2, rank 3 one
+    one = 3 * HID * FFN * 4
+    assert model["experts"] == 4 and model["sent_bytes"] == [3 * one, 2 * one, 2 * one, one]
     counted = torch_world.run(_layer_bytes, WORLD)
     for rank in range(WORLD):
-        assert counted[rank] == [model["bytes"]], (rank, counted[rank], model)
+        assert counted[rank] == (model["sent_bytes"][rank], model["sent_bytes"][rank]), (rank, counted[rank], model)

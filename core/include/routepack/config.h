@@ -152,8 +152,10 @@ typedef enum rp_executor {
 /* How the gradients of an expert's replicas are summed (docs/cost-model.md). */
 typedef enum rp_grad_reduce {
     RP_GRAD_REDUCE_PAIRWISE = 0, /* every replica with the first: a two-party all-reduce each */
-    RP_GRAD_REDUCE_GROUP = 1     /* one all-reduce of [R, params] over the whole EP group, R the
+    RP_GRAD_REDUCE_GROUP = 1,    /* one all-reduce of [R, params] over the whole EP group, R the
                                     experts with more than one replica at the layer */
+    RP_GRAD_REDUCE_HOLDERS = 2   /* every holder of an expert sends its gradient to every other
+                                    holder (routepack.torch: one batched exchange among them) */
 } rp_grad_reduce;
 
 /* Where optimizer state lives (docs/cost-model.md, "Memory per GPU"). */
