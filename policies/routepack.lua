@@ -17,7 +17,8 @@
 --    while a baseline won the last check, and on a step whose plan fits its batch worse
 --    (step / lower bound) than at the last check by more than `fallback_ratio_rise`.
 -- 5. Where the trainer runs Megatron's per-forward virtual-expert balancer (config
---    trainer.per_forward_balancer, default true), the same packing run with it is
+--    trainer.per_forward_balancer, default: whether execution.executor runs it; false for
+--    the default routepack_torch), the same packing run with it is
 --    scored too and returned when it is faster with its migration (`virtual_experts`).
 --    After it won a check, the steps until the next one build only it
 --    (`balancer_between_checks`): the joint placement is judged again at each check.
@@ -85,7 +86,7 @@ local P = {
     },
     virtual_experts = {
       type = "boolean", default = true,
-      doc = "also score this packing run with Megatron's per-forward virtual-expert balancer (where the config's limits allow it) and return it when it scores better; only where the config's trainer.per_forward_balancer says the trainer runs the balancer (default true, as the token_kk+virtual_experts baseline assumes): false there turns it off whatever this says",
+      doc = "also score this packing run with Megatron's per-forward virtual-expert balancer (where the config's limits allow it) and return it when it scores better; only where the config's trainer.per_forward_balancer says the trainer runs the balancer (its default follows execution.executor: false for the default routepack_torch, true for megatron_balancer): false there turns it off whatever this says",
     },
     persistence_window = {
       type = "integer", default = 16, min = 1, max = 1000,

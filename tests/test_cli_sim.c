@@ -510,6 +510,19 @@ static void test_verdict(void)
     like(json_string_value(json_object_get(v, "text")), "flaky2.lua fell back at 1 of 3 steps",
          "the verdict says the policy fell back, and how often");
     like(json_string_value(json_object_get(v, "why")), "why: ", "verdict.why: the why: line");
+    is_str(json_string_value(json_object_get(v, "executor")), "routepack_torch", "verdict.executor: the default");
+    {
+        /* the fastest's MoE layers over its end-to-end time, from its steps */
+        json_t *steps = json_object_get(json_array_get(pols, fastest), "steps"), *st;
+        size_t k;
+        double moe = 0, e2e = 0;
+        json_array_foreach(steps, k, st) {
+            moe += json_number_value(json_object_get(st, "moe_ms"));
+            e2e += json_number_value(json_object_get(st, "end_to_end_ms"));
+        }
+        is_double(json_number_value(json_object_get(v, "moe_share")), e2e > 0 ? moe / e2e : 1, 1e-6,
+                  "verdict.moe_share: the fastest's MoE layers over its end-to-end time");
+    }
     json_decref(root);
 
     rc = rp("simulate --steps 2 --policies token_kk+contiguous,'%s'", flaky);

@@ -971,6 +971,10 @@ static bool print_json(const sim_policy *pol, int np, const sim_policy *base, co
                            v.fastest && v.best_base ? json_real(v.base_s / v.fastest_s - 1) : json_null(),
                            "fastest_is_baseline", v.fastest && is_baseline_spec(v.fastest->spec),
                            "fastest_fallbacks", v.fastest ? fallbacks_of(v.fastest) : 0);
+    /* what the verdict assumed (issue 30): the executor priced, the fastest's MoE share */
+    if (vj && (json_object_set_new(vj, "executor", json_string(v.executor)) != 0 ||
+               json_object_set_new(vj, "moe_share", json_real(v.moe_share)) != 0))
+        good = false;
     if (!vj || json_object_set_new(root, "verdict", vj) != 0) good = false;
     if (good)
         good = json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(9)) == 0 &&

@@ -11,7 +11,7 @@ Three steps, two machines:
     # here (or there): predictions from the cost model (`routepack plan eval --json`,
     # the breakdown's "compute" cells) with the config, or the config plus a calibration
     python -m routepack.fidelity score --cells cells.json --measured measured.json \\
-        [--config C] [--calibration calibration.json] [--json OUT]
+        [--retest measured2.json] [--config C] [--calibration calibration.json] [--json OUT]
 
 A cell is one GPU's compute for one microbatch at one layer: the attention block over its
 own sequences and the MoE block over the token-choices its experts receive
@@ -254,10 +254,25 @@ def _measured(doc, seconds, expert_kernel, attention_kernel, complete, device):
 
 # ---- here: score ----
 
-def score(doc, measured, predicted=None, sync="group"):
+def noise_floor(measured, retest):
+    """What two measurements of the same cells agree to (issue 30's test-retest figure):
+    Kendall tau and MAPE of the second against the first over the distinct cells both
+    timed, and how far the first's cells spread (largest / smallest). A model cannot be
+    judged to a tau above the first, nor to a MAPE below the second."""
+    a, b = measured["seconds"], retest["seconds"]
+    ids = sorted(set(a) & set(b), key=int)
+    if len(ids) < 2:
+        raise RuntimeError("the retest timed %d of the measured cells; the noise floor needs at least 2" % len(ids))
+    x, y = [a[i] for i in ids], [b[i] for i in ids]
+    return {"cells": len(ids), "retest_tau": kendall_tau(x, y), "retest_mape_percent": mape(y, x),
+            "span": max(x) / min(x) if min(x) > 0 else math.inf}
+
+
+def score(doc, measured, predicted=None, sync="group", retest=None):
     """The figures: cell tau and MAPE over every (plan, microbatch, GPU) cell of the plans
     measured completely, plan tau over those plans. ``predicted``: [plan][M][G] to use
-    instead of the document's (re-evaluated with another config)."""
+    instead of the document's (re-evaluated with another config). ``retest``: a second
+    measurement of the same cells, for the noise floor beside them (noise_floor)."""
     secs = measured["seconds"]
     pred_cells, meas_cells, pred_plans, meas_plans, names = [], [], [], [], []
     for i, plan in enumerate(doc["plans"]):
@@ -273,7 +288,8 @@ def score(doc, measured, predicted=None, sync="group"):
         names.append(plan["name"])
     if len(names) < 2:
         raise RuntimeError("%d plans were measured completely; the ranking needs at least 2" % len(names))
-    return {"plans": len(names), "cells": len(pred_cells), "sync": sync,
+    floor = noise_floor(measured, retest) if retest is not None else None
+    return {"plans": len(names), "cells": len(pred_cells), "sync": sync, "noise_floor": floor,
             "cell_tau": kendall_tau(pred_cells, meas_cells), "cell_mape_percent": mape(pred_cells, meas_cells),
             "plan_tau": kendall_tau(pred_plans, meas_plans),
             "per_plan": [{"name": n, "predicted_s": p, "measured_s": m}
@@ -311,6 +327,12 @@ def print_score(s, out=sys.stdout):
     print("  cell Kendall tau   %.3f   (goal >= 0.9)" % s["cell_tau"], file=out)
     print("  cell MAPE          %.1f%%  (goal <= 15%%)" % s["cell_mape_percent"], file=out)
     print("  plan Kendall tau   %.3f   (goal >= 0.9)" % s["plan_tau"], file=out)
+    f = s.get("noise_floor")
+    if f:
+        print("  noise floor: test-retest tau %.3f, MAPE %.1f%% over %d cells spanning %.1fx%s" % (
+            f["retest_tau"], f["retest_mape_percent"], f["cells"], f["span"],
+            "" if f["retest_tau"] >= 0.9 else " (below 0.9: the cell figures above are judged against it)"),
+            file=out)
     for p in s["per_plan"]:
         print("    %-40s predicted %.3f ms  measured %.3f ms" % (p["name"], p["predicted_s"] * 1e3,
                                                                p["measured_s"] * 1e3), file=out)
@@ -339,6 +361,7 @@ def main(argv=None):
     p.add_argument("--trace", help="the trace of the cells file (needed with --config)")
     p.add_argument("--calibration", help="re-predict with the config plus this calibration.json")
     p.add_argument("--sync", choices=("group", "global"), help="default: the config's (group)")
+    p.add_argument("--retest", help="a second measurement of the same cells: the noise floor beside the figures")
     p.add_argument("--json", help="write the figures here too")
     args = ap.parse_args(argv)
     try:
@@ -369,7 +392,11 @@ def main(argv=None):
             if not (args.config and args.trace):
                 raise RuntimeError("re-predicting needs --config and --trace")
             predicted, sync = repredict(doc, args.config, args.trace, args.calibration)
-        s = score(doc, measured, predicted, args.sync or sync)
+        retest = None
+        if args.retest:
+            with open(args.retest, encoding="utf-8") as fh:
+                retest = json.load(fh)
+        s = score(doc, measured, predicted, args.sync or sync, retest)
         print_score(s)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:

@@ -75,6 +75,21 @@ def test_score_by_hand():
     assert "communication cannot be measured on one GPU" in s["note"]
 
 
+def test_noise_floor_by_hand():
+    # the same 4 cells timed twice: one pair (1, 2) swaps order, so of 6 pairs 5 agree
+    measured = {"seconds": {"0": 1.0, "1": 2.5, "2": 2.0, "3": 10.0}}
+    retest = {"seconds": {"0": 1.0, "1": 2.0, "2": 2.5, "3": 10.0, "7": 3.0}}
+    s = fidelity.score(_doc(), measured, retest=retest)
+    f = s["noise_floor"]
+    assert f["cells"] == 4 and f["span"] == pytest.approx(10.0)
+    assert f["retest_tau"] == pytest.approx((5 - 1) / 6)
+    # retest against the first: 0, 0.5 / 2.5, 0.5 / 2, 0
+    assert f["retest_mape_percent"] == pytest.approx(np.mean([0, 0.2, 0.25, 0]) * 100)
+    assert fidelity.score(_doc(), measured)["noise_floor"] is None
+    with pytest.raises(RuntimeError, match="at least 2"):
+        fidelity.noise_floor(measured, {"seconds": {"0": 1.0}})
+
+
 def test_score_uses_complete_plans_only():
     # plan b lacks cell 3 and plan c too: only plan a is complete, too few to rank
     with pytest.raises(RuntimeError, match="at least 2"):
