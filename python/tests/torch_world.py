@@ -1,23 +1,32 @@
 """The one way the routepack.torch tests run a function on N gloo ranks: forked processes,
 a file rendezvous, one CPU thread each; a rank's exception comes back with its traceback,
-and a rank that hangs fails the test after `timeout` seconds instead of hanging it."""
+and a rank that hangs fails the test after `timeout` seconds instead of hanging it. A rank
+whose function returned waits at a barrier for every other before it tears gloo down, so
+a rank that finished first never closes connections its peers still wait on (gloo
+signals a closed pair as an error to the rank at its other end)."""
 
 import os
 import queue
 import tempfile
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank, world, init_file, fn, args, results):
+def _rank_main(rank, world, init_file, fn, args, results, timeout):
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
         try:
             out = fn(rank, world, *args)
+            # Every rank finished before any tears down (a rank that raised skips it: its
+            # teardown then fails the peers' barrier, and the test reports both).
+            # monitored_barrier names a rank that never arrives.
+            if world > 1:
+                dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
             results.put((rank, True, out))
         finally:
             dist.destroy_process_group()
@@ -33,7 +42,7 @@ def run(fn, world, *args, timeout=120):
     fd, init_file = tempfile.mkstemp(prefix="rp-torch-")
     os.close(fd)
     os.unlink(init_file)   # the file store creates it
-    procs = [ctx.Process(target=_rank_main, args=(r, world, init_file, fn, args, results))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, init_file, fn, args, results, timeout))
              for r in range(world)]
     for p in procs:
         p.start()
