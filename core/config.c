@@ -732,7 +732,7 @@ out:
 static const char *const execution_keys[] = {
     "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "combine_bytes_per_element", "optimizer_sharding",
     "staging_budget_bytes", "per_forward_balancing", "executor", "replica_grad_reduce",
-    "replica_grad_bytes_per_element", "host_us_per_layer", "comment", NULL,
+    "replica_grad_bytes_per_element", "host_us_per_layer", "extras_ahead", "comment", NULL,
 };
 
 /* A string member that must be one of `names` (NULL-terminated); its index in *out. */
@@ -811,6 +811,8 @@ static rp_status load_profile(loader *ld, json_t *obj)
     double us;
     RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "host_us_per_layer", false, host_dflt, 0, 1e9, &us, ld->err), st, out);
     x->host_s_per_layer = us * 1e-6;
+    RP_CHECK_GOTO(rp_jdoc_bool(&ld->doc, obj, P, "extras_ahead", false, pf->extras_ahead, &x->extras_ahead, ld->err),
+                  st, out);
     if (!(pf->levers & RP_LEVER_REPLICAS)) {
         int64_t held = 0;
         for (int32_t g = 0; g < t->ep_size; g++) held += t->slots[g];

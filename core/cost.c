@@ -257,6 +257,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->grad_form = x->replica_grad_reduce;
     c->extras_stacked = x->extras_stacked;
     c->extras_once = x->extras_once;
+    c->extras_ahead = x->extras_once && x->extras_ahead;
     c->stack_s = 2.0 * c->expert_bytes / h->hbm_bytes_per_s;
     c->extra_launch_s = (pf ? pf->launches_per_local_expert : 0) * RP_HOST_LAUNCH_US * 1e-6;
     c->vexp_charges = pf && pf->balancer_charges;
@@ -996,49 +997,6 @@ static int32_t group_reduce_experts(const rp_cost *c, const cost_state *st, int3
         }
     }
     return R;
-}
-
-/* Whether (m, l) gives expert e an extra replica on EP rank j. */
-static bool extra_on(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t e, int32_t j)
-{
-    const cost_override *o = st->ov + st->ov_begin[m * c->L + l], *end = st->ov + st->ov_begin[m * c->L + l + 1];
-    for (; o < end && o->expert <= e; o++)
-        if (o->expert == e)
-            for (int32_t i = 0; i < o->num_extra; i++)
-                if (st->extra_rank[o->extra_off + i] == j) return true;
-    return false;
-}
-
-/* Extra-replica copies of an executor that fetches a step's extras once (routepack.torch's
- * set_placement: the unique (expert, EP rank) pairs of the step, one batched exchange a
- * layer; their gradients join the replica reduction): per layer of stage r, the EP rank
- * that receives the most distinct experts (`mean`: their mean over EP ranks, the bound's
- * even spread) at one NVLink transfer and one latency. */
-double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool mean)
-{
-    double stage_s = 0.0;
-    for (int32_t l = 0; l < c->L; l++) {
-        if (c->layer_stage[l] != r) continue;
-        double most = 0.0, sum = 0.0;
-        for (int32_t j = 0; j < c->ep; j++) {
-            int32_t k = 0;
-            for (int32_t m = 0; m < st->M; m++) {
-                const cost_override *o = st->ov + st->ov_begin[m * c->L + l];
-                const cost_override *end = st->ov + st->ov_begin[m * c->L + l + 1];
-                for (; o < end; o++) {
-                    bool here = false, seen = false;
-                    for (int32_t i = 0; i < o->num_extra && !here; i++) here = st->extra_rank[o->extra_off + i] == j;
-                    for (int32_t p = 0; here && p < m && !seen; p++) seen = extra_on(c, st, p, l, o->expert, j);
-                    k += here && !seen;
-                }
-            }
-            sum += k;
-            if (k > most) most = k;
-        }
-        const double n = mean ? sum / c->ep : most;
-        if (n > 0) stage_s += n * c->expert_bytes / c->nv_bw + c->nv_lat;
-    }
-    return stage_s;
 }
 
 /* The distinct EP ranks holding a copy of expert e over the step at layer l (its replicas
@@ -1862,7 +1820,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     for (int32_t r = 0; r < c->PP; r++) {
         double stage_s = 0.0;
         if (c->extras_once) {
-            stage_s = cost_extras_once(c, s, r, false);
+            stage_s = cost_extras_once(c, s, r, false, c->extras_ahead);
             if (stage_s > s->extra_s) s->extra_s = stage_s;
             continue;
         }

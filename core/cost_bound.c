@@ -85,7 +85,7 @@ double cost_bound_step(const rp_cost *c, const cost_state *st)
     for (int32_t r = 0; r < c->PP; r++) {
         double stage_s = 0.0;
         if (c->extras_once) {
-            stage_s = cost_extras_once(c, st, r, true);
+            stage_s = cost_extras_once(c, st, r, true, c->extras_ahead);
             if (stage_s > extra) extra = stage_s;
             continue;
         }

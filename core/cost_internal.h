@@ -170,6 +170,7 @@ struct rp_cost {
     rp_grad_reduce grad_form;
     bool extras_stacked;       /* a GPU with extras stacks all its local weights each forward */
     bool extras_once;          /* extras fetched once a step, their gradients reduced with replicas */
+    bool extras_ahead;         /* ... fetched ahead, overlapped with the first microbatch's compute */
     double stack_s;            /* one expert's weights read and written (the stack), per DP rank */
     double extra_launch_s;     /* the launches one more local expert costs */
     double etp_gather_s;       /* per token a DP rank's experts take: the ETP all-gather over NVLink */
@@ -310,7 +311,9 @@ double cost_step_from(const rp_cost *c, const cost_state *st, const double *laye
                       double grad_s);
 void cost_index_layer(int32_t E, int32_t S, const int32_t *slot_rank_of, const int32_t *phy2log,
                       int32_t *rep_off, int32_t *rep_rank);
-double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool mean);
+/* Extra-replica fetches of stage r under extras_once (cost_extras.c); `ahead`: only what
+ * the first microbatch's compute leaves exposed. */
+double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool mean, bool ahead);
 void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
                      const int32_t *rep_rank, double *row);
 double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row);

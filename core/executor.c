@@ -13,27 +13,27 @@ static const rp_executor_profile profiles[] = {
      * device-to-host read a layer forward; grouped GEMMs (slots, then extras); the step's
      * extras fetched once by set_placement into buffers (no per-forward stack). */
     {RP_EXECUTOR_ROUTEPACK_TORCH, "routepack_torch", RP_DEDUP_GPU, 0, RP_GRAD_REDUCE_HOLDERS, false, 1, 0, false,
-     true, RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS, true},
+     true, RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS, true, true},
     /* megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher: the
      * dropless path permutes tokens x topk rows before its all-to-all; one sync point a
      * layer (cuda_sync_point); GroupedMLP; experts held once per EP group
      * (num_local_experts = num_moe_experts / expert_model_parallel_size). */
     {RP_EXECUTOR_MEGATRON_ALLTOALL, "megatron_alltoall", RP_DEDUP_CHOICE, 0, RP_GRAD_REDUCE_PAIRWISE, true, 1, 0,
-     false, false, 0, true},
+     false, false, 0, true, false},
     /* DeepEP (and HybridEP) through Megatron's flex dispatcher: one copy per destination
      * GPU inside a node, one per node across nodes (RDMA, then NVLink), combine in BF16;
      * one host wait for the received counts; experts held once per EP group. */
-    {RP_EXECUTOR_DEEPEP, "deepep", RP_DEDUP_NODE, 2, RP_GRAD_REDUCE_PAIRWISE, true, 1, 0, false, false, 0, true},
+    {RP_EXECUTOR_DEEPEP, "deepep", RP_DEDUP_NODE, 2, RP_GRAD_REDUCE_PAIRWISE, true, 1, 0, false, false, 0, true, false},
     /* Megatron-Core --moe-virtual-expert-load-balance (MoonEP) over HybridEP: the balancer
      * makes its own replicas each forward; its costs are priced per forward (cost_vexp.c). */
     {RP_EXECUTOR_MEGATRON_BALANCER, "megatron_balancer", RP_DEDUP_GPU, 2, RP_GRAD_REDUCE_PAIRWISE, true, 1, 0, false,
-     false, RP_LEVER_BALANCER, true},
+     false, RP_LEVER_BALANCER, true, false},
     /* The model before executor profiles (issue 30): DeepEP-like de-duplication, BF16
      * combine, pairwise replica reductions in the weights' dtype, no host costs, extras
      * copied per microbatch, the balancer's pushes alone: every lever. No trainer runs
      * exactly this; it keeps the figures derived under it comparable. */
     {RP_EXECUTOR_IDEAL, "ideal", RP_DEDUP_GPU, 2, RP_GRAD_REDUCE_PAIRWISE, false, 0, 0, false, false,
-     RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS | RP_LEVER_BALANCER, false},
+     RP_LEVER_REPLICAS | RP_LEVER_SHARES | RP_LEVER_EXTRAS | RP_LEVER_BALANCER, false, false},
 };
 
 const rp_executor_profile *rp_executor_profile_of(rp_executor executor)

@@ -45,11 +45,15 @@ static void scene_free(scene *s)
  * rank 2 [2 3], rank 3 [4 0]: experts 0, 1 and 2 twice), 8 one-token sequences (GPU g,
  * microbatch m = s / 4), sequence s routed to expert s % 5, and an extra replica of expert
  * 3 on EP rank 0 in both microbatches. */
-static bool scene4(scene *s, const char *exec, int bpp, bool extras)
+static bool scene4_nodes(scene *s, const char *exec, int bpp, bool extras, bool two_nodes)
 {
     memset(s, 0, sizeof *s);
     char json[2048];
     snprintf(json, sizeof json, CFG, 4, 4, 2, exec, 5, bpp);
+    if (two_nodes) { /* the same 4 GPUs as 2 nodes of 2: EP ranks 0, 1 | 2, 3 */
+        char *at = strstr(json, "\"num_nodes\": 1, \"gpus_per_node\": 4");
+        if (at) memcpy(at, "\"num_nodes\": 2, \"gpus_per_node\": 2", strlen("\"num_nodes\": 2, \"gpus_per_node\": 2"));
+    }
     static const int32_t lens[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     static const uint8_t ids[8] = {0, 1, 2, 3, 4, 0, 1, 2};
     static const int32_t rank[8] = {0, 1, 2, 3, 0, 1, 2, 3}, mb[8] = {0, 0, 0, 0, 1, 1, 1, 1};
@@ -68,6 +72,11 @@ static bool scene4(scene *s, const char *exec, int bpp, bool extras)
               rp_cost_evaluate(s->cost, s->plan, &s->sum, &err) == RP_OK;
     if (!s->good) diag("scene: %s", err.text);
     return s->good;
+}
+
+static bool scene4(scene *s, const char *exec, int bpp, bool extras)
+{
+    return scene4_nodes(s, exec, bpp, extras, false);
 }
 
 /* routepack_torch (issue 29's layer): replica gradients exchanged among the holders in
@@ -92,9 +101,14 @@ static void test_routepack_torch(void)
                   "gradients over the EP group of 4: 39 s");
         /* pairwise (ideal): GPU 0 in two pairs (experts 0 and 1), 2 x (48 / 8 + 0.5) */
         is_double(i.sum.grad_reduce_s, 13.0, 1e-9, "ideal: two-party all-reduces, GPU 0 in two of 6.5 s = 13 s");
-        /* once a step: EP rank 0 fetches expert 3 once, 48 B / 8 + 0.5; ideal: a copy and
-         * the gradient back in each microbatch, 2 x 2 x 6.5 */
-        is_double(t.sum.extra_copy_s, 6.5, 1e-9, "routepack_torch fetches the step's extra replica once: 6.5 s");
+        /* once a step: EP rank 0 fetches expert 3 once, 48 B / 8 + 0.5 = 6.5 s, ahead: from
+         * the step's start, behind the first microbatch's dense forward phase before the
+         * layer's dispatch, the slowest GPU's: a one-token sequence's attention 2 L^2 h d_h
+         * / (peak 0.5) = 4 / 32 = 0.125 s and projections 2 L d (2 h d_h + 2 h_kv d_h) / peak
+         * = 64 / 64 = 1 s, and the 15 us sync: exposed 6.5 - 1.125 - 15e-6. ideal: a copy
+         * and the gradient back in each microbatch, 2 x 2 x 6.5 */
+        is_double(t.sum.extra_copy_s, 6.5 - 1.125 - 15e-6, 1e-9, "routepack_torch fetches the step's extra replica "
+                  "once, ahead: 6.5 s less the 1.125 s + 15 us dense forward before the layer");
         is_double(i.sum.extra_copy_s, 26.0, 1e-9, "ideal: a copy and its gradient in each microbatch: 26 s");
         /* no stack: the experts' time is ideal's (the extra replica splits the same load) */
         const double *xt = rp_cost_expert_breakdown(t.cost), *xi = rp_cost_expert_breakdown(i.cost);
@@ -104,7 +118,8 @@ static void test_routepack_torch(void)
         /* host costs: one 15 us sync a (microbatch, layer) forward, 3 x with the backward,
          * 2 microbatches */
         is_double(rp_config_execution(t.f.cfg)->host_s_per_layer, 15e-6, 1e-15, "host costs 15 us a layer forward");
-        is_double(t.sum.step_s - t0.sum.step_s, 3 * 2 * 15e-6, 1e-9, "the step pays them: 3 x 2 x 15 us");
+        is_double(t.sum.step_s - t0.sum.step_s, 3 * 2 * 15e-6 - 15e-6, 1e-9,
+                  "the step pays them: 3 x 2 x 15 us, less the first one's 15 us the fetch hides behind");
         /* the breakdown gives what each GPU sends, as the layer counts it */
         char *text = NULL;
         size_t len = 0;
@@ -148,6 +163,33 @@ static void test_routepack_torch(void)
  * other's expert, at 4 bytes a parameter. routepack_torch and megatron_alltoall combine in
  * the activations' dtype (4 B), deepep in BF16 (2 B): a copy is d (2 + cbpe) / 2 bytes,
  * 12 against 8, 1.5 s against 1 s over 8 B/s. */
+/* The step's extras fetched ahead or not, over NVLink or the network (issue 35): the
+ * 4-GPU scene's extra replica of expert 3 on EP rank 0 comes from expert 3's first slot
+ * (slot 5, EP rank 2). */
+static void test_extras_ahead(void)
+{
+    scene in, nv, net, net_in;
+    bool made = scene4(&in, "\"extras_ahead\": false", 2, true) && scene4_nodes(&nv, "", 2, true, false) &&
+                scene4_nodes(&net, "", 2, true, true) &&
+                scene4_nodes(&net_in, "\"extras_ahead\": false", 2, true, true);
+    ok(made, "the scene on one node and on two, fetched ahead and not, evaluates");
+    if (made) {
+        /* not ahead: the fetch before the forward, 48 B / 8 B/s + 0.5 s */
+        is_double(in.sum.extra_copy_s, 6.5, 1e-9, "extras_ahead false: the whole fetch, 6.5 s");
+        is_double(in.sum.step_s - nv.sum.step_s, 1.125 + 15e-6, 1e-9,
+                  "ahead, the step is shorter by the dense forward the fetch hid behind (1.125 s + 15 us)");
+        /* two nodes (ranks 0, 1 | 2, 3): rank 0 fetches from rank 2 over the network,
+         * 48 B / 4 B/s + 1 s = 13 s; ahead, 13 - 1.125 - 15e-6 */
+        is_double(net_in.sum.extra_copy_s, 13.0, 1e-9, "across nodes: 48 B / 4 B/s + 1 s = 13 s over the network");
+        is_double(net.sum.extra_copy_s, 13.0 - 1.125 - 15e-6, 1e-9,
+                  "across nodes, ahead: 13 s less the 1.125 s + 15 us it hides behind");
+    }
+    scene_free(&in);
+    scene_free(&nv);
+    scene_free(&net);
+    scene_free(&net_in);
+}
+
 static void test_combine_dtype(void)
 {
     static const char *const exec[3] = {"", "\"executor\": \"megatron_alltoall\"", "\"executor\": \"deepep\""};
@@ -288,6 +330,7 @@ int main(void)
 {
     if (rp_context_new(NULL, NULL, &ctx) != RP_OK) return 1;
     test_routepack_torch();
+    test_extras_ahead();
     test_combine_dtype();
     test_stock_executors();
     test_balancer();

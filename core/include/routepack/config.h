@@ -193,6 +193,7 @@ typedef struct rp_execution {
     uint32_t levers;                      /* RP_LEVER_* the executor runs */
     bool extras_stacked;                  /* rp_executor_profile.extras_stacked */
     bool extras_once;                     /* rp_executor_profile.extras_once */
+    bool extras_ahead;                    /* rp_executor_profile.extras_ahead */
 } rp_execution;
 
 /* What the trainer demands of a packing (docs/config.md, "trainer"); every packer

@@ -45,6 +45,9 @@ typedef struct rp_executor_profile {
     uint32_t levers;                   /* RP_LEVER_* it can run */
     bool balancer_charges;             /* a plan with the per-forward balancer pays its padding,
                                           SM contention and FP32 gradient push (cost_vexp.c) */
+    bool extras_ahead;                 /* with extras_once: the step's fetches start at the
+                                          step's start on a stream of their own, each layer
+                                          waiting for its own at its first forward */
 } rp_executor_profile;
 
 /* The profile of `executor`; NULL for a value outside the enum. Static storage. */

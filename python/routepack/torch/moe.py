@@ -231,8 +231,13 @@ class MoELayer(nn.Module):
     finishes it before the optimizer step (or does it all, if it did not start)."""
 
     def __init__(self, hidden_size, ffn_size, num_experts, top_k, num_slots, *, ep_group=None,
-                 dtype=torch.float32, device=None, gated=False, expert_kernel=None, dispatch_dedup="gpu"):
+                 dtype=torch.float32, device=None, gated=False, expert_kernel=None, dispatch_dedup="gpu",
+                 fetch_group=None):
         super().__init__()
+        # the extra replicas' prefetch runs on a group of its own (the same ranks as
+        # ep_group) so that under NCCL it does not queue ahead of the dispatch on one
+        # communicator; None: ep_group
+        self.fetch_group = fetch_group
         self.hidden_size, self.ffn_size = int(hidden_size), int(ffn_size)
         self.num_experts, self.top_k, self.num_slots = int(num_experts), int(top_k), int(num_slots)
         self.ep_group = ep_group
@@ -258,6 +263,7 @@ class MoELayer(nn.Module):
         # rank, in that order. Not parameters: the optimizer never sees them.
         self.extra_w_in = None
         self.extra_w_out = None
+        self._fetch = None   # the prefetch's works still in flight (set_placement)
         self._tables = None
         self._gplan = None
         self._backwards = 0
@@ -304,13 +310,19 @@ class MoELayer(nn.Module):
     def _global(self, r):
         return r if self.ep_group is None else dist.get_global_rank(self.ep_group, r)
 
-    def set_placement(self, placement):
+    def set_placement(self, placement, prefetch=True):
         """Use ``placement`` (ExpertPlacement, this step's) from now on, and fetch the
         weights of every extra replica this rank holds in some microbatch of the step from
         the lowest slot holding that expert, into the step's extra-replica buffers (one
-        batch_isend_irecv, collective over the EP group: every rank calls it and takes
-        part in it). The slots must hold the placement's experts already (migration
-        executed). A replica-gradient exchange still in flight is finished first."""
+        batch_isend_irecv over fetch_group, else the EP group, collective: every rank
+        calls it and takes part in it). ``prefetch`` (the default): the fetch is started
+        and left in flight, and the layer waits for it at its first forward, so a trainer
+        that sets every layer's placement at the step's start fetches layer l's extras
+        while the layers before it compute (the cost model's execution.extras_ahead);
+        False: it is finished before this returns. The slots must hold the placement's
+        experts already (migration executed). A replica-gradient exchange or a prefetch
+        still in flight is finished first."""
+        self._wait_fetch()
         if placement.ep_size != self.ep_size or placement.local_slots(self.ep_rank) != self.num_slots:
             raise ValueError("the placement has %d EP ranks and %d slots on rank %d; this layer has %d "
                              "ranks and %d slots" % (placement.ep_size, placement.local_slots(self.ep_rank),
@@ -334,6 +346,7 @@ class MoELayer(nn.Module):
         first = placement.first_replica()
         slot_rank = placement.slot_rank()
         ops, remote, j = [], False, 0
+        group = self.fetch_group if self.fetch_group is not None else self.ep_group
         w_in, w_out = self.w_in.detach(), self.w_out.detach()
         with torch.no_grad():
             for e, r in pairs:   # every rank walks the same list in the same order
@@ -346,16 +359,28 @@ class MoELayer(nn.Module):
                         self.extra_w_in[j].copy_(w_in[local])
                         self.extra_w_out[j].copy_(w_out[local])
                     else:
-                        ops += [dist.P2POp(dist.irecv, self.extra_w_in[j], self._global(src), self.ep_group),
-                                dist.P2POp(dist.irecv, self.extra_w_out[j], self._global(src), self.ep_group)]
+                        ops += [dist.P2POp(dist.irecv, self.extra_w_in[j], self._global(src), group),
+                                dist.P2POp(dist.irecv, self.extra_w_out[j], self._global(src), group)]
                     j += 1
                 elif src == self.ep_rank:
-                    ops += [dist.P2POp(dist.isend, w_in[local], self._global(r), self.ep_group),
-                            dist.P2POp(dist.isend, w_out[local], self._global(r), self.ep_group)]
+                    ops += [dist.P2POp(dist.isend, w_in[local], self._global(r), group),
+                            dist.P2POp(dist.isend, w_out[local], self._global(r), group)]
         if remote:   # the same on every rank: then every rank takes part
-            ops += ring_padding(self.ep_rank, self.ep_size, w_in, self._global, self.ep_group)
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+            ops += ring_padding(self.ep_rank, self.ep_size, w_in, self._global, group)
+            self._fetch = dist.batch_isend_irecv(ops)
+            if not prefetch:
+                self._wait_fetch()
+            return
+        self.extra_w_in.requires_grad_()
+        self.extra_w_out.requires_grad_()
+
+    def _wait_fetch(self):
+        """Finish the extra replicas' fetch set_placement left in flight (if any)."""
+        if self._fetch is None:
+            return
+        for w in self._fetch:
+            w.wait()
+        self._fetch = None
         self.extra_w_in.requires_grad_()
         self.extra_w_out.requires_grad_()
 
@@ -449,6 +474,7 @@ class MoELayer(nn.Module):
         groups) stays the trainer's, as without RoutePack."""
         if self.placement is None:
             return
+        self._wait_fetch()
         if self._grad_exchange is None:
             self._start_grad_exchange()
         works, own, recv, n_in = self._grad_exchange
@@ -537,6 +563,7 @@ class MoELayer(nn.Module):
         microbatch's placement (rp_remap's ids for this layer; None: the lowest slot of
         each expert). Returns [T, hidden]. Collective over the EP group: every rank calls
         it for every microbatch, with or without tokens."""
+        self._wait_fetch()
         if torch.is_grad_enabled() and x.requires_grad:
             x = _BackwardEnd.apply(x, self)
         T, k = x.shape[0], self.top_k
