@@ -47,6 +47,12 @@ PROFILES = {
                    attention_lengths=[512, 1024, 2048, 4096, 8192, 16384, 32768],
                    attention_tokens=32768, dense_tokens=16384, copy_bytes=1 << 31,
                    skew_tokens=1024, fixed_tokens=16, warmup=2, reps=7),
+    # the CPU as a device (routepack.cpu: one pinned thread, fp32, least thread CPU time
+    # of reps): the sizes a CPU runs in seconds, not hours
+    "cpu": dict(gemm_tokens=[1, 4, 16, 64, 128, 256, 512, 1024, 2048], gemm_experts=[4, 8, 16],
+                max_gemm_rows=1 << 14, attention_lengths=[64, 128, 256, 512, 1024, 2048],
+                attention_tokens=4096, dense_tokens=2048, copy_bytes=1 << 26,
+                skew_tokens=256, fixed_tokens=16, warmup=1, reps=5),
     # for CPU tests: tiny, same code paths
     "tiny": dict(gemm_tokens=[1, 4, 16], gemm_experts=[2, 4], max_gemm_rows=1 << 8,
                  attention_lengths=[8, 16, 32], attention_tokens=32, dense_tokens=16,
@@ -191,18 +197,35 @@ class FakeDevice:
         return self.truth["layer_fixed_us"] * 1e-6 + tiny_layer_seconds(s, tokens, self.truth)
 
 
+def cpu_name():
+    """The CPU's model name (/proc/cpuinfo), one thread: "cpu: AMD EPYC, 1 thread, fp32"."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return "cpu: %s, 1 thread, fp32" % model
+
+
 class TorchDevice:
-    """One CUDA device (or, for tests, the CPU) measured through torch."""
+    """One CUDA device, or the CPU (routepack.cpu: one thread pinned to a core, fp32, the
+    least thread CPU time of the profile's reps), measured through torch."""
 
     def __init__(self, device, profile):
         import torch
+        from routepack import cpu
         from routepack.torch import kernels
         self.torch, self.kernels = torch, kernels
         self.device = torch.device(device)
-        self.dtype = torch.bfloat16
         self.p = PROFILES[profile]
         cuda = self.device.type == "cuda"
-        self.name = torch.cuda.get_device_name(self.device) if cuda else "cpu"
+        self.dtype = torch.bfloat16 if cuda else cpu.dtype()
+        self.core = None if cuda else cpu.pin(0)
+        self.name = torch.cuda.get_device_name(self.device) if cuda else cpu_name()
         self.torch_version = torch.__version__
         self.cuda_version = str(torch.version.cuda) if cuda else "none"
         self.gemm_kernel, why = kernels.choose_expert_kernel(self.device, self.dtype)
@@ -212,6 +235,9 @@ class TorchDevice:
         self._cache = {}
 
     def _time(self, fn):
+        if self.device.type == "cpu":
+            from routepack import cpu
+            return cpu.min_thread_seconds(fn, self.p["warmup"], self.p["reps"])
         from routepack.torch.cell import median_seconds
         return median_seconds(fn, self.device, self.p["warmup"], self.p["reps"])
 
@@ -511,11 +537,14 @@ def dumps(doc):
     return "\n".join(lines) + "\n"
 
 
-def document(dev, entries, created=None):
-    return {"format": FORMAT, "version": VERSION, "device": dev.name, "torch": dev.torch_version,
-            "cuda": dev.cuda_version,
-            "created": created or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "shapes": _figures(entries)}
+def document(dev, entries, created=None, comment=None):
+    doc = {"format": FORMAT, "version": VERSION, "device": dev.name, "torch": dev.torch_version,
+           "cuda": dev.cuda_version,
+           "created": created or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if comment:
+        doc["comment"] = comment
+    doc["shapes"] = _figures(entries)
+    return doc
 
 
 def main(argv=None):
@@ -523,11 +552,13 @@ def main(argv=None):
     ap.add_argument("--config", action="append", required=True, help="a config whose model shape to measure")
     ap.add_argument("--out", default="calibration.json")
     ap.add_argument("--detail", help="every sample and the skewed-count check as JSON")
-    ap.add_argument("--device", default="cuda", help="torch device (default cuda; cpu only for tests)")
+    ap.add_argument("--device", default="cuda",
+                    help="torch device (default cuda; cpu: one pinned thread, fp32, least thread CPU time)")
     ap.add_argument("--profile", default="device", choices=sorted(PROFILES))
     ap.add_argument("--budget-s", type=float, default=170.0, help="time for all measurements")
     ap.add_argument("--fake", action="store_true", help="a synthetic device with known figures (tests)")
     ap.add_argument("--created", help="the created field (default: now)")
+    ap.add_argument("--comment", help="a comment field: how the file was made (the CPU profile's says)")
     args = ap.parse_args(argv)
 
     def log(msg):
@@ -575,7 +606,7 @@ def main(argv=None):
     tmp = args.out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(dumps(document(dev, entries, "1970-01-01T00:00:00Z" if args.fake and not args.created
-                                else args.created)))
+                                else args.created, args.comment)))
     os.replace(tmp, args.out)
     log("calibrate: wrote %s (%d shapes) in %.1f s" % (args.out, len(entries), time.monotonic() - start))
     return 0

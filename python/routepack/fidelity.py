@@ -143,9 +143,11 @@ def _cell_contents(res, lens, routing, layer):
     return out
 
 
-def make_cells(config_path, trace_path, step=0, layer=0, log=print):
+def make_cells(config_path, trace_path, step=0, layer=0, log=print, microbatches=MICROBATCHES):
     """The cells document: every plan (its JSON, name, predicted step time and cells) and
-    the distinct cells' contents."""
+    the distinct cells' contents. ``microbatches``: the counts each policy plans with
+    (more counts, smaller cells: the CPU substrate takes 1, 2, 4, 8 so that its cells
+    span more than 10x)."""
     import routepack
     with open(config_path, encoding="utf-8") as fh:
         config = json.load(fh)
@@ -153,13 +155,15 @@ def make_cells(config_path, trace_path, step=0, layer=0, log=print):
     lens = batch.seq_lens
     specs = [("%s+%s" % (p, q), None) for p in PACKINGS for q in PLACEMENTS] + [(None, "joint")]
     plans, cells, index, sync = [], [], {}, "group"
-    for M in MICROBATCHES:
+    for M in microbatches:
         cfg = json.loads(json.dumps(config))
         cfg.setdefault("limits", {})["num_microbatches"] = M
-        if "policy" in cfg and "search_path" in cfg["policy"]:   # relative to the config's directory
-            base = os.path.dirname(os.path.abspath(config_path))
+        base = os.path.dirname(os.path.abspath(config_path))   # paths relative to the config's directory
+        if "policy" in cfg and "search_path" in cfg["policy"]:
             cfg["policy"]["search_path"] = [p if os.path.isabs(p) else os.path.join(base, p)
                                             for p in cfg["policy"]["search_path"]]
+        if isinstance(cfg.get("calibration"), str) and not os.path.isabs(cfg["calibration"]):
+            cfg["calibration"] = os.path.join(base, cfg["calibration"])
         for policy, label in specs:
             with routepack.Scheduler(cfg, policy=policy) as sched:
                 res = sched.step(batch.lengths, batch.routing, group_ids=batch.group_ids)
@@ -199,28 +203,40 @@ def _ep_size(config):
 
 # ---- on the device: measure ----
 
-def measure(doc, device="cuda", budget_s=110.0, warmup=2, reps=5, log=print):
-    """Times every distinct cell (forward + backward of one layer, median of ``reps``),
-    plan by plan, until ``budget_s`` runs out. Returns the measured document."""
+def measure(doc, device="cuda", budget_s=110.0, warmup=2, reps=5, log=print, shard=(0, 1)):
+    """Times every distinct cell (forward + backward of one layer), plan by plan, until
+    ``budget_s`` runs out. Returns the measured document. On a GPU: BF16, the median of
+    ``reps`` (CUDA events). On the CPU (routepack.cpu): fp32, one thread pinned to core
+    ``shard[0]``, the least thread CPU time of ``reps``. ``shard`` (i, n): only the cells
+    whose index is i modulo n (n pinned workers split the cells: measure_workers)."""
     import torch
 
+    from routepack import cpu
     from routepack.torch import kernels
     from routepack.torch.cell import LayerCell, median_seconds
     start = time.monotonic()
     dev = torch.device(device)
-    dtype = torch.bfloat16
+    on_cpu = dev.type == "cpu"
+    dtype = cpu.dtype() if on_cpu else torch.bfloat16
+    core = cpu.pin(shard[0]) if on_cpu else None
     expert_kernel, why = kernels.choose_expert_kernel(dev, dtype)
-    attention_kernel, notes = kernels.choose_attention_kernel(dev, dtype, allow_unfused=dev.type == "cpu")
+    attention_kernel, notes = kernels.choose_attention_kernel(dev, dtype, allow_unfused=on_cpu)
     if attention_kernel is None:
         raise RuntimeError("no fused varlen attention kernel runs on %s: %s" % (device, "; ".join(notes)))
-    log("fidelity: %s; experts %s (%s); attention %s" % (
-        torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", expert_kernel, why, attention_kernel))
+    log("fidelity: %s; experts %s (%s); attention %s%s" % (
+        torch.cuda.get_device_name(dev) if not on_cpu else "cpu core %d, fp32, least thread CPU time" % core,
+        expert_kernel, why, attention_kernel, "; " + cpu.load() if on_cpu else ""))
+
+    def timed(fn):
+        if on_cpu:
+            return cpu.min_thread_seconds(fn, warmup, reps)
+        return median_seconds(fn, dev, warmup, reps)
     layers, seconds = {}, {}
     complete = 0
     for plan in doc["plans"]:
         for ids in plan["cells"]:
             for i in ids:
-                if str(i) in seconds:
+                if str(i) in seconds or i % shard[1] != shard[0]:
                     continue
                 if time.monotonic() - start > budget_s:
                     log("fidelity: the %.0f s budget ran out after %d of %d plans" % (budget_s, complete,
@@ -234,7 +250,7 @@ def measure(doc, device="cuda", budget_s=110.0, warmup=2, reps=5, log=print):
                                                     expert_kernel=expert_kernel, dtype=dtype, device=dev)
                     layer = layers[n_local]
                     inputs = layer.inputs(cell["lengths"], cell["expert_counts"])
-                    seconds[str(i)] = median_seconds(lambda: layer.step(inputs), dev, warmup, reps)
+                    seconds[str(i)] = timed(lambda: layer.step(inputs))
                 except Exception as e:  # noqa: BLE001 - what was measured still comes back
                     log("fidelity: cell %d (%d sequences, %d token-choices) failed: %s: %s" % (
                         i, len(cell["lengths"]), sum(cell["expert_counts"]), type(e).__name__,
@@ -247,9 +263,58 @@ def measure(doc, device="cuda", budget_s=110.0, warmup=2, reps=5, log=print):
 
 
 def _measured(doc, seconds, expert_kernel, attention_kernel, complete, device):
-    return {"format": FORMAT_MEASURED, "version": 1, "device": device, "expert_kernel": expert_kernel,
-            "attention_kernel": attention_kernel, "plans_complete": complete,
-            "cells_measured": len(seconds), "seconds": seconds}
+    out = {"format": FORMAT_MEASURED, "version": 1, "device": device, "expert_kernel": expert_kernel,
+           "attention_kernel": attention_kernel, "plans_complete": complete,
+           "cells_measured": len(seconds), "seconds": seconds}
+    if device.startswith("cpu"):
+        from routepack import cpu
+        out.update(timing="least thread CPU time, one pinned thread, fp32", load=cpu.load())
+    return out
+
+
+def plans_complete(doc, seconds):
+    """How many plans, in order, have every cell in ``seconds``."""
+    done = 0
+    for plan in doc["plans"]:
+        if not all(str(c) in seconds for row in plan["cells"] for c in row):
+            break
+        done += 1
+    return done
+
+
+def measure_workers(cells_path, out_path, workers, device="cpu", budget_s=110.0, reps=5, log=print):
+    """``measure`` split over ``workers`` processes, worker i pinned to core i (the CPU
+    substrate's ranks), the cells dealt round-robin; their seconds merged into one
+    measured document at ``out_path``. Returns it."""
+    with open(cells_path, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    with tempfile.TemporaryDirectory(prefix="rp-fidelity-") as tmp:
+        procs, outs = [], []
+        for w in range(workers):
+            outs.append(os.path.join(tmp, "shard%d.json" % w))
+            procs.append(subprocess.Popen([sys.executable, "-m", "routepack.fidelity", "measure", "--cells",
+                                           str(cells_path), "--out", outs[-1], "--device", device,
+                                           "--budget-s", str(budget_s), "--reps", str(reps),
+                                           "--shard", "%d/%d" % (w, workers)]))
+        for p in procs:
+            p.wait()
+        parts = []
+        for path in outs:
+            if not os.path.exists(path):
+                raise RuntimeError("a measuring worker wrote nothing (%s)" % path)
+            with open(path, encoding="utf-8") as fh:
+                parts.append(json.load(fh))
+    seconds = {}
+    for part in parts:
+        seconds.update(part["seconds"])
+    out = dict(parts[0], seconds=seconds, cells_measured=len(seconds), plans_complete=plans_complete(doc, seconds),
+               workers=workers, load=[p.get("load") for p in parts])
+    errors = [p["error"] for p in parts if "error" in p]
+    if errors:
+        out["error"] = "; ".join(errors)
+    with open(out_path, "w", encoding="utf-8") as fh:
+        json.dump(out, fh)
+    return out
 
 
 # ---- here: score ----
@@ -347,13 +412,18 @@ def main(argv=None):
     p.add_argument("--trace", required=True)
     p.add_argument("--step", type=int, default=0)
     p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--microbatches", default=",".join(map(str, MICROBATCHES)),
+                   help="the microbatch counts each policy plans with (default 1,2; the CPU substrate: 1,2,4,8)")
     p.add_argument("--out", required=True)
-    p = sub.add_parser("measure", help="on the GPU: time every cell -> measured.json")
+    p = sub.add_parser("measure", help="on the GPU (or the CPU): time every cell -> measured.json")
     p.add_argument("--cells", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--budget-s", type=float, default=110.0)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--workers", type=int, default=1,
+                   help="CPU: this many processes, one pinned core each, split the cells")
+    p.add_argument("--shard", help="I/N: only cells I modulo N (what --workers runs)")
     p = sub.add_parser("score", help="here: tau and MAPE")
     p.add_argument("--cells", required=True)
     p.add_argument("--measured", required=True)
@@ -366,7 +436,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         if args.cmd == "plan":
-            doc = make_cells(args.config, args.trace, args.step, args.layer)
+            counts = tuple(int(x) for x in args.microbatches.split(","))
+            doc = make_cells(args.config, args.trace, args.step, args.layer, microbatches=counts)
             with open(args.out, "w", encoding="utf-8") as fh:
                 json.dump(doc, fh)
             print("fidelity: %d plans, %d distinct cells, predicted step times span %.1f%%; wrote %s" % (
@@ -379,9 +450,18 @@ def main(argv=None):
         if doc.get("format") != FORMAT_CELLS:
             raise RuntimeError("%s is not a %s file" % (args.cells, FORMAT_CELLS))
         if args.cmd == "measure":
-            m = measure(doc, args.device, args.budget_s, reps=args.reps)
-            with open(args.out, "w", encoding="utf-8") as fh:
-                json.dump(m, fh)
+            if args.workers > 1:
+                m = measure_workers(args.cells, args.out, args.workers, args.device, args.budget_s, args.reps)
+            else:
+                shard = (0, 1)
+                if args.shard:
+                    i, n = (int(x) for x in args.shard.split("/"))
+                    if not 0 <= i < n:
+                        raise ValueError("--shard I/N needs 0 <= I < N, got %s" % args.shard)
+                    shard = (i, n)
+                m = measure(doc, args.device, args.budget_s, reps=args.reps, shard=shard)
+                with open(args.out, "w", encoding="utf-8") as fh:
+                    json.dump(m, fh)
             print("fidelity: measured %d cells (%d of %d plans complete); wrote %s" % (
                 m["cells_measured"], m["plans_complete"], len(doc["plans"]), args.out))
             return 0 if m["plans_complete"] == len(doc["plans"]) else 1
