@@ -19,12 +19,26 @@ predicted step time (the scheduler's cost model under the layer's dispatch_dedup
 measured time, their ratios to the contiguous plan, and the replica-gradient bytes per rank
 against the formula.
 
+``five``: issue 30's five plans of one skewed batch (rank 0's experts 3x hotter, lengths
+varied), each from its policy: contiguous (token_kk+contiguous), EPLB (token_kk+eplb), the
+balancer stand-in (token_kk+contiguous's plan with VirtualExpertBalancer planning every
+forward's virtual experts, as Megatron's balancer does), routepack without extra replicas
+(max_extra_per_rank 0) and routepack; PREDICTED under execution.executor routepack_torch
+(the balancer's under megatron_balancer: routepack_torch cannot run it) with this CPU's
+figures (--calibration examples/cpu/calibration-cpu.json: its expert curve, backward ratio
+and peak; gloo measured here), MEASURED as ``plans`` does, and the two orders with their
+Kendall tau.
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/torch/bench_moe.py five \
+        --calibration examples/cpu/calibration-cpu.json [--reps 9]
+
 Times per repetition are the slowest rank's: wall (perf_counter) and the rank's thread CPU
 time (time.thread_time: what a rank computes, not what it waits for; with more ranks than
 cores the wall clock measures the scheduler of the machine). Medians, min-max over the
 repetitions. Each rank is pinned to core rank % cores."""
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -341,9 +355,147 @@ def part_plans(args, rank, world):
                                      [int(e[2]) for e in every]))
 
 
+# The five plans of issue 30: (label, policy, params, balancer). Each plans the same batch
+# with its own packing and placement; "balancer" runs token_kk+contiguous's plan with
+# VirtualExpertBalancer re-planning the experts every forward (the stand-in for Megatron's).
+FIVE = [("contiguous", "token_kk+contiguous", None, False),
+        ("eplb", "token_kk+eplb", None, False),
+        ("balancer", "token_kk+contiguous", None, True),
+        ("routepack-no-extras", "routepack", {"max_extra_per_rank": 0}, False),
+        ("routepack", "routepack", None, False)]
+
+
+def kendall(a, b):
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += np.sign(a[i] - a[j]) * np.sign(b[i] - b[j])
+    return s / (n * (n - 1) / 2)
+
+
+def part_five(args, rank, world):
+    """contiguous, EPLB, the balancer stand-in, routepack without and with extra replicas
+    on one skewed batch: each plan's step (set_placement, every microbatch's forward and
+    backward, reduce_replica_grads) timed interleaved; MEASURED medians against the times
+    PREDICTED under execution.executor routepack_torch with this CPU's figures (the
+    balancer's under megatron_balancer's profile: routepack_torch cannot run it)."""
+    from routepack.torch import VirtualExpertBalancer
+    d, f, E, k, T = args.hidden, args.ffn, args.experts, args.top_k, args.tokens
+    kern, why = kernels.choose_expert_kernel("cpu", torch.float32, d, f, False)
+    hw = cpu_hardware(args, world)
+    links = {"nvlink_bytes_per_s": hw.pop("nvlink_bytes_per_s"), "nvlink_latency_us": hw.pop("nvlink_latency_us")}
+    if args.calibration:   # the expert curve, backward ratio and peak of the shipped CPU profile
+        with open(args.calibration) as fh:
+            cal = json.load(fh)
+        entry = next(iter(cal["shapes"].values()))
+        if (entry["hidden_size"], entry["expert_ffn_size"]) != (d, f):
+            raise SystemExit("--calibration is for d %d, f %d; the bench runs d %d, f %d" % (
+                entry["hidden_size"], entry["expert_ffn_size"], d, f))
+        hw.update(peak_flops=entry["peak_flops"], gemm_efficiency=entry["gemm_efficiency"],
+                  hbm_bytes_per_s=entry["hbm_bytes_per_s"], backward={"experts": entry["backward"]["experts"]})
+    M, seqs = args.microbatches, args.seqs
+
+    def config(executor, spare):
+        return {"topology": dict({"num_nodes": 1, "gpus_per_node": world, "ep_size": world,
+                                  "slots_per_gpu": E // world + spare}, **links),
+                "model": {"num_layers": 1, "num_experts": E, "top_k": k, "hidden_size": d, "expert_ffn_size": f,
+                          "num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "dense_params": 0,
+                          "bytes_per_param": 4, "bytes_per_grad": 4},
+                "hardware": hw, "limits": {"max_tokens_per_microbatch": 1 << 20, "num_microbatches": M},
+                "execution": {"executor": executor, "dispatch_dedup": args.dedup}}
+    rng = np.random.default_rng(7)
+    lens = rng.integers(T // seqs // 4, 2 * T // seqs, seqs * world).astype(np.int32)
+    routing = skewed_routing(rng, int(lens.sum()), E, k, np.arange(E // world), args.skew).astype(np.int32)
+    routing = routing.reshape(-1, 1, k)
+    plans = []
+    for label, policy, params, balancer in FIVE:
+        cfg = config("routepack_torch", args.spare_slots)
+        sched = routepack.Scheduler(cfg, policy=policy, params=params, log_level=None)
+        res = sched.step(lens, routing)
+        if res.fallback:
+            raise SystemExit("%s fell back: %s" % (label, res.fallback_reason))
+        predicted = res.step_time_s
+        if balancer:
+            bcfg = config("megatron_balancer", 0)
+            with routepack.Scheduler(bcfg, policy="token_kk+virtual_experts", log_level=None) as bs:
+                bres = bs.step(lens, routing)
+            predicted = bres.step_time_s
+        plans.append((label, res, predicted, balancer))
+    g = torch.Generator().manual_seed(0)
+    w_in, w_out = torch.randn(E, d, f, generator=g) * d ** -0.5, torch.randn(E, f, d, generator=g) * f ** -0.5
+    router = torch.randn(E, d, generator=g) * d ** -0.5
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    runs = []
+    for label, res, predicted, balancer in plans:
+        placement = ExpertPlacement.from_step(res, 0)
+        layer = MoELayer(d, f, E, k, placement.local_slots(rank), dispatch_dedup=args.dedup, expert_kernel=kern)
+        layer.load_experts(w_in, w_out, placement)
+        with torch.no_grad():
+            layer.router.weight.copy_(router)
+        bal = VirtualExpertBalancer(E, placement) if balancer else None
+        mbs = []
+        for m in range(res.num_microbatches):
+            ids = res.microbatches[rank][m]
+            rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in ids]) if len(ids) else np.zeros(0, np.int64)
+            r = routing[rows][:, 0]
+            phys = torch.as_tensor(res.remap_rank(rank, m, routing[rows]), dtype=torch.int64)[:, 0]
+            x = torch.randn(len(rows), d, generator=torch.Generator().manual_seed(1000 * rank + m))
+            mbs.append((x, torch.as_tensor(r, dtype=torch.int64), phys, torch.randn(len(rows), d)))
+        runs.append((label, placement, layer, mbs, bal))
+
+    def step(placement, layer, mbs, bal):
+        def go():
+            if bal is None:
+                layer.set_placement(placement)
+            for m, (x, r, phys, cot) in enumerate(mbs):
+                if bal is not None:   # the balancer's own plan, every forward
+                    pl, phys, _ = bal.plan(r)
+                    layer.set_placement(pl)
+                    m = 0
+                xi = x.clone().requires_grad_()
+                layer(xi, r, phys, microbatch=m).backward(cot)
+                if bal is not None:
+                    layer.reduce_replica_grads()
+            if bal is None:
+                layer.reduce_replica_grads()
+        return go
+    times = {label: [] for label, *_ in runs}
+    for rep in range(args.warmup + args.reps):
+        for j in range(len(runs)):
+            label, placement, layer, mbs, bal = runs[(rep + j) % len(runs)]
+            t = timed(step(placement, layer, mbs, bal))
+            if rep >= args.warmup:
+                times[label].append(t)
+    if rank == 0:
+        print("five plans: %d ranks (gloo, one pinned thread each), %d tokens in %d sequences, %d microbatch(es), "
+              "d %d, f %d, %d experts, top-%d, rank 0's experts %.0fx hotter, %d spare slot(s) a rank; kernel %s; "
+              "%d reps after %d warm-up, interleaved; %s" % (
+                  world, int(lens.sum()), len(lens), M, d, f, E, k, args.skew, args.spare_slots, kern, args.reps,
+                  args.warmup, "load %.2f" % os.getloadavg()[0]))
+        print("  the model's CPU figures: peak %.3g FLOP/s%s, gloo %.0f MB/s, latency %.0f us" % (
+            hw["peak_flops"], " with " + args.calibration + "'s expert curve" if args.calibration else "",
+            links["nvlink_bytes_per_s"] / 1e6, links["nvlink_latency_us"]))
+        pred = [p for _, _, p, _ in plans]
+        cpu_t = [statistics.median([c for _, c in times[label]]) for label, *_ in plans]
+        wall_t = [statistics.median([w for w, _ in times[label]]) for label, *_ in plans]
+        for (label, res, p, bal), c, w in zip(plans, cpu_t, wall_t):
+            print("  %-20s PREDICTED %8.2f ms (x%.3f)   MEASURED thread CPU %s ms (x%.3f), wall %s ms  "
+                  "[%d extra replicas]" % (label, p * 1e3, p / pred[0],
+                                           summary([x[1] * 1e3 for x in times[label]]), c / cpu_t[0],
+                                           summary([x[0] * 1e3 for x in times[label]]),
+                                           len(res.extra_replicas)))
+        order = lambda xs: " < ".join(plans[i][0] for i in np.argsort(xs, kind="stable"))
+        print("  predicted order: %s" % order(pred))
+        print("  measured order (thread CPU medians): %s" % order(cpu_t))
+        print("  Kendall tau predicted vs measured: %.2f (thread CPU), %.2f (wall)" % (kendall(pred, cpu_t),
+                                                                                   kendall(pred, wall_t)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["plain", "plans"])
+    ap.add_argument("part", choices=["plain", "plans", "five"])
+    ap.add_argument("--calibration", help="five: take the expert curve, backward ratio and peak from this "
+                                          "calibration.json (examples/cpu/calibration-cpu.json)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens a rank")
@@ -363,7 +515,7 @@ def main():
     torch.set_num_threads(1)
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    (part_plain if args.part == "plain" else part_plans)(args, rank, world)
+    {"plain": part_plain, "plans": part_plans, "five": part_five}[args.part](args, rank, world)
     dist.barrier()
     dist.destroy_process_group()
 
