@@ -32,10 +32,16 @@
 # Usage: scripts/results.sh [--quick] [--reference] [--bench small|all|none] [BUILD_DIR]
 #        scripts/results.sh --layouts [BUILD_DIR]
 #        scripts/results.sh --planner [BUILD_DIR]
+#        scripts/results.sh --fidelity [BUILD_DIR]
 #   --layouts    step 1d alone (minutes a layout): its section replaces (or joins)
 #                the one in the existing docs/results.md, where a full run puts it
 #                (scripts/results.py --splice); every other section stays as it is
 #   --planner    step 1e alone (minutes), spliced in as --layouts is
+#   --fidelity   "Measured on CPU" (issue 30) alone, spliced in as --layouts is: the
+#                fidelity check on the CPU substrate (docs/calibration.md), the cells of
+#                examples/cpu timed twice on two pinned one-thread workers
+#                (scripts/results/cpu_fidelity.py; 10-30 minutes, more under load); needs
+#                torch ($PYTHON, default BUILD_DIR/python-venv/bin/python)
 #   --quick      the 24-step traces become 8 steps (minutes less; for a look, not for the docs)
 #   --reference  also the reference shape (config-reference.json) with a reduced batch
 #                (gen-reference.json at 32 prompts x 8), 8 steps, seed 21
@@ -44,15 +50,16 @@
 # traces already there with the same settings are reused.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-quick=0 reference=0 bench=none layouts_only=0 planner_only=0
+quick=0 reference=0 bench=none layouts_only=0 planner_only=0 fidelity_only=0
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
     --reference) reference=1 ;;
     --layouts) layouts_only=1 ;;
     --planner) planner_only=1 ;;
+    --fidelity) fidelity_only=1 ;;
     --bench) bench=$2; shift ;;
-    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     -*) echo "results.sh: unknown option $1" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -172,6 +179,20 @@ EOF2
 if [ $planner_only = 1 ]; then
   planner
   python3 "$root/scripts/results.py" "$work" "$root" --splice vs-balancer
+  exit 0
+fi
+
+# "Measured on CPU" (issue 30): the cost model against this machine's CPU, in its own
+# section; run alone (--fidelity), as it takes long and needs torch
+cpu_fidelity() {
+  local py=${PYTHON:-$build/python-venv/bin/python}
+  echo "results: the fidelity check on the CPU substrate ($(uptime))" >&2
+  (cd "$root" && PYTHONPATH="$root/python" ROUTEPACK_LIBRARY="$build/core/libroutepack.so" ROUTEPACK_CLI="$rp" \
+    "$py" "$root/scripts/results/cpu_fidelity.py" "$work" "$root")
+}
+if [ $fidelity_only = 1 ]; then
+  cpu_fidelity
+  python3 "$root/scripts/results.py" "$work" "$root" --splice measured-cpu
   exit 0
 fi
 

@@ -129,3 +129,32 @@ def test_shipped_cpu_profile_loads_and_prices(tmp_path):
     one = [x for p in doc["plans"] if p["microbatches"] == 1 for row in p["predicted"] for x in row]
     eight = [x for p in doc["plans"] if p["microbatches"] == 8 for row in p["predicted"] for x in row]
     assert max(one) / min(eight) > 10
+
+
+def test_results_section_renders_the_figures():
+    """scripts/results/cpu_fidelity.py's section: the three columns of tau and MAPE, the
+    floor's verdict, the plans' ratios to token_kk+contiguous at the same count, the five
+    plans' printout."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cpu_fidelity", REPO / "scripts" / "results" / "cpu_fidelity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    plans = [{"name": "token_kk+contiguous, 2 microbatches", "predicted_s": 0.2, "measured_s": 0.25},
+             {"name": "joint, 2 microbatches", "predicted_s": 0.18, "measured_s": 0.2}]
+    score = {"cell_tau": 0.91, "cell_mape_percent": 12.0, "plan_tau": 1.0, "plans": 2, "cells": 8,
+             "noise_floor": {"retest_tau": 0.85, "retest_mape_percent": 6.0, "cells": 8, "span": 12.0},
+             "per_plan": plans}
+    second = dict(score, cell_tau=0.9, cell_mape_percent=15.0, plan_tau=1.0)
+    o = {"score": score, "score_second": second, "reps": 3, "plans": 2, "cells": 8, "microbatches": [2],
+         "uptime": ["u1", "u2"], "wall_s": [10.0, 12.0], "five": ["five plans: x", "  contiguous y"],
+         "five_uptime": "u3"}
+    text = mod.render(o, {})
+    assert text.startswith("## Measured on CPU (issue 30)\n")
+    assert "| cell Kendall tau | 0.910 | 0.900 | 0.850 |" in text
+    assert "| cell MAPE | 12.0% | 15.0% | 6.0% |" in text
+    assert "below 0.9" in text and "better than the two measurements rank each other" in text
+    assert "| joint, 2 microbatches | 180.0 | 200.0 | 0.900 | 0.800 |" in text
+    assert "five plans: x\n  contiguous y\n```" in text
+    o["score"]["noise_floor"]["retest_tau"] = 0.95
+    text = mod.render(o, {})
+    assert "The noise floor reaches 0.9; the model meets the target" in text
