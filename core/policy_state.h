@@ -47,6 +47,11 @@ rp_status policy_keep_state(rp_policy *pol, int64_t *work, rp_error *err);
  * is left as it was. */
 rp_status policy_rebuild(rp_policy **pol, rp_error *err);
 
+struct rp_jdoc;
+/* (core/policy_state_check.c) A checkpoint's encoded ctx.state at `path` of `doc`,
+ * checked before anything is built from it: RP_EFORMAT naming the JSON path. */
+rp_status policy_state_check(const struct rp_jdoc *doc, json_t *state, const char *path, rp_error *err);
+
 /* Strings JSON cannot hold verbatim (not UTF-8, or holding NUL) go as {"bytes": hex}. */
 json_t *state_encode_bytes(const char *s, size_t n);
 /* The bytes of an encoded string: a JSON string, or {"bytes": hex} decoded into *buf

@@ -1357,6 +1357,7 @@ void sched_fields_of(rp_sched *s, sched_fields *f)
         .ctx = s->ctx, .cfg = s->cfg, .opts = &s->opts, .limits = &s->limits,
         .running = &s->running, .staged = &s->staged, .staged_at = &s->staged_at,
         .current = &s->current, .has_step = &s->has_step, .last_step = &s->last_step,
+        .failed_steps = &s->failed_steps,
         .prev_batch = &s->prev_batch, .prev_stats = &s->prev_stats, .hist_cap = s->hist_cap,
         .hist_count = &s->hist_count, .hist_head = &s->hist_head, .hist_steps = s->hist_steps,
         .hist_loads = s->hist_loads, .has_report = &s->has_report, .migration = &s->migration,

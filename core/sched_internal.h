@@ -137,6 +137,7 @@ typedef struct sched_fields {
     rp_plan **current;               /* the plan in use */
     bool *has_step;
     int64_t *last_step;
+    int32_t *failed_steps;           /* the demotion's count of failed steps in a row */
     rp_batch **prev_batch;           /* the last step's inputs (dry runs replay them) */
     struct rp_stats **prev_stats;
     int32_t hist_cap;

@@ -38,51 +38,6 @@ static bool parse_hex64(const char *s, uint64_t *out)
     return true;
 }
 
-/* ---- JSON -> ctx.state: checked first (messages name the JSON path), then built inside
- * a protected call, where only memory can fail ------------------------------------------ */
-
-static rp_status check_value(const rp_jdoc *doc, json_t *v, const char *path, int depth, rp_error *err)
-{
-    if (json_is_boolean(v) || json_is_number(v) || json_is_string(v)) return RP_OK;
-    double x;
-    const char *s;
-    size_t n;
-    char *buf;
-    if (state_decode_number(v, &x)) return RP_OK;
-    if (state_decode_bytes(v, &s, &n, &buf)) {
-        free(buf);
-        return RP_OK;
-    }
-    json_t *list = json_is_object(v) && json_object_size(v) == 1 ? json_object_get(v, "table") : NULL;
-    if (!json_is_array(list))
-        return rp_jdoc_fail(doc, err, RP_EFORMAT, path,
-                            "is %s; a state value is a boolean, a number, a string, {\"number\": \"inf\"|\"-inf\"|\"nan\"}, "
-                            "{\"bytes\": hex} or {\"table\": [[key, value], ...]}",
-                            rp_jdoc_type_name(v));
-    if (depth >= RP_STATE_MAX_DEPTH)
-        return rp_jdoc_fail(doc, err, RP_EFORMAT, path, "nests tables deeper than %d", RP_STATE_MAX_DEPTH);
-    char sub[PATH_LEN], kv[PATH_LEN];
-    size_t i;
-    json_t *pair;
-    json_array_foreach(list, i, pair) {
-        rp_jpath_index(sub, sizeof sub, path, i);
-        if (!json_is_array(pair) || json_array_size(pair) != 2)
-            return rp_jdoc_fail(doc, err, RP_EFORMAT, sub, "must be a [key, value] pair");
-        json_t *key = json_array_get(pair, 0);
-        bool key_ok = json_is_boolean(key) || (state_decode_number(key, &x) && !isnan(x));
-        if (!key_ok && state_decode_bytes(key, &s, &n, &buf)) {
-            free(buf);
-            key_ok = true;
-        }
-        if (!key_ok)
-            return rp_jdoc_fail(doc, err, RP_EFORMAT, rp_jpath_index(kv, sizeof kv, sub, 0),
-                                "is %s; a key is a number (not NaN), a string or a boolean", rp_jdoc_type_name(key));
-        rp_status st = check_value(doc, json_array_get(pair, 1), rp_jpath_index(kv, sizeof kv, sub, 1), depth + 1, err);
-        if (st != RP_OK) return st;
-    }
-    return RP_OK;
-}
-
 /* ---- policy sets -------------------------------------------------------------------------- */
 
 static json_t *encode_set(const policy_set *ps, int64_t at_step, bool staged, rp_status *st, rp_error *err)
@@ -172,7 +127,7 @@ static rp_status load_set(const rp_jdoc *doc, const sched_fields *f, json_t *obj
         st = !state ? rp_jdoc_fail(doc, err, RP_EFORMAT, key, "is required")
              : !json_is_object(state) || !json_is_array(json_object_get(state, "table"))
                  ? rp_jdoc_fail(doc, err, RP_EFORMAT, key, "must be a table ({\"table\": [...]})")
-                 : check_value(doc, state, key, 0, err);
+                 : policy_state_check(doc, state, key, err);
         if (st != RP_OK) {
             free(buf);
             goto fail;
@@ -326,7 +281,8 @@ static json_t *encode_root(const sched_fields *f, rp_status *st, rp_error *err)
                      "last_step", *f->has_step ? json_integer((json_int_t)*f->last_step) : json_null(), "plan", plan,
                      "plan_hash", plan ? plan_hash : NULL, "running", running, "staged", staged, "history", history,
                      "last_batch", last);
-    if (!root) goto nomem;
+    if (!root || (*f->failed_steps > 0 && json_object_set_new(root, "failed_steps", json_integer(*f->failed_steps)) != 0))
+        goto nomem;
     goto out;
 nomem:
     *st = rp_fail_nomem(err, "the scheduler state");
@@ -384,6 +340,7 @@ typedef struct loaded {
     rp_plan *plan;
     bool has_step;
     int64_t last_step;
+    int32_t failed_steps;
     uint64_t seed;
     rp_batch *batch;
     rp_stats *stats;
@@ -693,7 +650,7 @@ static rp_status load_history(const rp_jdoc *doc, const sched_fields *f, json_t 
 static rp_status parse_state(const rp_jdoc *doc, const sched_fields *f, loaded *ld, rp_error *err)
 {
     static const char *const keys[] = {"format", "version", "config", "seed", "split", "history_length", "last_step",
-                                       "plan", "plan_hash", "running", "staged", "history", "last_batch", NULL};
+                                       "plan", "plan_hash", "running", "staged", "history", "last_batch", "failed_steps", NULL};
     json_t *root = doc->root;
     const char *format = NULL, *text;
     int64_t v;
@@ -720,7 +677,7 @@ static rp_status parse_state(const rp_jdoc *doc, const sched_fields *f, loaded *
     }
     RP_CHECK_GOTO(rp_jdoc_check_keys(doc, root, "", keys, err), st, out);
     /* the writer writes every key (null where there is nothing) */
-    for (size_t i = 0; keys[i]; i++)
+    for (size_t i = 0; keys[i] && strcmp(keys[i], "failed_steps") != 0; i++)
         if (!json_object_get(root, keys[i])) {
             st = rp_jdoc_fail(doc, err, RP_EFORMAT, keys[i], "is required%s", strcmp(keys[i], "plan") == 0 ||
                               strcmp(keys[i], "plan_hash") == 0 || strcmp(keys[i], "staged") == 0 ||
@@ -751,6 +708,9 @@ static rp_status parse_state(const rp_jdoc *doc, const sched_fields *f, loaded *
     json_t *last = json_object_get(root, "last_step");
     ld->has_step = !json_is_null(last);
     if (ld->has_step) RP_CHECK_GOTO(rp_jdoc_int(doc, root, "", "last_step", true, 0, INT64_MIN, INT64_MAX, &ld->last_step, err), st, out);
+    /* written only when a streak is under way (older states have none) */
+    RP_CHECK_GOTO(rp_jdoc_int(doc, root, "", "failed_steps", false, 0, 1, INT32_MAX, &v, err), st, out);
+    ld->failed_steps = (int32_t)v;
 
     json_t *plan = json_object_get(root, "plan");
     if (plan && !json_is_null(plan)) {
@@ -919,6 +879,7 @@ static rp_status check_round_trip(const rp_jdoc *doc, const sched_fields *f, loa
     v.current = &ld->plan;
     v.has_step = &ld->has_step;
     v.last_step = &ld->last_step;
+    v.failed_steps = &ld->failed_steps;
     v.prev_batch = &ld->batch;
     v.prev_stats = &ld->stats;
     v.hist_count = &ld->hist_count;
@@ -982,6 +943,7 @@ rp_status rp_sched_load_state(rp_sched *sched, const char *json, size_t len, rp_
     ld.plan = NULL;
     *f.has_step = ld.has_step;
     *f.last_step = ld.has_step ? ld.last_step : 0;
+    *f.failed_steps = ld.failed_steps;
     rp_batch_free(*f.prev_batch);
     rp_stats_free(*f.prev_stats);
     *f.prev_batch = ld.batch;

@@ -118,6 +118,36 @@ static void test_never(void)
     rp_sched_free(s);
 }
 
+/* The streak toward demote_after is in the checkpoint: a run saved after its first two
+ * failures (steps 2 and 3) and resumed in a new scheduler demotes at step 4, as the
+ * uninterrupted run does (a resumed scheduler counted from 0 and demoted at step 6). */
+static void test_checkpoint(void)
+{
+    rp_sched *s = make(failing_policy(2), 0);
+    for (int t = 0; t < 4; t++) step(s, t);
+    char *state = NULL;
+    size_t len = 0;
+    rp_error err;
+    ok(s && rp_sched_save_state(s, &state, &len, &err) == RP_OK && strstr(state, "\"failed_steps\":2"),
+       "the checkpoint after two failures in a row holds failed_steps 2");
+    rp_sched *r = make(failing_policy(2), 0);
+    ok(r && state && rp_sched_load_state(r, state, len, &err) == RP_OK, "it loads into a new scheduler %s",
+       state ? "" : err.text);
+    int demoted_at = -1;
+    for (int t = 4; t < STEPS && demoted_at < 0; t++) {
+        const rp_step_report *rep = step(r, t);
+        if (rep && rep->demoted) demoted_at = t;
+    }
+    ok(demoted_at == 4, "the resumed run demotes at step 4, as the uninterrupted one (step %d)", demoted_at);
+    char *again = NULL;
+    ok(r && rp_sched_save_state(r, &again, NULL, &err) == RP_OK && !strstr(again, "failed_steps"),
+       "after the demotion the streak is over: the checkpoint leaves failed_steps out");
+    rp_text_free(fx.ctx, state);
+    rp_text_free(fx.ctx, again);
+    rp_sched_free(s);
+    rp_sched_free(r);
+}
+
 int main(void)
 {
     rp_error err;
@@ -128,6 +158,7 @@ int main(void)
     test_default();
     test_back_to_previous();
     test_never();
+    test_checkpoint();
     gen_steps_free(&fx);
     return tap_done();
 }

@@ -45,6 +45,19 @@ def _raise_step_error(st, err, fallback_message=None):
     _lib.raise_error(st, err, cls=cls)
 
 
+def _demote_after(value):
+    """rp_sched_options.demote_after for the Scheduler option: a positive number of steps,
+    or None (or -1) for never. 0 and other negatives are refused: C reads 0 as "the
+    default" and any negative as "never", which a caller writing 0 does not mean."""
+    if value is None:
+        return -1
+    n = _args.integer(value, "demote_after", _args.INT32)
+    if n == -1 or n >= 1:
+        return n
+    raise errors.RangeError("demote_after is %d; it must be a positive number of steps in a row that "
+                            "fell back (default 3), or None (or -1) to never demote" % n, errors.ERANGE)
+
+
 def _config_bytes(config):
     """('path', bytes) or ('text', bytes, name) for a config given as a path, a JSON text
     or a dict."""
@@ -141,7 +154,9 @@ class StepResult:
     later steps and after the scheduler is closed.
     Report: ``report`` (the dict of rp_sched_report_json) and typed fields from the C
     report: ``step_time_s``, ``lower_bound_s``, ``fallback``, ``fallback_reason``,
-    ``swapped``, ``swap_error``, ``policy_name``, ``policy_version``, ``plan_hash``.
+    ``swapped``, ``swap_error``, ``policy_name``, ``policy_version``, ``plan_hash``;
+    demotion (Scheduler's ``demote_after``): ``failed_steps`` (steps in a row that fell
+    back, this one included), ``demoted``, ``demoted_to``, ``demote_error``.
     Migration: ``migration``, the step's expert migration plan (rp_sched_migration) as a
     routepack.migration.Migration copy, or None when the placement did not change."""
 
@@ -351,7 +366,9 @@ class Scheduler:
     ("contiguous" or a plan file whose placement is in use before the first step;
     default: the config's policy.initial_placement), ``num_threads``, ``history``,
     ``max_instructions``, ``max_wall_s``, ``max_memory_bytes``, ``max_depth``,
-    ``comm`` (a routepack.Comm: the ranks of a multi-rank job agree on every plan and
+    ``demote_after`` (a policy whose steps fall back this many times in a row is demoted
+    to the policy it replaced, else attn_kk; default 3; None or -1: never;
+    docs/policies.md, Demotion), ``comm`` (a routepack.Comm: the ranks of a multi-rank job agree on every plan and
     every fallback, docs/distributed.md); and
     ``log_level`` ('debug' ..
     'error', None to silence) for the messages the library sends to the `routepack`
@@ -375,10 +392,11 @@ class Scheduler:
         if comm is not None and not isinstance(comm, distributed.Comm):
             raise errors.InvalidArgumentError("comm must be a routepack.Comm, got %s"
                                               % type(comm).__name__)
-        unknown = sorted(set(options) - set(_OPTION_FIELDS) - {"params", "seed", "initial_placement"})
+        unknown = sorted(set(options) - set(_OPTION_FIELDS)
+                         - {"params", "seed", "initial_placement", "demote_after"})
         if unknown:
             raise TypeError("unknown Scheduler option%s: %s (known: split, log_level, params, "
-                            "seed, initial_placement, comm, %s)"
+                            "seed, initial_placement, demote_after, comm, %s)"
                             % ("s" if len(unknown) > 1 else "", ", ".join(unknown),
                                ", ".join(sorted(_OPTION_FIELDS))))
         self._ctx = Context(log_level)
@@ -402,6 +420,8 @@ class Scheduler:
         if initial is not None:
             self._initial_bytes = _args.c_path(initial, "initial_placement")
             opts.initial_placement = self._initial_bytes
+        if "demote_after" in options:
+            opts.demote_after = _demote_after(options.pop("demote_after"))
         for key, ctype in _OPTION_FIELDS.items():
             if key in options:
                 setattr(opts, key, _args.number(options[key], key) if ctype is None
@@ -748,6 +768,10 @@ class Scheduler:
         r.fallback_reason = _lib.text(rep.fallback_reason)
         r.swapped = bool(rep.swapped)
         r.swap_error = _lib.text(rep.swap_error)
+        r.failed_steps = int(rep.failed_steps)
+        r.demoted = bool(rep.demoted)
+        r.demoted_to = _lib.text(rep.demoted_to)
+        r.demote_error = _lib.text(rep.demote_error)
         r.policy_name = _lib.text(rep.policy_name)
         r.policy_version = _lib.text(rep.policy_version)
         r.policy_hash = int(rep.policy_hash)

@@ -213,3 +213,37 @@ def test_remap_rank_gives_tensors_for_tensors(device):
             assert torch.is_tensor(per_layer) and np.array_equal(per_layer.cpu().numpy(), want)
             checked += len(rows) > 0
     assert checked >= 3
+
+
+def _demote_rank(rank, world, path):
+    import routepack
+    from routepack.torch import DistributedScheduler
+    try:
+        DistributedScheduler(CONFIG, policy=path, demote_after=0)
+        refused = ""
+    except routepack.RangeError as e:
+        refused = str(e)
+    ds = DistributedScheduler(CONFIG, policy=path, demote_after=2)
+    out = []
+    for step in range(5):
+        lens, ids, groups = _batch(step)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        mine = _mine(lens, world, rank, step)
+        rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
+        res = ds.step(lens[mine], torch.as_tensor(ids[rows]), mine, groups[mine], step=step)
+        out.append((res.fallback, res.demoted, res.demoted_to))
+    return refused, out
+
+
+def test_demote_after_is_forwarded(tmp_path):
+    # fails from step 2: demote_after=2 demotes after step 3 on every rank alike
+    text = ("return {name = 'late_failure', version = '1.0.0', api = 1, description = 'fails late',\n"
+            "plan = function(ctx) if ctx.step >= 2 then error('broken') end\n"
+            "return rp.baseline('token_kk+eplb') end}\n")
+    path = tmp_path / "late_failure.lua"
+    path.write_text(text)
+    out = torch_world.run(_demote_rank, 3, str(path))
+    for refused, steps in out:
+        assert "demote_after is 0" in refused
+        assert [s[1] for s in steps] == [False, False, False, True, False]
+        assert steps[3][2] == "attn_kk" and not steps[4][0]
