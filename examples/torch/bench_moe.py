@@ -30,7 +30,13 @@ and peak; gloo measured here), MEASURED as ``plans`` does, and the two orders wi
 Kendall tau.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/torch/bench_moe.py five \
-        --calibration examples/cpu/calibration-cpu.json [--reps 9]
+        --calibration examples/cpu/calibration-cpu.json [--reps 9] [--comm]
+
+With ``--comm`` every all_to_all_single and batch_isend_irecv one step of each plan made is
+recorded (torch.distributed's functions wrapped for one call) and replayed alone, barriers
+around, the least wall time of the slowest rank over --reps summed by kind: MEASURED
+dispatch + combine and point-to-point time (extra-replica fetches, replica gradients)
+beside the model's dispatch_s + combine_s and grad_reduce_s + extra_copy_s, PREDICTED.
 
 Times per repetition are the slowest rank's: wall (perf_counter) and the rank's thread CPU
 time (time.thread_time: what a rank computes, not what it waits for; with more ranks than
@@ -407,20 +413,21 @@ def part_five(args, rank, world):
     lens = rng.integers(T // seqs // 4, 2 * T // seqs, seqs * world).astype(np.int32)
     routing = skewed_routing(rng, int(lens.sum()), E, k, np.arange(E // world), args.skew).astype(np.int32)
     routing = routing.reshape(-1, 1, k)
-    plans = []
+    plans, reports = [], []
     for label, policy, params, balancer in FIVE:
         cfg = config("routepack_torch", args.spare_slots)
         sched = routepack.Scheduler(cfg, policy=policy, params=params, log_level=None)
         res = sched.step(lens, routing)
         if res.fallback:
             raise SystemExit("%s fell back: %s" % (label, res.fallback_reason))
-        predicted = res.step_time_s
+        predicted, report = res.step_time_s, res.report["cost"]
         if balancer:
             bcfg = config("megatron_balancer", 0)
             with routepack.Scheduler(bcfg, policy="token_kk+virtual_experts", log_level=None) as bs:
                 bres = bs.step(lens, routing)
-            predicted = bres.step_time_s
+            predicted, report = bres.step_time_s, bres.report["cost"]
         plans.append((label, res, predicted, balancer))
+        reports.append(report)
     g = torch.Generator().manual_seed(0)
     w_in, w_out = torch.randn(E, d, f, generator=g) * d ** -0.5, torch.randn(E, f, d, generator=g) * f ** -0.5
     router = torch.randn(E, d, generator=g) * d ** -0.5
@@ -489,11 +496,75 @@ def part_five(args, rank, world):
         print("  measured order (thread CPU medians): %s" % order(cpu_t))
         print("  Kendall tau predicted vs measured: %.2f (thread CPU), %.2f (wall)" % (kendall(pred, cpu_t),
                                                                                    kendall(pred, wall_t)))
+    if args.comm:
+        comm = [replay_comm(step(placement, layer, mbs, bal), args.reps) for _, placement, layer, mbs, bal in runs]
+        if rank == 0:
+            print("  communication, each collective the step ran replayed alone (barriers around, least wall of %d), "
+                  "MEASURED, against the model's terms with gloo's figures above, PREDICTED:" % args.reps)
+            for (label, *_), rep, (a2a, p2p, n_a2a, n_p2p) in zip(plans, reports, comm):
+                print("  %-20s dispatch + combine: PREDICTED %7.2f ms  MEASURED %7.2f ms (%d all_to_all_single)   "
+                      "extra-replica fetches + replica gradients: PREDICTED %7.2f ms  MEASURED %7.2f ms "
+                      "(%d batch_isend_irecv)" % (
+                          label, (rep["dispatch_s"] + rep["combine_s"]) * 1e3, a2a * 1e3, n_a2a,
+                          (rep["grad_reduce_s"] + rep["extra_copy_s"]) * 1e3, p2p * 1e3, n_p2p))
+            print("  (the model charges the balancer's weight pushes and gradient returns as dispatch time; the "
+                  "layer sends them point to point)")
+
+
+def replay_comm(run, reps):
+    """The step's collectives, each replayed alone: every all_to_all_single and
+    batch_isend_irecv one call of ``run`` makes (the layer's dispatch, combine, their
+    backward, the counts, the replica-gradient exchange) is recorded, then each is re-run
+    with barriers around it; the least wall time over ``reps`` (the slowest rank's) is
+    summed by kind. Returns (all_to_all seconds, isend/irecv seconds, counts)."""
+    a2a_real, p2p_real = dist.all_to_all_single, dist.batch_isend_irecv
+    a2a_calls, p2p_calls = [], []
+
+    def a2a(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        a2a_calls.append((output.shape, output.dtype, input.detach().clone(), output_split_sizes,
+                          input_split_sizes, group))
+        return a2a_real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    def p2p(ops):
+        p2p_calls.append([(op.op, op.tensor.detach().clone(), op.peer, op.group) for op in ops])
+        return p2p_real(ops)
+    dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p
+    try:
+        run()
+    finally:
+        dist.all_to_all_single, dist.batch_isend_irecv = a2a_real, p2p_real
+    # every rank made the same collectives in the same order; replay them one at a time
+    n = torch.tensor([len(a2a_calls), len(p2p_calls)])
+    every = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, n)
+    if any(not torch.equal(e, n) for e in every):
+        raise SystemExit("the ranks made different collectives: %s" % [e.tolist() for e in every])
+
+    def least(fn):
+        best = float("inf")
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            t = time.perf_counter() - t0
+            best = min(best, slowest([t])[0])
+        return best
+    t_a2a = sum(least(lambda c=c: a2a_real(torch.empty(c[0], dtype=c[1]), c[2], c[3], c[4], group=c[5]))
+                for c in a2a_calls)
+
+    def p2p_once(ops):
+        works = p2p_real([dist.P2POp(op, t.clone(), peer, group) for op, t, peer, group in ops])
+        for w in works:
+            w.wait()
+    t_p2p = sum(least(lambda ops=ops: p2p_once(ops)) for ops in p2p_calls)
+    return t_a2a, t_p2p, len(a2a_calls), len(p2p_calls)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", choices=["plain", "plans", "five"])
+    ap.add_argument("--comm", action="store_true", help="five: also replay each plan's collectives alone and "
+                                                       "set them against the model's communication terms")
     ap.add_argument("--calibration", help="five: take the expert curve, backward ratio and peak from this "
                                           "calibration.json (examples/cpu/calibration-cpu.json)")
     ap.add_argument("--reps", type=int, default=9)

@@ -8,7 +8,8 @@
    (which loads calibration-cpu.json), each policy at 1, 2, 4 and 8 microbatches;
 2. every cell timed twice (measure --device cpu --workers W: W pinned one-thread workers,
    fp32, least thread CPU time of --reps), the load average beside each;
-3. the five plans of examples/torch/bench_moe.py five on two gloo ranks;
+3. the five plans of examples/torch/bench_moe.py five --comm on two gloo ranks (their steps,
+   then their collectives replayed alone against the model's communication terms);
 4. the figures of the first measurement against the predictions, the second as its noise
    floor; WORK/section-measured-cpu.md written from them (and WORK/cpu-fidelity.json).
 Needs torch and the routepack CLI (ROUTEPACK_CLI)."""
@@ -82,7 +83,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     bench = subprocess.run([py, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                             os.path.join(args.root, "examples", "torch", "bench_moe.py"), "five",
-                            "--calibration", "examples/cpu/calibration-cpu.json", "--reps", str(args.five_reps)],
+                            "--calibration", "examples/cpu/calibration-cpu.json", "--reps", str(args.five_reps), "--comm"],
                            capture_output=True, text=True, env=env, cwd=args.root)
     five = [l for l in bench.stdout.splitlines() if l.startswith(("five plans", "  "))]
     if bench.returncode != 0 or not five:
@@ -153,7 +154,10 @@ def render(o, doc):
     lines += ["", "Five plans of one skewed batch on two gloo ranks (`examples/torch/bench_moe.py five`: the MoE "
               "layer's forward and backward of every microbatch and the replica-gradient exchange, MEASURED; the "
               "routepack_torch profile's step, PREDICTED with the CPU profile's expert figures and gloo's measured "
-              "bandwidth; the balancer stand-in predicted under megatron_balancer). Load: `%s`." % o["five_uptime"],
+              "bandwidth; the balancer stand-in predicted under megatron_balancer). Then each plan's collectives "
+              "(every all_to_all_single and batch_isend_irecv its step made) replayed alone and timed (MEASURED) "
+              "beside the model's dispatch + combine and replica-gradient + extra-copy terms (PREDICTED). "
+              "Load: `%s`." % o["five_uptime"],
               "", "```"] + o["five"] + ["```"]
     return "\n".join(lines) + "\n"
 
