@@ -764,8 +764,9 @@ static const char *const overlap_names[] = {"none", "layer", NULL};
 static const char *const dedup_names[] = {"choice", "gpu", "node", NULL};
 static const char *const sharding_names[] = {"none", "dp", NULL};
 /* in rp_executor order */
-static const char *const executor_names[] = {"routepack_torch", "megatron_alltoall", "deepep", "megatron_balancer",
-                                             "ideal", NULL};
+static const char *const executor_names[] = {"routepack_torch",   "megatron_alltoall", "deepep",
+                                             "megatron_balancer", "ideal",             "megatron_routepack",
+                                             NULL};
 
 /* execution.executor alone, before the trainer (whose per_forward_balancer defaults to
  * whether the executor runs the balancer) and the rest of the section. */

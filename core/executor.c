@@ -28,6 +28,14 @@ static const rp_executor_profile profiles[] = {
      * makes its own replicas each forward; its costs are priced per forward (cost_vexp.c). */
     {RP_EXECUTOR_MEGATRON_BALANCER, "megatron_balancer", RP_DEDUP_GPU, 2, RP_GRAD_REDUCE_PAIRWISE, true, 1, 0, false,
      false, RP_LEVER_BALANCER, true, false},
+    /* Megatron-Core's all-to-all dispatcher (as megatron_alltoall) running RoutePack's layer,
+     * routepack.adapters.megatron_layer: RoutePackMoELayer builds Megatron's experts over the
+     * plan's slots (num_moe_experts = EP x slots_per_gpu) and sends each token-choice to the
+     * slot the plan's remap gives it, so replicas in spare slots and per-microbatch shares
+     * run; reduce_replica_grads sends each holder's FP32 main_grad to the expert's other
+     * holders. Megatron's expert forms hold a fixed number of local experts: no extras. */
+    {RP_EXECUTOR_MEGATRON_ROUTEPACK, "megatron_routepack", RP_DEDUP_CHOICE, 0, RP_GRAD_REDUCE_HOLDERS, true, 1, 0,
+     false, false, RP_LEVER_REPLICAS | RP_LEVER_SHARES, true, false},
     /* The model before executor profiles (issue 30): DeepEP-like de-duplication, BF16
      * combine, pairwise replica reductions in the weights' dtype, no host costs, extras
      * copied per microbatch, the balancer's pushes alone: every lever. No trainer runs

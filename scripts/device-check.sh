@@ -9,6 +9,8 @@
 #      MAPE against the cost model's predictions, with the defaults and with the fresh
 #      calibration (communication cannot be measured on one GPU: compute only);
 #   4. the torch example on one GPU (torchrun --nproc-per-node 1, NCCL).
+#   5. Megatron-Core's MoE layer (examples/megatron/train_moe.py) on one GPU, SequentialMLP
+#      and, where transformer_engine imports, TEGroupedMLP: final losses against contiguous.
 # Prints every figure. Finishes within 10 minutes: every step's limit is cut to what is
 # left of one budget. Sections 1, 3 and 4 need python3 with torch and numpy (the image's).
 # calibration.json, its detail and the fidelity files land in BUILD_DIR, and in $OUT too
@@ -306,6 +308,34 @@ if [ $have_torch = 1 ]; then
   if [ $rc -ne 0 ] || ! printf '%s\n' "$ex_out" | grep -q '^final loss'; then
     failed+=("torch example (exit $rc)")
   fi
+fi
+
+# ---- 10. Megatron-Core's own MoE layer on one GPU ------------------------------------------------
+# examples/megatron/train_moe.py under NCCL: SequentialMLP and, where Transformer Engine
+# imports, TEGroupedMLP (whose weight{i} layout expert_pieces maps; never run on CPU), each
+# with token_kk+eplb (replicas in the spare slot, migrations) against token_kk+contiguous:
+# the final losses must agree to 1e-5.
+if [ $have_torch = 1 ] && "$py" -c 'import megatron.core' 2>/dev/null; then
+  specs=local
+  if "$py" -c 'import transformer_engine.pytorch' 2>/dev/null; then specs="local te"; fi
+  for spec in $specs; do
+    losses=()
+    for policy in token_kk+eplb token_kk+contiguous; do
+      say "megatron example: --spec $spec --policy $policy ($(elapsed) s so far)"
+      meg_out=$(cd "$root" && timeout "$(left 30)" "$py" -m torch.distributed.run --nproc-per-node 1 \
+                examples/megatron/train_moe.py --steps 3 --spec "$spec" --policy "$policy" 2>&1)
+      rc=$?
+      printf '%s\n' "$meg_out" | grep -E '^(step|final)' | sed 's/^/  /'
+      losses+=("$(printf '%s\n' "$meg_out" | sed -n 's/^final loss //p')")
+      [ $rc -eq 0 ] || failed+=("megatron example --spec $spec --policy $policy (exit $rc)")
+    done
+    if ! "$py" -c 'import sys; a, b = map(float, sys.argv[1:3]); sys.exit(abs(a - b) > 1e-5 * abs(b))' \
+         "${losses[0]:-nan}" "${losses[1]:-nan}"; then
+      failed+=("megatron example --spec $spec: final losses differ (${losses[0]:-none} vs ${losses[1]:-none})")
+    fi
+  done
+else
+  say "megatron example: skipped (megatron.core does not import)"
 fi
 
 say "done in $(elapsed) s"

@@ -284,6 +284,56 @@ static void test_stock_executors(void)
     if (f.cfg) batch_fixture_free(&f);
 }
 
+/* megatron_routepack (routepack.adapters.megatron_layer): Megatron's all-to-all dispatcher
+ * over the plan's slots. The 4-GPU scene's replicas in spare slots are accepted, its
+ * gradients exchanged among the holders in FP32 main_grad (4 B a parameter at 2 B
+ * weights: rank 0 sends 2 messages of 96 B, 2 x (96 / 8 + 0.5) = 25 s), a copy per
+ * token-choice; the scene's extra replica is refused by name, and the joint planner,
+ * asked for shares and extras, makes shares only. */
+static void test_megatron_routepack(void)
+{
+    scene m, t;
+    bool made = scene4(&m, "\"executor\": \"megatron_routepack\"", 2, false) && scene4(&t, "", 2, false);
+    ok(made, "megatron_routepack: replicas in spare slots accepted");
+    if (made) {
+        const rp_execution *x = rp_config_execution(m.f.cfg);
+        ok(x->dispatch_dedup == RP_DEDUP_CHOICE && x->replica_grad_reduce == RP_GRAD_REDUCE_HOLDERS &&
+               x->replica_grad_bytes_per_element == 4 && fabs(x->host_s_per_layer - 15e-6) < 1e-15 &&
+               x->levers == (RP_LEVER_REPLICAS | RP_LEVER_SHARES) && !rp_config_trainer(m.f.cfg)->per_forward_balancer,
+           "megatron_routepack: a copy per choice, holders in FP32, one sync a layer, replicas and shares, no balancer");
+        /* holders without the extra: expert 0 on ranks 0 and 3, 1 on 0 and 1, 2 on 1 and 2 */
+        is_double(m.sum.grad_reduce_s, 25.0, 1e-9, "rank 0 sends 2 FP32 gradients of 96 B: 2 x (96 / 8 + 0.5) = 25 s");
+        is_double(t.sum.grad_reduce_s, 13.0, 1e-9, "routepack_torch (weights' dtype): 2 x (48 / 8 + 0.5) = 13 s");
+    } else {
+        skip(3, "no scene");
+    }
+    scene_free(&m);
+    scene_free(&t);
+
+    scene e;
+    memset(&e, 0, sizeof e);
+    made = scene4(&e, "\"executor\": \"megatron_routepack\"", 2, true);
+    ok(made, "megatron_routepack with an extra replica evaluates");
+    if (made) {
+        rp_error err;
+        is_int(rp_plan_validate(e.plan, e.f.cfg, e.f.batch, &err), RP_EPLAN, "a plan with extra replicas is invalid");
+        like(err.text, "execution.executor \"megatron_routepack\" cannot run extra replicas (it runs: replicas, "
+                       "shares), but the plan has 2 extra replicas", "named, with what it runs");
+        rp_joint_params par = rp_joint_defaults();
+        par.max_extra_per_rank = 4;
+        par.shares = true;
+        rp_plan *j = NULL;
+        bool good = rp_joint_plan(ctx, e.f.cfg, e.f.batch, e.f.stats, NULL, NULL, &par, &j, NULL, &err) == RP_OK;
+        if (!good) diag("%s", err.text);
+        ok(good && rp_plan_num_extra_replicas(j) == 0 && rp_plan_validate(j, e.f.cfg, e.f.batch, &err) == RP_OK,
+           "the joint planner asked for extras makes none under megatron_routepack, and its plan is valid");
+        rp_plan_free(j);
+    } else {
+        skip(3, "no scene");
+    }
+    scene_free(&e);
+}
+
 /* Megatron's balancer charges what it costs: 2 GPUs, EP 2, 2 experts, sequences of 6 and
  * 2 tokens (GPU 0 and GPU 1) all routed to expert 0 (rank 0's). The balancer gives each
  * rank 4 choices (rank 0 sends 2 to rank 1's virtual slot) and pushes expert 0 to rank 1.
@@ -333,6 +383,7 @@ int main(void)
     test_extras_ahead();
     test_combine_dtype();
     test_stock_executors();
+    test_megatron_routepack();
     test_balancer();
     rp_context_free(ctx);
     return tap_done();

@@ -22,11 +22,15 @@ every logical parameter and optimizer state). On CPU (gloo) the CUDA calls megat
 Options: --policy (default token_kk+eplb: replicas of the hottest experts in the spare
 slots, or with --layer stock a permutation of the experts), --layer routepack|stock
 (RoutePackMoELayer over the plan's slots, default; or Megatron's MoELayer, each expert
-once), --steps, --seqs-per-rank, --seed, --lr, --dump PATH (rank 0 saves
+once), --spec local|te (SequentialMLP experts, default; or Transformer Engine's
+TEGroupedMLP, CUDA only), --overlap-grad-reduce (Megatron DDP reduce-scatters gradients during the backward;
+the replicas' gradients are summed as each layer's backward ends), --steps, --seqs-per-rank,
+--seed, --lr, --dump PATH (rank 0 saves
 the per-step losses and MegatronMigration.logical_state_dict() with torch.save), --load
 PATH (a --dump file's logical state loaded into the model and optimizer first)."""
 
 import argparse
+import contextlib
 import os
 import sys
 import zlib
@@ -42,10 +46,14 @@ VOCAB, HIDDEN, HEADS, FFN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 32, 2, 8, 2
 
 def config_for(world, layer="routepack"):
     """One node of `world` GPUs = Megatron's EP group; num_experts / EP slots each, and a
-    spare slot for a replica with RoutePack's layer (stock Megatron holds every expert once)."""
+    spare slot for a replica with RoutePack's layer (stock Megatron holds every expert once).
+    The executor profile says what runs the plan, so the planner prices it and makes only
+    the levers it runs: megatron_routepack (replicas and shares, no extra replicas) or
+    megatron_alltoall (every expert once)."""
     return {
         "topology": {"num_nodes": 1, "gpus_per_node": world, "ep_size": world,
                      "slots_per_gpu": EXPERTS // world + (layer == "routepack")},
+        "execution": {"executor": "megatron_routepack" if layer == "routepack" else "megatron_alltoall"},
         "model": {"num_layers": LAYERS, "num_experts": EXPERTS, "top_k": TOP_K, "hidden_size": HIDDEN,
                   "expert_ffn_size": FFN, "num_heads": HEADS, "num_kv_heads": HEADS,
                   "head_dim": HIDDEN // HEADS},
@@ -53,11 +61,13 @@ def config_for(world, layer="routepack"):
     }
 
 
-def build(world, seed, start, layer="routepack"):
+def build(world, seed, start, layer="routepack", spec_kind="local"):
     """GPTModel with MoE layers, every weight a function of its logical name (an expert's
     of its logical id), loaded where placement `start` (phy2log [L, slots]) puts the
     experts. layer "routepack": RoutePackMoELayer over the plan's slots (replicas), with
-    Megatron's router replay; "stock": Megatron's MoELayer, one slot per expert."""
+    Megatron's router replay; "stock": Megatron's MoELayer, one slot per expert. spec_kind
+    "local": Megatron's local spec (SequentialMLP experts); "te": the Transformer Engine
+    spec with grouped GEMMs (TEGroupedMLP: CUDA and transformer_engine)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -72,12 +82,17 @@ def build(world, seed, start, layer="routepack"):
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         num_moe_experts=slots, moe_router_topk=TOP_K, moe_enable_routing_replay=layer == "routepack", moe_ffn_hidden_size=FFN,
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, expert_model_parallel_size=world,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=spec_kind == "te",
+        expert_model_parallel_size=world,
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, add_bias_linear=False,
         use_cpu_initialization=not torch.cuda.is_available(), params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=False)
-    spec = get_gpt_layer_local_spec(num_experts=slots)
+    if spec_kind == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=slots, moe_grouped_gemm=True)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=slots)
     if layer == "routepack":
         spec = with_routepack_layers(spec, EXPERTS)
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64)
@@ -167,9 +182,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--overlap-grad-reduce", action="store_true",
+                    help="Megatron DDP's overlap_grad_reduce: gradients reduce-scattered during the "
+                         "backward; replicas' gradients summed at each layer's readiness")
     ap.add_argument("--layer", choices=("routepack", "stock"), default="routepack",
                     help="routepack: RoutePackMoELayer over the plan's slots (replicas in a spare "
                          "slot per rank); stock: Megatron's MoELayer, the experts renumbered")
+    ap.add_argument("--spec", choices=("local", "te"), default="local",
+                    help="local: SequentialMLP experts (runs on CPU); te: Transformer Engine's "
+                         "TEGroupedMLP (needs CUDA and transformer_engine; scripts/device-check.sh)")
     ap.add_argument("--load", default=None,
                     help="a --dump file: its logical state loaded before the first step")
     args = ap.parse_args()
@@ -197,9 +218,12 @@ def main():
     config = config_for(world, args.layer)
     sched = DistributedScheduler(config, policy=args.policy, log_level=None)
     start = sched.initial_placement()
-    mcfg, model = build(world, args.seed, start, args.layer)
+    if args.spec == "te" and not cuda:
+        sys.exit("--spec te needs CUDA (Transformer Engine's grouped GEMMs)")
+    mcfg, model = build(world, args.seed, start, args.layer, args.spec)
     ddp = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce), model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, use_distributed_optimizer=True, bf16=False, clip_grad=0.0,
         weight_decay=0.0), [ddp])
@@ -254,17 +278,23 @@ def main():
             pos = torch.arange(inp.shape[1], device=device)[None].expand_as(inp)
             if args.layer == "routepack":
                 replay_plan(layers, res, rank, m, packed[m]["routing"], mask, lens, RouterReplayAction)
-            per_token = ddp(inp, pos, None, labels=labels)
-            loss = (per_token * mask).sum()
-            # DDP averages over the DP ranks: scaled so the update is the whole batch's mean
-            (loss * world / num_targets).backward()
+            # DDP reduces gradients after the last micro-batch only (Megatron's no_sync_func);
+            # with --overlap-grad-reduce during its backward, bucket by bucket
+            last = m == len(res.microbatches[rank]) - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                per_token = ddp(inp, pos, None, labels=labels)
+                loss = (per_token * mask).sum()
+                # DDP averages over the DP ranks: scaled so the update is the whole batch's mean
+                (loss * world / num_targets).backward()
             loss_sum += loss.detach()
         if args.layer == "routepack":
             for moe in layers:       # the next rollout routes by itself
                 moe.router.router_replay.set_router_replay_action(None)
                 moe.set_physical(None)
             # replicas of an expert take the sum of their gradients, before DDP's reduction
-            reduce_replica_grads(layers, res.phy2log, ps.get_expert_model_parallel_group())
+            # (overlapped: the migration's hook did, as each layer's backward ended)
+            if migration.overlapped_grads is None:
+                reduce_replica_grads(layers, res.phy2log, ps.get_expert_model_parallel_group())
         finalize_model_grads([ddp])
         opt.step()
         dist.all_reduce(loss_sum)

@@ -420,7 +420,7 @@ def main():
                   "planning %.1f ms  waited %.1f ms  loss %.6f%s"
                   % (step, res.policy_name, res.step_time_s * 1e3,
                      "/".join("%.0f" % (w.item() * 1e3) for w in walls), res.experts_moved,
-                     sched.last_exchange_bytes["sent"], plan_s * 1e3, waited_s * 1e3, step_loss, swapped),
+                     res.exchange_bytes["sent"], plan_s * 1e3, waited_s * 1e3, step_loss, swapped),
                   flush=True)
 
     # Logical parameters: dense ones as they are, experts gathered by id.

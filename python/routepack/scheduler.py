@@ -177,6 +177,7 @@ class StepResult:
     def __init__(self):
         self.migration = None
         self.physical_routing = None
+        self.exchange_bytes = None   # routepack.torch.DistributedScheduler: this rank's statistics exchange
         self.slot_tokens = None
         self._rank_table = None
 

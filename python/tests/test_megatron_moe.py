@@ -24,6 +24,13 @@ from conftest import REPO  # noqa: E402
 EXAMPLE = REPO / "examples" / "megatron" / "train_moe.py"
 
 
+@pytest.fixture(scope="module")
+def contiguous(tmp_path_factory):
+    """The run that never moves an expert (RoutePackMoELayer, token_kk+contiguous), shared
+    by the tests that compare against it."""
+    return _run(tmp_path_factory.mktemp("contiguous"), "contiguous", "--policy", "token_kk+contiguous")
+
+
 def _run(tmp_path, name, *extra, steps=3):
     dump = tmp_path / (name + ".pt")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -54,12 +61,12 @@ def _moved_replicated(out):
             [int(l.split("replicated ")[1].split()[0]) for l in rows])
 
 
-def test_megatron_replicas_and_migration_equal_the_contiguous_run(tmp_path):
+def test_megatron_replicas_and_migration_equal_the_contiguous_run(tmp_path, contiguous):
     """RoutePackMoELayer (a spare slot per rank): token_kk+eplb replicates hot experts there
     and migrates every step; Megatron's dispatcher runs the slots, replicas' gradients are
     summed among their holders, and nothing differs from the contiguous run."""
     out, run = _run(tmp_path, "eplb", "--policy", "token_kk+eplb")
-    ref_out, ref = _run(tmp_path, "contiguous", "--policy", "token_kk+contiguous")
+    ref_out, ref = contiguous
     moved, replicated = _moved_replicated(out)
     assert len(moved) == 3 and sum(moved) > 0 and min(replicated) > 0   # moved, and replicas
     assert _moved_replicated(ref_out) == ([0, 0, 0], [0, 0, 0])
@@ -77,6 +84,19 @@ def test_megatron_replicas_and_migration_equal_the_contiguous_run(tmp_path):
         if name.endswith("local_tokens_per_expert"):
             continue      # a counter of the running step, not state a checkpoint needs
         assert torch.equal(loaded["state"][name], p), name
+
+
+def test_megatron_overlapped_grad_reduce_equals_the_contiguous_run(tmp_path, contiguous):
+    """DDP's overlap_grad_reduce (gradients reduce-scattered during the backward, earlier
+    micro-batches under no_sync): the replicas' gradients are summed as each layer's
+    backward ends (OverlappedReplicaGrads, installed by MegatronMigration), before DDP
+    starts their bucket; losses and state equal the contiguous run's."""
+    out, run = _run(tmp_path, "overlap", "--policy", "token_kk+eplb", "--overlap-grad-reduce")
+    ref_out, ref = contiguous
+    moved, replicated = _moved_replicated(out)
+    assert sum(moved) > 0 and min(replicated) > 0
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    _close(run["state"], ref["state"], norm=True)
 
 
 def test_megatron_stock_layer_migration_equals_the_contiguous_run(tmp_path):
@@ -116,13 +136,41 @@ def _refuses(rank, world):
         except errors.InvalidArgumentError as e:
             said.append(str(e))
     ok = MegatronMigration(sched, ddp, opt, group=group)     # the whole optimizer: accepted
+
+    # a plan with an extra replica (a policy that adds one, under routepack_torch's profile,
+    # which runs them): Megatron's expert forms cannot, and execute refuses before moving
+    import tempfile
+    policy = os.path.join(tempfile.mkdtemp(), "one_extra.lua")
+    with open(policy, "w") as f:
+        f.write('return {name = "one_extra", version = "1.0.0", api = 1, description = "an extra replica",\n'
+                'plan = function(ctx)\n'
+                '  local p = rp.baseline("token_kk+contiguous")\n'
+                '  p:set({extra_replicas = {{microbatch = 0, layer = 0, expert = 0, ep_rank = 1}}})\n'
+                '  return p end}\n')
+    config = train_moe.config_for(world)
+    config["execution"] = {"executor": "routepack_torch"}
+    other = DistributedScheduler(config, policy=policy, log_level=None)
+    import numpy as np
+    lens = np.full(4, 8, np.int32)
+    t = np.arange(32)[:, None, None] + np.arange(2)[None, :, None] + np.arange(2)[None, None, :]
+    routing = torch.as_tensor(t % 8, dtype=torch.int32)          # [tokens, layers, k], distinct k
+    res = other.step(lens, routing, np.arange(4) + 4 * rank)
+    extras = len(res.extra_replicas)
+    refused = None
+    try:
+        MegatronMigration(other, ddp, opt, group=group).execute(res)
+    except errors.NotSupportedError as e:
+        refused = str(e)
+    other.close()
     ps.destroy_model_parallel()
     sched.close()
-    return said, ok.num_local
+    return said, ok.num_local, extras, refused
 
 
 def test_megatron_migration_refuses_weights_only():
-    for said, num_local in torch_world.run(_refuses, 2, timeout=300):
+    for said, num_local, extras, refused in torch_world.run(_refuses, 2, timeout=300):
+        assert extras == 1 and refused is not None and "1 per-microbatch extra replicas" in refused
+        assert 'execution.executor "megatron_routepack"' in refused, refused
         assert said[0] is not None and "no optimizer" in said[0]
         assert said[1] is not None and "MoE layer 0 local expert 0 linear_fc1.weight" in said[1], said[1]
         assert num_local == 5     # 4 experts and a spare slot per rank

@@ -126,7 +126,11 @@ def _ahead_rank(rank, world):
                     call()
                 except errors.InvalidArgumentError as e:
                     out["refused"].append(str(e))
+        planned.wait()                       # the thread is done; its result not taken yet
+        before = ahead.last_exchange_bytes   # still the step before's: the thread never writes it
         res = planned.result()
+        out.setdefault("exchange", []).append((before, ahead.last_exchange_bytes, res.exchange_bytes,
+                                               want.exchange_bytes))
         out["hashes"].append((res.plan_hash, want.plan_hash))
         out.setdefault("waited", []).append(planned.waited_s)
         assert planned.planning_s > 0 and planned.done()
@@ -138,6 +142,12 @@ def _ahead_rank(rank, world):
 def test_planned_ahead_is_the_synchronous_plan_and_waits_when_late():
     out = torch_world.run(_ahead_rank, 3)
     for o in out:
+        # the statistics exchange travels on the result; last_exchange_bytes moves only when
+        # result() hands the step over, on the trainer's thread
+        prev = None
+        for before, last, carried, sync in o["exchange"]:
+            assert before == prev and last == carried == sync and carried["sent"] > 64
+            prev = carried
         assert [a for a, _ in o["hashes"]] == [b for _, b in o["hashes"]]   # the same plans
         assert "plan_ahead=True" in o["refused"][0]
         assert all("a plan is in flight" in r for r in o["refused"][1:]) and len(o["refused"]) == 3

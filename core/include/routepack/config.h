@@ -145,8 +145,11 @@ typedef enum rp_executor {
     RP_EXECUTOR_MEGATRON_ALLTOALL = 1, /* Megatron-Core's all-to-all token dispatcher, dropless */
     RP_EXECUTOR_DEEPEP = 2,            /* Megatron-Core's flex dispatcher over DeepEP/HybridEP */
     RP_EXECUTOR_MEGATRON_BALANCER = 3, /* Megatron-Core with its virtual-expert balancer (MoonEP) */
-    RP_EXECUTOR_IDEAL = 4              /* what the model priced before executor profiles: no
+    RP_EXECUTOR_IDEAL = 4,             /* what the model priced before executor profiles: no
                                           trainer runs exactly this (docs/cost-model.md) */
+    RP_EXECUTOR_MEGATRON_ROUTEPACK = 5 /* Megatron-Core's all-to-all dispatcher with RoutePack's
+                                          layer (routepack.adapters.megatron_layer): replicas in
+                                          spare slots and shares, no extra replicas */
 } rp_executor;
 
 /* How the gradients of an expert's replicas are summed (docs/cost-model.md). */

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
+from ..torch.holders import sum_among_holders
 from .megatron_migration import expert_pieces
 
 
@@ -112,37 +113,95 @@ def with_routepack_layers(spec, num_logical_experts):
 
 def reduce_replica_grads(layers, phy2log, group=None):
     """Sum each replicated expert's gradient (``main_grad`` of its pieces, expert_pieces) over
-    every slot holding it, on every rank of the EP group ``group``, so that replicas take
-    the same update; call after the step's backward passes and before DDP's gradient sync
-    (finalize_model_grads / finish_grad_sync): Megatron's overlapped grad reduce
-    (overlap_grad_reduce) would have started reducing before this and is refused.
-    ``layers``: the model's MoE layers in order; ``phy2log``: the step's placement [L][slots]
-    (StepResult.phy2log). One all_reduce per layer holding a replicated expert, of the
-    replicated experts' gradients (every rank, the same layers)."""
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    for l, layer in enumerate(layers):
-        row = np.asarray(phy2log[l], dtype=np.int64)
-        n = len(row) // ep
-        counts = np.bincount(row[row >= 0], minlength=layer.num_logical_experts)
-        replicated = np.flatnonzero(counts > 1)
-        if not len(replicated):
-            continue
-        index = {int(e): i for i, e in enumerate(replicated)}
-        pieces = [expert_pieces(layer.experts, i) for i in range(n)]
-        for _, p, _ in pieces[0]:
-            if getattr(p, "main_grad", None) is None:
-                raise errors.NotSupportedError("expert parameters without main_grad: wrap the model "
-                                               "in Megatron's DistributedDataParallel first")
-        sizes = [select(p.main_grad).numel() for _, p, select in pieces[0]]
-        width = sum(sizes)
-        total = torch.zeros((len(replicated), width), dtype=pieces[0][0][1].main_grad.dtype,
-                            device=pieces[0][0][1].main_grad.device)
-        mine = [(i, index[int(row[rank * n + i])]) for i in range(n) if int(row[rank * n + i]) in index]
-        for i, r in mine:
-            total[r] += torch.cat([select(p.main_grad).reshape(-1) for _, p, select in pieces[i]])
-        dist.all_reduce(total, group=group)
-        for i, r in mine:
-            at = 0
-            for (_, p, select), size in zip(pieces[i], sizes):
-                select(p.main_grad).copy_(total[r, at:at + size].view(select(p.main_grad).shape))
-                at += size
+    every slot holding it, exchanged among the EP ranks that hold it only
+    (routepack.torch.holders: each holder sends its summed FP32 copy to every other holder
+    in one batched call for all layers; what the ``megatron_routepack`` executor profile
+    prices), so that replicas take the same update. Call after the step's backward passes
+    and before DDP's gradient sync (finalize_model_grads / finish_grad_sync): Megatron's
+    overlapped grad reduce (overlap_grad_reduce) would have started reducing before this
+    and is refused. ``layers``: the model's MoE layers in order; ``phy2log``: the step's
+    placement [L][slots] (StepResult.phy2log). Collective over ``group`` (every rank of
+    the EP group calls it). Returns the bytes this rank sent."""
+    ep = dist.get_world_size(group)
+    grads, device = [], None
+    for layer in layers:
+        n = len(phy2log[0]) // ep
+        slots = []
+        for i in range(n):
+            pieces = expert_pieces(layer.experts, i)
+            for _, p, _ in pieces:
+                if getattr(p, "main_grad", None) is None:
+                    raise errors.NotSupportedError("expert parameters without main_grad: wrap the model "
+                                                   "in Megatron's DistributedDataParallel first")
+                device = p.main_grad.device
+            slots.append([select(p.main_grad) for _, p, select in pieces])
+        grads.append(slots)
+    return sum_among_holders(phy2log, grads, group, device)
+
+
+class _ReadyGate:
+    """Stands in DDP's param_to_bucket_group for one MoE layer's expert parameters: on the
+    last micro-batch it holds their register_grad_ready until every one of them is ready,
+    sums the layer's replica gradients among their holders, then passes them on."""
+
+    def __init__(self, owner, layer, real):
+        self.owner, self.layer, self.real = owner, layer, real
+
+    def __getattr__(self, name):          # everything else is the bucket group's
+        return getattr(self.real, name)
+
+    def register_grad_ready(self, param, force_all_reduce=False):
+        self.owner._ready(self.layer, self.real, param, force_all_reduce)
+
+
+class OverlappedReplicaGrads:
+    """Replica gradients under Megatron DDP's ``overlap_grad_reduce`` (which starts a
+    bucket's reduce-scatter during the backward pass as soon as its parameters' gradients
+    are ready): every RoutePackMoELayer's expert parameters report ready through a gate
+    that, on the step's last micro-batch, waits for all of the layer's expert parameters,
+    sums their replicated experts' ``main_grad`` among the holders (as
+    reduce_replica_grads), and only then lets DDP start their bucket. MegatronMigration
+    installs it when DDP overlaps and sets each step's placement from ``execute``; then
+    do not call reduce_replica_grads. Micro-batches before the last must run under
+    ``ddp.no_sync()``, as Megatron's training loop does."""
+
+    def __init__(self, ddps, layers, group=None):
+        self.layers, self.group = layers, group
+        self.rows, self.done = None, set()
+        ep = dist.get_world_size(group)
+        self._params, self._held = [], {}
+        for l, layer in enumerate(layers):
+            n = layer.config.num_moe_experts // ep
+            params = {id(p): p for i in range(n) for _, p, _ in expert_pieces(layer.experts, i)}
+            self._params.append(set(params))
+            for p in params.values():
+                for ddp in ddps:
+                    table = ddp.param_to_bucket_group
+                    if p in table and not isinstance(table[p], _ReadyGate):
+                        table[p] = _ReadyGate(self, l, table[p])
+
+    def start_step(self, phy2log):
+        """The step's placement (StepResult.phy2log [L][slots]): call before its backward."""
+        self.rows = [np.asarray(r, dtype=np.int64) for r in phy2log]
+        self.done, self._held = set(), {}
+
+    def _ready(self, l, real, param, force):
+        if not real.is_last_microbatch or l in self.done:
+            real.register_grad_ready(param, force)
+            return
+        if self.rows is None:
+            raise errors.InvalidArgumentError(
+                "overlapped replica gradients: no placement for this step (MegatronMigration.execute "
+                "sets it; call it every step before the backward)")
+        held = self._held.setdefault(l, [])
+        held.append((real, param, force))
+        if {id(p) for _, p, _ in held} != self._params[l]:
+            return
+        layer, ep = self.layers[l], dist.get_world_size(self.group)
+        n = layer.config.num_moe_experts // ep
+        slots = [[select(p.main_grad) for _, p, select in expert_pieces(layer.experts, i)] for i in range(n)]
+        sum_among_holders([self.rows[l]], [slots], self.group, param.main_grad.device)
+        self.done.add(l)
+        del self._held[l]
+        for r, p, f in held:
+            r.register_grad_ready(p, f)

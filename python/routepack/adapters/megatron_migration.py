@@ -290,11 +290,14 @@ class MegatronMigration:
                     start.shape, "one of the %d slots per layer" % P if self.physical else
                     "a permutation of the %d experts per layer: stock Megatron-Core holds each "
                     "expert once" % E))
-        for r in (getattr(m, "ddp_config", None) for m in self._roots):
-            if self.physical and r is not None and r.overlap_grad_reduce:
-                raise errors.NotSupportedError(
-                    "overlap_grad_reduce: DDP would reduce the replicas' gradients before "
-                    "reduce_replica_grads sums them among their holders")
+        # DDP that reduces during the backward: replicas' gradients summed at each layer's
+        # readiness (megatron_layer.OverlappedReplicaGrads), placed from execute()
+        overlapping = [m for m in self._roots
+                       if getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False)]
+        self.overlapped_grads = None
+        if self.physical and overlapping:
+            from .megatron_layer import OverlappedReplicaGrads
+            self.overlapped_grads = OverlappedReplicaGrads(overlapping, self.layers, group)
         self.expert_order = start.copy()
         if self.physical:
             for l, layer in enumerate(self.layers):
@@ -353,14 +356,19 @@ class MegatronMigration:
         MoELayer replicas, spare slots, extra replicas and shares (expert_placement's
         NotSupportedError); for RoutePackMoELayer per-microbatch extra replicas (Megatron's
         expert forms hold a fixed number of local experts). On MigrationFailed the layers of
-        committed rounds are in the new order (their routers permuted), the others in the old."""
+        committed rounds are in the new order (their routers permuted), the others in the old.
+        Under DDP's overlap_grad_reduce it also gives OverlappedReplicaGrads the slots held
+        now, whose replicas' gradients the step's backward then sums."""
+        if self.overlapped_grads is not None:
+            self.overlapped_grads.start_step(self.expert_order)   # made right below if it moves
         if self.physical:
             if len(res.extra_replicas):
                 raise errors.NotSupportedError(
                     "the plan has %d per-microbatch extra replicas; Megatron's expert forms "
                     "(SequentialMLP, TEGroupedMLP, GroupedMLP) hold a fixed number of local experts, "
-                    "so the megatron_alltoall executor cannot run them: plan without them "
-                    "(the policy's extra-replica lever off)" % len(res.extra_replicas))
+                    "so Megatron cannot run them: plan with execution.executor \"megatron_routepack\" "
+                    "in the scheduler's config (replicas and shares, never extra replicas)"
+                    % len(res.extra_replicas))
             new = np.asarray(res.phy2log, dtype=np.int64)
         else:
             new = _megatron.expert_placement(res).expert_order
@@ -398,6 +406,8 @@ class MegatronMigration:
             for l in layers:
                 self.expert_order[l] = new[l]
                 self.layers[l].set_placement(new[l])
+            if self.overlapped_grads is not None:   # the slots held now, a failure's included
+                self.overlapped_grads.start_step(self.expert_order)
             return
         perm = {l: torch.as_tensor(np.argsort(self.expert_order[l])[new[l]], device=self.device)
                 for l in layers}

@@ -142,7 +142,7 @@ class DistributedScheduler:
         if self.config.num_gpus != self.size:
             raise errors.InvalidArgumentError("the config has %d GPUs; the group has %d ranks"
                                               % (self.config.num_gpus, self.size))
-        self.last_exchange_bytes = None
+        self.last_exchange_bytes = None   # the last step taken's (step() or result()); also res.exchange_bytes
         # statistics no longer needed (the scheduler gives back the step before's): the next
         # merge takes their storage (merge_stats's reuse) instead of faulting in fresh
         # pages, 50 MB a step at the reference scale
@@ -210,7 +210,9 @@ class DistributedScheduler:
             raise errors.InvalidArgumentError(
                 "a plan is in flight (step_ahead of step %s): take it with .result() first"
                 % self._ahead.step)
-        return self._step(seq_lens, routing, global_ids, group_ids, step)
+        res = self._step(seq_lens, routing, global_ids, group_ids, step)
+        self.last_exchange_bytes = res.exchange_bytes
+        return res
 
     def _step(self, seq_lens, routing, global_ids, group_ids=None, step=None):
         lens = np.asarray(seq_lens.cpu() if torch.is_tensor(seq_lens) else seq_lens, dtype=np.int64)
@@ -225,9 +227,8 @@ class DistributedScheduler:
         meta = np.stack([ids, lens, groups], axis=1).astype(np.int32)
         metas = all_gather_bytes(meta.tobytes(), self.group, self.device)
         parts = all_gather_bytes(part, self.group, self.device)
-        self.last_exchange_bytes = {"sent": len(part) + meta.nbytes + 16,
-                                    "received": sum(len(p) for p in parts) + sum(len(m) for m in metas)
-                                    + 16 * self.size}
+        exchange = {"sent": len(part) + meta.nbytes + 16,
+                    "received": sum(len(p) for p in parts) + sum(len(m) for m in metas) + 16 * self.size}
         per_rank = [np.frombuffer(m, dtype=np.int32).reshape(-1, 3) for m in metas]
         S = sum(len(m) for m in per_rank)
         all_lens = np.zeros(S, np.int32)
@@ -243,8 +244,10 @@ class DistributedScheduler:
         try:
             # the scheduler keeps the merge itself (no 48 MB copy at the reference scale)
             # and gives back the step before's, which the next merge fills
-            return self.scheduler.step_from_stats(all_lens, merged, step=step, take=True,
-                                                  group_ids=all_groups if group_ids is not None else None)
+            res = self.scheduler.step_from_stats(all_lens, merged, step=step, take=True,
+                                                 group_ids=all_groups if group_ids is not None else None)
+            res.exchange_bytes = exchange    # travels with its step (planned ahead: on the thread)
+            return res
         finally:
             spare = self.scheduler.take_spare_stats()
             self._spare_stats = spare if merged._owned.handle is None else merged
@@ -321,4 +324,6 @@ class PlannedStep:
                 self._sched._ahead = None
         if self._error is not None:
             raise self._error
+        # the trainer's thread, not the planner's, updates what "the last step" sent
+        self._sched.last_exchange_bytes = self._value.exchange_bytes
         return self._value
