@@ -126,8 +126,7 @@ def _ahead_rank(rank, world):
                     call()
                 except errors.InvalidArgumentError as e:
                     out["refused"].append(str(e))
-        planned.wait()                       # the thread is done; its result not taken yet
-        before = ahead.last_exchange_bytes   # still the step before's: the thread never writes it
+        before = ahead.last_exchange_bytes   # the step before's until result(): the thread never writes it
         res = planned.result()
         out.setdefault("exchange", []).append((before, ahead.last_exchange_bytes, res.exchange_bytes,
                                                want.exchange_bytes))
