@@ -7,20 +7,6 @@
 #include <stdio.h>
 #include <string.h>
 
-bool report_charted(const rp_report_policy *p)
-{
-    return p->num_steps > 0;
-}
-
-size_t report_longest_label(const rp_report *r)
-{
-    size_t longest = 0;
-    for (int i = 0; i < r->num_policies; i++)
-        if (report_charted(&r->policies[i]) && strlen(r->policies[i].label) > longest)
-            longest = strlen(r->policies[i].label);
-    return longest;
-}
-
 static double layer_time(const rp_report_policy *p, int32_t G)
 {
     double a = 0, d = 0, x = 0, c = 0;

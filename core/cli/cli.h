@@ -33,9 +33,13 @@ int cli_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
  * than the word's length), or NULL: the "did you mean" of commands, options and policy
  * names. */
 const char *cli_closest(const char *word, const char *const *names, size_t count);
-/* "COMMAND: unknown option 'OPT' (did you mean '--opt'?)" on stderr, the options taken
- * from COMMAND's help page ("simulate", "plan eval", ...); returns CLI_USAGE. */
+/* Records that COMMAND ("simulate", "plan eval", ...) met an unknown option and returns
+ * CLI_USAGE; once the command returns, main.c prints "COMMAND: unknown option 'OPT' (did
+ * you mean '--opt'?)", the options taken from COMMAND's help page. */
 int cli_unknown_option(const char *command, const char *option);
+/* The unknown option the command met, if any (main.c prints its suggestion once the
+ * command has returned; cli_unknown_option only records it). */
+bool cli_unknown_option_taken(const char **command, const char **option);
 
 /* Minimal option parsing: returns true and advances *i when argv[*i] is `name`
  * followed by a value (stored in *value). A missing value is a usage error reported
@@ -103,7 +107,8 @@ struct json_t *cli_memory_json(const rp_gpu_memory *m);
  * Returns CLI_OK, or CLI_USAGE after a message. */
 int cli_policy_params(rp_context *ctx, const rp_config *cfg, const char *spec, char **name, char **params_json);
 
-/* ---- shared by simulate, policy and plan (defined in cmd_simulate.c) ---- */
+/* ---- shared by simulate, policy, plan and memory (input.c; cli_error, cli_human_bytes
+ * and cli_side_name in common.c) ---- */
 
 /* Fill `err` with a formatted message and return `status`. */
 rp_status cli_error(rp_error *err, rp_status status, const char *fmt, ...)

@@ -137,7 +137,9 @@ static const cli_command commands[] = {
 
 static size_t command_options(const cli_command *c, const char **out, size_t cap);
 
-int cli_unknown_option(const char *command, const char *option)
+/* An unknown option a command met (cli_unknown_option): the closest option its help page
+ * names, or where to look. */
+static int print_unknown_option(const char *command, const char *option)
 {
     const char *names[66];
     size_t n = 0;
@@ -216,35 +218,6 @@ static void log_to_stderr(void *ud, rp_log_level level, const char *message)
     fprintf(stderr, "routepack: %s: %s\n", names[level], message);
 }
 
-int cli_fail(const rp_error *err)
-{
-    fprintf(stderr, "routepack: %s\n", err->text[0] ? err->text : rp_strerror(err->status));
-    return CLI_FAIL;
-}
-
-int cli_usage(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "routepack: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-    return CLI_USAGE;
-}
-
-const char *cli_closest(const char *word, const char *const *names, size_t count)
-{
-    /* a typo: at most 2 edits, and fewer than the word has letters ("-x" suggests nothing) */
-    size_t len = strlen(word), best_d = len > 2 ? 3 : len;
-    const char *best = NULL;
-    for (size_t i = 0; i < count; i++) {
-        size_t d = rp_edit_distance(word, names[i]);
-        if (d < best_d) best_d = d, best = names[i];
-    }
-    return best;
-}
-
 /* The options a command's help page names ("--config", ...; --quiet and --help for
  * all), collected from its usage line and options text into `out` (static storage). */
 static size_t command_options(const cli_command *c, const char **out, size_t cap)
@@ -268,42 +241,6 @@ static size_t command_options(const cli_command *c, const char **out, size_t cap
             p += len;
         }
     return n;
-}
-
-bool cli_opt(int argc, char **argv, int *i, const char *name, const char **value, bool *bad)
-{
-    if (strcmp(argv[*i], name) != 0) return false;
-    if (*i + 1 >= argc) {
-        cli_usage("%s needs a value", name);
-        *bad = true;
-        return true;
-    }
-    *value = argv[++*i];
-    return true;
-}
-
-bool cli_int(const char *name, const char *text, int64_t *out)
-{
-    char *end;
-    long long v = strtoll(text, &end, 10);
-    if (!*text || *end) {
-        cli_usage("%s expects an integer, got '%s'", name, text);
-        return false;
-    }
-    *out = v;
-    return true;
-}
-
-const char *cli_example_path(const char *file)
-{
-    static char path[4096];
-    const char *dirs[3] = {getenv("RP_EXAMPLES_DIR"), RP_SOURCE_DIR "/examples", RP_DATADIR "/examples"};
-    for (int i = 0; i < 3; i++) {
-        if (!dirs[i]) continue;
-        snprintf(path, sizeof path, "%s/%s", dirs[i], file);
-        if (access(path, R_OK) == 0) return path;
-    }
-    return NULL;
 }
 
 static int version(void)
@@ -354,6 +291,8 @@ int main(int argc, char **argv)
         rp_context_set_progress(ctx, cli_progress_hook, NULL);
         int rc = c->run(ctx, argc - first, argv + first);
         rp_context_free(ctx);
+        const char *command, *option;
+        if (cli_unknown_option_taken(&command, &option)) return print_unknown_option(command, option);
         return rc;
     }
     /* a known group without one of its subcommands: list them */

@@ -22,7 +22,7 @@ static struct {
     double total_bytes;
     int64_t units_done; /* where the command is (cli_progress_at), for the library's hook */
     double bytes_done;
-} progress;
+} bar; /* the line on stderr (not `progress`: the library's hook has that name) */
 
 static double now_s(void)
 {
@@ -39,12 +39,12 @@ static double env_seconds(const char *name, double fallback)
 
 void cli_progress_quiet(bool quiet)
 {
-    progress.quiet = quiet;
+    bar.quiet = quiet;
 }
 
 bool cli_progress_quiet_p(void)
 {
-    return progress.quiet;
+    return bar.quiet;
 }
 
 void cli_progress_begin(const char *what, int64_t total_units, double total_bytes)
@@ -54,17 +54,17 @@ void cli_progress_begin(const char *what, int64_t total_units, double total_byte
      * (1 or 0) decides "stderr is a terminal" instead of isatty, so a test sees the
      * line through a pipe. */
     const char *terminal = getenv("RP_PROGRESS_TERMINAL");
-    progress.terminal = terminal && *terminal ? strcmp(terminal, "0") != 0 : isatty(STDERR_FILENO);
-    progress.after_s = env_seconds("RP_PROGRESS_AFTER_S", PROGRESS_AFTER_S);
-    progress.every_s = env_seconds("RP_PROGRESS_EVERY_S", PROGRESS_EVERY_S);
-    progress.what = what;
-    progress.start = now_s();
-    progress.last = 0;
-    progress.shown = false;
-    progress.total_units = total_units;
-    progress.total_bytes = total_bytes;
-    progress.units_done = 0;
-    progress.bytes_done = 0;
+    bar.terminal = terminal && *terminal ? strcmp(terminal, "0") != 0 : isatty(STDERR_FILENO);
+    bar.after_s = env_seconds("RP_PROGRESS_AFTER_S", PROGRESS_AFTER_S);
+    bar.every_s = env_seconds("RP_PROGRESS_EVERY_S", PROGRESS_EVERY_S);
+    bar.what = what;
+    bar.start = now_s();
+    bar.last = 0;
+    bar.shown = false;
+    bar.total_units = total_units;
+    bar.total_bytes = total_bytes;
+    bar.units_done = 0;
+    bar.bytes_done = 0;
 }
 
 static const char *duration(double s, char *buf, size_t size)
@@ -78,16 +78,16 @@ static const char *duration(double s, char *buf, size_t size)
 /* The line, with `total_bytes` as the byte total (0: none known). */
 static void draw(int64_t units_done, double bytes_done, double total_bytes, const char *detail)
 {
-    if (progress.quiet || !progress.what || !progress.terminal) return;
-    double t = now_s(), elapsed = t - progress.start;
-    if (elapsed < progress.after_s || (progress.shown && t - progress.last < progress.every_s)) return;
-    progress.last = t;
-    progress.shown = true;
+    if (bar.quiet || !bar.what || !bar.terminal) return;
+    double t = now_s(), elapsed = t - bar.start;
+    if (elapsed < bar.after_s || (bar.shown && t - bar.last < bar.every_s)) return;
+    bar.last = t;
+    bar.shown = true;
     char line[512], a[32], b[32], eta[32];
-    int n = snprintf(line, sizeof line, "%s", progress.what);
-    if (progress.total_units > 0)
+    int n = snprintf(line, sizeof line, "%s", bar.what);
+    if (bar.total_units > 0)
         n += snprintf(line + n, sizeof line - (size_t)n, " %lld/%lld", (long long)units_done,
-                      (long long)progress.total_units);
+                      (long long)bar.total_units);
     if (bytes_done > 0 && n < (int)sizeof line)
         n += snprintf(line + n, sizeof line - (size_t)n, ", %s%s%s, %s/s",
                       cli_human_bytes(bytes_done, a, sizeof a), total_bytes > 0 ? " of ~" : "",
@@ -96,7 +96,7 @@ static void draw(int64_t units_done, double bytes_done, double total_bytes, cons
     /* the ETA from the bytes when their total is known (it moves inside a step), else
      * from the steps */
     double frac = total_bytes > 0 && bytes_done > 0 ? bytes_done / total_bytes
-                  : progress.total_units > 0 ? (double)units_done / (double)progress.total_units : 0;
+                  : bar.total_units > 0 ? (double)units_done / (double)bar.total_units : 0;
     if (frac > 0 && frac < 1 && n < (int)sizeof line)
         n += snprintf(line + n, sizeof line - (size_t)n, ", ETA %s",
                       duration(elapsed * (1 - frac) / frac, eta, sizeof eta));
@@ -107,15 +107,15 @@ static void draw(int64_t units_done, double bytes_done, double total_bytes, cons
 
 void cli_progress_update(int64_t units_done, double bytes_done, const char *detail)
 {
-    progress.units_done = units_done;
-    progress.bytes_done = bytes_done;
-    draw(units_done, bytes_done, progress.total_bytes, detail);
+    bar.units_done = units_done;
+    bar.bytes_done = bytes_done;
+    draw(units_done, bytes_done, bar.total_bytes, detail);
 }
 
 void cli_progress_at(int64_t units_done, double bytes_done)
 {
-    progress.units_done = units_done;
-    progress.bytes_done = bytes_done;
+    bar.units_done = units_done;
+    bar.bytes_done = bytes_done;
 }
 
 void cli_progress_hook(void *ud, const char *what, int64_t done_bytes, int64_t total_bytes)
@@ -123,22 +123,22 @@ void cli_progress_hook(void *ud, const char *what, int64_t done_bytes, int64_t t
     (void)ud;
     /* a command that counts bytes itself gave their total; one that does not (opening
      * a trace) shows the library's pass as it is */
-    double total = progress.total_bytes > 0 ? progress.total_bytes : progress.bytes_done + (double)total_bytes;
-    draw(progress.units_done, progress.bytes_done + (double)done_bytes, total, what);
+    double total = bar.total_bytes > 0 ? bar.total_bytes : bar.bytes_done + (double)total_bytes;
+    draw(bar.units_done, bar.bytes_done + (double)done_bytes, total, what);
 }
 
 void cli_progress_clear(void)
 {
-    if (progress.shown) fprintf(stderr, "\r\033[K");
-    progress.shown = false;
+    if (bar.shown) fprintf(stderr, "\r\033[K");
+    bar.shown = false;
 }
 
 void cli_progress_end(void)
 {
-    if (progress.shown) fprintf(stderr, "\r\033[K");
+    if (bar.shown) fprintf(stderr, "\r\033[K");
     fflush(stderr);
-    progress.shown = false;
-    progress.what = NULL;
+    bar.shown = false;
+    bar.what = NULL;
 }
 
 rp_status cli_trace_open(rp_context *ctx, const char *path, unsigned flags, rp_trace **out, rp_error *err)
