@@ -408,7 +408,8 @@ def part_five(args, rank, world):
                           "num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "dense_params": 0,
                           "bytes_per_param": 4, "bytes_per_grad": 4},
                 "hardware": hw, "limits": {"max_tokens_per_microbatch": 1 << 20, "num_microbatches": M},
-                "execution": {"executor": executor, "dispatch_dedup": args.dedup}}
+                # the layer dispatches the activations' fp32 (the default prices BF16)
+                "execution": {"executor": executor, "dispatch_dedup": args.dedup, "dispatch_bytes_per_element": 4}}
     rng = np.random.default_rng(7)
     lens = rng.integers(T // seqs // 4, 2 * T // seqs, seqs * world).astype(np.int32)
     routing = skewed_routing(rng, int(lens.sum()), E, k, np.arange(E // world), args.skew).astype(np.int32)
