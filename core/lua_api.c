@@ -17,9 +17,6 @@
 #include <stdio.h>
 #include <string.h>
 
-/* Registry key of the host: the address of a constant, never shown to a policy. */
-static const char host_key = 'h';
-
 /* Largest inputs a primitive accepts from a policy: far beyond any real batch, small
  * enough that no single call runs for long where no hook can fire. */
 #define MAX_ITEMS (1 << 24)
@@ -31,37 +28,6 @@ static const char host_key = 'h';
 #define MAX_PARTITION2_STEPS 1e10
 
 /* ---- the host ---------------------------------------------------------------------- */
-
-/* Allocator of plan_ctx: counts live bytes and refuses growth past the cap. */
-static void *plan_alloc(void *ud, void *ptr, size_t old_size, size_t new_size)
-{
-    rp_lua_host *h = ud;
-    if (!ptr) old_size = 0;
-    if (new_size == 0) {
-        if (ptr) {
-            h->ctx->alloc(h->ctx->alloc_ud, ptr, old_size, 0);
-            h->plan_live -= old_size;
-        }
-        return NULL;
-    }
-    if (new_size > old_size &&
-        (h->plan_live > h->plan_cap || new_size - old_size > h->plan_cap - h->plan_live)) {
-        h->plan_refused = true;
-        return NULL;
-    }
-    void *p = h->ctx->alloc(h->ctx->alloc_ud, ptr, old_size, new_size);
-    if (p) h->plan_live = h->plan_live - old_size + new_size;
-    return p;
-}
-
-rp_lua_host *rp_lua_host_of(lua_State *L)
-{
-    lua_pushlightuserdata(L, (void *)&host_key);
-    lua_rawget(L, LUA_REGISTRYINDEX);
-    rp_lua_host *h = lua_touserdata(L, -1);
-    lua_pop(L, 1);
-    return h;
-}
 
 void rp_lua_host_bind(rp_lua_host *host, const rp_lua_frame *frame)
 {
@@ -78,56 +44,12 @@ void rp_lua_host_bind(rp_lua_host *host, const rp_lua_frame *frame)
 
 /* ---- errors and argument helpers --------------------------------------------------- */
 
-int rp_lua_error(lua_State *L, const char *fmt, ...)
-{
-    char msg[RP_ERROR_TEXT];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    luaL_where(L, 1);
-    lua_pushstring(L, msg);
-    lua_concat(L, 2);
-    return lua_error(L);
-}
-
-static void format_mib(size_t bytes, char *buf, size_t n)
-{
-    if (bytes % ((size_t)1 << 20) == 0) snprintf(buf, n, "%zu MiB", bytes >> 20);
-    else snprintf(buf, n, "%zu bytes", bytes);
-}
-
-int rp_lua_fail(lua_State *L, rp_lua_host *host, const char *fname, rp_status st, const rp_error *err)
-{
-    if (st == RP_ENOMEM && host->plan_refused) {
-        char cap[64];
-        host->plan_refused = false;
-        format_mib(host->plan_cap, cap, sizeof cap);
-        return rp_lua_error(L, "%s: policy exceeded the memory limit of %s (plans and scratch of C calls)",
-                            fname, cap);
-    }
-    return rp_lua_error(L, "%s: %s", fname, err && err->text[0] ? err->text : rp_strerror(st));
-}
-
 /* Before work that allocates plans: free the plans the policy dropped, since the Lua
  * collector does not see their C memory. */
 static void reclaim(lua_State *L, rp_lua_host *h)
 {
     h->plan_refused = false;
     if (h->plan_live > h->plan_cap / 2) lua_gc(L, LUA_GCCOLLECT, 0);
-}
-
-int64_t rp_lua_check_int(lua_State *L, int idx, const char *what, int64_t lo, int64_t hi)
-{
-    if (lua_type(L, idx) != LUA_TNUMBER)
-        return rp_lua_error(L, "%s must be an integer, got %s", what, luaL_typename(L, idx));
-    double v = lua_tonumber(L, idx);
-    if (v != floor(v) || !isfinite(v))
-        return rp_lua_error(L, "%s must be an integer, got %.17g", what, v);
-    if (v < (double)lo || v > (double)hi)
-        return rp_lua_error(L, "%s must be within %lld..%lld, got %.17g", what, (long long)lo,
-                            (long long)hi, v);
-    return (int64_t)v;
 }
 
 static double check_num(lua_State *L, int idx, const char *what)
@@ -680,7 +602,7 @@ static void check_evaluator_memory(lua_State *L, rp_lua_host *h, const rp_cost *
     size_t held = rp_cost_bytes(cost), left = h->plan_live < h->plan_cap ? h->plan_cap - h->plan_live : 0;
     if (bytes > (double)left || (double)held > (double)left - bytes) {
         char cap[64];
-        format_mib(h->plan_cap, cap, sizeof cap);
+        rp_lua_format_mib(h->plan_cap, cap, sizeof cap);
         rp_lua_error(L,
                      "%s: evaluating %s (%d microbatches x %d layers x %d GPUs x %d experts) needs %.1f MiB, "
                      "and the evaluator holds %.1f MiB; %.1f MiB are left of the policy's memory limit of %s (plans "
@@ -1294,9 +1216,7 @@ static int build_api(lua_State *L)
     rp_lua_host *h = job->host;
     lua_pushcfunction(L, job->engine);
     h->engine_ref = luaL_ref(L, LUA_REGISTRYINDEX);
-    lua_pushlightuserdata(L, (void *)&host_key);
-    lua_pushlightuserdata(L, h);
-    lua_rawset(L, LUA_REGISTRYINDEX);
+    rp_lua_host_set(L, h);
     rp_lua_register_views(L, h);
     rp_lua_register_plan(L, h);
 
@@ -1322,7 +1242,7 @@ rp_status rp_lua_host_init(rp_lua_host *host, rp_context *ctx, const rp_config *
     host->cfg = cfg;
     host->sb = sb;
     host->plan_ctx = *ctx;
-    host->plan_ctx.alloc = plan_alloc;
+    host->plan_ctx.alloc = rp_lua_plan_alloc;
     host->plan_ctx.alloc_ud = host;
     host->plan_cap = rp_sandbox_limits_of(sb)->max_memory_bytes;
     snprintf(host->policy_name, sizeof host->policy_name, "?");

@@ -92,8 +92,14 @@ void rp_lua_host_bind(rp_lua_host *host, const rp_lua_frame *frame);
 
 /* ---- inside a call (these raise Lua errors) ---- */
 
-/* The host of a state (stored in the registry by rp_lua_host_init). */
+/* The host of a state (stored in the registry by rp_lua_host_init, through
+ * rp_lua_host_set; core/lua_host.c, with the helpers below). */
 rp_lua_host *rp_lua_host_of(lua_State *L);
+void rp_lua_host_set(lua_State *L, rp_lua_host *host);
+/* plan_ctx's allocator (ud: the host): counts live bytes and refuses growth past the cap. */
+void *rp_lua_plan_alloc(void *ud, void *ptr, size_t old_size, size_t new_size);
+/* "N MiB" for whole MiB, else "N bytes", into buf. */
+void rp_lua_format_mib(size_t bytes, char *buf, size_t n);
 
 /* Push a new ctx table for the bound frame: step, seed, topology, model, limits, and
  * (when the frame has a batch) batch, stats, history, placement, cost and a lazy plan.
