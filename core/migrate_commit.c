@@ -18,8 +18,10 @@ static const rp_tensor *write_slot(exec *x, int64_t k, const rp_migration_write 
  * each further write of a transfer first keeps the slot's old bytes in undo memory and
  * copies the staged expert in; then the first write of each transfer swaps staging
  * with its slot (staging then holds the old bytes). Then every written slot is
- * checksummed against its source. Failures go into x->mine; parts_done says what to
- * undo. */
+ * checksummed against its source: in host memory (t->host_direct) a swapped slot is
+ * checksummed during its swap, chunk by chunk as each is written, one pass over its bytes;
+ * the other writes (and every write in memory the transport reaches through callbacks)
+ * in one batch afterwards. Failures go into x->mine; parts_done says what to undo. */
 void migrate_commit_round(exec *x, int32_t round, double deadline)
 {
     rank_work *w = &x->w;
@@ -28,6 +30,13 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
     rp_error_clear(&e);
     sum_batch sums = {0};
     const int64_t k0 = w->round_writes[round], k1 = w->round_writes[round + 1];
+    const bool fused = t->host_direct;
+    /* [k1 - k0] the checksum of a slot swapped with its fused check (fused only) */
+    uint64_t *swapped_sum = fused ? rp_alloc(x->ctx, (size_t)(k1 - k0 + 1) * sizeof *swapped_sum) : NULL;
+    if (fused && !swapped_sum) {
+        note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's commit checksums", round);
+        return;
+    }
     for (int64_t k = k0; k < k1; k++) w->parts_done[k] = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int64_t k = k0; k < k1; k++) {
@@ -41,7 +50,19 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
                 note(&x->mine, RP_ETRANSPORT, round, wr->layer, x->tr[wr->transfer].expert, x->gpu, "layer %d slot "
                      "%d: writing expert %d into it failed (injected fault)", wr->layer, wr->slot,
                      x->tr[wr->transfer].expert);
-                return;
+                goto out;
+            }
+            if (swap && fused) {
+                rp_checksum_state cs;
+                rp_checksum_init(&cs);
+                size_t off = 0;
+                for (int32_t j = 0; j < count; j++) {
+                    rp_transport_swap_sum_host(ts[j].data, staged + off, ts[j].bytes, &cs);
+                    w->parts_done[k] = j + 1;
+                    off += ts[j].bytes;
+                }
+                swapped_sum[k - k0] = rp_checksum_final(&cs);
+                continue;
             }
             size_t off = 0;
             for (int32_t j = 0; j < count; j++) {
@@ -57,7 +78,7 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
                     note(&x->mine, st, round, wr->layer, x->tr[wr->transfer].expert, x->gpu, "layer %d slot %d: "
                          "writing expert %d into it failed: %s", wr->layer, wr->slot, x->tr[wr->transfer].expert,
                          inner(&e));
-                    return;
+                    goto out;
                 }
                 w->parts_done[k] = j + 1;
                 off += ts[j].bytes;
@@ -67,6 +88,7 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
      * so that staging changed after the check, or a write gone wrong, is caught. */
     int64_t parts = 0;
     for (int64_t k = k0; k < k1; k++) {
+        if (fused && w->undo_off[k] < 0) continue; /* checked during its swap */
         int32_t count = 0;
         rp_registry_tensors(x->reg, x->wr[w->writes[k]].layer, x->wr[w->writes[k]].slot, &count);
         parts += count;
@@ -75,16 +97,18 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
         note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's commit checksum lists", round);
         goto out;
     }
-    for (int64_t k = k0; k < k1; k++) batch_add_slot(x, &sums, x->wr[w->writes[k]].layer, x->wr[w->writes[k]].slot);
+    for (int64_t k = k0; k < k1; k++)
+        if (!(fused && w->undo_off[k] < 0)) batch_add_slot(x, &sums, x->wr[w->writes[k]].layer, x->wr[w->writes[k]].slot);
     if (batch_run(x, &sums, deadline, &e) != RP_OK) {
         note(&x->mine, e.status, round, -1, -1, -1, "round %d: checksumming the %d written slots failed: %s", round,
              sums.n, inner(&e));
         goto out;
     }
-    for (int64_t k = k0; k < k1; k++) {
+    for (int64_t k = k0, b = 0; k < k1; k++) {
         const rp_migration_write *wr = &x->wr[w->writes[k]];
         const rp_migration_transfer *tr = &x->tr[wr->transfer];
-        uint64_t got = sums.sums[k - k0], want = w->want_sum[wr->transfer];
+        uint64_t got = fused && w->undo_off[k] < 0 ? swapped_sum[k - k0] : sums.sums[b++];
+        uint64_t want = w->want_sum[wr->transfer];
         if (got != want) {
             note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, tr->src_gpu, "layer %d slot %d: after the "
                  "commit it does not hold expert %d (checksum 0x%016" PRIx64 " in the slot, 0x%016" PRIx64 " at the "
@@ -94,6 +118,7 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
     }
 out:
     batch_free(x, &sums);
+    rp_free(x->ctx, swapped_sum);
 }
 
 /* Put back what commit_round wrote this round: swap the first writes back, copy the

@@ -25,6 +25,7 @@ rp_status rp_transport_init(rp_transport *t, const rp_transport_vtable *vt, rp_c
     t->size = size;
     t->memory = memory;
     t->max_message_bytes = max_message_bytes;
+    t->host_direct = memory == RP_MEMORY_HOST; /* the callback transport clears it for memory callbacks */
     if (size < 1 || (size_t)size > SIZE_MAX / RP_EXCHANGE_RECORD_BYTES)
         return rp_fail(err, RP_ERANGE, "transport: %d ranks are too many to exchange records", size);
     t->records = rp_alloc(ctx, (size_t)size * RP_EXCHANGE_RECORD_BYTES);
@@ -120,6 +121,19 @@ rp_status rp_transport_swap_host(rp_transport *t, void *a, void *b, size_t bytes
         done += n;
     }
     return RP_OK;
+}
+
+void rp_transport_swap_sum_host(void *a, void *b, size_t bytes, rp_checksum_state *sum)
+{
+    unsigned char tmp[RP_CHECKSUM_BLOCK], *pa = a, *pb = b;
+    for (size_t done = 0; done < bytes;) {
+        size_t n = bytes - done < sizeof tmp ? bytes - done : sizeof tmp;
+        memcpy(tmp, pa + done, n);
+        memcpy(pa + done, pb + done, n);
+        rp_checksum_update(sum, pa + done, n); /* what the slot now holds, still in cache */
+        memcpy(pb + done, tmp, n);
+        done += n;
+    }
 }
 
 rp_status rp_transport_barrier(rp_transport *t, double deadline, rp_error *err)

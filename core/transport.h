@@ -7,6 +7,7 @@
 
 #include "internal.h"
 #include "routepack/migrate.h"
+#include "checksum_internal.h"
 #include "transport_fault.h"
 
 /* One point-to-point operation of a batch. Messages between one pair of ranks with the
@@ -84,6 +85,10 @@ struct rp_transport {
     bool device_checksum;      /* NCCL, and callbacks with CUDA memory: checksums run on the GPU;
                                 * false: through the host (where the kernel cannot run; tests
                                 * clear it to test that) */
+    bool host_direct;          /* its memory is host memory that copy, swap and checksum reach
+                                * with memcpy and rp_checksum_expert (host memory without memory
+                                * callbacks): the commit then swaps and checks in one pass
+                                * (rp_transport_swap_sum_host) */
 };
 
 /* Every rank waits until all have arrived (an allgather of one byte), until `deadline`. */
@@ -113,5 +118,9 @@ rp_fault_kind rp_transport_fault_at(rp_transport *t, rp_fault_site site, double 
 rp_fault_kind rp_transport_send_fault(rp_transport *t, const rp_transport_op *op, double *delay_s);
 /* The host swap for host transports: through a small buffer on the stack. */
 rp_status rp_transport_swap_host(rp_transport *t, void *a, void *b, size_t bytes, double deadline, rp_error *err);
+/* The same swap (host memory, t->host_direct) that also feeds the bytes `a` holds after
+ * it to `sum`, each 4 KiB chunk hashed while it is in cache: the commit's write and its
+ * check in one pass over the bytes. */
+void rp_transport_swap_sum_host(void *a, void *b, size_t bytes, rp_checksum_state *sum);
 
 #endif

@@ -175,13 +175,23 @@ static rp_status cb_from_host(rp_transport *t, void *dst, const void *host, size
     return cb_copy_kind(t, dst, host, bytes, deadline, RP_COPY_FROM_HOST, err);
 }
 
-/* Checksums of memory the callbacks own: each expert's parts are brought to the host
- * and summed there, so they equal rp_checksum_expert wherever the bytes live. */
+/* Checksums: CUDA memory on the device through the kernel where it runs, else the
+ * callbacks' own checksum where they give one (torch ops on the device), else host
+ * memory directly, else each expert's parts brought to the host and summed there; every
+ * way equals rp_checksum_expert wherever the bytes live. */
 static rp_status cb_checksum(rp_transport *t, const void *const *part_ptr, const size_t *part_bytes,
                              const int32_t *part_begin, int32_t num_experts, uint64_t *checksums, double deadline,
                              rp_error *err)
 {
     callback_transport *ct = (callback_transport *)t;
+    if (ct->cb.checksum && num_experts > 0 && !(t->memory == RP_MEMORY_CUDA && t->device_checksum)) {
+        char why[RP_ERROR_TEXT];
+        why[0] = '\0';
+        int32_t st = ct->cb.checksum(ct->ud, part_ptr, part_bytes, part_begin, num_experts, checksums,
+                                     remaining_s(deadline), why, sizeof why);
+        why[sizeof why - 1] = '\0';
+        return st == RP_OK ? RP_OK : callback_fail(err, st, why, "checksum");
+    }
     if (!ct->cb.copy)
         return rp_transport_checksum_host(t, part_ptr, part_bytes, part_begin, num_experts, checksums, deadline, err);
     if (t->device_checksum && num_experts > 0) {
@@ -195,7 +205,8 @@ static rp_status cb_checksum(rp_transport *t, const void *const *part_ptr, const
         if (gs != RP_ENOTSUP)
             return rp_fail(err, gs == RP_ENOMEM ? RP_ENOMEM : RP_ETRANSPORT,
                            "transport: the checksum kernel failed: %s", e.text);
-        t->device_checksum = false; /* no device for the kernel: host copies from now on */
+        t->device_checksum = false; /* no device for the kernel: the callbacks' checksum or host copies */
+        if (ct->cb.checksum) return cb_checksum(t, part_ptr, part_bytes, part_begin, num_experts, checksums, deadline, err);
     }
     rp_status st = RP_OK;
     size_t cap = 0;
@@ -228,33 +239,31 @@ out:
     return st;
 }
 
-/* a <-> b in memory the callbacks own, through a host buffer taken when the transport was
- * made, so that the commit (and its undo) never allocates. */
+/* A copy into or out of a swap's bounce buffer (cb_copy, cb_to_host or cb_from_host). */
+typedef rp_status (*stage_fn)(rp_transport *t, void *dst, const void *src, size_t bytes, double deadline,
+                              rp_error *err);
+
+/* a <-> b in memory the callbacks own, a chunk at a time through a bounce buffer taken
+ * before the commit, so that the commit (and its undo) never allocates: a -> bounce,
+ * b -> a, bounce -> b. With CUDA memory the bounce is device memory (taken at the first
+ * swap) and all three copies stay queued on the device; where none could be had, the
+ * host buffer taken when the transport was made, through to_host and from_host. */
 static rp_status cb_swap(rp_transport *t, void *a, void *b, size_t bytes, double deadline, rp_error *err)
 {
     callback_transport *ct = (callback_transport *)t;
     if (!ct->cb.copy) return rp_transport_swap_host(t, a, b, bytes, deadline, err);
-    unsigned char *pa = a, *pb = b;
     if (t->memory == RP_MEMORY_CUDA && !ct->swap_device_tried) {
         ct->swap_device_tried = true;
         ct->swap_device = ct->cb.alloc(ct->ud, SWAP_CHUNK);
     }
-    if (ct->swap_device) { /* three copies on the device, queued: no trip through the host */
-        for (size_t done = 0; done < bytes;) {
-            size_t n = bytes - done < SWAP_CHUNK ? bytes - done : SWAP_CHUNK;
-            rp_status st = cb_copy(t, ct->swap_device, pa + done, n, deadline, err);
-            if (st == RP_OK) st = cb_copy(t, pa + done, pb + done, n, deadline, err);
-            if (st == RP_OK) st = cb_copy(t, pb + done, ct->swap_device, n, deadline, err);
-            if (st != RP_OK) return st;
-            done += n;
-        }
-        return RP_OK;
-    }
+    void *bounce = ct->swap_device ? ct->swap_device : (void *)ct->swap_host;
+    stage_fn out = ct->swap_device ? cb_copy : cb_to_host, in = ct->swap_device ? cb_copy : cb_from_host;
+    unsigned char *pa = a, *pb = b;
     for (size_t done = 0; done < bytes;) {
         size_t n = bytes - done < SWAP_CHUNK ? bytes - done : SWAP_CHUNK;
-        rp_status st = cb_to_host(t, ct->swap_host, pa + done, n, deadline, err);
+        rp_status st = out(t, bounce, pa + done, n, deadline, err);
         if (st == RP_OK) st = cb_copy(t, pa + done, pb + done, n, deadline, err);
-        if (st == RP_OK) st = cb_from_host(t, pb + done, ct->swap_host, n, deadline, err);
+        if (st == RP_OK) st = in(t, pb + done, bounce, n, deadline, err);
         if (st != RP_OK) return st;
         done += n;
     }
@@ -309,6 +318,8 @@ rp_status rp_transport_callback_new(rp_context *ctx, const rp_transport_callback
     }
     ct->cb = *cb;
     ct->ud = ud;
+    /* its memory is reached through the callbacks, or the callbacks give the checksums */
+    if (has_memory || cb->checksum) ct->base.host_direct = false;
     ct->base.device_checksum = memory == RP_MEMORY_CUDA; /* tried at the first checksum */
     *out = &ct->base;
     return RP_OK;

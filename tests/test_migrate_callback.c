@@ -23,6 +23,9 @@ typedef struct cb_rank {
     bool waited_fail;          /* the current batch's wait must fail */
     int64_t copies[3];         /* memory callbacks: copies by rp_copy_kind */
     int64_t allocs, frees;
+    int64_t checksum_calls;    /* the checksum callback's calls */
+    int32_t checksum_wrong_at; /* its call that returns a wrong first checksum; -1: none */
+    bool checksum_fail;        /* it fails */
 } cb_rank;
 
 static int32_t cb_start(void *ud, const rp_transport_message *msgs, int32_t n, int32_t *failed, char *why,
@@ -114,10 +117,28 @@ static int32_t cb_copy(void *ud, void *dst, const void *src, size_t bytes, rp_co
     return RP_OK;
 }
 
+/* The caller's own checksums (as routepack.torch's torch ops): rp_checksum_expert, counted,
+ * wrong or failing where asked. */
+static int32_t cb_checksum(void *ud, const void *const *part_ptr, const size_t *part_bytes, const int32_t *part_begin,
+                           int32_t n, uint64_t *sums, double timeout_s, char *why, size_t why_bytes)
+{
+    cb_rank *r = ud;
+    (void)timeout_s;
+    if (r->checksum_fail) {
+        snprintf(why, why_bytes, "injected checksum failure");
+        return RP_ETRANSPORT;
+    }
+    for (int32_t i = 0; i < n; i++)
+        sums[i] = rp_checksum_expert(part_ptr + part_begin[i], part_bytes + part_begin[i],
+                                     part_begin[i + 1] - part_begin[i]);
+    if (r->checksum_calls++ == r->checksum_wrong_at && n > 0) sums[0] ^= 1;
+    return RP_OK;
+}
+
 static const rp_transport_callbacks host_callbacks = {cb_start, cb_wait, cb_finish, cb_allgather,
-                                                      NULL,     NULL,    NULL,      0, NULL};
+                                                      NULL,     NULL,    NULL,      0, NULL, NULL};
 static const rp_transport_callbacks memory_callbacks = {cb_start,  cb_wait, cb_finish, cb_allgather,
-                                                        cb_alloc,  cb_free, cb_copy,   0, NULL};
+                                                        cb_alloc,  cb_free, cb_copy,   0, NULL, NULL};
 
 typedef struct rank_run {
     const rp_migration_plan *mp;
@@ -466,6 +487,62 @@ static void test_corruption(rp_context *ctx)
     scene_free(&s);
 }
 
+/* A checksum callback: every checksum of the executor goes through it (host memory and
+ * memory callbacks alike), a migration completes; a wrong checksum from it on one rank
+ * fails the round on every rank with a mismatch and every byte intact; a failing one
+ * rolls back with its reason. */
+static void test_checksum_callback(rp_context *ctx)
+{
+    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
+    for (int memory = 0; memory < 2; memory++)
+        for (int mode = 0; mode < 3; mode++) {
+            int32_t cur[2 * 12], tgt[2 * 12];
+            for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
+            w_rotate(cur, tgt, L, ep, slots);
+            scene s;
+            rp_memory mem = memory ? RP_MEMORY_CUDA : RP_MEMORY_HOST;
+            const char *what = memory ? "memory callbacks" : "host memory";
+            if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, false, mem) != 0) {
+                ok(0, "checksum scene setup");
+                scene_free(&s);
+                continue;
+            }
+            /* the same transports again, with the checksum callback */
+            for (int g = 0; g < NR; g++) {
+                rp_transport_free(s.t[g]);
+                s.t[g] = NULL;
+                rp_transport_callbacks cb = memory ? memory_callbacks : host_callbacks;
+                cb.checksum = cb_checksum;
+                s.cb[g].checksum_wrong_at = -1;
+                rp_error e;
+                if (rp_transport_callback_new(ctx, &cb, &s.cb[g], g, NR, mem, &s.t[g], &e) != RP_OK)
+                    diag("checksum transport: %s", e.text);
+                else if (rp_gpu_count() > 0)
+                    s.t[g]->device_checksum = false; /* host malloc standing in for device memory */
+            }
+            if (mode == 1) s.cb[2].checksum_wrong_at = 1; /* rank 2's staged checksums */
+            if (mode == 2) s.cb[1].checksum_fail = true;
+            scene_run(&s, 5.0);
+            int64_t calls = 0;
+            for (int g = 0; g < NR; g++) calls += s.cb[g].checksum_calls;
+            if (mode == 0) {
+                ok(all_ok(&s) && bad_slots(&s, 3) == 0, "checksum callback, %s: every slot holds its expert", what);
+                ok(calls >= 3 * NR, "checksum callback, %s: every checksum went through it (%lld calls)", what,
+                   (long long)calls);
+                ok(memory || !s.t[0]->host_direct, "checksum callback, %s: the commit check is not fused", what);
+            } else if (mode == 1) {
+                ok(same_outcome(&s, RP_ECHECKSUM) && intact(&s),
+                   "checksum callback, %s: a wrong checksum on one rank fails every rank, every byte intact", what);
+            } else {
+                ok(same_outcome(&s, RP_ETRANSPORT) && intact(&s), "checksum callback, %s: a failing one rolls back",
+                   what);
+                like(s.runs[0].err.text, "injected checksum failure", "checksum callback, %s: its reason is named",
+                     what);
+            }
+            scene_free(&s);
+        }
+}
+
 int main(void)
 {
     rp_context *ctx;
@@ -475,6 +552,7 @@ int main(void)
     test_memory_callbacks(ctx);
     test_failures(ctx);
     test_corruption(ctx);
+    test_checksum_callback(ctx);
     rp_context_free(ctx);
     return tap_done();
 }

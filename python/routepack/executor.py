@@ -45,12 +45,15 @@ ALLOC_FN = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_size_t)
 FREE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
 COPY_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_int, c_double,
                            c_void_p, c_size_t)
+CHECKSUM_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, POINTER(c_void_p), POINTER(c_size_t), POINTER(c_int32),
+                               c_int32, POINTER(ctypes.c_uint64), c_double, c_void_p, c_size_t)
 
 
 class rp_transport_callbacks(Structure):
     _fields_ = [("start", START_FN), ("wait", WAIT_FN), ("finish", FINISH_FN),
                 ("allgather", ALLGATHER_FN), ("alloc", ALLOC_FN), ("free", FREE_FN),
-                ("copy", COPY_FN), ("max_message_bytes", c_size_t), ("stream", c_void_p)]
+                ("copy", COPY_FN), ("max_message_bytes", c_size_t), ("stream", c_void_p),
+                ("checksum", CHECKSUM_FN)]
 
 
 class rp_migration_exec_options(Structure):
@@ -231,7 +234,12 @@ class CallbackTransport:
     - ``allgather(data: bytes, timeout_s) -> bytes``: every rank's equal-sized bytes,
       rank-major;
     - for memory other than host, also ``alloc(nbytes) -> address``, ``free(address)``,
-      ``copy(dst, src, nbytes, kind)`` with kind one of COPY_KINDS.
+      ``copy(dst, src, nbytes, kind)`` with kind one of COPY_KINDS;
+    - optionally ``checksum_experts(experts, timeout_s) -> [int]``, experts a list of
+      lists of (address, nbytes) parts in the transport's memory: each expert's
+      rp_checksum_expert, computed where the bytes are (the attribute None: not offered).
+      Used for CUDA memory where the C kernel cannot run, and for host memory whenever
+      offered.
 
     An exception from a method fails the executor's call with its text (any exception:
     RP_ETRANSPORT; TransportFailure: its status), which the executor turns into a rolled
@@ -255,6 +263,12 @@ class CallbackTransport:
         # CUDA memory: the stream the messenger queues its copies on, where the checksum
         # kernel then runs after them (None: the default stream)
         cb.stream = getattr(messenger, "stream", None) or None
+        # The messenger's own expert checksums (routepack.torch: torch ops on the device),
+        # where it offers them (checksum_experts not None)
+        if getattr(messenger, "checksum_experts", None) is not None:
+            fn = CHECKSUM_FN(self._checksum)
+            self._fns.append(fn)
+            cb.checksum = fn
         self._cb = cb
         handle = c_void_p()
         err = _lib.new_error()
@@ -315,6 +329,19 @@ class CallbackTransport:
                 raise TransportFailure("the exchange returned %d bytes, expected %d ranks x %d"
                                        % (len(data), self.size, nbytes))
             ctypes.memmove(out, data, len(data))
+            return errors.OK
+        except BaseException as e:  # noqa: BLE001
+            return self._fail(e, why, why_bytes)
+
+    def _checksum(self, _ud, part_ptr, part_bytes, part_begin, n, sums, timeout_s, why, why_bytes):
+        try:
+            experts = [[(part_ptr[p] or 0, int(part_bytes[p])) for p in range(part_begin[i], part_begin[i + 1])]
+                       for i in range(n)]
+            out = self.messenger.checksum_experts(experts, float(timeout_s))
+            if len(out) != n:
+                raise TransportFailure("the checksum callback returned %d checksums for %d experts" % (len(out), n))
+            for i, v in enumerate(out):
+                sums[i] = int(v)
             return errors.OK
         except BaseException as e:  # noqa: BLE001
             return self._fail(e, why, why_bytes)

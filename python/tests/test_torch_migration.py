@@ -166,3 +166,100 @@ def test_every_rank_joins_the_message_group_first():
     out = torch_world.run(_join_rank, 4)
     for rank, calls in enumerate(out):
         assert calls == [sorted([("irecv", (rank - 1) % 4, 0), ("isend", (rank + 1) % 4, 0)])], (rank, calls)
+
+
+def _torch_checksum_rank(rank, world, corrupt_step):
+    import routepack
+    from routepack.executor import MigrationFailed
+    from routepack.torch import MigrationExecutor, TorchMessenger, init_optimizer_state, slot_tensors
+    from routepack.torch.messenger import bytes_at
+
+    class Corrupting(TorchMessenger):
+        """Flips a byte of the first expert received in step `corrupt_step`, after it
+        arrived and before the executor checks it."""
+        armed = False
+
+        def wait(self, timeout_s):
+            super().wait(timeout_s)
+            if self.armed:
+                for m, _work, _buf, _direct in self._batch:
+                    if not m.send and m.payload:
+                        b = bytes_at(m.address, m.nbytes, self.device)
+                        b[m.nbytes // 2] ^= 0xFF
+                        self.armed = False
+                        break
+
+    params, opt = _layer_tensors()
+    init_optimizer_state(opt)
+    tensors = [slot_tensors(ps, opt) for ps in params]
+    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
+    phy2log = sched.initial_placement()
+    _fill(tensors, phy2log, rank)
+    ex = MigrationExecutor(sched, timeout_s=5.0, torch_checksum=True)
+    ex.messenger.__class__ = Corrupting
+    for l in range(L):
+        ex.register(l, tensors[l])
+    ex.staging_budget_bytes = 0
+    ex.sync()
+    report = []
+    for step in range(3):
+        res = sched.step(*_step_inputs(step))
+        ex.messenger.armed = step == corrupt_step
+        try:
+            r = ex.execute()
+            assert _holds(tensors, res.phy2log, rank, range(L))
+            report.append(("ok", r.num_rounds if r else 0))
+            phy2log = res.phy2log
+        except MigrationFailed as e:
+            assert _holds(tensors, phy2log, rank, range(L))   # every byte as before
+            report.append(("failed", "checksum mismatch" in str(e)))
+    calls = ex.messenger.checksum_calls
+    sched.close()
+    return report, calls
+
+
+def test_migration_with_torch_op_checksums_on_cpu():
+    """The device checksum path (routepack.torch.checksum: torch ops, no host copy) run on
+    CPU tensors: every expert checksum of the executor goes through it (source, staged,
+    committed slots), a migration moves weights and Adam state, and a byte flipped in
+    staging fails the round on every rank with nothing written."""
+    out = torch_world.run(_torch_checksum_rank, 4, 1)
+    reports = [o[0] for o in out]
+    assert all(r == reports[0] for r in reports), reports
+    assert reports[0][0][0] == "ok" and reports[0][0][1] > 0, reports[0]   # step 0 moved experts
+    assert reports[0][1] == ("failed", True), reports[0]
+    assert reports[0][2][0] == "ok", reports[0]
+    assert all(o[1] >= 3 for o in out), [o[1] for o in out]   # source, staged, commit: per round
+
+
+def test_torch_checksum_equals_the_c_checksum():
+    """routepack.torch.checksum.checksum_experts against rp_checksum_expert (the C
+    reference of routepack/checksum.h) on CPU tensors: lengths around every branch of
+    XXH64 (under 4, 8 and 32 bytes, whole and partial 4 KiB blocks, under and over 4 block
+    hashes), experts of several parts whose blocks span parts, an empty expert, and the
+    same sums when the experts are split into several device batches."""
+    import ctypes
+
+    from routepack import _lib
+    from routepack.torch.checksum import checksum_experts
+
+    fn = _lib.load().rp_checksum_expert
+    fn.restype = ctypes.c_uint64
+    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t), ctypes.c_int32]
+
+    def c_sum(parts):
+        n = max(len(parts), 1)
+        ptrs = (ctypes.c_void_p * n)(*[p.data_ptr() for p in parts])
+        sizes = (ctypes.c_size_t * n)(*[p.numel() * p.element_size() for p in parts])
+        return fn(ptrs, sizes, len(parts))
+
+    g = torch.Generator().manual_seed(7)
+    experts = [[torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+               for sizes in ([0], [1], [3], [4], [7], [8], [31], [32], [33], [100], [4095], [4096],
+                             [4097], [3 * 4096], [4 * 4096], [5 * 4096 + 13], [17 * 4096 + 40],
+                             [1000, 5000, 3], [4096 * 3, 4096], [1 << 20])]
+    experts.append([torch.randn(64, 33, generator=g), torch.randn(7, generator=g).double()])
+    want = [c_sum(e) for e in experts]
+    assert checksum_experts(experts) == want
+    assert checksum_experts(experts, batch_bytes=5000) == want
+    assert want[0] == 0xEF46DB3751D8E999   # no bytes: XXH64 of nothing

@@ -321,13 +321,24 @@ typedef struct rp_transport_callbacks {
      * the copies queued there (rp_gpu_checksum); without a usable device, through host
      * copies. Appended after the first version; ignored for host memory. */
     void *stream;
+    /* Optional (NULL: none): the checksums of `n` experts, computed by the caller where
+     * the bytes are (routepack.torch: torch ops on the tensors' device, no host copy).
+     * Expert i is the concatenation of parts part_begin[i] .. part_begin[i + 1] - 1
+     * (part_ptr[p], part_bytes[p] bytes, in the transport's memory); sums[i] (host) must
+     * be rp_checksum_expert of those bytes (routepack/checksum.h). Used for CUDA memory
+     * where the checksum kernel cannot run (instead of host copies), and for host memory
+     * whenever set. Returns RP_OK or a status with `why`. Appended after `stream`. */
+    int32_t (*checksum)(void *ud, const void *const *part_ptr, const size_t *part_bytes,
+                        const int32_t *part_begin, int32_t n, uint64_t *sums, double timeout_s,
+                        char *why, size_t why_bytes);
 } rp_transport_callbacks;
 
 /* A transport whose messages, exchanges and (optionally) memory go through `cb` (the
  * struct is copied; `ud` is borrowed and passed to every callback). `rank` of `size`
  * ranks; `memory`: the kind of every buffer it moves (the registry's). Checksums of
- * CUDA memory run on the device (rp_gpu_checksum on cb->stream) where it can, else on
- * host copies made with the copy callback; either way they equal rp_checksum_expert.
+ * CUDA memory run on the device (rp_gpu_checksum on cb->stream) where it can, else
+ * through cb->checksum where set, else on host copies made with the copy callback;
+ * every way they equal rp_checksum_expert.
  * rp_transport_free calls finish on a batch still in flight,
  * never anything else. Errors (RP_EINVAL): a required callback missing, memory
  * callbacks only partly set or missing for CUDA memory, rank or size out of range. */

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .. import errors
 from ..executor import TransportFailure
 from ._p2p import join_group
+from .checksum import checksum_experts as _torch_checksums
 
 
 class _CudaMemory:
@@ -63,9 +64,14 @@ class TorchMessenger:
     executor's deadline. A separate control group matters on gloo: a receive that times
     out there closes every connection of its group (gloo signals the error to all its
     pairs), and the ranks still have to exchange the round's outcome afterwards. ``device``: where messages
-    live (cpu for gloo, the current CUDA device for NCCL; default from the backend)."""
+    live (cpu for gloo, the current CUDA device for NCCL; default from the backend).
+    ``torch_checksum``: offer the executor expert checksums computed with torch ops on
+    ``device`` (routepack.torch.checksum; no host copy, one read of the results per
+    batch). None (default): for CUDA only, where the C checksum kernel cannot run; True:
+    also for host memory (the C checksum is faster there: tests use it to run the device
+    path on CPU); False: never."""
 
-    def __init__(self, group=None, device=None, control_group=None):
+    def __init__(self, group=None, device=None, control_group=None, torch_checksum=None):
         self.group = group
         self.control_group = group if control_group is None else control_group
         self.rank = dist.get_rank(group)
@@ -87,6 +93,17 @@ class TorchMessenger:
         # write directly, also after being abandoned: its owner never reuses it after a
         # failed call (drop_direct), and an orphaned receive keeps it alive.
         self.direct = None
+        use = self.device.type == "cuda" if torch_checksum is None else bool(torch_checksum)
+        self.checksum_experts = self._checksum_experts if use else None
+        self.checksum_calls = 0   # batches checksummed through torch ops
+
+    def _checksum_experts(self, experts, timeout_s):
+        """rp_checksum_expert of each expert ([(address, nbytes), ...] parts in this
+        messenger's memory), with torch ops on its device, queued on the current stream
+        after the copies queued there; the results are read once (the only
+        synchronisation)."""
+        self.checksum_calls += 1
+        return _torch_checksums([[bytes_at(a, n, self.device) for a, n in parts] for parts in experts])
 
     def begin_call(self):
         """Count an executor call (MigrationExecutor does this before each one)."""

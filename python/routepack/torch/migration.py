@@ -78,7 +78,9 @@ class MigrationExecutor:
     ``placement``: phy2log [layers, slots] the slots hold when the executor is made
     (default: Scheduler.initial_placement(), where the trainer loads its experts); the
     C executor then tracks each slot's identity and refuses a migration whose starting
-    placement differs from what the slots hold.
+    placement differs from what the slots hold. ``torch_checksum``: the expert
+    checksums computed with torch ops on the tensors' device (TorchMessenger's; None:
+    for CUDA tensors where libroutepack's checksum kernel cannot run; True: also on CPU).
 
     register(layer, tensors) (or register_slots(layer, slots) for experts that are not
     stacked) for every MoE layer, then sync() (collective-free; tells
@@ -86,7 +88,7 @@ class MigrationExecutor:
     each step: execute() on every rank."""
 
     def __init__(self, scheduler, group=None, *, placement=None, timeout_s=60.0,
-                 staging_budget_bytes=None, device=None):
+                 staging_budget_bytes=None, device=None, torch_checksum=None):
         self.scheduler = getattr(scheduler, "scheduler", scheduler)
         # What the slots hold now (the registry's slot identities): by default the
         # placement the scheduler starts from, where the trainer loads its experts.
@@ -97,7 +99,8 @@ class MigrationExecutor:
         # must survive a failed message: see TorchMessenger).
         self.group = self._new_group()
         self.control_group = self._new_group()
-        self.messenger = TorchMessenger(self.group, device=device, control_group=self.control_group)
+        self.messenger = TorchMessenger(self.group, device=device, control_group=self.control_group,
+                                        torch_checksum=torch_checksum)
         self.messenger.join()
         self.timeout_s = float(timeout_s)
         # None: the config's execution.staging_budget_bytes (what the memory check counts)
