@@ -7,9 +7,14 @@ batch_isend_irecv of the same bytes between the same ranks, in the same run.
 
 Prints, per step, the bytes this rank group moved, each path's time (the slowest rank's,
 between barriers) and throughput, the two run in alternating order, then the medians over
-the steps; the figures are measured, never asserted."""
+the steps; the figures are measured, never asserted. Each rank is pinned to core
+rank % cores. On a loaded machine the wall time
+mostly measures the scheduler: each path's CPU time is printed too (the busiest rank's
+process CPU time, every thread of it: gloo's threads do the socket copies), and the
+ratio of those."""
 
 import argparse
+import os
 import statistics
 import time
 
@@ -30,6 +35,8 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})   # one core a rank (its threads too)
     slots = EXPERTS // world + 1
     config = {"topology": {"num_nodes": 1, "gpus_per_node": world, "ep_size": world, "slots_per_gpu": slots},
               "model": {"num_layers": LAYERS, "num_experts": EXPERTS, "top_k": TOP_K, "hidden_size": 256,
@@ -78,31 +85,40 @@ def main():
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
         # interleaved: the executor first on even steps, the plain exchange first on odd
-        t = {}
+        t, cpu = {}, {}
         for name, fn in ((("executor", executor), ("plain", plain)) if step % 2 == 0
                          else (("plain", plain), ("executor", executor))):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = fn()
+            c1 = time.process_time()
             dist.barrier()
             t[name] = time.perf_counter() - t0
+            cpu[name] = c1 - c0
             if name == "executor":
                 r = out
-        moved = torch.tensor([r.bytes_received if r else 0, t["executor"], t["plain"]], dtype=torch.float64)
+        moved = torch.tensor([r.bytes_received if r else 0, t["executor"], t["plain"],
+                              cpu["executor"], cpu["plain"]], dtype=torch.float64)
         dist.all_reduce(moved[:1])
         dist.all_reduce(moved[1:], op=dist.ReduceOp.MAX)
-        mib = moved[0].item() / 2**20
-        figures.append((mib / moved[1].item(), mib / max(moved[2].item(), 1e-9), moved[1].item() / max(moved[2].item(), 1e-9)))
+        mib, te, tp, ce, cp = moved[0].item() / 2**20, *moved[1:].tolist()
+        figures.append((mib / te, mib / max(tp, 1e-9), te / max(tp, 1e-9), mib / max(ce, 1e-9),
+                        mib / max(cp, 1e-9), ce / max(cp, 1e-9)))
         if rank == 0:
             print("step %d: %.1f MiB moved between ranks; executor %.3f s (%.0f MiB/s), "
-                  "batch_isend_irecv %.3f s (%.0f MiB/s), ratio %.2f"
-                  % (step, mib, moved[1].item(), figures[-1][0], moved[2].item(), figures[-1][1], figures[-1][2]), flush=True)
+                  "batch_isend_irecv %.3f s (%.0f MiB/s), ratio %.2f; CPU time: executor %.3f s "
+                  "(%.0f MiB/s), batch_isend_irecv %.3f s (%.0f MiB/s), ratio %.2f"
+                  % (step, mib, te, figures[-1][0], tp, figures[-1][1], figures[-1][2],
+                     ce, figures[-1][3], cp, figures[-1][4], figures[-1][5]), flush=True)
     if rank == 0 and figures:
         cols = list(zip(*figures))
+
+        def med(i):
+            return statistics.median(cols[i]), min(cols[i]), max(cols[i])
         print("median over %d steps: executor %.0f MiB/s (%.0f-%.0f), batch_isend_irecv %.0f MiB/s (%.0f-%.0f), "
-              "ratio %.2f (%.2f-%.2f)" % (len(figures), statistics.median(cols[0]), min(cols[0]), max(cols[0]),
-                                          statistics.median(cols[1]), min(cols[1]), max(cols[1]),
-                                          statistics.median(cols[2]), min(cols[2]), max(cols[2])))
+              "ratio %.2f (%.2f-%.2f); by CPU time: executor %.0f MiB/s (%.0f-%.0f), batch_isend_irecv "
+              "%.0f MiB/s (%.0f-%.0f), ratio %.2f (%.2f-%.2f)"
+              % ((len(figures),) + med(0) + med(1) + med(2) + med(3) + med(4) + med(5)))
     sched.close()
     dist.destroy_process_group()
 

@@ -103,12 +103,15 @@ def slowest(values):
 
 
 def timed(fn):
+    """The slowest rank's wall time, thread CPU time (the rank's own thread: its compute)
+    and process CPU time (every thread of the rank: gloo's, which copy the bytes a
+    transfer moves, included)."""
     dist.barrier()
-    w0, c0 = time.perf_counter(), time.thread_time()
+    w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     fn()
-    c1 = time.thread_time()
+    c1, p1 = time.thread_time(), time.process_time()
     dist.barrier()
-    return slowest([time.perf_counter() - w0, c1 - c0])
+    return slowest([time.perf_counter() - w0, c1 - c0, p1 - p0])
 
 
 def summary(xs):
@@ -169,7 +172,7 @@ def part_plain(args, rank, world):
               "%d reps after %d warm-up, interleaved" % (world, T, d, f, E, k, kern, why, args.reps, args.warmup))
         for n in names:
             print("  %-10s wall %s ms   thread CPU %s ms" % (
-                n, summary([w * 1e3 for w, _ in times[n]]), summary([c * 1e3 for _, c in times[n]])))
+                n, summary([t[0] * 1e3 for t in times[n]]), summary([t[1] * 1e3 for t in times[n]])))
         for n in names[1:]:
             print("  %s / plain: wall %s   thread CPU %s" % (
                 n, summary([a[0] / b[0] for a, b in zip(times[n], times["plain"])]),
@@ -279,15 +282,20 @@ def part_plans(args, rank, world):
     policy = os.path.join(tempfile.mkdtemp(prefix="bench-moe-"), "bench_levers.lua")
     with open(policy, "w") as fh:
         fh.write(PLANS_POLICY % M)
+    # the same config with communication free: what the model predicts for the compute
+    # alone (thread CPU time measures no communication: gloo's threads move the bytes)
+    free = dict(cfg, topology=dict(cfg["topology"], nvlink_bytes_per_s=1e15, nvlink_latency_us=1e-3))
+    compute_only = []
     for mode in ("contiguous", "replicas", "extras"):
         # extras: enough of rank 0's experts to level rank 0 with the others at half shares
         extra = args.extra_experts or max(1, (E // world) // 2 if world == 2 else E // world)
-        sched = routepack.Scheduler(cfg, policy=policy, params={"mode": mode, "extra_experts": extra},
-                                    log_level=None)
-        res = sched.step(lens, routing)
-        if res.fallback or res.policy_name != "bench_levers":
-            raise SystemExit("the %s plan fell back: %s" % (mode, res.fallback_reason))
-        results.append((mode, res))
+        for c, out in ((cfg, results), (free, compute_only)):
+            sched = routepack.Scheduler(c, policy=policy, params={"mode": mode, "extra_experts": extra},
+                                        log_level=None)
+            res = sched.step(lens, routing)
+            if res.fallback or res.policy_name != "bench_levers":
+                raise SystemExit("the %s plan fell back: %s" % (mode, res.fallback_reason))
+            out.append((mode, res))
     g = torch.Generator().manual_seed(0)
     w_in, w_out = torch.randn(E, d, f, generator=g) * d ** -0.5, torch.randn(E, f, d, generator=g) * f ** -0.5
     router = torch.randn(E, d, generator=g) * d ** -0.5
@@ -343,17 +351,22 @@ def part_plans(args, rank, world):
         print("  CPU hardware for the model: %.1f GFLOP/s a thread, gloo %.0f MB/s, latency %.0f us"
               % (hw["peak_flops"] / 1e9, links["nvlink_bytes_per_s"] / 1e6, links["nvlink_latency_us"]))
         base_pred = results[0][1].step_time_s
+        base_free = compute_only[0][1].step_time_s
         base = times[results[0][0]]
-        for name, res in results:
+        for (name, res), (_, free_res) in zip(results, compute_only):
             extras = len(res.extra_replicas)
             reps_n = int(np.sum(np.bincount(res.phy2log[0][res.phy2log[0] >= 0], minlength=E) > 1))
-            print("  %-16s predicted %.2f ms (x%.3f)  wall %s ms (x%s)  thread CPU %s ms (x%s)  [%d replicated "
-                  "experts, %d share sets, %d extra replicas]"
+            print("  %-16s predicted %.2f ms (x%.3f), communication free %.2f ms (x%.3f)  wall %s ms (x%s)  "
+                  "thread CPU %s ms (x%s)  process CPU %s ms (x%s)  [%d replicated experts, %d share sets, "
+                  "%d extra replicas]"
                   % (name, res.step_time_s * 1e3, res.step_time_s / base_pred,
-                     summary([w * 1e3 for w, _ in times[name]]),
+                     free_res.step_time_s * 1e3, free_res.step_time_s / base_free,
+                     summary([t[0] * 1e3 for t in times[name]]),
                      summary([a[0] / b[0] for a, b in zip(times[name], base)]),
-                     summary([c * 1e3 for _, c in times[name]]),
+                     summary([t[1] * 1e3 for t in times[name]]),
                      summary([a[1] / b[1] for a, b in zip(times[name], base)]),
+                     summary([t[2] * 1e3 for t in times[name]]),
+                     summary([a[2] / b[2] for a, b in zip(times[name], base)]),
                      reps_n, len(res.shares), extras))
         for name, every in grad_bytes:
             print("  replica gradients, %-16s bytes sent per rank %s; formula %s; an all-reduce over the EP group "
