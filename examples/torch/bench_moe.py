@@ -497,8 +497,8 @@ def part_five(args, rank, world):
             hw["peak_flops"], " with " + args.calibration + "'s expert curve" if args.calibration else "",
             links["nvlink_bytes_per_s"] / 1e6, links["nvlink_latency_us"]))
         pred = [p for _, _, p, _ in plans]
-        cpu_t = [statistics.median([c for _, c in times[label]]) for label, *_ in plans]
-        wall_t = [statistics.median([w for w, _ in times[label]]) for label, *_ in plans]
+        cpu_t = [statistics.median([t[1] for t in times[label]]) for label, *_ in plans]
+        wall_t = [statistics.median([t[0] for t in times[label]]) for label, *_ in plans]
         for (label, res, p, bal), c, w in zip(plans, cpu_t, wall_t):
             print("  %-20s PREDICTED %8.2f ms (x%.3f)   MEASURED thread CPU %s ms (x%.3f), wall %s ms  "
                   "[%d extra replicas]" % (label, p * 1e3, p / pred[0],
