@@ -120,6 +120,9 @@ void joint_comm_costs(joint *jt)
     const double nv_bw = t->nvlink_bytes_per_s * rank_gpus, net_bw = t->net_bytes_per_s * rank_gpus;
     jt->copy_s = expert_bytes / nv_bw;
     jt->nv_lat = t->nvlink_latency_s;
+    jt->copy_net_s = expert_bytes / net_bw;
+    jt->net_lat = t->net_latency_s;
+    jt->extras_once = x->extras_once;
     jt->grad_nv_s = expert_bytes / nv_bw + t->nvlink_latency_s;
     jt->grad_net_s = expert_bytes / net_bw + t->net_latency_s;
 }

@@ -66,6 +66,10 @@ typedef struct joint {
     double x_mult;              /* 1 + backward.experts: forward expert seconds to step seconds */
     double copy_s;              /* weights of one extra replica over NVLink */
     double nv_lat;
+    double copy_net_s, net_lat; /* the same over the network */
+    bool extras_once;           /* the executor fetches a step's extras once (routepack_torch):
+                                   an extra held in an earlier microbatch of the step is free,
+                                   a new one costs its fetch and its gradient's exchange once */
     double move_nv_s, move_net_s; /* migrating one expert (weights and optimizer state) */
     double grad_nv_s, grad_net_s; /* one replica's gradient all-reduce, step seconds */
     /* Expert slot time t(n) from the cost model (joint_slot_time): a table at integer

@@ -47,6 +47,9 @@ typedef struct lever_state {
     int32_t *extra_count;  /* [ep] */
     int32_t *extra_e, *extra_r;
     int32_t n_extra;
+    double extra_price;    /* step seconds of this (mb, layer)'s extras: the largest of
+                              rank_price (extras_once) */
+    double *rank_price;    /* [ep] each rank's fetches and gradient messages for them */
     int32_t *reps;         /* [E] replicated experts, heaviest first */
     double *rtot;          /* [E] */
     double *fill_a, *fill_c; /* [(ep + 1) * Q] minmax_fill's lines */
@@ -67,6 +70,38 @@ static bool held_extra(const joint *jt, const lever_state *ls, int32_t l, int32_
 }
 
 static inline double gspeed(const joint *jt, int32_t q, int32_t j) { return jt->speed[q * jt->ep + j]; }
+
+/* Step seconds an extra replica of expert e on EP rank j at (m, l) adds, under an executor
+ * that fetches a step's extras once (routepack_torch, docs/cost-model.md "Extra replicas"):
+ * nothing when an earlier microbatch of the step put it there already; else rank j pays
+ * its fetch from the expert's first replica (NVLink in a node, the network across: the
+ * most it can cost, fetched ahead it is mostly hidden) and its gradient's exchange with
+ * every holder, and each holder one gradient message to j; ranks pay at once, so the price
+ * is what the busiest rank's sum (ls->rank_price) grows by. `commit`: add the charges.
+ * A microbatch m weighs it over the M - m microbatches from it on: the step's buffer keeps
+ * the extra for them, and an expert hot now mostly stays hot (the later ones then hold
+ * it for free). */
+static double extra_price_once(const joint *jt, lever_state *ls, int32_t l, int32_t e, int32_t j, bool commit)
+{
+    if (held_extra(jt, ls, l, e, j)) return 0.0;
+    const int32_t *rk = ls->rank + (size_t)e * jt->ep;
+    const int32_t node = jt->node_of_rank[j];
+    double mine = jt->node_of_rank[rk[0]] == node ? jt->copy_s + jt->nv_lat : jt->copy_net_s + jt->net_lat;
+    double most = ls->extra_price, after = most;
+    for (int32_t i = 0; i < ls->cnt[e]; i++) {
+        double g = jt->node_of_rank[rk[i]] == node ? jt->grad_nv_s : jt->grad_net_s;
+        mine += g;
+        double theirs = ls->rank_price[rk[i]] + g;
+        if (theirs > after) after = theirs;
+        if (commit) ls->rank_price[rk[i]] = theirs;
+    }
+    if (ls->rank_price[j] + mine > after) after = ls->rank_price[j] + mine;
+    if (commit) {
+        ls->rank_price[j] += mine;
+        ls->extra_price = after;
+    }
+    return after - most;
+}
 
 /* Add (sign +1) or remove (-1) expert e's load at (m, l) to U. */
 static void contribute(const joint *jt, lever_state *ls, int32_t m, int32_t l, int32_t e, double sign)
@@ -270,8 +305,9 @@ static void reset_even(const joint *jt, lever_state *ls, int32_t l)
             ls->w[(size_t)e * ep + i] = 1.0 / R;
         }
     }
-    for (int32_t j = 0; j < ep; j++) ls->extra_count[j] = 0, ls->fresh[j] = 0;
+    for (int32_t j = 0; j < ep; j++) ls->extra_count[j] = 0, ls->fresh[j] = 0, ls->rank_price[j] = 0.0;
     ls->n_extra = 0;
+    ls->extra_price = 0.0;
 }
 
 bool joint_extras_may_gain(const joint *jt, const double *U)
@@ -395,14 +431,18 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
                 for (int32_t t = 0; t < ncool; t++) {
                     int32_t j2 = cool[t];
                     if (has_rank(ls, ep, e, j2)) continue;
-                    bool source = false; /* a base replica in the same node to copy from */
+                    /* copied per microbatch: from a base replica in the same node only;
+                     * fetched once a step: from anywhere, at its link's price */
+                    bool source = jt->extras_once;
                     for (int32_t i = 0; i < ls->base[e] && !source; i++)
                         source = jt->node_of_rank[ls->rank[(size_t)e * ep + i]] == jt->node_of_rank[j2];
                     if (!source) continue;
                     memcpy(ls->rk, ls->rank + (size_t)e * ep, (size_t)R * sizeof *ls->rk);
                     ls->rk[R] = j2;
                     int32_t k_after = ls->extra_count[j2] + 1 > kmax ? ls->extra_count[j2] + 1 : kmax;
-                    double copy = 2.0 * ((k_after - kmax) * jt->copy_s + (kmax == 0 ? jt->nv_lat : 0.0));
+                    double copy = jt->extras_once
+                                      ? extra_price_once(jt, ls, l, e, j2, false) / (jt->M - m)
+                                      : 2.0 * ((k_after - kmax) * jt->copy_s + (kmax == 0 ? jt->nv_lat : 0.0));
                     /* the most this trial could save: skip the fill when that cannot win */
                     if (!(joint_mb_value(jt, m, cur) - joint_mb_value(jt, m, trial_floor(jt, ls, ls->rk, R + 1)) - copy >
                           best_gain))
@@ -421,6 +461,7 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
                 }
             }
             if (best_e < 0) break;
+            if (jt->extras_once) extra_price_once(jt, ls, l, best_e, best_j, true);
             contribute(jt, ls, m, l, best_e, -1);
             int32_t R = ls->cnt[best_e];
             ls->rank[(size_t)best_e * ep + R] = best_j;
@@ -440,7 +481,8 @@ static void plan_levers(joint *jt, lever_state *ls, int32_t m, int32_t l)
     /* keep the levers only if they pay under the exact slot times */
     int32_t kmax = 0;
     for (int32_t j = 0; j < ep; j++) kmax = ls->extra_count[j] > kmax ? ls->extra_count[j] : kmax;
-    double copy = kmax > 0 ? 2.0 * (kmax * jt->copy_s + jt->nv_lat) : 0.0;
+    double copy = jt->extras_once ? ls->extra_price / (jt->M - m)
+                                  : kmax > 0 ? 2.0 * (kmax * jt->copy_s + jt->nv_lat) : 0.0;
     bool any = ls->n_extra > 0;
     for (int32_t e = 0; e < E && !any; e++) any = ls->explicit_shares[e];
     if (any && !(exact_max(jt, ls, m, l, acc) + copy / jt->x_mult < even_exact)) reset_even(jt, ls, l);
@@ -468,6 +510,7 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
     ls.best_w = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.best_w);
     ls.rk = rp_alloc(ctx, ((size_t)ep + 1) * sizeof *ls.rk);
     ls.rank_u = rp_alloc(ctx, (size_t)ep * sizeof *ls.rank_u);
+    ls.rank_price = rp_alloc(ctx, (size_t)ep * sizeof *ls.rank_price);
     ls.touched = rp_alloc(ctx, (size_t)ep);
     ls.extra_count = rp_alloc(ctx, (size_t)ep * sizeof *ls.extra_count);
     ls.extra_e = rp_alloc(ctx, ((size_t)max_extras + 1) * sizeof *ls.extra_e);
@@ -500,7 +543,7 @@ rp_status joint_levers(joint *jt, rp_plan *plan, int32_t *share_sets, int32_t *e
         ls.room[j] = n < (double)INT32_MAX ? (int64_t)n : INT32_MAX;
     }
     if (!ls.cnt || !ls.base || !ls.rank || !ls.w || !ls.explicit_shares || !ls.U || !ls.tq || !ls.inv_tq || !ls.base_load ||
-        !ls.wt || !ls.best_w || !ls.rk || !ls.rank_u || !ls.touched || !ls.extra_count || !ls.extra_e || !ls.extra_r || !ls.reps ||
+        !ls.wt || !ls.best_w || !ls.rk || !ls.rank_u || !ls.rank_price || !ls.touched || !ls.extra_count || !ls.extra_e || !ls.extra_r || !ls.reps ||
         !ls.rtot || !ls.fill_a || !ls.fill_c || !order) {
         st = rp_fail_nomem(err, "joint: shares and extra replicas");
         goto out;
@@ -554,6 +597,7 @@ out:
     rp_free(ctx, ls.best_w);
     rp_free(ctx, ls.rk);
     rp_free(ctx, ls.rank_u);
+    rp_free(ctx, ls.rank_price);
     rp_free(ctx, ls.touched);
     rp_free(ctx, ls.extra_count);
     rp_free(ctx, ls.extra_e);

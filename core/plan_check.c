@@ -394,14 +394,18 @@ static void check_levers(const rp_plan *plan, const rp_config *cfg, reporter *r)
             continue;
         }
         int32_t node = j / gpus_per_node;
-        bool source = false;
+        /* an executor that fetches a step's extras once fetches from any GPU, across nodes
+         * over the network (routepack_torch's set_placement); one that copies them per
+         * microbatch copies over NVLink only */
+        bool source = rp_config_execution(cfg)->extras_once;
         for (int32_t j2 = node * gpus_per_node; j2 < (node + 1) * gpus_per_node && j2 < ep && !source; j2++)
             source = rank_holds(plan, l, j2, e);
         if (!source)
             report(r, -1, e,
                    "plan: mb %d layer %d: extra replica of expert %d on EP rank %d has no replica of the expert in "
-                   "its node (node %d) to copy from over NVLink",
-                   mb, l, e, j, node);
+                   "its node (node %d) to copy from over NVLink (execution.executor \"%s\" copies extras per "
+                   "microbatch; \"routepack_torch\" fetches them across nodes)",
+                   mb, l, e, j, node, rp_executor_name(rp_config_execution(cfg)->executor));
     }
     for (int32_t i = 0; i < num_sets; i++) {
         int32_t mb, l, e, count;

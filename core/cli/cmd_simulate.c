@@ -2,6 +2,7 @@
  * scheduler, and compare them side by side (a table, JSON, or an HTML report). */
 #include "cli.h"
 #include "fallback_reasons.h"
+#include "levers.h"
 #include "internal.h"
 #include "sched_internal.h"
 #include "report.h"
@@ -253,8 +254,9 @@ static void watch_check(sim_policy *p, int64_t step)
 }
 
 static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *plan,
-                        const rp_migration_plan *migration, int32_t logprob_forwards)
+                        const rp_migration_plan *migration, const rp_config *cfg)
 {
+    const int32_t logprob_forwards = rp_config_trainer(cfg)->logprob_forwards;
     memset(r, 0, sizeof *r);
     r->moe_s = rep->cost.step_s + logprob_forwards * rep->forward_s;
     r->outside_s = rep->outside.total_s;
@@ -283,7 +285,7 @@ static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *p
     r->experts_moved = rep->experts_moved;
     r->migration_bytes = rep->migration_bytes;
     r->migration_s = rep->migration_s;
-    r->metrics = rp_step_metrics_json(rep);
+    cli_add_levers(r->metrics = rp_step_metrics_json(rep), plan, cfg);
     if (migration) {
         rp_migration_summary sum;
         rp_migration_plan_summary(migration, &sum);
@@ -1295,8 +1297,7 @@ int cmd_simulate(rp_context *ctx, int argc, char **argv)
                 policy_stop(p, step_index, &err);
                 continue;
             }
-            record_step(&p->steps[p->num_steps++], rep, plan, rp_sched_migration(p->sched),
-                        rp_config_trainer(cfg)->logprob_forwards);
+            record_step(&p->steps[p->num_steps++], rep, plan, rp_sched_migration(p->sched), cfg);
             if (o.plans && save_step_plan(o.plans, p->spec, step_index, plan, &err) != RP_OK) {
                 cli_progress_clear();
                 rc = cli_fail(&err);

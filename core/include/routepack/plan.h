@@ -209,6 +209,23 @@ RP_API uint64_t rp_plan_hash(const rp_plan *plan);
  * bit), compared exactly. Two NULLs are equal; NULL and a plan are not. */
 RP_API bool rp_plan_equal(const rp_plan *a, const rp_plan *b);
 
+/* What a plan asks of its levers in one step (docs/routepack-policy.md, "Lever
+ * statistics"): the replicas in its placement, the explicit share sets, its extra
+ * replicas, and what the executor (execution.executor) fetches for them. */
+typedef struct rp_lever_stats {
+    int32_t replicas;           /* slots holding a second or later copy of an expert, over layers */
+    int32_t share_sets;         /* (microbatch, layer, expert) keys with explicit shares */
+    int32_t extra_replicas;     /* (microbatch, layer, expert, EP rank) extra replicas */
+    int32_t extras_fetched;     /* weight copies the executor makes for them: the distinct
+                                   (layer, expert, EP rank) when it fetches a step's extras
+                                   once (extras_once), else every extra replica */
+    double bytes_fetched;       /* extras_fetched x one expert's weights (3 d f bytes_per_param),
+                                   one EP group's */
+    double bytes_fetched_ahead; /* of which fetched ahead of the step (execution.extras_ahead) */
+} rp_lever_stats;
+RP_API rp_status rp_plan_lever_stats(const rp_plan *plan, const rp_config *cfg, rp_lever_stats *out,
+                                     rp_error *err);
+
 #ifdef __cplusplus
 }
 #endif
