@@ -165,13 +165,30 @@ EOF2
     fi
     t=$(trace "planner-$(basename "$settings" .json)" "$settings" "$seed" "$steps")
     policies=token_kk+contiguous,token_kk+eplb,token_kk+eplb_periodic,verl_kk+eplb,attn_kk+eplb
-    [ "$vx" = yes ] && policies=$policies,token_kk+virtual_experts
     policies=$policies,routepack,routepack:virtual_experts=false
     echo "results: simulate planner-$name seed $seed ($steps steps)" >&2
     (cd "$root" && "$rp" simulate --json --config "examples/$config" --trace "$t" --policies "$policies") \
       > "$work/planner-$name.json"
-    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "examples/$config" "$gen" "$seed" "$steps" \
-      "planner-$name.json" >> "$work/planner.tsv.part"
+    bal=-
+    if [ "$vx" = yes ]; then
+      # the trainer that runs the balancer: Megatron-Core with it (megatron_balancer),
+      # every expert once per EP group; token_kk+virtual_experts and routepack packing for it
+      bal="planner-$name-balancer.json"
+      python3 - "$ex/$config" "$work/planner-$name-balancer-config.json" <<'EOF2'
+import json, sys
+c = json.load(open(sys.argv[1]))
+t = c["topology"]
+t["slots_per_gpu"] = c["model"]["num_experts"] // t["ep_size"]
+t["comment"] = "Megatron holds every expert once per EP group"
+c.setdefault("execution", {})["executor"] = "megatron_balancer"
+json.dump(c, open(sys.argv[2], "w"))
+EOF2
+      echo "results: simulate planner-$name on megatron_balancer" >&2
+      "$rp" simulate --json --config "$work/planner-$name-balancer-config.json" --trace "$t" \
+        --policies token_kk+virtual_experts,routepack > "$work/$bal"
+    fi
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "examples/$config" "$gen" "$seed" "$steps" \
+      "planner-$name.json" "$bal" >> "$work/planner.tsv.part"
   done <<< "$PLANNER"
   mv "$work/planner.tsv.part" "$work/planner.tsv"
   python3 "$root/scripts/results/planner.py" "$work" "$root" > "$work/section-vs-balancer.md"

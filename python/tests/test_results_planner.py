@@ -1,6 +1,8 @@
 """scripts/results/planner.py (docs/results.md's "The planner against the per-forward
-balancer" section, issue 35) on small fake simulate runs: the "done when" clauses and the
-steps where the balancer's plan still wins come from the runs' figures."""
+balancer" section, issue 35) on small fake simulate runs: the "done when" clauses (the own
+plan on its trainer's run, the balancer and routepack packing for it on the balancer's
+trainer's run), the steps where the balancer's plan still wins and each step's levers come
+from the runs' figures."""
 
 import importlib.util
 import json
@@ -32,7 +34,10 @@ def _policy(name, baseline, steps):
     out = []
     for i, (a, x, m) in enumerate(steps):
         s = {"step": i, "step_ms": a + x, "migration_ms": m, "ratio": 1.0, "shared_ratio": 1.0,
-             "migration_bytes": 0, "fallback": False}
+             "migration_bytes": 0, "fallback": False,
+             "metrics": {"lever_replicas": 16 + i, "lever_share_sets": 40, "lever_extra_replicas": 12,
+                         "lever_extras_fetched": 5, "lever_bytes_fetched": 2.5e9,
+                         "lever_bytes_fetched_ahead": 2.5e9}}
         s.update({t: 0.0 for t in TERMS})
         s.update(attention_ms=a, expert_ms=x)
         out.append(s)
@@ -57,16 +62,21 @@ def test_done_when_and_balancer_wins(tmp_path):
     # 4 ms ahead on step 1: 2 ms ahead of 200 over both, 1.0%; with the candidate 1.5% ahead
     own = _policy("routepack:virtual_experts=false", False, [(49.0, 53.0, 0.0), (48.0, 48.0, 0.0)])
     full = _policy("routepack", False, [(49.0, 49.0, 0.0), (49.0, 50.0, 0.0)])
-    (work / "planner-a.json").write_text(json.dumps(_run([eplb, vx, own, full], "token_kk+virtual_experts")))
+    # the config's trainer (routepack_torch) and the balancer's (megatron_balancer)
+    (work / "planner-a.json").write_text(json.dumps(_run([eplb, own], "token_kk+eplb")))
+    (work / "planner-a-bal.json").write_text(json.dumps(_run([vx, full], "token_kk+virtual_experts")))
     # a cross-node run, no balancer: routepack 2% ahead of the best baseline, short of 5%
     (work / "planner-b.json").write_text(json.dumps(_run([
         _policy("token_kk+eplb", True, [(50.0, 50.0, 4.0), (50.0, 50.0, 0.0)]),
         _policy("routepack", False, [(50.0, 50.0, 0.0), (50.0, 50.0, 0.0)])], "token_kk+eplb")))
     (work / "planner.tsv").write_text(
-        "a\texamples/c.json\tg.json\t5\t2\tplanner-a.json\nb\texamples/c.json\tg.json\t6\t2\tplanner-b.json\n")
+        "a\texamples/c.json\tg.json\t5\t2\tplanner-a.json\tplanner-a-bal.json\n"
+        "b\texamples/c.json\tg.json\t6\t2\tplanner-b.json\t-\n")
     md = planner.render(str(work), str(REPO))
     assert md.startswith(planner.HEADING)
     assert "step 0 by 2.000 ms (expert, 3.000 ms)" in md
     assert "step 1 by" not in md
     assert "| a | +1.0% | +1.5% | met |" in md
+    assert "| routepack on megatron_balancer |" in md
+    assert "| 0 | 16 | 40 | 12 | 5 | 2.50 GB |" in md and "| 1 | 17 | 40 | 12 | 5 | 2.50 GB |" in md
     assert "| b (cross-node; the balancer cannot run) | - | +2.0% vs token_kk+eplb | not met |" in md

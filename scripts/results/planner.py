@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """The section "The planner against the per-forward balancer" of docs/results.md (issue 35):
 the runs scripts/results.sh --planner lists in WORK/planner.tsv (one line a run: name,
-config, gen settings, seed, steps, the `routepack simulate --json` file in WORK, all
-tab-separated; config and gen relative to ROOT), as markdown on stdout: routepack with and
-without the balancer's candidate (`routepack:virtual_experts=false`) against
-token_kk+virtual_experts, the EPLB family and the trainers' packings, the issue's "done
-when" figures, and the steps where the balancer's plan still beats the planner's own with
-the term it wins on.
+config, gen settings, seed, steps, the `routepack simulate --json` file in WORK under the
+config's trainer (routepack_torch), and the same trace's on Megatron-Core with its
+balancer (megatron_balancer; "-" where the balancer cannot run), all tab-separated; config
+and gen relative to ROOT), as markdown on stdout: routepack's own plan on its trainer
+(`routepack:virtual_experts=false`) and routepack on the balancer's trainer (its packing
+and placement with the balancer as its candidate) against token_kk+virtual_experts, the
+EPLB family and the trainers' packings, each step's levers (replicas, shares, extras
+fetched, bytes fetched ahead), the issue's "done when" figures, and the steps where the
+balancer's plan still beats the planner's own with the term it wins on.
 Usage: scripts/results/planner.py WORK ROOT"""
 import datetime
 import os
@@ -20,6 +23,7 @@ HEADING = "## The planner against the per-forward balancer (issue 35)"
 MANIFEST = "planner.tsv"
 OWN = "routepack:virtual_experts=false"
 BALANCER = "token_kk+virtual_experts"
+ON_BALANCER = "routepack on megatron_balancer"
 TERMS = ("attention_ms", "dispatch_ms", "expert_ms", "combine_ms", "grad_reduce_ms", "extra_copy_ms")
 
 
@@ -47,34 +51,56 @@ def balancer_wins(run):
     return out
 
 
+def levers_table(run):
+    """Each step's levers in the planner's own plan (simulate --json's lever_* metrics)."""
+    if OWN not in run.policies:
+        return ""
+    rows = ["| step | replicas | share sets | extra replicas | extras fetched | bytes fetched ahead |",
+            "|---|---|---|---|---|---|"]
+    for s in run.policies[OWN]["steps"]:
+        m = s.get("metrics") or {}
+        if "lever_replicas" not in m:
+            return ""
+        rows.append("| %d | %d | %d | %d | %d | %.2f GB |" % (
+            s["step"], m["lever_replicas"], m["lever_share_sets"], m["lever_extra_replicas"],
+            m["lever_extras_fetched"], m["lever_bytes_fetched_ahead"] / 1e9))
+    return "Levers of `%s` (one EP group's):\n\n" % OWN + "\n".join(rows)
+
+
 def render(work, root):
     rows = [line.rstrip("\n").split("\t") for line in open(os.path.join(work, MANIFEST)) if line.strip()]
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "?"
     out = [HEADING, "",
-           "Rendered alone by `scripts/results.sh --planner` (commit %s, %s) on unseen seeds. `%s` is the "
-           "shipped policy without the balancer's candidate (its own placement, replicas, shares and extra "
-           "replicas); `routepack` may also return the balancer's plan with its packing. The migration the "
-           "planner plans with is the one the executor is charged (docs/cost-model.md, \"Migration\"). "
-           "Under this model's defaults, not yet the executor profiles of issue 30." % (
-               commit, datetime.date.today().isoformat(), OWN), ""]
+           "Rendered alone by `scripts/results.sh --planner` (commit %s, %s) on unseen seeds, priced end to end "
+           "under the executor profiles (issue 30; predicted, not measured). Each config runs on its own trainer, "
+           "`routepack_torch` (this project's layer: replicas, shares, extra replicas fetched once a step and "
+           "ahead, no per-forward balancer), where `%s` is the shipped policy's own plan (`routepack` is the "
+           "same there: that trainer cannot run the balancer, so there is no candidate); and, where the "
+           "balancer can run (one node per EP group), the same trace on Megatron-Core with its balancer "
+           "(`megatron_balancer`: every expert once per EP group), where %s runs and `%s` is the shipped "
+           "policy packing for the balancer with the balancer as its candidate. The migration the planner "
+           "plans with is the one the executor is charged (docs/cost-model.md, \"Migration\")." % (
+               commit, datetime.date.today().isoformat(), OWN, BALANCER, ON_BALANCER), ""]
     done = []
-    for name, config, gen, seed, steps, path in rows:
+    for row in rows:
+        name, config, gen, seed, steps, path = row[:6]
+        bal = row[6] if len(row) > 6 and row[6] != "-" else None
         run = Run(os.path.join(work, path))
+        if bal:
+            other = Run(os.path.join(work, bal))
+            for spec, p in other.policies.items():
+                run.policies[ON_BALANCER if spec == "routepack" else spec] = p
         sh = run.d["shape"]
         out += ["### %s" % name, "",
                 "`%s`, `%s` seed %s, %s steps; the planner's view: %d DP ranks, EP %d, %d layers x %d experts." % (
                     config, gen, seed, steps, sh["num_gpus"], sh["ep_size"], sh["num_layers"], sh["num_experts"]),
-                "", table(run), ""]
+                "", table(run), "", levers_table(run), ""]
         if BALANCER in run.policies:
-            own, full = faster(run, OWN, BALANCER), faster(run, "routepack", BALANCER)
+            own, full = faster(run, OWN, BALANCER), faster(run, ON_BALANCER, BALANCER)
             done.append("| %s | %s | %s | %s |" % (name, fmt_pct(own), fmt_pct(full),
                                                    "met" if own is not None and own >= 0 and full >= 0.01
                                                    else "not met"))
-            choice = faster(run, OWN, "routepack")
-            if choice is not None and choice > 0:
-                out += ["`routepack` is %.1f%% slower than `%s` here: the choice between the two candidates "
-                        "(its own plan or the balancer's), not the levers, loses it." % (100 * choice, OWN), ""]
             wins = balancer_wins(run)
             if wins:
                 out += ["Steps where %s beats `%s` on step + migration (the term it is most ahead on): %s." % (
@@ -87,8 +113,8 @@ def render(work, root):
             done.append("| %s (cross-node; the balancer cannot run) | - | %s vs %s | %s |" % (
                 name, fmt_pct(margin), best, "met" if margin is not None and margin >= 0.05 else "not met"))
     out += ["### Done when", "",
-            "| run | own plan vs %s | routepack vs %s (cross-node: vs the best baseline) | clause |" % (
-                BALANCER, BALANCER),
+            "| run | own plan (routepack_torch) vs %s | %s vs %s (cross-node: routepack vs the best "
+            "baseline) | clause |" % (BALANCER, ON_BALANCER, BALANCER),
             "|---|---|---|---|"] + done + [
             "", "Clauses: without the candidate at least as fast as %s, with it at least 1%% faster; on a "
                 "cross-node EP config at least 5%% faster than the best baseline that can run there." % BALANCER]
