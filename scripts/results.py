@@ -379,6 +379,38 @@ def readme_layouts(args):
         f.write(src)
 
 
+PLANNER_BEGIN, PLANNER_END = "<!-- planner: begin (scripts/results.sh --planner) -->", "<!-- planner: end -->"
+
+
+def readme_planner(args):
+    """README's line on the planner against the per-forward balancer (docs/results.md's
+    section of issue 35), in its own block after the layouts' (or the results') block."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    try:
+        import planner
+    finally:
+        sys.path.pop(0)
+    line = planner.summary(args.work, args.root)
+    readme = os.path.join(args.root, "README.md")
+    if not line or not os.path.exists(readme):
+        return
+    src = open(readme).read()
+    block = (PLANNER_BEGIN + "\nThe planner against Megatron's per-forward balancer (`docs/results.md`, \"The planner "
+             "against the per-forward balancer\"; predicted end to end, step + migration, unseen seeds): " + line +
+             ".\n" + PLANNER_END)
+    if PLANNER_BEGIN in src:
+        src = re.sub(re.escape(PLANNER_BEGIN) + ".*?" + re.escape(PLANNER_END), lambda m: block, src, flags=re.S)
+    else:
+        for anchor in (LAYOUTS_END, "<!-- results: end -->"):
+            if anchor in src:
+                src = src.replace(anchor, anchor + "\n\n" + block, 1)
+                break
+        else:
+            return
+    with open(readme, "w") as f:
+        f.write(src)
+
+
 def splice_section(args):
     """--splice NAME: WORK/section-NAME.md into ROOT/docs/results.md (see splice)."""
     name = "section-%s.md" % args.splice
@@ -401,6 +433,8 @@ def splice_section(args):
         f.write(splice(doc, section, later, prev.split("\n", 1)[0] if prev else None))
     if args.splice == "tp-pp-layouts":
         readme_layouts(args)
+    if args.splice == "vs-balancer":
+        readme_planner(args)
     print("results: spliced %s into docs/results.md" % name, file=sys.stderr)
 
 

@@ -78,5 +78,7 @@ def test_done_when_and_balancer_wins(tmp_path):
     assert "step 1 by" not in md
     assert "| a | +1.0% | +1.5% | met |" in md
     assert "| routepack on megatron_balancer |" in md
+    assert planner.summary(str(work), str(REPO)) == (
+        "a: own plan +1.0% vs token_kk+virtual_experts (on the balancer's trainer +1.5%); b: +2.0% vs token_kk+eplb")
     assert "| 0 | 16 | 40 | 12 | 5 | 2.50 GB |" in md and "| 1 | 17 | 40 | 12 | 5 | 2.50 GB |" in md
     assert "| b (cross-node; the balancer cannot run) | - | +2.0% vs token_kk+eplb | not met |" in md

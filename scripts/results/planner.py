@@ -67,8 +67,66 @@ def levers_table(run):
     return "Levers of `%s` (one EP group's):\n\n" % OWN + "\n".join(rows)
 
 
+def mean_term(run, spec, term):
+    steps = run.policies[spec]["steps"]
+    return sum(st[term] for st in steps) / len(steps)
+
+
+def why_lines(run):
+    """Where the balancer's trainer still wins, or where packing for it gains under 1%: why,
+    from the terms."""
+    out = []
+    groups = run.d["shape"]["num_gpus"] // run.d["shape"]["ep_size"]
+    lead = faster(run, ON_BALANCER, OWN)
+    if lead is not None and lead > 0:
+        ahead = {t: mean_term(run, OWN, t) - mean_term(run, ON_BALANCER, t) for t in TERMS}
+        term = max(ahead, key=ahead.get)
+        out += ["`%s` is %.1f%% faster than `%s` on routepack_torch here, most on %s (%.1f vs %.1f ms a step): "
+                "the balancer brings every EP group to its own mean every forward, while the plan's shares and "
+                "extra replicas are one set per (microbatch, layer, expert)%s." % (
+                    ON_BALANCER, 100 * lead, OWN, term[:-3].replace("_", " "), mean_term(run, ON_BALANCER, term),
+                    mean_term(run, OWN, term),
+                    " for all %d groups" % groups if groups > 1 else ""), ""]
+    full = faster(run, ON_BALANCER, BALANCER)
+    if full is not None and full < 0.01:
+        out += ["On the balancer's trainer `%s` gains %.1f%% over %s: Megatron holds every expert once and the "
+                "balancer does the rest, so the planner's levers there are its packing (attention %.1f vs %.1f ms "
+                "a step) and its placement; its own levers win on its own trainer (%s)." % (
+                    ON_BALANCER, 100 * full, BALANCER, mean_term(run, ON_BALANCER, "attention_ms"),
+                    mean_term(run, BALANCER, "attention_ms"), fmt_pct(faster(run, OWN, BALANCER))), ""]
+    return out
+
+
+def load_runs(work):
+    """(name, config, gen, seed, steps, Run) per manifest line, the balancer trainer's run
+    merged into the config's (its routepack as ON_BALANCER)."""
+    out = []
+    for line in open(os.path.join(work, MANIFEST)):
+        if not line.strip():
+            continue
+        row = line.rstrip("\n").split("\t")
+        run = Run(os.path.join(work, row[5]))
+        if len(row) > 6 and row[6] != "-":
+            for spec, p in Run(os.path.join(work, row[6])).policies.items():
+                run.policies[ON_BALANCER if spec == "routepack" else spec] = p
+        out.append(tuple(row[:5]) + (run,))
+    return out
+
+
+def summary(work, root):
+    """README's line: per run, the own plan against the balancer (and routepack on the
+    balancer's trainer), or, cross-node, routepack against the best baseline."""
+    parts = []
+    for name, config, gen, seed, steps, run in load_runs(work):
+        if BALANCER in run.policies:
+            parts.append("%s: own plan %s vs %s (on the balancer's trainer %s)" % (
+                name, fmt_pct(faster(run, OWN, BALANCER)), BALANCER, fmt_pct(faster(run, ON_BALANCER, BALANCER))))
+        else:
+            parts.append("%s: %s vs %s" % (name, fmt_pct(run.margin("routepack")), run.best_base))
+    return "; ".join(parts)
+
+
 def render(work, root):
-    rows = [line.rstrip("\n").split("\t") for line in open(os.path.join(work, MANIFEST)) if line.strip()]
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "?"
     out = [HEADING, "",
@@ -83,14 +141,7 @@ def render(work, root):
            "plans with is the one the executor is charged (docs/cost-model.md, \"Migration\")." % (
                commit, datetime.date.today().isoformat(), OWN, BALANCER, ON_BALANCER), ""]
     done = []
-    for row in rows:
-        name, config, gen, seed, steps, path = row[:6]
-        bal = row[6] if len(row) > 6 and row[6] != "-" else None
-        run = Run(os.path.join(work, path))
-        if bal:
-            other = Run(os.path.join(work, bal))
-            for spec, p in other.policies.items():
-                run.policies[ON_BALANCER if spec == "routepack" else spec] = p
+    for name, config, gen, seed, steps, run in load_runs(work):
         sh = run.d["shape"]
         out += ["### %s" % name, "",
                 "`%s`, `%s` seed %s, %s steps; the planner's view: %d DP ranks, EP %d, %d layers x %d experts." % (
@@ -101,6 +152,7 @@ def render(work, root):
             done.append("| %s | %s | %s | %s |" % (name, fmt_pct(own), fmt_pct(full),
                                                    "met" if own is not None and own >= 0 and full >= 0.01
                                                    else "not met"))
+            out += why_lines(run)
             wins = balancer_wins(run)
             if wins:
                 out += ["Steps where %s beats `%s` on step + migration (the term it is most ahead on): %s." % (
