@@ -71,6 +71,7 @@ typedef struct step_rec {
     int32_t migration_rounds;          /* of the step's migration plan; 0 when none */
     int64_t migration_staging_bytes;   /* the most staging one GPU uses in one round */
     json_t *metrics;                   /* rp_step_metrics_json of the step's report */
+    json_t *levers;                    /* cli_levers_json of the step's plan, or NULL */
     /* the whole step (docs/cost-model.md, "The whole step"): the MoE layers' time (the
      * step and trainer.logprob_forwards forward passes) and what the step does outside
      * them; end to end = moe_s + outside_s + migration_s */
@@ -285,7 +286,8 @@ static void record_step(step_rec *r, const rp_step_report *rep, const rp_plan *p
     r->experts_moved = rep->experts_moved;
     r->migration_bytes = rep->migration_bytes;
     r->migration_s = rep->migration_s;
-    cli_add_levers(r->metrics = rp_step_metrics_json(rep), plan, cfg);
+    r->metrics = rp_step_metrics_json(rep);
+    r->levers = cli_levers_json(plan, cfg);
     if (migration) {
         rp_migration_summary sum;
         rp_migration_plan_summary(migration, &sum);
@@ -745,7 +747,8 @@ static json_t *step_json(const step_rec *r)
      * end to end with the migration (what speedups and the verdict compare) */
     if (o && (json_object_set_new(o, "moe_ms", json_real(r->moe_s * 1e3)) != 0 ||
               json_object_set_new(o, "outside_ms", json_real(r->outside_s * 1e3)) != 0 ||
-              json_object_set_new(o, "end_to_end_ms", json_real(step_total(r) * 1e3)) != 0)) {
+              json_object_set_new(o, "end_to_end_ms", json_real(step_total(r) * 1e3)) != 0 ||
+              json_object_set_new(o, "levers", r->levers ? json_deep_copy(r->levers) : json_null()) != 0)) {
         json_decref(o);
         o = NULL;
     }
@@ -1004,6 +1007,7 @@ static void free_policies(sim_policy *pol, int np)
             free(p->steps[k].swap_error);
             free(p->steps[k].demotion);
             json_decref(p->steps[k].metrics);
+            json_decref(p->steps[k].levers);
         }
         free(p->steps);
         free(p->name);

@@ -1,5 +1,5 @@
-/* The lever statistics of a simulated step (rp_plan_lever_stats) as flat keys of its
- * metrics in simulate --json (core/cli/levers.c). */
+/* The lever statistics of a simulated step (rp_plan_lever_stats) as the "levers" object of
+ * its record in simulate --json (core/cli/levers.c). */
 #ifndef RP_CLI_LEVERS_H
 #define RP_CLI_LEVERS_H
 
@@ -7,9 +7,8 @@
 
 #include <jansson.h>
 
-/* Add lever_replicas, lever_share_sets, lever_extra_replicas, lever_extras_fetched,
- * lever_bytes_fetched and lever_bytes_fetched_ahead to `metrics` (an object; nothing
- * when it or the plan is NULL, or the statistics fail). */
-void cli_add_levers(json_t *metrics, const rp_plan *plan, const rp_config *cfg);
+/* {"replicas", "share_sets", "extra_replicas", "extras_fetched", "bytes_fetched",
+ * "bytes_fetched_ahead"} of the plan; NULL when it is NULL or the statistics fail. */
+json_t *cli_levers_json(const rp_plan *plan, const rp_config *cfg);
 
 #endif

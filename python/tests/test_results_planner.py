@@ -35,9 +35,8 @@ def _policy(name, baseline, steps):
     for i, (a, x, m) in enumerate(steps):
         s = {"step": i, "step_ms": a + x, "migration_ms": m, "ratio": 1.0, "shared_ratio": 1.0,
              "migration_bytes": 0, "fallback": False,
-             "metrics": {"lever_replicas": 16 + i, "lever_share_sets": 40, "lever_extra_replicas": 12,
-                         "lever_extras_fetched": 5, "lever_bytes_fetched": 2.5e9,
-                         "lever_bytes_fetched_ahead": 2.5e9}}
+             "levers": {"replicas": 16 + i, "share_sets": 40, "extra_replicas": 12, "extras_fetched": 5,
+                        "bytes_fetched": 2.5e9, "bytes_fetched_ahead": 2.5e9}}
         s.update({t: 0.0 for t in TERMS})
         s.update(attention_ms=a, expert_ms=x)
         out.append(s)

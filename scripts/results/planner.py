@@ -52,18 +52,18 @@ def balancer_wins(run):
 
 
 def levers_table(run):
-    """Each step's levers in the planner's own plan (simulate --json's lever_* metrics)."""
+    """Each step's levers in the planner's own plan (simulate --json's per-step "levers")."""
     if OWN not in run.policies:
         return ""
     rows = ["| step | replicas | share sets | extra replicas | extras fetched | bytes fetched ahead |",
             "|---|---|---|---|---|---|"]
     for s in run.policies[OWN]["steps"]:
-        m = s.get("metrics") or {}
-        if "lever_replicas" not in m:
+        m = s.get("levers")
+        if not m:
             return ""
         rows.append("| %d | %d | %d | %d | %d | %.2f GB |" % (
-            s["step"], m["lever_replicas"], m["lever_share_sets"], m["lever_extra_replicas"],
-            m["lever_extras_fetched"], m["lever_bytes_fetched_ahead"] / 1e9))
+            s["step"], m["replicas"], m["share_sets"], m["extra_replicas"], m["extras_fetched"],
+            m["bytes_fetched_ahead"] / 1e9))
     return "Levers of `%s` (one EP group's):\n\n" % OWN + "\n".join(rows)
 
 
