@@ -848,12 +848,15 @@ static rp_status load_execution(loader *ld, json_t *obj)
     const rp_executor_profile *pf = rp_executor_profile_of(x->executor);
     RP_CHECK_GOTO(get_choice(ld, obj, P, "dispatch_dedup", dedup_names, pf->dispatch_dedup, &v), st, out);
     x->dispatch_dedup = (rp_dispatch_dedup)v;
-    RP_CHECK_GOTO(get_i32(ld, obj, P, "dispatch_bytes_per_element", false, 2, 1, 16, &x->dispatch_bytes_per_element),
+    /* an executor dispatches in the dtype it combines in unless told (FP8 dispatch: 1):
+     * the activations' for routepack_torch and Megatron's all-to-all, BF16 for DeepEP */
+    const int32_t act_bytes = pf->combine_bytes_per_element ? pf->combine_bytes_per_element
+                                                            : ld->cfg->model.bytes_per_param;
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "dispatch_bytes_per_element", false, act_bytes, 1, 16,
+                          &x->dispatch_bytes_per_element),
                   st, out);
-    RP_CHECK_GOTO(get_i32(ld, obj, P, "combine_bytes_per_element", false,
-                          pf->combine_bytes_per_element ? pf->combine_bytes_per_element
-                                                        : ld->cfg->model.bytes_per_param,
-                          1, 16, &x->combine_bytes_per_element),
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "combine_bytes_per_element", false, act_bytes, 1, 16,
+                          &x->combine_bytes_per_element),
                   st, out);
     RP_CHECK_GOTO(load_profile(ld, obj), st, out);
     RP_CHECK_GOTO(get_choice(ld, obj, P, "optimizer_sharding", sharding_names, RP_OPTIMIZER_SHARDING_NONE, &v), st,

@@ -422,7 +422,7 @@ def part_five(args, rank, world):
                           "bytes_per_param": 4, "bytes_per_grad": 4},
                 "hardware": hw, "limits": {"max_tokens_per_microbatch": 1 << 20, "num_microbatches": M},
                 # the layer dispatches the activations' fp32 (the default prices BF16)
-                "execution": {"executor": executor, "dispatch_dedup": args.dedup, "dispatch_bytes_per_element": 4}}
+                "execution": {"executor": executor, "dispatch_dedup": args.dedup}}
     rng = np.random.default_rng(7)
     lens = rng.integers(T // seqs // 4, 2 * T // seqs, seqs * world).astype(np.int32)
     routing = skewed_routing(rng, int(lens.sum()), E, k, np.arange(E // world), args.skew).astype(np.int32)
