@@ -624,7 +624,7 @@ void rp_policy_free(rp_policy *pol)
     rp_free(pol->ctx, pol->params);
     rp_free(pol->ctx, pol->params_json);
     rp_free(pol->ctx, pol->source);
-    json_decref(pol->saved_state);
+    free(pol->kept.bytes);
     rp_free(pol->ctx, pol);
 }
 
@@ -755,8 +755,7 @@ rp_status rp_policy_plan(rp_policy *pol, const rp_lua_frame *frame, int32_t num_
     rp_error_clear(&e);
     rp_status st = run_job(pol, &job, frame, &e);
     if (work) *work = rp_sandbox_work(pol->sb);
-    /* what a rebuild after a later limit trip starts from; a state that cannot be kept
-     * (over the call's instruction limit, or not a checkpoint's tree) fails the call */
+    /* what a rebuild after a later limit trip starts from; a state that cannot be kept fails the call */
     bool keeping = st == RP_OK;
     if (keeping) st = policy_keep_state(pol, work, &e);
     if (st == RP_OK) {
@@ -765,6 +764,7 @@ rp_status rp_policy_plan(rp_policy *pol, const rp_lua_frame *frame, int32_t num_
     }
     rp_plan_free(out->plan);
     memset(out, 0, sizeof *out);
+    pol->tainted = st == RP_ELIMIT; /* a limit tripped, in the call or keeping its state: policy_ready */
     const char *P = pol->info.name;
     if (keeping) {
         *why = st == RP_ELIMIT ? RP_CALL_LIMIT : st == RP_ENOMEM ? RP_CALL_NOMEM : RP_CALL_ERROR;

@@ -91,13 +91,12 @@ bool state_decode_number(json_t *v, double *x)
     return true;
 }
 
-/* ---- ctx.state -> JSON ------------------------------------------------------------------
- * A value is a boolean, a number (17 significant digits; {"number": "inf"} for what JSON
- * lacks), a string ({"bytes": hex} when not UTF-8 or holding NUL), or {"table": [[key,
- * value], ...]} with keys in the sandbox's pairs order: numbers ascending, strings by
- * their bytes, false, true. The walk allocates nothing in Lua (lua_next, raw reads), so
- * it runs unprotected once the stack is reserved: each level of tables holds two slots
- * (the key and value lua_next gave), whatever the number of keys. */
+/* ---- ctx.state -> the kept copy --------------------------------------------------------
+ * The walk writes a compact binary copy (core/policy_state.h, "The kept copy"): every
+ * table's entries in the sandbox's pairs order (numbers ascending, strings by their
+ * bytes, false, true), so the checkpoint's JSON, converted from it, lists them in that
+ * order. The walk allocates nothing in Lua (lua_next, raw reads), so it runs unprotected
+ * once the stack is reserved: each level of tables holds two slots. */
 
 /* Tables already visited: open addressing over their addresses, at most half full. */
 typedef struct table_set {
@@ -141,27 +140,35 @@ static int set_add(table_set *s, const void *p)
     return 1;
 }
 
-typedef struct state_entry state_entry;
+/* One entry of a table being walked: its key (cls 0 number, 1 string, 2 boolean, 3 +
+ * type: refused) and, for a scalar, its value (vt: the Lua type), read in lua_next's
+ * pass so that only tables are fetched again. Strings are held by the table, which
+ * nothing changes during the walk. */
+typedef struct state_entry {
+    int cls, vt;
+    double num, vnum;
+    const char *str, *vstr;
+    size_t len, vlen;
+    size_t visit; /* its place in lua_next's order */
+} state_entry;
 
 typedef struct state_enc {
     lua_State *L;
     const char *policy;
+    const rp_sandbox *clock; /* the call's deadline is read every ENC_CLOCK_EVERY entries; NULL: never */
     table_set seen;
     state_entry *scratch; /* the keys of the tables being walked, each level above its parent's */
     size_t scratch_used, scratch_cap;
+    unsigned char *out;
+    size_t out_len, out_cap, max_bytes;
     int64_t units, max_units;
-    size_t entries;
+    size_t entries, since_clock;
+    state_limit limit; /* which limit stopped the walk */
     rp_status st;
     rp_error *err;
 } state_enc;
 
-struct state_entry {
-    int cls;             /* 0 number, 1 string, 2 boolean, 3 + type: refused */
-    double num;
-    const char *str;     /* held by the table, which nothing changes during the walk */
-    size_t len;
-    size_t visit;        /* its place in lua_next's order */
-};
+#define ENC_CLOCK_EVERY 4096
 
 static int entry_cmp(const void *pa, const void *pb)
 {
@@ -176,8 +183,8 @@ static int entry_cmp(const void *pa, const void *pb)
     return (a->len > b->len) - (a->len < b->len);
 }
 
-static json_t *enc_fail(state_enc *e, rp_status st, const char *fmt, ...) RP_PRINTF(3, 4);
-static json_t *enc_fail(state_enc *e, rp_status st, const char *fmt, ...)
+static bool enc_fail(state_enc *e, rp_status st, const char *fmt, ...) RP_PRINTF(3, 4);
+static bool enc_fail(state_enc *e, rp_status st, const char *fmt, ...)
 {
     char msg[RP_ERROR_TEXT];
     va_list ap;
@@ -185,10 +192,10 @@ static json_t *enc_fail(state_enc *e, rp_status st, const char *fmt, ...)
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     e->st = rp_fail(e->err, st, "policy '%s': %s", e->policy, msg);
-    return NULL;
+    return false;
 }
 
-static json_t *enc_nomem(state_enc *e) { return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state"); }
+static bool enc_nomem(state_enc *e) { return enc_fail(e, RP_ENOMEM, "out of memory saving ctx.state"); }
 
 static bool is_identifier(const char *s, size_t n)
 {
@@ -217,39 +224,103 @@ static void child_path(lua_State *L, const char *path, char *out)
     }
 }
 
-/* The checkpoint's work: RP_STATE_UNITS_PER_ENTRY units per entry and one per 16 bytes of
- * every string. Past the budget the walk stops. */
-static bool enc_charge(state_enc *e, int64_t units)
+/* The copy's work: RP_STATE_UNITS_PER_ENTRY units per entry and one per 16 bytes of
+ * every string; the call's deadline read every ENC_CLOCK_EVERY entries. Past either
+ * the walk stops. */
+static bool enc_charge(state_enc *e, int64_t units, bool entry)
 {
     e->units += units;
-    if (e->units <= e->max_units) return true;
-    enc_fail(e, RP_ELIMIT,
-             "saving ctx.state takes more than %lld work units (the policy's instruction limit, "
-             "less what the call used); keep less in ctx.state",
-             (long long)e->max_units);
-    return false;
+    if (e->units > e->max_units) {
+        e->limit = STATE_LIMIT_UNITS;
+        return enc_fail(e, RP_ELIMIT, "saving ctx.state takes more than %lld work units",
+                        (long long)e->max_units);
+    }
+    if (entry && e->clock && ++e->since_clock >= ENC_CLOCK_EVERY) {
+        e->since_clock = 0;
+        if (rp_sandbox_past_deadline(e->clock)) {
+            e->limit = STATE_LIMIT_WALL;
+            return enc_fail(e, RP_ELIMIT, "saving ctx.state ran past the wall-time limit");
+        }
+    }
+    return true;
 }
 
-static json_t *encode_value(state_enc *e, int idx, const char *path, int depth);
+static bool put(state_enc *e, const void *p, size_t n)
+{
+    if (n > e->max_bytes - e->out_len) {
+        e->limit = STATE_LIMIT_BYTES;
+        return enc_fail(e, RP_ELIMIT, "its copy takes more than %zu bytes", e->max_bytes);
+    }
+    if (e->out_len + n > e->out_cap) {
+        size_t cap = e->out_cap ? e->out_cap : 256;
+        while (cap < e->out_len + n) cap *= 2;
+        unsigned char *more = realloc(e->out, cap);
+        if (!more) return enc_nomem(e);
+        e->out = more;
+        e->out_cap = cap;
+    }
+    memcpy(e->out + e->out_len, p, n);
+    e->out_len += n;
+    return true;
+}
 
-/* The value at the top, its key below it: the entry at `path` (computed only when it is
- * needed: a table to descend into or a value to refuse). */
-static json_t *encode_entry(state_enc *e, const char *path, int depth)
+static bool put_varint(state_enc *e, uint64_t v)
+{
+    unsigned char b[10];
+    size_t n = 0;
+    do {
+        b[n++] = (unsigned char)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+        v >>= 7;
+    } while (v);
+    return put(e, b, n);
+}
+
+static bool put_number(state_enc *e, double x)
+{
+    /* integral values (not -0) within 2^53 as zigzag varints: array indexes and counts
+     * take 1-3 bytes */
+    if (x == floor(x) && fabs(x) <= 9007199254740992.0 && !(x == 0 && signbit(x))) {
+        int64_t i = (int64_t)x;
+        unsigned char tag = STATE_BIN_INT;
+        return put(e, &tag, 1) && put_varint(e, ((uint64_t)i << 1) ^ (uint64_t)(i >> 63));
+    }
+    unsigned char tag = STATE_BIN_DOUBLE;
+    return put(e, &tag, 1) && put(e, &x, sizeof x);
+}
+
+static bool put_string(state_enc *e, const char *s, size_t n)
+{
+    unsigned char tag = STATE_BIN_STRING;
+    return put(e, &tag, 1) && put_varint(e, n) && put(e, s, n);
+}
+
+static bool put_bool(state_enc *e, bool b)
+{
+    unsigned char tag = b ? STATE_BIN_TRUE : STATE_BIN_FALSE;
+    return put(e, &tag, 1);
+}
+
+static bool encode_table(state_enc *e, int idx, const char *path, int depth);
+
+/* The value at the top of the stack (a table, or what a checkpoint cannot hold) at
+ * `path`. */
+static bool encode_other(state_enc *e, const char *path, int depth)
 {
     lua_State *L = e->L;
     int t = lua_type(L, -1);
-    if (t == LUA_TBOOLEAN || t == LUA_TNUMBER || t == LUA_TSTRING) return encode_value(e, lua_gettop(L), path, depth);
-    char sub[PATH_LEN];
-    child_path(L, path, sub);
-    return encode_value(e, lua_gettop(L), sub, depth);
+    if (t == LUA_TTABLE) return encode_table(e, lua_gettop(L), path, depth);
+    return enc_fail(e, RP_EINVAL,
+                    "%s is %s; a checkpoint holds tables, strings, numbers and booleans in ctx.state (keep "
+                    "functions in the chunk, copy views with v:totable())",
+                    path, t == LUA_TFUNCTION ? "a function" : t == LUA_TTHREAD ? "a coroutine" : "userdata");
 }
 
-/* The keys are collected into C memory and sorted, then each value is fetched by its key
- * and encoded in key order (two stack slots a level, whatever the number of keys), so the
- * first problem reported, and which of two places holding one table is "the other", are
- * the same in every process whatever the string hash seed. Pushing a string key that
- * the table holds finds the interned string: nothing is allocated in Lua. */
-static json_t *encode_table(state_enc *e, int idx, const char *path, int depth)
+/* The keys are collected into C memory and sorted, then written in key order (a table
+ * value fetched again by its key: two stack slots a level, whatever the number of
+ * keys), so the first problem reported, and which of two places holding one table is
+ * "the other", are the same in every process whatever the string hash seed. Pushing a
+ * string key that the table holds finds the interned string: nothing is allocated. */
+static bool encode_table(state_enc *e, int idx, const char *path, int depth)
 {
     lua_State *L = e->L;
     if (depth >= RP_STATE_MAX_DEPTH)
@@ -266,12 +337,11 @@ static json_t *encode_table(state_enc *e, int idx, const char *path, int depth)
         lua_pop(L, 1);
         return enc_fail(e, RP_EINVAL, "%s has a metatable; a checkpoint holds plain tables only", path);
     }
-    size_t first = e->scratch_used, n = 0;
-    json_t *out = NULL, *list = NULL;
+    size_t first = e->scratch_used, n = 0, array = 0;
+    bool good = false, sorted = true;
     int base = lua_gettop(L);
     lua_pushnil(L);
     while (lua_next(L, idx)) {
-        lua_pop(L, 1);
         if (e->scratch_used == e->scratch_cap) {
             size_t cap = e->scratch_cap ? 2 * e->scratch_cap : 256;
             state_entry *more = realloc(e->scratch, cap * sizeof *more);
@@ -286,103 +356,66 @@ static json_t *encode_table(state_enc *e, int idx, const char *path, int depth)
         state_entry *en = &e->scratch[e->scratch_used++];
         memset(en, 0, sizeof *en);
         en->visit = n++;
-        int kt = lua_type(L, -1);
+        int kt = lua_type(L, -2);
         if (kt == LUA_TNUMBER) {
-            en->num = lua_tonumber(L, -1);
+            en->num = lua_tonumber(L, -2);
         } else if (kt == LUA_TSTRING) {
             en->cls = 1;
-            en->str = lua_tolstring(L, -1, &en->len);
+            en->str = lua_tolstring(L, -2, &en->len);
         } else if (kt == LUA_TBOOLEAN) {
             en->cls = 2;
-            en->num = lua_toboolean(L, -1);
+            en->num = lua_toboolean(L, -2);
         } else {
             en->cls = 3 + kt; /* refused below, in key order */
         }
-        if (!enc_charge(e, RP_STATE_UNITS_PER_ENTRY + (int64_t)(en->len / 16))) {
+        en->vt = lua_type(L, -1);
+        if (en->vt == LUA_TNUMBER) en->vnum = lua_tonumber(L, -1);
+        else if (en->vt == LUA_TBOOLEAN) en->vnum = lua_toboolean(L, -1);
+        else if (en->vt == LUA_TSTRING) en->vstr = lua_tolstring(L, -1, &en->vlen);
+        lua_pop(L, 1);
+        if (en->cls == 0 && en->num >= 1 && en->num <= (double)SIZE_MAX && en->num == floor(en->num)) array++;
+        if (n > 1 && sorted && entry_cmp(en - 1, en) > 0) sorted = false;
+        if (!enc_charge(e, RP_STATE_UNITS_PER_ENTRY + (int64_t)(en->len / 16) +
+                                (en->vt == LUA_TSTRING ? (int64_t)(en->vlen / 16) : 0),
+                        true)) {
             lua_settop(L, base);
             goto out;
         }
     }
     e->entries += n;
-    if (n > 1) qsort(e->scratch + first, n, sizeof *e->scratch, entry_cmp);
-    list = json_array();
-    if (!list) {
-        enc_nomem(e);
-        goto out;
-    }
+    if (!sorted) qsort(e->scratch + first, n, sizeof *e->scratch, entry_cmp);
+    unsigned char tag = STATE_BIN_TABLE;
+    if (!put(e, &tag, 1) || !put_varint(e, array > n ? n : array) || !put_varint(e, n)) goto out;
     for (size_t i = 0; i < n; i++) {
-        state_entry en_copy = e->scratch[first + i]; /* deeper levels may move the scratch */
-        const state_entry *en = &en_copy;
-        if (en->cls > 2) {
+        state_entry en = e->scratch[first + i]; /* deeper levels may move the scratch */
+        if (en.cls > 2) {
             enc_fail(e, RP_EINVAL, "%s has a key that is %s; keys can be numbers, strings and booleans", path,
-                     lua_typename(L, en->cls - 3));
+                     lua_typename(L, en.cls - 3));
             goto out;
         }
-        for (int k = 0; k < 2; k++) { /* the key twice: one for the path, one for rawget */
-            if (en->cls == 0) lua_pushnumber(L, en->num);
-            else if (en->cls == 1) lua_pushlstring(L, en->str, en->len);
-            else lua_pushboolean(L, en->num != 0);
-        }
-        lua_rawget(L, idx);
-        json_t *key = en->cls == 0 ? state_encode_number(en->num)
-                      : en->cls == 1 ? state_encode_bytes(en->str, en->len)
-                                     : json_boolean(en->num != 0);
-        json_t *value = key ? encode_entry(e, path, depth + 1) : enc_nomem(e);
-        lua_settop(L, base);
-        json_t *pair = value ? json_array() : NULL;
-        if (pair) {
-            json_array_append_new(pair, key); /* into an empty array: cannot fail but for memory */
-            key = NULL;
-            if (json_array_append_new(pair, value) != 0 || json_array_size(pair) != 2) {
-                json_decref(pair);
-                pair = NULL;
+        bool ok = en.cls == 0 ? put_number(e, en.num) : en.cls == 1 ? put_string(e, en.str, en.len)
+                                                                     : put_bool(e, en.num != 0);
+        if (ok && en.vt == LUA_TNUMBER) ok = put_number(e, en.vnum);
+        else if (ok && en.vt == LUA_TBOOLEAN) ok = put_bool(e, en.vnum != 0);
+        else if (ok && en.vt == LUA_TSTRING) ok = put_string(e, en.vstr, en.vlen);
+        else if (ok) {
+            for (int k = 0; k < 2; k++) { /* the key twice: one for the path, one for rawget */
+                if (en.cls == 0) lua_pushnumber(L, en.num);
+                else if (en.cls == 1) lua_pushlstring(L, en.str, en.len);
+                else lua_pushboolean(L, en.num != 0);
             }
-            value = NULL;
+            lua_rawget(L, idx);
+            char sub[PATH_LEN];
+            child_path(L, path, sub);
+            ok = encode_other(e, sub, depth + 1);
+            lua_settop(L, base);
         }
-        json_decref(key);
-        json_decref(value);
-        if (!pair || json_array_append_new(list, pair) != 0) {
-            if (e->st == RP_OK) enc_nomem(e);
-            goto out;
-        }
+        if (!ok) goto out;
     }
-    out = json_object();
-    if (!out || json_object_set_new(out, "table", list) != 0) {
-        json_decref(out);
-        out = NULL;
-        enc_nomem(e);
-    }
-    list = NULL;
+    good = true;
 out:
     e->scratch_used = first;
-    json_decref(list);
-    return out;
-}
-
-static json_t *encode_value(state_enc *e, int idx, const char *path, int depth)
-{
-    lua_State *L = e->L;
-    json_t *j;
-    int t = lua_type(L, idx);
-    switch (t) {
-    case LUA_TBOOLEAN: j = json_boolean(lua_toboolean(L, idx)); break;
-    case LUA_TNUMBER: j = state_encode_number(lua_tonumber(L, idx)); break;
-    case LUA_TSTRING: {
-        size_t n;
-        const char *s = lua_tolstring(L, idx, &n);
-        if (!enc_charge(e, (int64_t)(n / 16))) return NULL;
-        j = state_encode_bytes(s, n);
-        break;
-    }
-    case LUA_TTABLE: return encode_table(e, idx, path, depth);
-    default:
-        return enc_fail(e, RP_EINVAL,
-                        "%s is %s; a checkpoint holds tables, strings, numbers and booleans in ctx.state (keep "
-                        "functions in the chunk, copy views with v:totable())",
-                        path, t == LUA_TFUNCTION ? "a function" : t == LUA_TTHREAD ? "a coroutine" : "userdata");
-    }
-    if (!j) return enc_nomem(e);
-    return j;
+    return good;
 }
 
 /* Grow the stack by *(int *)ud free slots (a protected call: growing may raise). */
@@ -393,21 +426,29 @@ static int reserve_stack(lua_State *L)
     return 0;
 }
 
-json_t *policy_state_encode(const rp_policy *pol, int64_t max_units, rp_state_work *work, rp_status *st,
-                            rp_error *err)
+bool policy_state_copy(const rp_policy *pol, const state_budget *budget, state_copy *out, rp_state_work *work,
+                       rp_status *st, rp_error *err)
 {
+    memset(out, 0, sizeof *out);
     lua_State *L = rp_sandbox_state(pol->sb);
     int want = 2 * RP_STATE_MAX_DEPTH + 16;
     if (lua_cpcall(L, reserve_stack, &want) != 0) {
         lua_pop(L, 1);
         *st = rp_fail_nomem(err, "saving ctx.state");
-        return NULL;
+        return false;
     }
     int top = lua_gettop(L);
-    state_enc e = {.L = L, .policy = pol->info.name, .max_units = max_units, .st = RP_OK, .err = err};
+    state_enc e = {.L = L, .policy = pol->info.name, .clock = budget->clock, .max_units = budget->max_units,
+                   .max_bytes = budget->max_bytes, .st = RP_OK, .err = err};
     lua_rawgeti(L, LUA_REGISTRYINDEX, pol->state_ref);
-    json_t *j = lua_istable(L, -1) ? encode_value(&e, lua_gettop(L), "ctx.state", 0) : json_pack("{s:[]}", "table");
-    if (!j && e.st == RP_OK) e.st = rp_fail_nomem(err, "saving ctx.state");
+    bool good;
+    if (lua_istable(L, -1)) {
+        good = encode_table(&e, lua_gettop(L), "ctx.state", 0);
+    } else { /* no state yet: an empty table */
+        unsigned char empty[3] = {STATE_BIN_TABLE, 0, 0};
+        good = put(&e, empty, sizeof empty);
+    }
+    if (!good && e.st == RP_OK) e.st = rp_fail_nomem(err, "saving ctx.state");
     lua_settop(L, top);
     free(e.seen.slot);
     free(e.scratch);
@@ -415,14 +456,41 @@ json_t *policy_state_encode(const rp_policy *pol, int64_t max_units, rp_state_wo
         work->units = e.units;
         work->tables = e.seen.count;
         work->entries = e.entries;
+        work->bytes = e.out_len;
+        work->limit = e.limit;
     }
     *st = e.st;
+    if (!good) {
+        free(e.out);
+        return false;
+    }
+    out->bytes = e.out;
+    out->len = e.out_len;
+    return true;
+}
+
+json_t *policy_state_encode(const rp_policy *pol, int64_t max_units, rp_state_work *work, rp_status *st,
+                            rp_error *err)
+{
+    /* after a limit trip the Lua state is as the interrupted call left it, and the next
+     * step rebuilds the policy from the kept copy: that copy is the policy's state */
+    if (pol->tainted) {
+        json_t *j = state_copy_to_json(&pol->kept);
+        *st = j ? RP_OK : rp_fail_nomem(err, "saving ctx.state");
+        return j;
+    }
+    state_budget budget = {.max_units = max_units, .max_bytes = SIZE_MAX};
+    state_copy copy;
+    if (!policy_state_copy(pol, &budget, &copy, work, st, err)) return NULL;
+    json_t *j = state_copy_to_json(&copy);
+    free(copy.bytes);
+    if (!j) *st = rp_fail_nomem(err, "saving ctx.state");
     return j;
 }
 
-/* ---- JSON -> ctx.state ----------------------------------------------------------------- */
+/* ---- JSON -> ctx.state (a checkpoint) --------------------------------------------------- */
 
-/* Push an encoded value (checked by check_value in sched_state.c). Raises only on memory. */
+/* Push an encoded value (checked by policy_state_check). Raises only on memory. */
 static void push_value(lua_State *L, json_t *v)
 {
     double x;
@@ -461,7 +529,6 @@ static int build_state(lua_State *L)
     return 0;
 }
 
-
 rp_status policy_state_restore(rp_policy *pol, json_t *state, rp_error *err)
 {
     lua_State *L = rp_sandbox_state(pol->sb);
@@ -472,38 +539,76 @@ rp_status policy_state_restore(rp_policy *pol, json_t *state, rp_error *err)
     }
     luaL_unref(L, LUA_REGISTRYINDEX, pol->state_ref);
     pol->state_ref = job.ref;
-    json_t *kept = json_incref(state);
-    json_decref(pol->saved_state);
-    pol->saved_state = kept;
+    /* the copy a rebuild after a limit trip starts from */
+    state_budget budget = {.max_units = INT64_MAX, .max_bytes = SIZE_MAX};
+    state_copy copy;
+    rp_status st;
+    if (!policy_state_copy(pol, &budget, &copy, NULL, &st, err)) return st;
+    policy_state_replace(pol, &copy);
     return RP_OK;
 }
 
+void policy_state_replace(rp_policy *pol, state_copy *copy)
+{
+    free(pol->kept.bytes);
+    pol->kept = *copy;
+    memset(copy, 0, sizeof *copy);
+    rp_sandbox_hold_bytes(pol->sb, pol->kept.len);
+}
+
 /* ---- the copy kept after every successful call ------------------------------------------- */
+
+static void mib(size_t bytes, char *buf, size_t n)
+{
+    if (bytes % ((size_t)1 << 20) == 0) snprintf(buf, n, "%zu MiB", bytes >> 20);
+    else snprintf(buf, n, "%.1f MiB", (double)bytes / (1 << 20));
+}
 
 rp_status policy_keep_state(rp_policy *pol, int64_t *work, rp_error *err)
 {
     const rp_sandbox_limits *lim = rp_sandbox_limits_of(pol->sb);
     int64_t used = rp_sandbox_work(pol->sb);
     int64_t left = lim->max_instructions > used ? lim->max_instructions - used : 0;
+    size_t live = rp_sandbox_memory_bytes(pol->sb);
+    state_budget budget = {.max_units = left,
+                           .max_bytes = lim->max_memory_bytes > live ? lim->max_memory_bytes - live : 0,
+                           .clock = pol->sb};
     rp_state_work w = {0};
     rp_status st = RP_OK;
     rp_error e;
     rp_error_clear(&e);
-    json_t *saved = policy_state_encode(pol, left, &w, &st, &e);
+    state_copy copy;
+    bool good = policy_state_copy(pol, &budget, &copy, &w, &st, &e);
     if (work) *work = used + w.units;
-    if (!saved) {
-        if (st == RP_ELIMIT)
+    if (!good) {
+        char cap[32], state[32];
+        switch (st == RP_ELIMIT ? w.limit : STATE_LIMIT_NONE) {
+        case STATE_LIMIT_UNITS:
             return rp_fail(err, st,
                            "policy exceeded the instruction limit (%lld) saving ctx.state after the call (%lld "
                            "units in the call, more than %lld left for %zu tables, %zu entries so far); keep less "
                            "in ctx.state",
                            (long long)lim->max_instructions, (long long)used, (long long)left, w.tables, w.entries);
+        case STATE_LIMIT_BYTES:
+            mib(lim->max_memory_bytes, cap, sizeof cap);
+            mib(live, state, sizeof state);
+            return rp_fail(err, st,
+                           "policy exceeded the memory limit of %s keeping ctx.state after the call: the copy the "
+                           "engine keeps (%zu tables, %zu entries so far) takes more than the %zu bytes the state's "
+                           "%s leave; keep less in ctx.state",
+                           cap, w.tables, w.entries, budget.max_bytes, state);
+        case STATE_LIMIT_WALL:
+            return rp_fail(err, st,
+                           "policy exceeded the wall-time limit of %g s keeping ctx.state after the call (%zu "
+                           "tables, %zu entries so far); keep less in ctx.state",
+                           lim->max_wall_s, w.tables, w.entries);
+        default: break;
+        }
         /* "policy 'x': ctx.state.f is a function; ..." without the name, which the
          * caller's message gives */
         const char *text = strstr(e.text, "': ");
         return rp_fail(err, st, "ctx.state cannot be kept after the call: %s", text ? text + 3 : e.text);
     }
-    json_decref(pol->saved_state);
-    pol->saved_state = saved;
+    policy_state_replace(pol, &copy);
     return RP_OK;
 }

@@ -1,9 +1,7 @@
 /* The Lua sandbox policies run in: a state with a capped allocator and the JIT off, the
  * whitelisted environment, and per-call limits enforced by a count hook (docs/sandbox.md;
  * what a policy sees: docs/policies.md, "The sandbox"). */
-#include "sandbox.h"
-#include "sandbox_big.h"
-#include "sandbox_stack.h"
+#include "sandbox_internal.h"
 
 #include <lauxlib.h>
 #include <luajit.h>
@@ -14,20 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-typedef enum trip_kind {
-    TRIP_NONE = 0,
-    TRIP_INSTRUCTIONS,
-    TRIP_WALL,
-    TRIP_MEMORY,
-    TRIP_DEPTH,
-    TRIP_OBJECT,
-    TRIP_KINDS
-} trip_kind;
-
-/* Registry references made at creation, so that raising a limit error, calling the
- * message handler or reaching the environment never allocates. */
-enum { REF_ENV, REF_MSGH, REF_GC, REF_ERROR_TEXT, REF_MSG_FIRST, REF_COUNT = REF_MSG_FIRST + TRIP_KINDS };
 
 /* Units the string matcher and other C functions may accumulate between clock reads. */
 #define CLOCK_EVERY_UNITS 65536
@@ -44,68 +28,11 @@ enum { REF_ENV, REF_MSGH, REF_GC, REF_ERROR_TEXT, REF_MSG_FIRST, REF_COUNT = REF
 /* Bytes of two string keys memcmp compares for one unit (pairs' sort, next). */
 #define KEY_BYTES_PER_UNIT 64
 
-struct rp_sandbox {
-    rp_context *ctx;
-    lua_State *L;
-    rp_sandbox_limits limits;
-    size_t object_cap; /* the largest block allowed while armed */
-    double (*clock_s)(void *ud); /* NULL: CLOCK_MONOTONIC */
-    void *clock_ud;
-    int refs[REF_COUNT];
-    uint64_t prng[4];
-
-    /* Memory: live bytes as the allocator sees them; the cap is enforced while armed
-     * (during creation, loading and calls), so the engine's own pushes between calls
-     * never fail because a policy filled the state. */
-    size_t mem_live;
-    bool mem_armed;
-    bool mem_refused;
-    bool alloc_failed; /* the context's allocator failed (the process is out of memory) */
-    size_t gc_next; /* live bytes at which the hook runs an emergency collection */
-    rp_big_blocks big; /* which big blocks are strings: the hook period follows them */
-    size_t alloc_rest; /* allocated bytes not yet charged (less than a unit) */
-    /* LuaJIT 2.1's lua_newstate crashes when one of its first allocations fails (its
-     * cleanup walks a string table not yet allocated). While it runs, a failed
-     * allocation is served from this arena instead, and the finished state is then
-     * closed and reported as out of memory. */
-    char *boot_arena;
-    size_t boot_used;
-    bool boot_failed;
-
-    /* The running call. */
-    bool in_call;
-    int64_t work;
-    int64_t work_at_clock;
-    int64_t work_at_depth;
-    int hook_period; /* instructions between two hooks now */
-    double deadline;
-    trip_kind tripped;
-    bool rearmed; /* hook set to fire at every instruction */
-    uintptr_t c_stack_base;
-    size_t c_stack_bytes; /* the call's C stack guard: RP_SANDBOX_C_STACK_BYTES or less */
-    sandbox_stack stack;  /* the calling thread's stack bounds */
-    char where[192];  /* where the limit tripped */
-    char trace[320];  /* short traceback of the error that reached rp_sandbox_call */
-    int32_t trace_line;
-};
-
 /* The sandbox's Lua-side wrappers: lua/sandbox_prelude.lua, compiled in as
  * rp_lua_sandbox_prelude (a generated header; see cmake/EmbedLua.cmake). */
 #include "lua_sandbox_prelude.h"
 
 /* ---- time, budget, trips ------------------------------------------------------------ */
-
-static double monotonic_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static double now_s(const rp_sandbox *sb)
-{
-    return sb->clock_s ? sb->clock_s(sb->clock_ud) : monotonic_s();
-}
 
 rp_sandbox *rp_sandbox_of(lua_State *L)
 {
@@ -416,8 +343,8 @@ static void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size
         return NULL;
     }
     if (new_size > old_size && sb->mem_armed) {
-        size_t cap = sb->limits.max_memory_bytes, growth = new_size - old_size;
-        if (sb->mem_live > cap || growth > cap - sb->mem_live) {
+        size_t cap = sb->limits.max_memory_bytes, growth = new_size - old_size, used = sb->mem_live + sb->held_bytes;
+        if (used > cap || growth > cap - used) {
             sb->mem_refused = true;
             trip_soon(sb, TRIP_MEMORY);
             return NULL;
@@ -1168,7 +1095,7 @@ static int build_sandbox(lua_State *L)
 rp_sandbox_limits rp_sandbox_limits_default(void)
 {
     rp_sandbox_limits lim = {RP_SANDBOX_DEFAULT_INSTRUCTIONS, RP_SANDBOX_DEFAULT_WALL_S,
-                             RP_SANDBOX_DEFAULT_MEMORY, RP_SANDBOX_DEFAULT_DEPTH, RP_SANDBOX_DEFAULT_OBJECT};
+                             RP_SANDBOX_DEFAULT_MEMORY, RP_SANDBOX_DEFAULT_DEPTH, RP_SANDBOX_DEFAULT_OBJECT, NULL, NULL};
     return lim;
 }
 
@@ -1277,29 +1204,6 @@ void rp_sandbox_push_env(rp_sandbox *sb)
 
 void rp_sandbox_seed(rp_sandbox *sb, uint64_t seed) { prng_seed(sb->prng, seed); }
 
-size_t rp_sandbox_memory_bytes(const rp_sandbox *sb) { return sb->mem_live; }
-
-int64_t rp_sandbox_work(const rp_sandbox *sb) { return sb->work; }
-
-const rp_sandbox_limits *rp_sandbox_limits_of(const rp_sandbox *sb) { return &sb->limits; }
-
-void rp_sandbox_set_clock(rp_sandbox *sb, double (*clock_s)(void *ud), void *ud)
-{
-    sb->clock_s = clock_s;
-    sb->clock_ud = ud;
-}
-
-void rp_sandbox_copy_clock(rp_sandbox *to, const rp_sandbox *from)
-{
-    to->clock_s = from->clock_s;
-    to->clock_ud = from->clock_ud;
-}
-
-void rp_sandbox_set_max_instructions(rp_sandbox *sb, int64_t max_instructions)
-{
-    sb->limits.max_instructions = max_instructions > 0 ? max_instructions : 1;
-}
-
 /* ---- calls -------------------------------------------------------------------------- */
 
 /* Message handler of rp_sandbox_call: notes where the error came from, in C memory. */
@@ -1333,7 +1237,8 @@ static void arm(rp_sandbox *sb, uintptr_t stack_base)
     sb->alloc_failed = false;
     sb->where[0] = sb->trace[0] = '\0';
     sb->trace_line = -1;
-    sb->deadline = now_s(sb) + sb->limits.max_wall_s;
+    if (!sb->window) sb->deadline = now_s(sb) + sb->limits.max_wall_s;
+    sb->window = false;
     sb->c_stack_base = stack_base;
     sb->mem_armed = true;
     /* big strings may live from earlier calls (a long string kept in ctx.state); dead

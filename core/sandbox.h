@@ -31,6 +31,11 @@ typedef struct rp_sandbox_limits {
      * costs. 0 means RP_SANDBOX_DEFAULT_OBJECT; else at least RP_SANDBOX_MIN_OBJECT.
      * Never more than max_memory_bytes in effect. */
     size_t max_object_bytes;
+    /* The clock the wall-time limit reads, in seconds (monotonic, any origin); NULL:
+     * CLOCK_MONOTONIC. Tests inject one (rp_sandbox_set_clock), so that they do not
+     * depend on the machine's speed; a policy rebuilt from its limits keeps it. */
+    double (*clock_s)(void *ud);
+    void *clock_ud;
 } rp_sandbox_limits;
 
 #define RP_SANDBOX_DEFAULT_INSTRUCTIONS INT64_C(200000000)
@@ -120,8 +125,23 @@ void rp_sandbox_set_max_instructions(rp_sandbox *sb, int64_t max_instructions);
  * CLOCK_MONOTONIC. For tests of the wall-time limit: an injected clock makes them
  * independent of the machine's speed. Takes effect at the next call. */
 void rp_sandbox_set_clock(rp_sandbox *sb, double (*clock_s)(void *ud), void *ud);
-/* Give `to` the clock `from` reads (a rebuilt policy keeps an injected clock). */
-void rp_sandbox_copy_clock(rp_sandbox *to, const rp_sandbox *from);
+/* The wall-time limit of later calls (> 0, finite; tests shorten it after loading). */
+void rp_sandbox_set_max_wall_s(rp_sandbox *sb, double max_wall_s);
+/* The clock the wall-time limit reads, now. */
+double rp_sandbox_now(const rp_sandbox *sb);
+/* The next call's wall-time limit counts from `start` (a reading of rp_sandbox_now)
+ * instead of from the call's start: work the engine does for the policy before the
+ * call (rebuilding it after a limit trip, core/policy_rebuild.c) is charged to the
+ * call's wall time. The deadline is start + max_wall_s from now on. */
+void rp_sandbox_open_window(rp_sandbox *sb, double start);
+/* Whether the clock has passed the deadline of the last call (or of the window opened
+ * for the next): engine work after or before a call reads it to stop at the limit. */
+bool rp_sandbox_past_deadline(const rp_sandbox *sb);
+/* Bytes the engine holds for the policy outside its state (the copy of ctx.state kept
+ * after each call): counted against max_memory_bytes together with the state's live
+ * bytes from now on, so a call can use that much less. */
+void rp_sandbox_hold_bytes(rp_sandbox *sb, size_t bytes);
+size_t rp_sandbox_held_bytes(const rp_sandbox *sb);
 
 /* Compile `source` (text only: precompiled bytecode is refused) as a chunk named
  * `chunkname` ("policy.lua"; NULL means "policy"), give it the policy environment, run

@@ -613,7 +613,10 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
         if (s->opts.max_instructions == 0)
             rp_sandbox_set_max_instructions(ps->pol[i]->sb, step_instructions(s, in->batch));
         double t0 = now_s(), c0 = thread_cpu_s();
-        rp_status st = rp_policy_plan(ps->pol[i], &frame, n, 0, &got, &r->why, &work, &err);
+        /* after a limit trip: rebuilt from its source in the window of this call */
+        rp_status st = policy_ready(&ps->pol[i], &err);
+        if (st != RP_OK) r->why = RP_CALL_LIMIT;
+        else st = rp_policy_plan(ps->pol[i], &frame, n, 0, &got, &r->why, &work, &err);
         r->wall_s += now_s() - t0;
         r->cpu_s += thread_cpu_s() - c0;
         if (ps->pol[i]->host.decision.set) r->decision = ps->pol[i]->host.decision;
@@ -624,13 +627,6 @@ static void run_set(rp_sched *s, policy_set *ps, step_inputs *in, run_result *r)
             /* whatever failed inside the policy's call, out of memory included, is the
              * policy's failure: the step falls back */
             textf(r->reason, sizeof r->reason, "%s", err.text);
-            /* a limit trip leaves the policy's Lua state as the interrupted code left it,
-             * at a point that depends on the machine's speed: start again from its source
-             * and the ctx.state of its last successful call */
-            if (r->why == RP_CALL_LIMIT && policy_rebuild(&ps->pol[i], &err) != RP_OK) {
-                size_t used = strlen(r->reason);
-                textf(r->reason + used, sizeof r->reason - used, " (and rebuilding it failed: %s)", err.text);
-            }
             goto fail;
         }
         /* what the policy omitted stays as ctx.plan had it */

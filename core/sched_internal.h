@@ -31,6 +31,12 @@ typedef struct rp_param {
     char *doc;
 } rp_param;
 
+/* A policy's ctx.state in the engine's compact binary encoding (core/policy_state.h). */
+typedef struct state_copy {
+    unsigned char *bytes; /* malloc'ed */
+    size_t len;
+} state_copy;
+
 typedef struct rp_policy {
     rp_context *ctx;
     const rp_config *cfg;
@@ -43,9 +49,14 @@ typedef struct rp_policy {
     int plan_ref, init_ref, state_ref, call_ref; /* registry references */
     char *source;                /* the text loaded (NUL-terminated), for checkpoints */
     size_t source_len;
-    /* ctx.state as its last successful call (or init) left it, encoded as a checkpoint
-     * holds it (core/policy_rebuild.c): what a rebuild after a limit trip starts from */
-    struct json_t *saved_state;
+    /* ctx.state as its last successful call (or init) left it, in the compact binary
+     * encoding of core/policy_state.c (counted against the memory cap beside the state):
+     * what a rebuild after a limit trip starts from */
+    state_copy kept;
+    /* a limit tripped in the last call: the Lua state is as the interrupted call left it,
+     * and the policy is rebuilt from its source and `kept` before it runs again
+     * (policy_ready, core/policy_rebuild.c) */
+    bool tainted;
 } rp_policy;
 
 /* The longest policy source accepted (shipped policies are under 5 KiB): a larger file

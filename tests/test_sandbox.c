@@ -85,14 +85,14 @@ static void test_limits(void)
         rp_sandbox_limits lim;
         const char *message;
     } bad[] = {
-        {{0, 5, 1 << 26, 200, 0}, "max_instructions is 0; it must be at least 1"},
-        {{-5, 5, 1 << 26, 200, 0}, "max_instructions is -5"},
-        {{1000, 0, 1 << 26, 200, 0}, "max_wall_s is 0; it must be a positive finite"},
-        {{1000, NAN, 1 << 26, 200, 0}, "max_wall_s is nan"},
-        {{1000, INFINITY, 1 << 26, 200, 0}, "max_wall_s is inf"},
-        {{1000, 1, 4096, 200, 0}, "max_memory_bytes is 4096; it must be at least 1048576"},
-        {{1000, 1, 1 << 26, 0, 0}, "max_depth is 0; it must be within 1..10000"},
-        {{1000, 1, 1 << 26, 10001, 0}, "max_depth is 10001"},
+        {{0, 5, 1 << 26, 200, 0, NULL, NULL}, "max_instructions is 0; it must be at least 1"},
+        {{-5, 5, 1 << 26, 200, 0, NULL, NULL}, "max_instructions is -5"},
+        {{1000, 0, 1 << 26, 200, 0, NULL, NULL}, "max_wall_s is 0; it must be a positive finite"},
+        {{1000, NAN, 1 << 26, 200, 0, NULL, NULL}, "max_wall_s is nan"},
+        {{1000, INFINITY, 1 << 26, 200, 0, NULL, NULL}, "max_wall_s is inf"},
+        {{1000, 1, 4096, 200, 0, NULL, NULL}, "max_memory_bytes is 4096; it must be at least 1048576"},
+        {{1000, 1, 1 << 26, 0, 0, NULL, NULL}, "max_depth is 0; it must be within 1..10000"},
+        {{1000, 1, 1 << 26, 10001, 0, NULL, NULL}, "max_depth is 10001"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         rp_sandbox *sb = (rp_sandbox *)&bad; /* must stay untouched */
@@ -111,7 +111,7 @@ static void test_limits(void)
     rp_sandbox_free(sb);
     rp_sandbox_free(NULL);
 
-    rp_sandbox_limits small = {1000, 60, RP_SANDBOX_MIN_MEMORY, 200, 0};
+    rp_sandbox_limits small = {1000, 60, RP_SANDBOX_MIN_MEMORY, 200, 0, NULL, NULL};
     is_int(rp_sandbox_new(ctx, &small, &sb, &err), RP_OK, "a sandbox with the minimum memory cap works");
     is_str(eval(sb, "return 6 * 7"), "42", "and runs a policy");
     rp_sandbox_free(sb);
@@ -1362,7 +1362,7 @@ typedef struct worker {
 static void *worker_main(void *arg)
 {
     worker *w = arg;
-    rp_sandbox_limits lim = {20000000, 60, 16 << 20, 200, 0};
+    rp_sandbox_limits lim = {20000000, 60, 16 << 20, 200, 0, NULL, NULL};
     rp_sandbox *sb;
     rp_error err;
     if (rp_sandbox_new(ctx, &lim, &sb, &err) != RP_OK) return NULL;
@@ -1493,7 +1493,7 @@ static void test_memory_accounting(void)
     long base = c.live;
     rp_sandbox *sb;
     rp_error err;
-    rp_sandbox_limits lim = {50000000, 60, 8 << 20, 200, 0};
+    rp_sandbox_limits lim = {50000000, 60, 8 << 20, 200, 0, NULL, NULL};
     is_int(rp_sandbox_new(cctx, &lim, &sb, &err), RP_OK, "a sandbox on a counting allocator");
     ok(rp_sandbox_memory_bytes(sb) > 0 && (long)rp_sandbox_memory_bytes(sb) < c.live - base,
        "the state's memory is counted through the context (%zu bytes)", rp_sandbox_memory_bytes(sb));
