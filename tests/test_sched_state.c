@@ -322,6 +322,38 @@ static void test_state_over_limit(void)
     rp_sched_free(s);
 }
 
+/* The copy of ctx.state the engine keeps counts against the memory cap with the state's
+ * live bytes: a state that adds a distinct 2 MiB string a step (string.rep holds 4 MiB
+ * while it builds it) fails, under an 8 MiB cap, at the second step: the first
+ * string, its 2 MiB copy and the 4 MiB being built pass the cap. Before, the copy was
+ * not counted and the third step was the first to fail. */
+static void test_copy_counts_against_memory(void)
+{
+    const char *src = "return {name = 'strings', version = '1.0.0', api = 1, description = 'long strings',\n"
+                      "plan = function(ctx) ctx.state[#ctx.state + 1] = string.rep(ctx.step .. '-', 2^20)\n"
+                      "return nil end}\n";
+    rp_sched_options o;
+    rp_sched_options_default(&o);
+    o.policy = policy_file("strings", src);
+    o.num_threads = 1;
+    o.max_memory_bytes = (size_t)8 << 20;
+    o.demote_after = -1;
+    rp_sched *s = NULL;
+    rp_error err;
+    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new: %s", err.text);
+    int failed_at = -1;
+    const rp_step_report *rep = NULL;
+    for (int t = 0; s && t < 6 && failed_at < 0; t++) {
+        rep = step(s, t);
+        if (rep && rep->fallback) failed_at = t;
+    }
+    ok(failed_at == 1, "the step whose strings, kept copy and the string being built pass the 8 MiB cap falls back (step %d)",
+       failed_at);
+    like(rep ? rep->fallback_reason : "", "exceeded the memory limit of 8 MiB", "naming the memory limit: %s",
+         rep ? rep->fallback_reason : "");
+    rp_sched_free(s);
+}
+
 /* Load `text` into b: must fail with `want` in the message and change nothing. */
 static void refused(rp_sched *b, const char *good, const char *text, size_t len, rp_status code, const char *want,
                     const char *label)
@@ -621,6 +653,7 @@ int main(void)
     test_unsaveable();
     test_big_states();
     test_state_over_limit();
+    test_copy_counts_against_memory();
     test_bad_state();
     test_alloc_failures();
     gen_steps_free(&fx);
