@@ -1,12 +1,92 @@
-/* Reading the kept copy of ctx.state (the compact binary encoding of core/policy_state.h):
- * into a checkpoint's JSON, and back into the policy's Lua state when it is rebuilt after
- * a limit trip. The copy was written by policy_state_copy, so it is well formed; the
+/* A checkpoint's ctx.state values (strings JSON cannot hold as {"bytes": hex}, numbers
+ * JSON lacks as {"number": "inf"}), and reading the kept copy of ctx.state (the compact
+ * binary encoding of core/policy_state.h): into a checkpoint's JSON, and back into the
+ * policy's Lua state when it is rebuilt after a limit trip. The copy was written by policy_state_copy, so it is well formed; the
  * readers still stop at its end. */
 #include "policy_state.h"
 
 #include <lauxlib.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* ---- values: strings that JSON cannot hold verbatim go as {"bytes": hex} ------------- */
+
+json_t *state_encode_bytes(const char *s, size_t n)
+{
+    if (!memchr(s, '\0', n)) {
+        json_t *j = json_stringn(s, n); /* NULL: not UTF-8 (or no memory: retried below) */
+        if (j) return j;
+    }
+    static const char digits[] = "0123456789abcdef";
+    char *hex = malloc(2 * n + 1);
+    if (!hex) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        hex[2 * i] = digits[(unsigned char)s[i] >> 4];
+        hex[2 * i + 1] = digits[(unsigned char)s[i] & 15];
+    }
+    hex[2 * n] = '\0';
+    json_t *j = json_pack("{s:s}", "bytes", hex);
+    free(hex);
+    return j;
+}
+
+/* The bytes of an encoded string: a JSON string, or {"bytes": hex} decoded into *buf
+ * (malloc'ed; the caller frees it). False when `v` is neither. */
+bool state_decode_bytes(json_t *v, const char **s, size_t *n, char **buf)
+{
+    *buf = NULL;
+    if (json_is_string(v)) {
+        *s = json_string_value(v);
+        *n = json_string_length(v);
+        return true;
+    }
+    json_t *h = json_is_object(v) && json_object_size(v) == 1 ? json_object_get(v, "bytes") : NULL;
+    if (!json_is_string(h)) return false;
+    size_t hn = json_string_length(h);
+    const char *hex = json_string_value(h);
+    if (hn % 2) return false;
+    *buf = malloc(hn / 2 + 1);
+    if (!*buf) return false;
+    for (size_t i = 0; i < hn / 2; i++) {
+        int d[2];
+        for (int k = 0; k < 2; k++) {
+            char c = hex[2 * i + (size_t)k];
+            d[k] = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        }
+        if (d[0] < 0 || d[1] < 0) {
+            free(*buf);
+            *buf = NULL;
+            return false;
+        }
+        (*buf)[i] = (char)(d[0] << 4 | d[1]);
+    }
+    *s = *buf;
+    *n = hn / 2;
+    return true;
+}
+
+json_t *state_encode_number(double x)
+{
+    if (isfinite(x)) return json_real(x);
+    return json_pack("{s:s}", "number", isnan(x) ? "nan" : x > 0 ? "inf" : "-inf");
+}
+
+bool state_decode_number(json_t *v, double *x)
+{
+    if (json_is_number(v)) {
+        *x = json_number_value(v);
+        return true;
+    }
+    json_t *w = json_is_object(v) && json_object_size(v) == 1 ? json_object_get(v, "number") : NULL;
+    const char *s = json_string_value(w);
+    if (!s) return false;
+    if (strcmp(s, "nan") == 0) *x = NAN;
+    else if (strcmp(s, "inf") == 0) *x = INFINITY;
+    else if (strcmp(s, "-inf") == 0) *x = -INFINITY;
+    else return false;
+    return true;
+}
 
 typedef struct reader {
     const unsigned char *p, *end;
