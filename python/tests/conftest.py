@@ -4,6 +4,7 @@ and generated steps."""
 import copy
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,30 @@ def cli_path():
         if cand.is_file() and os.access(cand, os.X_OK):
             return str(cand)
     return shutil.which("routepack")
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """The routepack tool's path (cli_path); the test is skipped where it is not built."""
+    path = cli_path()
+    if path is None:
+        pytest.skip("the routepack tool is not built")
+    return path
+
+
+def load_script(name, relpath):
+    """A script of scripts/ (relpath from there, "results/planner.py") imported as module
+    `name`, with scripts/ on the path while it loads (its own imports of siblings)."""
+    import importlib.util
+    scripts = str(REPO / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / relpath)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(scripts)
 
 
 def random_step(rng, num_seqs, num_layers, top_k, num_experts, max_len=64, skew=1.2,

@@ -10,15 +10,7 @@ import numpy as np
 import pytest
 
 import routepack
-from conftest import SMALL_CONFIG, cli_path, random_step
-
-
-@pytest.fixture(scope="module")
-def cli():
-    path = cli_path()
-    if path is None:
-        pytest.skip("the routepack tool is not built")
-    return path
+from conftest import SMALL_CONFIG, random_step
 
 
 def run_cli(cli, *args):

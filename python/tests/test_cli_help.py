@@ -9,7 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_path
+from conftest import REPO
 
 # In the order their examples run: plan eval and validate read what plan baseline wrote,
 # trace import reads the arrays the fixture writes.
@@ -18,14 +18,6 @@ COMMANDS = [
     ("stats", None), ("simulate", None), ("policy", "list"), ("policy", "check"),
     ("plan", "baseline"), ("plan", "eval"), ("plan", "validate"), ("memory", None),
 ]
-
-
-@pytest.fixture(scope="module")
-def cli():
-    path = cli_path()
-    if path is None:
-        pytest.skip("the routepack tool is not built")
-    return path
 
 
 def run(cli, args, cwd=None):

@@ -8,15 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import SMALL_CONFIG, SMALL_TRACE, cli_path
-
-
-@pytest.fixture(scope="module")
-def cli():
-    path = cli_path()
-    if path is None:
-        pytest.skip("the routepack tool is not built")
-    return path
+from conftest import SMALL_CONFIG, SMALL_TRACE
 
 
 def run(cli, *args, cwd=None):

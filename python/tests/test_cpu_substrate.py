@@ -135,10 +135,8 @@ def test_results_section_renders_the_figures():
     """scripts/results/cpu_fidelity.py's section: the three columns of tau and MAPE, the
     floor's verdict, the plans' ratios to token_kk+contiguous at the same count, the five
     plans' printout."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("cpu_fidelity", REPO / "scripts" / "results" / "cpu_fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from conftest import load_script
+    mod = load_script("cpu_fidelity", "results/cpu_fidelity.py")
     plans = [{"name": "token_kk+contiguous, 2 microbatches", "predicted_s": 0.2, "measured_s": 0.25},
              {"name": "joint, 2 microbatches", "predicted_s": 0.18, "measured_s": 0.2}]
     score = {"cell_tau": 0.91, "cell_mape_percent": 12.0, "plan_tau": 1.0, "plans": 2, "cells": 8,

@@ -10,15 +10,6 @@ import numpy as np
 import pytest
 
 import routepack
-from conftest import cli_path
-
-
-@pytest.fixture(scope="module")
-def cli():
-    path = cli_path()
-    if path is None:
-        pytest.skip("the routepack tool is not built")
-    return path
 
 
 def run(cli, *args):

@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from conftest import REPO, SMALL_CONFIG, cli_path
+from conftest import REPO, SMALL_CONFIG
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -24,14 +24,6 @@ def browser():
     if exe is None:
         pytest.skip("no Chromium on this machine")
     return exe
-
-
-@pytest.fixture(scope="module")
-def cli():
-    path = cli_path()
-    if path is None:
-        pytest.skip("the routepack tool is not built")
-    return path
 
 
 def png_pixels(path):

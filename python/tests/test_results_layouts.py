@@ -3,29 +3,17 @@ scripts/results.py --splice, on small fake simulate runs: the figures come from 
 the layout from the config each run names, and a spliced section lands where a full render
 puts it."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 SCRIPTS = REPO / "scripts"
 
 
-def _load(name, path):
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(SCRIPTS))
-
-
-layouts = _load("results_layouts", SCRIPTS / "results" / "layouts.py")
-results = _load("results", SCRIPTS / "results.py")
+layouts = load_script("results_layouts", "results/layouts.py")
+results = load_script("results", "results.py")
 
 
 def _policy(name, baseline, steps):

@@ -4,27 +4,11 @@ plan on its trainer's run, the balancer and routepack packing for it on the bala
 trainer's run), the steps where the balancer's plan still wins and each step's levers come
 from the runs' figures."""
 
-import importlib.util
 import json
-import sys
 
-from conftest import REPO
+from conftest import REPO, load_script
 
-SCRIPTS = REPO / "scripts"
-
-
-def _load(name, path):
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(SCRIPTS))
-
-
-planner = _load("results_planner", SCRIPTS / "results" / "planner.py")
+planner = load_script("results_planner", "results/planner.py")
 
 TERMS = ("attention_ms", "dispatch_ms", "expert_ms", "combine_ms", "grad_reduce_ms", "extra_copy_ms")
 
