@@ -446,7 +446,7 @@ static double run_slot(rp_cost *c, int32_t layer, int32_t slot, int32_t expert, 
         cost_layer_times(c, st->dfmax + (size_t)m * Q, st->dbmax + (size_t)m * Q, sc->qd, sc->qx,
                          (commit ? st->layer_t : sc->layer_t) + ml * c->LW);
     }
-    cost_grad_layer(c, st, layer, sc->rep_off, sc->rep_rank, sc->grad_row);
+    cost_grad_layer(c, st, layer, sc->rep_off, sc->rep_rank, sc->grad_row, NULL);
     double grad = cost_grad_total(c, st, layer, sc->grad_row);
     if (!commit) return cost_step_from(c, st, sc->layer_t, grad);
 

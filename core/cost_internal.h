@@ -250,19 +250,25 @@ static inline void group_result_note(group_result *res, int32_t g, double x, dou
     }
 }
 
-/* cost.c */
+/* cost.c: the evaluator object */
 
 /* What rp_cost_new refuses of a config and a batch, without statistics: the callers that
  * scan the routing first (rp_sched_step) check this before the scan, so a batch the
  * evaluator cannot take is refused at once, not after reading every id. */
 rp_status cost_check_inputs(const rp_config *cfg, const rp_batch *batch, rp_error *err);
-/* The work units of one full evaluation of a plan of M microbatches and S slots an EP group
- * for `batch` under `cfg`, from their shapes alone: the one formula behind
- * rp_cost_evaluation_needs (what rp.evaluate charges) and rp_lua_evaluation_units (what
- * rp.joint charges an evaluation and the default step budget counts). Saturates at
- * INT64_MAX. */
-int64_t cost_work_units(const rp_config *cfg, const rp_batch *batch, int64_t M, int64_t S);
+
+/* cost_unit.c: unit costs */
+
+/* A curve at x: linear between points, flat beyond the ends. */
+double cost_curve_at(const rp_eff_point *p, int32_t k, double x);
 double cost_slot_time(const rp_cost *c, double tokens);
+/* Slot time of an integer token count: a table below the curve's last point, where
+ * the efficiency interpolation costs a search. The table holds cost_slot_time's own
+ * results, so both paths give the same bits. */
+static inline double cost_slot_time_int(const rp_cost *c, int64_t n)
+{
+    return n < c->slot_table_n ? c->slot_table[n] : cost_slot_time(c, (double)n);
+}
 /* Padding tokens of a sequence of `len` tokens (0 without CP). */
 static inline int64_t cost_pad(const rp_cost *c, int64_t len)
 {
@@ -278,13 +284,22 @@ void cost_cell_dense(const rp_cost *c, int64_t sum_quad, int64_t sum_len, int32_
                      double *bwd);
 void cost_cell_dense_at(const rp_cost *c, int64_t sum_quad, int64_t sum_len, double speed, double *fwd,
                         double *bwd);
+/* Attention of one sequence at speed 1, as the cells count it. */
+double cost_seq_attention(const rp_cost *c, int32_t seq);
+/* Forward and backward time of one (m, l) from its phase maxima (forward seconds) under
+ * the configured overlap. */
+double cost_layer_time(const rp_cost *c, double dfmax, double dbmax, double dmax, double xmax);
+/* T of every sync domain at one (m, l) from the per-group maxima (arrays of Q): out[NQ]. */
+void cost_layer_times(const rp_cost *c, const double *dfmax, const double *dbmax, const double *dmax,
+                      const double *xmax, double *out);
+
+/* cost_group.c: one (microbatch, layer, EP group) */
+
 /* Largest dense phase of GPUs [g0, g0 + n) at microbatch m, cells (gA, mA) and (gB, mB)
  * replaced by the given values when they are among them (gA -1: none). */
 void cost_group_dense(const rp_cost *c, const cost_state *st, int32_t m, int32_t q, int32_t gA, int32_t mA,
                       double fA, double bA, int32_t gB, int32_t mB, double fB, double bB, double *fmax,
                       double *bmax, int32_t *farg);
-/* Attention of one sequence at speed 1, as the cells count it. */
-double cost_seq_attention(const rp_cost *c, int32_t seq);
 cost_map cost_dst_map(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, const int32_t *rep_off,
                       const int32_t *rep_rank, bool base, cost_scratch *sc);
 void cost_layer_dst(const rp_cost *c, cost_state *st, int32_t l, const int32_t *rep_off,
@@ -297,48 +312,65 @@ void cost_delta_aggregates(const rp_cost *c, int32_t src, const int32_t *restric
 void cost_group_tokens(const rp_cost *c, const cost_state *st, int32_t m, int32_t q, int64_t *tok);
 void cost_group_delta(const rp_cost *c, cost_state *st, int32_t m, int32_t l, int32_t gpu,
                       const uint32_t *hist, int32_t sign, cost_map map);
+/* Token copies each GPU of a group sends and receives (sc->si, ri, se, re) from its pair
+ * counts, shares and tokens under the configured de-duplication. */
+void cost_group_traffic(const rp_cost *c, const cost_state *st, int32_t g0, const int32_t *pair, const double *sp,
+                        const int64_t *tokens, cost_scratch *sc);
 void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
                      const int32_t *rep_off, const int32_t *rep_rank, cost_map map,
                      const int32_t *total, const int32_t *pair, const int64_t *tokens, double *x_out,
                      double *d_out, group_result *res, cost_scratch *sc);
-/* Forward and backward time of one (m, l) from its phase maxima (forward seconds) under
- * the configured overlap. */
-double cost_layer_time(const rp_cost *c, double dfmax, double dbmax, double dmax, double xmax);
-/* T of every sync domain at one (m, l) from the per-group maxima (arrays of Q): out[NQ]. */
-void cost_layer_times(const rp_cost *c, const double *dfmax, const double *dbmax, const double *dmax,
-                      const double *xmax, double *out);
-double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t,
-                      double grad_s);
+/* Per-forward balancing (virtual experts): the group's expert and dispatch times when the
+ * balancer moves the experts' weights each forward. */
+void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
+                          const int32_t *pair, const int64_t *tokens, double *x_out, double *d_out,
+                          group_result *res, cost_scratch *sc);
 void cost_index_layer(int32_t E, int32_t S, const int32_t *slot_rank_of, const int32_t *phy2log,
                       int32_t *rep_off, int32_t *rep_rank);
-/* Extra-replica fetches of stage r under extras_once (cost_extras.c); `ahead`: only what
- * the first microbatch's compute leaves exposed. */
-double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool mean, bool ahead);
+
+/* cost_grad.c: replica gradients */
+
+/* Layer `layer`'s replica-gradient reduction time of every GPU into row[G]; `bytes`
+ * (NULL: not wanted) gets what each GPU of EP group 0 sends. */
 void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
-                     const int32_t *rep_rank, double *row);
+                     const int32_t *rep_rank, double *row, double *bytes);
 double cost_grad_total(const rp_cost *c, const cost_state *st, int32_t layer, const double *row);
+/* The experts of layer l one all-reduce of the EP group carries under the "group" form. */
+int32_t cost_grad_experts(const rp_cost *c, const cost_state *st, int32_t l, const int32_t *rep_off);
+
+/* cost_extras.c */
+
+/* Extra-replica fetches of stage r under extras_once; `ahead`: only what the first
+ * microbatch's compute leaves exposed. */
+double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool mean, bool ahead);
+
+/* cost_eval.c: a whole plan's evaluation */
+
+/* The work units of one full evaluation of a plan of M microbatches and S slots an EP group
+ * for `batch` under `cfg`, from their shapes alone: the one formula behind
+ * rp_cost_evaluation_needs (what rp.evaluate charges) and rp_lua_evaluation_units (what
+ * rp.joint charges an evaluation and the default step budget counts). Saturates at
+ * INT64_MAX. */
+int64_t cost_work_units(const rp_config *cfg, const rp_batch *batch, int64_t M, int64_t S);
 /* The bound state no longer is the evaluation of the plan it was made from (a move,
  * swap, slot change or microbatch order was applied): no plan is equal to it any more. */
-void cost_state_edited(rp_cost *c);
+static inline void cost_state_edited(rp_cost *c) { c->memo_bound = -1; }
 /* The summary of `plan`: a remembered evaluation's when an equal plan is among the last
  * COST_MEMO evaluated (the evaluator's binding unchanged), else rp_cost_evaluate's (which
  * binds it). For a caller that needs the summary only. */
 rp_status cost_summary_of(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, double *forward_s, rp_error *err);
+void cost_state_free(rp_context *ctx, cost_state *s);
+void cost_scratch_free(rp_context *ctx, cost_scratch *sc);
+
+/* cost_step.c */
 double cost_forward_s(const rp_cost *c, const cost_state *s);
+
+/* cost_summary.c */
 void cost_summary(const rp_cost *c, const cost_state *st, rp_cost_summary *out);
-/* The sync domain with the largest sum of layer times (0 under global sync). */
-int32_t cost_critical_domain(const rp_cost *c, const cost_state *st);
 
 /* cost_vexp.c: per-forward balancing (virtual experts) */
 rp_status cost_vexp_check(const rp_cost *c, const rp_plan *plan, rp_error *err);
 void cost_vexp_owners(const rp_cost *c, const rp_plan *plan, int32_t *owner);
-void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int32_t l, int32_t q,
-                          const int32_t *pair, const int64_t *tokens, double *x_out, double *d_out,
-                          group_result *res, cost_scratch *sc);
-/* Token copies each GPU of a group sends and receives (sc->si, ri, se, re) from its pair
- * counts, shares and tokens under the configured de-duplication (cost.c). */
-void cost_group_traffic(const rp_cost *c, const cost_state *st, int32_t g0, const int32_t *pair, const double *sp,
-                        const int64_t *tokens, cost_scratch *sc);
 
 /* cost_pipe.c: the pipeline schedule and its critical path */
 
@@ -357,6 +389,10 @@ double cost_pipe_run(int32_t PP, int32_t V, int32_t M, const cost_pipe_op *ops, 
 double cost_pipe_domain(const rp_cost *c, const cost_state *st, const double *layer_t, int32_t q, int32_t b);
 /* The microbatch order sync domain q runs (NULL: the identity). */
 const int32_t *cost_domain_order(const rp_cost *c, const cost_state *st, int32_t q);
+double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t,
+                      double grad_s);
+/* The sync domain with the largest sum of layer times (0 under global sync). */
+int32_t cost_critical_domain(const rp_cost *c, const cost_state *st);
 
 /* cost_bound.c */
 double cost_bound_layer(const rp_cost *c, const cost_state *st, int32_t m, int32_t l);

@@ -388,3 +388,39 @@ rp_status rp_cost_order_microbatches(rp_cost *c, rp_plan *plan, double *step_s, 
     if (step_s) *step_s = st->step_s;
     return RP_OK;
 }
+
+/* The step, one rollout batch: per mini-batch, under group sync the slowest EP group's
+ * own pipeline, under global sync the pipeline of the job-wide layer times (every
+ * optimizer step waits for every group); then per mini-batch the replica gradient
+ * reduction, once the extra-replica copies (they are per microbatch already), all of it
+ * once per epoch. With one mini-batch and one epoch the terms add as they always did. */
+double cost_step_from(const rp_cost *c, const cost_state *st, const double *layer_t, double grad_s)
+{
+    double run = 0.0;
+    for (int32_t b = 0; b < c->K; b++) {
+        double worst = 0.0;
+        for (int32_t q = 0; q < c->NQ; q++) {
+            double sum = cost_pipe_domain(c, st, layer_t, q, b);
+            if (q == 0 || sum > worst) worst = sum;
+        }
+        run = b == 0 ? worst : run + worst;
+    }
+    const double epoch = run + (c->K == 1 ? grad_s : c->K * grad_s) + st->extra_s;
+    return c->epochs == 1 ? epoch : c->epochs * epoch;
+}
+
+/* The domain with the largest time over all mini-batches. */
+int32_t cost_critical_domain(const rp_cost *c, const cost_state *st)
+{
+    int32_t best = 0;
+    double worst = 0.0;
+    for (int32_t q = 0; q < c->NQ; q++) {
+        double sum = 0.0;
+        for (int32_t b = 0; b < c->K; b++) sum += cost_pipe_domain(c, st, st->layer_t, q, b);
+        if (q == 0 || sum > worst) {
+            worst = sum;
+            best = q;
+        }
+    }
+    return best;
+}
