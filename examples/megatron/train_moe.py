@@ -40,6 +40,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the rollout both train_moe.py examples share
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torch"))
+from rollout import rollout_batch  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 32, 2, 8, 2
 
@@ -122,17 +125,6 @@ def build(world, seed, start, layer="routepack", spec_kind="local"):
                 p.copy_(value(name, p.shape) if p.dim() > 1 else torch.ones_like(p) if "weight" in name
                         else torch.zeros_like(p))
     return cfg, model
-
-
-def rollout_batch(step, world, seqs_per_rank, seed):
-    """The step's sequences: lengths, tokens (each a function of its id), the rank that
-    rolled each out (s % world)."""
-    S = seqs_per_rank * world
-    rng = np.random.default_rng([seed, step])
-    lens = rng.integers(4, 24, S).astype(np.int32)
-    tokens = [torch.randint(0, VOCAB, (int(lens[s]),), generator=torch.Generator().manual_seed(
-        seed * 1000003 + step * 1009 + s)) for s in range(S)]
-    return lens, tokens, np.arange(S) % world
 
 
 def batch_of(ids, tokens, device):
@@ -246,7 +238,7 @@ def main():
 
     losses = []
     for step in range(args.steps):
-        lens, tokens, owner = rollout_batch(step, world, args.seqs_per_rank, args.seed)
+        lens, tokens, owner = rollout_batch(step, world, args.seqs_per_rank, args.seed, VOCAB, 24)
         mine = np.nonzero(owner == rank)[0]
         inp, _, mask = batch_of(mine, tokens, device)
         with torch.no_grad():

@@ -78,7 +78,7 @@ def main():
                 ops.append(dist.P2POp(dist.irecv, torch.zeros(n, dtype=torch.uint8), int(tr["src_gpu"])))
 
         def executor():
-            return ex.execute()
+            return ex.execute(res)
 
         def plain():
             if ops:

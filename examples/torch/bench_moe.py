@@ -13,7 +13,7 @@ the same tokens, the variants interleaved (their order rotates every repetition)
 scheduler makes with a config whose hardware is this CPU (GEMM FLOP/s and gloo bandwidth
 measured first): contiguous (token_kk+contiguous), replicas and shares only (routepack,
 max_extra_per_rank 0) and with extra replicas (routepack). Each plan's step runs as a
-trainer runs it: set_placement (extra replicas fetched), every microbatch's forward and
+trainer runs it: fetch_replicas (extra replicas fetched), every microbatch's forward and
 backward with the plan's physical ids, reduce_replica_grads. Printed: each plan's
 predicted step time (the scheduler's cost model under the layer's dispatch_dedup) and
 measured time, their ratios to the contiguous plan, and the replica-gradient bytes per rank
@@ -139,7 +139,7 @@ def part_plain(args, rank, world):
     for mode in ("choice", "gpu"):
         layer = MoELayer(d, f, E, k, n_local, dispatch_dedup=mode, expert_kernel=kern)
         layer.load_experts(w_in, w_out, placement)
-        layer.set_placement(placement)
+        layer.fetch_replicas(placement)
         layers["moe_" + mode] = layer
     with torch.no_grad():
         plain.w_in.copy_(w_in[rank * n_local:(rank + 1) * n_local])
@@ -302,7 +302,7 @@ def part_plans(args, rank, world):
     cu = np.concatenate([[0], np.cumsum(lens)])
     runs = []
     for name, res in results:
-        placement = ExpertPlacement.from_step(res, 0)
+        placement = res.placement(0)
         layer = MoELayer(d, f, E, k, placement.local_slots(rank), dispatch_dedup=args.dedup, expert_kernel=kern)
         layer.load_experts(w_in, w_out, placement)
         with torch.no_grad():
@@ -319,7 +319,7 @@ def part_plans(args, rank, world):
 
     def step(placement, layer, mbs):
         def go():
-            layer.set_placement(placement)
+            layer.fetch_replicas(placement)
             for m, (x, r, phys, cot) in enumerate(mbs):
                 xi = x.clone().requires_grad_()
                 layer(xi, r, phys, microbatch=m).backward(cot)
@@ -394,7 +394,7 @@ def kendall(a, b):
 
 def part_five(args, rank, world):
     """contiguous, EPLB, the balancer stand-in, routepack without and with extra replicas
-    on one skewed batch: each plan's step (set_placement, every microbatch's forward and
+    on one skewed batch: each plan's step (fetch_replicas, every microbatch's forward and
     backward, reduce_replica_grads) timed interleaved; MEASURED medians against the times
     PREDICTED under execution.executor routepack_torch with this CPU's figures (the
     balancer's under megatron_balancer's profile: routepack_torch cannot run it)."""
@@ -448,7 +448,7 @@ def part_five(args, rank, world):
     cu = np.concatenate([[0], np.cumsum(lens)])
     runs = []
     for label, res, predicted, balancer in plans:
-        placement = ExpertPlacement.from_step(res, 0)
+        placement = res.placement(0)
         layer = MoELayer(d, f, E, k, placement.local_slots(rank), dispatch_dedup=args.dedup, expert_kernel=kern)
         layer.load_experts(w_in, w_out, placement)
         with torch.no_grad():
@@ -467,11 +467,11 @@ def part_five(args, rank, world):
     def step(placement, layer, mbs, bal):
         def go():
             if bal is None:
-                layer.set_placement(placement)
+                layer.fetch_replicas(placement)
             for m, (x, r, phys, cot) in enumerate(mbs):
                 if bal is not None:   # the balancer's own plan, every forward
                     pl, phys, _ = bal.plan(r)
-                    layer.set_placement(pl)
+                    layer.fetch_replicas(pl)
                     m = 0
                 xi = x.clone().requires_grad_()
                 layer(xi, r, phys, microbatch=m).backward(cot)

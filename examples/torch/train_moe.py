@@ -44,6 +44,7 @@ from torch import nn
 
 from routepack.torch import (DistributedScheduler, ExpertPlacement, MigrationExecutor, MoELayer,
                              init_optimizer_state, pack_microbatches, slot_tensors)
+from rollout import rollout_batch   # examples/torch/rollout.py, shared with examples/megatron
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 16, 32, 2, 8, 2
 # the closing comparison's experts are wider, so that their work, not Python's per-op cost,
@@ -108,17 +109,6 @@ class TinyMoE(nn.Module):
             x = x + b.moe(b.norm2(x), None if routing is None else routing[:, l],
                           None if physical is None else physical[:, l], microbatch)
         return self.head(self.norm(x))
-
-
-def rollout_batch(step, world, seqs_per_rank, seed):
-    """The step's sequences (lengths for all; tokens of each from its own seed), the
-    same in every run. Sequence s was rolled out by rank s % world."""
-    S = seqs_per_rank * world
-    rng = np.random.default_rng([seed, step])
-    lens = rng.integers(4, 40, S).astype(np.int32)
-    tokens = [torch.randint(0, VOCAB, (int(lens[s]),), generator=torch.Generator().manual_seed(
-        seed * 1000003 + step * 1009 + s)) for s in range(S)]
-    return lens, tokens, np.arange(S) % world
 
 
 def sum_loss(logits, tokens, cu_seqlens):
@@ -235,7 +225,7 @@ def measure_benefit(args, model, rank, world, device):
         run.load_state_dict({k: v for k, v in model.state_dict().items() if ".moe.w_" not in k}, strict=False)
         for l, b in enumerate(run.blocks):
             b.moe.load_experts(*(w.to(device) for w in logical[l]), ExpertPlacement(res.phy2log[l], slot_begin, []))
-            b.moe.set_placement(ExpertPlacement.from_step(res, l))
+            b.moe.fetch_replicas(res.placement(l))
         packed = pack_microbatches(res.microbatches, owner, lens, mine, {"tokens": my_tokens, "routing": my_routing})
         physical = [res.remap_rank(rank, m, pm["routing"]) for m, pm in enumerate(packed)]
         plans[policy] = (res, run, packed, physical)
@@ -341,13 +331,13 @@ def main():
 
     def rollout(step):
         """Each rank runs its own sequences of `step` once and records their routing (R3)."""
-        lens, tokens, owner = rollout_batch(step, world, args.seqs_per_rank, args.seed)
+        lens, tokens, owner = rollout_batch(step, world, args.seqs_per_rank, args.seed, VOCAB, 40)
         mine = np.nonzero(owner == rank)[0]
         my_tokens = torch.cat([tokens[s] for s in mine]).to(device)
         my_cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lens[mine])]), device=device)
         with torch.no_grad():
             for l, b in enumerate(model.blocks):
-                b.moe.set_placement(ExpertPlacement(placement[l].phy2log, slot_begin, [np.zeros((0, 2), np.int64)]))
+                b.moe.fetch_replicas(ExpertPlacement(placement[l].phy2log, slot_begin, [np.zeros((0, 2), np.int64)]))
             model(my_tokens, my_cu)
             my_routing = torch.stack([b.moe.last_routing for b in model.blocks], dim=1).to(torch.int32)
         return lens, owner, mine, my_tokens, my_routing
@@ -378,15 +368,15 @@ def main():
         lens, owner, mine, my_tokens, my_routing = ro
 
         # Migrate, then (plan-ahead) start the next step's plan, then pack and train.
-        executor.execute()
-        placement = [ExpertPlacement.from_step(res, l) for l in range(LAYERS)]
+        executor.execute(res)
+        placement = [res.placement(l) for l in range(LAYERS)]
         if args.plan_ahead and step + 1 < args.steps:
             if swap_to != "none" and step + 1 == args.steps // 2:
                 sched.stage_policy(swap_to)
             ro = rollout(step + 1)       # this step's was unpacked above
             ahead = sched.step_ahead(ro[0][ro[2]], ro[4], ro[2], step=step + 1)
         for l, b in enumerate(model.blocks):
-            b.moe.set_placement(placement[l])
+            b.moe.fetch_replicas(placement[l])
         packed = pack_microbatches(res.microbatches, owner, lens, mine,
                                    {"tokens": my_tokens, "routing": my_routing})
         num_targets = float(np.sum(lens - 1))

@@ -14,8 +14,11 @@ from .errors import (ChecksumError, ConfigError, DeadlineError, Error, FileError
                      InvalidArgumentError, LibraryError, LimitError, NotSupportedError,
                      OutOfMemoryError, PlanError, PolicyError, RangeError, RoutingError,
                      TransportError)
-from .scheduler import (Config, Scheduler, StepResult, can_checkpoint, describe_policy,
-                        list_policies)
+from .config import Config
+from .placement import ExpertPlacement
+from .policies import describe_policy, list_policies
+from .scheduler import Scheduler, can_checkpoint
+from .step_result import StepResult
 from .migration import Migration
 from .distributed import Comm, Stats
 from .trace import TraceReader, TraceStep, TraceWriter
@@ -31,7 +34,7 @@ def library_path():
 
 
 __all__ = [
-    "Scheduler", "StepResult", "Config", "list_policies", "describe_policy", "can_checkpoint", "TraceReader", "TraceStep",
+    "Scheduler", "StepResult", "ExpertPlacement", "Config", "list_policies", "describe_policy", "can_checkpoint", "TraceReader", "TraceStep",
     "TraceWriter", "library_path", "Migration", "Comm", "Stats", "RouterShift", "router_shift",
     "Error", "ConfigError", "RoutingError", "PolicyError", "LimitError", "PlanError",
     "InvalidArgumentError", "OutOfMemoryError", "FileError", "FormatError", "RangeError",

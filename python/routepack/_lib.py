@@ -1,6 +1,8 @@
 """Finding and loading libroutepack, and the ctypes declarations of the C API it uses
 (core/include/routepack/*.h are the contract; the structs below mirror them field by field,
-every field, which python/tests/test_struct_mirrors.py checks against rp_struct_size)."""
+every field, which python/tests/test_struct_mirrors.py checks against rp_struct_size). The
+one table of the binding's C functions: the required ones, then the scheduler's and the
+migration executor's (each checked by the module that needs it) and the optional ones."""
 
 from __future__ import annotations
 
@@ -181,6 +183,60 @@ class rp_trace_step_info(Structure):
                 ("payload_offset", c_int64), ("payload_bytes", c_int64)]
 
 
+# ---- the migration executor (routepack/migrate.h; routepack.executor) ----
+
+
+class rp_tensor(Structure):
+    _fields_ = [("data", c_void_p), ("bytes", c_size_t), ("memory", c_int)]
+
+
+class rp_transport_message(Structure):
+    _fields_ = [("peer", c_int32), ("tag", c_int32), ("send", c_int32), ("payload", c_int32),
+                ("buf", c_void_p), ("bytes", c_size_t)]
+
+
+START_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, POINTER(rp_transport_message), c_int32,
+                            POINTER(c_int32), c_void_p, c_size_t)
+WAIT_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_double, POINTER(c_int32), c_void_p, c_size_t)
+FINISH_FN = ctypes.CFUNCTYPE(c_int32, c_void_p)
+ALLGATHER_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_double,
+                                c_void_p, c_size_t)
+ALLOC_FN = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_size_t)
+FREE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
+COPY_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_int, c_double,
+                           c_void_p, c_size_t)
+CHECKSUM_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, POINTER(c_void_p), POINTER(c_size_t), POINTER(c_int32),
+                               c_int32, POINTER(c_uint64), c_double, c_void_p, c_size_t)
+
+
+class rp_transport_callbacks(Structure):
+    _fields_ = [("start", START_FN), ("wait", WAIT_FN), ("finish", FINISH_FN),
+                ("allgather", ALLGATHER_FN), ("alloc", ALLOC_FN), ("free", FREE_FN),
+                ("copy", COPY_FN), ("max_message_bytes", c_size_t), ("stream", c_void_p),
+                ("checksum", CHECKSUM_FN)]
+
+
+class rp_migration_exec_options(Structure):
+    _fields_ = [("timeout_s", c_double), ("staging", c_void_p), ("staging_bytes", c_size_t),
+                ("ep_group", c_int32), ("exchange_timeout_s", c_double)]
+
+
+class rp_migration_result(Structure):
+    _fields_ = [("num_rounds", c_int32), ("rounds_committed", c_int32),
+                ("bytes_sent", c_int64), ("bytes_received", c_int64), ("bytes_local", c_int64),
+                ("slots_written", c_int64), ("staging_bytes", c_int64), ("seconds", c_double),
+                ("failed_rank", c_int32), ("failed_layer", c_int32), ("failed_expert", c_int32),
+                ("failed_peer", c_int32)]
+
+
+class rp_slot_identity(Structure):
+    _fields_ = [("layer", c_int32), ("expert", c_int32), ("version", c_uint64)]
+
+
+class rp_migration_options(Structure):
+    _fields_ = [("expert_bytes", POINTER(c_int64)), ("staging_budget_bytes", c_int64)]
+
+
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_int, c_char_p)
 
 P = c_void_p          # opaque handles
@@ -315,6 +371,28 @@ _SCHED = {
     "rp_migration_plan_transfer": (c_int, [P, c_int64, POINTER(rp_migration_transfer), PERR]),
     "rp_migration_plan_num_writes": (c_int64, [P]),
     "rp_migration_plan_write": (c_int, [P, c_int64, POINTER(rp_migration_write), PERR]),
+}
+
+# The executor's functions: required by routepack.executor (require_executor), so that a
+# library built without the callback executor still plans.
+_EXECUTOR = {
+    "rp_registry_new": (c_int, [P, c_int32, c_int32, POINTER(P), PERR]),
+    "rp_registry_free": (None, [P]),
+    "rp_registry_set": (c_int, [P, c_int32, c_int32, POINTER(rp_tensor), c_int32, PERR]),
+    "rp_registry_expert_bytes": (c_int64, [P, c_int32]),
+    "rp_registry_check": (c_int, [P, PERR]),
+    "rp_registry_set_identity": (c_int, [P, c_int32, c_int32, POINTER(rp_slot_identity), PERR]),
+    "rp_registry_identity": (c_int, [P, c_int32, c_int32, POINTER(rp_slot_identity), PERR]),
+    "rp_registry_set_version": (None, [P, c_uint64]),
+    "rp_transport_callback_new": (c_int, [P, POINTER(rp_transport_callbacks), c_void_p, c_int32,
+                                          c_int32, c_int, POINTER(P), PERR]),
+    "rp_transport_free": (None, [P]),
+    "rp_transport_usable": (c_bool, [P]),
+    "rp_migration_exec_defaults": (None, [POINTER(rp_migration_exec_options)]),
+    "rp_migration_execute": (c_int, [P, P, P, POINTER(rp_migration_exec_options),
+                                     POINTER(rp_migration_result), PERR]),
+    "rp_sched_migration_failed": (c_int, [P, POINTER(rp_migration_result), PERR]),
+    "rp_sched_set_migration_options": (c_int, [P, POINTER(rp_migration_options), PERR]),
 }
 
 _REQUIRED_MORE = {
@@ -468,6 +546,7 @@ def load():
                 break
             _declare(lib, _OPTIONAL, optional=True)
             _declare(lib, _SCHED, optional=True)
+            _declare(lib, _EXECUTOR, optional=True)
             _loaded = (lib, path)
             return lib
         raise errors.LibraryError(
@@ -489,6 +568,16 @@ def require_scheduler():
         raise errors.LibraryError("libroutepack at %s has no scheduler (lacks %s): rebuild it "
                                   "from a tree with core/sched.c and core/remap.c"
                                   % (_loaded[1], ", ".join(missing)))
+    return lib
+
+
+def require_executor():
+    """Raise LibraryError unless the loaded library has the callback migration executor."""
+    lib = load()
+    missing = sorted(n for n in _EXECUTOR if getattr(lib, n, None) is None)
+    if missing:
+        raise errors.LibraryError("libroutepack at %s has no callback migration executor (lacks "
+                                  "%s): rebuild it from this tree" % (_loaded[1], ", ".join(missing)))
     return lib
 
 

@@ -16,6 +16,9 @@ _LAYOUT_CODE = {"packed": 0, "per_seq": 1, "per_layer": 2}
 
 # dtypes the C library reads in place: the id widths of rp_id_width.
 _BORROWED = {np.dtype(np.uint8): 1, np.dtype(np.uint16): 2, np.dtype(np.int32): 4}
+# ids read in GPU memory in place: those, and int16 (a torch.int16 tensor; the kernel reads
+# 16-bit ids as unsigned, so a negative id is out of range there)
+_DEVICE_BORROWED = {**_BORROWED, np.dtype(np.int16): 2}
 
 # DLPack device types (dlpack.h DLDeviceType) for messages.
 _DL_DEVICES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal",
@@ -508,19 +511,19 @@ def _device_view(dev, L, K, T, num_experts):
     """A RoutingView of one packed routing array in GPU memory, read in place: the C
     library asks CUDA where the pointer lives and runs the histogram kernel there. Nothing
     is copied or converted (the binding holds no CUDA code): the ids must already be
-    uint8, uint16 or int32, with non-negative strides."""
+    uint8, uint16, int16 or int32, with non-negative strides."""
     if dev.ndim != 3 or dev.shape != (T, L, K):
         raise _routing_error("routing has shape %s, expected [tokens, layers, k] = [%d, %d, %d]"
                              % (dev.shape, T, L, K))
-    if dev.size and dev.dtype not in _BORROWED:
+    if dev.size and dev.dtype not in _DEVICE_BORROWED:
         raise _routing_error(
-            "routing in GPU memory holds %s ids; the histogram kernel reads uint8, uint16 or int32 "
+            "routing in GPU memory holds %s ids; the histogram kernel reads uint8, 16-bit or int32 "
             "in place and the binding cannot convert device memory: pass ids.to(torch.int32) (or "
             "torch.uint8 up to 256 experts)" % dev.dtype, errors.ENOTSUP)
     reads = library_reads_device()
     if dev.size and reads is not True:
         raise _routing_error("routing is in GPU memory, but %s: pass tensor.cpu()" % reads, errors.ENOTSUP)
-    width = _BORROWED.get(dev.dtype, _width_for(num_experts))
+    width = _DEVICE_BORROWED.get(dev.dtype, _width_for(num_experts))
     return RoutingView("packed", width, L, K, dev.elem_strides, [dev], False)
 
 

@@ -9,15 +9,15 @@ Three pieces, none of which needs torch:
   alive (rp_registry).
 - ``CallbackTransport``: an rp_transport whose start / wait / finish / allgather call the
   methods of a Python object (the ``Messenger`` protocol below).
-- ``Scheduler.execute_migration`` (scheduler.py) runs the last step's migration plan with
-  them and, on failure, tells the scheduler (rp_sched_migration_failed).
+- ``execute(res, registry, transport)`` runs step ``res``'s migration plan with them and,
+  on failure, tells the scheduler that planned it (rp_sched_migration_failed).
 
 The contract (what a failure leaves behind, staging, rounds) is docs/migration.md."""
 
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, Structure, c_char_p, c_double, c_int, c_int32, c_int64, c_size_t, c_void_p
+from ctypes import c_void_p
 
 from . import _lib, errors
 from ._context import Context, Owned
@@ -26,89 +26,70 @@ MEMORY = {"host": 0, "cuda": 1}   # rp_memory
 COPY_KINDS = ("device", "to_host", "from_host")   # rp_copy_kind
 
 
-class rp_tensor(Structure):
-    _fields_ = [("data", c_void_p), ("bytes", c_size_t), ("memory", c_int)]
-
-
-class rp_transport_message(Structure):
-    _fields_ = [("peer", c_int32), ("tag", c_int32), ("send", c_int32), ("payload", c_int32),
-                ("buf", c_void_p), ("bytes", c_size_t)]
-
-
-START_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, POINTER(rp_transport_message), c_int32,
-                            POINTER(c_int32), c_void_p, c_size_t)
-WAIT_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_double, POINTER(c_int32), c_void_p, c_size_t)
-FINISH_FN = ctypes.CFUNCTYPE(c_int32, c_void_p)
-ALLGATHER_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_double,
-                                c_void_p, c_size_t)
-ALLOC_FN = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_size_t)
-FREE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
-COPY_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_int, c_double,
-                           c_void_p, c_size_t)
-CHECKSUM_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, POINTER(c_void_p), POINTER(c_size_t), POINTER(c_int32),
-                               c_int32, POINTER(ctypes.c_uint64), c_double, c_void_p, c_size_t)
-
-
-class rp_transport_callbacks(Structure):
-    _fields_ = [("start", START_FN), ("wait", WAIT_FN), ("finish", FINISH_FN),
-                ("allgather", ALLGATHER_FN), ("alloc", ALLOC_FN), ("free", FREE_FN),
-                ("copy", COPY_FN), ("max_message_bytes", c_size_t), ("stream", c_void_p),
-                ("checksum", CHECKSUM_FN)]
-
-
-class rp_migration_exec_options(Structure):
-    _fields_ = [("timeout_s", c_double), ("staging", c_void_p), ("staging_bytes", c_size_t),
-                ("ep_group", c_int32), ("exchange_timeout_s", c_double)]
-
-
-class rp_migration_result(Structure):
-    _fields_ = [("num_rounds", c_int32), ("rounds_committed", c_int32),
-                ("bytes_sent", c_int64), ("bytes_received", c_int64), ("bytes_local", c_int64),
-                ("slots_written", c_int64), ("staging_bytes", c_int64), ("seconds", c_double),
-                ("failed_rank", c_int32), ("failed_layer", c_int32), ("failed_expert", c_int32),
-                ("failed_peer", c_int32)]
-
-
-class rp_slot_identity(Structure):
-    _fields_ = [("layer", c_int32), ("expert", c_int32), ("version", ctypes.c_uint64)]
-
-
-class rp_migration_options(Structure):
-    _fields_ = [("expert_bytes", POINTER(c_int64)), ("staging_budget_bytes", c_int64)]
-
-
-P, PERR = c_void_p, POINTER(_lib.rp_error)
-_FUNCTIONS = {
-    "rp_registry_new": (c_int, [P, c_int32, c_int32, POINTER(P), PERR]),
-    "rp_registry_free": (None, [P]),
-    "rp_registry_set": (c_int, [P, c_int32, c_int32, POINTER(rp_tensor), c_int32, PERR]),
-    "rp_registry_expert_bytes": (c_int64, [P, c_int32]),
-    "rp_registry_check": (c_int, [P, PERR]),
-    "rp_registry_set_identity": (c_int, [P, c_int32, c_int32, POINTER(rp_slot_identity), PERR]),
-    "rp_registry_identity": (c_int, [P, c_int32, c_int32, POINTER(rp_slot_identity), PERR]),
-    "rp_registry_set_version": (None, [P, ctypes.c_uint64]),
-    "rp_transport_callback_new": (c_int, [P, POINTER(rp_transport_callbacks), c_void_p, c_int32,
-                                          c_int32, c_int, POINTER(P), PERR]),
-    "rp_transport_free": (None, [P]),
-    "rp_transport_usable": (ctypes.c_bool, [P]),
-    "rp_migration_exec_defaults": (None, [POINTER(rp_migration_exec_options)]),
-    "rp_migration_execute": (c_int, [P, P, P, POINTER(rp_migration_exec_options),
-                                     POINTER(rp_migration_result), PERR]),
-    "rp_sched_migration_failed": (c_int, [P, POINTER(rp_migration_result), PERR]),
-    "rp_sched_set_migration_options": (c_int, [P, POINTER(rp_migration_options), PERR]),
-    "rp_migration_plan_layer_round": (c_int32, [P, c_int32]),
-}
+# The C structs and callback types live in _lib with every other declaration; the names
+# stay importable from here.
+from ._lib import (ALLGATHER_FN, ALLOC_FN, CHECKSUM_FN, COPY_FN, FINISH_FN, FREE_FN,  # noqa: E402,F401
+                   START_FN, WAIT_FN, rp_migration_exec_options, rp_migration_options,
+                   rp_migration_result, rp_slot_identity, rp_tensor, rp_transport_callbacks,
+                   rp_transport_message)
 
 
 def lib():
     """The library with the executor's functions declared; LibraryError when it lacks them."""
-    handle = _lib.load()
-    _lib._declare(handle, _FUNCTIONS, optional=True)
-    missing = sorted(n for n in _FUNCTIONS if getattr(handle, n, None) is None)
-    if missing:
-        raise errors.LibraryError("libroutepack at %s has no callback migration executor (lacks "
-                                  "%s): rebuild it from this tree" % (_lib.path(), ", ".join(missing)))
-    return handle
+    return _lib.require_executor()
+
+
+def execute(res, registry, transport, timeout_s=60.0, ep_group=-1, exchange_timeout_s=0.0, staging=None):
+    """Run step ``res``'s migration (a StepResult's; its plan is the scheduler's
+    rp_sched_migration) with the C executor on this rank's ``registry`` (Registry) over
+    ``transport`` (CallbackTransport): call on every rank of the transport after the step,
+    before the step's placement is used and before the next step is planned (a later step
+    makes it refuse: InvalidArgumentError). Returns a MigrationResult (None when the step
+    moved nothing). Each round is all-or-nothing on every rank; on a failure the scheduler
+    is told (rp_sched_migration_failed: the layers of rounds that did not commit go back
+    to their old placement in the plan in use, so the next step plans from what the
+    weights are) and MigrationFailed is raised, the same on every rank. ``ep_group``: for
+    a transport over one EP group, that group. ``timeout_s`` bounds the transfers,
+    ``exchange_timeout_s`` the exchanges between ranks (0: ``timeout_s``;
+    docs/migration.md, "Deadlines"). ``staging``: None (the executor allocates its staging
+    for the call) or a callable that takes the bytes this migration's largest round stages
+    on a GPU and returns the address of that much memory of the transport's kind, the
+    caller's, kept for the call (a trainer keeps one buffer across steps instead of
+    allocating, and faulting in, staging every call)."""
+    if res.migration is None:
+        return None
+    sched = res._scheduler() if res._scheduler is not None else None
+    if sched is None:
+        raise errors.InvalidArgumentError("step %d's migration cannot run: the scheduler that planned it "
+                                          "is gone" % res.step)
+    xlib = lib()
+    with sched._open_migration(res) as (handle, mp):
+        if not mp:
+            return None
+        opts = rp_migration_exec_options()
+        xlib.rp_migration_exec_defaults(ctypes.byref(opts))
+        opts.timeout_s = float(timeout_s)
+        opts.ep_group = int(ep_group)
+        opts.exchange_timeout_s = float(exchange_timeout_s)
+        if staging is not None:
+            summary = _lib.rp_migration_summary()
+            xlib.rp_migration_plan_summary(mp, ctypes.byref(summary))
+            if summary.max_staging_bytes > 0:
+                opts.staging = staging(int(summary.max_staging_bytes))
+                opts.staging_bytes = int(summary.max_staging_bytes)
+        raw = rp_migration_result()
+        err = _lib.new_error()
+        st = xlib.rp_migration_execute(mp, registry.handle, transport.handle, ctypes.byref(opts),
+                                       ctypes.byref(raw), ctypes.byref(err))
+        if st == errors.OK:
+            return MigrationResult(raw)
+        text = _lib.text(err.text)
+        result = MigrationResult(raw, st, text)
+        ferr = _lib.new_error()
+        fst = xlib.rp_sched_migration_failed(handle, ctypes.byref(raw), ctypes.byref(ferr))
+        if fst != errors.OK:
+            text += "; the scheduler could not take the failure back: " + _lib.text(ferr.text)
+    raise MigrationFailed(text, st, result)
 
 
 class Registry:

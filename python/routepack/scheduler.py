@@ -1,22 +1,25 @@
 """routepack.Scheduler: the C scheduler (rp_sched_*) from Python. A step takes the batch's
 lengths and its routing replay as the trainer holds it and returns the plan as numpy
-arrays the caller owns, with the step report."""
+arrays the caller owns, with the step report (a routepack.StepResult, step_result.py).
+The config is config.py's; executing a step's migration is routepack.executor's."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import threading
+import warnings
 
 import numpy as np
 
-from . import _args, _lib, _routing, distributed, errors, migration, shift
+from . import _args, _lib, _routing, distributed, errors, migration, shift, step_result
 from ._context import Context, Owned
+from .config import Config
+from .step_result import _SPLIT, StepResult, _i64p, _raise_step_error  # noqa: F401 (StepResult: routepack.scheduler.StepResult)
 from .trace import _new_batch
 
-_SPLIT = {"even": 0, "locality": 1}
-_SIDES = {0: "attention", 1: "dispatch", 2: "expert", 3: "combine"}
 STATE_FORMAT = "routepack-scheduler-state"
 
 # each option and the C type of its rp_sched_options field (None: a double)
@@ -24,25 +27,6 @@ _OPTION_FIELDS = {
     "num_threads": _args.INT32, "history": _args.INT32, "max_instructions": _args.INT64,
     "max_wall_s": None, "max_memory_bytes": _args.SIZE_T, "max_depth": _args.INT32,
 }
-
-
-def _i32p(arr):
-    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-
-
-def _i64p(arr):
-    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
-
-
-def _raise_step_error(st, err, fallback_message=None):
-    """Raise a failed step's or remap's error: RoutingError when the C library blames the
-    routing (it names a sequence, or its message starts with "routing"), else the
-    status's class."""
-    routing_problem = err.sequence >= 0 or _lib.text(err.text).startswith("routing")
-    cls = errors.RoutingError if routing_problem else None
-    if not err.text and fallback_message:
-        _lib.raise_error(st, err, message=fallback_message, cls=cls)
-    _lib.raise_error(st, err, cls=cls)
 
 
 def _demote_after(value):
@@ -56,305 +40,6 @@ def _demote_after(value):
         return n
     raise errors.RangeError("demote_after is %d; it must be a positive number of steps in a row that "
                             "fell back (default 3), or None (or -1) to never demote" % n, errors.ERANGE)
-
-
-def _config_bytes(config):
-    """('path', bytes) or ('text', bytes, name) for a config given as a path, a JSON text
-    or a dict."""
-    if isinstance(config, dict):
-        return ("text", json.dumps(config).encode("utf-8"), b"<dict>")
-    if isinstance(config, bytes):
-        config = config.decode("utf-8")
-    if isinstance(config, str) and config.lstrip().startswith("{"):
-        return ("text", config.encode("utf-8"), b"<inline>")
-    if isinstance(config, (str, os.PathLike)):
-        return ("path", _args.c_path(config, "config"))
-    raise TypeError("config must be a path, a JSON text or a dict, got %s" % type(config).__name__)
-
-
-class Config:
-    """A loaded and validated config (rp_config). Errors raise ConfigError with the C
-    message (file:line:column and the JSON path)."""
-
-    def __init__(self, config, ctx):
-        self._lib = _lib.load()
-        self._ctx = ctx
-        handle = ctypes.c_void_p()
-        err = _lib.new_error()
-        kind = _config_bytes(config)
-        if kind[0] == "path":
-            st = self._lib.rp_config_load(ctx.handle, kind[1], ctypes.byref(handle),
-                                          ctypes.byref(err))
-        else:
-            st = self._lib.rp_config_parse(ctx.handle, kind[1], len(kind[1]), kind[2],
-                                           ctypes.byref(handle), ctypes.byref(err))
-        if st != errors.OK:
-            _lib.raise_error(st, err, cls=errors.ConfigError)
-        self._owned = Owned(handle, self._lib.rp_config_free, [ctx])
-        topo = self._lib.rp_config_topology(handle).contents
-        model = self._lib.rp_config_model(handle).contents
-        self.num_gpus = topo.num_gpus
-        self.gpus_per_node = topo.gpus_per_node
-        self.num_nodes = topo.num_nodes
-        self.ep_size = topo.ep_size
-        self.slots = np.ctypeslib.as_array(topo.slots, (topo.ep_size,)).copy()
-        # the Megatron layout (docs/config.md, "topology"): a plan's rank is a TP x CP group
-        self.tensor_parallel_size = topo.tensor_parallel_size
-        self.context_parallel_size = topo.context_parallel_size
-        self.expert_tensor_parallel_size = topo.expert_tensor_parallel_size
-        self.expert_parallel_size = topo.expert_parallel_size
-        self.num_layers = model.num_layers
-        self.num_experts = model.num_experts
-        self.top_k = model.top_k
-        limits = self._lib.rp_config_limits(handle).contents
-        self.max_tokens_per_microbatch = limits.max_tokens_per_microbatch
-        trainer = self._lib.rp_config_trainer(handle).contents
-        # what the trainer demands of a packing (docs/config.md, "trainer")
-        self.equal_sequences_per_rank = bool(trainer.equal_sequences_per_rank)
-        self.microbatch_multiple = trainer.microbatch_multiple
-        self.nonempty_microbatches = bool(trainer.nonempty_microbatches)
-        # the trainer runs Megatron's per-forward balancer on plans that ask for it
-        self.per_forward_balancer = bool(trainer.per_forward_balancer)
-        # how a rollout batch is trained: mini-batches of M / mini_batches consecutive
-        # microbatches, one optimizer step each, epochs times (verl's ppo_mini_batch_size,
-        # ppo_epochs)
-        self.mini_batches = trainer.mini_batches
-        self.epochs = trainer.epochs
-        execution = self._lib.rp_config_execution(handle).contents
-        # what the memory check counts (docs/cost-model.md, "Memory per GPU")
-        self.optimizer_sharding = ("none", "dp")[execution.optimizer_sharding]
-        self.staging_budget_bytes = execution.staging_budget_bytes
-
-    @property
-    def handle(self):
-        return self._owned.handle
-
-    def free(self):
-        """Drop the config (freed once no scheduler made from it is left)."""
-        self._owned.close()
-
-
-class StepResult:
-    """What one step returns, copied out of the C library: every array here belongs to
-    the caller and stays valid after later steps.
-
-    Packing: ``microbatches[rank][mb]`` is an int32 array of sequence indices (in the
-    order to run them); ``seq_rank[s]``, ``seq_microbatch[s]`` say where sequence s runs;
-    ``microbatch_order`` [G, M] int32, the microbatch each rank runs at each position (the
-    identity unless the plan orders them, as under pipeline parallelism).
-    Placement (DeepSeek EPLB's arrays, docs/formats.md): ``phy2log`` [L, S],
-    ``log2phy`` [L, E, R] (-1 padded), ``logcnt`` [L, E], ``slot_begin`` [ep_size + 1].
-    Levers: ``extra_replicas`` [n, 4] rows of (microbatch, layer, expert, ep_rank) and
-    ``shares`` {(microbatch, layer, expert): float64 array}, replicas in ascending slot
-    order then extra replicas in order; without an entry the tokens of that expert split
-    by ``split_rule``. Physical routing (rp_remap): ``num_physical`` [M] (P of each
-    microbatch), and with step(..., physical=True) ``physical_routing`` [tokens, L, k]
-    and ``slot_tokens`` (a list of M int64 arrays [L, Q, P]); see remap().
-    The result keeps its own copy of the C plan (rp_plan_copy), so remap() works after
-    later steps and after the scheduler is closed.
-    Report: ``report`` (the dict of rp_sched_report_json) and typed fields from the C
-    report: ``step_time_s``, ``lower_bound_s``, ``fallback``, ``fallback_reason``,
-    ``swapped``, ``swap_error``, ``policy_name``, ``policy_version``, ``plan_hash``;
-    demotion (Scheduler's ``demote_after``): ``failed_steps`` (steps in a row that fell
-    back, this one included), ``demoted``, ``demoted_to``, ``demote_error``.
-    Migration: ``migration``, the step's expert migration plan (rp_sched_migration) as a
-    routepack.migration.Migration copy, or None when the placement did not change."""
-
-    def metrics(self, prefix="routepack/"):
-        """The step's flat metrics for a logger, {prefix + key: float}: step_time_ms,
-        lower_bound_ms, step_over_lower_bound, attention/dispatch/expert/combine_ms,
-        attention_imbalance, expert_imbalance, expert_balancedness (vLLM's mean/max),
-        migration_bytes, migration_ms, experts_moved, plan_ms, policy_ms, fallback,
-        swapped, ranks_disagreed (0 or 1); after Scheduler.attach_shift also
-        router_shift_fraction, router_shift_max_layer_fraction,
-        router_shift_max_seq_fraction, router_shift_max_expert_lost_fraction. The same keys as `routepack simulate --json`
-        per step (both come from the C report); docs/python.md defines each.
-
-            wandb.log(res.metrics(), step=step)       # or writer.add_scalars(...)
-        """
-        return {prefix + k: float(v) for k, v in self.report["metrics"].items()}
-
-    def __init__(self):
-        self.migration = None
-        self.physical_routing = None
-        self.exchange_bytes = None   # routepack.torch.DistributedScheduler: this rank's statistics exchange
-        self.slot_tokens = None
-        self._rank_table = None
-
-    def remap(self, routing, layout=None, *, slot_tokens=False, num_threads=None):
-        """Physical ids [tokens, layers, k] (int32) for this step's routing, in any form
-        step() takes, computed by the C library's rp_remap (docs/kernels.md has the split
-        rule) one microbatch at a time: for a token of microbatch m, a slot in [0, S)
-        (S = total_slots), or S + i for the i-th extra replica of (m, layer) in the
-        plan's order (numbered per microbatch and layer, so the id's EP rank needs m:
-        dispatch_ranks()); -1 for a sequence the plan does not pack. With
-        ``slot_tokens=True`` returns (ids, slot_tokens): slot_tokens[m][layer, q, p]
-        counts the token-choices physical id p of EP group q receives in microbatch m
-        (int64, P = num_physical[m] columns).
-        ``num_threads``: rp_remap's threads (default: the scheduler's num_threads, 0 for
-        all CPUs). Errors of the C library raise with its message (RoutingError for an
-        expert id out of range)."""
-        lay, arrays = _routing.normalize(routing, layout)
-        view = _routing.view(lay, arrays, num_layers=self.num_layers, top_k=self._top_k,
-                             num_experts=self.num_experts, lens=self._lens)
-        batch = _new_batch(self._lib, self._ctx.handle, self._lens)
-        try:
-            phys, counts = self._remap_view(view, batch, num_threads)
-        finally:
-            self._lib.rp_batch_free(batch)
-        return (phys, counts) if slot_tokens else phys
-
-    def remap_rank(self, rank, microbatch, routing, layout=None, *, slot_tokens=False):
-        """Physical ids [tokens, layers, k] (int32) of one rank's own tokens of one
-        microbatch (C rp_remap_rank): the tokens of ``microbatches[rank][microbatch]``'s
-        sequences in that order (their THD concatenation), given only their routing, in
-        any form step() takes. The same ids remap() gives those tokens. With
-        ``slot_tokens=True`` returns (ids, counts): counts[layer, p] token-choices this
-        rank sends to physical id p of its EP group (int64, P = num_physical[mb]).
-        Torch in, torch out: given a torch tensor (CPU or CUDA; a CUDA one is read through
-        a host copy), ids and counts are tensors on its device; else numpy arrays."""
-        like = _routing.torch_tensor_of(routing)
-        if like is not None:
-            out = self.remap_rank(rank, microbatch, _routing.host_arrays(routing), layout, slot_tokens=slot_tokens)
-            if slot_tokens:
-                return _routing.as_tensor_like(out[0], like), _routing.as_tensor_like(out[1], like)
-            return _routing.as_tensor_like(out, like)
-        rank = _args.integer(rank, "rank", _args.INT32, 0, self.num_gpus - 1)
-        mb = _args.integer(microbatch, "microbatch", _args.INT32, 0, self.num_microbatches - 1)
-        seqs = self.microbatches[rank][mb]
-        lens = _routing.Lengths(np.ascontiguousarray(self._lens.prompt[seqs], dtype=np.int32),
-                                np.ascontiguousarray(self._lens.response[seqs], dtype=np.int32), None)
-        lay, arrays = _routing.normalize(routing, layout)
-        view = _routing.view(lay, arrays, num_layers=self.num_layers, top_k=self._top_k,
-                             num_experts=self.num_experts, lens=lens)
-        T, L, K = lens.num_tokens, self.num_layers, self._top_k
-        P = int(self.num_physical[mb])
-        phys = np.full((T, L, K), -1, dtype=np.int32)
-        counts = np.zeros((L, max(P, 0)), dtype=np.int64)
-        batch = _new_batch(self._lib, self._ctx.handle, self._lens)
-        try:
-            err = _lib.new_error()
-            st = self._lib.rp_remap_rank(self._plan.handle, self._config.handle, mb, rank, batch,
-                                         view.pointer(), _SPLIT[self.split_rule], _i32p(phys),
-                                         _i64p(counts), ctypes.byref(err))
-            if st != errors.OK:
-                _raise_step_error(st, err)
-        finally:
-            self._lib.rp_batch_free(batch)
-        del view
-        return (phys, counts) if slot_tokens else phys
-
-    def _remap_view(self, view, batch, num_threads=None):
-        """rp_remap over every microbatch of the plan copy into one packed array."""
-        lib = self._lib
-        threads = (self._num_threads if num_threads is None
-                   else _args.integer(num_threads, "num_threads", _args.INT32))
-        if threads <= 0:
-            threads = os.cpu_count() or 1
-        T, L, K = int(self.cu_seqlens[-1]), self.num_layers, self._top_k
-        Q = self.num_gpus // self.ep_size if self.ep_size > 0 else 0
-        phys = np.full((T, L, K), -1, dtype=np.int32)
-        counts = []
-        for mb in range(self.num_microbatches):
-            P = int(self.num_physical[mb])
-            rows = np.zeros((L, Q, max(P, 0)), dtype=np.int64)
-            err = _lib.new_error()
-            st = lib.rp_remap(self._plan.handle, self._config.handle, mb, batch, view.pointer(),
-                              _SPLIT[self.split_rule], threads, _i32p(phys),
-                              _i64p(rows) if P >= 0 else None, ctypes.byref(err))
-            if st != errors.OK:
-                _raise_step_error(st, err)
-            counts.append(rows)
-        return phys, counts
-
-    def _ranks(self):
-        """[M, L, max P] int32: the EP rank of every physical id of every (microbatch,
-        layer), -1 where none. Slots follow slot_begin (ids 0 .. S-1 are the slots,
-        EP-rank-major); extra replica ids come from rp_remap_physical_ep_rank."""
-        if self._rank_table is None:
-            M, L, S = self.num_microbatches, self.num_layers, self.total_slots
-            width = max([S] + [int(p) for p in self.num_physical])
-            table = np.full((M, L, width), -1, dtype=np.int32)
-            slot_rank = np.repeat(np.arange(self.ep_size, dtype=np.int32),
-                                  np.diff(self.slot_begin))
-            for mb in range(M):
-                P = int(self.num_physical[mb])
-                if P < 0:
-                    continue
-                table[mb, :, :S] = slot_rank
-                for layer in range(L):
-                    for p in range(S, P):
-                        table[mb, layer, p] = self._lib.rp_remap_physical_ep_rank(
-                            self._plan.handle, mb, layer, p)
-            self._rank_table = table
-        return self._rank_table
-
-    def dispatch_ranks(self, physical, microbatch=None):
-        """EP rank (in the token's own EP group) of each physical id from remap(), as
-        rp_remap_physical_ep_rank gives it; -1 stays -1. Extra replica ids are numbered
-        per (microbatch, layer), so the microbatch is needed: ``physical`` is either the
-        whole step's [tokens, layers, k] array (``microbatch=None``: each token's from
-        seq_microbatch) or ids of microbatch ``microbatch`` only, of shape [..., layers,
-        k] (e.g. the rows of that microbatch's tokens)."""
-        physical = np.asarray(physical)
-        L, M = self.num_layers, self.num_microbatches
-        if physical.size and physical.dtype.kind not in "iu":
-            raise errors.InvalidArgumentError("physical ids must be integers, got %s"
-                                              % physical.dtype)
-        physical = physical.astype(np.int64, copy=False)
-        if physical.ndim < 2 or physical.shape[-2] != L:
-            raise errors.InvalidArgumentError(
-                "dispatch_ranks takes physical ids shaped [..., layers, k] with %d layers, got "
-                "shape %s" % (L, physical.shape))
-        if microbatch is None:
-            T = int(self.cu_seqlens[-1])
-            if physical.ndim != 3 or physical.shape[0] != T:
-                raise errors.InvalidArgumentError(
-                    "physical ids of shape %s are not the whole step's [%d, %d, k]; give "
-                    "microbatch= for the ids of one microbatch" % (physical.shape, T, L))
-            seq_of = np.repeat(np.arange(self.num_seqs), np.diff(self.cu_seqlens))
-            mb = self.seq_microbatch[seq_of].reshape(-1, 1, 1)
-        else:
-            mb = _args.integer(microbatch, "microbatch", _args.INT32)
-            if not 0 <= mb < M:
-                raise errors.InvalidArgumentError("microbatch %d is out of range (the plan has %d)"
-                                                  % (mb, M))
-        table = self._ranks()
-        width = table.shape[2]
-        # one gather from the flattened table, whose last entry (-1) takes every id that
-        # names no replica
-        flat = np.append(table.reshape(-1), np.int32(-1))
-        row = (np.asarray(mb, dtype=np.int64) * L + np.arange(L).reshape(L, 1)) * width
-        idx = row + physical
-        bad = (physical < 0) | (physical >= width)
-        if microbatch is None:
-            bad |= np.asarray(mb) < 0
-        idx[bad] = len(flat) - 1
-        return flat[idx]
-
-    def memory(self, gpu):
-        """What GPU ``gpu`` holds to train this plan (C rp_memory_gpu, docs/cost-model.md
-        "Memory per GPU"): a dict of routepack/memory.h's fields, bytes as floats
-        (``extra_replica_bytes``: the plan's extra replicas it holds in the step, weights
-        and gradients)."""
-        out = _lib.rp_gpu_memory()
-        err = _lib.new_error()
-        st = self._lib.rp_memory_gpu(self._config.handle, self._plan.handle, int(gpu), ctypes.byref(out),
-                                     ctypes.byref(err))
-        if st != errors.OK:
-            _lib.raise_error(st, err)
-        return {name: getattr(out, name) for name, _ in out._fields_}
-
-    def microbatch_tokens(self, rank):
-        """Token counts of each microbatch of `rank`."""
-        lens = np.diff(self.cu_seqlens)
-        return [int(lens[mb].sum()) for mb in self.microbatches[rank]]
-
-    def __repr__(self):
-        return ("StepResult(step=%d, plan_hash=%016x, policy=%s %s, step_time_s=%.6g%s%s)"
-                % (self.step, self.plan_hash, self.policy_name, self.policy_version,
-                   self.step_time_s, ", fallback" if self.fallback else "",
-                   ", swapped" if self.swapped else ""))
 
 
 class Scheduler:
@@ -542,7 +227,7 @@ class Scheduler:
                                                                   type(cause).__name__, cause),
                             st) from cause
                     _raise_step_error(st, err, self._errmsg())
-                res = self._result(plan, report.contents, lens)
+                res = step_result.from_step(self, plan, report.contents, lens)
                 # Borrowed until the next step: copied now, while it is valid.
                 mp = self._lib.rp_sched_migration(handle)
                 res.migration = migration.copy_plan(self._lib, mp) if mp else None
@@ -677,114 +362,6 @@ class Scheduler:
             res.report = self._report_json()
         return out
 
-    def _result(self, plan, rep, lens):
-        lib = self._lib
-        r = StepResult()
-        G = lib.rp_plan_num_gpus(plan)
-        M = lib.rp_plan_num_microbatches(plan)
-        L = lib.rp_plan_num_layers(plan)
-        E = lib.rp_plan_num_experts(plan)
-        S = lens.num_seqs
-        r.num_gpus, r.num_microbatches, r.num_layers, r.num_experts = G, M, L, E
-        r.ep_size = lib.rp_plan_ep_size(plan)
-        r.num_seqs = S
-        r.cu_seqlens = lens.cu_seqlens
-        r._lens = lens
-        r._top_k = self.config.top_k
-        r.split_rule = self.split_rule
-        r._num_threads = self._num_threads
-        r._lib, r._ctx, r._config = lib, self._ctx, self.config
-        r.config = self.config   # the layout and trainer constraints the adapters check
-        # The step's plan is borrowed until the next step: keep a copy for remap().
-        copy = ctypes.c_void_p()
-        err = _lib.new_error()
-        st = lib.rp_plan_copy(plan, ctypes.byref(copy), ctypes.byref(err))
-        if st != errors.OK:
-            _lib.raise_error(st, err)
-        r._plan = Owned(copy, lib.rp_plan_free, [self._ctx, self.config._owned])
-        r.num_physical = np.array([lib.rp_remap_num_physical(copy, m) for m in range(M)],
-                                  dtype=np.int32)
-
-        # packing
-        r.microbatches = []
-        r.seq_rank = np.full(S, -1, dtype=np.int32)
-        r.seq_microbatch = np.full(S, -1, dtype=np.int32)
-        count = ctypes.c_int32()
-        for g in range(G):
-            row = []
-            for m in range(M):
-                p = lib.rp_plan_microbatch(plan, g, m, ctypes.byref(count))
-                n = count.value
-                ids = np.ctypeslib.as_array(p, (n,)).copy() if n and p else np.zeros(0, np.int32)
-                row.append(ids)
-                if n:
-                    fresh = ids[(ids >= 0) & (ids < S)]
-                    fresh = fresh[r.seq_rank[fresh] < 0]
-                    r.seq_rank[fresh] = g
-                    r.seq_microbatch[fresh] = m
-            r.microbatches.append(row)
-        r.microbatch_order = np.array([[lib.rp_plan_microbatch_at(plan, g, k) for k in range(M)] for g in range(G)],
-                                      dtype=np.int32).reshape(G, M)
-
-        # placement
-        r.total_slots = lib.rp_plan_total_slots(plan)
-        r.slot_begin = np.ctypeslib.as_array(lib.rp_plan_slot_begin(plan),
-                                             (r.ep_size + 1,)).copy()
-        if lib.rp_plan_has_placement(plan):
-            R = max([lib.rp_plan_logcnt(plan, l, None) for l in range(L)] + [1])
-            r.phy2log = np.empty((L, r.total_slots), dtype=np.int32)
-            r.log2phy = np.empty((L, E, R), dtype=np.int32)
-            r.logcnt = np.empty((L, E), dtype=np.int32)
-            err = _lib.new_error()
-            st = lib.rp_plan_eplb_arrays(plan, R, _i32p(r.phy2log), _i32p(r.log2phy),
-                                         _i32p(r.logcnt), ctypes.byref(err))
-            if st != errors.OK:
-                _lib.raise_error(st, err)
-        else:
-            r.phy2log = r.log2phy = r.logcnt = None
-
-        # levers
-        n = lib.rp_plan_num_extra_replicas(plan)
-        r.extra_replicas = np.zeros((n, 4), dtype=np.int32)
-        a, b, c, d = (ctypes.c_int32() for _ in range(4))
-        for i in range(n):
-            lib.rp_plan_extra_replica(plan, i, ctypes.byref(a), ctypes.byref(b), ctypes.byref(c),
-                                      ctypes.byref(d))
-            r.extra_replicas[i] = (a.value, b.value, c.value, d.value)
-        r.shares = {}
-        for i in range(lib.rp_plan_num_share_sets(plan)):
-            p = lib.rp_plan_share_set(plan, i, ctypes.byref(a), ctypes.byref(b), ctypes.byref(c),
-                                      ctypes.byref(d))
-            r.shares[(a.value, b.value, c.value)] = (np.ctypeslib.as_array(p, (d.value,)).copy()
-                                                     if d.value else np.zeros(0))
-        r.plan_hash = int(lib.rp_plan_hash(plan))
-
-        # report
-        r.step = int(rep.step)
-        cost = rep.cost
-        r.step_time_s = cost.step_s
-        r.lower_bound_s = cost.lower_bound_s
-        r.ratio = cost.ratio
-        r.fallback = bool(rep.fallback)
-        r.fallback_reason = _lib.text(rep.fallback_reason)
-        r.swapped = bool(rep.swapped)
-        r.swap_error = _lib.text(rep.swap_error)
-        r.failed_steps = int(rep.failed_steps)
-        r.demoted = bool(rep.demoted)
-        r.demoted_to = _lib.text(rep.demoted_to)
-        r.demote_error = _lib.text(rep.demote_error)
-        r.policy_name = _lib.text(rep.policy_name)
-        r.policy_version = _lib.text(rep.policy_version)
-        r.policy_hash = int(rep.policy_hash)
-        r.plan_wall_s = rep.plan_wall_s
-        r.experts_moved = rep.experts_moved
-        r.migration_bytes = rep.migration_bytes
-        r.plan_from_rank = int(rep.plan_from_rank)
-        r.ranks_disagreed = bool(rep.ranks_disagreed)
-        r.ranks_fell_back = int(rep.ranks_fell_back)
-        r.report = self._report_json()
-        return r
-
     def _report_json(self):
         ptr, length = ctypes.c_void_p(), ctypes.c_size_t()
         err = _lib.new_error()
@@ -836,7 +413,7 @@ class Scheduler:
             self._handle()
             return self._report_json()
 
-    # ---- executing the step's migration (routepack.executor) ----
+    # ---- the step's migration (executed by routepack.executor) ----
 
     def initial_placement(self):
         """The placement the scheduler starts from, which the first step's migration moves
@@ -868,9 +445,8 @@ class Scheduler:
         budget the memory check counts."""
         if staging_budget_bytes is None:
             staging_budget_bytes = self.config.staging_budget_bytes
-        from . import executor
-        xlib = executor.lib()
-        opts = executor.rp_migration_options()
+        xlib = _lib.require_executor()
+        opts = _lib.rp_migration_options()
         arr = None
         if expert_bytes is not None:
             arr = np.ascontiguousarray(expert_bytes, dtype=np.int64)
@@ -887,56 +463,31 @@ class Scheduler:
             if st != errors.OK:
                 self._fail(st, err)
 
-    def execute_migration(self, registry, transport, timeout_s=60.0, ep_group=-1, exchange_timeout_s=0.0,
-                          staging=None):
-        """Run the last step's migration plan (rp_sched_migration) with the C executor on
-        this rank's ``registry`` (routepack.executor.Registry) over ``transport``
-        (routepack.executor.CallbackTransport): call on every rank of the transport after
-        the step, before the step's placement is used. Returns a MigrationResult (None
-        when the step moved nothing). Each round is all-or-nothing on every rank; on a
-        failure the scheduler is told (rp_sched_migration_failed: the layers of rounds
-        that did not commit go back to their old placement in the plan in use, so the
-        next step plans from what the weights are) and MigrationFailed is raised, the
-        same on every rank. ``ep_group``: for a transport over one EP group, that group.
-        ``timeout_s`` bounds the transfers, ``exchange_timeout_s`` the exchanges between
-        ranks (0: ``timeout_s``; docs/migration.md, "Deadlines"). ``staging``: None (the
-        executor allocates its staging for the call) or a callable that takes the bytes
-        this migration's largest round stages on a GPU and returns the address of that
-        much memory of the transport's kind, the caller's, kept for the call (a trainer
-        keeps one buffer across steps instead of allocating, and faulting in, staging
-        every call)."""
-        from . import executor
-        xlib = executor.lib()
+    @contextlib.contextmanager
+    def _open_migration(self, res):
+        """Under the scheduler's lock: (its handle, step ``res``'s C migration plan or None
+        when nothing moves or its failure was reported) for routepack.executor.execute.
+        Refused once a later step has been planned: the C plan is borrowed until then, and
+        the scheduler plans each step from the one before as executed (docs/migration.md,
+        "With the scheduler")."""
         with self._lock:
             handle = self._handle()
-            mp = self._lib.rp_sched_migration(handle)
-            if not mp:
-                return None
-            opts = executor.rp_migration_exec_options()
-            xlib.rp_migration_exec_defaults(ctypes.byref(opts))
-            opts.timeout_s = float(timeout_s)
-            opts.ep_group = int(ep_group)
-            opts.exchange_timeout_s = float(exchange_timeout_s)
-            if staging is not None:
-                summary = _lib.rp_migration_summary()
-                self._lib.rp_migration_plan_summary(mp, ctypes.byref(summary))
-                if summary.max_staging_bytes > 0:
-                    opts.staging = staging(int(summary.max_staging_bytes))
-                    opts.staging_bytes = int(summary.max_staging_bytes)
-            raw = executor.rp_migration_result()
-            err = _lib.new_error()
-            st = xlib.rp_migration_execute(mp, registry.handle, transport.handle,
-                                           ctypes.byref(opts), ctypes.byref(raw),
-                                           ctypes.byref(err))
-            if st == errors.OK:
-                return executor.MigrationResult(raw)
-            text = _lib.text(err.text)
-            result = executor.MigrationResult(raw, st, text)
-            ferr = _lib.new_error()
-            fst = xlib.rp_sched_migration_failed(handle, ctypes.byref(raw), ctypes.byref(ferr))
-            if fst != errors.OK:
-                text += "; the scheduler could not take the failure back: " + _lib.text(ferr.text)
-        raise executor.MigrationFailed(text, st, result)
+            if self.last is not res:
+                raise errors.InvalidArgumentError(
+                    "step %d's migration cannot run now: %s; execute a step's migration after its "
+                    "step and before the next is planned" % (
+                        res.step, "this scheduler planned step %d since" % self.last.step
+                        if self.last is not None else "this scheduler did not plan it"))
+            yield handle, self._lib.rp_sched_migration(handle)
+
+    def execute_migration(self, registry, transport, *args, **kw):
+        """The former call form of routepack.executor.execute(res, registry, transport, ...)
+        for the last step's result; FutureWarning."""
+        warnings.warn("Scheduler.execute_migration(registry, transport, ...) runs the last step's "
+                      "migration; call routepack.executor.execute(res, registry, transport, ...) with "
+                      "the step's result", FutureWarning, stacklevel=2)
+        from . import executor
+        return executor.execute(self.last, registry, transport, *args, **kw) if self.last else None
 
     # ---- checkpoint and resume ----
 
@@ -1004,53 +555,3 @@ class Scheduler:
 def can_checkpoint():
     """Whether the loaded libroutepack can save and restore scheduler state."""
     return _lib.has("rp_sched_save_state") and _lib.has("rp_sched_load_state")
-
-
-def list_policies(config):
-    """The policies found on the search path (the config's policy.search_path,
-    RP_POLICY_PATH, the shipped ones), each a dict of name, version, api, description,
-    path, hash and shadowed (an earlier directory has one of the same name)."""
-    lib = _lib.require_scheduler()
-    ctx = Context()
-    cfg = Config(config, ctx)
-    infos = ctypes.POINTER(_lib.rp_policy_info)()
-    count = ctypes.c_int32()
-    err = _lib.new_error()
-    st = lib.rp_policy_list(ctx.handle, cfg.handle, ctypes.byref(infos),
-                            ctypes.byref(count), ctypes.byref(err))
-    if st != errors.OK:
-        _lib.raise_error(st, err)
-    try:
-        out = []
-        for i in range(count.value):
-            p = infos[i]
-            out.append({"name": _lib.text(p.name), "version": _lib.text(p.version),
-                        "api": p.api, "description": _lib.text(p.description),
-                        "path": _lib.text(p.path), "hash": "%016x" % p.hash,
-                        "shadowed": bool(p.shadowed)})
-        return out
-    finally:
-        lib.rp_text_free(ctx.handle, ctypes.cast(infos, ctypes.c_void_p))
-        cfg.free()
-
-
-def describe_policy(name_or_path, config):
-    """Load a policy (a name on the search path, or a path), check it as a scheduler
-    would, and describe it: name, version, api, description, path, hash, has_init and
-    its params with types, defaults and ranges."""
-    lib = _lib.require_scheduler()
-    if not _lib.has("rp_policy_describe"):
-        raise errors.NotSupportedError("this libroutepack has no rp_policy_describe")
-    ctx = Context()
-    cfg = Config(config, ctx)
-    try:
-        ptr, length = ctypes.c_void_p(), ctypes.c_size_t()
-        err = _lib.new_error()
-        st = lib.rp_policy_describe(ctx.handle, cfg.handle,
-                                    _args.c_path(name_or_path, "policy"), ctypes.byref(ptr),
-                                    ctypes.byref(length), ctypes.byref(err))
-        if st != errors.OK:
-            _lib.raise_error(st, err)
-        return json.loads(_lib.take_text(ctx.handle, ptr, length))
-    finally:
-        cfg.free()

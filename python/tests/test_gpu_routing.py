@@ -59,7 +59,7 @@ def test_refused_by_a_library_without_the_gpu_path(sched):
     assert "CUDA" in why
 
 
-@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int32])
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int16, np.int32])
 def test_pointer_passed_through(sched, reads_device, dtype):
     rng = np.random.default_rng(2)
     lens, ids = random_step(rng, 23, L, K, E, max_len=300, dtype=dtype)

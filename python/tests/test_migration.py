@@ -167,3 +167,24 @@ def test_the_config_staging_budget_is_the_default(small_trace, tmp_path):
             s.step(t.lengths, t.routing, group_ids=t.group_ids)
         s.set_migration_options(staging_budget_bytes=0)
         assert s.step(t.lengths, t.routing, group_ids=t.group_ids).migration_bytes > 0
+
+
+def test_a_step_result_executes_its_own_migration_only(small_trace):
+    """routepack.executor.execute(res) runs the migration of step res, the C plan the
+    scheduler holds for it until the next step: once a later step has been planned it
+    refuses, naming both steps, instead of running the later step's plan (what "the last
+    step's migration" ran). Checked before the registry or the transport is touched."""
+    from routepack import executor
+    with routepack.Scheduler(SMALL_CONFIG, policy=MOVING) as s:
+        r0, r1 = [s.step(small_trace[i].lengths, small_trace[i].routing, group_ids=small_trace[i].group_ids)
+                  for i in range(2)]
+        assert r0.migration is not None and r1.migration is not None
+        with pytest.raises(routepack.InvalidArgumentError,
+                           match="step 0's migration cannot run now: this scheduler planned step 1 since"):
+            executor.execute(r0, None, None)
+    with routepack.Scheduler(SMALL_CONFIG, policy=STILL) as s:
+        res = s.step(small_trace[0].lengths, small_trace[0].routing, group_ids=small_trace[0].group_ids)
+        assert executor.execute(res, None, None) is None   # nothing moves
+        with pytest.warns(FutureWarning, match=r"executor\.execute\(res, registry, transport"):
+            assert s.execute_migration(None, None) is None
+

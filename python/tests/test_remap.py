@@ -179,6 +179,33 @@ def test_equals_c_remap(steps, split, microbatches):
     assert (results[0].num_gpus // results[0].ep_size > 1) == microbatches
 
 
+def test_a_layers_placement_names_every_physical_id(steps):
+    """StepResult.placement(layer), the ExpertPlacement routepack.torch executes: every
+    physical id of a (microbatch, layer) (the slots, then that microbatch's extra replicas
+    of the layer in plan order) maps to the expert the plan put there and to the EP rank
+    rp_remap_physical_ep_rank gives (dispatch_ranks)."""
+    results, _ = run(config_text(True), steps, "even")
+    extras = 0
+    for res in results:
+        S, L = res.total_slots, res.num_layers
+        for l in range(L):
+            pl = res.placement(l)
+            np.testing.assert_array_equal(pl.phy2log, res.phy2log[l])
+            np.testing.assert_array_equal(pl.slot_begin, res.slot_begin)
+            assert len(pl.extras) == res.num_microbatches
+            for m in range(res.num_microbatches):
+                rows = res.extra_replicas[(res.extra_replicas[:, 0] == m) & (res.extra_replicas[:, 1] == l)]
+                logical, rank, _ = pl.physical(m)
+                np.testing.assert_array_equal(logical, np.concatenate([res.phy2log[l], rows[:, 2]]))
+                phys = np.full((1, L, S + len(rows)), -1)
+                phys[0, l] = np.arange(S + len(rows))
+                np.testing.assert_array_equal(rank, res.dispatch_ranks(phys, microbatch=m)[0, l])
+                extras += len(rows)
+    assert extras > 0   # the bundled trace makes the default policy add extra replicas
+    with pytest.raises(ValueError, match="layer"):
+        results[0].placement(results[0].num_layers)
+
+
 @pytest.mark.parametrize("split", ["even", "locality"])
 def test_ids_name_replicas_of_the_chosen_expert(steps, split):
     results, _ = run(config_text(True), steps, split)

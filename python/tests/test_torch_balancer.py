@@ -2,7 +2,7 @@
 virtual experts): routepack.torch.VirtualExpertBalancer, a stand-in with the balancer's
 contract, on 4 gloo ranks over the evenly owned placement RoutePack's plans keep. Per
 microbatch and layer it plans from the exchanged histograms, pushes the virtual experts
-(MoELayer.set_placement) and reduces their gradients back (reduce_replica_grads); the
+(MoELayer.fetch_replicas) and reduces their gradients back (reduce_replica_grads); the
 output, input and expert gradients equal a dense single-process reference, and every rank
 computes the group's mean load. Also the offload plan through the Python binding."""
 
@@ -98,7 +98,7 @@ def _balanced_rank(rank, world, seed):
     for m in range(d["M"]):
         x = d["x"][rank, m].clone().requires_grad_()
         placement, physical, plan = balancer.plan(d["routing"][rank, m])   # histograms exchanged
-        layer.set_placement(placement)                                      # the push
+        layer.fetch_replicas(placement)                                      # the push
         y = layer(x, d["routing"][rank, m], physical, microbatch=0)
         (y * d["cot"][rank, m]).sum().backward()
         layer.reduce_replica_grads()                                        # gradients back to owners

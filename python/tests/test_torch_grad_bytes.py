@@ -62,31 +62,18 @@ def _model_bytes(tmp_path):
 
 def _layer_bytes(rank, world):
     """Run one step of MoELayer; (what it says it sent, the bytes of its isends counted)."""
-    import torch.distributed as dist
-
     from routepack.torch import ExpertPlacement, MoELayer
     extras = [np.array(EXTRAS, dtype=np.int64)]
     placement = ExpertPlacement(np.array(PHY2LOG), np.arange(world + 1) * SLOTS, extras)
     layer = MoELayer(HID, FFN, E, K, SLOTS, gated=True)
     g = torch.Generator().manual_seed(1)
     layer.load_experts(torch.randn(E, HID, 2 * FFN, generator=g), torch.randn(E, FFN, HID, generator=g), placement)
-    layer.set_placement(placement)   # (fetches the extra replica's weights: not counted)
-    seen = []
-    real = dist.P2POp
-
-    def counting(op, tensor, *args, **kw):
-        if op is dist.isend:
-            seen.append(tensor.numel() * tensor.element_size())
-        return real(op, tensor, *args, **kw)
-
+    layer.fetch_replicas(placement)   # (fetches the extra replica's weights: not counted)
     # the exchange may start as the step's last backward ends: count from the forward on
-    dist.P2POp = counting
-    try:
+    with torch_world.counting_sends() as seen:
         x = torch.randn(4, HID, generator=g).requires_grad_()
         layer(x, microbatch=0).sum().backward()
         layer.reduce_replica_grads()
-    finally:
-        dist.P2POp = real
     return layer.replica_grad_bytes["sent"], sum(seen)
 
 

@@ -105,7 +105,7 @@ def _migrate_rank(rank, world, budget_layers, fail_step, fail_batch):
         if rank == 2 and step == fail_step:
             ex.messenger.armed = True
         try:
-            r = ex.execute()
+            r = ex.execute(res)
             assert _holds(tensors, res.phy2log, rank, range(L))
             report.append(("ok", r.rounds_committed if r else 0, r.num_rounds if r else 0))
             phy2log = res.phy2log
@@ -206,7 +206,7 @@ def _torch_checksum_rank(rank, world, corrupt_step):
         res = sched.step(*_step_inputs(step))
         ex.messenger.armed = step == corrupt_step
         try:
-            r = ex.execute()
+            r = ex.execute(res)
             assert _holds(tensors, res.phy2log, rank, range(L))
             report.append(("ok", r.num_rounds if r else 0))
             phy2log = res.phy2log

@@ -98,7 +98,7 @@ def _moe_rank(rank, world, seed, slots_per_rank, dedup="gpu", kernel=None, main_
                 p.main_grad += p.grad
                 p.grad = None
             p.register_post_accumulate_grad_hook(into_main)
-    layer.set_placement(placement)
+    layer.fetch_replicas(placement)
     errs = {}
     for m in range(d["M"]):
         x = d["x"][rank, m].clone().requires_grad_()
@@ -154,7 +154,7 @@ def _plain_rank(rank, world):
     placement = ExpertPlacement(np.array([2, 0, 3, 1]), np.array([0, 2, 4]), [np.zeros((0, 2), np.int64)])
     layer = MoELayer(HID, FFN, 4, K, 2)
     layer.load_experts(w_in, w_out, placement)
-    layer.set_placement(placement)
+    layer.fetch_replicas(placement)
     x = torch.randn(5, HID, generator=torch.Generator().manual_seed(rank))
     routing = torch.tensor([[0, 1], [2, 3], [3, 0], [1, 2], [0, 3]])
     y = layer(x, routing)

@@ -47,7 +47,7 @@ def _extras_rank(rank, world, kernel):
     placement = ExpertPlacement(np.arange(S), np.array([0, S]), [extras])
     layer = MoELayer(d, f, S, k, S, expert_kernel=kernel)
     layer.load_experts(w_in, w_out, placement)
-    layer.set_placement(placement)
+    layer.fetch_replicas(placement)
     x = torch.randn(T, d, generator=g).requires_grad_()
     routing = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(T)])
     # every even expert's choices alternate between its slot and its extra replica
@@ -152,7 +152,7 @@ def _sync_rank(rank, world, dedup):
                                 [np.array([[2, 1], [3, 0]]), np.zeros((0, 2), np.int64)])
     for layer in layers:
         layer.load_experts(torch.randn(S, d, f, generator=g), torch.randn(S, f, d, generator=g), placement)
-        layer.set_placement(placement)
+        layer.fetch_replicas(placement)
     counts = []
     for m in range(2):
         x = torch.randn(T, d, generator=g).requires_grad_()
@@ -247,7 +247,7 @@ def _p2p_rank(rank, world):
         layer = MoELayer(d, f, 15, 2, S)
         g = torch.Generator().manual_seed(1)
         layer.load_experts(torch.randn(15, d, f, generator=g), torch.randn(15, f, d, generator=g), placement)
-        layer.set_placement(placement)
+        layer.fetch_replicas(placement)
         x = torch.randn(6 if rank < 2 else 0, d, generator=g).requires_grad_()
         routing = torch.tensor([[0, 1]] * x.shape[0], dtype=torch.int64).view(-1, 2)
         physical = torch.tensor([[4, 16]] * x.shape[0], dtype=torch.int64).view(-1, 2)
@@ -303,12 +303,12 @@ def _memory_rank(rank, world, policy):
     res = routepack.Scheduler(cfg, policy=policy, log_level=None).step(lens, routing.reshape(-1, 1, k))
     assert res.policy_name == "two_extras", res.fallback_reason
     model = res.memory(rank)
-    placement = ExpertPlacement.from_step(res, 0)
+    placement = res.placement(0)
     layer = MoELayer(d, f, E, k, 2, gated=True)
     kernels.choose_expert_kernel("cpu", torch.float32, d, f, True)   # its check's tensors are not the layer's
     g = torch.Generator().manual_seed(0)
     layer.load_experts(torch.randn(E, d, 2 * f, generator=g), torch.randn(E, f, d, generator=g), placement)
-    layer.set_placement(placement)
+    layer.fetch_replicas(placement)
     cu = np.concatenate([[0], np.cumsum(lens)])
     own = {t.untyped_storage().data_ptr() for t in (layer.w_in, layer.w_out, layer.extra_w_in, layer.extra_w_out,
                                                     layer.router.weight)}

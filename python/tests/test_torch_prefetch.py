@@ -1,9 +1,9 @@
 """routepack.torch.MoELayer fetches the step's extra replicas ahead (issue 35): with
-set_placement(prefetch=True), the default, every layer's fetch is left in flight when
-set_placement returns (a trainer sets every layer's placement at the step's start, and
+fetch_replicas(prefetch=True), the default, every layer's fetch is left in flight when
+fetch_replicas returns (a trainer sets every layer's placement at the step's start, and
 layer l's fetch runs while the layers before it compute: what the cost model's
 execution.extras_ahead prices), the layer waits for it at its first forward, and the
-step's outputs and gradients are those of the fetch finished inside set_placement; a
+step's outputs and gradients are those of the fetch finished inside fetch_replicas; a
 fetch group of its own (fetch_group) gives the same."""
 
 import numpy as np
@@ -28,7 +28,7 @@ def _prefetch_rank(rank, world, prefetch, own_group):
     for layer in layers:
         layer.load_experts(torch.randn(S, d, f, generator=g), torch.randn(S, f, d, generator=g), placement)
     for layer in layers:
-        layer.set_placement(placement, prefetch=prefetch)
+        layer.fetch_replicas(placement, prefetch=prefetch)
     in_flight = [layer._fetch is not None for layer in layers]
     outs = []
     for m in range(2):
@@ -52,13 +52,13 @@ def _prefetch_rank(rank, world, prefetch, own_group):
 
 
 @pytest.mark.parametrize("own_group", [False, True])
-def test_prefetched_extras_equal_the_fetch_inside_set_placement(own_group):
+def test_prefetched_extras_equal_the_fetch_inside_fetch_replicas(own_group):
     ahead = torch_world.run(_prefetch_rank, 2, True, own_group)
     inside = torch_world.run(_prefetch_rank, 2, False, own_group)
     for rank in range(2):
         in_flight, outs, grads, extras = ahead[rank]
         assert in_flight == [True, True], "the fetch is left in flight on every rank (both take part)"
-        assert inside[rank][0] == [False, False], "prefetch=False finishes it in set_placement"
+        assert inside[rank][0] == [False, False], "prefetch=False finishes it in fetch_replicas"
         for a, b in zip(outs, inside[rank][1]):
             assert np.array_equal(a, b)
         for (ai, ao), (bi, bo) in zip(grads, inside[rank][2]):

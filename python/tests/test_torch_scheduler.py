@@ -36,6 +36,16 @@ def _mine(lens, world, rank, step):
     return rng.permutation(own)
 
 
+def _rank_batch(rank, world, step):
+    """Step ``step``'s whole batch (lens, ids, groups, cu_seqlens) and this rank's part:
+    its sequences (_mine) and their routing as one tensor in that order."""
+    lens, ids, groups = _batch(step)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    mine = _mine(lens, world, rank, step)
+    routing = torch.as_tensor(np.concatenate([ids[cu[s]:cu[s + 1]] for s in mine]))
+    return lens, ids, groups, cu, mine, routing
+
+
 def _sched_rank(rank, world, policy, fail_rank):
     import routepack
     from routepack.torch import DistributedScheduler
@@ -44,11 +54,8 @@ def _sched_rank(rank, world, policy, fail_rank):
     ref = routepack.Scheduler(CONFIG, policy=policy)
     out = []
     for step in range(3):
-        lens, ids, groups = _batch(step)
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        mine = _mine(lens, world, rank, step)
-        rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
-        res = ds.step(lens[mine], torch.as_tensor(ids[rows]), mine, groups[mine], step=step)
+        lens, ids, groups, cu, mine, routing = _rank_batch(rank, world, step)
+        res = ds.step(lens[mine], routing, mine, groups[mine], step=step)
         want = ref.step(lens, ids, step=step, group_ids=groups)
         # merged statistics: bit-identical to the single-process scan
         whole = ref.compute_stats(lens, ids)
@@ -110,11 +117,7 @@ def _ahead_rank(rank, world):
     except errors.InvalidArgumentError as e:
         out["refused"].append(str(e))
     for step in range(3):
-        lens, ids, groups = _batch(step)
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        mine = _mine(lens, world, rank, step)
-        rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
-        routing = torch.as_tensor(ids[rows])
+        lens, _, groups, _, mine, routing = _rank_batch(rank, world, step)
         want = sync.step(lens[mine], routing, mine, groups[mine], step=step)
         if step == 2 and rank == 1:
             time.sleep(1.0)      # rank 0's plan is late: its exchange waits for this rank
@@ -161,10 +164,7 @@ def _order_rank(rank, world):
     ref = routepack.Scheduler(CONFIG, policy="routepack")
     out = []
     for step in range(2):
-        lens, ids, groups = _batch(step)
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        mine = _mine(lens, world, rank, step)
-        mine_ids = torch.as_tensor(np.concatenate([ids[cu[s]:cu[s + 1]] for s in mine]))
+        lens, ids, groups, _, mine, mine_ids = _rank_batch(rank, world, step)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if step == 0:
@@ -235,13 +235,38 @@ def _demote_rank(rank, world, path):
     ds = DistributedScheduler(CONFIG, policy=path, demote_after=2)
     out = []
     for step in range(5):
-        lens, ids, groups = _batch(step)
-        cu = np.concatenate([[0], np.cumsum(lens)])
-        mine = _mine(lens, world, rank, step)
-        rows = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in mine])
-        res = ds.step(lens[mine], torch.as_tensor(ids[rows]), mine, groups[mine], step=step)
+        lens, _, groups, _, mine, routing = _rank_batch(rank, world, step)
+        res = ds.step(lens[mine], routing, mine, groups[mine], step=step)
         out.append((res.fallback, res.demoted, res.demoted_to))
     return refused, out
+
+
+def _device_rank(rank, world):
+    """The statistics of routing in GPU memory come from Scheduler.compute_stats (the
+    binding's device path, which hands the pointer to the C library), for the ids a torch
+    CUDA tensor holds (int32, and int16 read in place). Checked without a GPU through
+    test_gpu_routing's HostAsCuda, this rank's library told it reads device memory: the C
+    library then finds host memory behind the pointer and scans it there."""
+    import routepack
+    from routepack import _routing
+    from routepack.torch import DistributedScheduler
+    from test_gpu_routing import HostAsCuda
+    _routing.library_reads_device = lambda: True   # this rank's process only
+    ds = DistributedScheduler(CONFIG, policy="routepack")
+    ref = routepack.Scheduler(CONFIG, policy="routepack")
+    out = []
+    for step, dtype in enumerate((np.int32, np.int16)):
+        lens, ids, groups, _, mine, routing = _rank_batch(rank, world, step)
+        res = ds.step(lens[mine], HostAsCuda(routing.numpy().astype(dtype)), mine, groups[mine], step=step)
+        out.append((res.plan_hash, ref.step(lens, ids, step=step, group_ids=groups).plan_hash))
+    ds.close()
+    ref.close()
+    return out
+
+
+def test_device_statistics_come_from_the_binding():
+    for out in torch_world.run(_device_rank, 3):
+        assert [a for a, _ in out] == [b for _, b in out]
 
 
 def test_demote_after_is_forwarded(tmp_path):

@@ -5,6 +5,7 @@ whose function returned waits at a barrier for every other before it tears gloo 
 a rank that finished first never closes connections its peers still wait on (gloo
 signals a closed pair as an error to the rank at its other end)."""
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -71,3 +72,22 @@ def run(fn, world, *args, timeout=120):
     if failures:
         raise AssertionError("\n".join(failures))
     return [out[r] for r in range(world)]
+
+
+@contextlib.contextmanager
+def counting_sends():
+    """Inside the block, every dist.P2POp made with dist.isend has its bytes appended to
+    the list this yields (the bytes a rank sends point to point)."""
+    seen = []
+    real = dist.P2POp
+
+    def counting(op, tensor, *args, **kw):
+        if op is dist.isend:
+            seen.append(tensor.numel() * tensor.element_size())
+        return real(op, tensor, *args, **kw)
+
+    dist.P2POp = counting
+    try:
+        yield seen
+    finally:
+        dist.P2POp = real

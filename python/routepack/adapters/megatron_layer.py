@@ -170,9 +170,17 @@ class OverlappedReplicaGrads:
         self.rows, self.done = None, set()
         ep = dist.get_world_size(group)
         self._params, self._held = [], {}
+        # per layer, each local slot's main_grad views (expert_pieces' order), found once:
+        # DDP's main_grad buffers stay in place, and migration rewrites them in place
+        self._slots = []
         for l, layer in enumerate(layers):
             n = layer.config.num_moe_experts // ep
-            params = {id(p): p for i in range(n) for _, p, _ in expert_pieces(layer.experts, i)}
+            pieces = [expert_pieces(layer.experts, i) for i in range(n)]
+            params = {id(p): p for slot in pieces for _, p, _ in slot}
+            if any(getattr(p, "main_grad", None) is None for p in params.values()):
+                raise errors.NotSupportedError("expert parameters without main_grad: wrap the model "
+                                               "in Megatron's DistributedDataParallel first")
+            self._slots.append([[select(p.main_grad) for _, p, select in slot] for slot in pieces])
             self._params.append(set(params))
             for p in params.values():
                 for ddp in ddps:
@@ -197,10 +205,7 @@ class OverlappedReplicaGrads:
         held.append((real, param, force))
         if {id(p) for _, p, _ in held} != self._params[l]:
             return
-        layer, ep = self.layers[l], dist.get_world_size(self.group)
-        n = layer.config.num_moe_experts // ep
-        slots = [[select(p.main_grad) for _, p, select in expert_pieces(layer.experts, i)] for i in range(n)]
-        sum_among_holders([self.rows[l]], [slots], self.group, param.main_grad.device)
+        sum_among_holders([self.rows[l]], [self._slots[l]], self.group, param.main_grad.device)
         self.done.add(l)
         del self._held[l]
         for r, p, f in held:

@@ -234,7 +234,7 @@ class MegatronMigration:
 
     def __init__(self, scheduler, model, optimizer, group=None, *, placement=None, timeout_s=60.0,
                  staging_budget_bytes=None):
-        self.scheduler = getattr(scheduler, "scheduler", scheduler)
+        self.scheduler = scheduler
         cfg = self.scheduler.config
         self.layers = moe_layers(model)
         self._roots = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -379,7 +379,7 @@ class MegatronMigration:
         self._register(full)
         result, failure = None, None
         try:
-            result = self.executor.execute()
+            result = self.executor.execute(res)
         except errors.Error as e:  # the same on every rank (MigrationFailed)
             failure = e
         finally:

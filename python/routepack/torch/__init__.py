@@ -4,10 +4,10 @@ NCCL on GPUs, gloo on CPUs).
     from routepack.torch import DistributedScheduler, MoELayer, MigrationExecutor, pack_microbatches
     sched = DistributedScheduler(config)      # every rank; plans from all ranks' statistics
     res = sched.step(my_lens, my_routing, my_global_ids, my_group_ids)
-    executor.execute()                        # expert weights and optimizer state move, all-or-nothing
+    executor.execute(res)                     # expert weights and optimizer state move, all-or-nothing
     packed = pack_microbatches(res.microbatches, owner, lens, my_ids, {"tokens": t})
     physical = res.remap_rank(rank, m, packed[m]["routing"])   # a tensor on the routing's device
-    layer.set_placement(ExpertPlacement.from_step(res, l))   # then forward/backward per microbatch
+    layer.fetch_replicas(res.placement(l))    # collective; then forward/backward per microbatch
     layer.reduce_replica_grads()              # replicas of an expert keep identical weights
     w = router_shift_weights(old_topk_ids, router_logits)   # RSPO trust weights per token
 
@@ -29,7 +29,8 @@ from .migration import MigrationExecutor, init_optimizer_state, slot_tensors
 from .moe import ExpertPlacement, MoELayer, all_to_all
 from .packing import PackedMicrobatch, pack_microbatches
 from .router_shift import router_shift_weights
-from .scheduler import DistributedScheduler, PlannedStep, TorchComm, all_gather_bytes
+from .comm import TorchComm, all_gather_bytes
+from .scheduler import DistributedScheduler, PlannedStep
 
 __all__ = [
     "TorchMessenger", "MigrationExecutor", "init_optimizer_state", "slot_tensors",

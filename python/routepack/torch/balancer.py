@@ -9,7 +9,7 @@ rank computes the same offload plan (routepack.virtual_experts.plan_forward, the
 of core/virtual_experts.c): overloaded owners offload token-choices to virtual-expert slots
 on underloaded ranks, whose weights are pushed before the expert compute, and whose
 gradients are reduced back to the owner after the backward. Here the virtual experts are
-MoELayer's per-microbatch extra replicas: ``set_placement`` is the push,
+MoELayer's per-microbatch extra replicas: ``fetch_replicas`` is the push,
 ``reduce_replica_grads`` the gradient reduction."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class VirtualExpertBalancer:
         histograms, on the routing's device: NCCL takes CUDA tensors). The histograms
         are counted on the device and read on the host once (the offload plan is the C
         planner's); the token-choices are mapped on the device. Returns (placement,
-        physical, plan): the ExpertPlacement to pass to MoELayer.set_placement (the
+        physical, plan): the ExpertPlacement to pass to MoELayer.fetch_replicas (the
         virtual experts as microbatch 0's extra replicas), int64 [T, k] physical ids on
         the routing's device for MoELayer.forward(..., microbatch=0), and the
         OffloadPlan."""

@@ -118,8 +118,8 @@ class LayerCell(nn.Module):
                 w.copy_(torch.randn(w.shape, generator=g) * w.shape[-1] ** -0.5)
             self.moe.w_in.copy_(torch.randn(self.moe.w_in.shape, generator=g) * d ** -0.5)
             self.moe.w_out.copy_(torch.randn(self.moe.w_out.shape, generator=g) * f ** -0.5)
-        self.moe.set_placement(ExpertPlacement(np.arange(self.num_local), np.array([0, self.num_local]),
-                                               [np.zeros((0, 2), np.int64)]))
+        self.moe.fetch_replicas(ExpertPlacement(np.arange(self.num_local), np.array([0, self.num_local]),
+                                                [np.zeros((0, 2), np.int64)]))
         self._gen = g
 
     def inputs(self, lengths, expert_counts):

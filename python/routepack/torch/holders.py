@@ -1,11 +1,17 @@
-"""Replica gradients summed among the ranks that hold an expert, for a layer whose experts
-live in slots (Megatron-Core's MoELayer under RoutePack's placement,
-routepack.adapters.megatron_layer): each rank sums its own slots' copies of every
-replicated expert it holds and sends that sum to every other holder of the expert, in one
-batched point-to-point call for all layers; ranks without a copy of any replicated expert
+"""Replica gradients summed among the ranks that hold an expert: each rank sums its own
+copies of every replicated expert it holds and sends that sum to every other holder of the
+expert, in one batched point-to-point call; ranks without a copy of any replicated expert
 only take part in the call (NCCL needs every rank of the group in it). Every holder adds
 the copies in EP-rank order, so all replicas get the same bits. What the cost model's
-``replica_grad_reduce`` "holders" prices (docs/cost-model.md, "Executor profiles")."""
+``replica_grad_reduce`` "holders" prices (docs/cost-model.md, "Executor profiles").
+
+The exchange itself is one piece for both users: ``exchange_plan`` (who shares which
+expert with whom), ``start_sums`` (the batch started, from each layer's rows of own sums)
+and ``finish_sums`` (waited for, the sums added in rank order). routepack.torch.MoELayer
+feeds it its slots plus its extra replicas and starts it as its backward ends;
+``sum_among_holders`` feeds it slot gradients for a layer whose experts live in slots
+(Megatron-Core's MoELayer under RoutePack's placement, routepack.adapters.megatron_layer),
+all layers in one call."""
 
 from __future__ import annotations
 
@@ -16,27 +22,85 @@ import torch.distributed as dist
 from ._p2p import ring_padding
 
 
-def _layer_plan(row, rank, size):
-    """For one layer's slots ``row`` (the EP group's, [size * n] logical ids, -1 none):
-    the replicated experts this rank holds (in id order), which of its slots hold each
-    (slot, row in that list), per peer rank the rows it shares, and whether any
-    replicated expert spans ranks (the same answer on every rank)."""
+def row_holders(row, size):
+    """{expert: sorted EP ranks holding a copy} for every expert with more than one copy in
+    one layer's slots ``row`` (the EP group's, [size * n] logical ids, -1 none)."""
     n = len(row) // size
     counts = np.bincount(row[row >= 0], minlength=1)
     holders = {}
     for p, e in enumerate(row):
         if e >= 0 and counts[e] > 1:
             holders.setdefault(int(e), set()).add(p // n)
+    return {e: sorted(r) for e, r in holders.items()}
+
+
+def exchange_plan(holders, rank):
+    """For ``holders`` ({expert: its holder ranks}, experts with several copies): the
+    replicated experts this rank holds (``shared``, in id order: the rows of its own sums),
+    per peer rank the rows it shares with that peer (``peers``, in peer order), and whether
+    any replicated expert spans ranks (``spans``, the same answer on every rank)."""
     spans = any(len(r) > 1 for r in holders.values())
     shared = [e for e in sorted(holders) if rank in holders[e]]
     index = {e: i for i, e in enumerate(shared)}
-    mine = [(i, index[int(row[rank * n + i])]) for i in range(n) if int(row[rank * n + i]) in index]
     peers = {}
     for e in shared:
-        for q in sorted(holders[e]):
+        for q in holders[e]:
             if q != rank:
                 peers.setdefault(q, []).append(index[e])
-    return shared, mine, peers, spans
+    return shared, dict(sorted(peers.items())), spans
+
+
+class Sums:
+    """An exchange of own sums in flight (start_sums): ``sent`` bytes this rank sends (it
+    receives as many); finish_sums waits for it."""
+
+    def __init__(self, works, layers, rank, size, sent):
+        self.works, self.layers, self.rank, self.size, self.sent = works, layers, rank, size, sent
+
+
+def start_sums(layers, rank, size, group=None, spans=True, pad_like=None):
+    """Start the exchange of each layer's own sums: ``layers`` a list of (own, peers), own
+    [shared, n] this rank's sum of its copies of each expert it shares (exchange_plan's
+    rows), peers {rank: int64 index tensor of the rows shared with it}. Sends own[rows] to
+    each peer and receives theirs, all layers in one batch_isend_irecv over ``group``;
+    ``spans`` (exchange_plan's, any layer's): every rank adds the ring padding so that it
+    takes part, made like ``pad_like`` (a tensor on the group's device). Collective over
+    the group."""
+
+    def to_global(r):
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    ops, pending, sent = [], [], 0
+    for own, peers in layers:
+        recv = {}
+        for q, rows in peers.items():
+            out = own[rows]
+            recv[q] = torch.empty_like(out)
+            ops += [dist.P2POp(dist.isend, out, to_global(q), group),
+                    dist.P2POp(dist.irecv, recv[q], to_global(q), group)]
+            sent += out.numel() * out.element_size()
+        pending.append((own, peers, recv))
+    if spans:   # the same on every rank: then every rank takes part
+        ops += ring_padding(rank, size, pad_like, to_global, group)
+    return Sums(dist.batch_isend_irecv(ops) if ops else [], pending, rank, size, sent)
+
+
+def finish_sums(sums):
+    """Wait for start_sums' exchange; per layer the total [shared, n] of every holder's
+    copies, added in EP-rank order (the same bits on every holder)."""
+    for w in sums.works:
+        w.wait()
+    totals = []
+    with torch.no_grad():
+        for own, peers, recv in sums.layers:
+            total = torch.zeros_like(own)
+            for q in range(sums.size):   # rank order: every holder adds the same terms in the same order
+                if q == sums.rank:
+                    total += own
+                elif q in recv:
+                    total.index_add_(0, peers[q], recv[q])
+            totals.append(total)
+    return totals
 
 
 def sum_among_holders(rows, slot_grads, group=None, device=None):
@@ -49,15 +113,14 @@ def sum_among_holders(rows, slot_grads, group=None, device=None):
     a rank that holds no replicated expert makes its zero-byte padding (the group's
     device: CUDA under NCCL). Returns the bytes this rank sent (it receives as many)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-
-    def to_global(r):
-        return dist.get_global_rank(group, r) if group is not None else r
-
-    ops, pending, sent, spans_any, like = [], [], 0, False, None
+    layers, mine_of, spans_any, like = [], [], False, None
     for row, slots in zip(rows, slot_grads):
         row = np.asarray(row, dtype=np.int64)
-        shared, mine, peers, spans = _layer_plan(row, rank, size)
+        n = len(row) // size
+        shared, peers, spans = exchange_plan(row_holders(row, size), rank)
         spans_any = spans_any or spans
+        index = {e: i for i, e in enumerate(shared)}
+        mine = [(i, index[int(row[rank * n + i])]) for i in range(n) if int(row[rank * n + i]) in index]
         if not mine:
             continue
         first = slots[mine[0][0]]
@@ -66,30 +129,16 @@ def sum_among_holders(rows, slot_grads, group=None, device=None):
         with torch.no_grad():
             for i, r in mine:
                 own[r] += torch.cat([g.reshape(-1) for g in slots[i]])
-        recv = {}
-        for q, idx in sorted(peers.items()):
-            out = own[torch.as_tensor(idx, device=own.device)]
-            recv[q] = torch.empty_like(out)
-            ops += [dist.P2POp(dist.isend, out, to_global(q), group),
-                    dist.P2POp(dist.irecv, recv[q], to_global(q), group)]
-            sent += out.numel() * out.element_size()
-        pending.append((own, recv, peers, mine, slots))
-    if spans_any and size > 1:   # the same on every rank: then every rank takes part
-        pad = like if like is not None else torch.empty(0, device=device)
-        ops += ring_padding(rank, size, pad, to_global, group)
-    for w in (dist.batch_isend_irecv(ops) if ops else []):
-        w.wait()
+        layers.append((own, {q: torch.as_tensor(v, device=own.device) for q, v in peers.items()}))
+        mine_of.append((mine, slots))
+    pad = like if like is not None else torch.empty(0, device=device)
+    sums = start_sums(layers, rank, size, group, spans_any and size > 1, pad)
+    totals = finish_sums(sums)
     with torch.no_grad():
-        for own, recv, peers, mine, slots in pending:
-            total = torch.zeros_like(own)
-            for q in range(size):   # rank order: every holder adds the same terms in the same order
-                if q == rank:
-                    total += own
-                elif q in recv:
-                    total.index_add_(0, torch.as_tensor(peers[q], device=own.device), recv[q])
+        for total, (mine, slots) in zip(totals, mine_of):
             for i, r in mine:
                 at = 0
                 for g in slots[i]:
                     g.copy_(total[r, at:at + g.numel()].view(g.shape))
                     at += g.numel()
-    return sent
+    return sums.sent

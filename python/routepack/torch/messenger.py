@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import errors
 from ..executor import TransportFailure
+from . import comm
 from ._p2p import join_group
 from .checksum import checksum_experts as _torch_checksums
 
@@ -76,11 +77,7 @@ class TorchMessenger:
         self.control_group = group if control_group is None else control_group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        if device is None:
-            backend = dist.get_backend(group)
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
-                else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else comm.device_of(group)
         # the stream every copy of this messenger is queued on (the current one when
         # made); the executor's checksum kernel runs on it after them
         self.stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
@@ -190,16 +187,14 @@ class TorchMessenger:
     # ---- exchanges ----
 
     def allgather(self, data, timeout_s):
-        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        out = [torch.empty_like(mine) for _ in range(self.size)]
-        work = dist.all_gather(out, mine, group=self.control_group, async_op=True)
+        work, out = comm.start_all_gather(data, self.control_group, self.device)
         try:
             _wait_work(work, time.monotonic() + timeout_s, -1,
                        "rank %d timed out in an exchange between ranks" % self.rank)
         except TransportFailure:
             self._orphans.append((work, out))
             raise
-        return b"".join(bytes(o.cpu().numpy()) for o in out)
+        return b"".join(comm.as_bytes(o) for o in out)
 
     # ---- device memory (CUDA registries) ----
 

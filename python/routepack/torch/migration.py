@@ -4,12 +4,14 @@ torch.distributed, all-or-nothing per round on every rank."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .. import errors
-from ..executor import CallbackTransport, Registry
+from ..executor import CallbackTransport, Registry, execute
 from .messenger import TorchMessenger
 
 
@@ -68,7 +70,7 @@ class MigrationExecutor:
     """Moves expert weights and their optimizer state when a step's placement changes.
 
     ``scheduler``: the routepack.Scheduler (or DistributedScheduler) whose steps plan the
-    migrations. ``group``: the ranks of the migration (plan GPU g = rank g of the group;
+    migrations (its config, initial_placement() and set_migration_options() are read). ``group``: the ranks of the migration (plan GPU g = rank g of the group;
     None: the world). Creating the executor is collective over ``group``: it makes a
     private process group (dist.new_group) so migration traffic never mixes with the
     trainer's, and a transport failure cannot leave the trainer's group out of step.
@@ -85,11 +87,11 @@ class MigrationExecutor:
     register(layer, tensors) (or register_slots(layer, slots) for experts that are not
     stacked) for every MoE layer, then sync() (collective-free; tells
     the scheduler the expert bytes and budget for the migrations of later steps). After
-    each step: execute() on every rank."""
+    each step: execute(res) on every rank, with the step's result."""
 
     def __init__(self, scheduler, group=None, *, placement=None, timeout_s=60.0,
                  staging_budget_bytes=None, device=None, torch_checksum=None):
-        self.scheduler = getattr(scheduler, "scheduler", scheduler)
+        self.scheduler = scheduler
         # What the slots hold now (the registry's slot identities): by default the
         # placement the scheduler starts from, where the trainer loads its experts.
         self.placement = np.asarray(self.scheduler.initial_placement() if placement is None else placement)
@@ -227,15 +229,28 @@ class MigrationExecutor:
         migration plans of later steps use them."""
         self.scheduler.set_migration_options(self.expert_bytes(), self.staging_budget_bytes)
 
-    def execute(self):
-        """Run the last step's migration on every rank (call it on every rank of the group
-        after each step, before the step's placement is used). Returns the
+    def execute(self, res=None):
+        """Run step ``res``'s migration (its StepResult) on every rank: call it on every rank
+        of the group after the step, before the step's placement is used and before the
+        next step is planned (a later step makes it refuse). Returns the
         routepack.executor.MigrationResult, or None when nothing moves. Raises
         routepack.executor.MigrationFailed, the same on every rank, when a round failed
         (exception in a callback, timeout, checksum mismatch): the rounds before it stay
         committed, the failed round left every rank's tensors intact, and the scheduler
         has reverted its plan for the rest, so the next step plans from the weights as
-        they are."""
+        they are. ``execute()`` without the result, the former form, runs the scheduler's
+        last step's (FutureWarning)."""
+        if res is None:
+            warnings.warn("MigrationExecutor.execute() runs the scheduler's last step's migration; pass "
+                          "the step's result: execute(res)", FutureWarning, stacklevel=2)
+            res = self.scheduler.last
+            if res is None:
+                return None
+        if res.migration is not None and res is not self.scheduler.last:
+            raise errors.InvalidArgumentError(
+                "step %d's migration cannot run now: the scheduler planned step %d since; execute a "
+                "step's migration after its step and before the next is planned"
+                % (res.step, self.scheduler.last.step))
         if self._transport is not None and not self._transport.usable:
             raise errors.TransportError(
                 "an earlier migration left the transport unusable (the ranks could not agree on a "
@@ -243,8 +258,7 @@ class MigrationExecutor:
         reg = self._build()   # pointers as they are now (state may have been re-created)
         self.messenger.begin_call()
         try:
-            self.last = self.scheduler.execute_migration(reg, self._transport, self.timeout_s,
-                                                         staging=self._staging_at)
+            self.last = execute(res, reg, self._transport, self.timeout_s, staging=self._staging_at)
         except errors.Error:
             self._staging = self.messenger.direct = None   # an abandoned receive may still write it
             if self._transport.usable:

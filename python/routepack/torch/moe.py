@@ -13,20 +13,21 @@ _AllToAll, ``_expert_compute`` its GroupedMLP, ``reduce_replica_grads`` the extr
 reduction a replicated expert needs next to the usual expert-data-parallel one.
 
 What a forward costs the host: placement tables live on the device (made once per
-set_placement), the counts cross to the host once, the expert weights are the slot
+fetch_replicas), the counts cross to the host once, the expert weights are the slot
 parameter and the step's extra-replica buffer as they are (two grouped GEMMs, no copy of
 weights per forward, a backward linear in the slots)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import kernels
+from ..placement import ExpertPlacement  # noqa: F401 (routepack.torch.ExpertPlacement)
+from . import holders, kernels
 from ._p2p import ring_padding
 
 DISPATCH_DEDUP = ("gpu", "choice")   # execution.dispatch_dedup values the layer runs
@@ -81,108 +82,8 @@ def to_host(t):
     return t.cpu().numpy()
 
 
-@dataclass
-class ExpertPlacement:
-    """One MoE layer's placement in one EP group, as a plan gives it (the same on every
-    rank of the group).
-
-    ``phy2log``: int [S], the logical expert of each slot (slots EP-rank-major; -1: an
-    empty slot, which receives no tokens and is never reduced);
-    ``slot_begin``: int [ep_size + 1], EP rank r holds slots slot_begin[r] .. [r+1]-1;
-    ``extras``: per microbatch, int [n, 2] rows (expert, ep_rank) of that microbatch's
-    extra replicas in plan order (physical id S + i is row i), so rp_remap's physical ids
-    index this placement directly."""
-
-    phy2log: np.ndarray
-    slot_begin: np.ndarray
-    extras: list
-
-    @classmethod
-    def from_step(cls, res, layer):
-        """The placement of MoE layer ``layer`` in a StepResult (extra replicas of every
-        microbatch)."""
-        ex = np.asarray(res.extra_replicas).reshape(-1, 4)
-        extras = []
-        for m in range(res.num_microbatches):
-            rows = ex[(ex[:, 0] == m) & (ex[:, 1] == layer)]
-            extras.append(rows[:, 2:4].astype(np.int64))
-        return cls(np.asarray(res.phy2log[layer], dtype=np.int64),
-                   np.asarray(res.slot_begin, dtype=np.int64), extras)
-
-    @property
-    def num_slots(self):
-        return int(self.phy2log.shape[0])
-
-    @property
-    def ep_size(self):
-        return int(self.slot_begin.shape[0] - 1)
-
-    @property
-    def num_microbatches(self):
-        return max(len(self.extras), 1)
-
-    def local_slots(self, ep_rank):
-        return int(self.slot_begin[ep_rank + 1] - self.slot_begin[ep_rank])
-
-    def slot_rank(self):
-        """int64 [S]: the EP rank of each slot."""
-        return (np.searchsorted(self.slot_begin, np.arange(self.num_slots), side="right") - 1).astype(np.int64)
-
-    def microbatch_extras(self, microbatch):
-        if not self.extras:
-            return np.zeros((0, 2), np.int64)
-        return np.asarray(self.extras[microbatch], np.int64).reshape(-1, 2)
-
-    def physical(self, microbatch):
-        """(logical expert, EP rank, local index) of every physical id of a microbatch,
-        int64 arrays [P]. A rank's local experts are its slots, then its extra replicas
-        of the whole step (step_extras order): a microbatch uses some of them."""
-        S = self.num_slots
-        extras = self.microbatch_extras(microbatch)
-        slot_rank = self.slot_rank()
-        step = self.step_extras()
-        logical = np.concatenate([self.phy2log, extras[:, 0]])
-        rank = np.concatenate([slot_rank, extras[:, 1]])
-        local = np.concatenate([np.arange(S) - self.slot_begin[slot_rank], np.zeros(len(extras), np.int64)])
-        for i, (e, r) in enumerate(extras):
-            mine = step[step[:, 1] == r]
-            local[S + i] = self.local_slots(int(r)) + int(np.nonzero(mine[:, 0] == e)[0][0])
-        return logical.astype(np.int64), rank.astype(np.int64), local.astype(np.int64)
-
-    def first_replica(self):
-        """int64 [E']: the lowest slot holding each logical expert (-1 where none)."""
-        E = int(self.phy2log.max()) + 1 if self.num_slots else 0
-        first = np.full(max(E, 0), -1, np.int64)
-        for s in range(self.num_slots - 1, -1, -1):
-            if self.phy2log[s] >= 0:
-                first[self.phy2log[s]] = s
-        return first
-
-    def step_extras(self):
-        """Sorted unique (expert, ep_rank) pairs over every microbatch: the weights that
-        have to be fetched for the step."""
-        rows = [np.asarray(e, np.int64).reshape(-1, 2) for e in self.extras if len(e)]
-        if not rows:
-            return np.zeros((0, 2), np.int64)
-        return np.unique(np.concatenate(rows), axis=0)
-
-    def replica_holders(self, num_experts):
-        """{expert: sorted distinct EP ranks holding a copy} for every expert with more
-        than one copy in the step (slots and extra replicas): the experts whose
-        gradients are summed over their copies."""
-        copies = np.bincount(self.phy2log[self.phy2log >= 0], minlength=num_experts)
-        step = self.step_extras()
-        copies = copies + np.bincount(step[:, 0], minlength=num_experts) if len(step) else copies
-        slot_rank = self.slot_rank()
-        out = {}
-        for e in np.nonzero(copies > 1)[0]:
-            ranks = set(slot_rank[self.phy2log == e].tolist()) | set(step[step[:, 0] == e, 1].tolist())
-            out[int(e)] = sorted(ranks)
-        return out
-
-
 class _PlacementTables:
-    """Everything a forward needs from a placement, made once per set_placement: per
+    """Everything a forward needs from a placement, made once per fetch_replicas: per
     microbatch the destination key (EP rank x max_local + local expert) of every physical
     id, on the layer's device; the lowest slot of each expert (default routing)."""
 
@@ -223,7 +124,7 @@ class MoELayer(nn.Module):
     the dispatcher's, not this layer's). ``ep_group``: the EP group's process group (None:
     the world); its rank r is EP rank r of the plan.
 
-    Per step: set_placement(placement) (collective: fetches the weights of this step's
+    Per step: fetch_replicas(placement) (collective: fetches the weights of this step's
     extra replicas into a buffer kept for the step), then per microbatch forward(x,
     routing, physical, microbatch) on every rank of the group in lockstep (even with no
     tokens), backward; the replica-gradient exchange starts by itself when the layer's
@@ -263,7 +164,7 @@ class MoELayer(nn.Module):
         # rank, in that order. Not parameters: the optimizer never sees them.
         self.extra_w_in = None
         self.extra_w_out = None
-        self._fetch = None   # the prefetch's works still in flight (set_placement)
+        self._fetch = None   # the prefetch's works still in flight (fetch_replicas)
         self._tables = None
         self._gplan = None
         self._backwards = 0
@@ -311,11 +212,18 @@ class MoELayer(nn.Module):
         return r if self.ep_group is None else dist.get_global_rank(self.ep_group, r)
 
     def set_placement(self, placement, prefetch=True):
-        """Use ``placement`` (ExpertPlacement, this step's) from now on, and fetch the
-        weights of every extra replica this rank holds in some microbatch of the step from
-        the lowest slot holding that expert, into the step's extra-replica buffers (one
-        batch_isend_irecv over fetch_group, else the EP group, collective: every rank
-        calls it and takes part in it). ``prefetch`` (the default): the fetch is started
+        """The former name of fetch_replicas (FutureWarning)."""
+        warnings.warn("MoELayer.set_placement(placement) is fetch_replicas(placement), a collective",
+                      FutureWarning, stacklevel=2)
+        self.fetch_replicas(placement, prefetch)
+
+    def fetch_replicas(self, placement, prefetch=True):
+        """Collective over the EP group: use ``placement`` (ExpertPlacement, this step's:
+        StepResult.placement(layer)) from now on, and fetch the weights of every extra
+        replica this rank holds in some microbatch of the step from the lowest slot
+        holding that expert, into the step's extra-replica buffers (one
+        batch_isend_irecv over fetch_group, else the EP group: every rank calls it and
+        takes part in it). ``prefetch`` (the default): the fetch is started
         and left in flight, and the layer waits for it at its first forward, so a trainer
         that sets every layer's placement at the step's start fetches layer l's extras
         while the layers before it compute (the cost model's execution.extras_ahead);
@@ -375,7 +283,7 @@ class MoELayer(nn.Module):
         self.extra_w_out.requires_grad_()
 
     def _wait_fetch(self):
-        """Finish the extra replicas' fetch set_placement left in flight (if any)."""
+        """Finish the extra replicas' fetch fetch_replicas left in flight (if any)."""
         if self._fetch is None:
             return
         for w in self._fetch:
@@ -405,37 +313,32 @@ class MoELayer(nn.Module):
             self._start_grad_exchange()
 
     def _grad_plan(self, placement):
-        """What this rank's replica-gradient exchange moves, fixed per placement: the
-        replicated experts it holds (``shared``, by id), which rows of its [shared,
-        params] sum its slots and its extra replicas add into, and per peer holder the
-        rows they share (sent and received in that order)."""
-        holders = placement.replica_holders(self.num_experts)
-        shared = [e for e, ranks in sorted(holders.items()) if self.ep_rank in ranks]
+        """What this rank's replica-gradient exchange moves, fixed per placement
+        (holders.exchange_plan over the slots and the step's extra replicas): the
+        replicated experts it holds (``shared``), which rows of its [shared, params] sums
+        its slots and its extra replicas add into, and per peer holder the rows they share."""
+        shared, peers, spans = holders.exchange_plan(placement.replica_holders(self.num_experts), self.ep_rank)
         index = {e: i for i, e in enumerate(shared)}
         dev = self.w_in.device
         b = int(placement.slot_begin[self.ep_rank])
         slot_rows = [(index[int(e)], s) for s, e in enumerate(placement.phy2log[b:b + self.num_slots])
                      if int(e) in index]
         step = placement.step_extras()
-        peers = {}
-        for e in shared:
-            for r in holders[e]:
-                if r != self.ep_rank:
-                    peers.setdefault(r, []).append(index[e])
 
         def ids(v):
             return torch.as_tensor(v, dtype=torch.int64).to(dev)
-        return dict(shared=len(shared), exchange=any(len(r) > 1 for r in holders.values()),
+        return dict(shared=len(shared), exchange=spans,
                     rows=ids([i for i, _ in slot_rows]), slots=ids([s for _, s in slot_rows]),
                     extra_rows=ids([index[int(e)] for e in step[step[:, 1] == self.ep_rank, 0]]),
-                    peers={r: ids(v) for r, v in sorted(peers.items())})
+                    peers={r: ids(v) for r, v in peers.items()})
 
     def _start_grad_exchange(self):
         """Each rank sums its own copies of every replicated expert it holds (slots and
         extra replicas) in the gradient's dtype, and sends that sum to every other holder
-        of the expert (one message per peer: the experts it shares with that peer, by
-        id), receiving theirs; nothing goes to ranks without a copy. Every rank calls
-        this (its list may be empty) and takes part in the one batch_isend_irecv."""
+        of the expert (holders.start_sums: one message per peer, the experts it shares
+        with that peer, by id), receiving theirs; nothing goes to ranks without a copy.
+        Every rank calls this (its list may be empty) and takes part in the one
+        batch_isend_irecv."""
         plan = self._gplan
         g_in, g_out = self._grad_of(self.w_in), self._grad_of(self.w_out)
         n_in = g_in[0].numel()
@@ -449,17 +352,10 @@ class MoELayer(nn.Module):
                                          self.extra_w_in.grad.reshape(self.extra_w_in.shape[0], -1).to(own.dtype))
                 own[:, n_in:].index_add_(0, plan["extra_rows"],
                                          self.extra_w_out.grad.reshape(self.extra_w_out.shape[0], -1).to(own.dtype))
-        ops, recv = [], {}
-        for r, rows in plan["peers"].items():
-            recv[r] = own.new_empty((rows.numel(), own.shape[1]))
-            ops += [dist.P2POp(dist.isend, own[rows], self._global(r), self.ep_group),
-                    dist.P2POp(dist.irecv, recv[r], self._global(r), self.ep_group)]
-        if plan["exchange"]:   # the same on every rank: then every rank takes part
-            ops += ring_padding(self.ep_rank, self.ep_size, own, self._global, self.ep_group)
-        works = dist.batch_isend_irecv(ops) if ops else []
-        moved = sum(t.numel() for t in recv.values()) * own.element_size()
-        self.replica_grad_bytes = {"sent": moved, "received": moved}
-        self._grad_exchange = (works, own, recv, n_in)
+        sums = holders.start_sums([(own, plan["peers"])], self.ep_rank, self.ep_size, self.ep_group,
+                                  plan["exchange"], own)
+        self.replica_grad_bytes = {"sent": sums.sent, "received": sums.sent}
+        self._grad_exchange = (sums, n_in)
 
     def reduce_replica_grads(self):
         """Give every replica of an expert (slots and this step's extra replicas) the sum of
@@ -477,21 +373,14 @@ class MoELayer(nn.Module):
         self._wait_fetch()
         if self._grad_exchange is None:
             self._start_grad_exchange()
-        works, own, recv, n_in = self._grad_exchange
+        sums, n_in = self._grad_exchange
         self._grad_exchange = None
         self._backwards = None   # one exchange a step: a late backward does not start another
-        for w in works:
-            w.wait()
+        total = holders.finish_sums(sums)[0]
         plan = self._gplan
         if not plan["rows"].numel():
             return
         with torch.no_grad():
-            total = torch.zeros_like(own)
-            for r in range(self.ep_size):   # rank order: every holder adds the same terms in the same order
-                if r == self.ep_rank:
-                    total += own
-                elif r in recv:
-                    total.index_add_(0, plan["peers"][r], recv[r])
             g_in, g_out = self._grad_of(self.w_in), self._grad_of(self.w_out)
             g_in.view(self.num_slots, -1).index_copy_(0, plan["slots"], total[plan["rows"], :n_in])
             g_out.view(self.num_slots, -1).index_copy_(0, plan["slots"], total[plan["rows"], n_in:])

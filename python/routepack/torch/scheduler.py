@@ -6,7 +6,6 @@ plan hashes and any fallback agreed through torch.distributed (the scheduler's r
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 import warnings
@@ -16,37 +15,22 @@ import torch
 import torch.distributed as dist
 
 import routepack
-from .. import _lib, _routing, errors
-from ..distributed import Comm, Stats
-from ..scheduler import _raise_step_error
-from ..trace import _new_batch
+from .. import errors
+from .comm import TorchComm, all_gather_bytes, device_of
 
-_WIDTH = {torch.uint8: 1, torch.int16: 2, torch.int32: 4}   # rp_id_width of a tensor's ids
-
-
-def _device_of(group):
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+# ids the binding reads in GPU memory in place (others are converted to int32 on the device)
+_DEVICE_IDS = (torch.uint8, torch.int16, torch.int32)
 
 
-def all_gather_bytes(data, group=None, device=None):
-    """Every rank's bytes (any size each), rank-major, on every rank: sizes first, then
-    one all_gather of the parts padded to the largest. Collective over ``group``."""
-    device = device or _device_of(group)
-    world = dist.get_world_size(group)
-    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
-        torch.zeros(0, dtype=torch.uint8)
-    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(s.item()) for s in sizes]
-    width = max(sizes + [1])
-    padded = torch.zeros(width, dtype=torch.uint8, device=device)
-    padded[:mine.numel()] = mine.to(device)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return [bytes(p[:n].cpu().numpy()) for p, n in zip(parts, sizes)]
+def _stats_routing(routing):
+    """The routing as Scheduler.compute_stats takes it: a CUDA tensor in place (the
+    binding hands its pointer to the histogram kernel), converted to int32 on its device
+    first when its ids are wider; a CPU tensor as its numpy view; anything else as it is."""
+    if not torch.is_tensor(routing):
+        return routing
+    if routing.is_cuda:
+        return routing if routing.dtype in _DEVICE_IDS else routing.to(torch.int32)
+    return routing.numpy()
 
 
 def _ndim(x):
@@ -70,31 +54,6 @@ def _lengths_first(seq_lens, routing, call):
             "seq_lens has %d dimensions; DistributedScheduler.%s(seq_lens [n], routing [tokens, layers, "
             "k], global_ids [n], ...) takes this rank's lengths first" % (_ndim(seq_lens), call))
     return seq_lens, routing
-
-
-class TorchComm(Comm):
-    """routepack.Comm (the scheduler's rp_comm) over a torch.distributed group: the
-    scheduler's agreement (plan hashes, fallback flags, the agreed plan) travels with
-    all_gather and broadcast. Every rank's scheduler calls it in the same order."""
-
-    def __init__(self, group=None, device=None):
-        self.group = group
-        self.device = device or _device_of(group)
-        super().__init__(self._allgather, self._bcast, dist.get_rank(group), dist.get_world_size(group))
-
-    def _allgather(self, data):
-        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data else \
-            torch.zeros(0, dtype=torch.uint8, device=self.device)
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.group)
-        return [bytes(o.cpu().numpy()) for o in out]
-
-    def _bcast(self, data, root):
-        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data else \
-            torch.zeros(0, dtype=torch.uint8, device=self.device)
-        src = root if self.group is None else dist.get_global_rank(self.group, root)
-        dist.broadcast(t, src=src, group=self.group)
-        return bytes(t.cpu().numpy())
 
 
 class DistributedScheduler:
@@ -127,7 +86,7 @@ class DistributedScheduler:
     def __init__(self, config, policy=None, group=None, *, plan_ahead=False, **options):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.device = _device_of(group)
+        self.device = device_of(group)
         # Planning ahead runs the step's collectives on a host thread while the trainer's
         # run on theirs: a group of its own keeps the two streams of collectives apart
         # (each group sees its own in one order on every rank).
@@ -149,14 +108,53 @@ class DistributedScheduler:
         self._spare_stats = None
         self._ahead = None   # the PlannedStep in flight (plan_ahead)
 
-    # the executor and trainers reach the plain scheduler's API through here
-    def __getattr__(self, name):
-        ahead = self.__dict__.get("_ahead")
+    # ---- the plain scheduler's calls, once no plan is in flight ----
+
+    def _idle(self, call):
+        """The plain routepack.Scheduler, for ``call``; refused while a plan is in flight."""
+        ahead = self._ahead
         if ahead is not None and not ahead.done():
             raise errors.InvalidArgumentError(
                 "a plan is in flight (step_ahead of step %s): take it with .result() before "
-                "calling the scheduler's %s" % (ahead.step, name))
-        return getattr(self.scheduler, name)
+                "calling the scheduler's %s" % (ahead.step, call))
+        return self.scheduler
+
+    @property
+    def last(self):
+        """The StepResult of the last step planned (None before the first)."""
+        return self.scheduler.last
+
+    @property
+    def next_step(self):
+        return self.scheduler.next_step
+
+    def initial_placement(self):
+        """Scheduler.initial_placement()."""
+        return self._idle("initial_placement").initial_placement()
+
+    def set_migration_options(self, expert_bytes=None, staging_budget_bytes=None):
+        """Scheduler.set_migration_options()."""
+        return self._idle("set_migration_options").set_migration_options(expert_bytes, staging_budget_bytes)
+
+    def stage_policy(self, path=None, source=None, at_step=None):
+        """Scheduler.stage_policy() (every rank stages the same policy)."""
+        return self._idle("stage_policy").stage_policy(path, source, at_step)
+
+    def plan_json(self):
+        """Scheduler.plan_json()."""
+        return self._idle("plan_json").plan_json()
+
+    def report_json(self):
+        """Scheduler.report_json()."""
+        return self._idle("report_json").report_json()
+
+    def state_dict(self):
+        """Scheduler.state_dict() (the same on every rank)."""
+        return self._idle("state_dict").state_dict()
+
+    def load_state_dict(self, state):
+        """Scheduler.load_state_dict() (every rank loads the same state)."""
+        return self._idle("load_state_dict").load_state_dict(state)
 
     def close(self):
         if self._ahead is not None:
@@ -168,41 +166,10 @@ class DistributedScheduler:
         self.scheduler.close()
 
     def _stats(self, routing, lens):
-        """This rank's Stats: the C library's rp_stats_compute on the routing where it lives."""
-        if torch.is_tensor(routing) and routing.is_cuda:
-            return self._stats_cuda(routing, lens)
-        if torch.is_tensor(routing):
-            routing = routing.numpy()
-        return self.scheduler.compute_stats(lens, routing)
-
-    def _stats_cuda(self, routing, lens):
-        cfg = self.config
-        if routing.dtype not in _WIDTH:
-            routing = routing.to(torch.int32)
-        routing = routing.contiguous()
-        T = int(np.sum(lens))
-        if tuple(routing.shape) != (T, cfg.num_layers, cfg.top_k):
-            raise errors.RoutingError("routing has shape %s, expected [tokens, layers, k] = [%d, %d, %d]"
-                                      % (tuple(routing.shape), T, cfg.num_layers, cfg.top_k))
-        view = _lib.rp_routing()
-        view.layout = _routing._LAYOUT_CODE["packed"]
-        view.width = _WIDTH[routing.dtype]
-        view.num_layers, view.top_k = cfg.num_layers, cfg.top_k
-        view.token_stride, view.layer_stride, view.k_stride = routing.stride()
-        view.base = routing.data_ptr() if T else None
-        local = _routing.lengths(np.asarray(lens), None, None)
-        lib = self.scheduler._lib
-        batch = _new_batch(lib, self.scheduler._ctx.handle, local)
-        try:
-            out = ctypes.c_void_p()
-            err = _lib.new_error()
-            st = lib.rp_stats_compute(self.scheduler._ctx.handle, batch, ctypes.byref(view), cfg.num_experts,
-                                      self.scheduler._num_threads, ctypes.byref(out), ctypes.byref(err))
-            if st != errors.OK:
-                _raise_step_error(st, err)
-        finally:
-            lib.rp_batch_free(batch)
-        return Stats(out, self.scheduler._ctx)
+        """This rank's Stats: the C library's rp_stats_compute on the routing where it lives
+        (Scheduler.compute_stats: the histogram kernel for a CUDA tensor, the C scan for
+        host memory)."""
+        return self.scheduler.compute_stats(lens, _stats_routing(routing))
 
     def step(self, seq_lens, routing, global_ids, group_ids=None, step=None):
         seq_lens, routing = _lengths_first(seq_lens, routing, "step")
