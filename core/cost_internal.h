@@ -1,5 +1,5 @@
-/* Private state of the cost model, shared by cost.c (full evaluation), cost_incr.c
- * (incremental moves), cost_bound.c (lower bound) and cost_migrate.c. Not installed. */
+/* Private state of the cost model and the calls between its files, declared by file from
+ * the bottom (cost_unit.c) up (docs/layers.md, floor 5). Not installed. */
 #ifndef RP_COST_INTERNAL_H
 #define RP_COST_INTERNAL_H
 

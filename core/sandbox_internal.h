@@ -1,5 +1,6 @@
-/* The sandbox's private state, shared by core/sandbox.c and the small files beside it
- * (core/sandbox_access.c). Nothing outside the sandbox includes this. */
+/* The sandbox's private state and the calls between its files (sandbox_limits.c at the
+ * bottom, the library replacements above it, sandbox.c on top; sandbox_access.c's
+ * accessors). Nothing outside the sandbox includes this. */
 #ifndef RP_SANDBOX_INTERNAL_H
 #define RP_SANDBOX_INTERNAL_H
 
@@ -81,5 +82,46 @@ static inline double now_s(const rp_sandbox *sb)
 {
     return sb->limits.clock_s ? sb->limits.clock_s(sb->limits.clock_ud) : monotonic_s();
 }
+
+/* Chunk name of the sandbox's own Lua wrappers; their frames are left out of traces. */
+#define PRELUDE_NAME "=(sandbox)"
+/* Covers every allocation lua_newstate makes (52 allocations, 12 KB in LuaJIT 2.1). */
+#define BOOT_ARENA_BYTES ((size_t)32 << 10)
+
+/* sandbox_limits.c */
+
+/* The message a tripped limit raises, into buf. */
+void sandbox_limit_message(const rp_sandbox_limits *lim, trip_kind kind, char *buf, size_t n);
+/* Record a trip (the first one wins); the hook or the next charge raises it. */
+void sandbox_trip(rp_sandbox *sb, trip_kind kind);
+/* A short traceback of the error at the top of L's stack, for rp_sandbox_call's message. */
+void sandbox_record_trace(rp_sandbox *sb, lua_State *L);
+/* lua_CFunction: a full collection (the registry's REF_GC). */
+int sandbox_gc_collect(lua_State *L);
+/* A protected full collection; sets the next collection's threshold. */
+void sandbox_collect(rp_sandbox *sb, lua_State *L);
+/* The capped lua_Alloc (ud: the sandbox). */
+void *sandbox_alloc(void *ud, void *ptr, size_t old_size, size_t new_size);
+void sandbox_jit_off(lua_State *L);
+/* Arm the limits for one call (stack_base: the caller's frame) and disarm them after. */
+void sandbox_arm(rp_sandbox *sb, uintptr_t stack_base);
+void sandbox_disarm(rp_sandbox *sb);
+rp_status sandbox_check_limits(const rp_sandbox_limits *lim, rp_error *err);
+
+/* sandbox_lib.c: the library replacements (lua_CFunctions) */
+
+void sandbox_prng_seed(uint64_t s[4], uint64_t seed);
+int sandbox_lib_pairs(lua_State *L);
+int sandbox_lib_next(lua_State *L);
+int sandbox_lib_tostring(lua_State *L);
+int sandbox_lib_getmetatable(lua_State *L);
+int sandbox_lib_collectgarbage(lua_State *L);
+int sandbox_lib_random(lua_State *L);
+int sandbox_lib_randomseed(lua_State *L);
+int sandbox_lib_handler_for(lua_State *L);
+int sandbox_lib_format_args(lua_State *L);
+int sandbox_lib_sort_check(lua_State *L);
+int sandbox_lib_check_clock(lua_State *L);
+int sandbox_lib_charge_args(lua_State *L);
 
 #endif

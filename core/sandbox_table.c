@@ -9,7 +9,7 @@
 #include <lauxlib.h>
 
 /* Bytes of two strings the default sort order compares for one unit (memcmp; the
- * library wrappers' scans use 4 bytes a unit, see sandbox.c). */
+ * library wrappers' scans use 4 bytes a unit, see sandbox_lib.c). */
 #define COMPARE_BYTES_PER_UNIT 4
 
 /* The first argument's length as table functions read it (the border #t). */
