@@ -1,6 +1,7 @@
 /* What an evaluation reports: the summary (step, straggler, phases), the pipeline's,
  * the per-layer accessors and the breakdown JSON (docs/cost-model.md). */
 #include "cost_internal.h"
+#include "textbuf.h"
 #include "routepack/executor.h"
 
 #include <math.h>
@@ -226,42 +227,6 @@ size_t rp_cost_bytes(const rp_cost *c)
 
 /* ---- JSON ------------------------------------------------------------------------ */
 
-typedef struct strbuf {
-    rp_context *ctx;
-    char *data;
-    size_t len, cap;
-    bool failed;
-} strbuf;
-
-static void sb_printf(strbuf *b, const char *fmt, ...) RP_PRINTF(2, 3);
-static void sb_printf(strbuf *b, const char *fmt, ...)
-{
-    if (b->failed) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->data ? b->data + b->len : NULL, b->data ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->failed = true;
-            return;
-        }
-        if (b->data && (size_t)n < b->cap - b->len) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap - b->len <= (size_t)n) cap *= 2;
-        char *grown = rp_realloc(b->ctx, b->data, cap);
-        if (!grown) {
-            b->failed = true;
-            return;
-        }
-        b->data = grown;
-        b->cap = cap;
-    }
-}
-
 static const char *side_name(rp_side side)
 {
     switch (side) {
@@ -273,11 +238,11 @@ static const char *side_name(rp_side side)
     return "unknown";
 }
 
-static void sb_array(strbuf *b, const double *v, size_t n, size_t stride)
+static void sb_array(text_buf *b, const double *v, size_t n, size_t stride)
 {
-    sb_printf(b, "[");
-    for (size_t i = 0; i < n; i++) sb_printf(b, "%s%.17g", i ? "," : "", v[i * stride]);
-    sb_printf(b, "]");
+    text_put(b, "[");
+    for (size_t i = 0; i < n; i++) text_put(b, "%s%.17g", i ? "," : "", v[i * stride]);
+    text_put(b, "]");
 }
 
 rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_error *err)
@@ -289,8 +254,8 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
     rp_cost_summary sum;
     cost_summary(c, s, &sum);
     const rp_backward *bw = &rp_config_hardware(c->cfg)->backward;
-    strbuf b = {c->ctx, NULL, 0, 0, false};
-    sb_printf(&b, "{\n\"summary\": {\"step_s\": %.17g, \"lower_bound_s\": %.17g, \"ratio\": %.17g, "
+    text_buf b = {c->ctx, NULL, 0, 0, false};
+    text_put(&b, "{\n\"summary\": {\"step_s\": %.17g, \"lower_bound_s\": %.17g, \"ratio\": %.17g, "
               "\"attention_s\": %.17g, \"dispatch_s\": %.17g, \"expert_s\": %.17g, \"combine_s\": %.17g, "
               "\"grad_reduce_s\": %.17g, \"extra_copy_s\": %.17g, \"attention_imbalance\": %.17g, "
               "\"expert_imbalance\": %.17g, \"straggler\": {\"gpu\": %d, \"microbatch\": %d, "
@@ -302,15 +267,15 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
     if (c->PP > 1) { /* PP 1 documents keep their keys */
         rp_pipeline_summary pipe;
         pipeline_summary(c, s, &pipe);
-        sb_printf(&b, ", \"pipeline\": {\"stages\": %d, \"critical_path_s\": %.17g, \"busiest_stage\": %d, "
+        text_put(&b, ", \"pipeline\": {\"stages\": %d, \"critical_path_s\": %.17g, \"busiest_stage\": %d, "
                   "\"stage_busy_s\": %.17g, \"bubble_s\": %.17g}",
                   pipe.stages, pipe.critical_path_s, pipe.busiest_stage, pipe.stage_busy_s, pipe.bubble_s);
     }
-    sb_printf(&b, "},\n");
+    text_put(&b, "},\n");
     static const char *const sync_names[] = {"group", "global"}, *const overlap_names[] = {"none", "layer"},
                              *const dedup_names[] = {"choice", "gpu", "node"};
     const rp_execution *xe = rp_config_execution(c->cfg);
-    sb_printf(&b, "\"execution\": {\"executor\": \"%s\", \"sync\": \"%s\", \"overlap\": \"%s\", "
+    text_put(&b, "\"execution\": {\"executor\": \"%s\", \"sync\": \"%s\", \"overlap\": \"%s\", "
               "\"dispatch_dedup\": \"%s\", \"dispatch_bytes_per_element\": %d, \"combine_bytes_per_element\": %d, "
               "\"host_us_per_layer\": %.17g},\n",
               rp_executor_name(xe->executor), sync_names[c->sync], overlap_names[c->overlap], dedup_names[c->dedup],
@@ -318,7 +283,7 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
     /* what the replica gradient reduction carries per layer: under "group" the EP group's
      * one all-reduce of [R, params] (routepack.torch's buffer, R experts) */
     static const char *const grad_names[] = {"pairwise", "group", "holders"};
-    sb_printf(&b, "\"replica_grad\": {\"form\": \"%s\", \"bytes_per_element\": %d, \"layers\": [",
+    text_put(&b, "\"replica_grad\": {\"form\": \"%s\", \"bytes_per_element\": %d, \"layers\": [",
               grad_names[c->grad_form], xe->replica_grad_bytes_per_element);
     double *row = rp_alloc(c->ctx, ((size_t)c->G + (size_t)c->ep) * sizeof *row);
     for (int32_t l = 0; row && l < c->L; l++) {
@@ -326,20 +291,20 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
         const int32_t R = cost_grad_experts(c, s, l, off);
         double *sent = row + c->G;
         cost_grad_layer(c, s, l, off, rank, row, sent);
-        sb_printf(&b, "%s{\"experts\": %d, \"bytes\": %.17g, \"sent_bytes\": [", l ? ", " : "", R, R * c->grad_bytes);
-        for (int32_t j = 0; j < c->ep; j++) sb_printf(&b, "%s%.17g", j ? ", " : "", sent[j]);
-        sb_printf(&b, "]}");
+        text_put(&b, "%s{\"experts\": %d, \"bytes\": %.17g, \"sent_bytes\": [", l ? ", " : "", R, R * c->grad_bytes);
+        for (int32_t j = 0; j < c->ep; j++) text_put(&b, "%s%.17g", j ? ", " : "", sent[j]);
+        text_put(&b, "]}");
     }
     if (!row) b.failed = true;
     rp_free(c->ctx, row);
-    sb_printf(&b, "]},\n");
-    sb_printf(&b, "\"shape\": {\"num_gpus\": %d, \"num_microbatches\": %d, \"num_layers\": %d, "
+    text_put(&b, "]},\n");
+    text_put(&b, "\"shape\": {\"num_gpus\": %d, \"num_microbatches\": %d, \"num_layers\": %d, "
               "\"num_experts\": %d, \"ep_size\": %d, \"backward\": {\"attention\": %.17g, \"projections\": %.17g, "
               "\"experts\": %.17g, \"token_linear\": %.17g, \"communication\": %.17g, \"fixed\": %.17g}, "
               "\"split_rule\": \"%s\"},\n",
               G, M, L, c->E, c->ep, bw->attention, bw->projections, bw->experts, bw->token_linear,
               bw->communication, bw->fixed, c->rule == RP_SPLIT_EVEN ? "even" : "locality");
-    sb_printf(&b, "\"layers\": [");
+    text_put(&b, "\"layers\": [");
     const int32_t dom = summary_domain(c, s); /* each layer's straggler: in the critical domain */
     for (int32_t m = 0; m < M; m++) {
         double amax = 0;
@@ -350,54 +315,54 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
             phase_max p = domain_phases(c, s, m, l, -1);
             int32_t gpu;
             rp_side side = layer_straggler(c, s, m, l, dom, &gpu, NULL);
-            sb_printf(&b, "%s\n {\"microbatch\": %d, \"layer\": %d, \"time_s\": %.17g, \"attention_s\": %.17g, "
+            text_put(&b, "%s\n {\"microbatch\": %d, \"layer\": %d, \"time_s\": %.17g, \"attention_s\": %.17g, "
                       "\"dense_s\": %.17g, \"dense_backward_s\": %.17g, \"dispatch_s\": %.17g, \"expert_s\": %.17g, "
                       "\"combine_s\": %.17g, \"lower_bound_s\": %.17g, \"straggler_gpu\": %d, \"straggler_side\": \"%s\"",
                       ml ? "," : "", m, l, rp_cost_layer_s(c, m, l), amax, p.df, p.db, p.d, p.x, p.d,
                       cost_bound_layer(c, s, m, l), gpu, side_name(side));
             if (c->sync == RP_SYNC_GROUP) {
-                sb_printf(&b, ", \"group_time_s\": ");
+                text_put(&b, ", \"group_time_s\": ");
                 sb_array(&b, s->layer_t + ml * c->LW, (size_t)c->NQ, 1);
             }
-            sb_printf(&b, "}");
+            text_put(&b, "}");
         }
     }
-    sb_printf(&b, "],\n\"attention\": [");
+    text_put(&b, "],\n\"attention\": [");
     for (int32_t g = 0; g < G; g++) {
-        sb_printf(&b, "%s\n ", g ? "," : "");
+        text_put(&b, "%s\n ", g ? "," : "");
         sb_array(&b, s->attn + (size_t)g * M, (size_t)M, 1);
     }
     /* compute: forward and backward compute of one GPU for one (microbatch, layer): the
      * dense phase both ways and the experts at their multiplier (what a device times) */
-    sb_printf(&b, "],\n\"compute\": [");
+    text_put(&b, "],\n\"compute\": [");
     for (int32_t m = 0; m < M; m++) {
-        sb_printf(&b, "%s\n [", m ? "," : "");
+        text_put(&b, "%s\n [", m ? "," : "");
         for (int32_t l = 0; l < L; l++) {
-            sb_printf(&b, "%s\n  [", l ? "," : "");
+            text_put(&b, "%s\n  [", l ? "," : "");
             for (int32_t g = 0; g < G; g++) {
                 size_t cell = (size_t)g * M + m;
                 double v = s->dense_f[cell] + s->dense_b[cell] +
                            (1.0 + c->bwd.experts) * s->expert[((size_t)m * L + l) * G + g];
-                sb_printf(&b, "%s%.17g", g ? "," : "", v);
+                text_put(&b, "%s%.17g", g ? "," : "", v);
             }
-            sb_printf(&b, "]");
+            text_put(&b, "]");
         }
-        sb_printf(&b, "]");
+        text_put(&b, "]");
     }
     const char *names[3] = {"expert", "dispatch", "combine"};
     const double *arrays[3] = {s->expert, s->dispatch, s->dispatch};
     for (int k = 0; k < 3; k++) {
-        sb_printf(&b, "],\n\"%s\": [", names[k]);
+        text_put(&b, "],\n\"%s\": [", names[k]);
         for (int32_t m = 0; m < M; m++) {
-            sb_printf(&b, "%s\n [", m ? "," : "");
+            text_put(&b, "%s\n [", m ? "," : "");
             for (int32_t l = 0; l < L; l++) {
-                sb_printf(&b, "%s\n  ", l ? "," : "");
+                text_put(&b, "%s\n  ", l ? "," : "");
                 sb_array(&b, arrays[k] + ((size_t)m * L + l) * G, (size_t)G, 1);
             }
-            sb_printf(&b, "]");
+            text_put(&b, "]");
         }
     }
-    sb_printf(&b, "]\n}\n");
+    text_put(&b, "]\n}\n");
     if (b.failed) {
         rp_free(c->ctx, b.data);
         return rp_fail_nomem(err, "the cost breakdown JSON");

@@ -11,11 +11,11 @@ bool report_charted(const rp_report_policy *p);
 size_t report_longest_label(const rp_report *r);
 
 /* Step and migration time per step; the migration table; plan time against step time. */
-void report_steps(svg_buf *b, const rp_report *r);
+void report_steps(text_buf *b, const rp_report *r);
 /* The expert load the placements left at rp_report.load_step: bars or heatmaps. */
-void report_expert_load(svg_buf *b, const rp_report *r);
+void report_expert_load(text_buf *b, const rp_report *r);
 
 /* Memory per GPU: the busiest GPU of each policy's run against the capacity. */
-void report_memory(svg_buf *b, const rp_report *r);
+void report_memory(text_buf *b, const rp_report *r);
 
 #endif

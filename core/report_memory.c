@@ -6,17 +6,17 @@
 
 #include <math.h>
 
-static void put_gb(svg_buf *b, double bytes)
+static void put_gb(text_buf *b, double bytes)
 {
-    svg_put(b, "<td>%.1f</td>", bytes / 1e9);
+    text_put(b, "<td>%.1f</td>", bytes / 1e9);
 }
 
-void report_memory(svg_buf *b, const rp_report *r)
+void report_memory(text_buf *b, const rp_report *r)
 {
     int n = 0;
     for (int i = 0; i < r->num_policies; i++) n += report_charted(&r->policies[i]) && r->policies[i].memory;
     if (n == 0) return;
-    svg_put(b, "<h2>Memory per GPU</h2>\n<p>For each policy, the GPU that needed the most memory at any step, "
+    text_put(b, "<h2>Memory per GPU</h2>\n<p>For each policy, the GPU that needed the most memory at any step, "
                "in GB: expert weights, gradients and optimizer state of every slot, the dense parameters with "
                "theirs, the plan's extra replicas (weights and gradients, held for the step) and the migration "
                "staging, against hardware.hbm_bytes. Activations are not counted (the microbatch limits "
@@ -27,20 +27,20 @@ void report_memory(svg_buf *b, const rp_report *r)
         const rp_report_policy *p = &r->policies[i];
         if (!report_charted(p) || !p->memory) continue;
         const rp_gpu_memory *m = p->memory;
-        svg_put(b, "<tr><td class=\"l\"><span class=\"sw\" style=\"background:%s\"></span>", svg_colour(i));
+        text_put(b, "<tr><td class=\"l\"><span class=\"sw\" style=\"background:%s\"></span>", svg_colour(i));
         svg_text(b, p->label);
-        svg_put(b, "</td><td>%d</td>", m->gpu);
+        text_put(b, "</td><td>%d</td>", m->gpu);
         put_gb(b, m->expert_weight_bytes);
         put_gb(b, m->expert_grad_bytes);
         put_gb(b, m->expert_optimizer_bytes);
         put_gb(b, m->dense_weight_bytes + m->dense_grad_bytes + m->dense_optimizer_bytes);
-        svg_put(b, "<td>%lld (%.1f)</td>", (long long)m->extra_replicas, m->extra_replica_bytes / 1e9);
+        text_put(b, "<td>%lld (%.1f)</td>", (long long)m->extra_replicas, m->extra_replica_bytes / 1e9);
         put_gb(b, m->staging_bytes);
         put_gb(b, m->total_bytes);
         put_gb(b, m->capacity_bytes);
         double room = m->capacity_bytes - m->total_bytes;
-        svg_put(b, "<td%s>%.1f (%.0f%%)</td></tr>\n", room < 0 ? " class=\"err\"" : "", room / 1e9,
+        text_put(b, "<td%s>%.1f (%.0f%%)</td></tr>\n", room < 0 ? " class=\"err\"" : "", room / 1e9,
                 m->capacity_bytes > 0 ? 100.0 * room / m->capacity_bytes : 0.0);
     }
-    svg_put(b, "</table>\n");
+    text_put(b, "</table>\n");
 }

@@ -18,43 +18,15 @@ static const char *const policy_dash[] = {"", "6 3", "2 3", "8 3 2 3"};
 const char *const svg_side_label[4] = {"attention", "dispatch", "expert", "combine"};
 const char *const svg_side_colour[4] = {"#4E79A7", "#F28E2B", "#59A14F", "#B07AA1"};
 
-void svg_put(svg_buf *b, const char *fmt, ...)
-{
-    if (b->failed) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->data ? b->data + b->len : NULL, b->data ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->failed = true;
-            return;
-        }
-        if (b->data && b->len + (size_t)n < b->cap) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t cap = b->cap ? b->cap : 16384;
-        while (cap <= b->len + (size_t)n) cap *= 2;
-        char *grown = rp_realloc(b->ctx, b->data, cap);
-        if (!grown) {
-            b->failed = true;
-            return;
-        }
-        b->data = grown;
-        b->cap = cap;
-    }
-}
-
-void svg_text(svg_buf *b, const char *s)
+void svg_text(text_buf *b, const char *s)
 {
     for (; s && *s; s++) {
         switch (*s) {
-        case '&': svg_put(b, "&amp;"); break;
-        case '<': svg_put(b, "&lt;"); break;
-        case '>': svg_put(b, "&gt;"); break;
-        case '"': svg_put(b, "&quot;"); break;
-        default: svg_put(b, "%c", *s);
+        case '&': text_put(b, "&amp;"); break;
+        case '<': text_put(b, "&lt;"); break;
+        case '>': text_put(b, "&gt;"); break;
+        case '"': text_put(b, "&quot;"); break;
+        default: text_put(b, "%c", *s);
         }
     }
 }
@@ -94,30 +66,30 @@ double svg_px_x(const svg_frame *f, double v)
     return f->x0 + (v - f->xlo) / (f->xhi - f->xlo) * f->w;
 }
 
-void svg_y_axis(svg_buf *b, const svg_frame *f, const char *title)
+void svg_y_axis(text_buf *b, const svg_frame *f, const char *title)
 {
     int n = (int)llround((f->y.hi - f->y.lo) / f->y.step);
     for (int i = 0; i <= n; i++) {
         double v = f->y.lo + i * f->y.step, y = svg_px_y(f, v);
-        svg_put(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", f->x0, y,
+        text_put(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", f->x0, y,
             f->x0 + f->w, y);
-        svg_put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.*f</text>\n",
+        text_put(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.*f</text>\n",
             f->x0 - 6, y + 4, f->y.decimals, v);
     }
-    svg_put(b, "<text class=\"axis\" transform=\"translate(%.1f %.1f) rotate(-90)\" text-anchor=\"middle\">",
+    text_put(b, "<text class=\"axis\" transform=\"translate(%.1f %.1f) rotate(-90)\" text-anchor=\"middle\">",
         f->x0 - 52, f->y0 + f->h / 2);
     svg_text(b, title);
-    svg_put(b, "</text>\n");
-    svg_put(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\"/>\n", f->x0, f->y0,
+    text_put(b, "</text>\n");
+    text_put(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\"/>\n", f->x0, f->y0,
         f->w, f->h);
 }
 
-void svg_x_title(svg_buf *b, const svg_frame *f, const char *title)
+void svg_x_title(text_buf *b, const svg_frame *f, const char *title)
 {
-    svg_put(b, "<text class=\"axis\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">", f->x0 + f->w / 2,
+    text_put(b, "<text class=\"axis\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">", f->x0 + f->w / 2,
         f->y0 + f->h + 40);
     svg_text(b, title);
-    svg_put(b, "</text>\n");
+    text_put(b, "</text>\n");
 }
 
 /* 13 px legend text: about 7.5 px a character at most for these fonts (names are mostly
@@ -135,7 +107,7 @@ int svg_legend_rows(double width, int n, size_t max_chars)
     return (n + per_row - 1) / per_row;
 }
 
-double svg_legend(svg_buf *b, double x, double y, double width, int n, const char *const *labels,
+double svg_legend(text_buf *b, double x, double y, double width, int n, const char *const *labels,
                          const char *const *colours, const char *const *dashes, bool lines)
 {
     size_t longest = 0;
@@ -146,17 +118,17 @@ double svg_legend(svg_buf *b, double x, double y, double width, int n, const cha
     for (int i = 0; i < n; i++) {
         double ix = x + (i % per_row) * item_w, iy = y + (i / per_row) * row_h;
         if (lines)
-            svg_put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2.5\"%s%s%s/>"
+            text_put(b, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2.5\"%s%s%s/>"
                    "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"/>",
                 ix, iy, ix + 26, iy, colours[i], dashes && dashes[i][0] ? " stroke-dasharray=\"" : "",
                 dashes && dashes[i][0] ? dashes[i] : "", dashes && dashes[i][0] ? "\"" : "", ix + 13, iy,
                 colours[i]);
         else
-            svg_put(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" height=\"14\" fill=\"%s\"/>", ix + 6, iy - 7,
+            text_put(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" height=\"14\" fill=\"%s\"/>", ix + 6, iy - 7,
                 colours[i]);
-        svg_put(b, "<text class=\"legend\" x=\"%.1f\" y=\"%.1f\">", ix + 34, iy + 4);
+        text_put(b, "<text class=\"legend\" x=\"%.1f\" y=\"%.1f\">", ix + 34, iy + 4);
         svg_text(b, labels[i]);
-        svg_put(b, "</text>\n");
+        text_put(b, "</text>\n");
     }
     return ((n + per_row - 1) / per_row) * row_h;
 }

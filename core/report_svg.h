@@ -1,23 +1,17 @@
-/* Drawing helpers of the HTML report (core/report_*.c): a growing text buffer, escaped
- * text, policy and side colours, axis ticks, plot frames, axes and legends. Internal. */
+/* Drawing helpers of the HTML report (core/report_*.c), which writes into a text_buf
+ * (textbuf.h): escaped text, policy and side colours, axis ticks, plot frames, axes and
+ * legends. Internal. */
 #ifndef RP_REPORT_SVG_H
 #define RP_REPORT_SVG_H
 
 #include "internal.h"
+#include "textbuf.h"
 
 #include <stdbool.h>
 #include <stddef.h>
 
-typedef struct svg_buf {
-    rp_context *ctx;
-    char *data;
-    size_t len, cap;
-    bool failed; /* an allocation failed: every later put is a no-op */
-} svg_buf;
-
-void svg_put(svg_buf *b, const char *fmt, ...) RP_PRINTF(2, 3);
 /* Text with &, <, >, " escaped (for element content and attribute values). */
-void svg_text(svg_buf *b, const char *s);
+void svg_text(text_buf *b, const char *s);
 
 extern const char *const svg_side_label[4];
 extern const char *const svg_side_colour[4];
@@ -42,11 +36,11 @@ double svg_px_y(const svg_frame *f, double v);
 double svg_px_x(const svg_frame *f, double v);
 
 /* Y grid lines with labels, the axis title (rotated), and the frame's border. */
-void svg_y_axis(svg_buf *b, const svg_frame *f, const char *title);
-void svg_x_title(svg_buf *b, const svg_frame *f, const char *title);
+void svg_y_axis(text_buf *b, const svg_frame *f, const char *title);
+void svg_x_title(text_buf *b, const svg_frame *f, const char *title);
 /* A legend of swatches (or line samples) laid out in rows from (x, y), each item as wide as
  * the longest label needs (no label runs into the next); returns the height used. */
-double svg_legend(svg_buf *b, double x, double y, double width, int n, const char *const *labels,
+double svg_legend(text_buf *b, double x, double y, double width, int n, const char *const *labels,
                   const char *const *colours, const char *const *dashes, bool lines);
 /* The rows svg_legend takes for n labels of at most max_chars characters in `width`: what a
  * chart's height must leave room for. */
