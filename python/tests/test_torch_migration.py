@@ -263,3 +263,45 @@ def test_torch_checksum_equals_the_c_checksum():
     assert checksum_experts(experts) == want
     assert checksum_experts(experts, batch_bytes=5000) == want
     assert want[0] == 0xEF46DB3751D8E999   # no bytes: XXH64 of nothing
+
+
+def _step_result_rank(rank, world):
+    """execute(res) with the step's result; an older step's result after a later step is
+    refused on every rank before anything moves; the former execute() (the scheduler's
+    last step's) still runs, with a FutureWarning."""
+    import warnings
+
+    import routepack
+    from routepack.torch import MigrationExecutor, init_optimizer_state, slot_tensors
+    params, opt = _layer_tensors()
+    init_optimizer_state(opt)
+    tensors = [slot_tensors(ps, opt) for ps in params]
+    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
+    _fill(tensors, sched.initial_placement(), rank)
+    ex = MigrationExecutor(sched, timeout_s=5.0)
+    for l in range(L):
+        ex.register(l, tensors[l])
+    ex.sync()
+    out = {}
+    r0 = sched.step(*_step_inputs(0))
+    ex.execute(r0)
+    r1 = sched.step(*_step_inputs(1))
+    try:
+        ex.execute(r0)
+    except routepack.InvalidArgumentError as e:
+        out["stale"] = str(e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ex.execute()
+    out["warned"] = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    out["holds"] = _holds(tensors, r1.phy2log, rank, range(L)) and r0.migration is not None \
+        and r1.migration is not None
+    sched.close()
+    return out
+
+
+def test_a_step_result_carries_its_migration():
+    for out in torch_world.run(_step_result_rank, 4):
+        assert "step 0's migration cannot run now: the scheduler planned step 1 since" in out["stale"]
+        assert len(out["warned"]) == 1 and "execute(res)" in out["warned"][0]
+        assert out["holds"]
