@@ -1,6 +1,7 @@
-/* The commit of a migration round: staged experts swapped into their slots (further
- * slots of one staged copy through undo memory), the slots checked against their source
- * checksums, and the undo when any rank failed. */
+/* The commit of a migration round ("write, check, then decide"): staged experts swapped
+ * into their slots (further slots of one staged copy through undo memory) and checked
+ * there against their source checksums, the one check at the destination; then every
+ * rank's outcome is exchanged, and the undo runs on every rank when any failed. */
 #include "migrate_internal.h"
 
 #include <inttypes.h>
@@ -18,10 +19,13 @@ static const rp_tensor *write_slot(exec *x, int64_t k, const rp_migration_write 
  * each further write of a transfer first keeps the slot's old bytes in undo memory and
  * copies the staged expert in; then the first write of each transfer swaps staging
  * with its slot (staging then holds the old bytes). Then every written slot is
- * checksummed against its source: in host memory (t->host_direct) a swapped slot is
- * checksummed during its swap, chunk by chunk as each is written, one pass over its bytes;
- * the other writes (and every write in memory the transport reaches through callbacks)
- * in one batch afterwards. Failures go into x->mine; parts_done says what to undo. */
+ * checksummed against its source (the header's checksum, or the source slot's for a
+ * copy inside this GPU): in host memory (t->host_direct) a swapped slot is checksummed
+ * during its swap, chunk by chunk as each is written, one pass over its bytes; the
+ * other writes (and every write in memory the transport reaches through callbacks) in
+ * one batch afterwards. This is the destination's only check of the bytes: a message
+ * damaged on the way, staging changed before the commit, or a write gone wrong. Failures
+ * go into x->mine; parts_done says what to undo. */
 void migrate_commit_round(exec *x, int32_t round, double deadline)
 {
     rank_work *w = &x->w;
@@ -84,8 +88,7 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
                 off += ts[j].bytes;
             }
         }
-    /* The destination now holds what its source sent: checked in the slots themselves,
-     * so that staging changed after the check, or a write gone wrong, is caught. */
+    /* The destination now holds what its source sent: checked in the slots themselves. */
     int64_t parts = 0;
     for (int64_t k = k0; k < k1; k++) {
         if (fused && w->undo_off[k] < 0) continue; /* checked during its swap */
@@ -109,12 +112,16 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
         const rp_migration_transfer *tr = &x->tr[wr->transfer];
         uint64_t got = fused && w->undo_off[k] < 0 ? swapped_sum[k - k0] : sums.sums[b++];
         uint64_t want = w->want_sum[wr->transfer];
-        if (got != want) {
-            note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, tr->src_gpu, "layer %d slot %d: after the "
-                 "commit it does not hold expert %d (checksum 0x%016" PRIx64 " in the slot, 0x%016" PRIx64 " at the "
-                 "source): its staged copy changed after it was checked", wr->layer, wr->slot, tr->expert, got, want);
-            goto out;
-        }
+        if (got == want) continue;
+        if (tr->src_gpu == x->gpu)
+            note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, x->gpu, "layer %d expert %d: checksum mismatch "
+                 "after copying it from slot %d into slot %d (0x%016" PRIx64 " written, 0x%016" PRIx64 " in the "
+                 "source slot)", wr->layer, tr->expert, tr->src_slot, wr->slot, got, want);
+        else
+            note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, tr->src_gpu, "layer %d expert %d from rank %d: "
+                 "checksum mismatch (0x%016" PRIx64 " received, 0x%016" PRIx64 " sent)", wr->layer, tr->expert,
+                 tr->src_gpu - x->base, got, want);
+        goto out;
     }
 out:
     batch_free(x, &sums);

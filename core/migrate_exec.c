@@ -1,7 +1,8 @@
 /* The migration executor: agree on the plan and on what every slot holds, then round
- * by round move the copies into staging and check them (migrate_round.c), agree on
- * success, commit so that it can be undone and check the slots (migrate_commit.c), and
- * agree again: keep the round, or undo it on every rank. */
+ * by round move the copies into staging and check their headers (migrate_round.c),
+ * write them into their slots so that it can be undone and check the slots against the
+ * source checksums (migrate_commit.c), and agree once: keep the round, or undo it on
+ * every rank ("write, check, then decide"). */
 #include "migrate_internal.h"
 
 #include <inttypes.h>
@@ -470,53 +471,42 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
             res->failed_rank = t->rank;
             goto out;
         }
-        /* (4) Agree on the outcome. Ranks that failed fast wait for slow ones up to one
-         * exchange timeout past the round's deadline, so a rank that timed out still
-         * reaches this exchange in time. */
+        /* (4) Write and check: a rank whose round went well so far writes the round
+         * into its slots so that it can be undone, checking each slot against its
+         * source checksum (the destination's one pass over the bytes). */
+        for (int64_t k = x.w.round_writes[round]; k < x.w.round_writes[round + 1]; k++) x.w.parts_done[k] = 0;
+        if (x.mine.status == RP_OK) migrate_commit_round(&x, round, rp_now_s() + timeout);
+        /* (5) Decide: one exchange. Keep the round only if every rank wrote and checked
+         * it; else every rank restores what it wrote. A rank that cannot learn the
+         * answer restores its slots too: a round stays only where every rank confirmed
+         * it. Ranks that failed fast wait for slow ones up to one exchange timeout past
+         * the round's deadline (or past their own commit, if later), so a rank that
+         * timed out still reaches this exchange in time. */
+        double now = rp_now_s();
         double stall = 0.0;
         rp_fault_kind fault = rp_transport_fault_at(t, RP_FAULT_SITE_DECISION, &stall);
         if (fault == RP_FAULT_STALL_DECISION) sleep_s(stall);
-        st = exchange(&x, EXCHANGE_DECIDE(round), deadline + exchange_timeout, all, &e);
+        st = exchange(&x, EXCHANGE_DECIDE(round), (now > deadline ? now : deadline) + exchange_timeout, all, &e);
         if (st == RP_OK && fault == RP_FAULT_LOSE_DECISION)
             st = rp_fail(&e, RP_ETIMEOUT, "transport: rank %d lost the exchange's answer (injected fault)", t->rank);
         if (st != RP_OK) {
             rp_transport_break(t, "the decision exchange of a migration failed");
-            st = rp_fail(err, st, "migration: rank %d could not learn whether round %d succeeded on every rank (%s); "
-                         "it wrote nothing of it, and no rank keeps it without this rank's confirmation: the transport "
-                         "is unusable, end the job", t->rank, round, inner(&e));
-            res->failed_rank = t->rank;
-            goto out;
-        }
-        bad = pick_failure(all, P);
-        if (bad) {
-            char committed[96] = "nothing was written, every weight is as before";
-            if (res->rounds_committed > 0)
-                snprintf(committed, sizeof committed, "rounds 0 to %d stay committed (their layers are in the target "
-                         "placement)", res->rounds_committed - 1);
-            st = rp_fail(err, (rp_status)bad->status, "migration: rank %d: %s; round %d was rolled back on every rank "
-                         "(no slot of it was written); %s", bad->rank, bad->text, round, committed);
-            report(res, err, bad);
-            goto out;
-        }
-        /* (5) Every rank succeeded: commit, so that it can be undone, and check the
-         * slots. (6) Agree on that: keep the round only if every rank wrote and checked
-         * it; else every rank restores it. A rank that cannot learn the answer restores
-         * it too: a round stays only where every rank confirmed it. */
-        double commit_deadline = rp_now_s() + timeout;
-        migrate_commit_round(&x, round, commit_deadline);
-        fault = rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_EXCHANGE, NULL);
-        st = exchange(&x, EXCHANGE_COMMIT(round), commit_deadline + exchange_timeout, all, &e);
-        if (st == RP_OK && fault == RP_FAULT_LOSE_COMMIT)
-            st = rp_fail(&e, RP_ETIMEOUT, "transport: rank %d lost the exchange's answer (injected fault)", t->rank);
-        if (st != RP_OK) {
-            rp_transport_break(t, "the commit exchange of a migration failed");
             rp_error ue;
             rp_error_clear(&ue);
             bool undone = migrate_undo_round(&x, round, rp_now_s() + timeout, &ue) == RP_OK;
-            st = rp_fail(err, st, "migration: rank %d could not learn whether round %d committed on every rank (%s); "
-                         "%s, but other ranks may have kept theirs (the registry's slot identities say what each slot "
-                         "holds): the transport is unusable, end the job", t->rank, round, inner(&e),
-                         undone ? "it restored its own slots of that round" : ue.text);
+            if (x.mine.status != RP_OK)
+                /* its failure was in its record: no rank that read it keeps the round,
+                 * and no rank keeps it without reading it */
+                st = rp_fail(err, (rp_status)x.mine.status, "migration: rank %d: %s; it could not learn the other "
+                             "ranks' outcome of round %d (%s), but no rank keeps that round without this rank's "
+                             "confirmation; %s: the transport is unusable, end the job", t->rank, x.mine.text, round,
+                             inner(&e), undone ? "its own slots of that round are as before" : ue.text);
+            else
+                st = rp_fail(err, st, "migration: rank %d could not learn whether round %d committed on every rank "
+                             "(%s); %s, but other ranks may have kept theirs (the registry's slot identities say what "
+                             "each slot holds): the transport is unusable, end the job", t->rank, round, inner(&e),
+                             undone ? "it restored its own slots of that round" : ue.text);
+            if (x.mine.status != RP_OK) report(res, err, &x.mine);
             res->failed_rank = t->rank;
             goto out;
         }
@@ -525,7 +515,7 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
             rp_error ue;
             rp_error_clear(&ue);
             rp_status ust = migrate_undo_round(&x, round, rp_now_s() + timeout, &ue);
-            char committed[96] = "nothing was written, every weight is as before";
+            char committed[96] = "every weight is as before";
             if (res->rounds_committed > 0)
                 snprintf(committed, sizeof committed, "rounds 0 to %d stay committed (their layers are in the target "
                          "placement)", res->rounds_committed - 1);

@@ -1,8 +1,8 @@
 /* The migration executor's private contract: the records ranks exchange, one rank's
  * share of the plan, the state of one execution, the helpers its files share, and the
  * steps each file holds (migrate_exec.c: the agreement and the loop over rounds;
- * migrate_round.c: moving one round into staging and checking it; migrate_commit.c:
- * the commit, its check and its undo). */
+ * migrate_round.c: moving one round into staging and checking its headers;
+ * migrate_commit.c: the commit, its check of the bytes and its undo). */
 #ifndef RP_MIGRATE_INTERNAL_H
 #define RP_MIGRATE_INTERNAL_H
 
@@ -17,11 +17,10 @@
 /* Which exchange a record is for: ranks compare it, so a rank one exchange ahead or
  * behind is a failure every rank sees alike. */
 #define EXCHANGE_AGREE 0
-#define EXCHANGE_DECIDE(round) (1 + 2 * (round))
-#define EXCHANGE_COMMIT(round) (2 + 2 * (round))
+#define EXCHANGE_DECIDE(round) (1 + (round))
 
-/* What each rank tells the others, before moving (agreement), after each round's
- * checks (decision) and after each commit. Fixed layout; all ranks run the same build
+/* What each rank tells the others, before moving (agreement) and after each round's
+ * commit and its check (decision). Fixed layout; all ranks run the same build
  * on the same architecture. */
 typedef struct exec_record {
     uint64_t magic;
@@ -161,10 +160,11 @@ static inline rp_status batch_run(exec *x, sum_batch *b, double deadline, rp_err
     return x->t->vt->checksum(x->t, b->part_ptr, b->part_bytes, b->part_begin, b->n, b->sums, deadline, err);
 }
 
-/* Move one round into staging and check it (migrate_round.c); failures go into x->mine. */
+/* Move one round into staging and check its headers (migrate_round.c); failures go
+ * into x->mine. */
 void migrate_run_round(exec *x, int32_t round, double deadline);
-/* Write and check the round's slots so that it can be undone (migrate_commit.c);
- * failures go into x->mine. */
+/* Write the round's slots so that it can be undone, and check them against their
+ * sources (migrate_commit.c); failures go into x->mine. */
 void migrate_commit_round(exec *x, int32_t round, double deadline);
 /* Put back what migrate_commit_round wrote. */
 rp_status migrate_undo_round(exec *x, int32_t round, double deadline, rp_error *err);

@@ -1,6 +1,7 @@
 /* Moving one round of a migration into staging: the headers (each copy's identity and
- * source checksum, and the header's own checksum), the transfers, and the checks at the
- * destination. */
+ * source checksum, and the header's own checksum), the transfers, and the header checks
+ * at the destination. The experts themselves are checked once, as the commit writes them
+ * into their slots (migrate_commit.c), against the source checksums the headers carry. */
 #include "migrate_internal.h"
 
 #include <inttypes.h>
@@ -172,14 +173,14 @@ static bool check_header(exec *x, int32_t round, int32_t p, const uint64_t *h, i
     return true;
 }
 
-/* Move one round into staging and check it; failures go into x->mine. */
+/* Move one round into staging and check its headers; failures go into x->mine. */
 void migrate_run_round(exec *x, int32_t round, double deadline)
 {
     const rank_work *w = &x->w;
     rp_transport *t = x->t;
     const int32_t P = t->size;
     round_ops ro = {0};
-    sum_batch src_sums = {0}, staged_sums = {0};
+    sum_batch src_sums = {0};
     rp_error e;
     rp_error_clear(&e);
     int64_t *send_count = rp_calloc(x->ctx, (size_t)P, sizeof(int64_t));
@@ -232,7 +233,7 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
         h[6] = (uint64_t)send_count[p];
     }
     /* One batch: every expert this rank sends, then the slot of every copy inside it
-     * (compared with its staged copy after the round). */
+     * (what the commit compares the slots it writes with). */
     const int64_t num_send = w->round_send[round + 1] - w->round_send[round];
     const int64_t num_local = w->round_local[round + 1] - w->round_local[round];
     const int64_t num_recv = w->round_recv[round + 1] - w->round_recv[round];
@@ -247,8 +248,7 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
             rp_registry_tensors(x->reg, x->tr[w->local[k]].layer, x->tr[w->local[k]].src_slot, &count);
             parts += count;
         }
-        if (!batch_alloc(x, &src_sums, num_send + num_local, parts) ||
-            !batch_alloc(x, &staged_sums, num_local + num_recv, num_local + num_recv)) {
+        if (!batch_alloc(x, &src_sums, num_send + num_local, parts)) {
             note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's checksum lists", round);
             goto out;
         }
@@ -325,7 +325,7 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
 
     /* Copies inside this GPU, through staging, before the batch starts (on NCCL a copy
      * waits for the stream, which would then wait for the batch); checked with the
-     * received experts below. */
+     * received experts as the commit writes them. */
     for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++) {
         int64_t i = w->local[k];
         const rp_migration_transfer *tr = &x->tr[i];
@@ -358,7 +358,8 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
             goto finish;
         }
     }
-    /* Check every header, then every received expert against its source checksum. */
+    /* Check every header; each received expert's source checksum is what the commit
+     * compares its slot with. */
     if (ro.hdr_words_recv > 0 &&
         t->vt->to_host(t, ro.recv_hdr, ro.hdr_mem + (size_t)ro.hdr_words_send * 8, (size_t)ro.hdr_words_recv * 8,
                        deadline, &e) != RP_OK) {
@@ -369,44 +370,12 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
         if (!recv_count[p]) continue;
         if (!check_header(x, round, p, ro.recv_hdr + recv_hoff[p], recv_count[p], recv_first[p])) goto finish;
     }
-    /* One batch: every copy inside this GPU, then every received expert, as staged. */
-    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1]; k++)
-        batch_add_staged(x, &staged_sums, w->local[k]);
-    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++)
-        batch_add_staged(x, &staged_sums, w->recv[k]);
-    if (batch_run(x, &staged_sums, deadline, &e) != RP_OK) {
-        const rp_migration_transfer *tr = &x->tr[num_local > 0 ? w->local[w->round_local[round]]
-                                                               : w->recv[w->round_recv[round]]];
-        note(&x->mine, e.status, round, tr->layer, tr->expert, tr->src_gpu, "round %d: checksumming the %d staged "
-             "experts failed (layer %d expert %d is the first): %s", round, staged_sums.n, tr->layer, tr->expert,
-             inner(&e));
-        goto finish;
-    }
-    for (int64_t j = 0; j < num_local; j++) {
-        const rp_migration_transfer *tr = &x->tr[w->local[w->round_local[round] + j]];
-        uint64_t before = src_sums.sums[num_send + j], after = staged_sums.sums[j];
-        if (before != after) {
-            note(&x->mine, RP_ECHECKSUM, round, tr->layer, tr->expert, x->gpu,
-                 "layer %d expert %d: checksum mismatch after copying it from slot %d (0x%016" PRIx64
-                 " staged, 0x%016" PRIx64 " in the slot)", tr->layer, tr->expert, tr->src_slot, after, before);
-            goto finish;
-        }
-    }
     memset(msg_index, 0, (size_t)P * sizeof(int64_t));
     for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
-        const rp_migration_transfer *tr = &x->tr[w->recv[k]];
-        int32_t p = tr->src_gpu - x->base;
-        uint64_t want = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + HEADER_COPY * msg_index[p]++ + 2];
-        w->want_sum[w->recv[k]] = want;
-        uint64_t got = staged_sums.sums[num_local + (k - w->round_recv[round])];
-        if (got != want) {
-            note(&x->mine, RP_ECHECKSUM, round, tr->layer, tr->expert, tr->src_gpu,
-                 "layer %d expert %d from rank %d: checksum mismatch (0x%016" PRIx64 " received, 0x%016" PRIx64
-                 " sent)", tr->layer, tr->expert, p, got, want);
-            goto finish;
-        }
+        int32_t p = x->tr[w->recv[k]].src_gpu - x->base;
+        w->want_sum[w->recv[k]] = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + HEADER_COPY * msg_index[p]++ + 2];
     }
-    /* Fault injection (tests): the staged bytes change after they were checked. */
+    /* Fault injection (tests): staged bytes change after they arrived, before the commit. */
     if (rp_transport_fault_at(t, RP_FAULT_SITE_STAGED, NULL) == RP_FAULT_CORRUPT_STAGING && num_local + num_recv > 0) {
         int64_t i = num_local > 0 ? w->local[w->round_local[round]] : w->recv[w->round_recv[round]];
         unsigned char *byte = x->staging + w->stage_off[i] + x->tr[i].bytes / 2, v = 0;
@@ -423,7 +392,6 @@ nomem:
 out:
     round_ops_free(x, &ro, x->buffers_in_use);
     batch_free(x, &src_sums);
-    batch_free(x, &staged_sums);
     rp_free(x->ctx, send_count);
     rp_free(x->ctx, recv_count);
     rp_free(x->ctx, send_first);

@@ -47,7 +47,6 @@ static rp_fault_site fault_site(const rp_fault *f)
     switch (f->kind) {
     case RP_FAULT_STALL_DECISION:
     case RP_FAULT_LOSE_DECISION: return RP_FAULT_SITE_DECISION;
-    case RP_FAULT_LOSE_COMMIT: return RP_FAULT_SITE_COMMIT_EXCHANGE;
     case RP_FAULT_COMMIT_FAIL: return RP_FAULT_SITE_COMMIT_WRITE;
     case RP_FAULT_CORRUPT_STAGING: return RP_FAULT_SITE_STAGED;
     default: return f->header ? RP_FAULT_SITE_HEADER : RP_FAULT_SITE_PAYLOAD;

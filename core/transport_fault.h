@@ -21,24 +21,24 @@ typedef enum rp_fault_kind {
     RP_FAULT_STALL = 7,      /* the rank stops responding for delay_s at that send (its
                                 thread sleeps), then carries on */
     /* The executor's own steps on that rank: */
-    RP_FAULT_STALL_DECISION = 8,  /* sleep delay_s before entering the nth decision exchange */
+    RP_FAULT_STALL_DECISION = 8,  /* sleep delay_s before entering the nth decision exchange
+                                     (after that round's commit) */
     RP_FAULT_LOSE_DECISION = 9,   /* take part in the nth decision exchange, then behave as if
                                      it had timed out (an exchange that completed on the other
                                      ranks only, as MPI's can) */
-    RP_FAULT_LOSE_COMMIT = 10,    /* the same for the nth commit exchange */
     RP_FAULT_COMMIT_FAIL = 11,    /* the nth slot write of a commit fails (RP_ETRANSPORT) */
-    RP_FAULT_CORRUPT_STAGING = 12 /* after the nth round's check passed, before its commit,
-                                     one byte of this rank's staging is flipped */
+    RP_FAULT_CORRUPT_STAGING = 12 /* after the nth round's data arrived and its headers passed,
+                                     before its commit, one byte of this rank's staging is
+                                     flipped */
 } rp_fault_kind;
 
 /* Where a fault fires; each site counts its events from when the faults were set. */
 typedef enum rp_fault_site {
     RP_FAULT_SITE_PAYLOAD = 0, /* payload sends (messages carrying expert bytes) */
     RP_FAULT_SITE_HEADER,      /* header sends */
-    RP_FAULT_SITE_DECISION,    /* decision exchanges */
-    RP_FAULT_SITE_COMMIT_EXCHANGE,
+    RP_FAULT_SITE_DECISION,    /* decision exchanges (one a round, after its commit) */
     RP_FAULT_SITE_COMMIT_WRITE, /* slot writes at commit */
-    RP_FAULT_SITE_STAGED,       /* rounds whose staging passed the check */
+    RP_FAULT_SITE_STAGED,       /* rounds whose data arrived and headers passed */
     RP_FAULT_NUM_SITES
 } rp_fault_site;
 

@@ -520,14 +520,14 @@ static void test_checksum_callback(rp_context *ctx)
                 else if (rp_gpu_count() > 0)
                     s.t[g]->device_checksum = false; /* host malloc standing in for device memory */
             }
-            if (mode == 1) s.cb[2].checksum_wrong_at = 1; /* rank 2's staged checksums */
+            if (mode == 1) s.cb[2].checksum_wrong_at = 1; /* rank 2's check of the slots it wrote */
             if (mode == 2) s.cb[1].checksum_fail = true;
             scene_run(&s, 5.0);
             int64_t calls = 0;
             for (int g = 0; g < NR; g++) calls += s.cb[g].checksum_calls;
             if (mode == 0) {
                 ok(all_ok(&s) && bad_slots(&s, 3) == 0, "checksum callback, %s: every slot holds its expert", what);
-                ok(calls >= 3 * NR, "checksum callback, %s: every checksum went through it (%lld calls)", what,
+                ok(calls >= 2 * NR, "checksum callback, %s: every checksum went through it (%lld calls)", what,
                    (long long)calls);
                 ok(memory || !s.t[0]->host_direct, "checksum callback, %s: the commit check is not fused", what);
             } else if (mode == 1) {

@@ -3,7 +3,7 @@
  * of memory at every allocation while its peers are live, header faults, short and late
  * messages, a rank that stops responding mid-round, a stall in the decision exchange,
  * exchanges that complete on some ranks only, two faults at once, a failure during the
- * commit, staging corrupted after its check. Every test checks the same status on every
+ * commit, staging corrupted before the commit. Every test checks the same status on every
  * rank, committed rounds kept, the failed round leaving every rank's old bytes (and slot
  * identities) intact, and the transports usable where docs/migration.md says so. Also
  * the slot identity API and the executor's checks of it. */
@@ -303,8 +303,8 @@ static void test_stalls(rp_context *ctx)
     check_retry("rank 1 stops responding mid-round", &s);
     scene_free(&s);
 
-    /* Before the decision exchange, longer than it waits: nobody learns the outcome,
-     * nobody writes. */
+    /* Before the decision exchange (after its commit), longer than the others wait:
+     * nobody learns the outcome, every rank restores what it wrote. */
     if (rotate_scene(&s, ctx, 2, 0) != 0) {
         ok(0, "stall scene setup");
         scene_free(&s);
@@ -314,7 +314,8 @@ static void test_stalls(rp_context *ctx)
     scene_runs(&s, runs, 0.3);
     run_all(runs, NR);
     check_outcome("rank 3 stalls in the decision exchange", &s, runs, RP_ETIMEOUT, 0, false, false);
-    like(runs[0].err.text, "could not learn whether round 0 succeeded", "decision stall: the error says so");
+    like(runs[0].err.text, "could not learn whether round 0 committed on every rank", "decision stall: the error says so");
+    like(runs[0].err.text, "it restored its own slots of that round", "decision stall: and that it restored its slots");
     check_retry("rank 3 stalls in the decision exchange", &s);
     scene_free(&s);
 
@@ -334,41 +335,48 @@ static void test_stalls(rp_context *ctx)
 /* An exchange that completes on the other ranks only (MPI's can). */
 static void test_lost_exchanges(rp_context *ctx)
 {
-    /* The decision: the others write, then wait in vain for rank 3's confirmation and
-     * restore; before the commit exchange they kept the round (and a rerun moved the
-     * wrong experts while returning OK everywhere). */
+    /* After a failure of its own: rank 3's record told the others, so no rank keeps
+     * the round; every rank restores what it wrote, rank 3 says it cannot have been kept. */
     scene s;
+    if (replica_scene(&s, ctx) != 0) {
+        ok(0, "lost-exchange scene setup");
+        scene_free(&s);
+        return;
+    }
+    fault_all(&s, 3, (rp_fault){RP_FAULT_CORRUPT_STAGING, 0, 0, false});
+    rp_transport_add_fault(s.t[3], &(rp_fault){RP_FAULT_LOSE_DECISION, 0, 0, false});
+    rank_run runs[NR];
+    scene_runs(&s, runs, 2.0);
+    run_all(runs, NR);
+    ok(runs[0].st == RP_ECHECKSUM && runs[1].st == RP_ECHECKSUM && runs[2].st == RP_ECHECKSUM &&
+       runs[3].st == RP_ECHECKSUM, "decision lost after rank 3's own failure: every rank reports it");
+    like(runs[3].err.text, "no rank keeps that round without this rank's confirmation",
+         "decision lost after a failure: rank 3 knows nobody kept the round");
+    like(runs[0].err.text, "rolled back on every rank (the slots it wrote were restored)",
+         "decision lost after a failure: the others restored their slots");
+    is_int(scene_bad_slots(&s, 0), 0, "decision lost after a failure: every rank's old bytes are back");
+    is_int(identity_bad(&s, 0), 0, "decision lost after a failure: every slot's identity says what it holds");
+    ok(!rp_transport_usable(s.t[3]) && rp_transport_usable(s.t[0]),
+       "decision lost after a failure: rank 3's transport is unusable, the others' are not");
+    check_retry("decision lost after rank 3's own failure", &s);
+    scene_free(&s);
+
+    /* The decision exchange is the one window: ranks 0-2 keep the round, rank 3, which
+     * wrote and checked it, restores its slots: weights differ from the plan on some
+     * ranks, and the slot identities say so; the same plan run again is refused before
+     * anything moves. */
     if (rotate_scene(&s, ctx, 2, 0) != 0) {
         ok(0, "lost-exchange scene setup");
         scene_free(&s);
         return;
     }
     fault_all(&s, 3, (rp_fault){RP_FAULT_LOSE_DECISION, 0, 0, false});
-    rank_run runs[NR];
-    scene_runs(&s, runs, 0.3);
-    run_all(runs, NR);
-    check_outcome("decision lost on rank 3", &s, runs, RP_ETIMEOUT, 0, false, false);
-    like(runs[0].err.text, "could not learn whether round 0 committed on every rank",
-         "decision lost: the others could not confirm the commit");
-    like(runs[0].err.text, "it restored its own slots of that round", "decision lost: and restored their slots");
-    check_retry("decision lost on rank 3", &s);
-    scene_free(&s);
-
-    /* The commit exchange: the one window left. Ranks 0-2 keep the round, rank 3
-     * restores its slots: weights differ from the plan on some ranks, and the slot
-     * identities say so; the same plan run again is refused before anything moves. */
-    if (rotate_scene(&s, ctx, 2, 0) != 0) {
-        ok(0, "lost-exchange scene setup");
-        scene_free(&s);
-        return;
-    }
-    fault_all(&s, 3, (rp_fault){RP_FAULT_LOSE_COMMIT, 0, 0, false});
     scene_runs(&s, runs, 0.3);
     run_all(runs, NR);
     ok(runs[0].st == RP_OK && runs[1].st == RP_OK && runs[2].st == RP_OK && runs[3].st == RP_ETIMEOUT,
-       "commit answer lost on rank 3: ranks 0-2 kept the round, rank 3 reports the uncertainty");
-    like(runs[3].err.text, "end the job", "commit answer lost: rank 3 says to end the job");
-    ok(!rp_transport_usable(s.t[3]), "commit answer lost: rank 3's transport is unusable");
+       "decision lost on rank 3: ranks 0-2 kept the round, rank 3 reports the uncertainty");
+    like(runs[3].err.text, "end the job", "decision lost: rank 3 says to end the job");
+    ok(!rp_transport_usable(s.t[3]), "decision lost: rank 3's transport is unusable");
     int bad_identity = 0, bad_bytes = 0;
     for (int g = 0; g < NR; g++) {
         bad_bytes += w_gpu_bad_slots(&s.gpu[g], s.tgt, g < 3 ? 3 : 0);
@@ -377,12 +385,14 @@ static void test_lost_exchanges(rp_context *ctx)
             for (int k = 0; k < s.gpu[g].slots; k++) {
                 rp_slot_identity id;
                 rp_registry_identity(s.gpu[g].reg, l, k, &id, NULL);
-                int32_t want = rp_plan_phy2log(g < 3 ? s.tgt : s.cur, l)[sb[s.gpu[g].ep_rank] + k];
+                int32_t c = rp_plan_phy2log(s.cur, l)[sb[s.gpu[g].ep_rank] + k];
+                int32_t t = rp_plan_phy2log(s.tgt, l)[sb[s.gpu[g].ep_rank] + k];
+                int32_t want = g < 3 && t >= 0 ? t : c; /* a slot the target leaves empty keeps its expert */
                 bad_identity += id.expert != want;
             }
     }
     ok(bad_bytes == 0 && bad_identity == 0,
-       "commit answer lost: each rank's slots hold, and their identities name, what that rank kept");
+       "decision lost: each rank's slots hold, and their identities name, what that rank kept");
     /* The same plan again, on new transports: refused on every rank, nothing moves. */
     for (int g = 0; g < NR; g++) rp_transport_free(s.t[g]);
     rp_local_hub_free(s.hub);
@@ -443,12 +453,12 @@ static void test_two_faults(rp_context *ctx)
     rp_transport_add_fault(s.t[c], &(rp_fault){RP_FAULT_COMMIT_FAIL, 0, 0, false});
     scene_runs(&s, runs, 0.3);
     run_all(runs, NR);
-    check_outcome("two faults on rank 2 (a dropped header, then a failing write)", &s, runs, RP_ETIMEOUT, 0, true,
+    /* Rank 2's own round went well, so it writes (and its write fails) while rank 2's
+     * receiver waits for the header: a cause is reported over the timeout, every rank
+     * restores what it wrote. */
+    check_outcome("two faults on rank 2 (a dropped header, then a failing write)", &s, runs, RP_ETRANSPORT, 0, true,
                   true);
-    /* The write fault is still armed: the next run fails at the commit and restores. */
-    scene_runs(&s, runs, 2.0);
-    run_all(runs, NR);
-    check_outcome("two faults on rank 2, the second at the next commit", &s, runs, RP_ETRANSPORT, 0, true, true);
+    like(runs[0].err.text, "writing expert", "two faults on rank 2: the failing write is the cause named");
     check_retry("two faults on rank 2", &s);
     scene_free(&s);
 }
@@ -476,7 +486,8 @@ static void test_commit_faults(rp_context *ctx)
     check_retry("a write fails during rank 2's commit", &s);
     scene_free(&s);
 
-    /* Staging corrupted after the check: the slots are checked after the commit. */
+    /* Staging corrupted after the data arrived, before the commit: the slots are
+     * checked as the commit writes them, and every rank restores what it wrote. */
     if (replica_scene(&s, ctx) != 0) {
         ok(0, "commit scene setup");
         scene_free(&s);
@@ -485,16 +496,16 @@ static void test_commit_faults(rp_context *ctx)
     fault_all(&s, 1, (rp_fault){RP_FAULT_CORRUPT_STAGING, 0, 0, false});
     scene_runs(&s, runs, 2.0);
     run_all(runs, NR);
-    check_outcome("rank 1's staging corrupted after the check", &s, runs, RP_ECHECKSUM, 0, true, true);
-    like(runs[0].err.text, "after the commit it does not hold expert",
-         "corrupt staging: the error says the slot does not hold its expert");
-    like(runs[0].err.text, "changed after it was checked", "corrupt staging: and why");
+    check_outcome("rank 1's staging corrupted before the commit", &s, runs, RP_ECHECKSUM, 0, true, true);
+    like(runs[0].err.text, "checksum mismatch (0x", "corrupt staging: the slot's checksum differs from its source's");
+    like(runs[0].err.text, "rolled back on every rank (the slots it wrote were restored)",
+         "corrupt staging: and every rank restored what it wrote");
     rp_migration_gpu gs;
     rp_migration_plan_gpu(s.mp, 1, &gs, NULL);
     ok(runs[1].res.staging_bytes > gs.staging_bytes,
        "undo memory for the further writes is counted in the result's staging (%lld > %lld)",
        (long long)runs[1].res.staging_bytes, (long long)gs.staging_bytes);
-    check_retry("rank 1's staging corrupted after the check", &s);
+    check_retry("rank 1's staging corrupted before the commit", &s);
     scene_free(&s);
 
     /* In the second of three rounds: the first stays, the second is restored. */

@@ -183,8 +183,8 @@ static void test_more_faults(rp_context *ctx, rp_transport *t)
         {"stall mid-round", {RP_FAULT_STALL, 0, 0.6, false}, {0, 0, 0, false}, RP_ETIMEOUT, "before the deadline"},
         {"a failing write at commit", {RP_FAULT_COMMIT_FAIL, 0, 0, false}, {0, 0, 0, false}, RP_ETRANSPORT,
          "the slots it wrote were restored"},
-        {"staging corrupted after the check", {RP_FAULT_CORRUPT_STAGING, 0, 0, false}, {0, 0, 0, false},
-         RP_ECHECKSUM, "changed after it was checked"},
+        {"staging corrupted before the commit", {RP_FAULT_CORRUPT_STAGING, 0, 0, false}, {0, 0, 0, false},
+         RP_ECHECKSUM, "the slots it wrote were restored"},
         {"two faults on two ranks", {RP_FAULT_CORRUPT, 0, 0, false}, {RP_FAULT_SEND_FAIL, 0, 0, false}, 0,
          "rolled back on every rank"},
     };

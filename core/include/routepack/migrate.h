@@ -397,10 +397,10 @@ typedef struct rp_migration_result {
  * expert copy goes into staging, never into a live slot, after a header that carries
  * each copy's identity and source checksum (rp_checksum_expert, routepack/checksum.h; on
  * NCCL by the GPU kernel that equals it) and its own checksum; (3) each destination
- * checks every header, then every checksum; (4) the ranks exchange success; (5) only if
- * every rank succeeded, each swaps the staged bytes into its slots (keeping the old ones
- * to undo with) and checks the slots against the source checksums; (6) the ranks
- * exchange that: the round stays only if every rank wrote and checked it, and the
+ * checks every header; (4) a rank whose round went well so far swaps the staged bytes
+ * into its slots (keeping the old ones to undo with) and checks the written slots
+ * against the source checksums, its one pass over the received bytes; (5) the ranks
+ * exchange that once: the round stays only if every rank wrote and checked it, and the
  * written slots take their new identity; otherwise every rank restores its slots. A
  * failure anywhere in a round (transport error, timeout, checksum mismatch, corrupt or
  * stale header, no memory, a failed write) leaves that round's old bytes on every rank,
