@@ -16,6 +16,15 @@ rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb, co
     return rp_fail(err, RP_ENOTSUP, "gpu remap: %s", NO_CUDA);
 }
 
+rp_status rp_gpu_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, int32_t gpu, const rp_batch *batch,
+                            const rp_routing *local_routing_dev, rp_split_rule rule, int32_t *phys_ids_dev,
+                            int64_t *slot_tokens, rp_error *err)
+{
+    (void)plan, (void)cfg, (void)mb, (void)gpu, (void)batch, (void)local_routing_dev, (void)rule;
+    (void)phys_ids_dev, (void)slot_tokens;
+    return rp_fail(err, RP_ENOTSUP, "gpu remap: %s", NO_CUDA);
+}
+
 rp_status rp_gpu_gather(rp_context *ctx, const void *const *part_ptr, const size_t *part_bytes, const int32_t *part_begin,
                         int32_t num_experts, void *buffer_dev, size_t buffer_bytes, void *stream, rp_error *err)
 {

@@ -692,11 +692,24 @@ rp_status rp_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, i
         goto out;
     }
     {
+        /* Device memory goes to the kernel (rp_gpu_remap_rank), which rebuilds the table. */
         bool ids_dev;
         RP_CHECK_GOTO(gpu_routing_on_device(routing, local, "remap", &ids_dev, err), st, out);
-        if (ids_dev || (phys_ids && gpu_on_device(phys_ids)) || (slot_tokens && gpu_on_device(slot_tokens))) {
-            st = rp_fail(err, RP_ENOTSUP, "remap: one rank's remap runs on the host; its ids or outputs are device "
-                         "memory (use rp_remap on the GPU, or copy them to the host)");
+        if (slot_tokens && gpu_on_device(slot_tokens)) {
+            st = rp_fail(err, RP_EINVAL, "remap: slot_tokens is device memory; it is written on the host on both "
+                         "paths");
+            goto out;
+        }
+        const bool out_dev = phys_ids && gpu_on_device(phys_ids);
+        if (phys_ids && ids_dev != out_dev && rp_batch_num_tokens(local) > 0) {
+            st = rp_fail(err, RP_EINVAL, "remap: the routing ids are %s memory but phys_ids is %s memory; both must "
+                         "be on the host or both on the device", ids_dev ? "device" : "host",
+                         out_dev ? "device" : "host");
+            goto out;
+        }
+        if (ids_dev) {
+            st = rp_gpu_remap_rank(plan, cfg, mb, gpu, batch, routing, rule, phys_ids, slot_tokens, err);
+            if (st == RP_ERANGE) gpu_error_as_cpu(err); /* nothing written: the CPU's message */
             goto out;
         }
     }

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 
@@ -234,28 +235,18 @@ cudaError_t launch(const args &a, int warps, size_t smem, int32_t G)
     return cudaGetLastError();
 }
 
-} // namespace
-
-extern "C" rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb, const rp_batch *batch,
-                                  const rp_routing *routing_dev, rp_split_rule rule, int32_t *phys_ids_dev,
-                                  int64_t *slot_tokens, rp_error *err)
+/* The kernels over table `t`, whose sequences are those of a batch with offsets `cu`
+ * (host): checks every id (rp_gpu_microbatch_loads), writes phys_ids_dev, and fills
+ * `loads` [G][L][E] (host, zeroed) with each source's occurrences. Synchronises. */
+rp_status run_table(rp_context *ctx, const remap_table &t, const int64_t *cu, const rp_routing *routing_dev,
+                    int32_t *phys_ids_dev, int64_t *loads, rp_error *err)
 {
-    if (!plan || !routing_dev || !batch) return rp_fail(err, RP_EINVAL, "gpu remap: missing plan, batch or routing");
-    if (routing_dev->layout != RP_ROUTING_PACKED)
-        return rp_fail(err, RP_ENOTSUP, "gpu remap: only the packed routing layout is supported on the device");
-    rp_context *ctx = rp_plan_context(plan);
-    remap_table t;
-    rp_status st = remap_table_build(ctx, plan, cfg, mb, batch, routing_dev->num_layers, routing_dev->top_k, rule,
-                                     &t, err);
-    if (st != RP_OK) return st;
+    rp_status st = RP_OK;
     const int32_t G = t.G, L = t.L, E = t.E;
     const int64_t R = (int64_t)L * t.k;
-    const size_t rows = (size_t)L * (size_t)t.Q * (size_t)t.P;
-    const int64_t *cu = rp_batch_cu_seqlens(batch);
     void *cu_dev = NULL, *map_dev = NULL, *cand_dev = NULL, *phys_dev = NULL, *w_dev = NULL, *bofs_dev = NULL;
     void *first_dev = NULL, *count_dev = NULL, *tiles_dev = NULL, *tb_dev = NULL, *hist_dev = NULL;
     void *bounds_dev = NULL;
-    int64_t *loads = NULL;
     tile *tiles = NULL;
     int32_t *tile_begin = NULL;
     int64_t num_tiles = 0, tile_tokens = kTileTokens;
@@ -263,7 +254,6 @@ extern "C" rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int
     size_t smem = 0;
     args a;
 
-    if ((st = rp_routing_check_shape(routing_dev, batch, E, err)) != RP_OK) goto out;
     if (t.num_order > 0 && !phys_ids_dev) {
         st = rp_fail(err, RP_EINVAL, "gpu remap: no output array");
         goto out;
@@ -286,9 +276,8 @@ extern "C" rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int
         st = rp_fail(err, RP_ERANGE, "gpu remap: %lld ids per token are too many", (long long)R);
         goto out;
     }
-    loads = (int64_t *)rp_calloc(ctx, (size_t)G * (size_t)L * (size_t)E, sizeof *loads);
     tile_begin = (int32_t *)rp_alloc(ctx, sizeof(int32_t) * (size_t)(G + 1));
-    if (!loads || !tile_begin) {
+    if (!tile_begin) {
         st = rp_fail_nomem(err, "gpu remap tables");
         goto out;
     }
@@ -334,7 +323,6 @@ extern "C" rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int
         }
     }
     tile_begin[G] = (int32_t)num_tiles;
-
     if (num_tiles > 0) {
         CU_CHECK(cudaGetDevice(&device), "cudaGetDevice");
         CU_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
@@ -393,13 +381,6 @@ extern "C" rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int
         }
         CU_CHECK(cudaDeviceSynchronize(), "running the remap kernels");
     }
-    if (slot_tokens) {
-        memset(slot_tokens, 0, rows * sizeof *slot_tokens);
-        for (int32_t g = 0; g < G; g++)
-            for (int32_t l = 0; l < L; l++)
-                for (int32_t e = 0; e < E; e++)
-                    remap_add_counts(&t, g, l, e, loads[((size_t)g * L + l) * E + e], slot_tokens);
-    }
 out:
     cudaFree(cu_dev);
     cudaFree(map_dev);
@@ -413,9 +394,130 @@ out:
     cudaFree(tb_dev);
     cudaFree(hist_dev);
     cudaFree(bounds_dev);
-    rp_free(ctx, loads);
     rp_free(ctx, tiles);
     rp_free(ctx, tile_begin);
+    return st;
+}
+
+} // namespace
+
+extern "C" rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb, const rp_batch *batch,
+                                  const rp_routing *routing_dev, rp_split_rule rule, int32_t *phys_ids_dev,
+                                  int64_t *slot_tokens, rp_error *err)
+{
+    if (!plan || !routing_dev || !batch) return rp_fail(err, RP_EINVAL, "gpu remap: missing plan, batch or routing");
+    if (routing_dev->layout != RP_ROUTING_PACKED)
+        return rp_fail(err, RP_ENOTSUP, "gpu remap: only the packed routing layout is supported on the device");
+    rp_context *ctx = rp_plan_context(plan);
+    remap_table t;
+    rp_status st = remap_table_build(ctx, plan, cfg, mb, batch, routing_dev->num_layers, routing_dev->top_k, rule,
+                                     &t, err);
+    if (st != RP_OK) return st;
+    const size_t rows = (size_t)t.L * (size_t)t.Q * (size_t)t.P;
+    int64_t *loads = NULL;
+    if ((st = rp_routing_check_shape(routing_dev, batch, t.E, err)) != RP_OK) goto out;
+    loads = (int64_t *)rp_calloc(ctx, (size_t)t.G * (size_t)t.L * (size_t)t.E + 1, sizeof *loads);
+    if (!loads) {
+        st = rp_fail_nomem(err, "gpu remap tables");
+        goto out;
+    }
+    if ((st = run_table(ctx, t, rp_batch_cu_seqlens(batch), routing_dev, phys_ids_dev, loads, err)) != RP_OK)
+        goto out;
+    if (slot_tokens) {
+        memset(slot_tokens, 0, rows * sizeof *slot_tokens);
+        for (int32_t g = 0; g < t.G; g++)
+            for (int32_t l = 0; l < t.L; l++)
+                for (int32_t e = 0; e < t.E; e++)
+                    remap_add_counts(&t, g, l, e, loads[((size_t)g * t.L + l) * t.E + e], slot_tokens);
+    }
+out:
+    rp_free(ctx, loads);
+    remap_table_free(ctx, &t);
+    return st;
+}
+
+/* rp_remap_rank on the device: the table seen from GPU `gpu` alone, as core/remap.c's
+ * rp_remap_rank builds it (its listed sequences are the local ones 0 .. m-1; the other
+ * GPUs list none), run by the same kernels. */
+extern "C" rp_status rp_gpu_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, int32_t gpu,
+                                       const rp_batch *batch, const rp_routing *local_routing_dev, rp_split_rule rule,
+                                       int32_t *phys_ids_dev, int64_t *slot_tokens, rp_error *err)
+{
+    if (!plan || !local_routing_dev || !batch)
+        return rp_fail(err, RP_EINVAL, "gpu remap: missing plan, batch or routing");
+    if (local_routing_dev->layout != RP_ROUTING_PACKED)
+        return rp_fail(err, RP_ENOTSUP, "gpu remap: only the packed routing layout is supported on the device");
+    rp_context *ctx = rp_plan_context(plan);
+    remap_table t;
+    rp_status st = remap_table_build(ctx, plan, cfg, mb, batch, local_routing_dev->num_layers,
+                                     local_routing_dev->top_k, rule, &t, err);
+    if (st != RP_OK) return st;
+    rp_batch *local = NULL;
+    int32_t *plen = NULL, *rlen = NULL, *iota = NULL, *begin = NULL, *seq_gpu = NULL;
+    int64_t *loads = NULL, *rows = NULL;
+    int32_t m = 0;
+    const int32_t *listed = NULL;
+    remap_table lt;
+    if (gpu < 0 || gpu >= t.G) {
+        st = rp_fail(err, RP_EINVAL, "gpu remap: GPU %d is out of range (the plan has %d)", gpu, t.G);
+        goto out;
+    }
+    m = t.gpu_begin[gpu + 1] - t.gpu_begin[gpu];
+    listed = t.order + t.gpu_begin[gpu];
+    plen = (int32_t *)rp_alloc(ctx, sizeof(int32_t) * ((size_t)m + 1));
+    rlen = (int32_t *)rp_alloc(ctx, sizeof(int32_t) * ((size_t)m + 1));
+    iota = (int32_t *)rp_alloc(ctx, sizeof(int32_t) * ((size_t)m + 1));
+    seq_gpu = (int32_t *)rp_alloc(ctx, sizeof(int32_t) * ((size_t)m + 1));
+    begin = (int32_t *)rp_alloc(ctx, sizeof(int32_t) * ((size_t)t.G + 1));
+    loads = (int64_t *)rp_calloc(ctx, (size_t)t.G * (size_t)t.L * (size_t)t.E + 1, sizeof *loads);
+    rows = (int64_t *)rp_calloc(ctx, (size_t)t.L * (size_t)t.Q * (size_t)t.P + 1, sizeof *rows);
+    if (!plen || !rlen || !iota || !seq_gpu || !begin || !loads || !rows) {
+        st = rp_fail_nomem(err, "gpu remap tables");
+        goto out;
+    }
+    for (int32_t i = 0; i < m; i++) {
+        plen[i] = rp_batch_prompt_lens(batch)[listed[i]];
+        rlen[i] = rp_batch_response_lens(batch)[listed[i]];
+        iota[i] = i;
+        seq_gpu[i] = gpu;
+    }
+    if ((st = rp_batch_new(ctx, m, plen, rlen, NULL, &local, err)) != RP_OK) goto out;
+    if ((st = rp_routing_check_shape(local_routing_dev, local, t.E, err)) != RP_OK) goto out;
+    for (int32_t g = 0; g <= t.G; g++) begin[g] = g <= gpu ? 0 : m;
+    lt = t;
+    lt.order = iota;
+    lt.num_order = m;
+    lt.num_seqs = m;
+    lt.gpu_begin = begin;
+    lt.seq_gpu = seq_gpu;
+    st = run_table(ctx, lt, rp_batch_cu_seqlens(local), local_routing_dev, phys_ids_dev, loads, err);
+    if (st == RP_ERANGE && err && err->sequence >= 0 && err->sequence < m) {
+        /* the sequence an id error names is the global one, as on the CPU */
+        const int32_t global = listed[err->sequence];
+        const char *rest = strstr(err->text, " token ");
+        char text[sizeof err->text];
+        snprintf(text, sizeof text, "routing: sequence %d%s", global, rest ? rest : "");
+        if (rest) memcpy(err->text, text, sizeof text);
+        err->sequence = global;
+    }
+    if (st != RP_OK) goto out;
+    if (slot_tokens) {
+        const size_t q = (size_t)(gpu / t.ep);
+        for (int32_t l = 0; l < t.L; l++)
+            for (int32_t e = 0; e < t.E; e++)
+                remap_add_counts(&t, gpu, l, e, loads[((size_t)gpu * t.L + l) * t.E + e], rows);
+        for (int32_t l = 0; l < t.L; l++)
+            memcpy(slot_tokens + (size_t)l * t.P, rows + ((size_t)l * t.Q + q) * t.P, (size_t)t.P * sizeof *rows);
+    }
+out:
+    rp_batch_free(local);
+    rp_free(ctx, plen);
+    rp_free(ctx, rlen);
+    rp_free(ctx, iota);
+    rp_free(ctx, seq_gpu);
+    rp_free(ctx, begin);
+    rp_free(ctx, loads);
+    rp_free(ctx, rows);
     remap_table_free(ctx, &t);
     return st;
 }

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 
 /* Checks that need a device; printed as skipped without one. */
-#define REMAP_CHECKS 21
+#define REMAP_CHECKS 24
 #define COPY_CHECKS 8
 #define CHECKSUM_CHECKS 7
 #define GPU_CHECKS (REMAP_CHECKS + COPY_CHECKS + CHECKSUM_CHECKS)
@@ -218,6 +218,65 @@ static bool remap_agrees(rcase *c, rp_split_rule rule, const char *what)
     return same;
 }
 
+/* One GPU's own tokens of every microbatch of a case (rp_remap_rank's local order: the
+ * listed sequences' ids concatenated): the CPU reference rp_remap_rank, the kernel
+ * rp_gpu_remap_rank, and rp_remap_rank given the device arrays; true if all three give
+ * the same ids and counts on every GPU. */
+static bool rank_agrees(rcase *c, rp_split_rule rule, const char *what)
+{
+    const int64_t *cu = rp_batch_cu_seqlens(c->batch);
+    const int32_t G = rp_plan_num_gpus(c->plan);
+    const size_t rec = (size_t)c->token_stride * (size_t)c->width, nid = (size_t)c->L * c->k;
+    bool same = true;
+    for (int32_t mb = 0; same && mb < c->M; mb++)
+        for (int32_t g = 0; same && g < G; g++) {
+            int32_t cnt = 0;
+            const int32_t *seqs = rp_plan_microbatch(c->plan, g, mb, &cnt);
+            int64_t tok = 0;
+            for (int32_t i = 0; i < cnt; i++) tok += cu[seqs[i] + 1] - cu[seqs[i]];
+            unsigned char *mine = malloc((size_t)tok * rec + 1), *p = mine;
+            for (int32_t i = 0; i < cnt; i++) {
+                const size_t n = (size_t)(cu[seqs[i] + 1] - cu[seqs[i]]) * rec;
+                memcpy(p, (unsigned char *)c->ids + (size_t)cu[seqs[i]] * rec, n);
+                p += n;
+            }
+            rp_routing hr, dr;
+            hr.layout = RP_ROUTING_PACKED, hr.width = c->width, hr.num_layers = c->L, hr.top_k = c->k;
+            hr.token_stride = c->token_stride, hr.layer_stride = c->k, hr.k_stride = 1;
+            hr.base = mine, hr.bases = NULL, hr.num_bases = 0;
+            dr = hr;
+            const size_t out_n = (size_t)tok * nid, P = (size_t)rp_remap_num_physical(c->plan, mb);
+            int32_t *want = malloc(sizeof *want * (out_n + 1)), *got = malloc(sizeof *got * (out_n + 1));
+            for (size_t i = 0; i < out_n; i++) want[i] = got[i] = -3;
+            void *ids_dev = dev_alloc((size_t)tok * rec + 1, mine);
+            void *out_dev = dev_alloc(sizeof *got * (out_n + 1), got), *fwd_dev = dev_alloc(sizeof *got * (out_n + 1), got);
+            int64_t *wc = calloc((size_t)c->L * P + 1, sizeof *wc), *gc = calloc((size_t)c->L * P + 1, sizeof *gc);
+            int64_t *fc = calloc((size_t)c->L * P + 1, sizeof *fc);
+            dr.base = ids_dev;
+            rp_error err;
+            rp_status a = rp_remap_rank(c->plan, c->cfg, mb, g, c->batch, &hr, rule, want, wc, &err);
+            if (a != RP_OK) diag("%s: cpu: %s", what, err.text);
+            rp_status b = rp_gpu_remap_rank(c->plan, c->cfg, mb, g, c->batch, &dr, rule, (int32_t *)out_dev, gc, &err);
+            if (b != RP_OK) diag("%s: gpu: %s", what, err.text);
+            rp_status f = rp_remap_rank(c->plan, c->cfg, mb, g, c->batch, &dr, rule, (int32_t *)fwd_dev, fc, &err);
+            if (f != RP_OK) diag("%s: rp_remap_rank on device memory: %s", what, err.text);
+            same = ids_dev && out_dev && fwd_dev && a == RP_OK && b == RP_OK && f == RP_OK &&
+                   memcmp(wc, gc, (size_t)c->L * P * sizeof *wc) == 0 && memcmp(wc, fc, (size_t)c->L * P * sizeof *wc) == 0;
+            if (!same && a == RP_OK && b == RP_OK && f == RP_OK) diag("%s: mb %d gpu %d: per-slot counts differ", what, mb, g);
+            for (int side = 0; same && side < 2; side++) {
+                same = download(got, side ? fwd_dev : out_dev, sizeof *got * out_n) &&
+                       memcmp(want, got, sizeof *got * out_n) == 0;
+                if (!same) diag("%s: mb %d gpu %d: %s ids differ from the CPU's", what, mb, g,
+                                side ? "rp_remap_rank on device memory" : "rp_gpu_remap_rank");
+            }
+            rp_gpu_dev_free(ids_dev);
+            rp_gpu_dev_free(out_dev);
+            rp_gpu_dev_free(fwd_dev);
+            free(mine), free(want), free(got), free(wc), free(gc), free(fc);
+        }
+    return same;
+}
+
 static void test_remap(void)
 {
     uint64_t rng = 0xC0FFEE;
@@ -230,18 +289,22 @@ static void test_remap(void)
         bool okay = rcase_make(&c, &rng, 2, 4, 8, 3, 20, 3, 4, lens, 64, 3, widths[w], 0, w == 2 ? 3 : 0);
         gok(okay && remap_agrees(&c, RP_SPLIT_LOCALITY, "random/locality") && remap_agrees(&c, RP_SPLIT_EVEN, "random/even"),
             "remap: random routing, %d-byte ids%s, both rules: GPU equals CPU", (int)widths[w], w == 2 ? ", padded tokens" : "");
+        gok(okay && rank_agrees(&c, RP_SPLIT_LOCALITY, "rank/locality") && rank_agrees(&c, RP_SPLIT_EVEN, "rank/even"),
+            "remap_rank: each GPU's own tokens, %d-byte ids%s, both rules: rp_gpu_remap_rank and rp_remap_rank on "
+            "device memory equal rp_remap_rank on the CPU", (int)widths[w], w == 2 ? ", padded tokens" : "");
         rcase_free(&c);
     }
     /* groups that nodes cut unevenly (gpus per node 3, EP size 2): per-GPU sources */
     gok(rcase_make(&c, &rng, 2, 3, 2, 4, 6, 2, 2, lens, 40, 2, RP_ID_U8, 0, 0) &&
-            remap_agrees(&c, RP_SPLIT_LOCALITY, "uneven nodes"),
-        "remap: EP groups split unevenly by nodes");
+            remap_agrees(&c, RP_SPLIT_LOCALITY, "uneven nodes") && rank_agrees(&c, RP_SPLIT_LOCALITY, "rank/uneven"),
+        "remap: EP groups split unevenly by nodes (whole microbatch and each GPU's own tokens)");
     rcase_free(&c);
     /* long sequences: many tiles per sequence and per GPU */
     int32_t longs[6] = {5000, 1, 0, 7777, 300, 2600};
     gok(rcase_make(&c, &rng, 1, 4, 4, 3, 8, 4, 8, longs, 6, 1, RP_ID_U8, 0, 0) &&
-            remap_agrees(&c, RP_SPLIT_EVEN, "long/even") && remap_agrees(&c, RP_SPLIT_LOCALITY, "long/locality"),
-        "remap: long sequences (many tiles per sequence), top-8");
+            remap_agrees(&c, RP_SPLIT_EVEN, "long/even") && remap_agrees(&c, RP_SPLIT_LOCALITY, "long/locality") &&
+            rank_agrees(&c, RP_SPLIT_EVEN, "rank/long"),
+        "remap: long sequences (many tiles per sequence), top-8 (whole microbatch and each GPU's own tokens)");
     rcase_free(&c);
     /* every id the same (replicated) expert */
     gok(rcase_make(&c, &rng, 2, 2, 4, 3, 6, 2, 2, longs, 6, 2, RP_ID_U16, 1, 0) &&
@@ -577,6 +640,9 @@ int main(void)
         ok(rp_gpu_checksum(ctx, NULL, NULL, (int32_t[]){0, 0}, 1, (uint64_t[1]){0}, NULL, &err) == RP_ENOTSUP,
            "without a GPU: rp_gpu_checksum is RP_ENOTSUP");
         like(err.text, rp_gpu_built() ? "no CUDA device" : "no CUDA kernels", "and says why");
+        ok(rp_gpu_remap_rank(NULL, NULL, 0, 0, NULL, NULL, RP_SPLIT_EVEN, NULL, NULL, &err) ==
+               (rp_gpu_built() ? RP_EINVAL : RP_ENOTSUP),
+           "without a GPU: rp_gpu_remap_rank refuses (%s)", err.text);
         skip(GPU_CHECKS, "no GPU");
         rp_context_free(ctx);
         return tap_done();

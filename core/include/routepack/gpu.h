@@ -83,6 +83,20 @@ RP_API rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int32_t
                               rp_split_rule rule, int32_t *phys_ids_dev, int64_t *slot_tokens,
                               rp_error *err);
 
+/* rp_remap_rank on the device: one GPU's own tokens of microbatch `mb`, the same
+ * integers (its CPU reference is rp_remap_rank, routepack/remap.h, whose rules and
+ * local token order it takes). `local_routing_dev` is a packed view (RP_ROUTING_PACKED,
+ * any strides) of the listed sequences' ids only, whose base is device memory; writes
+ * phys_ids_dev (device, [local tokens, layers, k] int32) and, if not NULL, slot_tokens
+ * on the host ([layer * P + p], as rp_remap_rank). Errors as rp_remap_rank's (nothing
+ * written; an id error names the global sequence), plus rp_gpu_remap's RP_ENOTSUP cases.
+ * The kernels run on the legacy default stream; the device is synchronised before the
+ * call returns (the id check reads the per-expert counts back first). */
+RP_API rp_status rp_gpu_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, int32_t gpu,
+                                   const rp_batch *batch, const rp_routing *local_routing_dev,
+                                   rp_split_rule rule, int32_t *phys_ids_dev, int64_t *slot_tokens,
+                                   rp_error *err);
+
 /* Expert migration buffers. Expert i is the concatenation of its parts
  * part_begin[i] .. part_begin[i+1]-1 (part_ptr[p]: device memory of part_bytes[p]
  * bytes; the three arrays live on the host). A contiguous buffer holds the experts back

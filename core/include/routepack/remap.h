@@ -81,8 +81,10 @@ RP_API rp_status rp_remap(const rp_plan *plan, const rp_config *cfg, int32_t mb,
  * GPU sends to physical id p of its own EP group (P = rp_remap_num_physical); summed over
  * the GPUs of EP group q it is rp_remap's slot_tokens row q. Errors (nothing written):
  * gpu out of range (RP_EINVAL), and those of rp_remap for the table and the ids (the
- * sequence in an id error is the global one); device memory is RP_ENOTSUP (use rp_remap
- * on the GPU, or copy the ids to the host). */
+ * sequence in an id error is the global one). Device memory: when the local ids are
+ * device memory the call is rp_gpu_remap_rank's (routepack/gpu.h), with rp_remap's rules
+ * for it (phys_ids device memory too, a packed view, slot_tokens on the host, the same
+ * integers, the device synchronised before it returns). */
 RP_API rp_status rp_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, int32_t gpu,
                                const rp_batch *batch, const rp_routing *local_routing,
                                rp_split_rule rule, int32_t *phys_ids, int64_t *slot_tokens,
