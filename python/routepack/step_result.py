@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from . import _args, _lib, _routing, errors
+from . import _args, _lib, _remap_device, _routing, errors
 from ._context import Owned
 from .placement import ExpertPlacement
 from .trace import _new_batch
@@ -119,8 +119,13 @@ class StepResult:
         any form step() takes. The same ids remap() gives those tokens. With
         ``slot_tokens=True`` returns (ids, counts): counts[layer, p] token-choices this
         rank sends to physical id p of its EP group (int64, P = num_physical[mb]).
-        Torch in, torch out: given a torch tensor (CPU or CUDA; a CUDA one is read through
-        a host copy), ids and counts are tensors on its device; else numpy arrays."""
+        Torch in, torch out: given a torch tensor (CPU or CUDA), ids and counts are tensors
+        on its device; else numpy arrays. A packed CUDA tensor is remapped on the device
+        (rp_gpu_remap_rank: the same ids, no host copy of the routing or the ids; one
+        blocking C call) where the library has its CUDA kernels and sees a device, else
+        through a host copy."""
+        if _remap_device.usable(routing, layout):   # read and written on the device
+            return _remap_device.remap_rank(self, rank, microbatch, routing, slot_tokens)
         like = _routing.torch_tensor_of(routing)
         if like is not None:
             out = self.remap_rank(rank, microbatch, _routing.host_arrays(routing), layout, slot_tokens=slot_tokens)

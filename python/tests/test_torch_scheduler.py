@@ -193,10 +193,12 @@ def test_step_takes_lengths_then_routing_and_warns_on_the_former_order():
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_remap_rank_gives_tensors_for_tensors(device):
+def test_remap_rank_gives_tensors_for_tensors(device, monkeypatch):
     """Torch in, torch out: the same ids (and counts) as for numpy, as int32 / int64
-    tensors on the routing's device."""
+    tensors on the routing's device. A packed CUDA tensor is remapped on the device
+    (rp_gpu_remap_rank): no host copy of the routing is made."""
     import routepack
+    from routepack import _routing
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU (torch.cuda.is_available() is False)")
     lens, ids, groups = _batch(0)
@@ -211,8 +213,14 @@ def test_remap_rank_gives_tensors_for_tensors(device):
             want, want_counts = res.remap_rank(rank, m, ids[rows], slot_tokens=True)
             assert isinstance(want, np.ndarray)
             mine = torch.as_tensor(ids[rows]).to(device)
-            got = res.remap_rank(rank, m, mine)
-            got2, counts = res.remap_rank(rank, m, mine, slot_tokens=True)
+            if device == "cuda":   # the packed tensor stays on the device
+                with monkeypatch.context() as mp:
+                    mp.setattr(_routing, "host_arrays", lambda r: pytest.fail("a host copy of CUDA routing"))
+                    got = res.remap_rank(rank, m, mine)
+                    got2, counts = res.remap_rank(rank, m, mine, slot_tokens=True)
+            else:
+                got = res.remap_rank(rank, m, mine)
+                got2, counts = res.remap_rank(rank, m, mine, slot_tokens=True)
             assert torch.is_tensor(got) and got.device.type == device and got.dtype == torch.int32
             assert counts.device.type == device and counts.dtype == torch.int64
             assert np.array_equal(got.cpu().numpy(), want) and np.array_equal(got2.cpu().numpy(), want)
