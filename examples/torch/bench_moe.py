@@ -11,13 +11,17 @@ the same tokens, the variants interleaved (their order rotates every repetition)
 
 ``plans``: the same skewed batch (rank 0's experts 3x hotter) under three plans the
 scheduler makes with a config whose hardware is this CPU (GEMM FLOP/s and gloo bandwidth
-measured first): contiguous (token_kk+contiguous), replicas and shares only (routepack,
-max_extra_per_rank 0) and with extra replicas (routepack). Each plan's step runs as a
-trainer runs it: fetch_replicas (extra replicas fetched), every microbatch's forward and
+measured first), written by a small policy so that all three share one packing:
+contiguous, replicas and shares only (ranks 1.. hold rank 0's first experts in their spare
+slots, half the tokens each) and with extra replicas (rank 0's first experts get an extra
+replica on every other rank: half their tokens stay, the other half split evenly). Each
+plan's step runs as a trainer runs it: fetch_replicas (extra replicas fetched), every
+microbatch's forward and
 backward with the plan's physical ids, reduce_replica_grads. Printed: each plan's
-predicted step time (the scheduler's cost model under the layer's dispatch_dedup) and
-measured time, their ratios to the contiguous plan, and the replica-gradient bytes per rank
-against the formula.
+predicted step time (the scheduler's cost model under the layer's dispatch_dedup; also with
+communication free) and measured time, their ratios to the contiguous plan, each rank's
+thread CPU time, issue 29's clause per measure (clause_check), and the replica-gradient
+bytes per rank against the formula.
 
 ``five``: issue 30's five plans of one skewed batch (rank 0's experts 3x hotter, lengths
 varied), each from its policy: contiguous (token_kk+contiguous), EPLB (token_kk+eplb), the
@@ -105,13 +109,13 @@ def slowest(values):
 def timed(fn):
     """The slowest rank's wall time, thread CPU time (the rank's own thread: its compute)
     and process CPU time (every thread of the rank: gloo's, which copy the bytes a
-    transfer moves, included)."""
+    transfer moves, included); then this rank's own thread CPU time."""
     dist.barrier()
     w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     fn()
     c1, p1 = time.thread_time(), time.process_time()
     dist.barrier()
-    return slowest([time.perf_counter() - w0, c1 - c0, p1 - p0])
+    return slowest([time.perf_counter() - w0, c1 - c0, p1 - p0]) + [c1 - c0]   # + this rank's thread CPU
 
 
 def summary(xs):
@@ -349,6 +353,11 @@ def part_plans(args, rank, world):
         every = [torch.zeros_like(got) for _ in range(world)]
         dist.all_gather(every, got)
         grad_bytes.append((name, [e.tolist() for e in every]))
+    mine = torch.tensor([statistics.median(t[3] for t in times[name]) * 1e3 for name, *_ in runs],
+                        dtype=torch.float64)
+    own_cpu = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(own_cpu, mine)
+    own_cpu = [e.tolist() for e in own_cpu]
     if rank == 0:
         print("plans: %d ranks, %d tokens in %d sequences, %d microbatch(es), d %d, f %d, %d experts, top-%d, "
               "rank 0's experts %.0fx hotter, %d spare slot(s) a rank; dispatch_dedup %s; kernel %s; %d reps after "
@@ -374,6 +383,8 @@ def part_plans(args, rank, world):
                      summary([t[2] * 1e3 for t in times[name]]),
                      summary([a[2] / b[2] for a, b in zip(times[name], base)]),
                      reps_n, len(res.shares), extras))
+        for i, (name, *_) in enumerate(runs):
+            print("  %-16s thread CPU per rank (median ms): %s" % (name, " ".join("%.1f" % e[i] for e in own_cpu)))
         clause_check([(name, res.step_time_s, free_res.step_time_s, times[name])
                       for (name, res), (_, free_res) in zip(results, compute_only)])
         for name, every in grad_bytes:
