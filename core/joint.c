@@ -154,6 +154,8 @@ static rp_status setup(joint *jt, rp_error *err)
     joint_comm_costs(jt);
     jt->overlap = x->overlap == RP_OVERLAP_LAYER;
     jt->group_form = x->sync == RP_SYNC_GROUP && jt->Q > 1;
+    const rp_executor_profile *pf = rp_executor_profile_of(x->executor);
+    jt->vexp_pad = x->per_forward_balancing == RP_BALANCING_VIRTUAL_EXPERTS && pf && pf->balancer_charges;
     jt->fixed_s = (1.0 + hw->backward.fixed) * hw->layer_fixed_s;
     jt->x_mult = 1.0 + hw->backward.experts;
     jt->move_nv_s = rp_cost_expert_move_s(jt->cost, true);
@@ -620,6 +622,62 @@ static rp_status score_joint(const joint *jt, const rp_plan *plan, const rp_plan
     return RP_OK;
 }
 
+/* The candidate that runs with the per-forward balancer (rp_joint_params.virtual_experts):
+ * the joint packing on the balancer's placement, and where the executor charges the
+ * balancer's equal-token padding (a profile with balancer_charges) also a packing made
+ * for it (jt->vexp_pad: the expert work priced by each group's fullest cell), the one
+ * with the lower step + migration over the horizon (the first on a tie). Leaves jt's own
+ * packing as it found it. */
+static rp_status vexp_candidate(joint *jt, const rp_plan *previous_placed, rp_plan **out, rp_error *err)
+{
+    rp_plan *own = NULL, *padded = NULL;
+    rp_status first = joint_vexp_candidate(jt, previous_placed, &own, err);
+    if (first != RP_OK) return first;
+    const rp_executor_profile *pf = rp_executor_profile_of(rp_config_execution(jt->cfg)->executor);
+    if (jt->vexp_pad || !jt->par->pack || !pf || !pf->balancer_charges) {
+        *out = own;
+        return RP_OK;
+    }
+    rp_context *ctx = jt->ctx;
+    const size_t n = (size_t)jt->N;
+    const int32_t M = jt->M;
+    int32_t *keep = rp_alloc(ctx, 2 * n * sizeof *keep);
+    rp_status st = RP_OK;
+    if (!keep) {
+        st = rp_fail_nomem(err, "joint: the balancer's packing");
+        goto out;
+    }
+    memcpy(keep, jt->seq_gpu, n * sizeof *keep);
+    memcpy(keep + n, jt->seq_mb, n * sizeof *keep);
+    jt->vexp_pad = true;
+    st = pack_cells(jt, previous_placed, err);
+    jt->vexp_pad = false;
+    if (st == RP_OK && (jt->M != M || memcmp(keep, jt->seq_gpu, n * sizeof *keep) != 0 ||
+                        memcmp(keep + n, jt->seq_mb, n * sizeof *keep) != 0)) {
+        st = joint_vexp_candidate(jt, previous_placed, &padded, err);
+        scored a, b;
+        if (st == RP_OK) st = score_plan(jt, own, previous_placed, &a, err);
+        if (st == RP_OK) st = score_plan(jt, padded, previous_placed, &b, err);
+        if (st == RP_OK && b.total < a.total) {
+            rp_plan *t = own;
+            own = padded;
+            padded = t;
+        }
+    }
+    memcpy(jt->seq_gpu, keep, n * sizeof *keep);
+    memcpy(jt->seq_mb, keep + n, n * sizeof *keep);
+    jt->M = M;
+out:
+    rp_free(ctx, keep);
+    rp_plan_free(padded);
+    if (st != RP_OK) {
+        rp_plan_free(own);
+        return st;
+    }
+    *out = own;
+    return RP_OK;
+}
+
 /* The report of balancer_first's candidate returned alone (`vx`, scored `vs`): no joint
  * placement was built, so no joint figures. */
 static void report_balancer_alone(const joint *jt, const rp_plan *previous, const rp_plan *vx, const scored *vs,
@@ -731,7 +789,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
     scored vs_first = {0};
     if (vx_applies && par->balancer_first && gate_set && par->refine_evaluations == 0 &&
         par->balance_evaluations == 0) {
-        RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);
+        RP_CHECK_GOTO(vexp_candidate(&jt, previous_placed, &vx, err), st, out);
         RP_CHECK_GOTO(score_plan(&jt, vx, previous_placed, &vs_first, err), st, out);
         vx_scored = true;
         if (vs_first.ratio <= par->fallback_above_ratio) { /* it stands as it is */
@@ -805,7 +863,7 @@ rp_status rp_joint_plan(rp_context *ctx, const rp_config *cfg, const rp_batch *b
         RP_CHECK_GOTO(rp_cost_order_microbatches(cost, plan, NULL, err), st, out);
     }
 
-    if (vx_applies && !vx) RP_CHECK_GOTO(joint_vexp_candidate(&jt, previous_placed, &vx, err), st, out);
+    if (vx_applies && !vx) RP_CHECK_GOTO(vexp_candidate(&jt, previous_placed, &vx, err), st, out);
     if (*fallbacks || par->refine_evaluations > 0 || vx) {
         scored mine = {0}, best = {0}, s, vs = vs_first;
         const char *best_name = NULL;

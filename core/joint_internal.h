@@ -53,6 +53,12 @@ typedef struct joint {
      * slowest group's own sum over (microbatch, layer), not the sum of maxima over all
      * groups (docs/routepack-policy.md, "The configured structure"). */
     bool group_form;
+    /* Every plan runs under Megatron's per-forward balancer and the executor charges its
+     * equal-token padding (execution.per_forward_balancing virtual_experts, a profile with
+     * balancer_charges): a group's experts then run its fullest cell's tokens on every
+     * rank, so the packers price the expert work by the largest cell's tokens (x ep), not
+     * by the group's tokens over its ranks (joint_pack.c, joint_pack_group.c). */
+    bool vexp_pad;
     /* Per microbatch, the token-choices the busiest GPU sends (its tokens x top-k): the
      * dispatch floor that rank loads compete with (joint_mb_value). [M]; send_mq the same
      * per (microbatch, EP group) [M * Q], for the group form. */

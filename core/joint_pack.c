@@ -16,7 +16,8 @@
  *
  * (step seconds: the dense work of every layer; dispatch and combine of the tokens a GPU
  * sends; the expert work and receive volume of an EP group's tokens, spread over its
- * ranks), plus the prompt-spreading penalty. Among equal raises the emptiest cell
+ * ranks; under the balancer's padding the expert work is in alpha's term instead: every
+ * rank of a group runs its fullest cell's tokens), plus the prompt-spreading penalty. Among equal raises the emptiest cell
  * relative to the mean cell wins (then the lower microbatch and GPU). The first
  * sequences each set a microbatch's level; shorter ones fill under the levels at no
  * raise, so the long sequences end up together and every microbatch balanced. Under
@@ -28,9 +29,12 @@ rp_status joint_pack(joint *jt, int32_t M, rp_error *err)
     const int32_t N = jt->N, G = jt->G, Q = jt->Q, ep = jt->ep;
     const int64_t cells = (int64_t)G * M;
     const double L = jt->L, K = jt->K;
-    const double alpha = 2.0 * L * K * jt->d_choice;
+    /* under the balancer's equal-token padding (jt->vexp_pad) the expert work of a
+     * microbatch is its fullest cell's tokens on every rank: it moves from the group
+     * term to the cell term, ep times the group's per-token unit */
     const double gamma_x = L * K * jt->t_choice / ep;
-    const double gamma = gamma_x + 2.0 * L * K * jt->d_choice / ep;
+    const double alpha = 2.0 * L * K * jt->d_choice + (jt->vexp_pad ? gamma_x * ep : 0.0);
+    const double gamma = (jt->vexp_pad ? 0.0 : gamma_x) + 2.0 * L * K * jt->d_choice / ep;
     const double rho = jt->par->prompt_spread;
     rp_status st = RP_OK;
 

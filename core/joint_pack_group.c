@@ -14,13 +14,15 @@
  * tokens; what a rank receives, T / ep tokens' choices, is never more); with per-layer
  * overlap the longer of compute and communication. */
 typedef struct group_units {
-    double L, fixed, gx, alpha;
+    double L, fixed, gx, px, alpha;
     bool overlap;
 } group_units;
 
+/* Under the balancer's equal-token padding (jt->vexp_pad) every rank of the group runs
+ * its fullest cell's tokens: the expert work is px t (gx 0) instead of gx T. */
 static inline double group_value(const group_units *u, double a, double t, double T)
 {
-    double compute = u->L * a + u->fixed + u->gx * T, comm = u->alpha * t;
+    double compute = u->L * a + u->fixed + u->gx * T + u->px * t, comm = u->alpha * t;
     if (u->overlap) return compute > comm ? compute : comm;
     return compute + comm;
 }
@@ -36,7 +38,8 @@ rp_status joint_pack_group(joint *jt, int32_t M, rp_error *err)
     const int32_t N = jt->N, G = jt->G, Q = jt->Q, ep = jt->ep;
     const int64_t cells = (int64_t)G * M, mq = (int64_t)M * Q;
     const double L = jt->L, K = jt->K;
-    const group_units u = {.L = L, .fixed = L * jt->fixed_s, .gx = L * K * jt->t_choice / ep,
+    const group_units u = {.L = L, .fixed = L * jt->fixed_s, .gx = jt->vexp_pad ? 0.0 : L * K * jt->t_choice / ep,
+                           .px = jt->vexp_pad ? L * K * jt->t_choice : 0.0,
                            .alpha = 2.0 * L * K * jt->d_choice, .overlap = jt->overlap};
     const double rho = jt->par->prompt_spread;
     rp_status st = RP_OK;

@@ -238,6 +238,124 @@ static void test_virtual_experts_candidate(void)
     batch_fixture_free(&f);
 }
 
+/* ---- packing for the balancer's equal-token padding (issue 35) ---- */
+
+static rp_config *balancer_config(const char *executor, bool every_plan)
+{
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"execution\": {\"executor\": \"%s\"%s},"
+             " \"topology\": {\"num_nodes\": 2, \"gpus_per_node\": 4, \"ep_size\": 4, \"slots_per_gpu\": 4},"
+             " \"model\": {\"num_layers\": 4, \"num_experts\": 16, \"top_k\": 4, \"hidden_size\": 256,"
+             "  \"expert_ffn_size\": 128, \"num_heads\": 4, \"head_dim\": 64},"
+             " \"limits\": {\"max_tokens_per_microbatch\": 1024}}",
+             executor, every_plan ? ", \"per_forward_balancing\": \"virtual_experts\"" : "");
+    rp_error err;
+    rp_config *cfg = test_config_parse(ctx, json, &err);
+    if (!cfg) diag("config: %s", err.text);
+    return cfg;
+}
+
+/* Where the executor charges the balancer's padding (megatron_balancer), the candidate
+ * that runs with it is the better of the joint packing and a packing made for the
+ * padding: never slower than the joint packing under the balancer, and on some seeds
+ * another packing, faster. Where every plan runs with the balancer, the packing itself
+ * is made for the padding: priced under megatron_balancer, over 8 seeds it is faster than
+ * the packing made where the padding is not charged (ideal; per seed it may not be). */
+static void test_packing_for_the_padding(void)
+{
+    int other = 0, never_slower = 0, seeds = 0, differ = 0;
+    int priced = 0;
+    double padded_s = 0, plain_s = 0;
+    rp_error err;
+    for (uint64_t seed = 1; seed <= 8; seed++) {
+        fixture f;
+        if (!fixture_make(&f, balancer_config("megatron_balancer", false), seed)) {
+            batch_fixture_free(&f);
+            continue;
+        }
+        rp_joint_params par = rp_joint_defaults();
+        par.fallbacks = no_fallbacks;
+        rp_joint_report rep;
+        rp_plan *own = NULL, *vx = NULL, *mine = NULL;
+        rp_cost *c = NULL;
+        rp_cost_summary a, b;
+        bool run = rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &par, &own, &rep, &err) == RP_OK;
+        par.virtual_experts = true;
+        par.recurring_migration_s = 1e3; /* the balancer's plan wins */
+        run = run && rp_joint_plan(ctx, f.cfg, f.batch, f.stats, NULL, NULL, &par, &vx, &rep, &err) == RP_OK &&
+              rep.per_forward_balancing;
+        /* the joint packing under the balancer, by hand */
+        run = run && rp_plan_new(ctx, f.cfg, rp_plan_num_microbatches(own), &mine, &err) == RP_OK;
+        if (run) {
+            int32_t n = rp_plan_num_seqs(own);
+            int32_t *gpu = malloc(sizeof *gpu * (size_t)n), *mb = malloc(sizeof *mb * (size_t)n);
+            for (int32_t s = 0; s < n; s++) gpu[s] = rp_plan_seq_rank(own, s), mb[s] = rp_plan_seq_microbatch(own, s);
+            run = rp_plan_set_packing(mine, n, gpu, mb, &err) == RP_OK && rp_plan_set_contiguous(mine, &err) == RP_OK &&
+                  rp_plan_set_balancing(mine, RP_BALANCING_VIRTUAL_EXPERTS, &err) == RP_OK &&
+                  rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err) == RP_OK &&
+                  rp_cost_evaluate(c, mine, &a, &err) == RP_OK && rp_cost_evaluate(c, vx, &b, &err) == RP_OK;
+            free(gpu);
+            free(mb);
+        }
+        if (!run) diag("seed %llu: %s", (unsigned long long)seed, err.text);
+        seeds += run;
+        never_slower += run && b.step_s <= a.step_s;
+        other += run && !same_packing(vx, own) && b.step_s < a.step_s;
+        rp_cost_free(c);
+        rp_plan_free(own);
+        rp_plan_free(vx);
+        rp_plan_free(mine);
+        batch_fixture_free(&f);
+
+        /* every plan with the balancer: padded (megatron_balancer) against plain (ideal) */
+        fixture g, h;
+        rp_plan *pp = NULL, *pl = NULL;
+        par = rp_joint_defaults();
+        par.fallbacks = no_fallbacks;
+        if (fixture_make(&g, balancer_config("megatron_balancer", true), seed) &&
+            fixture_make(&h, balancer_config("ideal", true), seed) &&
+            rp_joint_plan(ctx, g.cfg, g.batch, g.stats, NULL, NULL, &par, &pp, &rep, &err) == RP_OK &&
+            rp_joint_plan(ctx, h.cfg, h.batch, h.stats, NULL, NULL, &par, &pl, &rep, &err) == RP_OK) {
+            differ += !same_packing(pp, pl);
+            /* both packings priced under megatron_balancer */
+            rp_cost *cc = NULL;
+            rp_plan *q = NULL;
+            rp_cost_summary x, y;
+            int32_t n = rp_plan_num_seqs(pl);
+            int32_t *gpu = malloc(sizeof *gpu * (size_t)n), *mb = malloc(sizeof *mb * (size_t)n);
+            for (int32_t s = 0; s < n; s++) gpu[s] = rp_plan_seq_rank(pl, s), mb[s] = rp_plan_seq_microbatch(pl, s);
+            if (rp_plan_new(ctx, g.cfg, rp_plan_num_microbatches(pl), &q, &err) == RP_OK &&
+                rp_plan_set_packing(q, n, gpu, mb, &err) == RP_OK && rp_plan_set_contiguous(q, &err) == RP_OK &&
+                rp_plan_set_balancing(q, RP_BALANCING_VIRTUAL_EXPERTS, &err) == RP_OK &&
+                rp_cost_new(ctx, g.cfg, g.batch, g.stats, RP_SPLIT_EVEN, &cc, &err) == RP_OK &&
+                rp_cost_evaluate(cc, pp, &x, &err) == RP_OK && rp_cost_evaluate(cc, q, &y, &err) == RP_OK) {
+                padded_s += x.step_s;
+                plain_s += y.step_s;
+                priced++;
+            }
+            free(gpu);
+            free(mb);
+            rp_plan_free(q);
+            rp_cost_free(cc);
+        } else {
+            diag("seed %llu, every plan balanced: %s", (unsigned long long)seed, err.text);
+        }
+        rp_plan_free(pp);
+        rp_plan_free(pl);
+        batch_fixture_free(&g);
+        batch_fixture_free(&h);
+    }
+    is_int(seeds, 8, "the balancer's candidate planned on every seed");
+    is_int(never_slower, seeds, "it is never slower than the joint packing under the balancer");
+    ok(other > 0, "on %d of %d seeds it is another packing, faster", other, seeds);
+    ok(differ > 0, "where every plan runs with the balancer, the charged padding changes the packing (%d of 8 seeds)",
+       differ);
+    is_int(priced, 8, "both packings priced under megatron_balancer on every seed");
+    ok(padded_s < plain_s, "over the seeds the packing made for the padding is faster there: %.6g s against %.6g s",
+       padded_s, plain_s);
+}
+
 /* Under pipeline parallelism the candidate gets its own microbatch order, as the joint
  * plan does (rp_cost_order_microbatches). */
 static void test_candidate_under_pp(void)
@@ -430,6 +548,7 @@ int main(void)
     test_candidate_under_pp();
     test_relabel();
     test_previous_balanced();
+    test_packing_for_the_padding();
     test_alloc_failures();
     rp_context_free(ctx);
     return tap_done();

@@ -543,12 +543,22 @@ def part_five(args, rank, world):
         pred = [p for _, _, p, _ in plans]
         cpu_t = [statistics.median([t[1] for t in times[label]]) for label, *_ in plans]
         wall_t = [statistics.median([t[0] for t in times[label]]) for label, *_ in plans]
-        for (label, res, p, bal), c, w in zip(plans, cpu_t, wall_t):
-            print("  %-20s PREDICTED %8.2f ms (x%.3f)   MEASURED thread CPU %s ms (x%.3f), wall %s ms  "
-                  "[%d extra replicas]" % (label, p * 1e3, p / pred[0],
-                                           summary([x[1] * 1e3 for x in times[label]]), c / cpu_t[0],
-                                           summary([x[0] * 1e3 for x in times[label]]),
-                                           len(res.extra_replicas)))
+        proc_t = [statistics.median([t[2] for t in times[label]]) for label, *_ in plans]
+        for (label, res, p, bal), c, w, pc in zip(plans, cpu_t, wall_t, proc_t):
+            print("  %-20s PREDICTED %8.2f ms (x%.3f)   MEASURED thread CPU %s ms (x%.3f), process CPU %s ms "
+                  "(x%.3f), wall %s ms  [%d extra replicas]" % (
+                      label, p * 1e3, p / pred[0], summary([x[1] * 1e3 for x in times[label]]), c / cpu_t[0],
+                      summary([x[2] * 1e3 for x in times[label]]), pc / proc_t[0],
+                      summary([x[0] * 1e3 for x in times[label]]), len(res.extra_replicas)))
+        # routepack's own plan against the balancer's stand-in, repetition by repetition
+        # (interleaved: each repetition ran both in one round), as issue 35 asks
+        mine, theirs = times["routepack"], times["balancer"]
+        pi, bi = [label for label, *_ in plans].index("routepack"), [label for label, *_ in plans].index("balancer")
+        print("  routepack / balancer: PREDICTED x%.3f; MEASURED per repetition, median (min-max) and reps "
+              "routepack ran faster: %s" % (pred[pi] / pred[bi], ", ".join(
+                  "%s x%s %d/%d" % (name, summary([a[i] / b[i] for a, b in zip(mine, theirs)]),
+                                    sum(a[i] < b[i] for a, b in zip(mine, theirs)), len(mine))
+                  for name, i in (("thread CPU", 1), ("process CPU", 2), ("wall", 0)))))
         order = lambda xs: " < ".join(plans[i][0] for i in np.argsort(xs, kind="stable"))
         print("  predicted order: %s" % order(pred))
         print("  measured order (thread CPU medians): %s" % order(cpu_t))
