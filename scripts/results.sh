@@ -145,6 +145,7 @@ reference-64gpu-8groups config-reference.json reference-reduced 23 6 yes
 deepseek-v3-ep64-8nodes config-deepseek-v3-pp.json gen-deepseek-v3.json 3 4 no
 deepseek-v3-ep64-8nodes-s1 config-deepseek-v3-pp.json gen-deepseek-v3.json 1 4 no
 deepseek-v3-ep64-8nodes-s2 config-deepseek-v3-pp.json gen-deepseek-v3.json 2 4 no
+glm-air-ep64-8nodes config-large.json gen-large.json 1 4 no
 "
 planner() {
   local name config gen seed steps vx settings t policies
