@@ -3,7 +3,7 @@
 #ifndef RP_POLICY_STATE_H
 #define RP_POLICY_STATE_H
 
-#include "sched_internal.h"
+#include "policy.h"
 
 #include <jansson.h>
 

@@ -1,7 +1,7 @@
 /* Loading policies: every metadata field checked with a message that names it, the API
  * version, params (defaults, config values, every kind of bad value), finding a policy
  * by name on the search path and RP_POLICY_PATH, listing and describing policies. */
-#include "sched_internal.h"
+#include "policy.h"
 #include "tap.h"
 #include "test_util.h"
 

@@ -4,7 +4,7 @@
  * C loops call heavy C functions back end within their wall-time limit plus the stated
  * bound; and the functions that work over a whole table charge that work. */
 #include "sandbox.h"
-#include "sched_internal.h"
+#include "policy.h"
 #include "tap.h"
 #include "test_util.h"
 
