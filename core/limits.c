@@ -68,3 +68,12 @@ rp_status rp_limits_check_batch(const rp_limits *lim, const rp_batch *batch, rp_
     if (st != RP_OK && err) err->sequence = longest;
     return st;
 }
+
+int64_t rp_limits_expected_microbatches(const rp_config *cfg, const rp_batch *b)
+{
+    /* what a plan runs: the fixed count, or the fewest the caps and the trainer's
+     * mini-batches and microbatch multiple allow (the joint planner's first try) */
+    int32_t fixed = rp_config_limits(cfg)->num_microbatches;
+    return fixed > 0 ? fixed : rp_limits_least_microbatches(cfg, rp_batch_num_tokens(b));
+}
+

@@ -19,6 +19,11 @@ int32_t rp_limits_microbatch_step(const rp_config *cfg);
  * up to rp_limits_microbatch_step (verl's num_batches_divided_by, per mini-batch). */
 int64_t rp_limits_least_microbatches(const rp_config *cfg, int64_t tokens);
 
+/* Microbatches a plan for `batch` is expected to have: limits.num_microbatches when set,
+ * else the fewest the caps, trainer.mini_batches and microbatch_multiple allow
+ * (rp_limits_least_microbatches): the joint planner's first try. */
+int64_t rp_limits_expected_microbatches(const rp_config *cfg, const rp_batch *batch);
+
 /* RP_ERANGE when some sequence cannot fit one microbatch under either cap; the message
  * names the longest sequence, the cap it breaks and the config key to raise (err->sequence
  * is set). RP_OK for an empty batch. */

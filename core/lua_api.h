@@ -7,7 +7,6 @@
 #include "internal.h"
 #include "sandbox.h"
 #include "routepack/cost.h"
-#include "routepack/sched.h"
 
 #include <lua.h>
 
@@ -143,23 +142,43 @@ rp_status rp_lua_plan_compose(rp_context *into, const rp_config *cfg, const rp_p
                               const rp_plan *placement, const rp_plan *levers,
                               int32_t num_microbatches, rp_plan **out, rp_error *err);
 
-/* Experts that arrive on an EP rank that did not hold them, over all layers (0 when
- * either plan has no placement; -1 when memory runs out). */
-int32_t rp_lua_experts_moved(rp_context *ctx, const rp_plan *from, const rp_plan *to);
-
-/* Microbatches a plan for `batch` is expected to have (limits.num_microbatches when set,
- * else the fewest the caps, trainer.mini_batches and microbatch_multiple allow:
- * rp_limits_least_microbatches),
- * and the work units of one full evaluation of such a plan over the topology's slots, as
+/* The work units of one full evaluation of a plan for `batch` with the expected
+ * microbatches (rp_limits_expected_microbatches) over the topology's slots, as
  * rp.evaluate charges them (cost_work_units): what rp.joint charges per evaluation and
  * what the scheduler sizes a step's instruction budget by. */
-int64_t rp_lua_expected_microbatches(const rp_config *cfg, const rp_batch *batch);
 int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *batch);
 
 /* Views: the length of the view at idx (-1 if it is not a view; an error if it is a
  * view from another call), and its values as doubles. */
 int32_t rp_lua_view_length(lua_State *L, int idx);
 void rp_lua_view_to_doubles(lua_State *L, int idx, double *out);
+
+/* The C primitives of the `rp` table (core/lua_prims.c): rp.argsort, rp.topk, rp.lpt,
+ * rp.kk, rp.partition2, rp.replicas, rp.place. */
+int rp_lua_argsort(lua_State *L);
+int rp_lua_topk(lua_State *L);
+int rp_lua_lpt(lua_State *L);
+int rp_lua_kk(lua_State *L);
+int rp_lua_partition2(lua_State *L);
+int rp_lua_replicas(lua_State *L);
+int rp_lua_place(lua_State *L);
+
+/* Largest part counts and rounds an rp.* call accepts from a policy. */
+#define RP_LUA_MAX_PARTS (1 << 16)
+#define RP_LUA_MAX_ROUNDS 100000
+
+/* Argument helpers of the rp.* functions (core/lua_host.c; these raise Lua errors). */
+double rp_lua_check_num(lua_State *L, int idx, const char *what);
+bool rp_lua_check_bool(lua_State *L, int idx, const char *what);
+/* opts[key] pushed (nil when opts is absent); raw access, so no policy code runs. */
+int rp_lua_opt(lua_State *L, int opts, const char *key);
+/* A list or a view of numbers as a C array, in a userdata pushed on the stack (so the
+ * collector frees it whatever happens). Lists are 1-based, views 0-based
+ * (core/lua_views.c). */
+double *rp_lua_read_vector(lua_State *L, int idx, const char *what, int32_t *n_out, int32_t max_n);
+int64_t rp_lua_log2_ceil(int64_t n);
+/* The work units of sorting n items: n (log2 n + 1). */
+int64_t rp_lua_sort_units(int64_t n);
 
 /* Helpers shared by the C files of the host. */
 void rp_lua_register_plan(lua_State *L, rp_lua_host *host);   /* plan metatable */

@@ -94,3 +94,106 @@ int64_t rp_lua_check_int(lua_State *L, int idx, const char *what, int64_t lo, in
                             (long long)hi, v);
     return (int64_t)v;
 }
+
+/* ---- argument helpers of the rp.* functions ---- */
+
+double rp_lua_check_num(lua_State *L, int idx, const char *what)
+{
+    if (lua_type(L, idx) != LUA_TNUMBER)
+        return rp_lua_error(L, "%s must be a number, got %s", what, luaL_typename(L, idx));
+    return lua_tonumber(L, idx);
+}
+
+bool rp_lua_check_bool(lua_State *L, int idx, const char *what)
+{
+    if (lua_type(L, idx) != LUA_TBOOLEAN)
+        return rp_lua_error(L, "%s must be a boolean, got %s", what, luaL_typename(L, idx));
+    return lua_toboolean(L, idx);
+}
+
+/* Keys in a deterministic order for messages: numbers ascending, then strings. */
+static bool key_before(lua_State *L, int a, int b)
+{
+    int ta = lua_type(L, a), tb = lua_type(L, b);
+    if (ta != tb) return ta == LUA_TNUMBER || (ta == LUA_TSTRING && tb != LUA_TNUMBER);
+    if (ta == LUA_TNUMBER) return lua_tonumber(L, a) < lua_tonumber(L, b);
+    if (ta == LUA_TSTRING) {
+        size_t la, lb;
+        const char *sa = lua_tolstring(L, a, &la), *sb = lua_tolstring(L, b, &lb);
+        int c = memcmp(sa, sb, la < lb ? la : lb);
+        return c < 0 || (c == 0 && la < lb);
+    }
+    return false;
+}
+
+static bool known_key(lua_State *L, int idx, const char *const *known)
+{
+    if (lua_type(L, idx) != LUA_TSTRING) return false;
+    const char *k = lua_tostring(L, idx);
+    for (size_t i = 0; known[i]; i++)
+        if (strcmp(k, known[i]) == 0) return true;
+    return false;
+}
+
+static void describe_key(lua_State *L, int idx, char *buf, size_t n)
+{
+    if (lua_type(L, idx) == LUA_TSTRING) snprintf(buf, n, "'%s'", lua_tostring(L, idx));
+    else if (lua_type(L, idx) == LUA_TNUMBER) snprintf(buf, n, "%.17g", lua_tonumber(L, idx));
+    else snprintf(buf, n, "of type %s", luaL_typename(L, idx));
+}
+
+/* The unknown key reported is the first in key_before's order, so every rank and run
+ * gives the same message whatever order lua_next visits the table in. */
+void rp_lua_check_opts(lua_State *L, int idx, const char *fname, const char *const *known)
+{
+    if (lua_isnoneornil(L, idx)) return;
+    if (lua_type(L, idx) != LUA_TTABLE)
+        rp_lua_error(L, "%s: the options must be a table, got %s", fname, luaL_typename(L, idx));
+    idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
+    int worst = 0;
+    int64_t keys = 0;
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        lua_pop(L, 1);
+        keys++;
+        if (known_key(L, -1, known)) continue;
+        if (!worst) {
+            lua_pushvalue(L, -1);
+            lua_insert(L, -2);
+            worst = lua_gettop(L) - 1;
+        } else if (key_before(L, -1, worst)) {
+            lua_pushvalue(L, -1);
+            lua_replace(L, worst);
+        }
+    }
+    rp_lua_charge(L, keys);
+    if (!worst) return;
+    char key[96], list[256];
+    describe_key(L, worst, key, sizeof key);
+    size_t used = 0;
+    list[0] = '\0';
+    for (size_t i = 0; known[i] && used < sizeof list; i++)
+        used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "", known[i]);
+    rp_lua_error(L, "%s: unknown option %s (options: %s)", fname, key, list);
+}
+
+/* opts[key] pushed (nil when opts is absent); raw access, so no policy code runs. */
+int rp_lua_opt(lua_State *L, int opts, const char *key)
+{
+    if (lua_type(L, opts) != LUA_TTABLE) {
+        lua_pushnil(L);
+        return LUA_TNIL;
+    }
+    lua_pushstring(L, key);
+    lua_rawget(L, opts);
+    return lua_type(L, -1);
+}
+
+int64_t rp_lua_log2_ceil(int64_t n)
+{
+    int64_t b = 0;
+    while (b < 62 && (INT64_C(1) << b) < n) b++;
+    return b;
+}
+
+int64_t rp_lua_sort_units(int64_t n) { return n * (rp_lua_log2_ceil(n) + 1); }

@@ -769,3 +769,37 @@ void rp_lua_register_views(lua_State *L, rp_lua_host *host)
     lua_setfield(L, -2, "__metatable");
     lua_pop(L, 1);
 }
+
+/* A list or a view of numbers as a C array, in a userdata pushed on the stack (so the
+ * collector frees it whatever happens). Lists are 1-based (element i is item i-1),
+ * views 0-based. */
+double *rp_lua_read_vector(lua_State *L, int idx, const char *what, int32_t *n_out, int32_t max_n)
+{
+    idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
+    int32_t vn = rp_lua_view_length(L, idx);
+    if (vn >= 0) {
+        if (vn > max_n) rp_lua_error(L, "%s has %d entries, more than the %d allowed", what, vn, max_n);
+        double *v = lua_newuserdata(L, ((size_t)vn + 1) * sizeof *v);
+        rp_lua_view_to_doubles(L, idx, v);
+        rp_lua_charge(L, vn);
+        *n_out = vn;
+        return v;
+    }
+    if (lua_type(L, idx) != LUA_TTABLE)
+        rp_lua_error(L, "%s must be a list of numbers or a view, got %s", what, luaL_typename(L, idx));
+    size_t len = lua_objlen(L, idx);
+    if (len > (size_t)max_n)
+        rp_lua_error(L, "%s has %zu entries, more than the %d allowed", what, len, max_n);
+    int32_t n = (int32_t)len;
+    rp_lua_charge(L, n);
+    double *v = lua_newuserdata(L, ((size_t)n + 1) * sizeof *v);
+    for (int32_t i = 0; i < n; i++) {
+        lua_rawgeti(L, idx, i + 1);
+        if (lua_type(L, -1) != LUA_TNUMBER)
+            rp_lua_error(L, "%s[%d] must be a number, got %s", what, i + 1, luaL_typename(L, -1));
+        v[i] = lua_tonumber(L, -1);
+        lua_pop(L, 1);
+    }
+    *n_out = n;
+    return v;
+}

@@ -932,3 +932,35 @@ uint64_t rp_plan_hash(const rp_plan *plan)
     hash_flush(&h);
     return rp_hash_final(&h.st);
 }
+
+/* Experts that arrive on an EP rank that did not hold them (per layer, any EP group). */
+int32_t plan_experts_moved_into(const rp_plan *from, const rp_plan *to, uint8_t *held, int32_t E)
+{
+    int32_t moved = 0, Ly = rp_plan_num_layers(to), ep = rp_plan_ep_size(to);
+    const int32_t *begin = rp_plan_slot_begin(to);
+    for (int32_t l = 0; l < Ly; l++) {
+        const int32_t *a = rp_plan_phy2log(from, l), *b = rp_plan_phy2log(to, l);
+        for (int32_t j = 0; j < ep; j++) {
+            memset(held, 0, (size_t)E);
+            for (int32_t s = begin[j]; s < begin[j + 1]; s++)
+                if (a[s] >= 0) held[a[s]] = 1;
+            for (int32_t s = begin[j]; s < begin[j + 1]; s++)
+                if (b[s] >= 0 && !held[b[s]]) {
+                    held[b[s]] = 1;
+                    moved++;
+                }
+        }
+    }
+    return moved;
+}
+
+int32_t plan_experts_moved(rp_context *ctx, const rp_plan *from, const rp_plan *to)
+{
+    if (!from || !to || !rp_plan_has_placement(from) || !rp_plan_has_placement(to)) return 0;
+    int32_t E = rp_plan_num_experts(to);
+    uint8_t *held = rp_alloc(ctx, (size_t)E + 1);
+    if (!held) return -1;
+    int32_t moved = plan_experts_moved_into(from, to, held, E);
+    rp_free(ctx, held);
+    return moved;
+}

@@ -9,4 +9,10 @@
  * evaluated, which a policy's sandbox context makes and frees before the evaluator). */
 rp_status plan_copy_in(rp_context *ctx, const rp_plan *src, rp_plan **out, rp_error *err);
 
+/* Experts that arrive on an EP rank that did not hold them, over all layers (0 when
+ * either plan has no placement; -1 when memory runs out). */
+int32_t plan_experts_moved(rp_context *ctx, const rp_plan *from, const rp_plan *to);
+/* The same for two plans with placements, with a caller's scratch of E bytes. */
+int32_t plan_experts_moved_into(const rp_plan *from, const rp_plan *to, uint8_t *held, int32_t E);
+
 #endif

@@ -4,7 +4,7 @@
 #include "sched_migrate.h"
 
 #include "internal.h"
-#include "lua_api.h"
+#include "plan_internal.h"
 
 #include <assert.h>
 #include <string.h>
@@ -52,7 +52,7 @@ rp_status sched_migration_prepare(const sched_migration *m, rp_context *ctx, con
     }
     for (int32_t l = 0; l < L; l++)
         memcpy(rows + (size_t)l * S, rp_plan_phy2log(from, l), (size_t)S * sizeof(int32_t));
-    int32_t moved = rp_lua_experts_moved(ctx, from, plan);
+    int32_t moved = plan_experts_moved(ctx, from, plan);
     if (moved < 0) {
         st = rp_fail_nomem(err, "counting moved experts");
         goto out;

@@ -6,6 +6,7 @@
  * full; validation messages; every packer keeping each mini-batch's counts and balance,
  * and the local search keeping each sequence in its mini-batch. */
 #include "internal.h"
+#include "limits_internal.h"
 #include "lua_api.h"
 #include "routepack/routepack.h"
 #include "tap.h"
@@ -657,7 +658,7 @@ static void test_search_keeps_mini_batches(void)
 }
 
 /* rp.joint's work and memory estimate and the scheduler's instruction budget size a plan
- * by rp_lua_expected_microbatches: the count the joint planner starts its packing at
+ * by rp_limits_expected_microbatches: the count the joint planner starts its packing at
  * (rp_limits_least_microbatches), not the token cap's alone, which was below it under
  * trainer.mini_batches and microbatch_multiple (and one above at an exact fit). */
 static void test_expected_microbatches(void)
@@ -705,7 +706,7 @@ static void test_expected_microbatches(void)
             batch_fixture_free(&f);
             continue;
         }
-        int64_t M = rp_lua_expected_microbatches(f.cfg, f.batch);
+        int64_t M = rp_limits_expected_microbatches(f.cfg, f.batch);
         ok(M == cases[i].want, "expected microbatches: %s (got %lld)", cases[i].why, (long long)M);
         /* the joint planner runs that count when the batch packs at its first try (48
          * sequences of 10 tokens do, under every cap here) */

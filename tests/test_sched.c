@@ -2,6 +2,7 @@
  * safe default, fallback on every kind of hostile policy with the last good placement
  * surviving, determinism (also across threads), hot swap success and failure, read-only
  * views, and a plan userdata a policy cannot take apart. */
+#include "limits_internal.h"
 #include "routepack/routepack.h"
 #include "sched_internal.h"
 #include "tap.h"
@@ -789,7 +790,7 @@ static void test_instruction_budget(void)
     if (rep) like(rep->fallback_reason, "instruction limit (1000000)", "an explicit limit is kept as given");
     rp_sched_free(s);
     /* the budget's estimate is what rp.evaluate charges a plan of that shape: one formula */
-    int64_t M = rp_lua_expected_microbatches(cfg, b), units = -1;
+    int64_t M = rp_limits_expected_microbatches(cfg, b), units = -1;
     int32_t *rank = malloc(N * sizeof *rank), *mb = malloc(N * sizeof *mb);
     for (int i = 0; i < N; i++) rank[i] = i % 8, mb[i] = i % (int32_t)M;
     rp_stats *stats = NULL;
