@@ -19,19 +19,6 @@ static rp_batch **batches;
 static rp_routing *routings;
 static const char *tmp;
 
-static rp_sched *make(const char *policy, const char *params)
-{
-    rp_sched_options o;
-    rp_sched_options_default(&o);
-    o.policy = policy;
-    o.params_json = params;
-    o.num_threads = 1;
-    rp_sched *s = NULL;
-    rp_error err;
-    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new(%s): %s", policy, err.text);
-    return s;
-}
-
 /* One run of `steps` steps: each step's placement (copied), migration bytes and
  * experts moved. */
 typedef struct run {
@@ -44,7 +31,7 @@ typedef struct run {
 static void run_policy(const char *policy, const char *params, run *r)
 {
     memset(r, 0, sizeof *r);
-    rp_sched *s = make(policy, params);
+    rp_sched *s = gen_steps_sched(&fx, policy, params, NULL);
     r->ok = s != NULL;
     for (int t = 0; t < STEPS && r->ok; t++) {
         const rp_plan *p = NULL;
@@ -229,7 +216,7 @@ static void test_checkpoint(void)
     /* the window lives in ctx.state: a scheduler restored from a checkpoint after step 3
      * rebalances at step 4 exactly as the original does */
     const char *params = "{\"eplb_periodic\": {\"interval\": 4, \"window\": 6}}";
-    rp_sched *a = make("token_kk+eplb_periodic", params), *b = make("token_kk+eplb_periodic", params);
+    rp_sched *a = gen_steps_sched(&fx, "token_kk+eplb_periodic", params, NULL), *b = gen_steps_sched(&fx, "token_kk+eplb_periodic", params, NULL);
     const rp_plan *pa = NULL, *pb = NULL;
     const rp_step_report *ra = NULL, *rb = NULL;
     rp_error err;

@@ -21,46 +21,6 @@ static rp_config *cfg;
 static rp_batch **batches;
 static rp_routing *routings;
 static const char *tmp;
-static int files;
-
-/* Write `source` as a policy file in the scratch folder; returns its path (static buffer
- * rotation). */
-static const char *policy_file(const char *source)
-{
-    static char paths[4][512];
-    char *p = paths[files % 4];
-    snprintf(p, 512, "%s/policy%d.lua", tmp, files++);
-    FILE *f = fopen(p, "w");
-    if (f) {
-        fputs(source, f);
-        fclose(f);
-    }
-    return p;
-}
-
-/* A policy whose plan(ctx) body is `body`. */
-static const char *body_policy(const char *body)
-{
-    static char src[8192];
-    snprintf(src, sizeof src,
-             "return {name = 'probe', version = '1.0.0', api = 1, description = 'a test probe',\n"
-             "plan = function(ctx)\n%s\nend}\n",
-             body);
-    return policy_file(src);
-}
-
-static rp_sched *make(const char *policy, const char *params)
-{
-    rp_sched_options o;
-    rp_sched_options_default(&o);
-    o.policy = policy;
-    o.params_json = params;
-    o.num_threads = 1;
-    rp_sched *s = NULL;
-    rp_error err;
-    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new(%s): %s", policy, err.text);
-    return s;
-}
 
 /* Step t; NULL (with a diagnostic) when the step fails or the policy fell back. */
 static const rp_step_report *step(rp_sched *s, int t, const rp_plan **plan)
@@ -84,7 +44,7 @@ static const rp_step_report *step(rp_sched *s, int t, const rp_plan **plan)
  * just below it the check runs and returns what the ungated call returns. */
 static void test_gate(void)
 {
-    rp_sched *s = make(body_policy("local p0, r0 = rp.joint({})\n"
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "local p0, r0 = rp.joint({})\n"
                                    "local p1, r1 = rp.joint({fallback_above_ratio = 1000})\n"
                                    "assert(r0.fallbacks_checked, 'ungated: not checked')\n"
                                    "assert(not r1.fallbacks_checked, 'above the ratio: checked')\n"
@@ -100,7 +60,7 @@ static void test_gate(void)
                                    "local p3, r3 = rp.joint({fallback_above_ratio = r0.joint_ratio})\n"
                                    "assert(not r3.fallbacks_checked, 'at the ratio: checked')\n"
                                    "return p2"),
-                       NULL);
+                       NULL, NULL);
     const rp_step_report *rep = step(s, 0, NULL);
     ok(rep != NULL, "rp.joint with fallback_above_ratio: unchecked above and at the joint plan's ratio (no "
                     "baseline scored), checked just below it with the ungated call's choice and plan");
@@ -112,7 +72,7 @@ static void test_gate(void)
     for (int i = 0; i < 3; i++) {
         char body[128];
         snprintf(body, sizeof body, "return rp.joint({fallback_above_ratio = %s})", bad[i]);
-        s = make(body_policy(body), NULL);
+        s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, body), NULL, NULL);
         const rp_plan *p = NULL;
         const rp_step_report *r = NULL;
         rp_error err;
@@ -131,7 +91,7 @@ static void test_gate(void)
  * gate it is ignored. */
 static void test_balancer_first(void)
 {
-    rp_sched *s = make(body_policy(
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, 
         "local base = {virtual_experts = true, recurring_migration_s = 1000}\n"
         "local function with(extra) local o = {} for k, v in pairs(base) do o[k] = v end\n"
         "  for k, v in pairs(extra) do o[k] = v end return o end\n"
@@ -150,7 +110,7 @@ static void test_balancer_first(void)
         "local p4, r4 = rp.joint(with({balancer_first = true}))\n"
         "assert(r4.joint_built and r4.fallbacks_checked and p4:hash() == p3:hash(), 'no gate: not ignored')\n"
         "return p1"),
-        NULL);
+        NULL, NULL);
     const rp_step_report *rep = step(s, 0, NULL);
     ok(rep != NULL, "rp.joint balancer_first: under a closed gate the balancer's plan without the joint placement, "
                     "the full comparison when the gate opens, ignored without the gate");
@@ -175,7 +135,7 @@ static const char *shipped_edited(const char *line, const char *with)
     strcpy(out + (at - src), with);
     strcat(out, at + strlen(line));
     free(src);
-    const char *file = policy_file(out);
+    const char *file = gen_steps_policy_file(&fx, out);
     free(out);
     return file;
 }
@@ -194,7 +154,7 @@ static int joint_builds(const gen_steps *g, const char *params)
              STEPS);
     const char *file = shipped_edited("  note_refit(ctx, report)\n", probe);
     if (!file) return -1;
-    rp_sched *s = make(file, params);
+    rp_sched *s = gen_steps_sched(&fx, file, params, NULL);
     int built = -1;
     for (int t = 0; t < STEPS && s; t++) {
         const rp_plan *p = NULL;
@@ -234,7 +194,7 @@ static void test_between_checks(void)
  * joint plan's step / lower bound that the gate compares. Returns the checks made. */
 static int replay(const char *params, int interval, double rise, int *by_interval, int *by_rise, int *skipped)
 {
-    rp_sched *s = make("routepack", params);
+    rp_sched *s = gen_steps_sched(&fx, "routepack", params, NULL);
     int mismatches = 0, ran = 0, checks = 0;
     bool have = false, lost = false;
     int age = 0;
@@ -293,7 +253,7 @@ static void test_rule(void)
  * stays on at every step whatever the interval. */
 static void test_sticky(void)
 {
-    rp_sched *s = make("routepack", "{\"num_microbatches\": 16, \"fallback_interval\": 1000}");
+    rp_sched *s = gen_steps_sched(&fx, "routepack", "{\"num_microbatches\": 16, \"fallback_interval\": 1000}", NULL);
     int checked = 0, won = 0, ran = 0;
     for (int t = 0; t < STEPS && s; t++) {
         const rp_step_report *r = step(s, t, NULL);
@@ -314,7 +274,7 @@ static void test_every_step(void)
     const char *file = shipped_edited("    fallback_above_ratio = gate,\n", "");
     ok(file != NULL, "policies/routepack.lua passes the gate to rp.joint in one line");
     if (!file) return;
-    rp_sched *every = make("routepack", "{\"fallback_interval\": 1}"), *ungated = make(file, NULL);
+    rp_sched *every = gen_steps_sched(&fx, "routepack", "{\"fallback_interval\": 1}", NULL), *ungated = gen_steps_sched(&fx, file, NULL, NULL);
     int same = 0, checks = 0, ran = 0;
     for (int t = 0; t < STEPS && every && ungated; t++) {
         const rp_plan *a = NULL, *b = NULL;

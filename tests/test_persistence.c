@@ -22,24 +22,11 @@ static rp_batch **batches;
 static rp_routing *routings;
 static const char *tmp;
 
-static rp_sched *make(const char *policy, const char *params)
-{
-    rp_sched_options o;
-    rp_sched_options_default(&o);
-    o.policy = policy;
-    o.params_json = params;
-    o.num_threads = 1;
-    rp_sched *s = NULL;
-    rp_error err;
-    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new(%s): %s", policy, err.text);
-    return s;
-}
-
 /* The estimate the policy should have used at each step, recomputed from the reports
  * of the steps before it. */
 static void test_estimate_from_reports(void)
 {
-    rp_sched *s = make("routepack", "{\"persistence_prior\": 1}");
+    rp_sched *s = gen_steps_sched(&fx, "routepack", "{\"persistence_prior\": 1}", NULL);
     double sum_r = 0, sum_p = 0, open_pred = 0;
     int obs = 0, moves = 0, scored = 0, mismatches = 0, ran = 0;
     for (int t = 0; t < STEPS && s; t++) {
@@ -80,8 +67,8 @@ static void test_estimate_from_reports(void)
  * persistence 1 from the same start. */
 static void test_rule(void)
 {
-    rp_sched *one = make("routepack", "{\"persistence\": 1, \"horizon\": 10}"),
-             *zero = make("routepack", "{\"persistence\": 0, \"horizon\": 10}");
+    rp_sched *one = gen_steps_sched(&fx, "routepack", "{\"persistence\": 1, \"horizon\": 10}", NULL),
+             *zero = gen_steps_sched(&fx, "routepack", "{\"persistence\": 0, \"horizon\": 10}", NULL);
     double bytes1 = 0, bytes0 = 0;
     bool ran = one && zero;
     for (int t = 0; t < STEPS && ran; t++) {
@@ -122,7 +109,7 @@ static void test_decision_api(void)
           "end}\n",
           f);
     fclose(f);
-    rp_sched *s = make(path, NULL);
+    rp_sched *s = gen_steps_sched(&fx, path, NULL, NULL);
     const rp_plan *p = NULL;
     const rp_step_report *r = NULL;
     rp_error err;
@@ -146,7 +133,7 @@ static void test_decision_api(void)
            strstr(r->fallback_reason, "rp.decision: persistence must be within [0, 1], got 2"),
        "a persistence out of [0, 1] is the policy's error");
     rp_sched_free(s);
-    s = make("token_kk+eplb", NULL);
+    s = gen_steps_sched(&fx, "token_kk+eplb", NULL, NULL);
     text = NULL;
     root = NULL;
     if (s && rp_sched_step(s, 0, batches[0], &routings[0], &p, &r, &err) == RP_OK &&
@@ -164,7 +151,7 @@ static void test_decision_api(void)
  * the persistence measure scores each placement as it ran. */
 static void test_balancer_candidate(void)
 {
-    rp_sched *on = make("routepack", NULL), *off = make("routepack", "{\"virtual_experts\": false}");
+    rp_sched *on = gen_steps_sched(&fx, "routepack", NULL, NULL), *off = gen_steps_sched(&fx, "routepack", "{\"virtual_experts\": false}", NULL);
     int ran = 0, with_on = 0, with_off = 0, failed = 0;
     for (int t = 0; t < STEPS && on && off; t++) {
         const rp_plan *p = NULL, *q = NULL;

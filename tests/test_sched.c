@@ -15,8 +15,6 @@
 #include <string.h>
 #include <unistd.h>
 
-static int files;
-
 #define STEPS 4
 static gen_steps fx; /* the fixture (tests/test_util.h); the names below are its parts */
 static rp_context *ctx;
@@ -24,42 +22,6 @@ static rp_config *cfg;
 static rp_batch **batches;
 static rp_routing *routings;
 static const char *tmp;
-
-/* Write a policy file; returns its path (static buffer rotation). */
-static const char *policy_file(const char *source)
-{
-    static char paths[8][512];
-    char *p = paths[files % 8];
-    snprintf(p, 512, "%s/policy%d.lua", tmp, files++);
-    FILE *f = fopen(p, "w");
-    fputs(source, f);
-    fclose(f);
-    return p;
-}
-
-/* A policy whose plan(ctx) body is `body` (a chunk of Lua with `ctx` in scope). */
-static const char *body_policy(const char *body)
-{
-    static char src[16384];
-    snprintf(src, sizeof src,
-             "return {name = 'probe', version = '1.0.0', api = 1, description = 'a test probe',\n"
-             "plan = function(ctx)\n%s\nend}\n",
-             body);
-    return policy_file(src);
-}
-
-static rp_sched *make(const char *policy, const rp_sched_options *base)
-{
-    rp_sched_options o;
-    if (base) o = *base;
-    else rp_sched_options_default(&o);
-    o.policy = policy;
-    o.num_threads = 1;
-    rp_sched *s = NULL;
-    rp_error err;
-    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new(%s): %s", policy, err.text);
-    return s;
-}
 
 static const rp_step_report *step(rp_sched *s, int t, const rp_plan **plan)
 {
@@ -115,7 +77,7 @@ static void test_shipped(void)
 {
     static const char *names[] = {"token_kk", "attn_kk", "eplb", "routepack", "token_kk+eplb", "attn_kk+eplb"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        rp_sched *s = make(names[i], NULL);
+        rp_sched *s = gen_steps_sched(&fx, names[i], NULL, NULL);
         const rp_plan *plan = NULL;
         const rp_step_report *rep = step(s, 0, &plan);
         ok(rep && !rep->fallback && rp_plan_validate(plan, cfg, batches[0], NULL) == RP_OK,
@@ -137,7 +99,7 @@ static void test_shipped(void)
 static void test_omitted(void)
 {
     /* nothing returned on the first step: the safe default */
-    rp_sched *s = make(body_policy("return nil"), NULL);
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "return nil"), NULL, NULL);
     const rp_plan *plan = NULL;
     const rp_step_report *rep = step(s, 0, &plan);
     rp_plan *dflt = baseline(0, "attn_kk+contiguous");
@@ -147,7 +109,7 @@ static void test_omitted(void)
     rp_sched_free(s);
 
     /* placement only: the packing is the safe default's */
-    s = make("eplb", NULL);
+    s = gen_steps_sched(&fx, "eplb", NULL, NULL);
     rep = step(s, 0, &plan);
     dflt = baseline(0, "attn_kk+eplb");
     ok(rep && dflt && same_packing(plan, dflt), "a placement-only policy keeps the safe default packing");
@@ -156,7 +118,7 @@ static void test_omitted(void)
     rp_sched_free(s);
 
     /* packing only after an EPLB placement: the placement survives untouched */
-    s = make("eplb", NULL);
+    s = gen_steps_sched(&fx, "eplb", NULL, NULL);
     rep = step(s, 0, &plan);
     rp_plan *first = NULL;
     if (plan) rp_plan_copy(plan, &first, NULL);
@@ -173,9 +135,9 @@ static void test_omitted(void)
     rp_sched_free(s);
 
     /* ctx.plan is what runs when nothing is returned */
-    s = make(body_policy("local p = ctx.plan\n"
+    s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "local p = ctx.plan\n"
                          "assert(p:has_packing() and p:has_placement())\n"
-                         "return {packing = p:packing()}"),
+                         "return {packing = p:packing()}"), NULL,
              NULL);
     rep = step(s, 0, &plan);
     dflt = baseline(0, "attn_kk+contiguous");
@@ -184,7 +146,7 @@ static void test_omitted(void)
     rp_sched_free(s);
 
     /* a pair: the placement policy sees the packing policy's packing in ctx.plan */
-    s = make("token_kk+eplb", NULL);
+    s = gen_steps_sched(&fx, "token_kk+eplb", NULL, NULL);
     rep = step(s, 0, &plan);
     rp_plan *tk = baseline(0, "token_kk+eplb");
     ok(rep && tk && same_packing(plan, tk) && same_placement(plan, tk),
@@ -193,9 +155,9 @@ static void test_omitted(void)
     rp_sched_free(s);
 
     /* levers without a packing go with ctx.plan's microbatches */
-    s = make(body_policy("local M = ctx.plan:num_microbatches()\n"
+    s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "local M = ctx.plan:num_microbatches()\n"
                          "local e = ctx.plan:experts(0, 0)[1]\n"
-                         "return {shares = {{microbatch = M - 1, layer = 0, expert = e, shares = {1}}}}"),
+                         "return {shares = {{microbatch = M - 1, layer = 0, expert = e, shares = {1}}}}"), NULL,
              NULL);
     rep = step(s, 0, &plan);
     ok(rep && !rep->fallback && rp_plan_num_share_sets(plan) == 1, "levers given without a packing are kept");
@@ -216,7 +178,7 @@ static void hostile(const char *what, const char *body, const char *expect)
     o.max_memory_bytes = (size_t)32 << 20;
     o.max_depth = 200;
     o.max_wall_s = 30;
-    rp_sched *s = make(body_policy(src), &o);
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, src), NULL, &o);
     const rp_plan *plan = NULL;
     rp_plan *good = NULL;
     const rp_step_report *rep = step(s, 0, &plan);
@@ -284,8 +246,8 @@ static void test_hostile(void)
 static void test_stale_view(void)
 {
     /* a view kept in a global is dead in the next call */
-    rp_sched *s = make(body_policy("if ctx.step == 0 then kept = ctx.batch.seq_len return nil end\n"
-                                   "local x = kept[0]\nreturn nil"),
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "if ctx.step == 0 then kept = ctx.batch.seq_len return nil end\n"
+                                   "local x = kept[0]\nreturn nil"), NULL,
                        NULL);
     const rp_step_report *rep = step(s, 0, NULL);
     ok(rep && !rep->fallback, "a view can be kept in a global");
@@ -295,7 +257,7 @@ static void test_stale_view(void)
     rp_sched_free(s);
     /* ctx.state is kept after every call as a checkpoint holds it: a view there fails
      * the step that put it there */
-    s = make(body_policy("ctx.state.v = ctx.batch.seq_len return nil"), NULL);
+    s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "ctx.state.v = ctx.batch.seq_len return nil"), NULL, NULL);
     rep = step(s, 0, NULL);
     ok(rep && rep->fallback && strstr(rep->fallback_reason, "ctx.state cannot be kept after the call: ctx.state.v is "
                                                              "userdata"),
@@ -307,7 +269,7 @@ static void test_stale_view(void)
 
 static void hashes(const char *policy, uint64_t *out, int n)
 {
-    rp_sched *s = make(policy, NULL);
+    rp_sched *s = gen_steps_sched(&fx, policy, NULL, NULL);
     for (int t = 0; t < n; t++) {
         const rp_step_report *rep = step(s, t, NULL);
         out[t] = rep ? rep->plan_hash : 0;
@@ -329,7 +291,7 @@ static void *thread_main(void *arg)
 
 static void test_determinism(void)
 {
-    const char *random_policy = body_policy("local p = ctx.plan:packing()\n"
+    const char *random_policy = gen_steps_body_policy(&fx, "local p = ctx.plan:packing()\n"
                                             "local a, b = math.random(8), math.random(8)\n"
                                             "local s = table.remove(p[a][1]) if s then table.insert(p[b][1], s) end\n"
                                             "return {packing = p}");
@@ -353,8 +315,8 @@ static void test_determinism(void)
        "two schedulers on two threads at once give the same plans as run one after the other");
 
     /* the seed differs between steps but not between runs */
-    const char *seed_policy = body_policy("error(string.format('seed=%.0f r=%.17g', ctx.seed, math.random()))");
-    rp_sched *s1 = make(seed_policy, NULL), *s2 = make(seed_policy, NULL);
+    const char *seed_policy = gen_steps_body_policy(&fx, "error(string.format('seed=%.0f r=%.17g', ctx.seed, math.random()))");
+    rp_sched *s1 = gen_steps_sched(&fx, seed_policy, NULL, NULL), *s2 = gen_steps_sched(&fx, seed_policy, NULL, NULL);
     const rp_step_report *r1 = step(s1, 0, NULL);
     char first[RP_ERROR_TEXT];
     snprintf(first, sizeof first, "%s", r1 ? r1->fallback_reason : "");
@@ -371,7 +333,7 @@ static void test_determinism(void)
 static void test_swap(void)
 {
     rp_error err;
-    rp_sched *s = make("token_kk", NULL);
+    rp_sched *s = gen_steps_sched(&fx, "token_kk", NULL, NULL);
     ok(rp_sched_stage_policy(s, "attn_kk", NULL, 2, &err) == RP_OK, "stage attn_kk for step 2");
     const rp_step_report *rep = step(s, 0, NULL);
     uint64_t before = rep ? rep->policy_hash : 0;
@@ -443,7 +405,7 @@ static void test_swap(void)
     rp_sched_free(s);
 
     /* staged before any step: dry-run on the step's own inputs */
-    s = make("token_kk", NULL);
+    s = gen_steps_sched(&fx, "token_kk", NULL, NULL);
     ok(rp_sched_stage_policy(s, "eplb", NULL, -1, &err) == RP_OK, "stage before the first step");
     rep = step(s, 0, NULL);
     ok(rep && rep->swapped && strcmp(rep->policy_name, "eplb") == 0, "it swaps in at the first step");
@@ -453,10 +415,10 @@ static void test_swap(void)
     rp_sched_options o;
     rp_sched_options_default(&o);
     o.params_json = "{\"k\": 5}";
-    const char *v1 = policy_file("return {name = 'tuned', version = '1.0.0', api = 1, description = 'd',\n"
+    const char *v1 = gen_steps_policy_file(&fx, "return {name = 'tuned', version = '1.0.0', api = 1, description = 'd',\n"
                                  "params = {k = {type = 'integer', default = 1, doc = 'k'}},\n"
                                  "plan = function(ctx) if ctx.params.k ~= 5 then error('k=' .. ctx.params.k) end end}");
-    s = make(v1, &o);
+    s = gen_steps_sched(&fx, v1, NULL, &o);
     ok(s != NULL, "a policy with config params");
     rep = step(s, 0, NULL);
     ok(rep && !rep->fallback, "runs with them");
@@ -481,7 +443,7 @@ static const char *probe(const char *body)
 {
     char src[8192];
     snprintf(src, sizeof src, "if ctx.step == 0 then return nil end\n%s\nreturn nil", body);
-    rp_sched *s = make(body_policy(src), NULL);
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, src), NULL, NULL);
     step(s, 0, NULL);
     const rp_step_report *rep = step(s, 1, NULL);
     snprintf(probe_out, sizeof probe_out, "%s", !rep ? "(step failed)" : rep->fallback ? rep->fallback_reason : "");
@@ -668,7 +630,7 @@ static void test_policy_out_of_memory(void)
     rp_context_new(small_blocks_alloc, NULL, &small);
     rp_sched_options o;
     rp_sched_options_default(&o);
-    o.policy = body_policy("if ctx.step == 0 then return nil end\nlocal s = string.rep('x', 5 * 2^20) return nil");
+    o.policy = gen_steps_body_policy(&fx, "if ctx.step == 0 then return nil end\nlocal s = string.rep('x', 5 * 2^20) return nil");
     o.num_threads = 1;
     rp_sched *s = NULL;
     rp_error err;
@@ -777,14 +739,14 @@ static void test_instruction_budget(void)
     rp_sched_options o;
     rp_sched_options_default(&o);
     o.max_wall_s = 120; /* the loop below runs ~2 s, longer under sanitizers */
-    rp_sched *s = make(body_policy("while true do end"), &o);
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "while true do end"), NULL, &o);
     const rp_plan *p = NULL;
     const rp_step_report *rep = NULL;
     ok(s && rp_sched_step(s, 0, b, &r, &p, &rep, &err) == RP_OK && rep->fallback, "a runaway policy falls back");
     if (rep) like(rep->fallback_reason, text, "on a large batch the budget is 16 evaluations' work (%lld)", (long long)want);
     rp_sched_free(s);
     o.max_instructions = 1000000;
-    s = make(body_policy("while true do end"), &o);
+    s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "while true do end"), NULL, &o);
     rep = NULL;
     ok(s && rp_sched_step(s, 0, b, &r, &p, &rep, &err) == RP_OK, "steps with an explicit limit");
     if (rep) like(rep->fallback_reason, "instruction limit (1000000)", "an explicit limit is kept as given");
@@ -821,9 +783,9 @@ static void test_history(void)
     rp_sched_options o;
     rp_sched_options_default(&o);
     o.history = 2;
-    rp_sched *s = make(body_policy("local want = math.min(ctx.step, 2)\n"
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "local want = math.min(ctx.step, 2)\n"
                                    "if #ctx.history ~= want then error('history ' .. #ctx.history) end\n"
-                                   "for i = 1, want do if ctx.history[i].step ~= ctx.step - i then error('order') end end"),
+                                   "for i = 1, want do if ctx.history[i].step ~= ctx.step - i then error('order') end end"), NULL,
                        &o);
     bool fine = true;
     for (int t = 0; t < 4; t++) {
@@ -840,7 +802,7 @@ static void test_history(void)
 static void test_errors(void)
 {
     rp_error err;
-    rp_sched *s = make("token_kk", NULL);
+    rp_sched *s = gen_steps_sched(&fx, "token_kk", NULL, NULL);
     size_t nids = (size_t)rp_batch_num_tokens(batches[0]) * 16 * 8;
     uint8_t *bad_ids = malloc(nids);
     memcpy(bad_ids, fx.ids[0], nids);
@@ -980,7 +942,7 @@ static const rp_step_report *spread_step(int64_t max_instructions, size_t max_me
     o.max_instructions = max_instructions;
     o.max_memory_bytes = max_memory_bytes;
     o.max_wall_s = 60;
-    rp_sched *s = make(body_policy(body), &o);
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, body), NULL, &o);
     const rp_step_report *rep = step(s, 0, NULL);
     static rp_step_report copy;
     if (rep) copy = *rep;
@@ -1051,7 +1013,7 @@ static void test_engine_work(void)
              "for m = 0, 31 do for l = 0, 15 do for e = 0, 63 do\n"
              "  n = n + 1 list[n] = {microbatch = m, layer = l, expert = e, shares = sh} end end end\n"
              "return {packing = pk, shares = list}");
-    o.policy = body_policy(body);
+    o.policy = gen_steps_body_policy(&fx, body);
     rp_sched *s = NULL;
     rp_error err;
     ok(rp_sched_new(counted, cfg, &o, &s, &err) == RP_OK, "a scheduler on a counting allocator");
@@ -1097,7 +1059,7 @@ static int64_t charged_and_counted(const char *body, int64_t *counted)
     rp_sched_options_default(&o);
     o.max_instructions = INT64_C(4000000000);
     o.max_wall_s = 120;
-    rp_sched *s = make(body_policy(body), &o);
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, body), NULL, &o);
     const rp_step_report *rep = step(s, 0, NULL);
     int64_t work = -1;
     *counted = -1;
@@ -1157,8 +1119,8 @@ static void test_primitive_charges(void)
     rp_sched_options_default(&o);
     o.max_instructions = 3000000;
     o.max_wall_s = 120;
-    rp_sched *s = make(body_policy("local b = rp.baseline('attn_kk+eplb')\n"
-                                   "return rp.local_search(b, {evaluations = 100000000})"),
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "local b = rp.baseline('attn_kk+eplb')\n"
+                                   "return rp.local_search(b, {evaluations = 100000000})"), NULL,
                        &o);
     const rp_step_report *rep = step(s, 0, NULL);
     ok(rep && rep->fallback && strstr(rep->fallback_reason, "exceeded the instruction limit (3000000)") &&
@@ -1192,7 +1154,7 @@ static void test_swap_fresh_state(void)
     };
     for (size_t i = 0; i < sizeof sticky / sizeof sticky[0]; i++) {
         rp_error err;
-        rp_sched *s = make("token_kk", NULL);
+        rp_sched *s = gen_steps_sched(&fx, "token_kk", NULL, NULL);
         step(s, 0, NULL);
         ok(rp_sched_stage_policy(s, "sticky.lua", sticky[i].source, -1, &err) == RP_OK, "stage a policy with %s",
            sticky[i].what);
@@ -1210,7 +1172,6 @@ static void test_swap_fresh_state(void)
     }
 }
 
-
 /* ---- the placement in use from the first step ------------------------------------------ */
 
 static bool placements_equal(const rp_plan *a, const rp_plan *b)
@@ -1225,12 +1186,12 @@ static bool placements_equal(const rp_plan *a, const rp_plan *b)
 /* ctx.placement.per_forward_balancing: how the placement in use runs */
 static void test_placement_balancing(void)
 {
-    rp_sched *s = make(body_policy("if ctx.step == 0 then\n"
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "if ctx.step == 0 then\n"
                                    "  assert(ctx.placement.per_forward_balancing == 'none')\n"
                                    "  return rp.baseline('token_kk+virtual_experts')\n"
                                    "end\n"
                                    "assert(ctx.placement.per_forward_balancing == 'virtual_experts', 'step 1 sees none')\n"
-                                   "return rp.baseline('token_kk+eplb')"),
+                                   "return rp.baseline('token_kk+eplb')"), NULL,
                        NULL);
     const rp_step_report *r0 = step(s, 0, NULL);
     ok(r0 && !r0->fallback, "step 0 runs the balancer's plan");
@@ -1244,11 +1205,11 @@ static void test_initial_placement(void)
 {
     rp_error err;
     /* default: contiguous, seen by the policy at step 0 */
-    rp_sched *s = make(body_policy("assert(ctx.placement ~= nil, 'no placement in use at step 0')\n"
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "assert(ctx.placement ~= nil, 'no placement in use at step 0')\n"
                                    "for l = 0, 15 do for j = 0, 7 do local ex = ctx.placement.experts(l, j)\n"
                                    "  assert(#ex == 8 and ex[1] == 8 * j and ex[8] == 8 * j + 7) end end\n"
                                    "local s, b, n = rp.migration(ctx.plan)\n"
-                                   "assert(s == 0 and b == 0 and n == 0)"),
+                                   "assert(s == 0 and b == 0 and n == 0)"), NULL,
                        NULL);
     const rp_plan *plan = NULL;
     const rp_step_report *rep = step(s, 0, &plan);
@@ -1257,7 +1218,7 @@ static void test_initial_placement(void)
     rp_sched_free(s);
 
     /* a plan file: an EPLB placement saved from a step */
-    s = make("token_kk+eplb", NULL);
+    s = gen_steps_sched(&fx, "token_kk+eplb", NULL, NULL);
     rep = step(s, 2, &plan);
     char path[600];
     snprintf(path, sizeof path, "%s/initial-plan.json", tmp);
@@ -1269,20 +1230,20 @@ static void test_initial_placement(void)
     rp_sched_options o;
     rp_sched_options_default(&o);
     o.initial_placement = path;
-    s = make("token_kk", &o);
+    s = gen_steps_sched(&fx, "token_kk", NULL, &o);
     rep = step(s, 0, &plan);
     ok(rep && placements_equal(plan, eplb) && rep->experts_moved == 0 && rep->migration_bytes == 0,
        "a packing-only policy keeps the plan file's placement from step 0, and nothing migrates");
     rp_sched_free(s);
     /* the same scheduler without the option moves nothing either, from contiguous */
-    s = make("token_kk", NULL);
+    s = gen_steps_sched(&fx, "token_kk", NULL, NULL);
     rep = step(s, 0, &plan);
     ok(rep && !placements_equal(plan, eplb) && rep->migration_bytes == 0,
        "without it the placement in use is contiguous");
     rp_sched_free(s);
     /* EPLB from the plan file's placement: its slots are renumbered against it, and the
      * migration counted is from it */
-    s = make("token_kk+eplb", &o);
+    s = gen_steps_sched(&fx, "token_kk+eplb", NULL, &o);
     rep = step(s, 2, &plan);
     ok(rep && placements_equal(plan, eplb) && rep->experts_moved == 0 && rep->migration_bytes == 0,
        "EPLB on the batch its initial placement came from moves nothing");
@@ -1353,7 +1314,7 @@ static void test_initial_placement(void)
     /* the joint policy at step 0 charges the migration from the placement in use: it
      * keeps most of the contiguous layout where EPLB rewrites it (before, it re-placed
      * every layer at step 0 with no migration test) */
-    rp_sched *joint = make("routepack", NULL), *ep = make("token_kk+eplb", NULL);
+    rp_sched *joint = gen_steps_sched(&fx, "routepack", NULL, NULL), *ep = gen_steps_sched(&fx, "token_kk+eplb", NULL, NULL);
     const rp_step_report *rj = step(joint, 0, NULL);
     double joint_bytes = rj ? rj->migration_bytes : -1;
     const rp_step_report *re = step(ep, 0, NULL);
@@ -1372,18 +1333,18 @@ static void test_initial_placement(void)
  * without rp.joint counts nothing. */
 static void test_fallback_check_counts(void)
 {
-    rp_sched *s = make(body_policy("local p, r = rp.joint({})\n"
+    rp_sched *s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "local p, r = rp.joint({})\n"
                                    "assert(r.chosen == 'joint', 'a baseline won: ' .. r.chosen)\n"
-                                   "return p"),
+                                   "return p"), NULL,
                        NULL);
     const rp_step_report *rep = step(s, 0, NULL);
     const int first_changes = rep && rep->fallback ? 1 : 0;
     rp_sched_free(s);
-    s = make(body_policy("local p1, r1 = rp.joint({})\n"
+    s = gen_steps_sched(&fx, gen_steps_body_policy(&fx, "local p1, r1 = rp.joint({})\n"
                          "local p2, r2 = rp.joint({fallbacks = {}})\n"
                          "local p3, r3 = rp.joint({num_microbatches = 16})\n"
                          "assert(r3.chosen ~= 'joint', 'forced microbatches: the joint plan won')\n"
-                         "return p1"),
+                         "return p1"), NULL,
              NULL);
     rep = step(s, 0, NULL);
     ok(rep && !rep->fallback && rep->fallback_checks == 2 && rep->fallback_check_changes == 1 + first_changes,
@@ -1397,7 +1358,7 @@ static void test_fallback_check_counts(void)
        "and so do the step's metrics");
     rp_text_free(ctx, json);
     rp_sched_free(s);
-    s = make("token_kk", NULL);
+    s = gen_steps_sched(&fx, "token_kk", NULL, NULL);
     rep = step(s, 0, NULL);
     ok(rep && rep->fallback_checks == 0 && rep->fallback_check_changes == 0, "a policy without rp.joint: none");
     rp_sched_free(s);

@@ -572,4 +572,51 @@ static inline int run_routepack(char *out, size_t out_size, const char *fmt, ...
 }
 #endif
 
+/* A scheduler for `policy` over the fixture's config, one scan thread, from `base`
+ * options (NULL: the defaults) with `params` (NULL: the options' own); NULL, with a
+ * diagnostic on stderr, when rp_sched_new fails. The scheduler tests' constructor. */
+static inline rp_sched *gen_steps_sched(const gen_steps *g, const char *policy, const char *params,
+                                        const rp_sched_options *base)
+{
+    rp_sched_options o;
+    if (base) o = *base;
+    else rp_sched_options_default(&o);
+    o.policy = policy;
+    if (params) o.params_json = params;
+    o.num_threads = 1;
+    rp_sched *s = NULL;
+    rp_error err;
+    if (rp_sched_new(g->ctx, g->cfg, &o, &s, &err) != RP_OK)
+        fprintf(stderr, "# rp_sched_new(%s): %s\n", policy, err.text);
+    return s;
+}
+
+/* Write `source` as a policy file in the fixture's scratch folder; returns its path
+ * (one of 8 static buffers, reused in turn). */
+static inline const char *gen_steps_policy_file(const gen_steps *g, const char *source)
+{
+    static int files;
+    static char paths[8][512];
+    char *p = paths[files % 8];
+    snprintf(p, 512, "%s/policy%d.lua", g->tmp, files++);
+    FILE *f = fopen(p, "w");
+    if (f) {
+        fputs(source, f);
+        fclose(f);
+    }
+    return p;
+}
+
+/* A probe policy whose plan(ctx) body is `body` (a chunk of Lua with `ctx` in scope),
+ * written as gen_steps_policy_file does. */
+static inline const char *gen_steps_body_policy(const gen_steps *g, const char *body)
+{
+    static char src[16384];
+    snprintf(src, sizeof src,
+             "return {name = 'probe', version = '1.0.0', api = 1, description = 'a test probe',\n"
+             "plan = function(ctx)\n%s\nend}\n",
+             body);
+    return gen_steps_policy_file(g, src);
+}
+
 #endif
