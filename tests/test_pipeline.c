@@ -86,10 +86,7 @@ static void test_config(void)
     } else {
         ok(0, "PP 4 x VPP 4: %s", err.text);
     }
-    struct {
-        const char *topology, *message;
-        rp_status status;
-    } bad[] = {
+    static const config_refusal bad[] = {
         {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"pipeline_parallel_size\": 3",
          "topology.pipeline_parallel_size is 3, but the 8 GPUs (num_nodes 1 x gpus_per_node 8) do not split into 3 "
          "stages", RP_EINVAL},
@@ -125,13 +122,7 @@ static void test_config(void)
          "topology.dp_size must equal the GPUs over tensor_parallel_size x pipeline_parallel_size, 16 / (1 x 2) = 8, "
          "got 16", RP_EINVAL},
     };
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        memset(&err, 0, sizeof err);
-        rp_config *c = config(bad[i].topology, "", &err);
-        ok(!c && err.status == bad[i].status && strstr(err.text, bad[i].message), "refused: %s", bad[i].message);
-        if (!strstr(err.text, bad[i].message) || err.status != bad[i].status) diag("got %d: %s", err.status, err.text);
-        rp_config_free(c);
-    }
+    check_config_refusals(config, bad, sizeof bad / sizeof bad[0]);
 }
 
 /* Memory: a GPU holds only its stage's layers; the busiest stage decides. */

@@ -55,10 +55,7 @@ static void test_mapping(void)
            "ETP defaults to TP (Megatron), EP to the node's 4 ETP groups, 2 slots per EP rank = per DP rank");
         rp_config_free(cfg);
     }
-    struct {
-        const char *topology, *message;
-        rp_status status;
-    } bad[] = {
+    static const config_refusal bad[] = {
         {"\"num_nodes\": 1, \"gpus_per_node\": 8, \"tensor_parallel_size\": 3",
          "topology.tensor_parallel_size must divide gpus_per_node, 8, got 3: a TP group stays inside a node",
          RP_EINVAL},
@@ -82,13 +79,7 @@ static void test_mapping(void)
          " \"slots_per_gpu\": [4, 4, 3, 4]",
          "topology.slots_per_gpu[2] is 3, but DP rank 2 holds 2 EP ranks", RP_EINVAL},
     };
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        memset(&err, 0, sizeof err);
-        rp_config *c = config(bad[i].topology, "", &err);
-        ok(!c && err.status == bad[i].status && strstr(err.text, bad[i].message), "refused: %s", bad[i].message);
-        if (!strstr(err.text, bad[i].message)) diag("got: %s", err.text);
-        rp_config_free(c);
-    }
+    check_config_refusals(config, bad, sizeof bad / sizeof bad[0]);
 }
 
 /* ---- hand-computed divisors ---- */

@@ -619,4 +619,98 @@ static inline const char *gen_steps_body_policy(const gen_steps *g, const char *
     return gen_steps_policy_file(g, src);
 }
 
+#ifdef RP_TAP_H
+/* ---- checks shared by the TAP tests (tap.h included first) ---- */
+
+/* One config the topology tests refuse: the topology's keys, a part of the message it
+ * must give, and its status. */
+typedef struct config_refusal {
+    const char *topology, *message;
+    rp_status status;
+} config_refusal;
+
+/* The refusal table of a config test: `make` builds a config from a topology's keys
+ * (and extra top-level members, "" here); each entry must be refused with its status
+ * and a message containing its part: one check each, "refused: MESSAGE". */
+static inline void check_config_refusals(rp_config *(*make)(const char *topology, const char *extra, rp_error *err),
+                                         const config_refusal *bad, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        rp_error err;
+        memset(&err, 0, sizeof err);
+        rp_config *c = make(bad[i].topology, "", &err);
+        ok(!c && err.status == bad[i].status && strstr(err.text, bad[i].message), "refused: %s", bad[i].message);
+        if (!strstr(err.text, bad[i].message) || err.status != bad[i].status)
+            diag("got %d: %s", err.status, err.text);
+        rp_config_free(c);
+    }
+}
+/* Run `program` (a rank program of tests/mpi) under `mpirun --allow-run-as-root
+ * --oversubscribe -np 4` and relay its TAP lines as checks here, each named `prefix`
+ * and its own name; its other lines become diagnostics, and its "1..0 # SKIP why"
+ * a skip (*skipped). For sanitizer builds (ignored otherwise) the ranks get
+ * tests/lsan.supp, since Open MPI's allocations outlive MPI_Finalize, and the slow
+ * unwinder, so that leak stacks reach Open MPI's libraries through its plugins.
+ * Returns mpirun's exit code (-1 when it did not exit), *checks the checks relayed; -2
+ * when nothing ran, a skip or failure recorded: `program` was not built (`unbuilt` says
+ * why), mpirun is missing, or it could not be started. */
+static inline int mpirun_relay(const char *program, const char *unbuilt, const char *prefix, int *checks,
+                               bool *skipped)
+{
+    *checks = 0;
+    *skipped = false;
+    if (access(program, X_OK) != 0) {
+        skip(1, unbuilt);
+        return -2;
+    }
+    if (system("command -v mpirun >/dev/null 2>&1") != 0) {
+        skip(1, "mpirun not found");
+        return -2;
+    }
+    char lsan[1024], asan[1024];
+    const char *old = getenv("LSAN_OPTIONS");
+    if (old && strstr(old, "suppressions=")) snprintf(lsan, sizeof lsan, "%s", old);
+    else snprintf(lsan, sizeof lsan, "%s%ssuppressions=%s:print_suppressions=0", old ? old : "",
+                  old && *old ? ":" : "", RP_SOURCE_DIR "/tests/lsan.supp");
+    setenv("LSAN_OPTIONS", lsan, 1);
+    old = getenv("ASAN_OPTIONS");
+    snprintf(asan, sizeof asan, "%s%sfast_unwind_on_malloc=0", old ? old : "", old && *old ? ":" : "");
+    setenv("ASAN_OPTIONS", asan, 1);
+    /* Containers often forbid the cross-memory attach Open MPI's shared-memory transport
+     * tries first; copying through the shared segment always works. */
+    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 0);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "timeout -k 5 240 mpirun --allow-run-as-root --oversubscribe -np 4 -x LSAN_OPTIONS -x ASAN_OPTIONS "
+             "%s %s 2>&1",
+             getenv("UBSAN_OPTIONS") ? "-x UBSAN_OPTIONS" : "", program);
+    FILE *p = popen(cmd, "r");
+    if (!p) {
+        ok(0, "mpirun could not be started");
+        return -2;
+    }
+    char line[4096];
+    while (fgets(line, sizeof line, p)) {
+        line[strcspn(line, "\n")] = '\0';
+        const char *text = NULL;
+        int pass = 0;
+        if (strncmp(line, "ok ", 3) == 0) pass = 1, text = line + 3;
+        else if (strncmp(line, "not ok ", 7) == 0) text = line + 7;
+        if (text) {
+            while (*text >= '0' && *text <= '9') text++; /* renumbered here */
+            if (strncmp(text, " - ", 3) == 0) text += 3;
+            ok(pass, "%s%s", prefix, text);
+            (*checks)++;
+        } else if (strncmp(line, "1..0 # SKIP", 11) == 0) {
+            skip(1, line + 12);
+            *skipped = true;
+        } else if (strncmp(line, "1..", 3) != 0) {
+            printf("# %s\n", line[0] == '#' ? line + (line[1] == ' ' ? 2 : 1) : line);
+        }
+    }
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+#endif
+
 #endif
