@@ -6,6 +6,8 @@
 #include "routepack/routepack.h"
 #include "routepack/sched.h"
 
+#include <jansson.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 
@@ -28,6 +30,10 @@ enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2 };
 int cli_fail(const rp_error *err);
 /* Print "routepack: <message>" to stderr and return CLI_USAGE. */
 int cli_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Print "routepack: <message>" to stderr and return `code` (cli_usage's, with any exit
+ * status). */
+int cli_message(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int cli_vmessage(int code, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
 
 /* The name in `names` a typo of `word` most likely meant (at most 2 edits away, fewer
  * than the word's length), or NULL: the "did you mean" of commands, options and policy
@@ -45,6 +51,16 @@ bool cli_unknown_option_taken(const char **command, const char **option);
  * followed by a value (stored in *value). A missing value is a usage error reported
  * through *bad. */
 bool cli_opt(int argc, char **argv, int *i, const char *name, const char **value, bool *bad);
+/* A flag option: true, and *flag set, when `arg` is `name` ("--json"). */
+bool cli_flag(const char *arg, const char *name, bool *flag);
+/* An argument no option of `command` took: an unknown option (recorded, see
+ * cli_unknown_option) or a positional one ("COMMAND takes no positional arguments, got
+ * 'ARG'" and `hint`, "" for none). Returns CLI_USAGE. */
+int cli_stray_arg(const char *command, const char *arg, const char *hint);
+/* Print `root` (owned; NULL fails) to stdout as indented JSON in key order, with
+ * `precision` significant digits for reals (0: jansson's default), and a newline;
+ * false when anything failed. */
+bool cli_print_json(json_t *root, int precision);
 /* Parse an integer option value; false (with a message) when it is not one. */
 bool cli_int(const char *name, const char *text, int64_t *out);
 
@@ -107,12 +123,8 @@ struct json_t *cli_memory_json(const rp_gpu_memory *m);
  * Returns CLI_OK, or CLI_USAGE after a message. */
 int cli_policy_params(rp_context *ctx, const rp_config *cfg, const char *spec, char **name, char **params_json);
 
-/* ---- shared by simulate, policy, plan and memory (input.c; cli_error, cli_human_bytes
- * and cli_side_name in common.c) ---- */
-
-/* Fill `err` with a formatted message and return `status`. */
-rp_status cli_error(rp_error *err, rp_status status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+/* ---- shared by simulate, policy, plan and memory (input.c; cli_human_bytes and
+ * cli_side_name in common.c; errors are filled with the library's rp_fail) ---- */
 
 /* Load a config; `microbatches` > 0 replaces its limits.num_microbatches (errors in the
  * file are still reported against the file's own lines). */

@@ -15,18 +15,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static int npy_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int npy_fail(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "routepack: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-    return CLI_FAIL;
-}
-
 static const char *shape_text(const rp_npy *a, char *buf, size_t size)
 {
     size_t n = (size_t)snprintf(buf, size, "(");
@@ -45,8 +33,8 @@ static int read_column(const char *name, const rp_npy *a, int64_t ncols, int64_t
         int64_t v = rp_npy_get(a, i * stride + col);
         bool huge = rp_npy_type(a) == RP_NPY_U64 && v < 0;
         if (huge || v < min || v > max)
-            return npy_fail("%s: %s of sequence %" PRId64 " is %s%" PRId64 ", must be in [%d, %d]",
-                            name, what, i, huge ? "above 2^63, read as " : "", v, min, max);
+            return cli_message(CLI_FAIL, "%s: %s of sequence %" PRId64 " is %s%" PRId64 ", must be in [%d, %d]",
+                               name, what, i, huge ? "above 2^63, read as " : "", v, min, max);
         out[i] = (int32_t)v;
     }
     return CLI_OK;
@@ -58,14 +46,14 @@ static int check_seq_array(const char *name, const rp_npy *a, int64_t *num_seqs,
     char sh[256];
     bool pairs = allow_pairs && rp_npy_ndim(a) == 2 && rp_npy_shape(a)[1] == 2;
     if (rp_npy_ndim(a) != 1 && !pairs)
-        return npy_fail("%s: expected shape [sequences]%s, got %s", name,
-                        allow_pairs ? " or [sequences, 2] (prompt, response)" : "",
-                        shape_text(a, sh, sizeof sh));
+        return cli_message(CLI_FAIL, "%s: expected shape [sequences]%s, got %s", name,
+                           allow_pairs ? " or [sequences, 2] (prompt, response)" : "",
+                           shape_text(a, sh, sizeof sh));
     int64_t n = rp_npy_shape(a)[0];
-    if (n > INT32_MAX) return npy_fail("%s: %" PRId64 " sequences, at most 2^31-1", name, n);
+    if (n > INT32_MAX) return cli_message(CLI_FAIL, "%s: %" PRId64 " sequences, at most 2^31-1", name, n);
     if (*num_seqs >= 0 && n != *num_seqs)
-        return npy_fail("%s has %" PRId64 " sequences, the other length arrays %" PRId64, name, n,
-                        *num_seqs);
+        return cli_message(CLI_FAIL, "%s has %" PRId64 " sequences, the other length arrays %" PRId64, name, n,
+                           *num_seqs);
     *num_seqs = n;
     return CLI_OK;
 }
@@ -173,14 +161,8 @@ static int parse_import(int argc, char **argv, import_opts *o)
         if (cli_opt(argc, argv, &i, "--step", &step, &bad)) continue;
         if (cli_opt(argc, argv, &i, "--out", &o->out, &bad)) continue;
         if (cli_opt(argc, argv, &i, "--layout", &layout, &bad)) continue;
-        if (!strcmp(argv[i], "--append")) {
-            o->append = true;
-            continue;
-        }
-        if (!strcmp(argv[i], "--force")) {
-            o->force = true;
-            continue;
-        }
+        if (cli_flag(argv[i], "--append", &o->append)) continue;
+        if (cli_flag(argv[i], "--force", &o->force)) continue;
         if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("trace import", argv[i]);
         return cli_usage("trace import: unknown argument '%s'", argv[i]);
     }
@@ -252,7 +234,7 @@ static int npz_steps(const char *path, const rp_npz *z, import_step **out, int32
 {
     int32_t n = rp_npz_count(z), num = 0;
     import_step *steps = calloc((size_t)(n ? n : 1), sizeof *steps);
-    if (!steps) return npy_fail("out of memory");
+    if (!steps) return cli_message(CLI_FAIL, "out of memory");
     bool numbered = false, unnumbered = false;
     for (int32_t i = 0; i < n; i++) {
         const char *name = rp_npz_name(z, i);
@@ -260,9 +242,9 @@ static int npz_steps(const char *path, const rp_npz *z, import_step **out, int32
         int64_t k;
         if (!npz_member_role(name, &role, &k)) {
             free(steps);
-            return npy_fail("%s: unexpected array '%s': an import archive holds routing, lens (or "
-                            "prompt_lens and response_lens) and optional group_ids, each either "
-                            "unnumbered (one step) or as NAME_K for step K", path, name);
+            return cli_message(CLI_FAIL, "%s: unexpected array '%s': an import archive holds routing, lens (or "
+                               "prompt_lens and response_lens) and optional group_ids, each either "
+                               "unnumbered (one step) or as NAME_K for step K", path, name);
         }
         *(k < 0 ? &unnumbered : &numbered) = true;
         int32_t at = 0;
@@ -288,12 +270,12 @@ static int npz_steps(const char *path, const rp_npz *z, import_step **out, int32
     }
     if (numbered && unnumbered) {
         free(steps);
-        return npy_fail("%s: mixes unnumbered arrays (one step) with numbered ones (NAME_K): use "
-                        "one form", path);
+        return cli_message(CLI_FAIL, "%s: mixes unnumbered arrays (one step) with numbered ones (NAME_K): use "
+                           "one form", path);
     }
     if (num == 0) {
         free(steps);
-        return npy_fail("%s: the archive holds no arrays", path);
+        return cli_message(CLI_FAIL, "%s: the archive holds no arrays", path);
     }
     qsort(steps, (size_t)num, sizeof *steps, cmp_step);
     for (int32_t i = 0; i < num; i++) {
@@ -305,12 +287,12 @@ static int npz_steps(const char *path, const rp_npz *z, import_step **out, int32
                               : NULL;
         if (s->lens && (s->prompt || s->response)) {
             free(steps);
-            return npy_fail("%s: step has both lens%s and prompt_lens%s/response_lens%s: give one form",
-                            path, which, which, which);
+            return cli_message(CLI_FAIL, "%s: step has both lens%s and prompt_lens%s/response_lens%s: give one form",
+                               path, which, which, which);
         }
         if (missing) {
             free(steps);
-            return npy_fail("%s: no %s%s for the step of routing%s", path, missing, which, which);
+            return cli_message(CLI_FAIL, "%s: no %s%s for the step of routing%s", path, missing, which, which);
         }
     }
     *out = steps;
@@ -336,7 +318,7 @@ static int import_batch(rp_context *ctx, const import_step *s, rp_batch **batch)
     response = calloc((size_t)n + 1, sizeof *response);
     group = calloc((size_t)n + 1, sizeof *group);
     if (!prompt || !response || !group) {
-        rc = npy_fail("out of memory for %" PRId64 " sequences", n);
+        rc = cli_message(CLI_FAIL, "out of memory for %" PRId64 " sequences", n);
         goto out;
     }
     if (s->lens && rp_npy_ndim(a[0]) == 2) {
@@ -391,7 +373,7 @@ static int routing_view(const rp_npy *a, bool per_layer, rp_id_width width, rp_r
     }
     int64_t count = rp_npy_count(a);
     unsigned char *buf = malloc((size_t)(count > 0 ? count : 1) * (size_t)width);
-    if (!buf) return npy_fail("out of memory widening %" PRId64 " routing ids", count);
+    if (!buf) return cli_message(CLI_FAIL, "out of memory widening %" PRId64 " routing ids", count);
     for (int64_t i = 0; i < count; i++) {
         int64_t v = rp_npy_get(a, i);
         uint8_t v8 = (uint8_t)v;
@@ -439,15 +421,15 @@ static int import_one(rp_context *ctx, const import_opts *o, const import_step *
     const char *layout_text = o->per_layer ? "[layers, tokens, k] (--layout per_layer)"
                                            : "[tokens, layers, k] (--layout packed)";
     if (rp_npy_ndim(ra) != 3)
-        return npy_fail("%s: routing must have shape %s, got %s", rname, layout_text, shape_text(ra, sh, sizeof sh));
+        return cli_message(CLI_FAIL, "%s: routing must have shape %s, got %s", rname, layout_text, shape_text(ra, sh, sizeof sh));
     /* the [tokens, layers, k] extents, whatever the layout in the file */
     int64_t num_tokens = shape[o->per_layer ? 1 : 0], num_layers = shape[o->per_layer ? 0 : 1];
     int64_t top_k = shape[2];
     if (num_layers < 1 || num_layers > INT32_MAX || top_k < 1 || top_k > INT32_MAX)
-        return npy_fail("%s: routing must have shape %s with layers and k >= 1, got %s", rname, layout_text,
-                        shape_text(ra, sh, sizeof sh));
+        return cli_message(CLI_FAIL, "%s: routing must have shape %s with layers and k >= 1, got %s", rname, layout_text,
+                           shape_text(ra, sh, sizeof sh));
     if (top_k > o->experts)
-        return npy_fail("%s: top-k %" PRId64 " exceeds the %" PRId64 " experts", rname, top_k, o->experts);
+        return cli_message(CLI_FAIL, "%s: top-k %" PRId64 " exceeds the %" PRId64 " experts", rname, top_k, o->experts);
     rp_batch *batch = NULL;
     int rc = import_batch(ctx, s, &batch);
     if (rc != CLI_OK) return rc;
@@ -460,9 +442,9 @@ static int import_one(rp_context *ctx, const import_opts *o, const import_step *
                             : "; its second dimension matches: is it [layers, tokens, k]? "
                               "pass --layout per_layer")
             : "";
-        rc = npy_fail("%s: routing of shape %s read as %s has %" PRId64 " tokens, but the "
-                      "sequence lengths sum to %" PRId64 "%s", rname, shape_text(ra, sh, sizeof sh),
-                      layout_text, num_tokens, rp_batch_num_tokens(batch), hint);
+        rc = cli_message(CLI_FAIL, "%s: routing of shape %s read as %s has %" PRId64 " tokens, but the "
+                         "sequence lengths sum to %" PRId64 "%s", rname, shape_text(ra, sh, sizeof sh),
+                         layout_text, num_tokens, rp_batch_num_tokens(batch), hint);
         goto out;
     }
     int64_t bad = first_bad_npy_id(ra, (uint64_t)o->experts, index, bytes_before);
@@ -479,23 +461,23 @@ static int import_one(rp_context *ctx, const import_opts *o, const import_step *
             snprintf(value, sizeof value, "%" PRIu64, (uint64_t)rp_npy_get(ra, bad));
         else
             snprintf(value, sizeof value, "%" PRId64, rp_npy_get(ra, bad));
-        rc = npy_fail("%s: token %" PRId64 " (sequence %d token %" PRId64 ") layer %" PRId64
-                      " choice %" PRId64 " has expert id %s, but --experts is %" PRId64, rname, token, q,
-                      token - cu[q], layer, choice, value, o->experts);
+        rc = cli_message(CLI_FAIL, "%s: token %" PRId64 " (sequence %d token %" PRId64 ") layer %" PRId64
+                         " choice %" PRId64 " has expert id %s, but --experts is %" PRId64, rname, token, q,
+                         token - cu[q], layer, choice, value, o->experts);
         goto out;
     }
     if (t->known && (t->layers != num_layers || t->top_k != top_k)) {
-        rc = npy_fail("%s: cannot append: the trace has %" PRId64 " layers, top-%" PRId64 " and %" PRId64
-                      " experts; the new step has %" PRId64 " layers, top-%" PRId64 " and %" PRId64 " experts",
-                      trace_path, t->layers, t->top_k, o->experts, num_layers, top_k, o->experts);
+        rc = cli_message(CLI_FAIL, "%s: cannot append: the trace has %" PRId64 " layers, top-%" PRId64 " and %" PRId64
+                         " experts; the new step has %" PRId64 " layers, top-%" PRId64 " and %" PRId64 " experts",
+                         trace_path, t->layers, t->top_k, o->experts, num_layers, top_k, o->experts);
         goto out;
     }
     int32_t held = shape_find_step(t, step);
     if (held >= 0) {
         int64_t next = t->steps[0];
         for (int32_t i = 1; i < t->num_steps; i++) next = t->steps[i] > next ? t->steps[i] : next;
-        rc = npy_fail("%s already holds step %" PRId64 " (its step #%d): pass another --step, or leave "
-                      "--step out to append step %" PRId64, trace_path, step, (int)held, next + 1);
+        rc = cli_message(CLI_FAIL, "%s already holds step %" PRId64 " (its step #%d): pass another --step, or leave "
+                         "--step out to append step %" PRId64, trace_path, step, (int)held, next + 1);
         goto out;
     }
     rp_routing view;
@@ -509,7 +491,7 @@ static int import_one(rp_context *ctx, const import_opts *o, const import_step *
     }
     int64_t *grown = realloc(t->steps, (size_t)(t->num_steps + 1) * sizeof *grown);
     if (!grown) {
-        rc = npy_fail("out of memory");
+        rc = cli_message(CLI_FAIL, "out of memory");
         goto out;
     }
     t->steps = grown;
@@ -533,10 +515,10 @@ static int read_trace_shape(rp_context *ctx, const char *path, int64_t experts, 
     const rp_trace_step_info *last = rp_trace_step(existing, n - 1);
     int rc = CLI_OK;
     if (last->num_experts != experts) {
-        rc = npy_fail("%s: cannot append: the trace has %d experts, --experts is %" PRId64, path,
-                      last->num_experts, experts);
+        rc = cli_message(CLI_FAIL, "%s: cannot append: the trace has %d experts, --experts is %" PRId64, path,
+                         last->num_experts, experts);
     } else if (!(t->steps = malloc((size_t)n * sizeof *t->steps))) {
-        rc = npy_fail("out of memory");
+        rc = cli_message(CLI_FAIL, "out of memory");
     } else {
         for (int32_t i = 0; i < n; i++) t->steps[i] = rp_trace_step(existing, i)->step;
         t->num_steps = n;
@@ -596,7 +578,7 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
         num_steps = 1;
     }
     if (!(written = calloc((size_t)num_steps, sizeof *written))) {
-        rc = npy_fail("out of memory");
+        rc = cli_message(CLI_FAIL, "out of memory");
         goto out;
     }
 
@@ -604,11 +586,11 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
     struct stat out_sb;
     bool out_exists = stat(o.out, &out_sb) == 0;
     if (!out_exists && errno != ENOENT) {
-        rc = npy_fail("%s: %s", o.out, strerror(errno));
+        rc = cli_message(CLI_FAIL, "%s: %s", o.out, strerror(errno));
         goto out;
     }
     if (out_exists && !o.append && !o.force) {
-        rc = npy_fail("%s exists: pass --append to add to it, or --force to replace it", o.out);
+        rc = cli_message(CLI_FAIL, "%s exists: pass --append to add to it, or --force to replace it", o.out);
         goto out;
     }
     bool append = o.append && out_exists;
@@ -619,7 +601,7 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
         /* a new trace is written beside its destination and renamed into place */
         size_t n = strlen(o.out) + 32;
         if (!(tmp = malloc(n))) {
-            rc = npy_fail("out of memory");
+            rc = cli_message(CLI_FAIL, "out of memory");
             goto out;
         }
         snprintf(tmp, n, "%s.tmp.%ld", o.out, (long)getpid());
@@ -651,7 +633,7 @@ int cmd_trace_import(rp_context *ctx, int argc, char **argv)
     rp_error close_err;
     if (rp_trace_writer_close(closing, &close_err) != RP_OK && rc == CLI_OK) rc = cli_fail(&close_err);
     if (rc == CLI_OK && tmp && rename(tmp, o.out) != 0)
-        rc = npy_fail("%s: cannot rename %s into place: %s", o.out, tmp, strerror(errno));
+        rc = cli_message(CLI_FAIL, "%s: cannot rename %s into place: %s", o.out, tmp, strerror(errno));
     if (rc != CLI_OK) goto out;
     for (int32_t i = 0; i < num_steps; i++) {
         const rp_batch *b = written[i];

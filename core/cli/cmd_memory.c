@@ -29,12 +29,8 @@ int cmd_memory(rp_context *ctx, int argc, char **argv)
     for (int i = 0; i < argc && !bad; i++) {
         if (cli_opt(argc, argv, &i, "--config", &config, &bad)) continue;
         if (cli_opt(argc, argv, &i, "--plan", &plan_path, &bad)) continue;
-        if (!strcmp(argv[i], "--json")) {
-            json = true;
-            continue;
-        }
-        if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("memory", argv[i]);
-        return cli_usage("memory takes no positional arguments, got '%s'", argv[i]);
+        if (cli_flag(argv[i], "--json", &json)) continue;
+        return cli_stray_arg("memory", argv[i], "");
     }
     if (bad) return CLI_USAGE;
     if (!config) {
@@ -80,11 +76,10 @@ int cmd_memory(rp_context *ctx, int argc, char **argv)
                                         "peak", cli_memory_json(&per_rank[peak]), "per_ep_rank", arr)
                             : NULL;
         if (!root) json_decref(arr);
-        if (!root || json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER) != 0 || putchar('\n') == EOF) {
+        if (!cli_print_json(root, 0)) {
             fprintf(stderr, "routepack: could not write the JSON output\n");
             rc = CLI_FAIL;
         }
-        json_decref(root);
     } else {
         char line[RP_ERROR_TEXT];
         rp_memory_describe(&per_rank[peak], line, sizeof line);

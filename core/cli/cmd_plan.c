@@ -367,12 +367,10 @@ int cmd_plan_eval(rp_context *ctx, int argc, char **argv)
         rp_gpu_memory mem;
         if (root && rp_memory_peak(s.cfg, plan, &mem, &err) == RP_OK)
             json_object_set_new(root, "memory", cli_memory_json(&mem));
-        if (!root || json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(17)) != 0 ||
-            putchar('\n') == EOF) {
+        if (!cli_print_json(root, 17)) {
             fprintf(stderr, "routepack: could not write the JSON output\n");
             rc = CLI_FAIL;
         }
-        json_decref(root);
     }
     if (fflush(stdout) != 0) rc = CLI_FAIL;
 out:

@@ -17,12 +17,8 @@ int cmd_policy_list(rp_context *ctx, int argc, char **argv)
     bool json = false, bad = false;
     for (int i = 0; i < argc && !bad; i++) {
         if (cli_opt(argc, argv, &i, "--config", &config, &bad)) continue;
-        if (!strcmp(argv[i], "--json")) {
-            json = true;
-            continue;
-        }
-        if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("policy list", argv[i]);
-        return cli_usage("policy list takes no positional arguments, got '%s'", argv[i]);
+        if (cli_flag(argv[i], "--json", &json)) continue;
+        return cli_stray_arg("policy list", argv[i], "");
     }
     if (bad) return CLI_USAGE;
     rp_config *cfg = NULL;
@@ -56,11 +52,10 @@ int cmd_policy_list(rp_context *ctx, int argc, char **argv)
         }
         json_t *root = good ? json_pack("{s:i, s:o}", "api", RP_POLICY_API, "policies", arr) : NULL;
         if (!root) json_decref(arr);
-        if (!root || json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER) != 0 || putchar('\n') == EOF) {
+        if (!cli_print_json(root, 0)) {
             fprintf(stderr, "routepack: could not write the JSON output\n");
             rc = CLI_FAIL;
         }
-        json_decref(root);
     } else {
         int wn = 4, wv = 7;
         for (int32_t i = 0; i < count; i++) {

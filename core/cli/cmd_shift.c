@@ -126,13 +126,11 @@ static bool print_json(const char *old_path, const char *new_path, int32_t step,
                  json_object_set_new(root, "summary", summary) | json_object_set_new(root, "layers", arr) |
                  json_object_set_new(root, "seq_changed", int_array(rp_shift_seq_changed(sh), (size_t)n)) |
                  json_object_set_new(root, "seq_choices", int_array(rp_shift_seq_choices(sh), (size_t)n));
-    if (good && !failed)
-        good = json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(6)) == 0 &&
-               putchar('\n') != EOF;
-    else
-        good = false;
-    json_decref(root);
-    return good;
+    if (!good || failed) {
+        json_decref(root);
+        return false;
+    }
+    return cli_print_json(root, 6);
 }
 
 int cmd_stats_shift(rp_context *ctx, const char *old_path, const char *new_path, int64_t step, int32_t threads,

@@ -133,7 +133,7 @@ static rp_status track_step(sim_policy *p, rp_cost *cost, const rp_plan *plan, c
         }
     int32_t mb = sum.straggler_mb, layer = sum.straggler_layer;
     if (mb < 0 || mb >= M || layer < 0 || layer >= L)
-        return cli_error(err, RP_EINVAL, "the cost model named microbatch %d layer %d as the straggler "
+        return rp_fail(err, RP_EINVAL, "the cost model named microbatch %d layer %d as the straggler "
                          "of a plan with %d microbatches and %d layers", mb, layer, M, L);
     int32_t *at_step = p->straggler + (size_t)last * 4;
     at_step[0] = mb, at_step[1] = layer, at_step[2] = sum.straggler_gpu, at_step[3] = (int32_t)sum.straggler_side;
@@ -198,7 +198,7 @@ static rp_status save_step_plan(const char *dir, const char *spec, int64_t step,
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, name);
     if (mkdir(path, 0777) != 0 && errno != EEXIST)
-        return cli_error(err, RP_EIO, "--plans: cannot create %s: %s", path, strerror(errno));
+        return rp_fail(err, RP_EIO, "--plans: cannot create %s: %s", path, strerror(errno));
     snprintf(path, sizeof path, "%s/%s/step-%" PRId64 ".json", dir, name, step);
     return rp_plan_save(plan, path, err);
 }

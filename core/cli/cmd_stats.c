@@ -163,13 +163,11 @@ static bool print_json(const char *path, int32_t step, int32_t num_steps, const 
                  json_object_set_new(root, "open_seconds", json_real(open_s)) |
                  json_object_set_new(root, "summary", summary) |
                  json_object_set_new(root, "layers", arr);
-    if (good && !failed)
-        good = json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(6)) == 0 &&
-               putchar('\n') != EOF;
-    else
-        good = false;
-    json_decref(root);
-    return good;
+    if (!good || failed) {
+        json_decref(root);
+        return false;
+    }
+    return cli_print_json(root, 6);
 }
 
 int cmd_stats(rp_context *ctx, int argc, char **argv)

@@ -70,10 +70,7 @@ static bool print_info_json(const char *path, const rp_trace *t)
             return false;
         }
     }
-    int rc = json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
-    json_decref(root);
-    printf("\n");
-    return rc == 0;
+    return cli_print_json(root, 0);
 }
 
 int cmd_trace_info(rp_context *ctx, int argc, char **argv)

@@ -1,11 +1,13 @@
-/* Helpers every command shares, below them all: messages and exit codes, options and
- * integers, the bundled example's files, byte counts and side names. The one piece of
+/* Helpers every command shares, below them all: messages and exit codes, options,
+ * flags and integers, JSON output, the bundled example's files, byte counts and side names. The one piece of
  * state is an unknown option a command met, which main.c (holding the command table,
  * above every command) turns into a suggestion once the command returns. */
 #include "cli.h"
 #include "internal.h"
 
+#include <jansson.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -38,13 +40,28 @@ int cli_fail(const rp_error *err)
     return CLI_FAIL;
 }
 
+int cli_vmessage(int code, const char *fmt, va_list ap)
+{
+    fprintf(stderr, "routepack: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    return code;
+}
+
+int cli_message(int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    cli_vmessage(code, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
 int cli_usage(const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "routepack: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
+    cli_vmessage(CLI_USAGE, fmt, ap);
     va_end(ap);
     return CLI_USAGE;
 }
@@ -97,17 +114,6 @@ const char *cli_example_path(const char *file)
     return NULL;
 }
 
-rp_status cli_error(rp_error *err, rp_status status, const char *fmt, ...)
-{
-    rp_error_clear(err);
-    err->status = status;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err->text, sizeof err->text, fmt, ap);
-    va_end(ap);
-    return status;
-}
-
 const char *cli_human_bytes(double bytes, char *buf, size_t size)
 {
     if (bytes >= 1e9) snprintf(buf, size, "%.2f GB", bytes / 1e9);
@@ -126,4 +132,25 @@ const char *cli_side_name(rp_side side)
     case RP_SIDE_COMBINE: return "combine";
     }
     return "?";
+}
+
+bool cli_flag(const char *arg, const char *name, bool *flag)
+{
+    if (strcmp(arg, name) != 0) return false;
+    *flag = true;
+    return true;
+}
+
+int cli_stray_arg(const char *command, const char *arg, const char *hint)
+{
+    if (arg[0] == '-' && arg[1]) return cli_unknown_option(command, arg);
+    return cli_usage("%s takes no positional arguments, got '%s'%s", command, arg, hint);
+}
+
+bool cli_print_json(json_t *root, int precision)
+{
+    size_t flags = JSON_INDENT(2) | JSON_PRESERVE_ORDER | (precision > 0 ? JSON_REAL_PRECISION(precision) : 0);
+    bool good = root && json_dumpf(root, stdout, flags) == 0 && putchar('\n') != EOF;
+    json_decref(root);
+    return good;
 }

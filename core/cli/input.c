@@ -24,7 +24,7 @@ rp_status cli_config_load(rp_context *ctx, const char *path, int64_t microbatche
      * against the file's directory. */
     json_error_t jerr;
     json_t *root = json_load_file(path, 0, &jerr);
-    if (!root) return cli_error(err, RP_EIO, "%s: %s", path, jerr.text);
+    if (!root) return rp_fail(err, RP_EIO, "%s: %s", path, jerr.text);
     json_t *limits = json_object_get(root, "limits");
     if (!limits) {
         limits = json_object();
@@ -34,7 +34,7 @@ rp_status cli_config_load(rp_context *ctx, const char *path, int64_t microbatche
     if (!limits || json_object_set_new(limits, "num_microbatches", json_integer(microbatches)) != 0 ||
         !(text = json_dumps(root, JSON_PRESERVE_ORDER))) {
         json_decref(root);
-        return cli_error(err, RP_ENOMEM, "out of memory rewriting %s", path);
+        return rp_fail(err, RP_ENOMEM, "out of memory rewriting %s", path);
     }
     json_decref(root);
     st = rp_config_parse(ctx, text, strlen(text), path, out, err);
@@ -73,7 +73,7 @@ rp_status cli_input_check(const cli_input *in, const rp_config *cfg, rp_error *e
 {
     const rp_model *m = rp_config_model(cfg);
     if (in->num_layers != m->num_layers || in->num_experts != m->num_experts || in->top_k != m->top_k)
-        return cli_error(err, RP_EINVAL,
+        return rp_fail(err, RP_EINVAL,
                          "%s has %d MoE layers x %d experts, top-%d, but the config %s describes "
                          "%d layers x %d experts, top-%d",
                          in->path, in->num_layers, in->num_experts, in->top_k, rp_config_source(cfg),

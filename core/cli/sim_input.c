@@ -37,17 +37,9 @@ int sim_parse_opts(int argc, char **argv, sim_opts *o)
             cli_opt(argc, argv, &i, "--microbatches", &mbs, &bad) ||
             cli_opt(argc, argv, &i, "--max-memory", &max_mem, &bad))
             continue;
-        if (!strcmp(argv[i], "--json")) {
-            o->json = true;
-            continue;
-        }
-        if (!strcmp(argv[i], "--wide")) {
-            o->wide = true;
-            continue;
-        }
-        if (argv[i][0] == '-' && argv[i][1]) return cli_unknown_option("simulate", argv[i]);
-        return cli_usage("simulate takes no positional arguments, got '%s' (use --trace or --config)",
-                         argv[i]);
+        if (cli_flag(argv[i], "--json", &o->json)) continue;
+        if (cli_flag(argv[i], "--wide", &o->wide)) continue;
+        return cli_stray_arg("simulate", argv[i], " (use --trace or --config)");
     }
     if (bad) return CLI_USAGE;
     if (o->trace && o->gen) return cli_usage("simulate: give --trace or --gen, not both");

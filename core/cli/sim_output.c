@@ -527,11 +527,11 @@ bool sim_print_json(const sim_policy *pol, int np, const sim_policy *base, const
                json_object_set_new(vj, "moe_share", json_real(v.moe_share)) != 0))
         good = false;
     if (!vj || json_object_set_new(root, "verdict", vj) != 0) good = false;
-    if (good)
-        good = json_dumpf(root, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(9)) == 0 &&
-               putchar('\n') != EOF;
-    json_decref(root);
-    return good;
+    if (!good) {
+        json_decref(root);
+        return false;
+    }
+    return cli_print_json(root, 9);
 }
 
 rp_status sim_write_report(rp_context *ctx, const char *path, const sim_policy *pol, int np,
@@ -552,7 +552,7 @@ rp_status sim_write_report(rp_context *ctx, const char *path, const sim_policy *
     char *text = NULL;
     rp_status st = RP_OK;
     if (!rp || !idx || !ratio || !fb || !per_step || !rounds || !staging || !running || !reasons) {
-        st = cli_error(err, RP_ENOMEM, "out of memory building the report");
+        st = rp_fail(err, RP_ENOMEM, "out of memory building the report");
         goto out;
     }
     for (int i = 0; i < np; i++) {
@@ -571,7 +571,7 @@ rp_status sim_write_report(rp_context *ctx, const char *path, const sim_policy *
         rounds[i] = malloc((size_t)n * sizeof **rounds);
         staging[i] = malloc((size_t)n * sizeof **staging);
         if (!idx[i] || !ratio[i] || !fb[i] || !per_step[i] || !rounds[i] || !staging[i]) {
-            st = cli_error(err, RP_ENOMEM, "out of memory building the report");
+            st = rp_fail(err, RP_ENOMEM, "out of memory building the report");
             goto out;
         }
         for (int32_t k = 0; k < n; k++) {
@@ -668,12 +668,12 @@ rp_status sim_write_report(rp_context *ctx, const char *path, const sim_policy *
     if ((st = rp_report_html(ctx, &report, &text, &len, err)) != RP_OK) goto out;
     FILE *f = fopen(path, "wb");
     if (!f) {
-        st = cli_error(err, RP_EIO, "%s: cannot write the report: %s", path, strerror(errno));
+        st = rp_fail(err, RP_EIO, "%s: cannot write the report: %s", path, strerror(errno));
         goto out;
     }
     bool ok = fwrite(text, 1, len, f) == len;
     ok = (fclose(f) == 0) && ok;
-    if (!ok) st = cli_error(err, RP_EIO, "%s: cannot write the report: %s", path, strerror(errno));
+    if (!ok) st = rp_fail(err, RP_EIO, "%s: cannot write the report: %s", path, strerror(errno));
 out:
     rp_text_free(ctx, text);
     for (int i = 0; i < np && idx && ratio && fb && per_step && rounds && staging; i++) {
