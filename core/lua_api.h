@@ -8,6 +8,7 @@
 #include "sandbox.h"
 #include "routepack/cost.h"
 
+#include <lauxlib.h>
 #include <lua.h>
 
 /* Past steps' expert loads, most recent first (ctx.history). */
@@ -179,6 +180,13 @@ double *rp_lua_read_vector(lua_State *L, int idx, const char *what, int32_t *n_o
 int64_t rp_lua_log2_ceil(int64_t n);
 /* The work units of sorting n items: n (log2 n + 1). */
 int64_t rp_lua_sort_units(int64_t n);
+
+/* Register metatable `name` (luaL_newmetatable) with the metamethods of `meta` (a
+ * NULL-terminated list); with `methods`, "__index" is a closure over a table of them
+ * (its upvalue). "__metatable" is `shown`, so a policy can neither read nor replace it.
+ * core/lua_host.c; the plan, view, object and ctx metatables. */
+void rp_lua_register_metatable(lua_State *L, const char *name, const luaL_Reg *methods, const luaL_Reg *meta,
+                               const char *shown);
 
 /* Helpers shared by the C files of the host. */
 void rp_lua_register_plan(lua_State *L, rp_lua_host *host);   /* plan metatable */

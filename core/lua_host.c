@@ -197,3 +197,25 @@ int64_t rp_lua_log2_ceil(int64_t n)
 }
 
 int64_t rp_lua_sort_units(int64_t n) { return n * (rp_lua_log2_ceil(n) + 1); }
+
+void rp_lua_register_metatable(lua_State *L, const char *name, const luaL_Reg *methods, const luaL_Reg *meta,
+                               const char *shown)
+{
+    luaL_newmetatable(L, name);
+    for (const luaL_Reg *r = meta; r->func; r++) {
+        if (methods && !strcmp(r->name, "__index")) {
+            lua_newtable(L);
+            for (const luaL_Reg *m = methods; m->func; m++) {
+                lua_pushcfunction(L, m->func);
+                lua_setfield(L, -2, m->name);
+            }
+            lua_pushcclosure(L, r->func, 1);
+        } else {
+            lua_pushcfunction(L, r->func);
+        }
+        lua_setfield(L, -2, r->name);
+    }
+    lua_pushstring(L, shown);
+    lua_setfield(L, -2, "__metatable");
+    lua_pop(L, 1);
+}

@@ -435,26 +435,15 @@ static int plan_tostring(lua_State *L)
     return 1;
 }
 
+static const luaL_Reg plan_meta[] = {
+    {"__index", plan_index}, {"__newindex", plan_newindex}, {"__gc", plan_gc}, {"__tostring", plan_tostring},
+    {NULL, NULL},
+};
+
 void rp_lua_register_plan(lua_State *L, rp_lua_host *host)
 {
     (void)host;
-    luaL_newmetatable(L, PLAN_MT);
-    lua_newtable(L);
-    for (const luaL_Reg *r = plan_methods; r->func; r++) {
-        lua_pushcfunction(L, r->func);
-        lua_setfield(L, -2, r->name);
-    }
-    lua_pushcclosure(L, plan_index, 1);
-    lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, plan_newindex);
-    lua_setfield(L, -2, "__newindex");
-    lua_pushcfunction(L, plan_gc);
-    lua_setfield(L, -2, "__gc");
-    lua_pushcfunction(L, plan_tostring);
-    lua_setfield(L, -2, "__tostring");
-    lua_pushliteral(L, "routepack plan");
-    lua_setfield(L, -2, "__metatable");
-    lua_pop(L, 1);
+    rp_lua_register_metatable(L, PLAN_MT, plan_methods, plan_meta, "routepack plan");
 }
 
 /* ---- table -> plan ---------------------------------------------------------------------- */

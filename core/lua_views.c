@@ -726,48 +726,22 @@ void rp_lua_push_ctx(lua_State *L, rp_lua_host *h)
 
 /* ---- registration ---------------------------------------------------------------------- */
 
+static const luaL_Reg view_meta[] = {
+    {"__index", view_index},   {"__len", view_len},           {"__newindex", view_newindex},
+    {"__pairs", view_pairs},   {"__tostring", view_tostring}, {NULL, NULL},
+};
+static const luaL_Reg obj_meta[] = {
+    {"__index", obj_index}, {"__len", obj_len}, {"__newindex", obj_newindex}, {"__tostring", obj_tostring},
+    {NULL, NULL},
+};
+static const luaL_Reg ctx_meta[] = {{"__index", ctx_index}, {NULL, NULL}};
+
 void rp_lua_register_views(lua_State *L, rp_lua_host *host)
 {
     (void)host;
-    luaL_newmetatable(L, VIEW_MT);
-    lua_newtable(L);
-    for (const luaL_Reg *r = view_methods; r->func; r++) {
-        lua_pushcfunction(L, r->func);
-        lua_setfield(L, -2, r->name);
-    }
-    lua_pushcclosure(L, view_index, 1);
-    lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, view_len);
-    lua_setfield(L, -2, "__len");
-    lua_pushcfunction(L, view_newindex);
-    lua_setfield(L, -2, "__newindex");
-    lua_pushcfunction(L, view_pairs);
-    lua_setfield(L, -2, "__pairs");
-    lua_pushcfunction(L, view_tostring);
-    lua_setfield(L, -2, "__tostring");
-    lua_pushliteral(L, "routepack view");
-    lua_setfield(L, -2, "__metatable");
-    lua_pop(L, 1);
-
-    luaL_newmetatable(L, OBJ_MT);
-    lua_pushcfunction(L, obj_index);
-    lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, obj_len);
-    lua_setfield(L, -2, "__len");
-    lua_pushcfunction(L, obj_newindex);
-    lua_setfield(L, -2, "__newindex");
-    lua_pushcfunction(L, obj_tostring);
-    lua_setfield(L, -2, "__tostring");
-    lua_pushliteral(L, "routepack view");
-    lua_setfield(L, -2, "__metatable");
-    lua_pop(L, 1);
-
-    luaL_newmetatable(L, CTX_MT);
-    lua_pushcfunction(L, ctx_index);
-    lua_setfield(L, -2, "__index");
-    lua_pushliteral(L, "routepack ctx");
-    lua_setfield(L, -2, "__metatable");
-    lua_pop(L, 1);
+    rp_lua_register_metatable(L, VIEW_MT, view_methods, view_meta, "routepack view");
+    rp_lua_register_metatable(L, OBJ_MT, NULL, obj_meta, "routepack view");
+    rp_lua_register_metatable(L, CTX_MT, NULL, ctx_meta, "routepack ctx");
 }
 
 /* A list or a view of numbers as a C array, in a userdata pushed on the stack (so the
