@@ -55,13 +55,11 @@ typedef struct loader {
     rp_error *err;
 } loader;
 
+/* The key readers (jsonx.h's) on the loader's document. */
 static rp_status get_i32(loader *ld, json_t *obj, const char *path, const char *key, bool required,
                          int64_t dflt, int64_t min, int64_t max, int32_t *out)
 {
-    int64_t v;
-    rp_status st = rp_jdoc_int(&ld->doc, obj, path, key, required, dflt, min, max, &v, ld->err);
-    if (st == RP_OK) *out = (int32_t)v;
-    return st;
+    return rp_jdoc_i32(&ld->doc, obj, path, key, required, dflt, min, max, out, ld->err);
 }
 
 /* A number > 0 (JSON cannot say "exclusive" in a min; this can). */
@@ -74,10 +72,7 @@ static rp_status check_positive(loader *ld, const char *path, double value)
 static rp_status get_positive(loader *ld, json_t *obj, const char *path, const char *key,
                               double dflt, double max, double *out)
 {
-    char kp[256];
-    rp_status st = rp_jdoc_num(&ld->doc, obj, path, key, false, dflt, -DBL_MAX, max, out, ld->err);
-    if (st != RP_OK) return st;
-    return check_positive(ld, rp_jpath_key(kp, sizeof kp, path, key), *out);
+    return rp_jdoc_positive(&ld->doc, obj, path, key, false, dflt, max, out, ld->err);
 }
 
 /* An efficiency: a fraction of peak in (0, 1]. */

@@ -29,25 +29,17 @@ typedef struct parser {
     rp_error *err;
 } parser;
 
+/* The key readers (jsonx.h's) on the parser's document. */
 static rp_status get_i32(parser *p, json_t *obj, const char *path, const char *key, bool required,
                          int64_t dflt, int64_t min, int64_t max, int32_t *out)
 {
-    int64_t v;
-    rp_status st = rp_jdoc_int(&p->doc, obj, path, key, required, dflt, min, max, &v, p->err);
-    if (st == RP_OK) *out = (int32_t)v;
-    return st;
+    return rp_jdoc_i32(&p->doc, obj, path, key, required, dflt, min, max, out, p->err);
 }
 
-/* A number > 0 (a minimum cannot say "exclusive"). */
 static rp_status get_positive(parser *p, json_t *obj, const char *path, const char *key,
                               bool required, double dflt, double max, double *out)
 {
-    rp_status st = rp_jdoc_num(&p->doc, obj, path, key, required, dflt, -DBL_MAX, max, out, p->err);
-    if (st != RP_OK) return st;
-    if (*out > 0) return RP_OK;
-    char kp[JPATH];
-    return rp_jdoc_fail(&p->doc, p->err, RP_ERANGE, rp_jpath_key(kp, sizeof kp, path, key),
-                        "must be > 0, got %g", *out);
+    return rp_jdoc_positive(&p->doc, obj, path, key, required, dflt, max, out, p->err);
 }
 
 /* A data file path: relative ones resolve against the settings file's directory. */

@@ -2,6 +2,7 @@
  * file:line:column positions of values found by re-scanning the source text. */
 #include "jsonx.h"
 
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -549,6 +550,25 @@ rp_status rp_jdoc_num(const rp_jdoc *doc, json_t *obj, const char *path, const c
         return RP_OK;
     }
     return rp_jdoc_num_value(doc, v, kp, min, max, out, err);
+}
+
+rp_status rp_jdoc_i32(const rp_jdoc *doc, json_t *obj, const char *path, const char *key, bool required,
+                      int64_t dflt, int64_t min, int64_t max, int32_t *out, rp_error *err)
+{
+    int64_t v;
+    rp_status st = rp_jdoc_int(doc, obj, path, key, required, dflt, min, max, &v, err);
+    if (st == RP_OK) *out = (int32_t)v;
+    return st;
+}
+
+rp_status rp_jdoc_positive(const rp_jdoc *doc, json_t *obj, const char *path, const char *key, bool required,
+                           double dflt, double max, double *out, rp_error *err)
+{
+    rp_status st = rp_jdoc_num(doc, obj, path, key, required, dflt, -DBL_MAX, max, out, err);
+    if (st != RP_OK) return st;
+    if (*out > 0) return RP_OK;
+    char kp[PATH_MAX_TEXT];
+    return rp_jdoc_fail(doc, err, RP_ERANGE, rp_jpath_key(kp, sizeof kp, path, key), "must be > 0, got %g", *out);
 }
 
 rp_status rp_jdoc_bool(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,

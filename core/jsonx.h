@@ -48,6 +48,12 @@ rp_status rp_jdoc_int(const rp_jdoc *doc, json_t *obj, const char *path, const c
 rp_status rp_jdoc_num(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,
                       bool required, double dflt, double min, double max, double *out,
                       rp_error *err);
+/* rp_jdoc_int into an int32 (min and max inside int32's range). */
+rp_status rp_jdoc_i32(const rp_jdoc *doc, json_t *obj, const char *path, const char *key, bool required,
+                      int64_t dflt, int64_t min, int64_t max, int32_t *out, rp_error *err);
+/* A number > 0 and <= max (a minimum cannot say "exclusive"): "must be > 0, got 0". */
+rp_status rp_jdoc_positive(const rp_jdoc *doc, json_t *obj, const char *path, const char *key, bool required,
+                           double dflt, double max, double *out, rp_error *err);
 rp_status rp_jdoc_bool(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,
                        bool required, bool dflt, bool *out, rp_error *err);
 /* The string stays owned by the document. */
