@@ -12,12 +12,7 @@
 extern "C" {
 #endif
 
-/* How an expert's tokens split over its replicas when the plan sets no shares. */
-typedef enum rp_split_rule {
-    RP_SPLIT_EVEN = 0,     /* each replica takes an equal share of every source's tokens */
-    RP_SPLIT_LOCALITY = 1  /* tokens go to a replica on the same GPU, else the same node,
-                              else evenly over all replicas */
-} rp_split_rule;
+/* rp_split_rule: routepack/plan.h (remap splits tokens by it too). */
 
 /* Which side of a layer decides its straggler. */
 typedef enum rp_side {

@@ -13,6 +13,13 @@
 extern "C" {
 #endif
 
+/* How an expert's tokens split over its replicas when the plan sets no shares. */
+typedef enum rp_split_rule {
+    RP_SPLIT_EVEN = 0,     /* each replica takes an equal share of every source's tokens */
+    RP_SPLIT_LOCALITY = 1  /* tokens go to a replica on the same GPU, else the same node,
+                              else evenly over all replicas */
+} rp_split_rule;
+
 /* The newest plan format version this build reads and writes; it reads every older one
  * (version 1: no microbatch order). The writer writes 1 for a plan without a microbatch
  * order, so such plans stay readable by older builds. */

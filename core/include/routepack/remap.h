@@ -6,7 +6,7 @@
 #ifndef ROUTEPACK_REMAP_H
 #define ROUTEPACK_REMAP_H
 
-#include "routepack/cost.h"
+#include "routepack/plan.h"
 
 #ifdef __cplusplus
 extern "C" {
