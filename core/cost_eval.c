@@ -1,6 +1,7 @@
 /* A whole plan's evaluation: the state's arrays, reading a plan into them, what an
  * evaluation will take before it is paid, and rp_cost_evaluate (docs/cost-model.md). */
 #include "cost_internal.h"
+#include "limits_internal.h"
 #include "plan_internal.h"
 #include "stats_internal.h"
 
@@ -422,6 +423,16 @@ int64_t cost_work_units(const rp_config *cfg, const rp_batch *batch, int64_t M, 
     double work = (double)L * ((double)M * S + (double)M * G * E + (double)N * 2.0 * E +
                                (double)M * Q * (2.0 * ep * (E + ep) + 3.0 * ep * ep + 5.0 * E + 9.0 * ep)) + N;
     return work < 9e18 ? (int64_t)work : INT64_MAX;
+}
+
+int64_t cost_evaluation_units(const rp_config *cfg, const rp_batch *b)
+{
+    /* a plan of the expected microbatches over the topology's slots (rp_plan_new counts
+     * an EP group's from its EP ranks'), priced as rp_cost_evaluation_needs prices it */
+    const rp_topology *t = rp_config_topology(cfg);
+    int64_t slots = 0;
+    for (int32_t j = 0; j < t->ep_size; j++) slots += t->slots[j];
+    return cost_work_units(cfg, b, rp_limits_expected_microbatches(cfg, b), slots);
 }
 
 /* Bytes of take(count, size): the same rounding, so the sums below equal what

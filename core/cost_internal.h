@@ -348,10 +348,15 @@ double cost_extras_once(const rp_cost *c, const cost_state *st, int32_t r, bool 
 
 /* The work units of one full evaluation of a plan of M microbatches and S slots an EP group
  * for `batch` under `cfg`, from their shapes alone: the one formula behind
- * rp_cost_evaluation_needs (what rp.evaluate charges) and rp_lua_evaluation_units (what
+ * rp_cost_evaluation_needs (what rp.evaluate charges) and cost_evaluation_units (what
  * rp.joint charges an evaluation and the default step budget counts). Saturates at
  * INT64_MAX. */
 int64_t cost_work_units(const rp_config *cfg, const rp_batch *batch, int64_t M, int64_t S);
+/* The work units of one full evaluation of a plan for `batch` with the expected
+ * microbatches (rp_limits_expected_microbatches) over the topology's slots, as
+ * rp.evaluate charges them (cost_work_units): what rp.joint charges per evaluation and
+ * what the scheduler sizes a step's instruction budget by. */
+int64_t cost_evaluation_units(const rp_config *cfg, const rp_batch *batch);
 /* The bound state no longer is the evaluation of the plan it was made from (a move,
  * swap, slot change or microbatch order was applied): no plan is equal to it any more. */
 static inline void cost_state_edited(rp_cost *c) { c->memo_bound = -1; }

@@ -115,16 +115,6 @@ static void push_summary(lua_State *L, const rp_cost_summary *s)
     lua_setfield(L, -2, "straggler_side");
 }
 
-int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *b)
-{
-    /* a plan of the expected microbatches over the topology's slots (rp_plan_new counts
-     * an EP group's from its EP ranks'), priced as rp_cost_evaluation_needs prices it */
-    const rp_topology *t = rp_config_topology(cfg);
-    int64_t slots = 0;
-    for (int32_t j = 0; j < t->ep_size; j++) slots += t->slots[j];
-    return cost_work_units(cfg, b, rp_limits_expected_microbatches(cfg, b), slots);
-}
-
 /* A full evaluation of `p` on the step's evaluator, paid for before it runs: its work is
  * charged, and its memory (allocated by the evaluator, in the engine's context) must
  * fit what the policy has left of its cap on C-side memory, together with the state
@@ -535,7 +525,7 @@ static int l_joint(lua_State *L)
      * and evaluates each baseline and the joint candidate; refinement as rp.local_search */
     const rp_topology *t = rp_config_topology(h->cfg);
     int64_t n = rp_batch_num_seqs(f->batch), M = rp_limits_expected_microbatches(h->cfg, f->batch);
-    int64_t eval = rp_lua_evaluation_units(h->cfg, f->batch);
+    int64_t eval = cost_evaluation_units(h->cfg, f->batch);
     int64_t placement = (int64_t)md->num_layers * (par.place_rounds + 2) * M * md->num_experts *
                         (t->num_gpus / t->ep_size);
     /* the evaluations are paid up front at their estimate and the refinement not at all:

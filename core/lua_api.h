@@ -143,12 +143,6 @@ rp_status rp_lua_plan_compose(rp_context *into, const rp_config *cfg, const rp_p
                               const rp_plan *placement, const rp_plan *levers,
                               int32_t num_microbatches, rp_plan **out, rp_error *err);
 
-/* The work units of one full evaluation of a plan for `batch` with the expected
- * microbatches (rp_limits_expected_microbatches) over the topology's slots, as
- * rp.evaluate charges them (cost_work_units): what rp.joint charges per evaluation and
- * what the scheduler sizes a step's instruction budget by. */
-int64_t rp_lua_evaluation_units(const rp_config *cfg, const rp_batch *batch);
-
 /* Views: the length of the view at idx (-1 if it is not a view; an error if it is a
  * view from another call), and its values as doubles. */
 int32_t rp_lua_view_length(lua_State *L, int idx);

@@ -19,7 +19,7 @@
  * parallelism also those rp.joint makes to choose its packing. */
 static int64_t step_instructions(const rp_sched *s, const rp_batch *b)
 {
-    int64_t eval = rp_lua_evaluation_units(s->cfg, b) * (16 + rp_joint_packing_evaluations(s->cfg));
+    int64_t eval = cost_evaluation_units(s->cfg, b) * (16 + rp_joint_packing_evaluations(s->cfg));
     return eval > RP_SANDBOX_DEFAULT_INSTRUCTIONS ? eval : RP_SANDBOX_DEFAULT_INSTRUCTIONS;
 }
 

@@ -2,6 +2,7 @@
  * safe default, fallback on every kind of hostile policy with the last good placement
  * surviving, determinism (also across threads), hot swap success and failure, read-only
  * views, and a plan userdata a policy cannot take apart. */
+#include "cost_internal.h"
 #include "limits_internal.h"
 #include "routepack/routepack.h"
 #include "sched_internal.h"
@@ -764,7 +765,7 @@ static void test_instruction_budget(void)
                 rp_cost_new(ctx, cfg, b, stats, RP_SPLIT_EVEN, &cost, &err) == RP_OK &&
                 rp_cost_evaluation_needs(cost, plan, &units, NULL, &err) == RP_OK;
     if (!made) diag("%s", err.text);
-    ok(made && M == 2 && units == want / 16 && rp_lua_evaluation_units(cfg, b) == units,
+    ok(made && M == 2 && units == want / 16 && cost_evaluation_units(cfg, b) == units,
        "rp.evaluate's units on a plan of the expected %lld microbatches (%lld) are the budget's evaluation (%lld)",
        (long long)M, (long long)units, (long long)(want / 16));
     rp_cost_free(cost);
@@ -1081,7 +1082,7 @@ static void test_primitive_charges(void)
 {
     int64_t dummy;
     int64_t base = charged_and_counted("local b = rp.baseline('attn_kk+eplb') error('counted=0')", &dummy);
-    int64_t eval = rp_lua_evaluation_units(cfg, batches[0]);
+    int64_t eval = cost_evaluation_units(cfg, batches[0]);
     static const struct {
         int evaluations, sample;
         bool slots;
