@@ -605,6 +605,29 @@ rp_status rp_jdoc_str(const rp_jdoc *doc, json_t *obj, const char *path, const c
     return RP_OK;
 }
 
+rp_status rp_jdoc_choice(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,
+                         const char *const *names, int dflt, int *out, rp_error *err)
+{
+    const char *s;
+    rp_status st = rp_jdoc_str(doc, obj, path, key, false, NULL, &s, err);
+    if (st != RP_OK) return st;
+    if (!s) {
+        *out = dflt;
+        return RP_OK;
+    }
+    char list[256] = "", kp[256];
+    for (int i = 0; names[i]; i++) {
+        if (strcmp(s, names[i]) == 0) {
+            *out = i;
+            return RP_OK;
+        }
+        size_t used = strlen(list);
+        snprintf(list + used, sizeof list - used, "%s\"%s\"", i ? ", " : "", names[i]);
+    }
+    return rp_jdoc_fail(doc, err, RP_EINVAL, rp_jpath_key(kp, sizeof kp, path, key),
+                        "must be one of %s, got \"%s\"", list, s);
+}
+
 rp_status rp_jdoc_obj(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,
                       bool required, json_t **out, rp_error *err)
 {

@@ -59,6 +59,10 @@ rp_status rp_jdoc_bool(const rp_jdoc *doc, json_t *obj, const char *path, const 
 /* The string stays owned by the document. */
 rp_status rp_jdoc_str(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,
                       bool required, const char *dflt, const char **out, rp_error *err);
+/* A string member that must be one of `names` (NULL-terminated): its index in *out (dflt
+ * when absent); anything else fails naming the choices. */
+rp_status rp_jdoc_choice(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,
+                         const char *const *names, int dflt, int *out, rp_error *err);
 /* An object or array member (type checked); *out NULL when absent and not required. */
 rp_status rp_jdoc_obj(const rp_jdoc *doc, json_t *obj, const char *path, const char *key,
                       bool required, json_t **out, rp_error *err);
