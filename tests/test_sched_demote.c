@@ -33,13 +33,8 @@ static rp_sched *make(const char *policy, int32_t demote_after)
 {
     rp_sched_options o;
     rp_sched_options_default(&o);
-    o.policy = policy;
-    o.num_threads = 1;
     o.demote_after = demote_after;
-    rp_sched *s = NULL;
-    rp_error err;
-    if (rp_sched_new(fx.ctx, fx.cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new(%s): %s", policy, err.text);
-    return s;
+    return gen_steps_sched(&fx, policy, NULL, &o);
 }
 
 static const rp_step_report *step(rp_sched *s, int t)

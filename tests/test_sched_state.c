@@ -55,14 +55,9 @@ static rp_sched *make(const char *policy, int32_t history, uint64_t seed)
 {
     rp_sched_options o;
     rp_sched_options_default(&o);
-    o.policy = policy;
-    o.num_threads = 1;
     o.history = history;
     o.seed = seed;
-    rp_sched *s = NULL;
-    rp_error err;
-    if (rp_sched_new(ctx, cfg, &o, &s, &err) != RP_OK) diag("rp_sched_new(%s): %s", policy, err.text);
-    return s;
+    return gen_steps_sched(&fx, policy, NULL, &o);
 }
 
 static const rp_step_report *step(rp_sched *s, int t)
