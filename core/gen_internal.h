@@ -4,6 +4,7 @@
 #define RP_GEN_INTERNAL_H
 
 #include "internal.h"
+#include "prng.h"
 #include "routepack/gen.h"
 
 #include <stdbool.h>
@@ -40,27 +41,17 @@ typedef struct gen_rng {
     uint64_t s[4];
 } gen_rng;
 
-static inline uint64_t gen_mix64(uint64_t z)
-{
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 static inline uint64_t gen_key(uint64_t seed, uint64_t tag, uint64_t a, uint64_t b)
 {
-    uint64_t h = gen_mix64(seed + 0x9e3779b97f4a7c15ULL);
-    h = gen_mix64(h ^ (tag * 0xd1b54a32d192ed03ULL));
-    h = gen_mix64(h ^ (a + 0x8cb92ba72f3d8dd7ULL));
-    return gen_mix64(h ^ (b * 0xaef17502108ef2d9ULL + 0x632be59bd9b4e019ULL));
+    uint64_t h = rp_mix64(seed + 0x9e3779b97f4a7c15ULL);
+    h = rp_mix64(h ^ (tag * 0xd1b54a32d192ed03ULL));
+    h = rp_mix64(h ^ (a + 0x8cb92ba72f3d8dd7ULL));
+    return rp_mix64(h ^ (b * 0xaef17502108ef2d9ULL + 0x632be59bd9b4e019ULL));
 }
 
 static inline void gen_rng_seed(gen_rng *r, uint64_t key)
 {
-    for (int i = 0; i < 4; i++) {
-        key += 0x9e3779b97f4a7c15ULL;
-        r->s[i] = gen_mix64(key);
-    }
+    rp_xoshiro_seed(r->s, key);
 }
 
 static inline void gen_rng_stream(gen_rng *r, uint64_t seed, uint64_t tag, uint64_t a, uint64_t b)
@@ -68,23 +59,9 @@ static inline void gen_rng_stream(gen_rng *r, uint64_t seed, uint64_t tag, uint6
     gen_rng_seed(r, gen_key(seed, tag, a, b));
 }
 
-static inline uint64_t gen_rotl(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
-}
-
 static inline uint64_t gen_next(gen_rng *r)
 {
-    uint64_t *s = r->s;
-    uint64_t result = gen_rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = gen_rotl(s[3], 45);
-    return result;
+    return rp_xoshiro_next(r->s);
 }
 
 /* Uniform in [0, 1) and in (0, 1]. */

@@ -1,6 +1,7 @@
 /* The Lua sandbox policies run in: building the state (the whitelisted environment, the
  * prelude), loading chunks and calling them under the limits of sandbox_limits.c
  * (docs/sandbox.md; what a policy sees: docs/policies.md, "The sandbox"). */
+#include "prng.h"
 #include "sandbox_internal.h"
 
 #include <lauxlib.h>
@@ -201,7 +202,7 @@ rp_status rp_sandbox_new(rp_context *ctx, const rp_sandbox_limits *limits, rp_sa
     sb->gc_next = lim.max_memory_bytes / 2;
     sb->trace_line = -1;
     for (int i = 0; i < REF_COUNT; i++) sb->refs[i] = LUA_NOREF;
-    sandbox_prng_seed(sb->prng, 0);
+    rp_xoshiro_seed(sb->prng, 0);
 
     sb->boot_arena = rp_alloc(ctx, BOOT_ARENA_BYTES);
     if (!sb->boot_arena) {
@@ -265,7 +266,7 @@ void rp_sandbox_push_env(rp_sandbox *sb)
     lua_rawgeti(sb->L, LUA_REGISTRYINDEX, sb->refs[REF_ENV]);
 }
 
-void rp_sandbox_seed(rp_sandbox *sb, uint64_t seed) { sandbox_prng_seed(sb->prng, seed); }
+void rp_sandbox_seed(rp_sandbox *sb, uint64_t seed) { rp_xoshiro_seed(sb->prng, seed); }
 
 /* ---- calls -------------------------------------------------------------------------- */
 

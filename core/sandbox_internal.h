@@ -110,7 +110,6 @@ rp_status sandbox_check_limits(const rp_sandbox_limits *lim, rp_error *err);
 
 /* sandbox_lib.c: the library replacements (lua_CFunctions) */
 
-void sandbox_prng_seed(uint64_t s[4], uint64_t seed);
 int sandbox_lib_pairs(lua_State *L);
 int sandbox_lib_next(lua_State *L);
 int sandbox_lib_tostring(lua_State *L);

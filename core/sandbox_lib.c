@@ -2,6 +2,7 @@
  * getmetatable and collectgarbage, key-ordered pairs and next, and the C helpers of the
  * prelude's charged wrappers (format, sort, xpcall) (docs/sandbox.md). The string and
  * table functions are in sandbox_string.c and sandbox_table.c. */
+#include "prng.h"
 #include "sandbox_internal.h"
 
 #include <lauxlib.h>
@@ -22,34 +23,7 @@
 /* Bytes of two string keys memcmp compares for one unit (pairs' sort, next). */
 #define KEY_BYTES_PER_UNIT 64
 
-/* ---- deterministic PRNG (xoshiro256**, seeded through splitmix64) ------------------- */
-
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
-void sandbox_prng_seed(uint64_t s[4], uint64_t seed)
-{
-    for (int i = 0; i < 4; i++) s[i] = splitmix64(&seed);
-}
-
-static uint64_t rotl64(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-static uint64_t prng_next(uint64_t s[4])
-{
-    uint64_t result = rotl64(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl64(s[3], 45);
-    return result;
-}
+/* ---- math.random: xoshiro256** (prng.h), deterministic per seed ---------------------- */
 
 static double bounded_integer_arg(lua_State *L, int arg)
 {
@@ -66,7 +40,7 @@ int sandbox_lib_random(lua_State *L)
     int nargs = lua_gettop(L);
     double lo, hi;
     if (nargs == 0) {
-        lua_pushnumber(L, (double)(prng_next(sb->prng) >> 11) * 0x1.0p-53);
+        lua_pushnumber(L, (double)(rp_xoshiro_next(sb->prng) >> 11) * 0x1.0p-53);
         return 1;
     } else if (nargs == 1) {
         lo = 1;
@@ -81,7 +55,7 @@ int sandbox_lib_random(lua_State *L)
     }
     uint64_t range = (uint64_t)((int64_t)hi - (int64_t)lo) + 1; /* <= 2^54 + 1 */
     uint64_t limit = UINT64_MAX - UINT64_MAX % range, x;
-    do x = prng_next(sb->prng);
+    do x = rp_xoshiro_next(sb->prng);
     while (x >= limit);
     lua_pushnumber(L, lo + (double)(x % range));
     return 1;
@@ -93,7 +67,7 @@ int sandbox_lib_randomseed(lua_State *L)
     uint64_t bits;
     if (v == 0) v = 0; /* -0 and 0 seed alike */
     memcpy(&bits, &v, sizeof bits);
-    sandbox_prng_seed(rp_sandbox_of(L)->prng, bits);
+    rp_xoshiro_seed(rp_sandbox_of(L)->prng, bits);
     return 0;
 }
 

@@ -1,6 +1,7 @@
 /* Local search: improve a plan by sequence moves and swaps and expert slot changes,
  * judged by the cost model's incremental evaluation, within an evaluation budget. */
 #include "internal.h"
+#include "prng.h"
 #include "routepack/baseline.h"
 
 #include <math.h>
@@ -11,19 +12,10 @@ rp_search_params rp_search_defaults(void)
                               .moves = true, .swaps = true, .slots = true, .max_operations = 0};
 }
 
-/* splitmix64: a seeded stream that is the same on every machine. */
-static uint64_t next_u64(uint64_t *state)
-{
-    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
 /* Uniform in [0, n), n >= 1 (multiply-shift; no modulo bias worth a branch here). */
 static int32_t draw(uint64_t *state, int32_t n)
 {
-    return (int32_t)(((unsigned __int128)next_u64(state) * (uint64_t)n) >> 64);
+    return (int32_t)(((unsigned __int128)rp_splitmix64(state) * (uint64_t)n) >> 64);
 }
 
 typedef enum cand_kind { CAND_MOVE, CAND_SWAP, CAND_SLOT } cand_kind;

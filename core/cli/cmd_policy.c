@@ -1,6 +1,7 @@
 /* `routepack policy list | check`: the policies found on the search path, and a policy
  * file tried out: loaded in the sandbox, its metadata shown, run on a small batch. */
 #include "cli.h"
+#include "prng.h"
 
 #include <inttypes.h>
 #include <jansson.h>
@@ -83,15 +84,6 @@ out:
 
 /* ---- check ---- */
 
-/* splitmix64: the hand-made batch's ids, the same on every machine */
-static uint64_t mix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* A small fixed batch for any config: 4 sequences per GPU (2 prompts x 2 responses
  * each), lengths spread over a decade and within the token cap, routing skewed towards
  * a few experts per layer so a placement policy has something to balance. The ids are
@@ -139,7 +131,7 @@ static int handmade_batch(rp_context *ctx, const rp_config *cfg, rp_batch **batc
                 bool again;
                 do {
                     /* half the choices go to the first eighth of the experts (shifted per layer) */
-                    uint64_t r = mix64(&state);
+                    uint64_t r = rp_splitmix64(&state); /* the same ids on every machine */
                     int32_t hot = m->num_experts / 8 > 0 ? m->num_experts / 8 : 1;
                     e = (int32_t)((r & 1) ? (r >> 1) % (uint64_t)m->num_experts
                                           : ((r >> 1) % (uint64_t)hot + (uint64_t)l * 3) % (uint64_t)m->num_experts);
