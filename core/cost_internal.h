@@ -250,6 +250,19 @@ static inline void group_result_note(group_result *res, int32_t g, double x, dou
     }
 }
 
+/* A side's name in reports and to policies ("attention", "dispatch", "expert",
+ * "combine"). */
+static inline const char *cost_side_name(rp_side side)
+{
+    switch (side) {
+    case RP_SIDE_ATTENTION: return "attention";
+    case RP_SIDE_DISPATCH: return "dispatch";
+    case RP_SIDE_EXPERT: return "expert";
+    case RP_SIDE_COMBINE: return "combine";
+    }
+    return "unknown";
+}
+
 /* cost.c: the evaluator object */
 
 /* What rp_cost_new refuses of a config and a batch, without statistics: the callers that

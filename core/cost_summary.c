@@ -227,17 +227,6 @@ size_t rp_cost_bytes(const rp_cost *c)
 
 /* ---- JSON ------------------------------------------------------------------------ */
 
-static const char *side_name(rp_side side)
-{
-    switch (side) {
-    case RP_SIDE_ATTENTION: return "attention";
-    case RP_SIDE_DISPATCH: return "dispatch";
-    case RP_SIDE_EXPERT: return "expert";
-    case RP_SIDE_COMBINE: return "combine";
-    }
-    return "unknown";
-}
-
 static void sb_array(text_buf *b, const double *v, size_t n, size_t stride)
 {
     text_put(b, "[");
@@ -263,7 +252,7 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
               sum.step_s, sum.lower_bound_s, sum.ratio, sum.attention_s, sum.dispatch_s, sum.expert_s,
               sum.combine_s, sum.grad_reduce_s, sum.extra_copy_s, sum.attention_imbalance,
               sum.expert_imbalance, sum.straggler_gpu, sum.straggler_mb, sum.straggler_layer,
-              side_name(sum.straggler_side));
+              cost_side_name(sum.straggler_side));
     if (c->PP > 1) { /* PP 1 documents keep their keys */
         rp_pipeline_summary pipe;
         pipeline_summary(c, s, &pipe);
@@ -319,7 +308,7 @@ rp_status rp_cost_breakdown_json(const rp_cost *c, char **text, size_t *len, rp_
                       "\"dense_s\": %.17g, \"dense_backward_s\": %.17g, \"dispatch_s\": %.17g, \"expert_s\": %.17g, "
                       "\"combine_s\": %.17g, \"lower_bound_s\": %.17g, \"straggler_gpu\": %d, \"straggler_side\": \"%s\"",
                       ml ? "," : "", m, l, rp_cost_layer_s(c, m, l), amax, p.df, p.db, p.d, p.x, p.d,
-                      cost_bound_layer(c, s, m, l), gpu, side_name(side));
+                      cost_bound_layer(c, s, m, l), gpu, cost_side_name(side));
             if (c->sync == RP_SYNC_GROUP) {
                 text_put(&b, ", \"group_time_s\": ");
                 sb_array(&b, s->layer_t + ml * c->LW, (size_t)c->NQ, 1);

@@ -78,16 +78,6 @@ static int l_plan(lua_State *L)
     return 1;
 }
 
-static const char *side_name(rp_side s)
-{
-    switch (s) {
-    case RP_SIDE_ATTENTION: return "attention";
-    case RP_SIDE_DISPATCH: return "dispatch";
-    case RP_SIDE_EXPERT: return "expert";
-    default: return "combine";
-    }
-}
-
 static void set_num(lua_State *L, const char *key, double v)
 {
     lua_pushnumber(L, v);
@@ -111,7 +101,7 @@ static void push_summary(lua_State *L, const rp_cost_summary *s)
     set_num(L, "straggler_gpu", s->straggler_gpu);
     set_num(L, "straggler_mb", s->straggler_mb);
     set_num(L, "straggler_layer", s->straggler_layer);
-    lua_pushstring(L, side_name(s->straggler_side));
+    lua_pushstring(L, cost_side_name(s->straggler_side));
     lua_setfield(L, -2, "straggler_side");
 }
 

@@ -3,6 +3,7 @@
  * step report's JSON (so Python's StepResult.metrics()) and by `routepack simulate
  * --json`, so the keys are the same everywhere. docs/python.md lists them. Also the
  * step report as JSON (rp_sched_report_json) and the router shift attached to it. */
+#include "cost_internal.h"
 #include "jsonx.h"
 #include "sched_impl.h"
 
@@ -57,16 +58,6 @@ json_t *rp_step_metrics_json(const rp_step_report *r)
 
 /* ---- the report as JSON ------------------------------------------------------------------ */
 
-static const char *side_words(rp_side side)
-{
-    switch (side) {
-    case RP_SIDE_ATTENTION: return "attention";
-    case RP_SIDE_DISPATCH: return "dispatch";
-    case RP_SIDE_EXPERT: return "expert";
-    default: return "combine";
-    }
-}
-
 static void hex64(char *buf, uint64_t v) { snprintf(buf, 17, "%016llx", (unsigned long long)v); }
 
 rp_status rp_sched_attach_shift(rp_sched *s, const rp_shift *shift, rp_error *err)
@@ -109,7 +100,7 @@ rp_status rp_sched_report_json(const rp_sched *s, char **text, size_t *len, rp_e
         "grad_reduce_s", r->cost.grad_reduce_s, "extra_copy_s", r->cost.extra_copy_s, "attention_imbalance",
         r->cost.attention_imbalance, "expert_imbalance", r->cost.expert_imbalance, "straggler", "gpu",
         (int)r->cost.straggler_gpu, "microbatch", (int)r->cost.straggler_mb, "layer", (int)r->cost.straggler_layer,
-        "side", side_words(r->cost.straggler_side));
+        "side", cost_side_name(r->cost.straggler_side));
     json_t *root = json_pack("{s:I, s:{s:s, s:s, s:s}, s:s, s:o, s:f, s:I, s:b, s:s?, s:b, s:s?, s:i, s:b, s:i, "
                              "s:f, s:f, s:f}",
                              "step", (json_int_t)r->step, "policy", "name", r->policy_name, "version", r->policy_version,
