@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the rollout both train_moe.py examples share
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "torch"))
 from rollout import rollout_batch  # noqa: E402
+from teardown import end_run  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, FFN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 32, 2, 8, 2
 
@@ -302,9 +303,7 @@ def main():
         if args.dump:
             torch.save({"losses": losses, "state": state}, args.dump)
         print("final loss %.9g" % losses[-1] if losses else "no step run", flush=True)
-    dist.barrier()
-    sched.close()
-    dist.destroy_process_group()
+    end_run(sched, dist.get_backend())
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from torch import nn
 from routepack.torch import (DistributedScheduler, ExpertPlacement, MigrationExecutor, MoELayer,
                              init_optimizer_state, pack_microbatches, slot_tensors)
 from rollout import rollout_batch   # examples/torch/rollout.py, shared with examples/megatron
+from teardown import end_run        # examples/torch/teardown.py, likewise
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS, EXPERTS, TOP_K = 64, 32, 2, 16, 32, 2, 8, 2
 # the closing comparison's experts are wider, so that their work, not Python's per-op cost,
@@ -435,12 +436,7 @@ def main():
         line = measure_benefit(args, model, rank, world, device)
         if rank == 0:
             print(line, flush=True)
-    # Every rank reaches teardown together: a rank that destroys its gloo group while a peer
-    # is still writing the dump can abort in gloo's destructor ("terminate called without an
-    # active exception", seen under load in CI).
-    dist.barrier()
-    sched.close()
-    dist.destroy_process_group()
+    end_run(sched, backend)
 
 
 if __name__ == "__main__":
