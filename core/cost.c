@@ -257,6 +257,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->extras_once = x->extras_once;
     c->extras_ahead = x->extras_once && x->extras_ahead;
     c->stack_s = 2.0 * c->expert_bytes / h->hbm_bytes_per_s;
+    c->grad_mem_s = c->grad_bytes / h->hbm_bytes_per_s;
     c->extra_launch_s = (pf ? pf->launches_per_local_expert : 0) * RP_HOST_LAUNCH_US * 1e-6;
     c->vexp_charges = pf && pf->balancer_charges;
     c->eff = h->gemm_efficiency;
@@ -286,6 +287,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->expert_token_s /= rank_gpus;
     c->expert_mem_s /= rank_gpus;
     c->stack_s /= rank_gpus;
+    c->grad_mem_s /= rank_gpus;
     c->nv_bw *= rank_gpus;
     c->net_bw *= rank_gpus;
     /* ... but an expert's weights live on one EP rank, ETP GPUs, whose links alone carry

@@ -77,7 +77,11 @@ static int32_t expert_holders(const rp_cost *c, const cost_state *st, int32_t l,
  * - holders: every distinct holder of an expert (its replicas and the step's extra
  *   replicas, expert_holders) sends its gradient to every other holder and receives
  *   theirs (routepack.torch's batched exchange among holders): each message the
- *   gradient's bytes over that pair's link, plus the link's latency.
+ *   gradient's bytes over that pair's link, plus the link's latency. Each of the n
+ *   holders also moves the gradient through its own memory 2 (n - 1) + 4 times: its
+ *   copies summed (read, write), a read per message sent and a write per message
+ *   received, the sum of the n copies written back (read, write). On 4 CPU ranks the
+ *   layer's holders spent ~7 ms a step on this that the model had not priced (issue 29).
  * `bytes` (NULL: not wanted) gets what each GPU of EP group 0 sends. */
 void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
                      const int32_t *rep_rank, double *row, double *bytes)
@@ -96,14 +100,17 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, cons
             if (n < 2) continue;
             if (bytes)
                 for (int32_t a = 0; a < n; a++) bytes[h[a]] += (n - 1) * c->grad_bytes;
+            const double mem = (2.0 * (n - 1) + 4.0) * c->grad_mem_s;
             for (int32_t q = 0; q < c->Q; q++)
-                for (int32_t a = 0; a < n; a++)
+                for (int32_t a = 0; a < n; a++) {
+                    row[q * c->ep + h[a]] += mem;
                     for (int32_t b = 0; b < n; b++) {
                         if (a == b) continue;
                         const int32_t ga = q * c->ep + h[a], gb = q * c->ep + h[b];
                         row[ga] += c->gpu_node[ga] == c->gpu_node[gb] ? c->grad_bytes / c->nv_bw + c->nv_lat
                                                                       : c->grad_bytes / c->net_bw + c->net_lat;
                     }
+                }
         }
         rp_free(c->ctx, big);
         return;

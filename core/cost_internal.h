@@ -167,6 +167,7 @@ struct rp_cost {
     double fixed_s;            /* per (microbatch, layer): layer_fixed_s + the executor's host costs */
     /* What the executor charges (execution.executor, routepack/executor.h) */
     double grad_bytes;         /* 3 d f replica_grad_bytes_per_element: one expert's gradient */
+    double grad_mem_s;         /* grad_bytes read or written once in the GPU's memory, per DP rank */
     rp_grad_reduce grad_form;
     bool extras_stacked;       /* a GPU with extras stacks all its local weights each forward */
     bool extras_once;          /* extras fetched once a step, their gradients reduced with replicas */
