@@ -1,6 +1,6 @@
 """The CPU substrate (issue 30, docs/calibration.md "The CPU substrate"): routepack.cpu
 times the thread's CPU time (a call that sleeps costs nothing), the least of N; pin() leaves
-one thread on one core; the calibration's CPU device runs fp32 with that timer; fidelity
+one thread on one core, and keeps freed memory in the heap as a GPU's caching allocator does; the calibration's CPU device runs fp32 with that timer; fidelity
 measure splits the cells over pinned workers without losing or repeating one; and the
 shipped CPU profile (config, calibration, trace) loads and prices."""
 
@@ -49,6 +49,50 @@ def test_pin_one_thread_one_core():
         out = subprocess.run([os.sys.executable, "-c", code % index], capture_output=True, text=True, check=True)
         core, aff, threads = json.loads(out.stdout)
         assert core == cores[index % len(cores)] and aff == [core] and threads == 1
+
+
+# In a fresh process (glibc's thresholds are per process): malloc 16 MiB, free it, and
+# report glibc's mallinfo2 before, holding and after: the bytes mmap'd (hblkhd) and the
+# heap's size (arena). With the caller's ARG true, keep_freed_memory() runs first.
+_MALLINFO = r"""
+import ctypes, ctypes.util, json, sys
+from routepack import cpu
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+if not hasattr(libc, "mallinfo2"):
+    print(json.dumps(None)); sys.exit(0)
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = Info
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+why = cpu.keep_freed_memory() if ARG else None
+snap = lambda: (lambda i: {"hblkhd": i.hblkhd, "arena": i.arena})(libc.mallinfo2())
+before = snap()
+p = libc.malloc(16 << 20)
+holding = snap()
+libc.free(p)
+print(json.dumps({"why": why, "before": before, "holding": holding, "after": snap()}))
+"""
+
+
+def _mallinfo(keep):
+    out = subprocess.run([os.sys.executable, "-c", _MALLINFO.replace("ARG", str(keep))], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_keep_freed_memory_keeps_a_large_block_in_the_heap():
+    """glibc's default mmaps a 16 MiB block and unmaps it when freed (the next step faults
+    its pages in again); after keep_freed_memory() the block comes from the heap and stays
+    there once freed."""
+    plain, kept = _mallinfo(False), _mallinfo(True)
+    if plain is None:
+        pytest.skip("the C library has no mallinfo2 (not glibc 2.33+)")
+    assert plain["holding"]["hblkhd"] - plain["before"]["hblkhd"] >= 16 << 20   # the default: mmap'd
+    assert kept["why"] is None
+    assert kept["holding"]["hblkhd"] == kept["before"]["hblkhd"]                 # kept: from the heap
+    assert kept["after"]["arena"] >= kept["before"]["arena"] + (16 << 20)         # and not trimmed once freed
 
 
 def test_calibration_cpu_device_is_fp32_least_thread_time():
