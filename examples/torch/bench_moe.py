@@ -186,7 +186,9 @@ def part_plain(args, rank, world):
 
 def cpu_hardware(args, world):
     """Hardware constants of this CPU for the cost model: one thread's GEMM FLOP/s at
-    the experts' shape, gloo's bandwidth and latency between two ranks."""
+    the experts' shape, gloo's bandwidth and latency between two ranks; with
+    --calibration, that file's peak, expert efficiency curve, memory bandwidth and
+    experts' backward ratio instead of the measured peak and a flat curve."""
     d, f = args.hidden, args.ffn
     a, b = torch.randn(512, d), torch.randn(d, f)
     for _ in range(3):
@@ -206,8 +208,18 @@ def cpu_hardware(args, world):
     lat = min(timed(lambda: a2a(small))[0] for _ in range(9))
     bw_time = min(timed(lambda: a2a(big))[0] for _ in range(7))
     bw = big.numel() * 4 * (world - 1) / world / max(bw_time - lat, 1e-6)
-    return {"peak_flops": flops, "gemm_efficiency": [[1, 1.0], [1 << 20, 1.0]], "dense_efficiency": 1.0,
-            "hbm_bytes_per_s": 20e9, "nvlink_bytes_per_s": bw, "nvlink_latency_us": lat * 1e6 / 2}
+    hw = {"peak_flops": flops, "gemm_efficiency": [[1, 1.0], [1 << 20, 1.0]], "dense_efficiency": 1.0,
+          "hbm_bytes_per_s": 20e9, "nvlink_bytes_per_s": bw, "nvlink_latency_us": lat * 1e6 / 2}
+    if args.calibration:   # the expert curve, backward ratio and peak of the shipped CPU profile
+        with open(args.calibration) as fh:
+            cal = json.load(fh)
+        entry = next(iter(cal["shapes"].values()))
+        if (entry["hidden_size"], entry["expert_ffn_size"]) != (d, f):
+            raise SystemExit("--calibration is for d %d, f %d; the bench runs d %d, f %d" % (
+                entry["hidden_size"], entry["expert_ffn_size"], d, f))
+        hw.update(peak_flops=entry["peak_flops"], gemm_efficiency=entry["gemm_efficiency"],
+                  hbm_bytes_per_s=entry["hbm_bytes_per_s"], backward={"experts": entry["backward"]["experts"]})
+    return hw
 
 
 # The three plans, written by hand so that they share one packing (sequence s on rank
@@ -364,8 +376,9 @@ def part_plans(args, rank, world):
               "rank 0's experts %.0fx hotter, %d spare slot(s) a rank; dispatch_dedup %s; kernel %s; %d reps after "
               "%d warm-up, interleaved" % (world, int(lens.sum()), len(lens), M, d, f, E, k, args.skew,
                                            args.spare_slots, args.dedup, kern, args.reps, args.warmup))
-        print("  CPU hardware for the model: %.1f GFLOP/s a thread, gloo %.0f MB/s, latency %.0f us"
-              % (hw["peak_flops"] / 1e9, links["nvlink_bytes_per_s"] / 1e6, links["nvlink_latency_us"]))
+        print("  CPU hardware for the model: %.1f GFLOP/s a thread%s, gloo %.0f MB/s, latency %.0f us"
+              % (hw["peak_flops"] / 1e9, " with " + args.calibration + "'s expert curve" if args.calibration
+                 else " (flat efficiency)", links["nvlink_bytes_per_s"] / 1e6, links["nvlink_latency_us"]))
         base_pred = results[0][1].step_time_s
         base_free = compute_only[0][1].step_time_s
         base = times[results[0][0]]
@@ -448,15 +461,6 @@ def part_five(args, rank, world):
     kern, why = kernels.choose_expert_kernel("cpu", torch.float32, d, f, False)
     hw = cpu_hardware(args, world)
     links = {"nvlink_bytes_per_s": hw.pop("nvlink_bytes_per_s"), "nvlink_latency_us": hw.pop("nvlink_latency_us")}
-    if args.calibration:   # the expert curve, backward ratio and peak of the shipped CPU profile
-        with open(args.calibration) as fh:
-            cal = json.load(fh)
-        entry = next(iter(cal["shapes"].values()))
-        if (entry["hidden_size"], entry["expert_ffn_size"]) != (d, f):
-            raise SystemExit("--calibration is for d %d, f %d; the bench runs d %d, f %d" % (
-                entry["hidden_size"], entry["expert_ffn_size"], d, f))
-        hw.update(peak_flops=entry["peak_flops"], gemm_efficiency=entry["gemm_efficiency"],
-                  hbm_bytes_per_s=entry["hbm_bytes_per_s"], backward={"experts": entry["backward"]["experts"]})
     M, seqs = args.microbatches, args.seqs
 
     def config(executor, spare):
@@ -634,8 +638,8 @@ def main():
     ap.add_argument("part", choices=["plain", "plans", "five"])
     ap.add_argument("--comm", action="store_true", help="five: also replay each plan's collectives alone and "
                                                        "set them against the model's communication terms")
-    ap.add_argument("--calibration", help="five: take the expert curve, backward ratio and peak from this "
-                                          "calibration.json (examples/cpu/calibration-cpu.json)")
+    ap.add_argument("--calibration", help="plans, five: take the expert curve, backward ratio, memory bandwidth "
+                                          "and peak from this calibration.json (examples/cpu/calibration-cpu.json)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens a rank")
