@@ -99,8 +99,9 @@ def section_comparison(runs, args):
            "data-parallel gradients) and the migration (`docs/cost-model.md`, \"The whole step\").",
            "*vs best baseline*: the best baseline's end-to-end time over the run / the policy's,",
            "minus 1. Every run prices the config's executor: the default `routepack_torch` (this",
-           "project's layer as it runs on `main`: a copy per token-choice, one all-reduce of replica",
-           "gradients over the EP group, no per-forward balancer) except `example-balancer`: the",
+           "project's layer as it runs on `main`: one copy of a token per destination GPU, replica",
+           "gradients exchanged among each expert's holders, the step's extra replicas fetched once",
+           "and ahead, no per-forward balancer) except `example-balancer`: the",
            "bundled example on Megatron-Core with its virtual-expert balancer (`megatron_balancer`,",
            "8 slots a GPU: Megatron holds every expert once). Seeds 21 and 22 were not used to",
            "choose any default (tuning used seed 11 and the bundled example).", ""]
@@ -447,8 +448,8 @@ def readme_summary(runs, args):
     return ("Predicted by the cost model, end to end (the MoE layers, the log-prob passes, the rest of the step "
             "and the migration), on the bundled example and generated traces (small scale, seeds not "
             "used for tuning), priced for this project's own layer (`execution.executor` `routepack_torch`, "
-            "the default: a copy per token-choice, replica gradients in one all-reduce over the EP group, no "
-            "per-forward balancer) except `example-balancer` (the example on Megatron-Core with its balancer), "
+            "the default: one copy of a token per destination GPU, replica gradients exchanged among each "
+            "expert's holders, the step's extra replicas fetched once and ahead, no per-forward balancer) except `example-balancer` (the example on Megatron-Core with its balancer), "
             "against the best baseline of "
             "`token_kk+contiguous`, `token_kk+eplb`, `token_kk+eplb_periodic` (EPLB as vLLM and SGLang run it), "
             "`verl_kk+eplb`, `attn_kk+eplb`, `slime_ff+eplb` and `slime_kk+eplb` (slime's packings: its recipes' "
