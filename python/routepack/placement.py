@@ -21,7 +21,8 @@ class ExpertPlacement:
     ``slot_begin``: int [ep_size + 1], EP rank r holds slots slot_begin[r] .. [r+1]-1;
     ``extras``: per microbatch, int [n, 2] rows (expert, ep_rank) of that microbatch's
     extra replicas in plan order (physical id S + i is row i), so rp_remap's physical ids
-    index this placement directly."""
+    index this placement directly. Treat it as immutable: what is derived from it (the
+    slots' ranks, the step's extra replicas) is computed once per object."""
 
     phy2log: np.ndarray
     slot_begin: np.ndarray
@@ -47,9 +48,16 @@ class ExpertPlacement:
     def local_slots(self, ep_rank):
         return int(self.slot_begin[ep_rank + 1] - self.slot_begin[ep_rank])
 
+    def _memo(self, name, make):
+        got = self.__dict__.get(name)
+        if got is None:
+            got = self.__dict__[name] = make()
+        return got.copy()   # each caller its own: the copy is cheap, the making is not
+
     def slot_rank(self):
         """int64 [S]: the EP rank of each slot."""
-        return (np.searchsorted(self.slot_begin, np.arange(self.num_slots), side="right") - 1).astype(np.int64)
+        return self._memo("_slot_rank", lambda: (np.searchsorted(self.slot_begin, np.arange(self.num_slots),
+                                                                 side="right") - 1).astype(np.int64))
 
     def microbatch_extras(self, microbatch):
         if not self.extras:
@@ -67,9 +75,17 @@ class ExpertPlacement:
         logical = np.concatenate([self.phy2log, extras[:, 0]])
         rank = np.concatenate([slot_rank, extras[:, 1]])
         local = np.concatenate([np.arange(S) - self.slot_begin[slot_rank], np.zeros(len(extras), np.int64)])
-        for i, (e, r) in enumerate(extras):
-            mine = step[step[:, 1] == r]
-            local[S + i] = self.local_slots(int(r)) + int(np.nonzero(mine[:, 0] == e)[0][0])
+        if len(extras):
+            # an extra replica's local index: its rank's slots, then its place among that
+            # rank's rows of step (sorted by expert, then rank)
+            W = self.ep_size
+            by_rank = np.argsort(step[:, 1], kind="stable")
+            ranks = step[by_rank, 1]
+            place = np.empty(len(step), np.int64)
+            place[by_rank] = np.arange(len(step)) - np.searchsorted(ranks, ranks, side="left")
+            at = np.searchsorted(step[:, 0] * W + step[:, 1], extras[:, 0] * W + extras[:, 1])
+            slots = self.slot_begin[1:] - self.slot_begin[:-1]
+            local[S:] = slots[extras[:, 1]] + place[at]
         return logical.astype(np.int64), rank.astype(np.int64), local.astype(np.int64)
 
     def first_replica(self):
@@ -84,10 +100,10 @@ class ExpertPlacement:
     def step_extras(self):
         """Sorted unique (expert, ep_rank) pairs over every microbatch: the weights that
         have to be fetched for the step."""
-        rows = [np.asarray(e, np.int64).reshape(-1, 2) for e in self.extras if len(e)]
-        if not rows:
-            return np.zeros((0, 2), np.int64)
-        return np.unique(np.concatenate(rows), axis=0)
+        def make():
+            rows = [np.asarray(e, np.int64).reshape(-1, 2) for e in self.extras if len(e)]
+            return np.unique(np.concatenate(rows), axis=0) if rows else np.zeros((0, 2), np.int64)
+        return self._memo("_step_extras", make)
 
     def replica_holders(self, num_experts):
         """{expert: sorted distinct EP ranks holding a copy} for every expert with more

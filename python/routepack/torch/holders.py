@@ -50,6 +50,23 @@ def exchange_plan(holders, rank):
     return shared, dict(sorted(peers.items())), spans
 
 
+def peer_rows(peers, shared, device):
+    """exchange_plan's peers as start_sums takes them: each peer's rows as None where the
+    peer shares every one of the ``shared`` rows, a slice where they are a run (what is
+    sent is then the rows as they are, a view, not a copy), else an int64 index tensor on
+    ``device``."""
+    out = {}
+    for q, v in peers.items():
+        v = [int(i) for i in v]
+        if v == list(range(shared)):
+            out[q] = None
+        elif v == list(range(v[0], v[0] + len(v))):
+            out[q] = slice(v[0], v[0] + len(v))
+        else:
+            out[q] = torch.as_tensor(v, dtype=torch.int64, device=device)
+    return out
+
+
 class Sums:
     """An exchange of own sums in flight (start_sums): ``sent`` bytes this rank sends (it
     receives as many); finish_sums waits for it."""
@@ -60,12 +77,14 @@ class Sums:
 
 def start_sums(layers, rank, size, group=None, spans=True, pad_like=None):
     """Start the exchange of each layer's own sums: ``layers`` a list of (own, peers), own
-    [shared, n] this rank's sum of its copies of each expert it shares (exchange_plan's
-    rows), peers {rank: int64 index tensor of the rows shared with it}. Sends own[rows] to
-    each peer and receives theirs, all layers in one batch_isend_irecv over ``group``;
-    ``spans`` (exchange_plan's, any layer's): every rank adds the ring padding so that it
-    takes part, made like ``pad_like`` (a tensor on the group's device). Collective over
-    the group."""
+    this rank's sum of its copies of each expert it shares (exchange_plan's rows): a tensor
+    [shared, n], or a tuple of pieces [shared, n_i] (the parts of an expert's gradient,
+    each its own message: nothing copies them together); peers {rank: int64 index tensor
+    of the rows shared with it, a slice of them, or None for every row (the pieces
+    themselves, or a view of them, are sent: no copy)}. Sends own's rows to each peer and receives theirs, all layers in one
+    batch_isend_irecv over ``group``; ``spans`` (exchange_plan's, any layer's): every rank
+    adds the ring padding so that it takes part, made like ``pad_like`` (a tensor on the
+    group's device). Collective over the group. own must not change until finish_sums."""
 
     def to_global(r):
         return dist.get_global_rank(group, r) if group is not None else r
@@ -74,32 +93,56 @@ def start_sums(layers, rank, size, group=None, spans=True, pad_like=None):
     for own, peers in layers:
         recv = {}
         for q, rows in peers.items():
-            out = own[rows]
-            recv[q] = torch.empty_like(out)
-            ops += [dist.P2POp(dist.isend, out, to_global(q), group),
-                    dist.P2POp(dist.irecv, recv[q], to_global(q), group)]
-            sent += out.numel() * out.element_size()
+            recv[q] = []
+            for piece in _pieces(own):
+                out = piece if rows is None else piece[rows]
+                recv[q].append(torch.empty_like(out))
+                ops += [dist.P2POp(dist.isend, out, to_global(q), group),
+                        dist.P2POp(dist.irecv, recv[q][-1], to_global(q), group)]
+                sent += out.numel() * out.element_size()
         pending.append((own, peers, recv))
     if spans:   # the same on every rank: then every rank takes part
         ops += ring_padding(rank, size, pad_like, to_global, group)
     return Sums(dist.batch_isend_irecv(ops) if ops else [], pending, rank, size, sent)
 
 
-def finish_sums(sums):
-    """Wait for start_sums' exchange; per layer the total [shared, n] of every holder's
-    copies, added in EP-rank order (the same bits on every holder)."""
+def _pieces(own):
+    return own if isinstance(own, tuple) else (own,)
+
+
+def finish_sums(sums, want=None, in_place=False):
+    """Wait for start_sums' exchange; per layer the total of every holder's copies (shaped
+    as its own: a tensor or a tuple of pieces), added in EP-rank order (the same values
+    on every holder). ``want``: per layer, whether its total is needed (False: None in its
+    place, nothing added: a rank whose copies are dropped after the step only sends);
+    ``in_place``: where own comes first in rank order, the total is added up in own's
+    tensors (returned as they are), else it starts from the first holder's rows when they
+    are every row (a received buffer), or zeros."""
     for w in sums.works:
         w.wait()
     totals = []
     with torch.no_grad():
-        for own, peers, recv in sums.layers:
-            total = torch.zeros_like(own)
-            for q in range(sums.size):   # rank order: every holder adds the same terms in the same order
-                if q == sums.rank:
-                    total += own
-                elif q in recv:
-                    total.index_add_(0, peers[q], recv[q])
-            totals.append(total)
+        for i, (own, peers, recv) in enumerate(sums.layers):
+            if want is not None and not want[i]:
+                totals.append(None)
+                continue
+            # rank order: every holder adds the same terms in the same order
+            terms = [(None, _pieces(own)) if q == sums.rank else (peers[q], recv[q])
+                     for q in range(sums.size) if q == sums.rank or q in recv]
+            rows, first = terms[0]
+            if rows is None and (first is not _pieces(own) or in_place):
+                total, terms = list(first), terms[1:]
+            else:
+                total = [torch.zeros_like(p) for p in _pieces(own)]
+            for rows, parts in terms:
+                for t, x in zip(total, parts):
+                    if rows is None:
+                        t += x
+                    elif isinstance(rows, slice):
+                        t[rows] += x
+                    else:
+                        t.index_add_(0, rows, x)
+            totals.append(tuple(total) if isinstance(own, tuple) else total[0])
     return totals
 
 
@@ -129,11 +172,11 @@ def sum_among_holders(rows, slot_grads, group=None, device=None):
         with torch.no_grad():
             for i, r in mine:
                 own[r] += torch.cat([g.reshape(-1) for g in slots[i]])
-        layers.append((own, {q: torch.as_tensor(v, device=own.device) for q, v in peers.items()}))
+        layers.append((own, peer_rows(peers, len(shared), own.device)))
         mine_of.append((mine, slots))
     pad = like if like is not None else torch.empty(0, device=device)
     sums = start_sums(layers, rank, size, group, spans_any and size > 1, pad)
-    totals = finish_sums(sums)
+    totals = finish_sums(sums, in_place=True)
     with torch.no_grad():
         for total, (mine, slots) in zip(totals, mine_of):
             for i, r in mine:

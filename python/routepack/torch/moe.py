@@ -13,7 +13,7 @@ _AllToAll, ``_expert_compute`` its GroupedMLP, ``reduce_replica_grads`` the extr
 reduction a replicated expert needs next to the usual expert-data-parallel one.
 
 What a forward costs the host: placement tables live on the device (made once per
-fetch_replicas), the counts cross to the host once, the expert weights are the slot
+fetch_replicas of a placement), the counts cross to the host once, the expert weights are the slot
 parameter and the step's extra-replica buffer as they are (two grouped GEMMs, no copy of
 weights per forward, a backward linear in the slots)."""
 
@@ -83,7 +83,8 @@ def to_host(t):
 
 
 class _PlacementTables:
-    """Everything a forward needs from a placement, made once per fetch_replicas: per
+    """Everything a forward needs from a placement, made once per placement
+    (fetch_replicas with the same ExpertPlacement object again reuses them): per
     microbatch the destination key (EP rank x max_local + local expert) of every physical
     id, on the layer's device; the lowest slot of each expert (default routing)."""
 
@@ -166,6 +167,7 @@ class MoELayer(nn.Module):
         self.extra_w_out = None
         self._fetch = None   # the prefetch's works still in flight (fetch_replicas)
         self._tables = None
+        self._tables_on = None   # the device _tables and _gplan were made for
         self._gplan = None
         self._backwards = 0
         self._grad_exchange = None
@@ -237,9 +239,11 @@ class MoELayer(nn.Module):
                                                      self.ep_rank, self.ep_size, self.num_slots))
         if self._grad_exchange is not None:
             self.reduce_replica_grads()
+        if placement is not self.placement or self._tables_on != self.w_in.device:   # once per placement
+            self._tables = _PlacementTables(placement, self.w_in.device)
+            self._gplan = self._grad_plan(placement)
+            self._tables_on = self.w_in.device
         self.placement = placement
-        self._tables = _PlacementTables(placement, self.w_in.device)
-        self._gplan = self._grad_plan(placement)
         self._backwards = 0
         pairs = placement.step_extras()
         mine = pairs[pairs[:, 1] == self.ep_rank]
@@ -315,8 +319,12 @@ class MoELayer(nn.Module):
     def _grad_plan(self, placement):
         """What this rank's replica-gradient exchange moves, fixed per placement
         (holders.exchange_plan over the slots and the step's extra replicas): the
-        replicated experts it holds (``shared``), which rows of its [shared, params] sums
-        its slots and its extra replicas add into, and per peer holder the rows they share."""
+        replicated experts it holds (``shared``: the rows of its own sums), which rows its
+        slots and its extra replicas fill, per peer holder the rows they share (None:
+        every row), and how the own sums are made (``own``): "slots" or "extras" where
+        every row has one copy here and those copies are a run of the slots or the extra
+        replicas in row order (the own sums are then the gradients as they are, a view),
+        "gather" with one copy a row otherwise, "sum" where a row has several."""
         shared, peers, spans = holders.exchange_plan(placement.replica_holders(self.num_experts), self.ep_rank)
         index = {e: i for i, e in enumerate(shared)}
         dev = self.w_in.device
@@ -324,38 +332,77 @@ class MoELayer(nn.Module):
         slot_rows = [(index[int(e)], s) for s, e in enumerate(placement.phy2log[b:b + self.num_slots])
                      if int(e) in index]
         step = placement.step_extras()
+        extra_rows = [index[int(e)] for e in step[step[:, 1] == self.ep_rank, 0]]
+        rows = [i for i, _ in slot_rows]
+        slots = [s for _, s in slot_rows]
+        n = len(shared)
+        run = list(range(n))
+        one_copy = sorted(rows + extra_rows) == run
+        own = "sum"
+        if n and one_copy and rows == run and slots == list(range(slots[0], slots[0] + n)) and not extra_rows:
+            own = "slots"
+        elif n and one_copy and not rows and extra_rows == run:   # every extra replica held here, in order
+            own = "extras"
+        elif one_copy:
+            own = "gather"
 
         def ids(v):
             return torch.as_tensor(v, dtype=torch.int64).to(dev)
-        return dict(shared=len(shared), exchange=spans,
-                    rows=ids([i for i, _ in slot_rows]), slots=ids([s for _, s in slot_rows]),
-                    extra_rows=ids([index[int(e)] for e in step[step[:, 1] == self.ep_rank, 0]]),
-                    peers={r: ids(v) for r, v in peers.items()})
+        # where the totals go: a run of slots in row order (a view), else an index_copy
+        slot_run = slots[0] if rows and rows == list(range(len(rows))) and \
+            slots == list(range(slots[0], slots[0] + len(rows))) else None
+        return dict(shared=n, exchange=spans, own=own, slot_run=slot_run,
+                    rows=ids(rows), slots=ids(slots), extra_rows=ids(extra_rows),
+                    peers=holders.peer_rows(peers, n, dev))
+
+    def _own_sums(self, plan):
+        """This rank's sum of its copies of each shared expert, as two pieces ([shared,
+        w_in's params], [shared, w_out's]) in the gradients' dtype; views of the
+        gradients themselves where plan["own"] allows."""
+        g = (self._grad_of(self.w_in), self._grad_of(self.w_out))
+        S, n = self.num_slots, plan["shared"]
+        flat = tuple(t.view(S, -1) if t.is_contiguous() else t.reshape(S, -1) for t in g)
+        extras = None
+        if plan["extra_rows"].numel():
+            ex = (self.extra_w_in, self.extra_w_out)
+            extras = tuple(e.grad.reshape(e.shape[0], -1).to(t.dtype) if e.grad is not None
+                           else t.new_zeros((e.shape[0], t[0].numel())) for e, t in zip(ex, g))
+        if plan["own"] == "slots" and all(t.is_contiguous() for t in g):
+            a = plan["slot_run"]
+            return tuple(f[a:a + n] for f in flat)
+        if plan["own"] == "extras":
+            return extras
+        with torch.no_grad():
+            if plan["own"] == "sum":
+                own = tuple(f.new_zeros((n, f.shape[1])) for f in flat)
+                for o, f in zip(own, flat):
+                    if plan["rows"].numel():
+                        o.index_add_(0, plan["rows"], f[plan["slots"]])
+                for o, x in zip(own, extras or ()):
+                    o.index_add_(0, plan["extra_rows"], x)
+                return own
+            own = tuple(f.new_empty((n, f.shape[1])) for f in flat)   # "gather": one copy a row
+            for o, f in zip(own, flat):
+                if plan["rows"].numel():
+                    o.index_copy_(0, plan["rows"], f[plan["slots"]])
+            for o, x in zip(own, extras or ()):
+                o.index_copy_(0, plan["extra_rows"], x)
+            return own
 
     def _start_grad_exchange(self):
         """Each rank sums its own copies of every replicated expert it holds (slots and
         extra replicas) in the gradient's dtype, and sends that sum to every other holder
-        of the expert (holders.start_sums: one message per peer, the experts it shares
-        with that peer, by id), receiving theirs; nothing goes to ranks without a copy.
-        Every rank calls this (its list may be empty) and takes part in the one
-        batch_isend_irecv."""
+        of the expert (holders.start_sums: per peer the experts it shares with that peer,
+        by id, as two messages, w_in's and w_out's), receiving theirs; nothing goes to
+        ranks without a copy. Every rank calls this (its list may be empty) and takes part
+        in the one batch_isend_irecv. Where its copies allow, what is sent is the
+        gradients themselves (no sum buffer, no gather copy)."""
         plan = self._gplan
-        g_in, g_out = self._grad_of(self.w_in), self._grad_of(self.w_out)
-        n_in = g_in[0].numel()
-        own = g_in.new_zeros((plan["shared"], n_in + g_out[0].numel()))
-        with torch.no_grad():
-            if plan["rows"].numel():
-                own[:, :n_in].index_add_(0, plan["rows"], g_in.reshape(self.num_slots, -1)[plan["slots"]])
-                own[:, n_in:].index_add_(0, plan["rows"], g_out.reshape(self.num_slots, -1)[plan["slots"]])
-            if plan["extra_rows"].numel() and self.extra_w_in.grad is not None:
-                own[:, :n_in].index_add_(0, plan["extra_rows"],
-                                         self.extra_w_in.grad.reshape(self.extra_w_in.shape[0], -1).to(own.dtype))
-                own[:, n_in:].index_add_(0, plan["extra_rows"],
-                                         self.extra_w_out.grad.reshape(self.extra_w_out.shape[0], -1).to(own.dtype))
+        own = self._own_sums(plan)
         sums = holders.start_sums([(own, plan["peers"])], self.ep_rank, self.ep_size, self.ep_group,
-                                  plan["exchange"], own)
+                                  plan["exchange"], own[0])
         self.replica_grad_bytes = {"sent": sums.sent, "received": sums.sent}
-        self._grad_exchange = (sums, n_in)
+        self._grad_exchange = (sums, own)
 
     def reduce_replica_grads(self):
         """Give every replica of an expert (slots and this step's extra replicas) the sum of
@@ -363,27 +410,38 @@ class MoELayer(nn.Module):
         exchange runs among the ranks holding copies only (replica_holders): started
         when the layer's backward of the step's last microbatch ends, or here; this call
         waits for it and writes each sum, added in EP-rank order on every holder (the
-        same bits everywhere), into this rank's slots' gradients (main_grad where the
-        trainer keeps one, else .grad). Collective over the EP group (every rank calls
-        it). Call after the step's last backward, before the data parallel reduction
-        reads the expert gradients; reducing over expert-data-parallel groups (several EP
+        same values everywhere), into this rank's slots' gradients (main_grad where the
+        trainer keeps one, else .grad); a rank whose copies of an expert are all extra
+        replicas (dropped after the step) only sends. Collective over the EP group (every
+        rank calls it). Call after the step's last backward, before the data parallel
+        reduction reads the expert gradients, and leave the expert gradients alone
+        between the end of that backward and this call (the exchange may be sending
+        them as they are); reducing over expert-data-parallel groups (several EP
         groups) stays the trainer's, as without RoutePack."""
         if self.placement is None:
             return
         self._wait_fetch()
         if self._grad_exchange is None:
             self._start_grad_exchange()
-        sums, n_in = self._grad_exchange
+        sums, own = self._grad_exchange
         self._grad_exchange = None
         self._backwards = None   # one exchange a step: a late backward does not start another
-        total = holders.finish_sums(sums)[0]
         plan = self._gplan
-        if not plan["rows"].numel():
+        wanted = bool(plan["rows"].numel())
+        total = holders.finish_sums(sums, want=[wanted], in_place=True)[0]
+        if not wanted:
             return
         with torch.no_grad():
-            g_in, g_out = self._grad_of(self.w_in), self._grad_of(self.w_out)
-            g_in.view(self.num_slots, -1).index_copy_(0, plan["slots"], total[plan["rows"], :n_in])
-            g_out.view(self.num_slots, -1).index_copy_(0, plan["slots"], total[plan["rows"], n_in:])
+            g = (self._grad_of(self.w_in), self._grad_of(self.w_out))
+            for t, x, o in zip(g, total, own):
+                if x is o and plan["own"] == "slots":
+                    continue   # added up in the slots' gradients themselves
+                flat = t.view(self.num_slots, -1)
+                a = plan["slot_run"]
+                if a is not None:
+                    flat[a:a + plan["rows"].numel()].copy_(x[:plan["rows"].numel()])
+                else:
+                    flat.index_copy_(0, plan["slots"], x[plan["rows"]])
 
     # ---- forward ----
 
@@ -438,13 +496,15 @@ class MoELayer(nn.Module):
         GroupedMLP), on the weights as they are."""
         n_slot_rows = int(sum(per_expert[:self.num_slots]))
         n_extra = self.extra_w_in.shape[0] if self.extra_w_in is not None else 0
-        out = kernels.expert_mlp(rows[:n_slot_rows], per_expert[:self.num_slots], self.w_in, self.w_out,
-                                 self.expert_kernel)
-        if rows.shape[0] > n_slot_rows:
-            extra = kernels.expert_mlp(rows[n_slot_rows:], per_expert[self.num_slots:self.num_slots + n_extra],
-                                       self.extra_w_in, self.extra_w_out, self.expert_kernel)
-            out = torch.cat([out, extra])
-        return out
+        if rows.shape[0] == n_slot_rows:
+            return kernels.expert_mlp(rows, per_expert[:self.num_slots], self.w_in, self.w_out, self.expert_kernel)
+        # split, not two slices: its backward joins the two gradients (a slice's backward
+        # fills a zero tensor of all the rows, for each slice)
+        mine, extra = rows.split([n_slot_rows, rows.shape[0] - n_slot_rows])
+        out = kernels.expert_mlp(mine, per_expert[:self.num_slots], self.w_in, self.w_out, self.expert_kernel)
+        extra = kernels.expert_mlp(extra, per_expert[self.num_slots:self.num_slots + n_extra],
+                                   self.extra_w_in, self.extra_w_out, self.expert_kernel)
+        return torch.cat([out, extra])
 
     def forward(self, x, routing=None, physical=None, microbatch=0):
         """``x`` [T, hidden]; ``routing`` [T, k] int: the replayed experts (None: the
