@@ -184,6 +184,26 @@ __global__ void assign_tiles(args a)
     }
 }
 
+/* One GPU's own ids (tokens 0 .. n-1 of a local routing view): per-(layer, expert)
+ * occurrences into out[0 .. L E), and the lowest flat index (token, layer, choice) of an
+ * id outside [0, E) into out[L E] (left at ULLONG_MAX when every id is in range). The
+ * rank-local remap's check and counts, read back by one copy. */
+template <typename T>
+__global__ void count_local(const void *ids, int64_t ts, int64_t ls, int64_t ks, int64_t n, int32_t L, int32_t k,
+                            uint32_t E, unsigned long long *out)
+{
+    const int64_t total = n * (int64_t)L * k;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t j = i % k, l = (i / k) % L, t = i / ((int64_t)k * L);
+        const uint32_t id = (uint32_t)static_cast<const T *>(ids)[t * ts + l * ls + j * ks];
+        if (id >= E)
+            atomicMin(&out[(int64_t)L * E], (unsigned long long)i);
+        else
+            atomicAdd(&out[l * (int64_t)E + id], 1ULL);
+    }
+}
+
 rp_status cuda_fail(rp_error *err, cudaError_t e, const char *what)
 {
     (void)cudaGetLastError();
@@ -200,17 +220,86 @@ rp_status cuda_fail(rp_error *err, cudaError_t e, const char *what)
         }                                      \
     } while (0)
 
-/* Copy a host array to a new device allocation (nothing for 0 bytes). */
+/* Copy a host array to a new device allocation (nothing for 0 bytes), ordered on the
+ * legacy default stream: the allocation and the copy do not wait for the device (a
+ * pageable copy returns once its bytes are staged, so the host array may go). */
 cudaError_t upload(void **dev, const void *host, size_t bytes)
 {
     *dev = NULL;
     if (bytes == 0) return cudaSuccess;
-    cudaError_t e = cudaMalloc(dev, bytes);
+    cudaError_t e = cudaMallocAsync(dev, bytes, 0);
     if (e != cudaSuccess) {
         *dev = NULL;
         return e;
     }
-    return cudaMemcpy(*dev, host, bytes, cudaMemcpyHostToDevice);
+    return cudaMemcpyAsync(*dev, host, bytes, cudaMemcpyHostToDevice, 0);
+}
+
+void release(void *dev)
+{
+    if (dev) (void)cudaFreeAsync(dev, 0);
+}
+
+/* The rank-local check and counts (count_local), with the one wait of the call: the
+ * copy of the counts back. Fills loads_row [L][E]. An id out of range: the per-sequence
+ * check (rp_gpu_microbatch_loads) runs to name it as every other entry does. */
+rp_status count_and_check(rp_context *ctx, const rp_routing *r, const int64_t *cu, int32_t num_seqs, int32_t E,
+                          const int32_t *seq_gpu, int32_t G, int64_t *loads, int64_t *loads_row, rp_error *err)
+{
+    rp_status st = RP_OK;
+    const int64_t n = cu[num_seqs] - cu[0];
+    const size_t cells = (size_t)r->num_layers * (size_t)E;
+    unsigned long long *out_dev = NULL, *out = NULL;
+    void *cu_dev = NULL, *map_dev = NULL;
+    if (n == 0) return RP_OK;
+    out = (unsigned long long *)rp_alloc(ctx, (cells + 1) * sizeof *out);
+    if (!out) return rp_fail_nomem(err, "gpu remap counts");
+    CU_CHECK(cudaMallocAsync((void **)&out_dev, (cells + 1) * sizeof *out_dev, 0), "allocating counts");
+    CU_CHECK(cudaMemsetAsync(out_dev, 0, cells * sizeof *out_dev, 0), "clearing counts");
+    CU_CHECK(cudaMemsetAsync(out_dev + cells, 0xff, sizeof *out_dev, 0), "clearing counts");
+    {
+        const int64_t total = n * (int64_t)r->num_layers * r->top_k;
+        const unsigned blocks = (unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096);
+        const int64_t base = cu[0] * r->token_stride;
+        switch (r->width) {
+        case RP_ID_U8:
+            count_local<uint8_t><<<blocks, 256>>>(static_cast<const uint8_t *>(r->base) + base, r->token_stride,
+                                                   r->layer_stride, r->k_stride, n, r->num_layers, r->top_k,
+                                                   (uint32_t)E, out_dev);
+            break;
+        case RP_ID_U16:
+            count_local<uint16_t><<<blocks, 256>>>(static_cast<const uint16_t *>(r->base) + base, r->token_stride,
+                                                    r->layer_stride, r->k_stride, n, r->num_layers, r->top_k,
+                                                    (uint32_t)E, out_dev);
+            break;
+        default:
+            count_local<int32_t><<<blocks, 256>>>(static_cast<const int32_t *>(r->base) + base, r->token_stride,
+                                                   r->layer_stride, r->k_stride, n, r->num_layers, r->top_k,
+                                                   (uint32_t)E, out_dev);
+            break;
+        }
+    }
+    CU_CHECK(cudaGetLastError(), "launching the id check");
+    /* the one wait: the copy to pageable memory returns when the kernel and it are done */
+    CU_CHECK(cudaMemcpy(out, out_dev, (cells + 1) * sizeof *out, cudaMemcpyDeviceToHost), "copying the counts");
+    if (out[cells] != ULLONG_MAX) {
+        /* an id out of range (the error path may wait more): name it as the others do */
+        CU_CHECK(upload(&cu_dev, cu, sizeof(int64_t) * (size_t)(num_seqs + 1)), "copying cu_seqlens");
+        CU_CHECK(upload(&map_dev, seq_gpu, sizeof(int32_t) * (size_t)num_seqs), "copying the sequence map");
+        st = rp_gpu_microbatch_loads(r, (const int64_t *)cu_dev, num_seqs, E, (const int32_t *)map_dev, G, loads,
+                                     err);
+        if (st == RP_OK)
+            st = rp_fail(err, RP_ERANGE, "gpu remap: an expert id at flat index %llu is outside [0, %d)",
+                         (unsigned long long)out[cells], E);
+        goto out;
+    }
+    for (size_t c = 0; c < cells; c++) loads_row[c] = (int64_t)out[c];
+out:
+    release(out_dev);
+    release(cu_dev);
+    release(map_dev);
+    rp_free(ctx, out);
+    return st;
 }
 
 template <typename T>
@@ -236,10 +325,16 @@ cudaError_t launch(const args &a, int warps, size_t smem, int32_t G)
 }
 
 /* The kernels over table `t`, whose sequences are those of a batch with offsets `cu`
- * (host): checks every id (rp_gpu_microbatch_loads), writes phys_ids_dev, and fills
- * `loads` [G][L][E] (host, zeroed) with each source's occurrences. Synchronises. */
+ * (host): checks every id, writes phys_ids_dev, and fills `loads` [G][L][E] (host,
+ * zeroed) with each source's occurrences. `local_gpu` < 0: every GPU's sequences
+ * (rp_gpu_microbatch_loads checks and counts them) and the call synchronises before it
+ * returns. `local_gpu` >= 0: the table lists that GPU's sequences only (rp_gpu_remap_rank):
+ * the check and counts are one kernel and one copy back, the call's one wait for the
+ * device; the tables go up after it and the remap kernels are left running on the legacy
+ * default stream (work queued after the call on that stream, or on a stream that syncs
+ * with it, such as torch's default stream, sees the ids). */
 rp_status run_table(rp_context *ctx, const remap_table &t, const int64_t *cu, const rp_routing *routing_dev,
-                    int32_t *phys_ids_dev, int64_t *loads, rp_error *err)
+                    int32_t *phys_ids_dev, int64_t *loads, int32_t local_gpu, rp_error *err)
 {
     rp_status st = RP_OK;
     const int32_t G = t.G, L = t.L, E = t.E;
@@ -282,9 +377,16 @@ rp_status run_table(rp_context *ctx, const remap_table &t, const int64_t *cu, co
         goto out;
     }
     /* Per-source totals, and every id checked, before anything is written. */
-    CU_CHECK(upload(&cu_dev, cu, sizeof(int64_t) * (size_t)(t.num_seqs + 1)), "copying cu_seqlens");
-    CU_CHECK(upload(&map_dev, t.seq_gpu, sizeof(int32_t) * (size_t)t.num_seqs), "copying the sequence map");
-    if (t.num_order > 0) {
+    if (local_gpu >= 0) {
+        if (t.num_order > 0 &&
+            (st = count_and_check(ctx, routing_dev, cu, t.num_seqs, E, t.seq_gpu, G, loads,
+                                  loads + (size_t)local_gpu * (size_t)L * (size_t)E, err)) != RP_OK)
+            goto out;
+    } else {
+        CU_CHECK(upload(&cu_dev, cu, sizeof(int64_t) * (size_t)(t.num_seqs + 1)), "copying cu_seqlens");
+        CU_CHECK(upload(&map_dev, t.seq_gpu, sizeof(int32_t) * (size_t)t.num_seqs), "copying the sequence map");
+    }
+    if (local_gpu < 0 && t.num_order > 0) {
         st = rp_gpu_microbatch_loads(routing_dev, (const int64_t *)cu_dev, t.num_seqs, E, (const int32_t *)map_dev,
                                      G, loads, err);
         if (st != RP_OK) goto out;
@@ -349,10 +451,10 @@ rp_status run_table(rp_context *ctx, const remap_table &t, const int64_t *cu, co
         CU_CHECK(upload(&tiles_dev, tiles, sizeof(tile) * (size_t)num_tiles), "copying the tiles");
         CU_CHECK(upload(&tb_dev, tile_begin, sizeof(int32_t) * (size_t)(G + 1)), "copying the tiles");
         if (t.num_keys > 0)
-            CU_CHECK(cudaMalloc(&hist_dev, sizeof(uint32_t) * (size_t)num_tiles * (size_t)t.num_keys),
+            CU_CHECK(cudaMallocAsync(&hist_dev, sizeof(uint32_t) * (size_t)num_tiles * (size_t)t.num_keys, 0),
                      "allocating tile counters");
         if (t.share_slots > 0)
-            CU_CHECK(cudaMalloc(&bounds_dev, sizeof(int64_t) * (size_t)G * (size_t)t.share_slots),
+            CU_CHECK(cudaMallocAsync(&bounds_dev, sizeof(int64_t) * (size_t)G * (size_t)t.share_slots, 0),
                      "allocating share bounds");
         memset(&a, 0, sizeof a);
         a.ids = routing_dev->base;
@@ -379,21 +481,22 @@ rp_status run_table(rp_context *ctx, const remap_table &t, const int64_t *cu, co
         case RP_ID_U16: CU_CHECK(launch<uint16_t>(a, warps, smem, G), "launching the remap kernels"); break;
         default: CU_CHECK(launch<int32_t>(a, warps, smem, G), "launching the remap kernels"); break;
         }
-        CU_CHECK(cudaDeviceSynchronize(), "running the remap kernels");
+        if (local_gpu < 0) CU_CHECK(cudaStreamSynchronize(0), "running the remap kernels");
     }
 out:
-    cudaFree(cu_dev);
-    cudaFree(map_dev);
-    cudaFree(cand_dev);
-    cudaFree(phys_dev);
-    cudaFree(w_dev);
-    cudaFree(bofs_dev);
-    cudaFree(first_dev);
-    cudaFree(count_dev);
-    cudaFree(tiles_dev);
-    cudaFree(tb_dev);
-    cudaFree(hist_dev);
-    cudaFree(bounds_dev);
+    /* stream-ordered: freed once the kernels are done, without waiting for them here */
+    release(cu_dev);
+    release(map_dev);
+    release(cand_dev);
+    release(phys_dev);
+    release(w_dev);
+    release(bofs_dev);
+    release(first_dev);
+    release(count_dev);
+    release(tiles_dev);
+    release(tb_dev);
+    release(hist_dev);
+    release(bounds_dev);
     rp_free(ctx, tiles);
     rp_free(ctx, tile_begin);
     return st;
@@ -421,7 +524,7 @@ extern "C" rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int
         st = rp_fail_nomem(err, "gpu remap tables");
         goto out;
     }
-    if ((st = run_table(ctx, t, rp_batch_cu_seqlens(batch), routing_dev, phys_ids_dev, loads, err)) != RP_OK)
+    if ((st = run_table(ctx, t, rp_batch_cu_seqlens(batch), routing_dev, phys_ids_dev, loads, -1, err)) != RP_OK)
         goto out;
     if (slot_tokens) {
         memset(slot_tokens, 0, rows * sizeof *slot_tokens);
@@ -490,7 +593,7 @@ extern "C" rp_status rp_gpu_remap_rank(const rp_plan *plan, const rp_config *cfg
     lt.num_seqs = m;
     lt.gpu_begin = begin;
     lt.seq_gpu = seq_gpu;
-    st = run_table(ctx, lt, rp_batch_cu_seqlens(local), local_routing_dev, phys_ids_dev, loads, err);
+    st = run_table(ctx, lt, rp_batch_cu_seqlens(local), local_routing_dev, phys_ids_dev, loads, gpu, err);
     if (st == RP_ERANGE && err && err->sequence >= 0 && err->sequence < m) {
         /* the sequence an id error names is the global one, as on the CPU */
         const int32_t global = listed[err->sequence];

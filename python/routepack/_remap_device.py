@@ -1,8 +1,11 @@
 """StepResult.remap_rank for a CUDA tensor: one rank's own tokens remapped on the device
 (C rp_remap_rank, which hands device memory to the rp_gpu_remap_rank kernels). The
 routing is read in place and the ids are written into a tensor on the same device: no
-copy of either crosses to the host. The call blocks until the kernels are done (one C
-call per microbatch, for all its layers); the per-slot counts come back on the host."""
+copy of either crosses to the host. One C call per microbatch, for all its layers, that
+waits for the device once (the per-expert counts come back on the host: the id check,
+the tables and slot_tokens need them) and returns with the remap kernels queued on the
+legacy default stream (torch's default stream): the ids are there for whatever torch
+queues next."""
 
 from __future__ import annotations
 

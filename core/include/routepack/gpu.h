@@ -90,8 +90,15 @@ RP_API rp_status rp_gpu_remap(const rp_plan *plan, const rp_config *cfg, int32_t
  * phys_ids_dev (device, [local tokens, layers, k] int32) and, if not NULL, slot_tokens
  * on the host ([layer * P + p], as rp_remap_rank). Errors as rp_remap_rank's (nothing
  * written; an id error names the global sequence), plus rp_gpu_remap's RP_ENOTSUP cases.
- * The kernels run on the legacy default stream; the device is synchronised before the
- * call returns (the id check reads the per-expert counts back first). */
+ * The kernels run on the legacy default stream, and the call waits for the device once:
+ * the id check and the per-expert counts are one kernel whose result is copied back (the
+ * copy waits for the work queued before it on that stream). The tables then go up with
+ * stream-ordered allocations and copies, and the remap kernels are left running: work
+ * queued afterwards on the legacy default stream (or on a stream that synchronises with
+ * it, such as torch's default stream) sees phys_ids_dev; read it from another stream
+ * only after synchronising with it. Needs a device with memory pools (cudaMallocAsync).
+ * A failure inside the remap kernels themselves surfaces at the caller's next
+ * synchronisation, not here. */
 RP_API rp_status rp_gpu_remap_rank(const rp_plan *plan, const rp_config *cfg, int32_t mb, int32_t gpu,
                                    const rp_batch *batch, const rp_routing *local_routing_dev,
                                    rp_split_rule rule, int32_t *phys_ids_dev, int64_t *slot_tokens,
