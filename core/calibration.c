@@ -19,9 +19,10 @@ static const char *const top_keys[] = {
 static const char *const shape_keys[] = {
     "hidden_size", "expert_ffn_size", "num_heads", "num_kv_heads", "head_dim", "peak_flops",
     "gemm_efficiency", "gemm_kernel", "attention_efficiency", "attention_kernel",
-    "dense_efficiency", "backward", "hbm_bytes_per_s", "layer_fixed_us", NULL,
+    "dense_efficiency", "backward", "hbm_bytes_per_s", "layer_fixed_us", "gemm_tile_rows",
+    "grouped_gemm_efficiency", "wgrad_efficiency", NULL,
 };
-static const char *const backward_keys[] = {"attention", "projections", "experts", NULL};
+static const char *const backward_keys[] = {"attention", "projections", "experts", "experts_dgrad", NULL};
 
 const char *calib_shape_key(char *buf, size_t size, const rp_model *m)
 {
@@ -35,7 +36,9 @@ void calib_shape_free(rp_context *ctx, calib_shape *s)
     if (!s) return;
     rp_free(ctx, s->gemm);
     rp_free(ctx, s->attention);
-    s->gemm = s->attention = NULL;
+    rp_free(ctx, s->grouped);
+    rp_free(ctx, s->wgrad);
+    s->gemm = s->attention = s->grouped = s->wgrad = NULL;
 }
 
 /* [[x, efficiency], ...]: x > 0 strictly increasing, efficiency in (0, 1]; `what` names x. */
@@ -142,6 +145,18 @@ static rp_status read_shape(rp_context *ctx, const rp_jdoc *doc, const char *key
     RP_CHECK_GOTO(rp_jdoc_num(doc, bwd, kp, "projections", true, 0, 0, 1e3, &s->backward_projections, err), st,
                   out);
     RP_CHECK_GOTO(rp_jdoc_num(doc, bwd, kp, "experts", true, 0, 0, 1e3, &s->backward_experts, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_num(doc, bwd, kp, "experts_dgrad", false, -1.0, 0, 1e3, &s->backward_experts_dgrad, err),
+                  st, out);
+    int64_t tile;
+    RP_CHECK_GOTO(rp_jdoc_int(doc, obj, path, "gemm_tile_rows", false, 0, 1, 1 << 16, &tile, err), st, out);
+    s->gemm_tile_rows = (int32_t)tile;
+    if (json_object_get(obj, "grouped_gemm_efficiency"))
+        RP_CHECK_GOTO(read_curve(ctx, doc, obj, path, "grouped_gemm_efficiency", "rows", &s->grouped, &s->num_grouped,
+                                 err),
+                      st, out);
+    if (json_object_get(obj, "wgrad_efficiency"))
+        RP_CHECK_GOTO(read_curve(ctx, doc, obj, path, "wgrad_efficiency", "rows", &s->wgrad, &s->num_wgrad, err), st,
+                      out);
     RP_CHECK_GOTO(rp_jdoc_num(doc, obj, path, "hbm_bytes_per_s", true, 0, DBL_MIN, DBL_MAX, &s->hbm_bytes_per_s, err),
                   st, out);
     double fixed_us;
@@ -250,9 +265,9 @@ static bool explicit_key(json_t *hardware, const char *key)
 }
 
 rp_status calib_apply(rp_context *ctx, const char *path, const char *shape_key, calib_shape *s,
-                      json_t *hardware, rp_hardware *h, rp_eff_point **gemm_store,
-                      rp_eff_point **attention_store, rp_error *err)
+                      json_t *hardware, rp_hardware *h, calib_stores stores, rp_error *err)
 {
+    rp_eff_point **gemm_store = stores.gemm, **attention_store = stores.attention;
     if (!(fabs(s->peak_flops - h->peak_flops) <= 1e-9 * h->peak_flops))
         return rp_fail(err, RP_EINVAL,
                        "%s: shape %s was measured against peak_flops %g, but the config's hardware.peak_flops is "
@@ -273,6 +288,21 @@ rp_status calib_apply(rp_context *ctx, const char *path, const char *shape_key, 
         h->num_attention_efficiency = s->num_attention;
         s->attention = NULL;
     }
+    if (s->grouped && !explicit_key(hardware, "grouped_gemm_efficiency")) {
+        rp_free(ctx, *stores.grouped);
+        *stores.grouped = s->grouped;
+        h->grouped_gemm_efficiency = s->grouped;
+        h->num_grouped_gemm_efficiency = s->num_grouped;
+        s->grouped = NULL;
+    }
+    if (s->wgrad && !explicit_key(hardware, "wgrad_efficiency")) {
+        rp_free(ctx, *stores.wgrad);
+        *stores.wgrad = s->wgrad;
+        h->wgrad_efficiency = s->wgrad;
+        h->num_wgrad_efficiency = s->num_wgrad;
+        s->wgrad = NULL;
+    }
+    if (s->gemm_tile_rows > 0 && !explicit_key(hardware, "gemm_tile_rows")) h->gemm_tile_rows = s->gemm_tile_rows;
     if (!explicit_key(hardware, "dense_efficiency")) h->dense_efficiency = s->dense_efficiency;
     if (!explicit_key(hardware, "hbm_bytes_per_s")) h->hbm_bytes_per_s = s->hbm_bytes_per_s;
     if (!explicit_key(hardware, "layer_fixed_us")) h->layer_fixed_s = s->layer_fixed_s;
@@ -281,6 +311,8 @@ rp_status calib_apply(rp_context *ctx, const char *path, const char *shape_key, 
         if (!(bwd && json_object_get(bwd, "attention"))) h->backward.attention = s->backward_attention;
         if (!(bwd && json_object_get(bwd, "projections"))) h->backward.projections = s->backward_projections;
         if (!(bwd && json_object_get(bwd, "experts"))) h->backward.experts = s->backward_experts;
+        if (s->backward_experts_dgrad >= 0 && !(bwd && json_object_get(bwd, "experts_dgrad")))
+            h->backward_experts_dgrad = s->backward_experts_dgrad;
     }
     return RP_OK;
 }

@@ -22,7 +22,19 @@ typedef struct calib_shape {
     double backward_attention, backward_projections, backward_experts;
     double hbm_bytes_per_s;
     double layer_fixed_s;
+    /* the grouped GEMM's figures (optional: files written before them load without) */
+    int32_t gemm_tile_rows;      /* 0: not in the file */
+    rp_eff_point *grouped;       /* by a GPU's total padded rows; NULL: not in the file */
+    int32_t num_grouped;
+    rp_eff_point *wgrad;         /* weight-gradient GEMMs by one expert's padded rows */
+    int32_t num_wgrad;
+    double backward_experts_dgrad; /* < 0: not in the file */
 } calib_shape;
+
+/* Where the config keeps the curves it owns (calib_apply moves the file's there). */
+typedef struct calib_stores {
+    rp_eff_point **gemm, **attention, **grouped, **wgrad;
+} calib_stores;
 
 /* "d<hidden>_f<ffn>_h<heads>_kv<kv heads>_dh<head dim>" of a model into buf. */
 const char *calib_shape_key(char *buf, size_t size, const rp_model *model);
@@ -40,14 +52,14 @@ void calib_shape_free(rp_context *ctx, calib_shape *shape);
 
 /* Fill the fields of `h` whose keys the config's `hardware` object (NULL: none) does
  * not set from `shape` (read from `path`): gemm_efficiency, attention_efficiency,
- * dense_efficiency, hbm_bytes_per_s, layer_fixed_us, and backward.attention /
- * .projections / .experts unless backward_multiplier (which sets every compute term)
- * or that term in `backward` is given. The curves move into *gemm_store and
- * *attention_store (the config's storage; what was there is freed) and out of
- * `shape`. The entry's peak_flops must equal h->peak_flops, since its efficiencies
+ * dense_efficiency, hbm_bytes_per_s, layer_fixed_us, the grouped GEMM's gemm_tile_rows,
+ * grouped_gemm_efficiency and wgrad_efficiency where the file has them, and
+ * backward.attention / .projections / .experts (and .experts_dgrad where the file has
+ * it) unless backward_multiplier (which sets every compute term) or that term in
+ * `backward` is given. The curves move into `stores` (the config's storage; what was
+ * there is freed) and out of `shape`. The entry's peak_flops must equal h->peak_flops, since its efficiencies
  * are fractions of it: RP_EINVAL naming both otherwise, and then nothing changes. */
 rp_status calib_apply(rp_context *ctx, const char *path, const char *shape_key, calib_shape *shape,
-                      json_t *hardware, rp_hardware *h, rp_eff_point **gemm_store,
-                      rp_eff_point **attention_store, rp_error *err);
+                      json_t *hardware, rp_hardware *h, calib_stores stores, rp_error *err);
 
 #endif

@@ -15,6 +15,8 @@ void rp_config_free(rp_config *cfg)
     rp_free(ctx, cfg->policy_name);
     rp_free(ctx, cfg->gemm);
     rp_free(ctx, cfg->attention);
+    rp_free(ctx, cfg->grouped_gemm);
+    rp_free(ctx, cfg->wgrad);
     rp_free(ctx, cfg->speed);
     rp_free(ctx, cfg->slots);
     rp_free(ctx, cfg->stage_layers);

@@ -22,6 +22,8 @@ struct rp_config {
     int32_t *stage_layers; /* [2 * PP * VPP]: layers of each virtual stage, then their first layer */
     rp_eff_point *gemm;
     rp_eff_point *attention;
+    rp_eff_point *grouped_gemm; /* NULL where neither the config nor its calibration gives one */
+    rp_eff_point *wgrad;
     char *policy_name;
     char *params_json;
     char **search_path; /* NULL-terminated */

@@ -46,11 +46,12 @@ static const rp_eff_point default_attention_efficiency[] = {
 static const char *const hardware_keys[] = {
     "peak_flops", "hbm_bytes_per_s", "hbm_bytes", "attention_efficiency", "dense_efficiency",
     "gemm_efficiency", "backward_multiplier", "backward", "token_linear_bytes_per_token",
-    "layer_fixed_us", "comment", NULL,
+    "layer_fixed_us", "gemm_tile_rows", "grouped_gemm_efficiency", "wgrad_efficiency", "comment", NULL,
 };
 
 static const char *const backward_keys[] = {
-    "attention", "projections", "experts", "token_linear", "communication", "fixed", "comment", NULL,
+    "attention", "projections", "experts", "experts_dgrad", "token_linear", "communication", "fixed", "comment",
+    NULL,
 };
 
 /* An efficiency curve at `path`: absent, the default; else an array of [x, efficiency]
@@ -140,6 +141,7 @@ static rp_status load_backward(loader *ld, json_t *obj)
     RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, "hardware", "backward_multiplier", false, 2.0, 1.0, 1e3, &all,
                               ld->err),
                   st, out);
+    ld->cfg->hardware.backward_experts_dgrad = -1.0; /* not given */
     *b = (rp_backward){
         .attention = has_all ? all : 3.0,
         .projections = all,
@@ -163,6 +165,9 @@ static rp_status load_backward(loader *ld, json_t *obj)
         RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, bo, P, terms[i].key, false, *terms[i].field, 0.0, 1e3,
                                   terms[i].field, ld->err),
                       st, out);
+    RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, bo, P, "experts_dgrad", false, -1.0, 0.0, 1e3,
+                              &ld->cfg->hardware.backward_experts_dgrad, ld->err),
+                  st, out);
 out:
     return st;
 }
@@ -189,6 +194,29 @@ static rp_status load_hardware(loader *ld, json_t *obj)
                              &h->num_gemm_efficiency),
                   st, out);
     h->gemm_efficiency = ld->cfg->gemm;
+    /* the grouped GEMM's curves: absent, the cost model derives them from gemm_efficiency
+     * (docs/cost-model.md, "Experts") */
+    struct {
+        const char *key, *xname;
+        rp_eff_point **store;
+        const rp_eff_point **view;
+        int32_t *count;
+    } optional[] = {
+        {"grouped_gemm_efficiency", "rows", &ld->cfg->grouped_gemm, &h->grouped_gemm_efficiency,
+         &h->num_grouped_gemm_efficiency},
+        {"wgrad_efficiency", "rows", &ld->cfg->wgrad, &h->wgrad_efficiency, &h->num_wgrad_efficiency},
+    };
+    for (size_t i = 0; i < sizeof optional / sizeof optional[0]; i++) {
+        json_t *arr;
+        char kp[96];
+        RP_CHECK_GOTO(rp_jdoc_arr(&ld->doc, obj, P, optional[i].key, false, &arr, ld->err), st, out);
+        if (!arr) continue;
+        RP_CHECK_GOTO(load_curve(ld, arr, rp_jpath_key(kp, sizeof kp, P, optional[i].key), optional[i].xname, NULL,
+                                 0, optional[i].store, optional[i].count),
+                      st, out);
+        *optional[i].view = *optional[i].store;
+    }
+    RP_CHECK_GOTO(get_i32(ld, obj, P, "gemm_tile_rows", false, 0, 1, 1 << 16, &h->gemm_tile_rows), st, out);
     RP_CHECK_GOTO(load_backward(ld, obj), st, out);
     double us;
     RP_CHECK_GOTO(rp_jdoc_num(&ld->doc, obj, P, "layer_fixed_us", false, 40.0, 0, 1e9, &us, ld->err), st, out);
@@ -313,7 +341,7 @@ out:
 static const char *const execution_keys[] = {
     "sync", "overlap", "dispatch_dedup", "dispatch_bytes_per_element", "combine_bytes_per_element", "optimizer_sharding",
     "staging_budget_bytes", "per_forward_balancing", "executor", "replica_grad_reduce",
-    "replica_grad_bytes_per_element", "host_us_per_layer", "extras_ahead", "comment", NULL,
+    "replica_grad_bytes_per_element", "host_us_per_layer", "extras_ahead", "expert_gemm", "comment", NULL,
 };
 
 static const char *const sync_names[] = {"group", "global", NULL};
@@ -351,6 +379,11 @@ static rp_status load_profile(loader *ld, json_t *obj)
     x->levers = pf->levers;
     x->extras_stacked = pf->extras_stacked;
     x->extras_once = pf->extras_once;
+    static const char *const gemm_names[] = {"grouped", "loop", NULL};
+    RP_CHECK_GOTO(get_choice(ld, obj, P, "expert_gemm", gemm_names,
+                             pf->grouped_gemm ? RP_EXPERT_GEMM_GROUPED : RP_EXPERT_GEMM_LOOP, &v),
+                  st, out);
+    x->expert_gemm = (rp_expert_gemm)v;
     static const char *const grad_names[] = {"pairwise", "group", "holders", NULL};
     RP_CHECK_GOTO(get_choice(ld, obj, P, "replica_grad_reduce", grad_names, pf->grad_reduce, &v), st, out);
     x->replica_grad_reduce = (rp_grad_reduce)v;
@@ -685,8 +718,9 @@ static rp_status load_calibration(loader *ld, json_t *root, json_t *hardware)
     calib_shape_key(key, sizeof key, &ld->cfg->model);
     st = calib_read(ld->ctx, path, key, &shape, ld->err);
     if (st == RP_OK)
-        st = calib_apply(ld->ctx, path, key, &shape, hardware, &ld->cfg->hardware, &ld->cfg->gemm,
-                         &ld->cfg->attention, ld->err);
+        st = calib_apply(ld->ctx, path, key, &shape, hardware, &ld->cfg->hardware,
+                         (calib_stores){&ld->cfg->gemm, &ld->cfg->attention, &ld->cfg->grouped_gemm, &ld->cfg->wgrad},
+                         ld->err);
     calib_shape_free(ld->ctx, &shape);
     rp_free(ld->ctx, path);
     return st;

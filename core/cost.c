@@ -262,6 +262,19 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->vexp_charges = pf && pf->balancer_charges;
     c->eff = h->gemm_efficiency;
     c->num_eff = h->num_gemm_efficiency;
+    /* the grouped GEMM (cost_gemm.c), where the executor runs one */
+    c->grouped = x->expert_gemm == RP_EXPERT_GEMM_GROUPED;
+    c->tile_rows = h->gemm_tile_rows > 0 ? h->gemm_tile_rows : pf && pf->group_align_rows > 0 ? pf->group_align_rows : 1;
+    c->tile = c->tile_rows;
+    c->geff = h->num_grouped_gemm_efficiency > 0 ? h->grouped_gemm_efficiency : NULL;
+    c->num_geff = h->num_grouped_gemm_efficiency;
+    c->weff = h->num_wgrad_efficiency > 0 ? h->wgrad_efficiency : h->gemm_efficiency;
+    c->num_weff = h->num_wgrad_efficiency > 0 ? h->num_wgrad_efficiency : h->num_gemm_efficiency;
+    c->dgrad = h->backward_experts_dgrad >= 0 ? h->backward_experts_dgrad
+                                              : (h->backward.experts > 1.0 ? h->backward.experts - 1.0 : 0.0);
+    c->wgrad_floor_s = 3.0 * d * f * (md->bytes_per_grad > 0 ? md->bytes_per_grad : md->bytes_per_param) /
+                       h->hbm_bytes_per_s;
+    c->xscale = 1.0 / (1.0 + h->backward.experts);
     for (int32_t i = 0; i < c->num_eff; i++)
         if (c->eff[i].efficiency > c->eff_max) c->eff_max = c->eff[i].efficiency;
     c->nv_bw = t->nvlink_bytes_per_s;
@@ -286,6 +299,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->token_linear_s /= rank_gpus;
     c->expert_token_s /= rank_gpus;
     c->expert_mem_s /= rank_gpus;
+    c->wgrad_floor_s /= rank_gpus;
     c->stack_s /= rank_gpus;
     c->grad_mem_s /= rank_gpus;
     c->nv_bw *= rank_gpus;
@@ -313,12 +327,15 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     /* integer loads below the curve's last point (at most SLOT_TABLE_MAX) */
     double last = c->eff[c->num_eff - 1].tokens;
     c->slot_table_n = last < SLOT_TABLE_MAX ? (int32_t)ceil(last) + 1 : SLOT_TABLE_MAX;
-    c->slot_table = rp_alloc(ctx, (size_t)c->slot_table_n * sizeof *c->slot_table);
+    c->slot_table = rp_alloc(ctx, 2 * (size_t)c->slot_table_n * sizeof *c->slot_table);
     if (!c->slot_table) {
         rp_cost_free(c);
         return rp_fail_nomem(err, "a cost evaluator");
     }
-    for (int32_t i = 0; i < c->slot_table_n; i++) c->slot_table[i] = cost_slot_time(c, (double)i);
+    for (int32_t i = 0; i < c->slot_table_n; i++) {
+        c->slot_table[i] = cost_slot_time(c, (double)i);
+        c->slot_table[c->slot_table_n + i] = cost_wgrad_time(c, (double)i);
+    }
     /* Per-forward balancing: a plan that asks for it is priced with the planner, where
      * the config allows the balancer at all. Its weight pushes (forward, backward) and
      * gradient reduction, 3 transfers, are charged as dispatch time, which a layer pays

@@ -256,12 +256,13 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
     const cost_override *ov = st->ov + st->ov_begin[m * c->L + l];
     const cost_override *ov_end = st->ov + st->ov_begin[m * c->L + l + 1];
     double *xtok = xa + ep; /* tokens each rank's experts take, for the ETP all-gather */
-    for (int32_t r = 0; r < ep; r++) xa[r] = xtok[r] = 0.0;
+    double *xrow = xa + 2 * ep, *xgrp = xa + 3 * ep; /* the grouped GEMM's rows and groups */
+    for (int32_t r = 0; r < ep; r++) xa[r] = xtok[r] = xrow[r] = xgrp[r] = 0.0;
     memset(sp, 0, (size_t)ep * ep * sizeof *sp);
 
     for (int32_t e = 0; e < E; e++) {
         if (dst[e] < ep) {
-            xa[dst[e]] += cost_slot_time_int(c, total[e]);
+            cost_expert_add_int(c, total[e], &xa[dst[e]], &xrow[dst[e]], &xgrp[dst[e]]);
             xtok[dst[e]] += (double)total[e];
             continue;
         }
@@ -308,10 +309,11 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
         if (fixed)
             for (int32_t i = 0; i < R; i++) load[i] = (double)total[e] * w[i];
         for (int32_t i = 0; i < R; i++) {
-            xa[rk[i]] += cost_slot_time(c, load[i]);
+            cost_expert_add(c, load[i], &xa[rk[i]], &xrow[rk[i]], &xgrp[rk[i]]);
             xtok[rk[i]] += load[i];
         }
     }
+    for (int32_t r = 0; r < ep; r++) xa[r] = cost_gemm_finish(c, xa[r], xrow[r], xgrp[r]);
 
     if (c->extras_stacked) {
         /* routepack.torch stacks a GPU's slots and extras into one weight tensor every
@@ -383,14 +385,19 @@ void cost_group_eval_vexp(const rp_cost *c, const cost_state *st, int32_t m, int
     cost_count(c, 4 * (int64_t)E * ep + 4 * (int64_t)ep * ep);
     const int64_t *alloc = rp_vexp_allocation(v), *traffic = rp_vexp_traffic(v);
     const int32_t *slot = rp_vexp_slot_expert(v), *pin = rp_vexp_pushes_in(v), *pout = rp_vexp_pushes_out(v);
-    double *xa = sc->xacc, *sp = sc->sp;
-    for (int32_t r = 0; r < ep; r++) xa[r] = 0.0;
-    for (int32_t e = 0; e < E; e++) xa[owner[e]] += cost_slot_time_int(c, alloc[(size_t)e * ep + owner[e]]);
-    for (int32_t r = 0; r < ep; r++)
+    double *xa = sc->xacc, *sp = sc->sp, *xrow = xa + 2 * ep, *xgrp = xa + 3 * ep;
+    for (int32_t r = 0; r < ep; r++) xa[r] = xrow[r] = xgrp[r] = 0.0;
+    for (int32_t e = 0; e < E; e++) {
+        const int32_t o = owner[e];
+        cost_expert_add_int(c, alloc[(size_t)e * ep + o], &xa[o], &xrow[o], &xgrp[o]);
+    }
+    for (int32_t r = 0; r < ep; r++) {
         for (int32_t s = 0; s < per_rank; s++) {
             int32_t e = slot[(size_t)r * per_rank + s];
-            if (e >= 0) xa[r] += cost_slot_time_int(c, alloc[(size_t)e * ep + r]);
+            if (e >= 0) cost_expert_add_int(c, alloc[(size_t)e * ep + r], &xa[r], &xrow[r], &xgrp[r]);
         }
+        xa[r] = cost_gemm_finish(c, xa[r], xrow[r], xgrp[r]);
+    }
     /* The route map's choices between GPUs (every expert counts as split under
      * balancing, so `pair` holds none), de-duplicated as the dispatcher would. All inside
      * the group's node: the balancer's limit. */

@@ -155,8 +155,20 @@ struct rp_cost {
     double eff_max;
     const rp_eff_point *eff;
     int32_t num_eff;
-    double *slot_table;        /* [slot_table_n] cost_slot_time of 0, 1, 2, ... tokens */
+    double *slot_table;        /* [2 slot_table_n]: cost_slot_time of 0, 1, 2, ... tokens, then
+                                  cost_wgrad_time of the same */
     int32_t slot_table_n;
+    /* the grouped GEMM (cost_gemm.c; docs/cost-model.md, "Experts") */
+    bool grouped;              /* execution.expert_gemm "grouped" (else the per-expert sum) */
+    int32_t tile_rows;         /* hardware.gemm_tile_rows, else the executor's alignment */
+    double tile;               /* the same, as a double */
+    const rp_eff_point *geff;  /* forward by a GPU's total padded rows; NULL: eff at the mean */
+    int32_t num_geff;
+    const rp_eff_point *weff;  /* weight gradient by one expert's padded rows */
+    int32_t num_weff;
+    double dgrad;              /* the backward beyond the weight gradient, x the grouped forward */
+    double wgrad_floor_s;      /* writing one expert's dW: 3 d f bytes_per_grad / hbm */
+    double xscale;             /* 1 / (1 + backward.experts): seconds into forward-equivalents */
     double token_bytes;        /* d * bytes_per_param: one token-choice on the wire */
     double expert_bytes;       /* 3 d f bytes_per_param: one expert's weights */
     double expert_move_bytes;  /* rp_memory_expert_move_bytes: weights + optimizer shard */
@@ -283,6 +295,31 @@ static inline double cost_slot_time_int(const rp_cost *c, int64_t n)
 {
     return n < c->slot_table_n ? c->slot_table[n] : cost_slot_time(c, (double)n);
 }
+
+/* cost_gemm.c: a GPU's experts as the executor runs them */
+
+/* n rows padded up to the tile. */
+double cost_gemm_pad(const rp_cost *c, double n);
+/* One expert's weight-gradient GEMMs at n rows (padded), at least the write of dW. */
+double cost_wgrad_time(const rp_cost *c, double n);
+/* One expert's n rows into its GPU's accumulators: the per-expert time (loop form), or
+ * its weight-gradient time, padded rows and one group (grouped form). */
+void cost_expert_add(const rp_cost *c, double n, double *x, double *rows, double *groups);
+/* The same for an integer count, from the tables below the curve's last point: the same
+ * bits as cost_expert_add. */
+static inline void cost_expert_add_int(const rp_cost *c, int64_t n, double *x, double *rows, double *groups)
+{
+    if (!c->grouped) {
+        *x += cost_slot_time_int(c, n);
+        return;
+    }
+    if (n <= 0) return;
+    *x += n < c->slot_table_n ? c->slot_table[c->slot_table_n + n] : cost_wgrad_time(c, (double)n);
+    *rows += (double)((n + c->tile_rows - 1) / c->tile_rows * c->tile_rows);
+    *groups += 1.0;
+}
+/* The GPU's expert time (forward-equivalent seconds at speed 1) from its accumulators. */
+double cost_gemm_finish(const rp_cost *c, double x, double rows, double groups);
 /* Padding tokens of a sequence of `len` tokens (0 without CP). */
 static inline int64_t cost_pad(const rp_cost *c, int64_t len)
 {

@@ -54,11 +54,6 @@ double cost_slot_time(const rp_cost *c, double n)
     return t > c->expert_mem_s ? t : c->expert_mem_s;
 }
 
-double rp_cost_expert_s(const rp_cost *c, double tokens)
-{
-    return c ? cost_slot_time(c, tokens) : 0.0;
-}
-
 double rp_cost_expert_move_s(const rp_cost *c, bool same_node)
 {
     if (!c) return 0.0;

@@ -33,6 +33,17 @@ static const rp_hardware *load(const char *path, rp_config **cfg, rp_status *st,
     return *st == RP_OK ? rp_config_hardware(*cfg) : NULL;
 }
 
+/* A curve at x as the config documents it: linear between points, flat beyond the ends. */
+static double curve_at(const rp_eff_point *p, int32_t k, double x)
+{
+    if (x <= p[0].tokens) return p[0].efficiency;
+    for (int32_t i = 1; i < k; i++)
+        if (x <= p[i].tokens)
+            return p[i - 1].efficiency +
+                   (p[i].efficiency - p[i - 1].efficiency) * (x - p[i - 1].tokens) / (p[i].tokens - p[i - 1].tokens);
+    return p[k - 1].efficiency;
+}
+
 static void test_fake_device_figures(void)
 {
     rp_config *cfg;
@@ -42,7 +53,7 @@ static void test_fake_device_figures(void)
     is_int(st, RP_OK, "the config with the fake calibration loads");
     if (!h) {
         diag("%s", err.text);
-        skip(20, "not loaded");
+        skip(26, "not loaded");
         return;
     }
     /* fake device: GEMM at 0.8 n / (n + 256), attention at 0.7 L / (L + 2048) */
@@ -63,6 +74,14 @@ static void test_fake_device_figures(void)
     is_double(h->hbm_bytes_per_s, 4e12, 0, "hbm_bytes_per_s from the file");
     is_double(h->layer_fixed_s, 40e-6, 1e-18, "layer_fixed_us 40 from the file");
     is_double(h->peak_flops, PEAK, 0, "peak_flops is the config's (the file's matches)");
+    /* the grouped GEMM's figures: the fake device loops over its experts, so its tile is 1 */
+    is_int(h->gemm_tile_rows, 1, "gemm_tile_rows 1 from the file");
+    ok(h->num_grouped_gemm_efficiency > 0 && h->grouped_gemm_efficiency[0].tokens == 8 &&
+           h->grouped_gemm_efficiency[0].efficiency == 0.003113,
+       "grouped_gemm_efficiency from the file: its first point, 8 experts x 1 row, at eff(1)");
+    ok(h->num_wgrad_efficiency == 7 && h->wgrad_efficiency[4].tokens == 256 && h->wgrad_efficiency[4].efficiency == 0.4,
+       "wgrad_efficiency from the file: 0.6 n / (n + 128) at 256 rows = 0.4");
+    is_double(h->backward_experts_dgrad, 1.05, 0, "backward.experts_dgrad from the file");
 
     /* the cost model with them, by hand: small model d 2048, f 1024, 16 heads of 128 */
     int32_t lens[1] = {2048}, zero[1] = {0};
@@ -79,16 +98,24 @@ static void test_fake_device_figures(void)
         diag("%s", err.text);
         skip(4, "no evaluator");
     } else {
-        double d = 2048, f = 1024, want = 6 * 256 * d * f / (PEAK * 0.4);
-        is_double(rp_cost_expert_s(c, 256), want, 1e-12 * want, "t(256) = 6 n d f / (peak 0.4)");
-        /* 768 tokens: halfway between 512 (0.533333) and 1024 (0.64) */
-        want = 6 * 768 * d * f / (PEAK * (0.533333 + 0.5 * (0.64 - 0.533333)));
-        is_double(rp_cost_expert_s(c, 768), want, 1e-12 * want, "t(768): eff interpolated between the points");
-        /* one token: eff(1) = 0.003113, still above the weights' read at 4e12 B/s (3.1 us) */
-        want = 6 * d * f / (PEAK * 0.003113);
-        is_double(rp_cost_expert_s(c, 1), want, 1e-12 * want, "t(1) = 6 d f / (peak 0.003113)");
+        /* routepack_torch's grouped GEMM with the file's figures, one expert alone: tile 1;
+         * forward 6 n d f / (peak g(n)), g the grouped curve at its n rows; weight gradient
+         * 6 n d f / (peak w(n)), at least the write of dW (3 d f x 4 B / 4e12 B/s = 6.3 us);
+         * ((1 + 1.05) forward + weight gradient) / (1 + 2.25) */
+        double d = 2048, f = 1024;
+        const rp_hardware *hw = rp_config_hardware(cfg);
+        const double dw = 3 * d * f * 4 / 4e12;
+        const double ns[3] = {256, 768, 1};
+        for (int i = 0; i < 3; i++) {
+            const double n = ns[i];
+            double fwd = 6 * n * d * f / (PEAK * curve_at(hw->grouped_gemm_efficiency, hw->num_grouped_gemm_efficiency, n));
+            double w = 6 * n * d * f / (PEAK * curve_at(hw->wgrad_efficiency, hw->num_wgrad_efficiency, n));
+            double want = (2.05 * fwd + (w > dw ? w : dw)) / 3.25;
+            is_double(rp_cost_expert_s(c, n), want, 1e-12 * want, "grouped, one expert of %g rows: (2.05 x %.4g + "
+                      "max(%.4g, %.4g)) / 3.25 s", n, fwd, w, dw);
+        }
         double L = 2048;
-        want = 2 * L * L * 16 * 128 / (PEAK * 0.35) + 2 * L * d * (2 * 16 * 128 + 2 * 16 * 128) / (PEAK * 0.6);
+        double want = 2 * L * L * 16 * 128 / (PEAK * 0.35) + 2 * L * d * (2 * 16 * 128 + 2 * 16 * 128) / (PEAK * 0.6);
         is_double(rp_cost_attention_s(c, 2048), want, 1e-12 * want,
                   "a(2048): attention at the calibrated 0.35, projections at the config's 0.6");
     }
@@ -187,6 +214,51 @@ static void test_explicit_keys_win(void)
     h = load(write_config(abs, NULL), &cfg, &st, &err);
     ok(h && h->num_gemm_efficiency == 11, "an absolute calibration path loads");
     rp_config_free(cfg);
+
+    /* the grouped GEMM's keys: the config's win, one by one */
+    h = load(write_config("\"fake.json\"", "{\"gemm_tile_rows\": 64, \"wgrad_efficiency\": [[1, 0.9]], "
+                                             "\"backward\": {\"experts_dgrad\": 0.25}}"),
+             &cfg, &st, &err);
+    ok(h && h->gemm_tile_rows == 64 && h->num_wgrad_efficiency == 1 && h->wgrad_efficiency[0].efficiency == 0.9 &&
+           h->backward_experts_dgrad == 0.25 && h->num_grouped_gemm_efficiency > 1 && h->backward.experts == 2.25,
+       "the config's gemm_tile_rows, wgrad_efficiency and backward.experts_dgrad win; the grouped curve and "
+       "backward.experts come from the file");
+    rp_config_free(cfg);
+}
+
+/* A file written before the grouped GEMM's figures: fake.json without gemm_tile_rows,
+ * grouped_gemm_efficiency, wgrad_efficiency and backward.experts_dgrad. */
+static void test_old_file(void)
+{
+    char *t = fake_text();
+    FILE *fh = fopen(temp_path(dir, "old.json"), "w");
+    if (!fh) BAIL_OUT("cannot write old.json");
+    for (char *line = t; *line;) {
+        char *end = strchr(line, '\n');
+        size_t n = end ? (size_t)(end - line) + 1 : strlen(line);
+        char buf[4096];
+        if (n >= sizeof buf) BAIL_OUT("a line of fake.json is too long");
+        memcpy(buf, line, n);
+        buf[n] = '\0';
+        char *dg = strstr(buf, ", \"experts_dgrad\"");
+        if (dg) memmove(dg, strchr(dg, '}'), strlen(strchr(dg, '}')) + 1);
+        if (!strstr(buf, "\"gemm_tile_rows\"") && !strstr(buf, "\"grouped_gemm_efficiency\"") &&
+            !strstr(buf, "\"wgrad_efficiency\""))
+            fputs(buf, fh);
+        line += n;
+    }
+    fclose(fh);
+    free(t);
+    rp_config *cfg;
+    rp_status st;
+    rp_error err;
+    const rp_hardware *h = load(write_config("\"old.json\"", NULL), &cfg, &st, &err);
+    ok(h != NULL, "a calibration file without the grouped GEMM's figures loads");
+    if (!h) diag("%s", err.text);
+    ok(h && h->gemm_tile_rows == 0 && h->num_grouped_gemm_efficiency == 0 && h->num_wgrad_efficiency == 0 &&
+           h->backward_experts_dgrad < 0 && h->num_gemm_efficiency == 11 && h->backward.experts == 2.25,
+       "... and leaves them to their defaults (the executor's tile, the per-expert curve, backward.experts - 1)");
+    rp_config_free(cfg);
 }
 
 static void test_bad_files(void)
@@ -244,7 +316,7 @@ static void test_bad_files(void)
     }
     {
         const char *w[] = {"backward.experts", NULL};
-        write_variant("bad.json", "\"experts\": 2.25}", "\"experts\": -1}");
+        write_variant("bad.json", "\"experts\": 2.25,", "\"experts\": -1,");
         expect_error("\"bad.json\"", NULL, RP_ERANGE, w, "a negative backward ratio is refused");
     }
     {
@@ -301,6 +373,7 @@ int main(void)
     if (!temp_dir_make(dir, sizeof dir, "calibration")) BAIL_OUT("no temp dir");
     test_fake_device_figures();
     test_explicit_keys_win();
+    test_old_file();
     test_bad_files();
     test_allocation_failures();
     temp_dir_remove(dir);

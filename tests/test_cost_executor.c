@@ -85,11 +85,13 @@ static bool scene4(scene *s, const char *exec, int bpp, bool extras)
  * before profiles) and against the group all-reduce the layer ran before. */
 static void test_routepack_torch(void)
 {
-    scene t, i, t0, g;
+    scene t, i, t0, g, tl;
     bool made = scene4(&t, "", 2, true) && scene4(&i, "\"executor\": \"ideal\"", 2, true) &&
                 scene4(&t0, "\"host_us_per_layer\": 0", 2, true) &&
-                scene4(&g, "\"replica_grad_reduce\": \"group\"", 2, true);
-    ok(made, "routepack_torch, ideal, routepack_torch without host costs and with a group all-reduce evaluate");
+                scene4(&g, "\"replica_grad_reduce\": \"group\"", 2, true) &&
+                scene4(&tl, "\"expert_gemm\": \"loop\"", 2, true);
+    ok(made, "routepack_torch, ideal, routepack_torch without host costs, with a group all-reduce and with the "
+       "per-expert loop evaluate");
     if (made) {
         /* holders: expert 0 on ranks 0 and 3, 1 on 0 and 1, 2 on 1 and 2, 3 on 2 (slot)
          * and 0 (extra): rank 0 sends 3 messages of 48 B (6 s + 0.5 s each), and moves each
@@ -111,11 +113,12 @@ static void test_routepack_torch(void)
         is_double(t.sum.extra_copy_s, 6.5 - 1.125 - 15e-6, 1e-9, "routepack_torch fetches the step's extra replica "
                   "once, ahead: 6.5 s less the 1.125 s + 15 us dense forward before the layer");
         is_double(i.sum.extra_copy_s, 26.0, 1e-9, "ideal: a copy and its gradient in each microbatch: 26 s");
-        /* no stack: the experts' time is ideal's (the extra replica splits the same load) */
-        const double *xt = rp_cost_expert_breakdown(t.cost), *xi = rp_cost_expert_breakdown(i.cost);
+        /* no stack: the experts' time is ideal's (the extra replica splits the same load),
+         * both priced per expert (ideal loops; routepack_torch's grouped GEMM: test_cost_gemm) */
+        const double *xt = rp_cost_expert_breakdown(tl.cost), *xi = rp_cost_expert_breakdown(i.cost);
         bool same = true;
         for (int k = 0; k < 8; k++) same = same && xt[k] == xi[k];
-        ok(same, "no per-forward stack: every GPU's expert time is ideal's");
+        ok(same, "no per-forward stack: every GPU's expert time is ideal's (both per expert)");
         /* host costs: one 15 us sync a (microbatch, layer) forward, 3 x with the backward,
          * 2 microbatches */
         is_double(rp_config_execution(t.f.cfg)->host_s_per_layer, 15e-6, 1e-15, "host costs 15 us a layer forward");
@@ -143,6 +146,7 @@ static void test_routepack_torch(void)
     scene_free(&i);
     scene_free(&t0);
     scene_free(&g);
+    scene_free(&tl);
     /* no replica, no extra: no collective at all */
     scene n;
     char json[2048];

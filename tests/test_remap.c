@@ -465,11 +465,13 @@ static void test_share_quotas(void)
 /* The cost model splits fractionally; with every source's count a multiple of its
  * candidate count the split is integral, and its per-slot token counts must be remap's.
  * Compared through X(g, m, l) = sum over g's slots of t(n_slot) with a curved eff(n), so
- * that any other split of the same total changes it. */
+ * that any other split of the same total changes it: the per-expert (loop) form, whose
+ * GPU time is that sum (the grouped form's is not a sum over slots: test_cost_gemm). */
 static void test_cost_agreement(void)
 {
     const char *hw = "\"hardware\": {\"peak_flops\": 1e6, \"hbm_bytes_per_s\": 1e30,"
-                     " \"gemm_efficiency\": [[1, 0.05], [40, 0.6], [400, 1]]},";
+                     " \"gemm_efficiency\": [[1, 0.05], [40, 0.6], [400, 1]]},"
+                     " \"execution\": {\"expert_gemm\": \"loop\"},";
     uint64_t rng = 12345;
     int all = 1, compared = 0;
     for (int rule = 0; rule < 2; rule++)

@@ -123,8 +123,14 @@ static void test_divisors(void)
     double attn1 = 2.0 * 30 * 30 * h * dh / (peak * 0.25) + 2.0 * 30 * d * (4 * h * dh) / (peak * 0.7);
     ok(close_to(rp_cost_attention_s(one.cost, 30), attn1), "TP 1: attention of 30 tokens, by hand (%.6g s)", attn1);
     ok(close_to(rp_cost_attention_s(tp.cost, 30), attn1 / 2), "TP 2: half of it");
-    /* an expert slot of 100 tokens: 6 n d f / (peak eff(100)), eff(100) = 0.28 + 36/192 x 0.22 */
-    double slot1 = 6.0 * 100 * d * f / (peak * (0.28 + 36.0 / 192 * 0.22));
+    /* an expert of 100 tokens alone on its GPU, routepack_torch's grouped GEMM: padded to
+     * its 16-row tile, 112 rows, forward F = 6 n d f / (peak eff(112)), eff(112) = 0.28 +
+     * 48/192 x 0.22; data gradient F (backward.experts 2 - 1); weight gradient at the same
+     * curve, but at least the write of dW, 3 d f bytes_per_grad / hbm; (2 F + W) / 3 */
+    const rp_model *md = rp_config_model(one.cfg);
+    const double F = 6.0 * 112 * d * f / (peak * (0.28 + 48.0 / 192 * 0.22));
+    const double dw = 3.0 * d * f * (md->bytes_per_grad > 0 ? md->bytes_per_grad : md->bytes_per_param) / 4.8e12;
+    double slot1 = (2.0 * F + (F > dw ? F : dw)) / 3.0;
     ok(close_to(rp_cost_expert_s(one.cost, 100), slot1), "TP 1: expert slot of 100 tokens, by hand (%.6g s)", slot1);
     ok(close_to(rp_cost_expert_s(tp.cost, 100), slot1 / 2) && close_to(rp_cost_expert_s(fold.cost, 100), slot1 / 2),
        "TP 2: half, with ETP 2 (split GEMM) and ETP 1 (two EP ranks pooled) alike");

@@ -219,6 +219,12 @@ def cpu_hardware(args, world):
                 entry["hidden_size"], entry["expert_ffn_size"], d, f))
         hw.update(peak_flops=entry["peak_flops"], gemm_efficiency=entry["gemm_efficiency"],
                   hbm_bytes_per_s=entry["hbm_bytes_per_s"], backward={"experts": entry["backward"]["experts"]})
+        # the grouped GEMM's figures where the file has them (docs/cost-model.md, "Experts")
+        for key in ("gemm_tile_rows", "grouped_gemm_efficiency", "wgrad_efficiency"):
+            if key in entry:
+                hw[key] = entry[key]
+        if "experts_dgrad" in entry["backward"]:
+            hw["backward"]["experts_dgrad"] = entry["backward"]["experts_dgrad"]
     return hw
 
 
@@ -295,7 +301,7 @@ def part_plans(args, rank, world):
                      "bytes_per_param": 4, "bytes_per_grad": 4},
            "hardware": hw,
            "limits": {"max_tokens_per_microbatch": 1 << 20, "num_microbatches": M},
-           "execution": {"dispatch_dedup": args.dedup}}
+           "execution": {"dispatch_dedup": args.dedup, "expert_gemm": args.expert_gemm}}
     # one batch: every rank's tokens, rank 0's experts args.skew times hotter
     lens = np.full(seqs * world, T // seqs, np.int32)
     rng = np.random.default_rng(7)
@@ -471,7 +477,7 @@ def part_five(args, rank, world):
                           "bytes_per_param": 4, "bytes_per_grad": 4},
                 "hardware": hw, "limits": {"max_tokens_per_microbatch": 1 << 20, "num_microbatches": M},
                 # the layer dispatches the activations' fp32 (the default prices BF16)
-                "execution": {"executor": executor, "dispatch_dedup": args.dedup}}
+                "execution": {"executor": executor, "dispatch_dedup": args.dedup, "expert_gemm": args.expert_gemm}}
     rng = np.random.default_rng(7)
     lens = rng.integers(T // seqs // 4, 2 * T // seqs, seqs * world).astype(np.int32)
     routing = skewed_routing(rng, int(lens.sum()), E, k, np.arange(E // world), args.skew).astype(np.int32)
@@ -542,8 +548,9 @@ def part_five(args, rank, world):
               "%d reps after %d warm-up, interleaved; %s" % (
                   world, int(lens.sum()), len(lens), M, d, f, E, k, args.skew, args.spare_slots, kern, args.reps,
                   args.warmup, "load %.2f" % os.getloadavg()[0]))
-        print("  the model's CPU figures: peak %.3g FLOP/s%s, gloo %.0f MB/s, latency %.0f us" % (
+        print("  the model's CPU figures: peak %.3g FLOP/s%s, experts priced %s, gloo %.0f MB/s, latency %.0f us" % (
             hw["peak_flops"], " with " + args.calibration + "'s expert curve" if args.calibration else "",
+            "per expert (loop)" if args.expert_gemm == "loop" else "as one grouped GEMM",
             links["nvlink_bytes_per_s"] / 1e6, links["nvlink_latency_us"]))
         pred = [p for _, _, p, _ in plans]
         cpu_t = [statistics.median([t[1] for t in times[label]]) for label, *_ in plans]
@@ -640,6 +647,9 @@ def main():
                                                        "set them against the model's communication terms")
     ap.add_argument("--calibration", help="plans, five: take the expert curve, backward ratio, memory bandwidth "
                                           "and peak from this calibration.json (examples/cpu/calibration-cpu.json)")
+    ap.add_argument("--expert-gemm", choices=["grouped", "loop"], default="loop",
+                    help="plans, five: price the experts as one grouped GEMM or per expert (default loop: the CPU's "
+                         "torch._grouped_mm runs one matmul per group, as examples/cpu/config-cpu.json says)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens a rank")

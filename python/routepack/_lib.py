@@ -65,7 +65,7 @@ class rp_execution(Structure):
                 ("combine_bytes_per_element", c_int32), ("executor", c_int),
                 ("replica_grad_reduce", c_int), ("replica_grad_bytes_per_element", c_int32),
                 ("host_s_per_layer", c_double), ("levers", c_uint32), ("extras_stacked", c_bool),
-                ("extras_once", c_bool), ("extras_ahead", c_bool)]
+                ("extras_once", c_bool), ("extras_ahead", c_bool), ("expert_gemm", c_int)]
 
 
 class rp_trainer(Structure):

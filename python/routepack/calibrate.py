@@ -8,7 +8,15 @@ Per shape (key ``d<hidden>_f<ffn>_h<heads>_kv<kv heads>_dh<head dim>``):
 - gemm_efficiency: eff(n) of the grouped SwiGLU expert GEMM in one launch
   (torch._grouped_mm where it runs, else one GEMM per expert; gemm_kernel says which), n
   token-choices per expert, uniform counts over 8, 16 and 32 local experts (the median
-  over the three); skewed counts are timed against the curve's prediction (detail file);
+  over the three): the per-expert cost form's curve;
+- the grouped GEMM's figures (docs/cost-model.md, "Experts"), fitted from the same
+  samples and a few more: gemm_tile_rows, the rows each expert's rows are padded up to
+  (probes at n and n + 1 rows: the candidate tile whose padding explains their time
+  ratios best); grouped_gemm_efficiency by a GPU's total padded rows (every uniform
+  sample, the median at each total); wgrad_efficiency, the weight-gradient GEMMs alone by
+  one expert's padded rows; backward.experts_dgrad, the rest of the expert backward as a
+  multiple of the forward; skewed counts are timed against the grouped term's
+  prediction and the per-expert sum's, forward and forward+backward (detail file and log);
 - attention_efficiency: causal varlen attention forward of a packed microbatch of
   sequences of one length, 512 .. 32k (attention_kernel says which fused kernel; an
   unfused kernel's figure is never written: no fused kernel is an error);
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -46,20 +55,24 @@ PROFILES = {
                    gemm_experts=[8, 16, 32], max_gemm_rows=1 << 17,
                    attention_lengths=[512, 1024, 2048, 4096, 8192, 16384, 32768],
                    attention_tokens=32768, dense_tokens=16384, copy_bytes=1 << 31,
-                   skew_tokens=1024, fixed_tokens=16, warmup=2, reps=7),
+                   skew_tokens=1024, fixed_tokens=16, warmup=2, reps=7,
+                   tile_probes=[16, 32, 64, 128, 256], wgrad_tokens=[1, 4, 16, 64, 256, 1024, 4096]),
     # the CPU as a device (routepack.cpu: one pinned thread, fp32, least thread CPU time
     # of reps): the sizes a CPU runs in seconds, not hours
     "cpu": dict(gemm_tokens=[1, 4, 16, 64, 128, 256, 512, 1024, 2048], gemm_experts=[4, 8, 16],
                 max_gemm_rows=1 << 14, attention_lengths=[64, 128, 256, 512, 1024, 2048],
                 attention_tokens=4096, dense_tokens=2048, copy_bytes=1 << 26,
-                skew_tokens=256, fixed_tokens=16, warmup=1, reps=5),
+                skew_tokens=256, fixed_tokens=16, warmup=1, reps=5,
+                tile_probes=[8, 16, 32, 64], wgrad_tokens=[1, 4, 16, 64, 256, 1024]),
     # for CPU tests: tiny, same code paths
     "tiny": dict(gemm_tokens=[1, 4, 16], gemm_experts=[2, 4], max_gemm_rows=1 << 8,
                  attention_lengths=[8, 16, 32], attention_tokens=32, dense_tokens=16,
-                 copy_bytes=1 << 16, skew_tokens=8, fixed_tokens=4, warmup=1, reps=3),
+                 copy_bytes=1 << 16, skew_tokens=8, fixed_tokens=4, warmup=1, reps=3,
+                 tile_probes=[4, 8], wgrad_tokens=[1, 4, 16]),
 }
 BACKWARD_MIN_TOKENS = 256      # expert backward ratio: median over n >= this (all if none)
 BACKWARD_MIN_LENGTH = 2048     # attention backward ratio: median over L >= this (all if none)
+TILE_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class MeasurementError(Exception):
@@ -98,7 +111,8 @@ def shapes_from_configs(paths):
             shapes[key]["configs"].append(str(path))
             continue
         entry = {k: int(model[k]) for k in SHAPE_FIELDS}
-        entry.update(peak_flops=peak, bytes_per_param=int(model.get("bytes_per_param", 2)),
+        bpp = int(model.get("bytes_per_param", 2))
+        entry.update(peak_flops=peak, bytes_per_param=bpp, bytes_per_grad=int(model.get("bytes_per_grad", 0)) or bpp,
                      configs=[str(path)])
         shapes[key] = entry
     return shapes
@@ -146,6 +160,99 @@ def tiny_layer_seconds(s, tokens, fig):
             + expert_seconds(s, tokens, fig["gemm_efficiency"], fig["hbm_bytes_per_s"]))
 
 
+def pad(n, tile):
+    """n rows padded up to the tile (0 stays 0)."""
+    return -(-n // tile) * tile if n > 0 else 0
+
+
+def grouped_seconds(s, counts, g, backward=False):
+    """The grouped term of the cost model (docs/cost-model.md, "Experts") for one GPU's
+    expert rows ``counts`` from the figures ``g`` (gemm_tile_rows, grouped_gemm_efficiency,
+    wgrad_efficiency, experts_dgrad, hbm_bytes_per_s): the forward, or forward + backward."""
+    T = g["gemm_tile_rows"]
+    rows = [pad(n, T) for n in counts if n > 0]
+    if not rows:
+        return 0.0
+    P, peak = sum(rows), s["peak_flops"]
+    floor = 3.0 * s["hidden_size"] * s["expert_ffn_size"] * s["bytes_per_param"] / g["hbm_bytes_per_s"]
+    fwd = max(expert_flops(s, P) / (peak * interp(g["grouped_gemm_efficiency"], P)), len(rows) * floor)
+    if not backward:
+        return fwd
+    return fwd * (1.0 + g["experts_dgrad"]) + sum(wgrad_seconds(s, r, g) for r in rows)
+
+
+def wgrad_seconds(s, rows, g):
+    """One expert's weight-gradient GEMMs at ``rows`` padded rows, at least the write of dW."""
+    floor = 3.0 * s["hidden_size"] * s["expert_ffn_size"] * s.get("bytes_per_grad", s["bytes_per_param"]) / \
+        g["hbm_bytes_per_s"]
+    return max(expert_flops(s, rows) / (s["peak_flops"] * interp(g["wgrad_efficiency"], rows)), floor)
+
+
+# ---- the grouped GEMM's fits (pure: the tests feed them synthetic timings) ----
+
+def fit_tile(samples, candidates=TILE_CANDIDATES):
+    """The tile each expert's rows are padded up to, from forward samples ``(experts, n,
+    seconds)`` (uniform counts, with probes at n and n + 1 rows): for each candidate tile
+    T (at most the largest n), the time as a + b x padded rows + c x experts, least
+    squares in relative error (a grouped GEMM's time is a launch plus its tiles, and a
+    per-group cost); samples of equal padded rows must then take equal time, and rows
+    past a tile boundary must cost a tile. The smallest candidate within a quarter of the
+    best fit's error wins (a kernel without padding gives 1). Only samples of the probes'
+    expert counts and of at most twice the largest probe pair's n count: beyond, the
+    padding is negligible and the curve bends."""
+    import numpy as np
+    pairs = [n for E, n, _ in samples for F, m, _ in samples if m == n + 1 and E == F]
+    if not pairs:
+        raise MeasurementError("gemm_tile_rows: no probe pair at n and n + 1 rows")
+    probe_e = {E for E, n, _ in samples for F, m, _ in samples if m == n + 1 and E == F}
+    near = [(E, n, t) for E, n, t in samples if n <= 2 * max(pairs) + 1 and E in probe_e]
+    t = np.array([x for _, _, x in near])
+    errs = []
+    for T in candidates:
+        if T > max(pairs):
+            break
+        A = np.array([[1.0, E * pad(n, T), E] for E, n, _ in near]) / t[:, None]
+        coef = np.linalg.lstsq(A, np.ones(len(near)), rcond=None)[0]
+        errs.append((float(np.sum((A @ coef - 1.0) ** 2)), T))
+    best = min(e for e, _ in errs)
+    # within a quarter of the best fit's error counts as a tie (noise)
+    return next(T for e, T in errs if e <= 1.25 * best + 1e-12)
+
+
+def fit_grouped_efficiency(s, samples, tile):
+    """grouped_gemm_efficiency from forward samples ``(experts, n, seconds)``: the GPU's total
+    padded rows P = experts x pad(n), eff = 6 P d f / (peak t) (at most 1), the median at
+    each P, by P."""
+    per = {}
+    for E, n, t in samples:
+        P = E * pad(n, tile)
+        per.setdefault(P, []).append(min(expert_flops(s, P) / (t * s["peak_flops"]), 1.0))
+    return [[P, statistics.median(per[P])] for P in sorted(per)]
+
+
+def fit_wgrad_efficiency(s, samples, tile):
+    """wgrad_efficiency from weight-gradient samples ``(experts, n, seconds)``: per expert of
+    pad(n) rows, eff = 6 experts pad(n) d f / (peak t) (at most 1), the median at each
+    padded n, by padded n."""
+    per = {}
+    for E, n, t in samples:
+        r = pad(n, tile)
+        per.setdefault(r, []).append(min(expert_flops(s, E * r) / (t * s["peak_flops"]), 1.0))
+    return [[r, statistics.median(per[r])] for r in sorted(per)]
+
+
+def fit_dgrad(s, samples, g, key_min=BACKWARD_MIN_TOKENS):
+    """backward.experts_dgrad from uniform samples ``(experts, n, forward s, forward+backward
+    s)``: (fb - f - the weight gradient the fitted curve gives) / f, the median over n >=
+    key_min (all when none is), at least 0."""
+    rows = []
+    for E, n, tf, tb in samples:
+        w = E * wgrad_seconds(s, pad(n, g["gemm_tile_rows"]), g)
+        rows.append((n, (tb - tf - w) / tf))
+    chosen = [r for n, r in rows if n >= key_min] or [r for _, r in rows]
+    return max(statistics.median(chosen), 0.0)
+
+
 def skewed_counts(total, experts):
     """Zipf-like counts (weight 1/(j+1)), summing to total: a hot expert and a long tail."""
     w = [1.0 / (j + 1) for j in range(experts)]
@@ -165,8 +272,13 @@ class FakeDevice:
     gemm_kernel, attention_kernel = "fake_grouped_gemm", "fake_flash_varlen"
     kernel_notes = ["fake device: every time is computed from known figures"]
 
-    def __init__(self, profile):
+    def __init__(self, profile, grouped=None):
+        """``grouped``: the device runs its experts as the cost model's grouped term with
+        these figures (gemm_tile_rows, grouped_gemm_efficiency, wgrad_efficiency,
+        experts_dgrad); None: one GEMM per expert at gemm_efficiency, the weight gradient
+        at 0.6 n / (n + 128) of peak."""
         p = PROFILES[profile]
+        self.grouped = grouped
         self.truth = dict(
             gemm_efficiency=[[n, round(0.8 * n / (n + 256.0), 6)] for n in p["gemm_tokens"]],
             attention_efficiency=[[L, round(0.7 * L / (L + 2048.0), 6)] for L in p["attention_lengths"]],
@@ -177,9 +289,18 @@ class FakeDevice:
         pass
 
     def experts(self, s, counts, backward):
+        if self.grouped:
+            return grouped_seconds(s, counts, dict(self.grouped, hbm_bytes_per_s=self.truth["hbm_bytes_per_s"]),
+                                   backward)
         t = sum(expert_flops(s, n) / (s["peak_flops"] * interp(self.truth["gemm_efficiency"], n))
                 for n in counts)
         return t * (1 + self.truth["backward"]["experts"]) if backward else t
+
+    def wgrad(self, s, counts):
+        if self.grouped:
+            g = dict(self.grouped, hbm_bytes_per_s=self.truth["hbm_bytes_per_s"])
+            return sum(wgrad_seconds(s, pad(n, g["gemm_tile_rows"]), g) for n in counts if n > 0)
+        return sum(expert_flops(s, n) / (s["peak_flops"] * 0.6 * n / (n + 128.0)) for n in counts if n > 0)
 
     def attention(self, s, length, tokens, backward):
         t = (tokens // length) * attention_flops(s, length) / (
@@ -279,6 +400,35 @@ class TorchDevice:
         x = self._randn(N, d, grad=True)
         return self._fwd_bwd(lambda: self.kernels.expert_mlp(x, counts, w_in, w_out, self.gemm_kernel),
                              [x, w_in, w_out], backward)
+
+    def wgrad(self, s, counts):
+        """The weight-gradient GEMMs of the experts' two projections alone (what their
+        backward runs for dW): x^T dh [d, 2f] and a^T dy [f, d] per expert; one grouped GEMM
+        each where the expert kernel is grouped (each expert's rows padded as the forward
+        pads them on CUDA), else one GEMM per expert."""
+        torch, d, f = self.torch, s["hidden_size"], s["expert_ffn_size"]
+        align = self.kernels.GROUP_ALIGN_ROWS if self.device.type == "cuda" else 1
+        rows = [pad(n, align) for n in counts]
+        N = sum(rows)
+        x, gh = self._randn(N, d), self._randn(N, 2 * f)
+        a, gy = self._randn(N, f), self._randn(N, d)
+        if self.gemm_kernel == self.kernels.GROUPED:
+            offs = torch.as_tensor([sum(rows[:i + 1]) for i in range(len(rows))], dtype=torch.int32,
+                                   device=self.device)
+
+            def run():
+                torch._grouped_mm(x.t(), gh, offs=offs)
+                torch._grouped_mm(a.t(), gy, offs=offs)
+        else:
+            bounds = [sum(rows[:i]) for i in range(len(rows) + 1)]
+
+            def run():
+                for lo, hi in zip(bounds, bounds[1:]):
+                    if hi > lo:
+                        x[lo:hi].t() @ gh[lo:hi]
+                        a[lo:hi].t() @ gy[lo:hi]
+        with torch.no_grad():
+            return self._time(run)
 
     def attention(self, s, length, tokens, backward):
         if self.attention_kernel is None:
@@ -399,6 +549,34 @@ class Calibration:
             detail["gemm_uniform"] = samples
             return curve, _median_ratio(ratios, BACKWARD_MIN_TOKENS, "grouped expert GEMM")
 
+        # the grouped GEMM: the tile from probes at n and n + 1 rows, the grouped curve from
+        # every uniform sample, the weight gradient alone at small n, the data gradient
+        def grouped():
+            uniform = [(u["experts"], u["tokens"], u["forward_s"]) for u in detail["gemm_uniform"]]
+            E = p["gemm_experts"][len(p["gemm_experts"]) // 2]
+            probes, known = [], {(e, n): t for e, n, t in uniform}
+            for n0 in p["tile_probes"]:
+                for n in (n0, n0 + 1):
+                    if (E, n) not in known:
+                        what = "grouped expert GEMM, tile probe (%d experts x %d tokens)" % (E, n)
+                        known[(E, n)] = self._measure(what, lambda: dev.experts(s, [n] * E, False))
+                    probes.append((E, n, known[(E, n)]))
+            tile = fit_tile(uniform + [pr for pr in probes if (pr[0], pr[1]) not in
+                                       {(e, n) for e, n, _ in uniform}])
+            g = {"gemm_tile_rows": tile, "hbm_bytes_per_s": out["hbm_bytes_per_s"],
+                 "grouped_gemm_efficiency": fit_grouped_efficiency(s, uniform + probes, tile)}
+            wg = []
+            for n in p["wgrad_tokens"]:
+                what = "weight-gradient GEMMs (%d experts x %d tokens)" % (E, n)
+                wg.append((E, n, self._measure(what, lambda: dev.wgrad(s, [n] * E))))
+            g["wgrad_efficiency"] = fit_wgrad_efficiency(s, wg, tile)
+            g["experts_dgrad"] = fit_dgrad(s, [(u["experts"], u["tokens"], u["forward_s"], u["forward_backward_s"])
+                                               for u in detail["gemm_uniform"]], g)
+            detail["gemm_grouped"] = {"tile_probes": [{"experts": e, "tokens": n, "forward_s": t}
+                                                      for e, n, t in probes],
+                                      "wgrad": [{"experts": e, "tokens": n, "seconds": t} for e, n, t in wg]}
+            return g
+
         got = attempt("gemm_efficiency", gemm)
         if got:
             out["gemm_efficiency"], bwd_experts = got
@@ -452,15 +630,54 @@ class Calibration:
         got = attempt("hbm_bytes_per_s", hbm)
         if got:
             out["hbm_bytes_per_s"] = got
+        if "gemm_efficiency" in out and "hbm_bytes_per_s" in out:
+            g = attempt("grouped GEMM (gemm_tile_rows, grouped_gemm_efficiency, wgrad_efficiency)", grouped)
+            if g:
+                for k in ("gemm_tile_rows", "grouped_gemm_efficiency", "wgrad_efficiency"):
+                    out[k] = g[k]
+                if "backward" in out:
+                    out["backward"]["experts_dgrad"] = g["experts_dgrad"]
 
         def skew():
+            """Skewed counts against both expert terms: the grouped GEMM's (what the
+            model prices under a grouped executor) and the per-expert sum's (the loop
+            form, and the model before the grouped term), forward and forward+backward."""
             E, n = p["gemm_experts"][len(p["gemm_experts"]) // 2], p["skew_tokens"]
             counts = skewed_counts(n * E, E)
             what = "grouped expert GEMM, skewed counts %s" % counts
             tf = self._measure(what, lambda: dev.experts(s, counts, False))
-            predicted = sum(expert_flops(s, c) / (peak * interp(out["gemm_efficiency"], c)) for c in counts if c)
-            detail["gemm_skewed"] = {"counts": counts, "forward_s": tf, "predicted_s": predicted,
-                                     "measured_over_predicted": tf / predicted}
+            tb = self._measure(what + " backward", lambda: dev.experts(s, counts, True))
+            per_expert = sum(expert_seconds(s, c, out["gemm_efficiency"], out["hbm_bytes_per_s"]) for c in counts if c)
+            sk = {"counts": counts, "forward_s": tf, "forward_backward_s": tb,
+                  "per_expert_s": per_expert, "per_expert_forward_backward_s":
+                  per_expert * (1.0 + out["backward"]["experts"]),
+                  "per_expert_measured_over_predicted": tf / per_expert,
+                  "per_expert_fb_measured_over_predicted": tb / (per_expert * (1.0 + out["backward"]["experts"]))}
+            if "gemm_tile_rows" in out:
+                g = dict(out, experts_dgrad=out["backward"]["experts_dgrad"])
+                sk.update(grouped_s=grouped_seconds(s, counts, g), grouped_forward_backward_s=grouped_seconds(
+                    s, counts, g, True))
+                sk.update(grouped_measured_over_predicted=tf / sk["grouped_s"],
+                          grouped_fb_measured_over_predicted=tb / sk["grouped_forward_backward_s"])
+                # the uniform counts of the same total, measured and priced alike
+                uni = [n] * E
+                tu = self._measure(what + ", uniform", lambda: dev.experts(s, uni, True))
+                sk.update(uniform_forward_backward_s=tu, uniform_grouped_forward_backward_s=grouped_seconds(
+                    s, uni, g, True))
+                # which form prices this device's samples better (forward+backward, every
+                # uniform sample and the skewed one): a kernel that loops over its groups
+                # (the CPU's torch._grouped_mm does) fits the per-expert sum, a grouped one
+                # the grouped term; execution.expert_gemm says which the config prices
+                fb = [(u["experts"], u["tokens"], u["forward_backward_s"]) for u in detail["gemm_uniform"]]
+                bx = 1.0 + out["backward"]["experts"]
+                err_g = [abs(t / grouped_seconds(s, [n] * E, g, True) - 1) for E, n, t in fb]
+                err_p = [abs(t / (E * bx * expert_seconds(s, n, out["gemm_efficiency"], out["hbm_bytes_per_s"])) - 1)
+                         for E, n, t in fb]
+                err_g.append(abs(sk["grouped_fb_measured_over_predicted"] - 1))
+                err_p.append(abs(sk["per_expert_fb_measured_over_predicted"] - 1))
+                sk.update(grouped_mape=statistics.mean(err_g), per_expert_mape=statistics.mean(err_p))
+                sk["better_form"] = "grouped" if sk["grouped_mape"] <= sk["per_expert_mape"] else "loop"
+            detail["gemm_skewed"] = sk
 
         def fixed():
             T = p["fixed_tokens"]
@@ -471,7 +688,7 @@ class Calibration:
 
         if all(k in out for k in ("gemm_efficiency", "attention_efficiency", "dense_efficiency",
                                   "hbm_bytes_per_s")):
-            attempt("gemm_skewed (detail only)", skew)
+            attempt("gemm_skewed (the skew check)", skew)
             got = attempt("layer_fixed_us", fixed)
             if got is not None:
                 out["layer_fixed_us"] = got
@@ -498,12 +715,17 @@ class Calibration:
 def summary(key, e):
     g = e["gemm_efficiency"]
     a = e["attention_efficiency"]
+    grouped = ""
+    if "gemm_tile_rows" in e:
+        grouped = "; grouped GEMM: tile %d rows, eff by total rows %s, wgrad eff %s, data gradient %.2f x forward" % (
+            e["gemm_tile_rows"], ", ".join("%d:%.3f" % (n, x) for n, x in e["grouped_gemm_efficiency"][::4]),
+            ", ".join("%d:%.3f" % (n, x) for n, x in e["wgrad_efficiency"]), e["backward"]["experts_dgrad"])
     return ("  %s: gemm eff %s (%s); attention eff %s (%s); dense eff %.3f; backward attention %.2f, "
             "projections %.2f, experts %.2f; HBM %.3g B/s; layer fixed %.1f us" % (
                 key, ", ".join("%d:%.3f" % (n, x) for n, x in g), e["gemm_kernel"],
                 ", ".join("%d:%.3f" % (n, x) for n, x in a), e["attention_kernel"], e["dense_efficiency"],
                 e["backward"]["attention"], e["backward"]["projections"], e["backward"]["experts"],
-                e["hbm_bytes_per_s"], e["layer_fixed_us"]))
+                e["hbm_bytes_per_s"], e["layer_fixed_us"])) + grouped
 
 
 def _figures(value):
@@ -595,8 +817,19 @@ def main(argv=None):
     for key, d in details.items():
         sk = d.get("gemm_skewed")
         if sk:
-            log("  %s: skewed counts %s: measured / predicted from eff(n) %.3f" % (
-                key, sk["counts"], sk["measured_over_predicted"]))
+            log("  %s: skewed counts %s: measured / predicted, forward | forward+backward: per-expert sum "
+                "%.3f | %.3f" % (key, sk["counts"], sk["per_expert_measured_over_predicted"],
+                                 sk["per_expert_fb_measured_over_predicted"]))
+            if "grouped_s" in sk:
+                log("  %s: ... grouped GEMM term %.3f | %.3f; skewed / uniform of the same rows, forward+backward: "
+                    "measured %.3f, grouped term %.3f" % (
+                        key, sk["grouped_measured_over_predicted"], sk["grouped_fb_measured_over_predicted"],
+                        sk["forward_backward_s"] / sk["uniform_forward_backward_s"],
+                        sk["grouped_forward_backward_s"] / sk["uniform_grouped_forward_backward_s"]))
+                log("  %s: forward+backward over every uniform sample and the skewed one, mean |measured / predicted "
+                    "- 1|: grouped GEMM term %.3f, per-expert sum %.3f: this device's kernel prices best as "
+                    "execution.expert_gemm \"%s\"" % (key, sk["grouped_mape"], sk["per_expert_mape"],
+                                                        sk["better_form"]))
     if cal.failures:
         for f in cal.failures:
             print("calibrate: not measured: %s" % f, file=sys.stderr)

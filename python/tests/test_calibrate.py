@@ -40,7 +40,10 @@ def test_fake_run_recovers_the_device_figures(tmp_path):
     # and its attention at 0.7 L / (L + 2048)
     assert att[2048] == 0.35 and att[512] == 0.14 and att[8192] == 0.56
     assert e["dense_efficiency"] == 0.75
-    assert e["backward"] == {"attention": 2.5, "projections": 2.0, "experts": 2.25}
+    assert e["backward"] == {"attention": 2.5, "projections": 2.0, "experts": 2.25, "experts_dgrad": 1.05}
+    # the fake device loops over its experts: no tile; its weight gradient at 0.6 n / (n + 128)
+    assert e["gemm_tile_rows"] == 1
+    assert dict((n, x) for n, x in e["wgrad_efficiency"])[256] == 0.4
     assert e["hbm_bytes_per_s"] == 4e12
     assert e["layer_fixed_us"] == 40.0
     assert e["peak_flops"] == 989e12
@@ -150,3 +153,87 @@ def test_torch_device_measures_on_cpu():
     assert att in ("sdpa_flash", "torch_varlen", "flash_attn_varlen")
     assert gemm in ("torch._grouped_mm", "per_expert_loop")
     assert all(t > 0 and math.isfinite(t) for t in times)
+
+
+# ---- the grouped GEMM's fits (docs/cost-model.md, "Experts") ----
+
+def _grouped_truth():
+    """A grouped device: tile 16, the grouped forward at 0.8 P / (P + 1024) of peak by total
+    padded rows (at every tile, so interpolation is exact at the samples), the weight gradient from
+    0.02 (16 rows) to 0.6 (4096 rows), data gradient 0.9 x the forward."""
+    Ps = range(16, 16 * 8193, 16)
+    return {"gemm_tile_rows": 16,
+            "grouped_gemm_efficiency": [[P, 0.8 * P / (P + 1024.0)] for P in Ps],
+            "wgrad_efficiency": [[16, 0.02], [4096, 0.6]],
+            "experts_dgrad": 0.9}
+
+
+def test_fit_tile_on_synthetic_probes():
+    s = {"hidden_size": 4, "expert_ffn_size": 2, "peak_flops": 64.0}
+    # a padded grouped GEMM at 0.8 P / (P + 512) of peak: the efficiency rises with the
+    # rows about as fast as the padding adds them, so time ratios alone cannot tell
+    def t(E, n, tile):
+        P = E * calibrate.pad(n, tile)
+        return calibrate.expert_flops(s, P) / (64.0 * 0.8 * P / (P + 512.0))
+    for tile in (1, 8, 16, 64):
+        samples = [(E, n, t(E, n, tile)) for E in (4, 8, 16) for n in (1, 4, 16, 64, 128, 256)]
+        samples += [(8, n, t(8, n, tile)) for n0 in (8, 16, 32, 64) for n in (n0, n0 + 1)]
+        assert calibrate.fit_tile(samples) == tile, tile
+        # 1% noise does not move a tile the padding shows (a tile of 2 or 4 rows instead of
+        # 1 is within such noise here, and costs as little)
+        if tile >= 8:
+            noisy = [(E, n, x * (1.01 if (E + n) % 2 else 0.99)) for E, n, x in samples]
+            assert calibrate.fit_tile(noisy) == tile, tile
+    with pytest.raises(calibrate.MeasurementError, match="no probe pair"):
+        calibrate.fit_tile([(16, 8, 1.0), (16, 10, 1.0)])
+
+
+def test_fits_by_hand():
+    s = {"hidden_size": 4, "expert_ffn_size": 2, "peak_flops": 64.0, "bytes_per_param": 2, "bytes_per_grad": 4}
+    # 6 d f / peak = 0.75 s a row: 2 experts x 3 rows padded to 4 (tile 4) in 12 s -> 8 x 0.75 / 12
+    assert calibrate.fit_grouped_efficiency(s, [(2, 3, 12.0), (2, 4, 6.0), (4, 2, 12.0)], 4) == \
+        [[8, 0.75], [16, 1.0]]   # at P 8 the median of 0.5 and 1.0, at P 16: 1.0
+    assert calibrate.fit_wgrad_efficiency(s, [(2, 4, 16.8)], 4) == [[4, pytest.approx(6 / 16.8)]]
+    # the C test's skewed and uniform rows (tests/test_cost_gemm.c): forward+backward 47.4 s
+    # and 34.8 s with tile 4, a flat 0.5, wgrad 0.25 .. 0.5 over 1 .. 8 rows, dgrad 0.5
+    g = {"gemm_tile_rows": 4, "grouped_gemm_efficiency": [[1, 0.5]], "wgrad_efficiency": [[1, 0.25], [8, 0.5]],
+         "experts_dgrad": 0.5, "hbm_bytes_per_s": 48.0}
+    assert calibrate.grouped_seconds(s, [6, 2], g, True) == pytest.approx(47.4)
+    assert calibrate.grouped_seconds(s, [4, 4], g, True) == pytest.approx(34.8)
+    assert calibrate.grouped_seconds(s, [6, 2], g) == pytest.approx(18.0)
+    # dgrad: (fb - f - the weight gradient) / f = (34.8 - 12 - 16.8) / 12
+    assert calibrate.fit_dgrad(s, [(2, 4, 12.0, 34.8)], g, key_min=1) == pytest.approx(0.5)
+    assert calibrate.fit_dgrad(s, [(2, 4, 12.0, 20.0)], g, key_min=1) == 0.0   # never negative
+
+
+class _GroupedFake(calibrate.FakeDevice):
+    """The grouped device, with HBM fast enough that the weights' read (the floor of a
+    GPU's forward) does not hide the padding of small counts."""
+    def __init__(self, profile):
+        super().__init__(profile, grouped=_grouped_truth())
+        self.truth["hbm_bytes_per_s"] = 4e14
+
+
+def test_fake_grouped_device_is_recovered():
+    shapes = calibrate.shapes_from_configs([SMALL])
+    cal = calibrate.Calibration(_GroupedFake("device"), "device")
+    entries, details = cal.run(shapes)
+    assert not cal.failures, cal.failures
+    e, truth = entries["d2048_f1024_h16_kv16_dh128"], _grouped_truth()
+    assert e["gemm_tile_rows"] == 16
+    for P, eff in e["grouped_gemm_efficiency"]:
+        assert eff == pytest.approx(calibrate.interp(truth["grouped_gemm_efficiency"], P), rel=1e-9), P
+    # the weight gradient at 16 rows and more: the curve (the write of dW is below it there)
+    for n, eff in e["wgrad_efficiency"]:
+        assert n % 16 == 0
+        assert eff == pytest.approx(calibrate.interp(truth["wgrad_efficiency"], n), rel=1e-9), n
+    assert e["backward"]["experts_dgrad"] == pytest.approx(0.9, rel=1e-9)
+    # the skew check tests the grouped term: right on this device (to the curve's
+    # interpolation between the sampled totals); the per-expert sum is reported beside it
+    sk = details["d2048_f1024_h16_kv16_dh128"]["gemm_skewed"]
+    assert sk["grouped_measured_over_predicted"] == pytest.approx(1.0, rel=1e-3)
+    assert sk["grouped_fb_measured_over_predicted"] == pytest.approx(1.0, rel=1e-3)
+    assert sk["per_expert_fb_measured_over_predicted"] > 0
+    # and skewed against uniform counts of the same rows, as the grouped term prices them
+    assert sk["grouped_forward_backward_s"] / sk["uniform_grouped_forward_backward_s"] == pytest.approx(
+        sk["forward_backward_s"] / sk["uniform_forward_backward_s"], rel=1e-3)

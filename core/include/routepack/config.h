@@ -90,6 +90,18 @@ typedef struct rp_hardware {
     rp_backward backward;         /* per-term backward / forward */
     double token_linear_bytes_per_token; /* HBM bytes per token per layer, forward */
     double layer_fixed_s;         /* fixed cost of one (microbatch, layer) forward on one GPU */
+    /* Added after the first version (append only). The grouped expert GEMM
+     * (docs/cost-model.md, "Experts"): */
+    int32_t gemm_tile_rows;       /* rows each expert's rows are padded up to; 0: the executor's */
+    const rp_eff_point *grouped_gemm_efficiency; /* by a GPU's total padded rows; NULL: gemm_efficiency
+                                                    at the mean padded rows per expert */
+    int32_t num_grouped_gemm_efficiency;
+    const rp_eff_point *wgrad_efficiency; /* weight-gradient GEMMs by one expert's padded rows;
+                                             NULL: gemm_efficiency */
+    int32_t num_wgrad_efficiency;
+    double backward_experts_dgrad; /* backward.experts_dgrad: the expert backward beyond its weight
+                                      gradient, a multiple of the grouped forward; < 0: not
+                                      given (backward.experts - 1, at least 0) */
 } rp_hardware;
 
 /* The MoE model. Attention shape drives the dense work; expert shape the sparse work. */
@@ -153,6 +165,12 @@ typedef enum rp_executor {
 } rp_executor;
 
 /* How the gradients of an expert's replicas are summed (docs/cost-model.md). */
+/* How the executor runs a GPU's experts (execution.expert_gemm). */
+typedef enum rp_expert_gemm {
+    RP_EXPERT_GEMM_GROUPED = 0, /* one grouped GEMM per projection over all local experts */
+    RP_EXPERT_GEMM_LOOP = 1     /* one GEMM per expert (Megatron's SequentialMLP) */
+} rp_expert_gemm;
+
 typedef enum rp_grad_reduce {
     RP_GRAD_REDUCE_PAIRWISE = 0, /* every replica with the first: a two-party all-reduce each */
     RP_GRAD_REDUCE_GROUP = 1,    /* one all-reduce of [R, params] over the whole EP group, R the
@@ -197,6 +215,7 @@ typedef struct rp_execution {
     bool extras_stacked;                  /* rp_executor_profile.extras_stacked */
     bool extras_once;                     /* rp_executor_profile.extras_once */
     bool extras_ahead;                    /* rp_executor_profile.extras_ahead */
+    rp_expert_gemm expert_gemm;           /* rp_executor_profile.grouped_gemm */
 } rp_execution;
 
 /* What the trainer demands of a packing (docs/config.md, "trainer"); every packer

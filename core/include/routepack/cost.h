@@ -100,7 +100,10 @@ RP_API double rp_cost_dense_s(const rp_cost *cost, int64_t seq_len);
 /* What a step does outside the MoE layers (rp_step_outside) for the evaluator's config
  * and batch. RP_EINVAL without an evaluator. */
 RP_API rp_status rp_cost_outside(const rp_cost *cost, rp_step_outside *out, rp_error *err);
-/* Forward time of one expert slot processing `tokens` tokens at speed 1. */
+/* Forward time of one expert slot processing `tokens` tokens at speed 1: under a grouped
+ * GEMM (execution.expert_gemm "grouped"), the forward-equivalent time of that expert alone
+ * on its GPU, (forward + backward) / (1 + backward.experts) (docs/cost-model.md,
+ * "Experts"). */
 RP_API double rp_cost_expert_s(const rp_cost *cost, double tokens);
 /* Time to move one expert (weights and optimizer state) over NVLink (same node) or
  * the network, into one EP rank: over its ETP GPUs' links, and its commit (the staged

@@ -48,6 +48,11 @@ typedef struct rp_executor_profile {
     bool extras_ahead;                 /* with extras_once: the step's fetches start at the
                                           step's start on a stream of their own, each layer
                                           waiting for its own at its first forward */
+    /* Added after the first version (append only). */
+    bool grouped_gemm;                 /* a GPU's experts run as one grouped GEMM (else one GEMM
+                                          per expert: the per-expert cost form) */
+    int32_t group_align_rows;          /* rows the executor pads each expert's rows up to; the
+                                          default of hardware.gemm_tile_rows */
 } rp_executor_profile;
 
 /* The profile of `executor`; NULL for a value outside the enum. Static storage. */
