@@ -91,8 +91,11 @@ def test_keep_freed_memory_keeps_a_large_block_in_the_heap():
         pytest.skip("the C library has no mallinfo2 (not glibc 2.33+)")
     assert plain["holding"]["hblkhd"] - plain["before"]["hblkhd"] >= 16 << 20   # the default: mmap'd
     assert kept["why"] is None
-    assert kept["holding"]["hblkhd"] == kept["before"]["hblkhd"]                 # kept: from the heap
-    assert kept["after"]["arena"] >= kept["before"]["arena"] + (16 << 20)         # and not trimmed once freed
+    assert kept["holding"]["hblkhd"] == kept["before"]["hblkhd"]                 # kept: from the heap,
+    assert kept["holding"]["arena"] >= 16 << 20                                   # which holds it
+    assert kept["after"]["arena"] == kept["holding"]["arena"]                     # and keeps it once freed
+    # glibc's default trims the heap's free top once it passes 128 KiB: a block freed at
+    # the top goes back, which is what kept["after"] must not show
 
 
 def test_calibration_cpu_device_is_fp32_least_thread_time():
