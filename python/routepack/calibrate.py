@@ -253,6 +253,15 @@ def fit_dgrad(s, samples, g, key_min=BACKWARD_MIN_TOKENS):
     return max(statistics.median(chosen), 0.0)
 
 
+def better_form(grouped_err, per_expert_err):
+    """Which expert form prices a device's samples better, from each form's mean relative
+    error: "grouped", "loop", or "tie" when they are within a tenth of each other (what
+    timing noise on a shared machine does)."""
+    if abs(grouped_err - per_expert_err) <= 0.1 * min(grouped_err, per_expert_err):
+        return "tie"
+    return "grouped" if grouped_err < per_expert_err else "loop"
+
+
 def skewed_counts(total, experts):
     """Zipf-like counts (weight 1/(j+1)), summing to total: a hot expert and a long tail."""
     w = [1.0 / (j + 1) for j in range(experts)]
@@ -676,7 +685,7 @@ class Calibration:
                 err_g.append(abs(sk["grouped_fb_measured_over_predicted"] - 1))
                 err_p.append(abs(sk["per_expert_fb_measured_over_predicted"] - 1))
                 sk.update(grouped_mape=statistics.mean(err_g), per_expert_mape=statistics.mean(err_p))
-                sk["better_form"] = "grouped" if sk["grouped_mape"] <= sk["per_expert_mape"] else "loop"
+                sk["better_form"] = better_form(sk["grouped_mape"], sk["per_expert_mape"])
             detail["gemm_skewed"] = sk
 
         def fixed():
@@ -827,9 +836,11 @@ def main(argv=None):
                         sk["forward_backward_s"] / sk["uniform_forward_backward_s"],
                         sk["grouped_forward_backward_s"] / sk["uniform_grouped_forward_backward_s"]))
                 log("  %s: forward+backward over every uniform sample and the skewed one, mean |measured / predicted "
-                    "- 1|: grouped GEMM term %.3f, per-expert sum %.3f: this device's kernel prices best as "
-                    "execution.expert_gemm \"%s\"" % (key, sk["grouped_mape"], sk["per_expert_mape"],
-                                                        sk["better_form"]))
+                    "- 1|: grouped GEMM term %.3f, per-expert sum %.3f: %s" % (
+                        key, sk["grouped_mape"], sk["per_expert_mape"],
+                        "the two forms price this device alike (within a tenth of each other): the timings cannot "
+                        "tell how its kernel runs" if sk["better_form"] == "tie" else
+                        "this device's kernel prices best as execution.expert_gemm \"%s\"" % sk["better_form"]))
     if cal.failures:
         for f in cal.failures:
             print("calibrate: not measured: %s" % f, file=sys.stderr)

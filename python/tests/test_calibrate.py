@@ -206,6 +206,13 @@ def test_fits_by_hand():
     assert calibrate.fit_dgrad(s, [(2, 4, 12.0, 20.0)], g, key_min=1) == 0.0   # never negative
 
 
+def test_better_form():
+    assert calibrate.better_form(0.05, 0.20) == "grouped"
+    assert calibrate.better_form(0.20, 0.05) == "loop"
+    assert calibrate.better_form(0.175, 0.177) == "tie"      # the CPU's second run: noise
+    assert calibrate.better_form(0.0, 0.0) == "tie"
+
+
 class _GroupedFake(calibrate.FakeDevice):
     """The grouped device, with HBM fast enough that the weights' read (the floor of a
     GPU's forward) does not hide the padding of small counts."""
