@@ -37,9 +37,10 @@ int32_t cost_grad_experts(const rp_cost *c, const cost_state *st, int32_t l, con
 
 /* The distinct EP ranks holding a copy of expert e over the step at layer l (its replicas
  * in the placement, rep_rank[rep_off[e] ..], and its extra replicas of every microbatch),
- * into out (at most ep); their count. routepack.torch's replica_holders. */
+ * into out (at most ep), those holding it in a slot first (*slots of them); their count.
+ * routepack.torch's replica_holders. */
 static int32_t expert_holders(const rp_cost *c, const cost_state *st, int32_t l, int32_t e, const int32_t *rep_off,
-                              const int32_t *rep_rank, int32_t *out)
+                              const int32_t *rep_rank, int32_t *out, int32_t *slots)
 {
     int32_t n = 0;
     for (int32_t i = rep_off[e]; i < rep_off[e + 1]; i++) {
@@ -47,6 +48,7 @@ static int32_t expert_holders(const rp_cost *c, const cost_state *st, int32_t l,
         for (int32_t k = 0; k < n && !seen; k++) seen = out[k] == rep_rank[i];
         if (!seen) out[n++] = rep_rank[i];
     }
+    *slots = n;
     for (int32_t m = 0; st->ov_begin && m < st->M; m++) {
         const cost_override *o = st->ov + st->ov_begin[m * c->L + l], *end = st->ov + st->ov_begin[m * c->L + l + 1];
         for (; o < end && o->expert <= e; o++) {
@@ -77,11 +79,14 @@ static int32_t expert_holders(const rp_cost *c, const cost_state *st, int32_t l,
  * - holders: every distinct holder of an expert (its replicas and the step's extra
  *   replicas, expert_holders) sends its gradient to every other holder and receives
  *   theirs (routepack.torch's batched exchange among holders): each message the
- *   gradient's bytes over that pair's link, plus the link's latency. Each of the n
- *   holders also moves the gradient through its own memory 2 (n - 1) + 4 times: its
- *   copies summed (read, write), a read per message sent and a write per message
- *   received, the sum of the n copies written back (read, write). On 4 CPU ranks the
- *   layer's holders spent ~7 ms a step on this that the model had not priced (issue 29).
+ *   gradient's bytes over that pair's link, plus the link's latency. The holders also
+ *   move gradients through their own memory: each message is read where it is sent and
+ *   written where it is received, and a holder that keeps the expert in a slot adds the
+ *   n - 1 copies it receives into its own gradient in place (a read of both, a write: 3
+ *   passes each), so 5 (n - 1) passes over the gradient's bytes there; a holder of
+ *   extra replicas alone drops them after the step and only sends and receives, 2 (n - 1)
+ *   (routepack.torch's copy-free exchange, issue 29: on 4 CPU ranks the holders had
+ *   spent ~7 ms a step on copies the model did not price before it).
  * `bytes` (NULL: not wanted) gets what each GPU of EP group 0 sends. */
 void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, const int32_t *rep_off,
                      const int32_t *rep_rank, double *row, double *bytes)
@@ -95,15 +100,16 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, cons
         int32_t *big = NULL;
         if (c->ep > 256) h = big = rp_alloc(c->ctx, (size_t)c->ep * sizeof *big); /* rare: EP > 256 */
         for (int32_t e = 0; h && e < c->E; e++) {
-            const int32_t n = expert_holders(c, st, layer, e, rep_off, rep_rank, h);
+            int32_t slots = 0;
+            const int32_t n = expert_holders(c, st, layer, e, rep_off, rep_rank, h, &slots);
             cost_count(c, (int64_t)n * n * c->Q + rep_off[e + 1] - rep_off[e]);
             if (n < 2) continue;
             if (bytes)
                 for (int32_t a = 0; a < n; a++) bytes[h[a]] += (n - 1) * c->grad_bytes;
-            const double mem = (2.0 * (n - 1) + 4.0) * c->grad_mem_s;
+            const double adds = 5.0 * (n - 1) * c->grad_mem_s, sends = 2.0 * (n - 1) * c->grad_mem_s;
             for (int32_t q = 0; q < c->Q; q++)
                 for (int32_t a = 0; a < n; a++) {
-                    row[q * c->ep + h[a]] += mem;
+                    row[q * c->ep + h[a]] += a < slots ? adds : sends;
                     for (int32_t b = 0; b < n; b++) {
                         if (a == b) continue;
                         const int32_t ga = q * c->ep + h[a], gb = q * c->ep + h[b];
