@@ -504,7 +504,7 @@ def main():
             "or `scripts/results/notes.md`, not this file. Everything here is the cost model's",
             "prediction (`docs/cost-model.md`) on batches generated from real data (`docs/gen.md`); no",
             "GPU ran these steps.", "",
-            "## How to reproduce", "", "```", "scripts/results.sh            # about 10-20 minutes of CPU",
+            "## How to reproduce", "", "```", "scripts/results.sh            # about 40 minutes at load 10 on 2 cores (2026-12-06)",
             "scripts/results.sh --quick    # 8-step traces instead of 24",
             "scripts/results.sh --layouts  # only \"Parallel layouts\", spliced into this file", "```", ""]
     body = [s(runs, args) for s in SECTIONS]
