@@ -264,6 +264,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->num_eff = h->num_gemm_efficiency;
     /* the grouped GEMM (cost_gemm.c), where the executor runs one */
     c->grouped = x->expert_gemm == RP_EXPERT_GEMM_GROUPED;
+    c->extras_apart = c->grouped && x->extras_once && !x->extras_stacked;
     c->tile_rows = h->gemm_tile_rows > 0 ? h->gemm_tile_rows : pf && pf->group_align_rows > 0 ? pf->group_align_rows : 1;
     c->tile = c->tile_rows;
     c->geff = h->num_grouped_gemm_efficiency > 0 ? h->grouped_gemm_efficiency : NULL;

@@ -101,7 +101,7 @@ static rp_status scratch_alloc(rp_cost *c, const cost_state *s, cost_scratch *sc
     sc->se = take(ctx, c->ep, sizeof(double), false, &bad, total);
     sc->re = take(ctx, c->ep, sizeof(double), false, &bad, total);
     /* times, tokens, padded rows, groups */
-    sc->xacc = take(ctx, 4 * (int64_t)c->ep, sizeof(double), false, &bad, total);
+    sc->xacc = take(ctx, 7 * (int64_t)c->ep, sizeof(double), false, &bad, total);
     sc->rk = take(ctx, s->max_replicas, sizeof(int32_t), false, &bad, total);
     sc->w = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
     sc->load = take(ctx, s->max_replicas, sizeof(double), false, &bad, total);
@@ -522,7 +522,7 @@ rp_status rp_cost_evaluation_needs(const rp_cost *c, const rp_plan *plan, int64_
     int64_t R = S + most_extras_of(plan);
     need(2 * L * E, sizeof(uint32_t), &bad, &total);
     for (int i = 0; i < 6; i++) need(ep, sizeof(double), &bad, &total);
-    need(4 * ep, sizeof(double), &bad, &total); /* xacc */
+    need(7 * ep, sizeof(double), &bad, &total); /* xacc */
     need(R, sizeof(int32_t), &bad, &total);
     need(R, sizeof(double), &bad, &total);
     need(R, sizeof(double), &bad, &total);

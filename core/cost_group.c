@@ -257,7 +257,9 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
     const cost_override *ov_end = st->ov + st->ov_begin[m * c->L + l + 1];
     double *xtok = xa + ep; /* tokens each rank's experts take, for the ETP all-gather */
     double *xrow = xa + 2 * ep, *xgrp = xa + 3 * ep; /* the grouped GEMM's rows and groups */
-    for (int32_t r = 0; r < ep; r++) xa[r] = xtok[r] = xrow[r] = xgrp[r] = 0.0;
+    /* the extras' own grouped GEMM (extras_apart): its weight gradients, rows and groups */
+    double *ya = xa + 4 * ep, *yrow = xa + 5 * ep, *ygrp = xa + 6 * ep;
+    for (int32_t r = 0; r < ep; r++) xa[r] = xtok[r] = xrow[r] = xgrp[r] = ya[r] = yrow[r] = ygrp[r] = 0.0;
     memset(sp, 0, (size_t)ep * ep * sizeof *sp);
 
     for (int32_t e = 0; e < E; e++) {
@@ -309,11 +311,19 @@ void cost_group_eval(const rp_cost *c, const cost_state *st, int32_t m, int32_t 
         if (fixed)
             for (int32_t i = 0; i < R; i++) load[i] = (double)total[e] * w[i];
         for (int32_t i = 0; i < R; i++) {
-            cost_expert_add(c, load[i], &xa[rk[i]], &xrow[rk[i]], &xgrp[rk[i]]);
-            xtok[rk[i]] += load[i];
+            const int32_t r = rk[i];
+            if (i >= nb && c->extras_apart)
+                cost_expert_add(c, load[i], &ya[r], &yrow[r], &ygrp[r]);
+            else
+                cost_expert_add(c, load[i], &xa[r], &xrow[r], &xgrp[r]);
+            xtok[r] += load[i];
         }
     }
-    for (int32_t r = 0; r < ep; r++) xa[r] = cost_gemm_finish(c, xa[r], xrow[r], xgrp[r]);
+    /* routepack.torch runs a GPU's extras from their buffers as a second grouped GEMM
+     * (kernels.expert_mlp on the extras' rows): at the efficiency of its own few rows,
+     * every extra's weights read, not the slots' GEMM grown by their rows */
+    for (int32_t r = 0; r < ep; r++)
+        xa[r] = cost_gemm_finish(c, xa[r], xrow[r], xgrp[r]) + cost_gemm_finish(c, ya[r], yrow[r], ygrp[r]);
 
     if (c->extras_stacked) {
         /* routepack.torch stacks a GPU's slots and extras into one weight tensor every

@@ -105,7 +105,8 @@ typedef struct cost_scratch {
     uint32_t *hist;      /* [2 * L * E] histograms of the moved sequences */
     double *x, *d;       /* [ep] per-GPU results of a group under trial */
     double *si, *ri, *se, *re; /* [ep] bytes sent/received, intra/inter node */
-    double *xacc;        /* [2 * ep]: expert time, then tokens taken, of each rank */
+    double *xacc;        /* [7 * ep]: of each rank, expert time, tokens taken, the grouped GEMM's
+                            rows and groups, and the extras' own time, rows and groups */
     int32_t *rk;         /* [max_replicas] */
     double *w, *load;    /* [max_replicas] */
     double *layer_t;     /* [M * L * LW] */
@@ -160,6 +161,8 @@ struct rp_cost {
     int32_t slot_table_n;
     /* the grouped GEMM (cost_gemm.c; docs/cost-model.md, "Experts") */
     bool grouped;              /* execution.expert_gemm "grouped" (else the per-expert sum) */
+    bool extras_apart;         /* grouped, and a GPU's extra replicas run as a grouped GEMM of their
+                                  own (routepack.torch's buffers beside its slots) */
     int32_t tile_rows;         /* hardware.gemm_tile_rows, else the executor's alignment */
     double tile;               /* the same, as a double */
     const rp_eff_point *geff;  /* forward by a GPU's total padded rows; NULL: eff at the mean */

@@ -114,6 +114,55 @@ static void test_grouped_by_hand(void)
     scene_free(&k);
 }
 
+/* routepack_torch runs a GPU's extra replicas from their buffers as a grouped GEMM of their
+ * own, beside its slots' (kernels.expert_mlp on the extras' rows): 4 tokens to expert 0
+ * (rank 0's slot), 2 to expert 1 (rank 0), 2 to expert 2 (rank 1's slot), and an extra
+ * replica of expert 0 on EP rank 1 taking half its rows. Rank 1 runs 2 rows of expert 2 in
+ * its slots' GEMM and 2 rows of expert 0 in its extras' GEMM, each padded to the tile (4)
+ * at a grouped curve that rises with the total rows, 0.25 at 4 rows, 0.5 at 8. */
+static void test_extras_apart(void)
+{
+    static const char *HW = ", \"gemm_tile_rows\": 4, \"grouped_gemm_efficiency\": [[4, 0.25], [8, 0.5]],"
+                            " \"wgrad_efficiency\": [[1, 0.25], [8, 0.5]],"
+                            " \"backward\": {\"experts\": 2, \"experts_dgrad\": 0.5}";
+    char json[2048];
+    snprintf(json, sizeof json, CFG, HW, "");
+    static const int32_t lens[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    static const int32_t rank[8] = {0, 0, 0, 0, 1, 1, 1, 1}, mb[8] = {0};
+    static const int32_t p2l[4] = {0, 1, 2, 3};
+    static const uint8_t ids[8] = {0, 0, 0, 0, 1, 1, 2, 2};
+    static const double half[2] = {0.5, 0.5};
+    scene s;
+    memset(&s, 0, sizeof s);
+    rp_error err;
+    bool made = batch_fixture_make(ctx, &s.f, json, 8, lens, NULL, ids, &err) &&
+                rp_cost_new(ctx, s.f.cfg, s.f.batch, s.f.stats, RP_SPLIT_EVEN, &s.cost, &err) == RP_OK &&
+                rp_plan_new(ctx, s.f.cfg, 1, &s.plan, &err) == RP_OK &&
+                rp_plan_set_packing(s.plan, 8, rank, mb, &err) == RP_OK &&
+                rp_plan_set_phy2log(s.plan, 0, p2l, &err) == RP_OK &&
+                rp_plan_add_extra_replica(s.plan, 0, 0, 0, 1, &err) == RP_OK &&
+                rp_plan_set_shares(s.plan, 0, 0, 0, half, 2, &err) == RP_OK &&
+                rp_cost_evaluate(s.cost, s.plan, NULL, &err) == RP_OK;
+    s.good = made;
+    if (!made) diag("scene: %s", err.text);
+    ok(made, "a plan with an extra replica on EP rank 1 evaluates under routepack_torch");
+    if (made) {
+        /* each GEMM: 4 padded rows at 0.25, forward 4 x 0.75 / 0.25 = 12 s; weight gradient
+         * 4 x 0.75 / eff_w(4) = 8.4 s; (12 x 1.5 + 8.4) / 3 = 8.8 s; two of them. One GEMM of
+         * all 8 rows would be 8 x 0.75 / 0.5 = 12 s forward: (18 + 16.8) / 3 = 11.6 s */
+        is_double(rp_cost_expert_breakdown(s.cost)[1], 17.6, 1e-9,
+                  "EP rank 1: its slots' GEMM (4 padded rows, 8.8 s) and its extras' own (8.8 s), not one GEMM of "
+                  "8 rows (11.6 s)");
+        /* rank 0: experts 0 (2 rows after the share) and 1 (2 rows), one GEMM of 8 padded
+         * rows: 11.6 s */
+        is_double(rp_cost_expert_breakdown(s.cost)[0], 11.6, 1e-9, "EP rank 0: one GEMM of its slots' 8 padded "
+                  "rows, 11.6 s");
+    } else {
+        skip(2, "no scene");
+    }
+    scene_free(&s);
+}
+
 /* Where the executor loops over its experts (Megatron's SequentialMLP): the per-expert sum
  * t(n) = max(0.75 n / eff(n), 1 s), no tile, the backward at (1 + 2) x. */
 static void test_loop_form(void)
@@ -207,6 +256,7 @@ int main(void)
 {
     if (rp_context_new(NULL, NULL, &ctx) != RP_OK) return 1;
     test_grouped_by_hand();
+    test_extras_apart();
     test_loop_form();
     test_defaults();
     test_profiles();
