@@ -591,6 +591,131 @@ static rp_status bind_counts(rp_cost *c, cost_state *s, bool same, rp_error *err
     return RP_OK;
 }
 
+/* Every EP group of (m, l) and the layer's times there, into the state. */
+static void eval_layer_at(const rp_cost *c, cost_state *s, cost_scratch *sc, int32_t m, int32_t l)
+{
+    const int32_t G = c->G, L = c->L, E = c->E, ep = c->ep;
+    size_t ml = (size_t)m * L + l;
+    const int32_t *off = s->rep_off + (size_t)l * (E + 1), *rank = s->rep_rank + (size_t)l * s->S;
+    cost_map map = cost_dst_map(c, s, m, l, off, rank, true, sc);
+    for (int32_t q = 0; q < c->Q; q++) {
+        group_result r;
+        size_t gq = ml * c->Q + q;
+        int32_t *total = s->gtotal + gq * E;
+        int32_t *pair = s->gpair + gq * ep * ep;
+        cost_group_rebuild(c, s, m, l, q, map, total, pair);
+        cost_group_tokens(c, s, m, q, sc->tok);
+        cost_group_eval(c, s, m, l, q, off, rank, map, total, pair, sc->tok, s->expert + ml * G + (size_t)q * ep,
+                        s->dispatch + ml * G + (size_t)q * ep, &r, sc);
+        s->xmax[gq] = r.xmax;
+        s->dmax[gq] = r.dmax;
+        s->xarg[gq] = r.xarg;
+        s->darg[gq] = r.darg;
+    }
+    cost_layer_times(c, s->dfmax + (size_t)m * c->Q, s->dbmax + (size_t)m * c->Q, s->dmax + ml * c->Q,
+                     s->xmax + ml * c->Q, s->layer_t + ml * c->LW);
+}
+
+/* What follows the layers: the gradient reduction over the layers' rows, the extra
+ * replicas' copies and the step. */
+static void eval_tail(const rp_cost *c, cost_state *s)
+{
+    const int32_t L = c->L, M = s->M, ep = c->ep;
+    s->grad_s = cost_grad_total(c, s, -1, NULL);
+    /* Extra replicas: a weight copy over NVLink before the microbatch's layer and its
+     * gradient back after it; copies to different GPUs run in parallel. Under PP a
+     * stage's GPUs copy only its own layers' replicas, and the stages copy at once: the
+     * stage with the most copy time counts (PP 1: the sum, in the same order). */
+    s->extra_s = 0.0;
+    for (int32_t r = 0; r < c->PP; r++) {
+        double stage_s = 0.0;
+        if (c->extras_once) {
+            stage_s = cost_extras_once(c, s, r, false, c->extras_ahead);
+            if (stage_s > s->extra_s) s->extra_s = stage_s;
+            continue;
+        }
+        for (int32_t i = 0; i < M * L; i++) {
+            if (c->layer_stage[i % L] != r) continue;
+            int32_t most = 0;
+            for (int32_t j = 0; j < ep; j++)
+                if (s->extra_count[(size_t)i * ep + j] > most) most = s->extra_count[(size_t)i * ep + j];
+            if (most > 0) stage_s += 2.0 * (most * c->expert_bytes / c->nv_bw + c->nv_lat);
+        }
+        if (stage_s > s->extra_s) s->extra_s = stage_s;
+    }
+    s->step_s = cost_step_from(c, s, s->layer_t, s->grad_s);
+}
+
+/* ---- a placement change on the bound packing ------------------------------------- */
+
+/* Whether `plan` is the bound state's plan (the memo's copy: the state is its evaluation,
+ * unedited) with other placement rows only: the same shape, packing and microbatch order,
+ * neither with levers (extra replicas, shares) nor per-forward balancing. Its evaluation
+ * then differs from the bound state's in the changed layers alone, as a policy scoring
+ * placements on one packing compares them (policies/routepack.lua's persistence measure:
+ * placements a step or two apart, a few layers re-placed). */
+static bool rows_only(const rp_cost *c, const rp_plan *plan)
+{
+    if (!c->st || c->memo_bound < 0 || c->st->vexp) return false;
+    const rp_plan *b = c->memo[c->memo_bound].plan;
+    if (!b || !rp_plan_has_packing(plan) || !rp_plan_has_placement(plan) ||
+        rp_plan_balancing(plan) == RP_BALANCING_VIRTUAL_EXPERTS || rp_plan_num_extra_replicas(plan) > 0 ||
+        rp_plan_num_share_sets(plan) > 0)
+        return false;
+    /* the comparison reads the packing's lists once */
+    cost_count(c, (int64_t)c->N + (int64_t)c->G * rp_plan_num_microbatches(plan) + c->ep);
+    return plan_equal_but_rows(b, plan);
+}
+
+/* rp_cost_evaluate of a plan rows_only accepts: the changed layers' rows are checked as
+ * read_placement checks them (the state is untouched when one fails), then re-read and
+ * re-evaluated at every microbatch through the full evaluation's functions, in place,
+ * and the gradient, extras and step follow from all layers' results. The result equals a
+ * full evaluation's bit for bit: every (microbatch, layer) result depends on its own
+ * layer's row, counts and levers only. */
+static rp_status evaluate_rows(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, rp_error *err)
+{
+    cost_state *s = c->st;
+    cost_scratch *sc = &c->sc;
+    const rp_plan *b = c->memo[c->memo_bound].plan;
+    const int32_t L = c->L, E = c->E, S = s->S, M = s->M, G = c->G;
+    cost_count(c, (int64_t)L * S);
+    for (int32_t l = 0; l < L; l++) {
+        const int32_t *row = rp_plan_phy2log(plan, l);
+        if (memcmp(row, rp_plan_phy2log(b, l), (size_t)S * sizeof *row) == 0) continue;
+        cost_count(c, 2 * (int64_t)S + 2 * (int64_t)E);
+        for (int32_t k = 0; k < S; k++)
+            if (row[k] < -1 || row[k] >= E)
+                return fail_expert(err, row[k], "cost: layer %d slot %d holds expert %d, but the model has %d", l, k,
+                                   row[k], E);
+        cost_index_layer(E, S, s->slot_rank, row, sc->rep_off, sc->rep_rank);
+        for (int32_t e = 0; e < E; e++)
+            if (sc->rep_off[e + 1] == sc->rep_off[e])
+                return fail_expert(err, e, "cost: layer %d expert %d has no replica", l, e);
+    }
+    cost_state_edited(c);
+    s->plan = plan; /* the bound plan's copy may be gone; this one has its microbatch order */
+    for (int32_t l = 0; l < L; l++) {
+        const int32_t *row = rp_plan_phy2log(plan, l);
+        int32_t *dst = s->phy2log + (size_t)l * S;
+        if (memcmp(row, dst, (size_t)S * sizeof *row) == 0) continue;
+        int32_t *off = s->rep_off + (size_t)l * (E + 1), *rank = s->rep_rank + (size_t)l * S;
+        memcpy(dst, row, (size_t)S * sizeof *row);
+        cost_index_layer(E, S, s->slot_rank, dst, off, rank);
+        cost_count(c, 3 * (int64_t)S + 3 * (int64_t)E + (int64_t)M * (c->Q + c->ep + 1));
+        cost_layer_dst(c, s, l, off, rank);
+        for (int32_t m = 0; m < M; m++) eval_layer_at(c, s, sc, m, l);
+        cost_grad_layer(c, s, l, off, rank, s->grad_gpu + (size_t)l * G, NULL);
+    }
+    eval_tail(c, s);
+    rp_cost_summary sum;
+    cost_summary(c, s, &sum);
+    s->forward_s = cost_forward_s(c, s);
+    memo_push(c, plan, &sum, s->forward_s);
+    if (out) *out = sum;
+    return RP_OK;
+}
+
 rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, rp_error *err)
 {
     if (!c) return rp_fail(err, RP_EINVAL, "cost: no evaluator");
@@ -602,6 +727,7 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
         if (out) *out = c->memo[c->memo_bound].sum;
         return RP_OK;
     }
+    if (rows_only(c, plan)) return evaluate_rows(c, plan, out, err);
     cost_state *s = NULL;
     cost_scratch sc;
     memset(&sc, 0, sizeof sc);
@@ -670,53 +796,11 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     for (int32_t l = 0; l < L; l++)
         cost_layer_dst(c, s, l, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S);
     for (int32_t m = 0; m < M; m++)
-        for (int32_t l = 0; l < L; l++) {
-            size_t ml = (size_t)m * L + l;
-            const int32_t *off = s->rep_off + (size_t)l * (E + 1), *rank = s->rep_rank + (size_t)l * s->S;
-            cost_map map = cost_dst_map(c, s, m, l, off, rank, true, &sc);
-            for (int32_t q = 0; q < c->Q; q++) {
-                group_result r;
-                size_t gq = ml * c->Q + q;
-                int32_t *total = s->gtotal + gq * E;
-                int32_t *pair = s->gpair + gq * ep * ep;
-                cost_group_rebuild(c, s, m, l, q, map, total, pair);
-                cost_group_tokens(c, s, m, q, sc.tok);
-                cost_group_eval(c, s, m, l, q, off, rank, map, total, pair, sc.tok, s->expert + ml * G + (size_t)q * ep,
-                                s->dispatch + ml * G + (size_t)q * ep, &r, &sc);
-                s->xmax[gq] = r.xmax;
-                s->dmax[gq] = r.dmax;
-                s->xarg[gq] = r.xarg;
-                s->darg[gq] = r.darg;
-            }
-            cost_layer_times(c, s->dfmax + (size_t)m * c->Q, s->dbmax + (size_t)m * c->Q, s->dmax + ml * c->Q,
-                             s->xmax + ml * c->Q, s->layer_t + ml * c->LW);
-        }
+        for (int32_t l = 0; l < L; l++) eval_layer_at(c, s, &sc, m, l);
     for (int32_t l = 0; l < L; l++)
         cost_grad_layer(c, s, l, s->rep_off + (size_t)l * (E + 1), s->rep_rank + (size_t)l * s->S,
                         s->grad_gpu + (size_t)l * G, NULL);
-    s->grad_s = cost_grad_total(c, s, -1, NULL);
-    /* Extra replicas: a weight copy over NVLink before the microbatch's layer and its
-     * gradient back after it; copies to different GPUs run in parallel. Under PP a
-     * stage's GPUs copy only its own layers' replicas, and the stages copy at once: the
-     * stage with the most copy time counts (PP 1: the sum, in the same order). */
-    s->extra_s = 0.0;
-    for (int32_t r = 0; r < c->PP; r++) {
-        double stage_s = 0.0;
-        if (c->extras_once) {
-            stage_s = cost_extras_once(c, s, r, false, c->extras_ahead);
-            if (stage_s > s->extra_s) s->extra_s = stage_s;
-            continue;
-        }
-        for (int32_t i = 0; i < M * L; i++) {
-            if (c->layer_stage[i % L] != r) continue;
-            int32_t most = 0;
-            for (int32_t j = 0; j < ep; j++)
-                if (s->extra_count[(size_t)i * ep + j] > most) most = s->extra_count[(size_t)i * ep + j];
-            if (most > 0) stage_s += 2.0 * (most * c->expert_bytes / c->nv_bw + c->nv_lat);
-        }
-        if (stage_s > s->extra_s) s->extra_s = stage_s;
-    }
-    s->step_s = cost_step_from(c, s, s->layer_t, s->grad_s);
+    eval_tail(c, s);
 
     /* commit (nothing below can fail) */
     cost_state_free(c->ctx, c->st);

@@ -837,7 +837,8 @@ static bool same_ints(const int32_t *a, const int32_t *b, size_t n)
     return n == 0 || memcmp(a, b, n * sizeof *a) == 0;
 }
 
-bool rp_plan_equal(const rp_plan *a, const rp_plan *b)
+/* rp_plan_equal, the placement rows compared only with `rows` */
+static bool equal_parts(const rp_plan *a, const rp_plan *b, bool rows)
 {
     if (a == b) return true;
     if (!a || !b) return false;
@@ -855,7 +856,8 @@ bool rp_plan_equal(const rp_plan *a, const rp_plan *b)
             !same_ints(p->seqs, q->seqs, (size_t)p->begin[lists]))
             return false;
     }
-    if (a->has_placement && !same_ints(a->phy2log, b->phy2log, (size_t)a->num_layers * a->total_slots)) return false;
+    if (rows && a->has_placement && !same_ints(a->phy2log, b->phy2log, (size_t)a->num_layers * a->total_slots))
+        return false;
     if (a->mb_order && !same_ints(a->mb_order, b->mb_order, lists)) return false;
     for (int32_t i = 0; i < a->num_extras; i++) {
         const extra_replica *x = &a->extras[i], *y = &b->extras[i];
@@ -870,6 +872,10 @@ bool rp_plan_equal(const rp_plan *a, const rp_plan *b)
     }
     return true;
 }
+
+bool rp_plan_equal(const rp_plan *a, const rp_plan *b) { return equal_parts(a, b, true); }
+
+bool plan_equal_but_rows(const rp_plan *a, const rp_plan *b) { return equal_parts(a, b, false); }
 
 uint64_t rp_plan_hash(const rp_plan *plan)
 {

@@ -15,4 +15,8 @@ int32_t plan_experts_moved(rp_context *ctx, const rp_plan *from, const rp_plan *
 /* The same for two plans with placements, with a caller's scratch of E bytes. */
 int32_t plan_experts_moved_into(const rp_plan *from, const rp_plan *to, uint8_t *held, int32_t E);
 
+/* rp_plan_equal without comparing the placement rows (phy2log): the same shape, packing,
+ * microbatch order, balancing and levers, and both with or without a placement. */
+bool plan_equal_but_rows(const rp_plan *a, const rp_plan *b);
+
 #endif

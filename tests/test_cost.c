@@ -1661,10 +1661,9 @@ static void test_alloc_failures(void)
     batch_fixture_free(&f);
 }
 
-/* A second placement on the bound packing takes the bound state's counts over instead of
- * copying them, only once nothing can fail: an allocation failure at any point of that
- * evaluation leaves the bound state whole (its step, and incremental moves that read its
- * counts, as on an evaluator that never saw the failed plan). */
+/* A second placement on the bound packing (with a lever: the full evaluation) takes the bound
+ * state's counts over, only once nothing can fail: an allocation failure at any point leaves
+ * the bound state whole (its step, and moves that read its counts, as if never seen). */
 static void test_same_packing_failures(void)
 {
     fixture f;
@@ -1672,6 +1671,7 @@ static void test_same_packing_failures(void)
     static const int32_t other[2 * 6] = {0, 1, 2, 3, 3, -1, 0, 1, 2, -1, 3, -1};
     rp_plan *p = plan_of(&f, 1, HAND_RANK, HAND_MB, SPARE_P2L), *q = plan_of(&f, 1, HAND_RANK, HAND_MB, other);
     rp_error err;
+    rp_plan_add_extra_replica(q, 0, 1, 0, 1, &err);
     rp_cost *ref = NULL;
     rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &ref, &err);
     rp_cost_evaluate(ref, p, NULL, &err);
