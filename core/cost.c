@@ -360,6 +360,7 @@ void rp_cost_free(rp_cost *c)
     if (!c) return;
     rp_context *ctx = c->ctx;
     cost_state_free(ctx, c->st);
+    cost_packed_free(ctx, c->packed);
     cost_scratch_free(ctx, &c->sc);
     for (int32_t i = 0; i < COST_MEMO; i++) rp_plan_free(c->memo[i].plan);
     rp_free(ctx, c->gpu_node);

@@ -591,6 +591,92 @@ static rp_status bind_counts(rp_cost *c, cost_state *s, bool same, rp_error *err
     return RP_OK;
 }
 
+/* ---- a packing's counts -------------------------------------------------------------- */
+
+/* The cells' tokens, quadratic attention, padding and top sequence, and the per-(mb,
+ * layer, GPU, expert) counts of a packing, from the per-sequence histograms (the arrays
+ * zeroed by the caller; cell_top is set here). */
+static void count_cells(const rp_cost *c, int32_t M, const int32_t *seq_rank, const int32_t *seq_mb,
+                        int64_t *cell_tokens, int64_t *cell_quad, int64_t *cell_pad, int32_t *cell_top,
+                        int32_t *counts)
+{
+    const int32_t G = c->G, L = c->L, E = c->E;
+    cost_count(c, (int64_t)c->N * (1 + 2 * (int64_t)L * E) + (int64_t)G * M);
+    for (size_t i = 0; i < (size_t)G * M; i++) cell_top[i] = -1;
+    for (int32_t q = 0; q < c->N; q++) {
+        int32_t g = seq_rank[q], m = seq_mb[q];
+        int64_t len = c->cu_seqlens[q + 1] - c->cu_seqlens[q];
+        size_t cell = (size_t)g * M + m;
+        cell_tokens[cell] += len;
+        cell_quad[cell] += c->seq_quad[q];
+        cell_pad[cell] += cost_pad(c, len);
+        if (cell_top[cell] < 0 || cost_seq_attention(c, q) > cost_seq_attention(c, cell_top[cell])) cell_top[cell] = q;
+        stats_add_layers(c->stats, q, counts + ((size_t)m * L * G + g) * E, (size_t)G * E);
+    }
+}
+
+void cost_packed_free(rp_context *ctx, cost_packed *p)
+{
+    if (!p) return;
+    void *arrays[] = {p->seq_rank, p->seq_mb, p->cell_tokens, p->cell_quad, p->cell_pad, p->cell_top, p->counts};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) rp_free(ctx, arrays[i]);
+    rp_free(ctx, p);
+}
+
+rp_status cost_read_packing(rp_cost *c, int32_t M, const int32_t *seq_rank, const int32_t *seq_mb,
+                            const int32_t **counts, rp_error *err)
+{
+    if (!c || !seq_rank || !seq_mb || !counts) return rp_fail(err, RP_EINVAL, "cost: a packing to read needs its arrays");
+    const int32_t N = c->N, G = c->G;
+    if (M < 1) return rp_fail(err, RP_EINVAL, "cost: a packing of %d microbatches", M);
+    for (int32_t q = 0; q < N; q++)
+        if (seq_rank[q] < 0 || seq_rank[q] >= G || seq_mb[q] < 0 || seq_mb[q] >= M)
+            return rp_fail_seq(err, RP_EINVAL, q, "cost: sequence %d is on GPU %d microbatch %d, outside %d GPUs x %d "
+                               "microbatches", q, seq_rank[q], seq_mb[q], G, M);
+    cost_count(c, 2 * (int64_t)N);
+    const size_t n = (size_t)N * sizeof *seq_rank;
+    const cost_state *b = c->st;
+    if (b && b->counts && b->M == M && memcmp(b->seq_rank, seq_rank, n) == 0 && memcmp(b->seq_mb, seq_mb, n) == 0) {
+        *counts = b->counts;
+        return RP_OK;
+    }
+    cost_packed *p = c->packed;
+    if (p && p->M == M && memcmp(p->seq_rank, seq_rank, n) == 0 && memcmp(p->seq_mb, seq_mb, n) == 0) {
+        *counts = p->counts;
+        return RP_OK;
+    }
+    cost_packed_free(c->ctx, c->packed);
+    c->packed = NULL;
+    int64_t cells;
+    if (rp_mul_overflow((int64_t)M * c->L, (int64_t)G * c->E, &cells) || cells > ((int64_t)1 << 56))
+        return rp_fail(err, RP_ERANGE, "cost: %d microbatches of the packing are too many to read", M);
+    bool bad = false;
+    size_t bytes = sizeof *p;
+    p = rp_calloc(c->ctx, 1, sizeof *p);
+    if (!p) return rp_fail_nomem(err, "a packing's counts");
+    p->M = M;
+    p->seq_rank = take(c->ctx, N, sizeof(int32_t), false, &bad, &bytes);
+    p->seq_mb = take(c->ctx, N, sizeof(int32_t), false, &bad, &bytes);
+    p->cell_tokens = take(c->ctx, (int64_t)G * M, sizeof(int64_t), true, &bad, &bytes);
+    p->cell_quad = take(c->ctx, (int64_t)G * M, sizeof(int64_t), true, &bad, &bytes);
+    p->cell_pad = take(c->ctx, (int64_t)G * M, sizeof(int64_t), true, &bad, &bytes);
+    p->cell_top = take(c->ctx, (int64_t)G * M, sizeof(int32_t), true, &bad, &bytes);
+    p->counts = take(c->ctx, cells, sizeof(int32_t), true, &bad, &bytes);
+    if (bad || !p->seq_rank || !p->seq_mb || !p->cell_tokens || !p->cell_quad || !p->cell_pad || !p->cell_top ||
+        !p->counts) {
+        cost_packed_free(c->ctx, p);
+        return bad ? rp_fail(err, RP_ERANGE, "cost: the packing is too large to read")
+                   : rp_fail_nomem(err, "a packing's counts");
+    }
+    p->bytes = bytes;
+    memcpy(p->seq_rank, seq_rank, n);
+    memcpy(p->seq_mb, seq_mb, n);
+    count_cells(c, M, seq_rank, seq_mb, p->cell_tokens, p->cell_quad, p->cell_pad, p->cell_top, p->counts);
+    c->packed = p;
+    *counts = p->counts;
+    return RP_OK;
+}
+
 /* Every EP group of (m, l) and the layer's times there, into the state. */
 static void eval_layer_at(const rp_cost *c, cost_state *s, cost_scratch *sc, int32_t m, int32_t l)
 {
@@ -746,7 +832,10 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
                       (int64_t)M * L * G * E + s->S);
     RP_CHECK_GOTO(read_packing(c, plan, s, err), st, out);
     const bool same = same_packing(c, c->st, s);
-    RP_CHECK_GOTO(bind_counts(c, s, same, err), st, out);
+    const bool ahead = !same && c->packed && c->packed->M == s->M &&
+                       memcmp(c->packed->seq_rank, s->seq_rank, (size_t)c->N * sizeof *s->seq_rank) == 0 &&
+                       memcmp(c->packed->seq_mb, s->seq_mb, (size_t)c->N * sizeof *s->seq_mb) == 0;
+    RP_CHECK_GOTO(bind_counts(c, s, same || ahead, err), st, out);
     RP_CHECK_GOTO(read_placement(c, plan, s, err), st, out);
     RP_CHECK_GOTO(read_levers(c, plan, s, err), st, out);
     RP_CHECK_GOTO(scratch_alloc(c, s, &sc, err), st, out);
@@ -775,20 +864,21 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
         memcpy(s->cell_top, old->cell_top, cells * sizeof *s->cell_top);
         s->counts = old->counts;
         old->counts = NULL;
+    } else if (ahead) {
+        /* the same, from the counts read ahead (cost_read_packing), which are then spent */
+        cost_packed *pk = c->packed;
+        const size_t cells = (size_t)G * M;
+        cost_count(c, 2 * (int64_t)c->N + 3 * (int64_t)cells);
+        memcpy(s->cell_tokens, pk->cell_tokens, cells * sizeof *s->cell_tokens);
+        memcpy(s->cell_quad, pk->cell_quad, cells * sizeof *s->cell_quad);
+        memcpy(s->cell_pad, pk->cell_pad, cells * sizeof *s->cell_pad);
+        memcpy(s->cell_top, pk->cell_top, cells * sizeof *s->cell_top);
+        s->counts = pk->counts;
+        pk->counts = NULL;
+        cost_packed_free(c->ctx, pk);
+        c->packed = NULL;
     } else {
-        cost_count(c, (int64_t)c->N * (1 + 2 * (int64_t)L * E) + (int64_t)G * M);
-        for (size_t i = 0; i < (size_t)G * M; i++) s->cell_top[i] = -1;
-        for (int32_t q = 0; q < c->N; q++) {
-            int32_t g = s->seq_rank[q], m = s->seq_mb[q];
-            int64_t len = c->cu_seqlens[q + 1] - c->cu_seqlens[q];
-            size_t cell = (size_t)g * M + m;
-            s->cell_tokens[cell] += len;
-            s->cell_quad[cell] += c->seq_quad[q];
-            s->cell_pad[cell] += cost_pad(c, len);
-            if (s->cell_top[cell] < 0 || cost_seq_attention(c, q) > cost_seq_attention(c, s->cell_top[cell]))
-                s->cell_top[cell] = q;
-            stats_add_layers(c->stats, q, s->counts + ((size_t)m * L * G + g) * E, (size_t)G * E);
-        }
+        count_cells(c, M, s->seq_rank, s->seq_mb, s->cell_tokens, s->cell_quad, s->cell_pad, s->cell_top, s->counts);
     }
 
     eval_dense(c, s);

@@ -218,6 +218,7 @@ struct rp_cost {
     bool vexp_charges;         /* the balancer's padding, SM contention and FP32 push (its profile) */
 
     cost_state *st;            /* NULL until an evaluation succeeds */
+    struct cost_packed *packed; /* a packing's counts read ahead (cost_read_packing), or NULL */
     /* The last COST_MEMO plans evaluated (copies; NULL where none or a copy failed) with
      * their summaries, the newest at memo_next - 1: a plan's summary depends on its content
      * alone, so an equal plan needs no second evaluation (cost_summary_of; the
@@ -420,6 +421,25 @@ static inline void cost_state_edited(rp_cost *c) { c->memo_bound = -1; }
 rp_status cost_summary_of(rp_cost *c, const rp_plan *plan, rp_cost_summary *out, double *forward_s, rp_error *err);
 void cost_state_free(rp_context *ctx, cost_state *s);
 void cost_scratch_free(rp_context *ctx, cost_scratch *sc);
+/* A packing's per-(mb, layer, GPU, expert) counts read ahead of its evaluation, with its
+ * cells' tokens, quadratic attention, padding and top sequence (as a state holds them). */
+typedef struct cost_packed {
+    int32_t M;
+    int32_t *seq_rank, *seq_mb;                   /* [N] */
+    int64_t *cell_tokens, *cell_quad, *cell_pad;  /* [G M] */
+    int32_t *cell_top;                            /* [G M] */
+    int32_t *counts;                              /* [M L G E], as cost_state.counts */
+    size_t bytes;
+} cost_packed;
+void cost_packed_free(rp_context *ctx, cost_packed *p);
+/* The counts of the packing that puts sequence s on GPU seq_rank[s] in microbatch
+ * seq_mb[s] of M (*counts: [M][L][G][E], valid until the evaluator's next evaluation or
+ * read): the bound state's when it has this packing, else read once from the histograms
+ * and kept, so that the next evaluation of a plan with exactly this packing takes them
+ * over instead of reading the histograms again (the joint planner's per-group histograms
+ * and its plan's evaluation then read them once). Counted as the evaluation's pass. */
+rp_status cost_read_packing(rp_cost *c, int32_t M, const int32_t *seq_rank, const int32_t *seq_mb,
+                            const int32_t **counts, rp_error *err);
 
 /* cost_step.c */
 double cost_forward_s(const rp_cost *c, const cost_state *s);

@@ -222,6 +222,7 @@ size_t rp_cost_bytes(const rp_cost *c)
     if (!c) return 0;
     size_t total = sizeof *c + (size_t)c->G * sizeof *c->gpu_node + 2 * (size_t)c->slot_table_n * sizeof(double);
     if (c->st) total += c->st->bytes + c->sc.bytes;
+    if (c->packed) total += c->packed->bytes;
     return total;
 }
 

@@ -1,8 +1,11 @@
-/* The cost model re-evaluating only the layers whose placement rows changed: a plan equal
- * to the bound one but for some rows (same packing, neither with levers nor per-forward
- * balancing) evaluates bit for bit as on a fresh evaluator, for a fraction of a full
+/* The cost model reusing what it read: a plan equal to the bound one but for some
+ * placement rows (same packing, neither with levers nor per-forward balancing) re-evaluates
+ * only the changed layers, bit for bit as on a fresh evaluator, for a fraction of a full
  * evaluation's operations; a bad row is refused with the state kept; anything else
- * (levers, another packing) takes the full evaluation. */
+ * (levers, another packing) takes the full evaluation. A packing's counts read ahead
+ * (cost_read_packing, the joint planner's group histograms) are the histograms' sums and
+ * are taken over by the evaluation of a plan with that packing. */
+#include "cost_internal.h"
 #include "routepack/routepack.h"
 #include "tap.h"
 #include "test_util.h"
@@ -268,11 +271,82 @@ out:
     batch_fixture_free(&f);
 }
 
+/* cost_read_packing: the per-GPU counts of a packing, summed over each EP group, are the
+ * statistics' per-(microbatch, group) loads; the evaluation of a plan with that packing
+ * then skips the histogram pass (fewer operations than a fresh evaluator's) and equals a
+ * fresh evaluator's bit for bit; a second read of the same packing, or of the bound
+ * state's, does no work; a sequence outside the packing's GPUs is refused. */
+static void test_read_packing(void)
+{
+    uint64_t rng = 0xA4093822299F31D0ULL;
+    fixture f;
+    if (!make(&f, &VARIANTS[1], &rng)) {
+        ok(0, "fixture");
+        return;
+    }
+    rp_error err;
+    const int32_t M = 3, G = rp_config_topology(f.cfg)->num_gpus, ep = rp_config_topology(f.cfg)->ep_size, Q = G / ep;
+    rp_plan *p = random_plan(&f, M, &rng);
+    rp_cost *c = NULL, *fresh = NULL;
+    int32_t rank[N], mb[N], cell[N];
+    int64_t *loads = malloc(sizeof *loads * (size_t)M * Q * L * E);
+    const int32_t *counts = NULL, *again = NULL;
+    if (!p || !loads || rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &c, &err) != RP_OK ||
+        rp_cost_new(ctx, f.cfg, f.batch, f.stats, RP_SPLIT_EVEN, &fresh, &err) != RP_OK) {
+        ok(0, "setup: %s", err.text);
+        goto out;
+    }
+    for (int32_t s = 0; s < N; s++) {
+        rank[s] = rp_plan_seq_rank(p, s);
+        mb[s] = rp_plan_seq_microbatch(p, s);
+        cell[s] = mb[s] * Q + rank[s] / ep;
+    }
+    rp_stats_microbatch_loads(f.stats, cell, M * Q, loads, &err);
+    is_int(cost_read_packing(c, M, rank, mb, &counts, &err), RP_OK, "a packing's counts read");
+    int bad = 0;
+    for (int32_t m = 0; m < M; m++)
+        for (int32_t l = 0; l < L; l++)
+            for (int32_t q = 0; q < Q; q++)
+                for (int32_t e = 0; e < E; e++) {
+                    int64_t sum = 0;
+                    for (int32_t j = 0; j < ep; j++) sum += counts[(((size_t)m * L + l) * G + q * ep + j) * E + e];
+                    bad += sum != loads[(((size_t)m * Q + q) * L + l) * E + e];
+                }
+    is_int(bad, 0, "summed over each EP group: the statistics' per-(microbatch, group) loads");
+    int64_t o = rp_cost_operations(c);
+    ok(cost_read_packing(c, M, rank, mb, &again, &err) == RP_OK && again == counts && rp_cost_operations(c) - o < 4 * N,
+       "read again: the same counts, no pass");
+    o = rp_cost_operations(fresh);
+    rp_cost_summary a, b;
+    rp_cost_evaluate(fresh, p, &b, &err);
+    const int64_t full = rp_cost_operations(fresh) - o;
+    o = rp_cost_operations(c);
+    ok(rp_cost_evaluate(c, p, &a, &err) == RP_OK && same_evaluation(c, fresh, &a, &b, p),
+       "the plan of that packing evaluates as on a fresh evaluator, bit for bit");
+    const int64_t used = rp_cost_operations(c) - o, pass = (int64_t)N * L * E; /* half the pass at least */
+    ok(used + pass <= full, "without the histogram pass (%lld operations, a fresh evaluator %lld)", (long long)used,
+       (long long)full);
+    o = rp_cost_operations(c);
+    ok(cost_read_packing(c, M, rank, mb, &again, &err) == RP_OK && rp_cost_operations(c) - o < 4 * N,
+       "the bound state's packing: its counts, no pass");
+    rank[7] = G;
+    err.sequence = -1;
+    is_int(cost_read_packing(c, M, rank, mb, &again, &err), RP_EINVAL, "a sequence on GPU %d is refused", G);
+    ok(err.sequence == 7, "naming the sequence: %s", err.text);
+out:
+    free(loads);
+    rp_plan_free(p);
+    rp_cost_free(c);
+    rp_cost_free(fresh);
+    batch_fixture_free(&f);
+}
+
 int main(void)
 {
     rp_context_new(NULL, NULL, &ctx);
     test_rows_random();
     test_rows_refused();
+    test_read_packing();
     rp_context_free(ctx);
     return tap_done();
 }
