@@ -593,6 +593,22 @@ static rp_status bind_counts(rp_cost *c, cost_state *s, bool same, rp_error *err
 
 /* ---- a packing's counts -------------------------------------------------------------- */
 
+/* State s takes a packing's cell sums (copied) and its counts (*counts moves to s and
+ * becomes NULL): those of the bound state or of cost_read_packing, instead of reading
+ * the histograms again. */
+static void take_cells(const rp_cost *c, cost_state *s, const int64_t *tokens, const int64_t *quad,
+                       const int64_t *pad, const int32_t *top, int32_t **counts)
+{
+    const size_t cells = (size_t)c->G * s->M;
+    cost_count(c, 2 * (int64_t)c->N + 3 * (int64_t)cells);
+    memcpy(s->cell_tokens, tokens, cells * sizeof *s->cell_tokens);
+    memcpy(s->cell_quad, quad, cells * sizeof *s->cell_quad);
+    memcpy(s->cell_pad, pad, cells * sizeof *s->cell_pad);
+    memcpy(s->cell_top, top, cells * sizeof *s->cell_top);
+    s->counts = *counts;
+    *counts = NULL;
+}
+
 /* The cells' tokens, quadratic attention, padding and top sequence, and the per-(mb,
  * layer, GPU, expert) counts of a packing, from the per-sequence histograms (the arrays
  * zeroed by the caller; cell_top is set here). */
@@ -856,25 +872,12 @@ rp_status rp_cost_evaluate(rp_cost *c, const rp_plan *plan, rp_cost_summary *out
     if (same) {
         /* nothing below fails: the bound state's counts become this state's */
         cost_state *old = c->st;
-        const size_t cells = (size_t)G * M;
-        cost_count(c, 2 * (int64_t)c->N + 3 * (int64_t)cells + (int64_t)M * L * G * E);
-        memcpy(s->cell_tokens, old->cell_tokens, cells * sizeof *s->cell_tokens);
-        memcpy(s->cell_quad, old->cell_quad, cells * sizeof *s->cell_quad);
-        memcpy(s->cell_pad, old->cell_pad, cells * sizeof *s->cell_pad);
-        memcpy(s->cell_top, old->cell_top, cells * sizeof *s->cell_top);
-        s->counts = old->counts;
-        old->counts = NULL;
+        cost_count(c, (int64_t)M * L * G * E);
+        take_cells(c, s, old->cell_tokens, old->cell_quad, old->cell_pad, old->cell_top, &old->counts);
     } else if (ahead) {
         /* the same, from the counts read ahead (cost_read_packing), which are then spent */
         cost_packed *pk = c->packed;
-        const size_t cells = (size_t)G * M;
-        cost_count(c, 2 * (int64_t)c->N + 3 * (int64_t)cells);
-        memcpy(s->cell_tokens, pk->cell_tokens, cells * sizeof *s->cell_tokens);
-        memcpy(s->cell_quad, pk->cell_quad, cells * sizeof *s->cell_quad);
-        memcpy(s->cell_pad, pk->cell_pad, cells * sizeof *s->cell_pad);
-        memcpy(s->cell_top, pk->cell_top, cells * sizeof *s->cell_top);
-        s->counts = pk->counts;
-        pk->counts = NULL;
+        take_cells(c, s, pk->cell_tokens, pk->cell_quad, pk->cell_pad, pk->cell_top, &pk->counts);
         cost_packed_free(c->ctx, pk);
         c->packed = NULL;
     } else {
