@@ -191,6 +191,11 @@ int rp_lua_error(lua_State *L, const char *fmt, ...) RP_PRINTF(2, 3);
 int rp_lua_fail(lua_State *L, rp_lua_host *host, const char *fname, rp_status st, const rp_error *err);
 /* Reject keys of the options table at `idx` outside `known` (NULL-terminated). */
 void rp_lua_check_opts(lua_State *L, int idx, const char *fname, const char *const *known);
+/* The table at absolute `idx`'s first key outside `known` (NULL-terminated), in one
+ * order whatever order lua_next visits the table in (numbers ascending, then strings by
+ * bytes, then the rest), pushed; its stack index, or 0 (nothing pushed) when every key
+ * is known. Charges one unit a key. */
+int rp_lua_first_unknown_key(lua_State *L, int idx, const char *const *known);
 /* An integer argument or table value, checked to be integral and in [lo, hi]. */
 int64_t rp_lua_check_int(lua_State *L, int idx, const char *what, int64_t lo, int64_t hi);
 /* Charge work (raises the limit error when the budget is spent). */

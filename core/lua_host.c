@@ -142,14 +142,9 @@ static void describe_key(lua_State *L, int idx, char *buf, size_t n)
     else snprintf(buf, n, "of type %s", luaL_typename(L, idx));
 }
 
-/* The unknown key reported is the first in key_before's order, so every rank and run
- * gives the same message whatever order lua_next visits the table in. */
-void rp_lua_check_opts(lua_State *L, int idx, const char *fname, const char *const *known)
+/* The first in key_before's order, so every rank and run gives the same message. */
+int rp_lua_first_unknown_key(lua_State *L, int idx, const char *const *known)
 {
-    if (lua_isnoneornil(L, idx)) return;
-    if (lua_type(L, idx) != LUA_TTABLE)
-        rp_lua_error(L, "%s: the options must be a table, got %s", fname, luaL_typename(L, idx));
-    idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
     int worst = 0;
     int64_t keys = 0;
     lua_pushnil(L);
@@ -167,6 +162,16 @@ void rp_lua_check_opts(lua_State *L, int idx, const char *fname, const char *con
         }
     }
     rp_lua_charge(L, keys);
+    return worst;
+}
+
+void rp_lua_check_opts(lua_State *L, int idx, const char *fname, const char *const *known)
+{
+    if (lua_isnoneornil(L, idx)) return;
+    if (lua_type(L, idx) != LUA_TTABLE)
+        rp_lua_error(L, "%s: the options must be a table, got %s", fname, luaL_typename(L, idx));
+    idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
+    const int worst = rp_lua_first_unknown_key(L, idx, known);
     if (!worst) return;
     char key[96], list[256];
     describe_key(L, worst, key, sizeof key);

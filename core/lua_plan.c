@@ -448,35 +448,11 @@ void rp_lua_register_plan(lua_State *L, rp_lua_host *host)
 
 /* ---- table -> plan ---------------------------------------------------------------------- */
 
-/* Reject keys outside `known`: the first unknown key in a deterministic order (numbers
- * ascending, then strings by bytes), with a suggestion for a near miss. */
+/* Reject keys outside `known`: the first unknown key (rp_lua_first_unknown_key's order),
+ * with a suggestion for a near miss. */
 static void check_keys(lua_State *L, int idx, const char *path, const char *const *known)
 {
-    int worst = 0;
-    int64_t keys = 0;
-    lua_pushnil(L);
-    while (lua_next(L, idx)) {
-        lua_pop(L, 1);
-        keys++;
-        bool ok = false;
-        if (lua_type(L, -1) == LUA_TSTRING)
-            for (size_t i = 0; known[i] && !ok; i++) ok = strcmp(lua_tostring(L, -1), known[i]) == 0;
-        if (ok) continue;
-        bool better = !worst;
-        if (!better) {
-            int ta = lua_type(L, -1), tb = lua_type(L, worst);
-            if (ta != tb) better = ta == LUA_TNUMBER || (ta == LUA_TSTRING && tb != LUA_TNUMBER);
-            else if (ta == LUA_TNUMBER) better = lua_tonumber(L, -1) < lua_tonumber(L, worst);
-            else if (ta == LUA_TSTRING) better = strcmp(lua_tostring(L, -1), lua_tostring(L, worst)) < 0;
-        }
-        if (better) {
-            if (worst) lua_remove(L, worst);
-            lua_pushvalue(L, -1);
-            lua_insert(L, -2);
-            worst = lua_gettop(L) - 1;
-        }
-    }
-    rp_lua_charge(L, keys);
+    const int worst = rp_lua_first_unknown_key(L, idx, known);
     if (!worst) return;
     if (lua_type(L, worst) != LUA_TSTRING) {
         if (lua_type(L, worst) == LUA_TNUMBER)
