@@ -14,8 +14,9 @@
 #define MAX_SHAPES_LISTED 16
 
 static const char *const top_keys[] = {
-    "format", "version", "device", "torch", "cuda", "created", "shapes", "comment", NULL,
+    "format", "version", "device", "torch", "cuda", "created", "shapes", "comment", "links", NULL,
 };
+static const char *const links_keys[] = {"backend", "ranks", "bytes_per_s", "latency_us", NULL};
 static const char *const shape_keys[] = {
     "hidden_size", "expert_ffn_size", "num_heads", "num_kv_heads", "head_dim", "peak_flops",
     "gemm_efficiency", "gemm_kernel", "attention_efficiency", "attention_kernel",
@@ -167,6 +168,27 @@ out:
     return st;
 }
 
+/* "links": {"backend": "gloo", "ranks": N >= 2, "bytes_per_s": > 0, "latency_us": >= 0}. */
+static rp_status read_links(const rp_jdoc *doc, json_t *root, calib_links *l, rp_error *err)
+{
+    json_t *obj;
+    const char *backend;
+    int64_t ranks;
+    double us;
+    rp_status st = rp_jdoc_obj(doc, root, "", "links", false, &obj, err);
+    if (st != RP_OK || !obj) return st;
+    RP_CHECK_GOTO(rp_jdoc_check_keys(doc, obj, "links", links_keys, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_str(doc, obj, "links", "backend", true, NULL, &backend, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_int(doc, obj, "links", "ranks", true, 0, 2, INT32_MAX, &ranks, err), st, out);
+    RP_CHECK_GOTO(rp_jdoc_num(doc, obj, "links", "bytes_per_s", true, 0, DBL_MIN, DBL_MAX, &l->bytes_per_s, err), st,
+                  out);
+    RP_CHECK_GOTO(rp_jdoc_num(doc, obj, "links", "latency_us", true, 0, 0, 1e9, &us, err), st, out);
+    l->latency_s = us * 1e-6;
+    l->present = true;
+out:
+    return st;
+}
+
 /* "a, b, c" (the first MAX_SHAPES_LISTED, then "and N more") into buf. */
 static void list_shapes(json_t *shapes, char *buf, size_t size)
 {
@@ -192,12 +214,13 @@ static void list_shapes(json_t *shapes, char *buf, size_t size)
 }
 
 rp_status calib_read(rp_context *ctx, const char *path, const char *shape_key, calib_shape *out,
-                     rp_error *err)
+                     calib_links *links, rp_error *err)
 {
     char *text = NULL;
     size_t len;
     rp_jdoc doc = {0};
     calib_shape found = {0}, other = {0};
+    calib_links l = {0};
     bool have = false;
     rp_status st = rp_read_file(ctx, path, &text, &len, err);
     if (st != RP_OK) return st;
@@ -221,6 +244,7 @@ rp_status calib_read(rp_context *ctx, const char *path, const char *shape_key, c
     static const char *const strings[] = {"device", "torch", "cuda", "created", "comment"};
     for (size_t i = 0; i < sizeof strings / sizeof strings[0]; i++)
         RP_CHECK_GOTO(rp_jdoc_str(&doc, root, "", strings[i], false, NULL, &s, err), st, out);
+    RP_CHECK_GOTO(read_links(&doc, root, &l, err), st, out);
     RP_CHECK_GOTO(rp_jdoc_obj(&doc, root, "", "shapes", true, &shapes, err), st, out);
     if (!json_is_object(shapes)) {
         st = rp_jdoc_fail(&doc, err, RP_EINVAL, "shapes", "must be an object keyed by model shape, got %s",
@@ -250,6 +274,7 @@ rp_status calib_read(rp_context *ctx, const char *path, const char *shape_key, c
         goto out;
     }
     *out = found;
+    if (links) *links = l;
     have = false; /* owned by the caller now */
 out:
     if (have || st != RP_OK) calib_shape_free(ctx, &found);
@@ -262,6 +287,13 @@ out:
 static bool explicit_key(json_t *hardware, const char *key)
 {
     return hardware && json_object_get(hardware, key) != NULL;
+}
+
+void calib_apply_links(const calib_links *l, json_t *topology, rp_topology *t)
+{
+    if (!l->present) return;
+    if (!explicit_key(topology, "nvlink_bytes_per_s")) t->nvlink_bytes_per_s = l->bytes_per_s;
+    if (!explicit_key(topology, "nvlink_latency_us")) t->nvlink_latency_s = l->latency_s;
 }
 
 rp_status calib_apply(rp_context *ctx, const char *path, const char *shape_key, calib_shape *s,

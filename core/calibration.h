@@ -31,6 +31,14 @@ typedef struct calib_shape {
     double backward_experts_dgrad; /* < 0: not in the file */
 } calib_shape;
 
+/* The file's links (top-level "links": what `routepack.calibrate --links N` measured
+ * between N ranks of this machine, as GPUs of one node); present false when absent. */
+typedef struct calib_links {
+    bool present;
+    double bytes_per_s; /* one rank's all-to-all bandwidth */
+    double latency_s;   /* one message's */
+} calib_links;
+
 /* Where the config keeps the curves it owns (calib_apply moves the file's there). */
 typedef struct calib_stores {
     rp_eff_point **gemm, **attention, **grouped, **wgrad;
@@ -45,9 +53,10 @@ const char *calib_shape_key(char *buf, size_t size, const rp_model *model);
  * line:column of a bad value): RP_EIO when it cannot be read, RP_EFORMAT for bad JSON,
  * another format or version, RP_EINVAL/RP_ERANGE for an unknown key or a bad value, and
  * RP_EINVAL when no entry has `shape_key` (the message lists the shapes the file has).
- * On error *out is untouched. */
+ * The file's links, checked alike, go to *links (NULL: not wanted). On error *out and
+ * *links are untouched. */
 rp_status calib_read(rp_context *ctx, const char *path, const char *shape_key, calib_shape *out,
-                     rp_error *err);
+                     calib_links *links, rp_error *err);
 void calib_shape_free(rp_context *ctx, calib_shape *shape);
 
 /* Fill the fields of `h` whose keys the config's `hardware` object (NULL: none) does
@@ -61,5 +70,9 @@ void calib_shape_free(rp_context *ctx, calib_shape *shape);
  * are fractions of it: RP_EINVAL naming both otherwise, and then nothing changes. */
 rp_status calib_apply(rp_context *ctx, const char *path, const char *shape_key, calib_shape *shape,
                       json_t *hardware, rp_hardware *h, calib_stores stores, rp_error *err);
+
+/* Set the topology's nvlink_bytes_per_s and nvlink_latency_us from the file's links
+ * where the config's `topology` object does not give them. */
+void calib_apply_links(const calib_links *links, json_t *topology, rp_topology *t);
 
 #endif

@@ -701,8 +701,9 @@ static const char *const top_keys[] = {
 };
 
 /* "calibration": a calibration.json path, relative to the config's directory: its entry
- * for the model's shape fills the hardware keys the config leaves out (core/calibration.c). */
-static rp_status load_calibration(loader *ld, json_t *root, json_t *hardware)
+ * for the model's shape fills the hardware keys the config leaves out, its links the
+ * topology's link keys (core/calibration.c). */
+static rp_status load_calibration(loader *ld, json_t *root, json_t *topology, json_t *hardware)
 {
     const char *rel;
     rp_status st = rp_jdoc_str(&ld->doc, root, "", "calibration", false, NULL, &rel, ld->err);
@@ -715,12 +716,14 @@ static rp_status load_calibration(loader *ld, json_t *root, json_t *hardware)
     memcpy(path + dir_len, rel, n + 1);
     char key[128];
     calib_shape shape = {0};
+    calib_links links = {0};
     calib_shape_key(key, sizeof key, &ld->cfg->model);
-    st = calib_read(ld->ctx, path, key, &shape, ld->err);
+    st = calib_read(ld->ctx, path, key, &shape, &links, ld->err);
     if (st == RP_OK)
         st = calib_apply(ld->ctx, path, key, &shape, hardware, &ld->cfg->hardware,
                          (calib_stores){&ld->cfg->gemm, &ld->cfg->attention, &ld->cfg->grouped_gemm, &ld->cfg->wgrad},
                          ld->err);
+    if (st == RP_OK) calib_apply_links(&links, topology, &ld->cfg->topology);
     calib_shape_free(ld->ctx, &shape);
     rp_free(ld->ctx, path);
     return st;
@@ -774,7 +777,7 @@ rp_status rp_config_parse(rp_context *ctx, const char *text, size_t len, const c
     RP_CHECK_GOTO(config_load_slots(&ld, topology), st, out);
     RP_CHECK_GOTO(config_load_stage_layers(&ld, topology), st, out);
     RP_CHECK_GOTO(load_token_linear(&ld, hardware), st, out);
-    RP_CHECK_GOTO(load_calibration(&ld, root, hardware), st, out);
+    RP_CHECK_GOTO(load_calibration(&ld, root, topology, hardware), st, out);
     RP_CHECK_GOTO(load_limits(&ld, limits), st, out);
     /* the executor, then the trainer: trainer.per_forward_balancer defaults to what the
      * executor runs, and execution.per_forward_balancing needs it */

@@ -9,6 +9,7 @@
 #include "test_util.h"
 
 #include <dirent.h>
+#include <math.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -261,6 +262,67 @@ static void test_old_file(void)
     rp_config_free(cfg);
 }
 
+/* The file's links (what calibrate --links measured between ranks of one machine) set
+ * the topology's link figures the config leaves out; the config's own win; bad links
+ * are refused with the key named. */
+static void test_links(void)
+{
+    const char *links = "\"version\": 1,\n \"links\": {\"backend\": \"gloo\", \"ranks\": 2, "
+                        "\"bytes_per_s\": 8e8, \"latency_us\": 250},";
+    write_variant("links.json", "\"version\": 1,", links);
+    rp_config *cfg = NULL;
+    rp_status st;
+    rp_error err;
+    const rp_hardware *h = load(write_config("\"links.json\"", NULL), &cfg, &st, &err);
+    const rp_topology *t = cfg ? rp_config_topology(cfg) : NULL;
+    ok(h && t && t->nvlink_bytes_per_s == 8e8 && fabs(t->nvlink_latency_s - 250e-6) < 1e-15,
+       "the file's links set the topology's link figures the config leaves out");
+    if (!h) diag("%s", err.text);
+    rp_config_free(cfg);
+    cfg = NULL;
+    h = load(write_config("\"fake.json\"", NULL), &cfg, &st, &err);
+    t = cfg ? rp_config_topology(cfg) : NULL;
+    ok(h && t && t->nvlink_bytes_per_s == 450e9 && fabs(t->nvlink_latency_s - 3e-6) < 1e-15,
+       "a file without links leaves the topology's defaults");
+    rp_config_free(cfg);
+    cfg = NULL;
+    {   /* the config's own link figure wins, the other still comes from the file */
+        char text[4096];
+        snprintf(text, sizeof text,
+                 "{\"calibration\": \"links.json\", \"topology\": {\"num_nodes\": 1, \"gpus_per_node\": 8, "
+                 "\"ep_size\": 8, \"slots_per_gpu\": 10, \"nvlink_bytes_per_s\": 1e11},"
+                 "\"model\": {\"num_layers\": 16, \"num_experts\": 64, \"top_k\": 8, \"hidden_size\": 2048,"
+                 " \"expert_ffn_size\": 1024, \"num_heads\": 16, \"num_kv_heads\": 16, \"head_dim\": 128},"
+                 "\"limits\": {\"max_tokens_per_microbatch\": 16384}}");
+        const char *path = temp_path(dir, "config.json");
+        spit(path, text, strlen(text));
+        h = load(path, &cfg, &st, &err);
+        t = cfg ? rp_config_topology(cfg) : NULL;
+        ok(h && t && t->nvlink_bytes_per_s == 1e11 && fabs(t->nvlink_latency_s - 250e-6) < 1e-15,
+           "the config's nvlink_bytes_per_s wins over the file's; its latency comes from the file");
+        if (!h) diag("%s", err.text);
+        rp_config_free(cfg);
+    }
+    {
+        const char *w[] = {"links.ranks", "bad.json", NULL};
+        write_variant("bad.json", "\"version\": 1,", "\"version\": 1, \"links\": {\"backend\": \"gloo\", "
+                      "\"ranks\": 1, \"bytes_per_s\": 8e8, \"latency_us\": 250},");
+        expect_error("\"bad.json\"", NULL, RP_ERANGE, w, "links measured on one rank are refused");
+    }
+    {
+        const char *w[] = {"links.bytes_per_s", NULL};
+        write_variant("bad.json", "\"version\": 1,", "\"version\": 1, \"links\": {\"backend\": \"gloo\", "
+                      "\"ranks\": 2, \"bytes_per_s\": 0, \"latency_us\": 250},");
+        expect_error("\"bad.json\"", NULL, RP_ERANGE, w, "a zero link bandwidth is refused");
+    }
+    {
+        const char *w[] = {"bandwidth", "unknown key", NULL};
+        write_variant("bad.json", "\"version\": 1,", "\"version\": 1, \"links\": {\"backend\": \"gloo\", "
+                      "\"ranks\": 2, \"bandwidth\": 8e8, \"latency_us\": 250},");
+        expect_error("\"bad.json\"", NULL, RP_EINVAL, w, "an unknown key in the links is refused");
+    }
+}
+
 static void test_bad_files(void)
 {
     write_variant("fake.json", NULL, NULL);
@@ -374,6 +436,7 @@ int main(void)
     test_fake_device_figures();
     test_explicit_keys_win();
     test_old_file();
+    test_links();
     test_bad_files();
     test_allocation_failures();
     temp_dir_remove(dir);

@@ -68,7 +68,7 @@ import torch.distributed as dist
 from torch import nn
 
 import routepack
-from routepack import cpu, fidelity
+from routepack import cpu, fidelity, links
 from routepack.torch import ExpertPlacement, MoELayer, all_to_all, kernels
 
 
@@ -192,10 +192,12 @@ def part_plain(args, rank, world):
                 summary([a[1] / b[1] for a, b in zip(times[n], times["plain"])])))
 
 
-def calibrated(path, d, f):
+def calibrated(path, d, f, world):
     """The cost model's hardware figures a calibration file gives for experts of d x f:
     peak, expert efficiency curve, memory bandwidth, the experts' backward ratio and,
-    where the file has them, the grouped GEMM's figures (docs/cost-model.md, "Experts")."""
+    where the file has them, the grouped GEMM's figures (docs/cost-model.md, "Experts")
+    and, where it measured them between ``world`` ranks, the links (its "links":
+    nvlink_bytes_per_s, nvlink_latency_us)."""
     with open(path) as fh:
         cal = json.load(fh)
     entry = next(iter(cal["shapes"].values()))
@@ -209,14 +211,18 @@ def calibrated(path, d, f):
             hw[key] = entry[key]
     if "experts_dgrad" in entry["backward"]:
         hw["backward"]["experts_dgrad"] = entry["backward"]["experts_dgrad"]
+    if cal.get("links", {}).get("ranks") == world:   # routepack.calibrate --links: gloo here
+        hw.update(nvlink_bytes_per_s=cal["links"]["bytes_per_s"], nvlink_latency_us=cal["links"]["latency_us"])
     return hw
 
 
 def cpu_hardware(args, world):
     """Hardware constants of this CPU for the cost model: one thread's GEMM FLOP/s at
-    the experts' shape, gloo's bandwidth and latency between two ranks; with
-    --calibration, that file's peak, expert efficiency curve, memory bandwidth and
-    experts' backward ratio instead of the measured peak and a flat curve."""
+    the experts' shape, gloo's bandwidth and latency between the ranks (routepack.links,
+    measured now); with --calibration, that file's peak, expert efficiency curve, memory
+    bandwidth and experts' backward ratio instead of the measured peak and a flat curve,
+    and its links where it measured them over as many ranks (steadier than one
+    measurement now, which is printed beside them)."""
     d, f = args.hidden, args.ffn
     a, b = torch.randn(512, d), torch.randn(d, f)
     for _ in range(3):
@@ -227,19 +233,15 @@ def cpu_hardware(args, world):
         n += 1
     flops = 2.0 * 512 * d * f * n / (time.thread_time() - t0)
     flops = -slowest([-flops])[0]   # the slowest rank's
-    small, big = torch.zeros(world), torch.zeros(world * (1 << 20))   # 4 MiB to each rank
-
-    def a2a(t):
-        out = torch.empty_like(t)
-        dist.all_to_all_single(out, t)
-    # the least of several: other jobs on the machine only ever make a transfer slower
-    lat = min(timed(lambda: a2a(small))[0] for _ in range(9))
-    bw_time = min(timed(lambda: a2a(big))[0] for _ in range(7))
-    bw = big.numel() * 4 * (world - 1) / world / max(bw_time - lat, 1e-6)
+    got = links.measure()   # gloo between the ranks, now (collective)
     hw = {"peak_flops": flops, "gemm_efficiency": [[1, 1.0], [1 << 20, 1.0]], "dense_efficiency": 1.0,
-          "hbm_bytes_per_s": 20e9, "nvlink_bytes_per_s": bw, "nvlink_latency_us": lat * 1e6 / 2}
+          "hbm_bytes_per_s": 20e9, "nvlink_bytes_per_s": got["bytes_per_s"], "nvlink_latency_us": got["latency_us"]}
     if args.calibration:
-        hw.update(calibrated(args.calibration, d, f))
+        hw.update(calibrated(args.calibration, d, f, world))
+        if dist.get_rank() == 0 and hw["nvlink_bytes_per_s"] != got["bytes_per_s"]:
+            print("links: the calibration's %.0f MB/s, latency %.0f us (measured now: %.0f MB/s, %.0f us)" % (
+                hw["nvlink_bytes_per_s"] / 1e6, hw["nvlink_latency_us"], got["bytes_per_s"] / 1e6,
+                got["latency_us"]))
     return hw
 
 

@@ -30,6 +30,11 @@ datasheet's 989e12 dense BF16), recorded as peak_flops. Timings: CUDA events, wa
 calls, medians. Exit status 0 when every value was measured and the file written; 1
 otherwise, naming each value that could not be (the file is then not written).
 
+``--links N`` also measures the links between N ranks of this machine (routepack.links:
+gloo between pinned CPU processes with ``--device cpu`` or ``--fake``, NCCL between N GPUs
+otherwise) and writes them as the file's "links", which set a config's
+topology.nvlink_bytes_per_s and nvlink_latency_us where it leaves them out.
+
 ``--fake`` measures a synthetic device with known figures instead (FakeDevice), on any
 machine and without torch: the tests check that the program recovers them."""
 
@@ -768,12 +773,14 @@ def dumps(doc):
     return "\n".join(lines) + "\n"
 
 
-def document(dev, entries, created=None, comment=None):
+def document(dev, entries, created=None, comment=None, links=None):
     doc = {"format": FORMAT, "version": VERSION, "device": dev.name, "torch": dev.torch_version,
            "cuda": dev.cuda_version,
            "created": created or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     if comment:
         doc["comment"] = comment
+    if links:   # routepack.links: the topology's link figures where a config leaves them out
+        doc["links"] = _figures(links)
     doc["shapes"] = _figures(entries)
     return doc
 
@@ -790,7 +797,14 @@ def main(argv=None):
     ap.add_argument("--fake", action="store_true", help="a synthetic device with known figures (tests)")
     ap.add_argument("--created", help="the created field (default: now)")
     ap.add_argument("--comment", help="a comment field: how the file was made (the CPU profile's says)")
+    ap.add_argument("--links", type=int, default=0, metavar="N",
+                    help="also measure the links between N ranks of this machine (gloo between pinned CPU processes "
+                         "with --device cpu, NCCL between N GPUs otherwise): the topology's nvlink_bytes_per_s and "
+                         "nvlink_latency_us where a config leaves them out")
     args = ap.parse_args(argv)
+    if args.links == 1 or args.links < 0:
+        print("calibrate: --links needs at least 2 ranks, got %d" % args.links, file=sys.stderr)
+        return 1
 
     def log(msg):
         print(msg, flush=True)
@@ -847,10 +861,21 @@ def main(argv=None):
         print("calibrate: %s not written (%d values could not be measured)" % (args.out, len(cal.failures)),
               file=sys.stderr)
         return 1
+    links = None
+    if args.links:
+        from routepack import links as links_mod
+        backend = "gloo" if args.fake or not args.device.startswith("cuda") else "nccl"
+        try:
+            links = links_mod.measure_spawned(args.links, backend)
+        except (ValueError, RuntimeError, OSError) as e:
+            print("calibrate: the links could not be measured: %s; %s not written" % (e, args.out), file=sys.stderr)
+            return 1
+        log("calibrate: links over %d %s ranks: %.3g B/s, latency %.0f us" % (
+            links["ranks"], backend, links["bytes_per_s"], links["latency_us"]))
     tmp = args.out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(dumps(document(dev, entries, "1970-01-01T00:00:00Z" if args.fake and not args.created
-                                else args.created, args.comment)))
+                                else args.created, args.comment, links)))
     os.replace(tmp, args.out)
     log("calibrate: wrote %s (%d shapes) in %.1f s" % (args.out, len(entries), time.monotonic() - start))
     return 0
