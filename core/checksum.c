@@ -22,6 +22,20 @@ void rp_checksum_update(rp_checksum_state *st, const void *data, size_t bytes)
     const unsigned char *p = (const unsigned char *)data;
     unsigned char le[8];
     while (bytes > 0) {
+        if (st->in_block == 0 && bytes >= RP_CHECKSUM_BLOCK) {
+            /* whole blocks: their hashes many at a time, then into the outer hash */
+            enum { BATCH = 64 };
+            uint64_t sums[BATCH];
+            unsigned char les[BATCH * 8];
+            size_t n = bytes / RP_CHECKSUM_BLOCK;
+            if (n > BATCH) n = BATCH;
+            rp_checksum_blocks(p, n, sums);
+            for (size_t i = 0; i < n; i++) put_le64(les + 8 * i, sums[i]);
+            rp_hash_update(&st->outer, les, 8 * n);
+            p += n * RP_CHECKSUM_BLOCK;
+            bytes -= n * RP_CHECKSUM_BLOCK;
+            continue;
+        }
         size_t take = RP_CHECKSUM_BLOCK - st->in_block;
         if (take > bytes) take = bytes;
         rp_hash_update(&st->block, p, take);

@@ -15,6 +15,10 @@ void rp_checksum_init(rp_checksum_state *st);
 /* Feed the next `bytes` bytes of the expert (host memory); pieces may split blocks
  * anywhere. */
 void rp_checksum_update(rp_checksum_state *st, const void *data, size_t bytes);
+/* XXH64 (seed 0) of each of `n` whole RP_CHECKSUM_BLOCK-byte blocks at `data` (host
+ * memory, any alignment) into out[n]: the first level, many blocks at a time
+ * (checksum_blocks.c; vectorized across blocks where the CPU can). */
+void rp_checksum_blocks(const void *data, size_t n, uint64_t *out);
 /* rp_checksum_expert of every byte fed since init. */
 uint64_t rp_checksum_final(const rp_checksum_state *st);
 

@@ -119,7 +119,7 @@ rp_fault_kind rp_transport_send_fault(rp_transport *t, const rp_transport_op *op
 /* The host swap for host transports: through a small buffer on the stack. */
 rp_status rp_transport_swap_host(rp_transport *t, void *a, void *b, size_t bytes, double deadline, rp_error *err);
 /* The same swap (host memory, t->host_direct) that also feeds the bytes `a` holds after
- * it to `sum`, each 4 KiB chunk hashed while it is in cache: the commit's write and its
+ * it to `sum`, each 32 KiB chunk hashed while it is in cache: the commit's write and its
  * check in one pass over the bytes. */
 void rp_transport_swap_sum_host(void *a, void *b, size_t bytes, rp_checksum_state *sum);
 

@@ -105,10 +105,68 @@ static void test_parts(void)
     free(p);
 }
 
+/* The definition computed block by block with plain XXH64 (rp_hash64). */
+static uint64_t reference(const unsigned char *p, size_t n)
+{
+    rp_hash_state outer;
+    rp_hash_init(&outer, 0);
+    for (size_t o = 0; o < n; o += RP_CHECKSUM_BLOCK) {
+        unsigned char le[8];
+        le64(le, rp_hash64(p + o, n - o < RP_CHECKSUM_BLOCK ? n - o : RP_CHECKSUM_BLOCK, 0));
+        rp_hash_update(&outer, le, 8);
+    }
+    return rp_hash_final(&outer);
+}
+
+/* Whole blocks are hashed many at a time (eight side by side where the CPU has AVX-512):
+ * the same bits as block by block, at any alignment, for runs of whole blocks that are
+ * and are not multiples of eight, after a part that ends inside a block, and with
+ * every byte of a block able to change the result. */
+static void test_batches(void)
+{
+    const size_t most = 40 * RP_CHECKSUM_BLOCK + 100;
+    unsigned char *buf = malloc(most + 64);
+    uint64_t x = 0x9E3779B97F4A7C15ULL;
+    for (size_t i = 0; i < most + 64; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        buf[i] = (unsigned char)x;
+    }
+    const size_t lens[] = {8 * RP_CHECKSUM_BLOCK, 9 * RP_CHECKSUM_BLOCK - 1, 16 * RP_CHECKSUM_BLOCK + 5,
+                           23 * RP_CHECKSUM_BLOCK, 40 * RP_CHECKSUM_BLOCK + 100, 7 * RP_CHECKSUM_BLOCK + 31};
+    int same = 1, split = 1;
+    for (size_t a = 0; a < 8; a++)
+        for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+            const unsigned char *p = buf + a * 7;
+            uint64_t want = reference(p, lens[i]);
+            same &= rp_checksum_bytes(p, lens[i]) == want;
+            /* a first part ending inside a block, then the rest in one part */
+            const void *parts[2] = {p, p + 1000 + a};
+            size_t bytes[2] = {1000 + a, lens[i] - 1000 - a};
+            split &= rp_checksum_expert(parts, bytes, 2) == want;
+        }
+    ok(same, "runs of whole blocks at 8 alignments: the checksum of the blocks hashed one by one");
+    ok(split, "the same after a part that ends inside a block");
+    /* one flipped bit in any of the eight blocks of a batch, at any lane position */
+    const uint64_t base = rp_checksum_bytes(buf, 8 * RP_CHECKSUM_BLOCK);
+    int all_differ = 1, all_match = 1;
+    for (size_t b = 0; b < 8; b++)
+        for (size_t at = 0; at < 64; at += 9) {
+            unsigned char *q = buf + b * RP_CHECKSUM_BLOCK + b * 500 + at;
+            *q ^= 0x10;
+            uint64_t got = rp_checksum_bytes(buf, 8 * RP_CHECKSUM_BLOCK);
+            all_differ &= got != base;
+            all_match &= got == reference(buf, 8 * RP_CHECKSUM_BLOCK);
+            *q ^= 0x10;
+        }
+    ok(all_differ && all_match, "a flipped bit anywhere in a batch of eight blocks changes it as the definition does");
+    free(buf);
+}
+
 int main(void)
 {
     test_vectors();
     test_definition();
     test_parts();
+    test_batches();
     return tap_done();
 }
