@@ -77,14 +77,17 @@ static int32_t expert_holders(const rp_cost *c, const cost_state *st, int32_t l,
  *   and receives 2 (ep - 1) / ep of its bytes, in 2 (ep - 1) steps of one latency each,
  *   over the network when the group spans nodes.
  * - holders: every distinct holder of an expert (its replicas and the step's extra
- *   replicas, expert_holders) sends its gradient to every other holder and receives
- *   theirs (routepack.torch's batched exchange among holders): each message the
- *   gradient's bytes over that pair's link, plus the link's latency. The holders also
- *   move gradients through their own memory: each message is read where it is sent and
- *   written where it is received, and a holder that keeps the expert in a slot adds the
- *   n - 1 copies it receives into its own gradient in place (a read of both, a write: 3
- *   passes each), so 5 (n - 1) passes over the gradient's bytes there; a holder of
- *   extra replicas alone drops them after the step and only sends and receives, 2 (n - 1)
+ *   replicas, expert_holders) sends its gradient to every other holder that keeps the
+ *   expert in a slot (s of the n holders); only those receive (routepack.torch's batched
+ *   exchange among holders: a holder of extra replicas alone drops them after the step,
+ *   so it needs no sum). Each message is the gradient's bytes over that pair's link plus
+ *   the link's latency; one batch, so a GPU takes the longer of its sends and its
+ *   receives (full duplex), summed over its experts. The holders also move gradients
+ *   through their own memory: each message is read where it is sent and written where it
+ *   is received, and a slot holder adds the n - 1 copies it receives into its own
+ *   gradient in place (a read of both, a write: 3 passes each), so (s - 1) + 4 (n - 1)
+ *   passes over the gradient's bytes there (5 (n - 1) when every holder keeps a slot);
+ *   a holder of extra replicas alone only reads what it sends, s passes
  *   (routepack.torch's copy-free exchange, issue 29: on 4 CPU ranks the holders had
  *   spent ~7 ms a step on copies the model did not price before it).
  * `bytes` (NULL: not wanted) gets what each GPU of EP group 0 sends. */
@@ -96,28 +99,40 @@ void cost_grad_layer(const rp_cost *c, const cost_state *st, int32_t layer, cons
     if (bytes)
         for (int32_t j = 0; j < c->ep; j++) bytes[j] = 0.0;
     if (c->grad_form == RP_GRAD_REDUCE_HOLDERS) {
+        /* per GPU: its sends' link time in row, its receives' in recv, its memory passes'
+         * in mem; then row = max(sends, receives) + memory */
         int32_t held[256], *h = held;
-        int32_t *big = NULL;
-        if (c->ep > 256) h = big = rp_alloc(c->ctx, (size_t)c->ep * sizeof *big); /* rare: EP > 256 */
+        double small[2 * 256], *recv = small;
+        void *big = NULL;
+        if (c->ep > 256 || c->G > 256) { /* rare: EP or GPUs > 256 */
+            big = rp_alloc(c->ctx, (size_t)c->ep * sizeof *h + 2 * (size_t)c->G * sizeof *recv);
+            recv = big;
+            h = big ? (int32_t *)(recv + 2 * (size_t)c->G) : NULL;
+        }
+        double *mem = recv + c->G;
+        for (int32_t g = 0; h && g < c->G; g++) recv[g] = mem[g] = 0.0;
         for (int32_t e = 0; h && e < c->E; e++) {
-            int32_t slots = 0;
-            const int32_t n = expert_holders(c, st, layer, e, rep_off, rep_rank, h, &slots);
+            int32_t s = 0; /* h[0 .. s) keep e in a slot: they receive */
+            const int32_t n = expert_holders(c, st, layer, e, rep_off, rep_rank, h, &s);
             cost_count(c, (int64_t)n * n * c->Q + rep_off[e + 1] - rep_off[e]);
             if (n < 2) continue;
-            if (bytes)
-                for (int32_t a = 0; a < n; a++) bytes[h[a]] += (n - 1) * c->grad_bytes;
-            const double adds = 5.0 * (n - 1) * c->grad_mem_s, sends = 2.0 * (n - 1) * c->grad_mem_s;
+            for (int32_t a = 0; a < n; a++) {
+                const int32_t sends = a < s ? s - 1 : s, receives = a < s ? n - 1 : 0;
+                if (bytes) bytes[h[a]] += sends * c->grad_bytes;
+                for (int32_t q = 0; q < c->Q; q++) mem[q * c->ep + h[a]] += (sends + 4.0 * receives) * c->grad_mem_s;
+            }
             for (int32_t q = 0; q < c->Q; q++)
-                for (int32_t a = 0; a < n; a++) {
-                    row[q * c->ep + h[a]] += a < slots ? adds : sends;
-                    for (int32_t b = 0; b < n; b++) {
+                for (int32_t a = 0; a < n; a++)
+                    for (int32_t b = 0; b < s; b++) { /* a sends to slot holder b */
                         if (a == b) continue;
                         const int32_t ga = q * c->ep + h[a], gb = q * c->ep + h[b];
-                        row[ga] += c->gpu_node[ga] == c->gpu_node[gb] ? c->grad_bytes / c->nv_bw + c->nv_lat
-                                                                      : c->grad_bytes / c->net_bw + c->net_lat;
+                        const double t = c->gpu_node[ga] == c->gpu_node[gb] ? c->grad_bytes / c->nv_bw + c->nv_lat
+                                                                            : c->grad_bytes / c->net_bw + c->net_lat;
+                        row[ga] += t;
+                        recv[gb] += t;
                     }
-                }
         }
+        for (int32_t g = 0; h && g < c->G; g++) row[g] = (row[g] > recv[g] ? row[g] : recv[g]) + mem[g];
         rp_free(c->ctx, big);
         return;
     }

@@ -384,7 +384,9 @@ def part_plans(args, rank, world):
     for name, res, placement, layer, mbs in runs:
         holders = placement.replica_holders(E)
         P = (layer.w_in[0].numel() + layer.w_out[0].numel()) * 4
-        formula = sum((len(h) - 1) * P for h in holders.values() if rank in h)
+        # each holder sends to every other holder keeping the expert in a slot
+        in_slots = {e: set(placement.slot_rank()[placement.phy2log == e].tolist()) for e in holders}
+        formula = sum(len(in_slots[e] - {rank}) * P for e, h in holders.items() if rank in h)
         allreduce = 2 * (world - 1) / world * len(holders) * P
         got = torch.tensor([layer.replica_grad_bytes["sent"], formula, allreduce], dtype=torch.float64)
         every = [torch.zeros_like(got) for _ in range(world)]

@@ -74,16 +74,20 @@ def _layer_bytes(rank, world):
         x = torch.randn(4, HID, generator=g).requires_grad_()
         layer(x, microbatch=0).sum().backward()
         layer.reduce_replica_grads()
-    return layer.replica_grad_bytes["sent"], sum(seen)
+    return layer.replica_grad_bytes["sent"], sum(seen), layer.replica_grad_bytes["received"]
 
 
 def test_replica_gradient_bytes_equal_what_the_layer_moves(tmp_path):
     model = _model_bytes(tmp_path)
     # holders: expert 0 on ranks 0 and 3, 1 on 0 and 1, 2 on 1 and 2, 3 on 2 and 0 (its
-    # extra replica); 3 d f = 144 parameters, 4 bytes: rank 0 sends 3 x 576 B, ranks 1 and
-    # 2 send 2, rank 3 one
+    # extra replica); only slot holders receive: 3 d f = 144 parameters, 4 bytes: rank 0
+    # sends 3 x 576 B (experts 0, 1, and 3 to its slot holder, rank 2), rank 1 two, rank 2
+    # one (expert 3 goes to nobody: rank 0 holds it as an extra replica only), rank 3 one;
+    # they receive 2 (nothing for the extra), 2, 2 (expert 3 from rank 0) and 1
     one = 3 * HID * FFN * 4
-    assert model["experts"] == 4 and model["sent_bytes"] == [3 * one, 2 * one, 2 * one, one]
+    assert model["experts"] == 4 and model["sent_bytes"] == [3 * one, 2 * one, one, one]
+    received = [2 * one, 2 * one, 2 * one, one]
     counted = torch_world.run(_layer_bytes, WORLD)
     for rank in range(WORLD):
-        assert counted[rank] == (model["sent_bytes"][rank], model["sent_bytes"][rank]), (rank, counted[rank], model)
+        want = (model["sent_bytes"][rank], model["sent_bytes"][rank], received[rank])
+        assert counted[rank] == want, (rank, counted[rank], model)

@@ -266,9 +266,12 @@ def test_every_rank_takes_part_in_every_batched_p2p_call():
     assert all(len(c) == len(calls[0]) for c in calls), calls   # the same calls on every rank
     assert len(calls[0]) == 2, calls                            # the fetch and the gradient exchange
     assert all(n >= 1 for c in calls for n in c), calls          # nobody with an empty list
-    # replica gradients move between the holders of experts 0 and 1 (ranks 0, 1) only
+    # replica gradients move between the holders of experts 0 and 1 (ranks 0, 1) only:
+    # expert 0 both ways (both keep it in a slot), expert 1 from rank 1 (an extra replica,
+    # dropped after the step) to rank 0 (its slot) only
     width = 2 * 8 * 8 * 4
-    assert out[0][1]["sent"] == 2 * width and out[1][1]["sent"] == 2 * width
+    assert out[0][1] == {"sent": width, "received": 2 * width}, out[0][1]
+    assert out[1][1] == {"sent": 2 * width, "received": width}, out[1][1]
     assert out[2][1]["sent"] == 0 and out[3][1]["sent"] == 0
 
 

@@ -1,8 +1,8 @@
 """MoELayer's replica-gradient exchange does no memory work beyond what it receives (issue
 29): on 4 gloo ranks, a rank whose replicated experts sit in a run of its slots sends
 those gradients as they are and adds the others' into them in place; a rank whose copies
-are all extra replicas (dropped after the step) only sends them; a rank later in rank
-order adds into what it received. Each rank's allocations during the exchange stay
+are all extra replicas (dropped after the step) only sends them, to the slot holders, and
+receives nothing; a rank later in rank order adds into what it received. Each rank's allocations during the exchange stay
 within the bytes it receives plus small index tensors (the old exchange built a zeroed sum
 buffer, a gathered copy per peer and a zeroed total besides), and every holder ends with
 the sum of all the copies, added in EP-rank order, computed here from each rank's
@@ -56,6 +56,7 @@ def _exchange_rank(rank, world):
     return dict(before={k: v.numpy() for k, v in before.items()},
                 after=[layer.w_in.grad.numpy().copy(), layer.w_out.grad.numpy().copy()],
                 exchange_bytes=mode.bytes, received=layer.replica_grad_bytes["received"],
+                sent=layer.replica_grad_bytes["sent"],
                 own=layer._gplan.get("own"))
 
 
@@ -85,7 +86,12 @@ def test_replica_gradient_exchange_sums_without_copies():
     for r, o in enumerate(out):
         assert o["exchange_bytes"] <= o["received"] + 1024, (
             "rank %d allocated %d bytes in the exchange, receiving %d" % (r, o["exchange_bytes"], o["received"]))
-        assert o["received"] > 0
+    # only slot holders receive: one expert's gradient is 2 D F parameters of 4 B; rank 0
+    # gets expert 0 from rank 1 and experts 1, 2 from ranks 2 and 3 (their extra replicas),
+    # rank 1 expert 0 from rank 0; ranks 2 and 3 send experts 1 and 2 to rank 0 and get nothing
+    one = 2 * D * F * 4
+    assert [o["received"] for o in out] == [5 * one, one, 0, 0], out
+    assert [o["sent"] for o in out] == [one, one, 2 * one, 2 * one], out
 
     # the paths this placement takes: a run of slots first in rank order (rank 0), a run of
     # slots after a peer (rank 1), extra replicas only (ranks 2, 3)

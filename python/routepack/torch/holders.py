@@ -1,6 +1,7 @@
 """Replica gradients summed among the ranks that hold an expert: each rank sums its own
 copies of every replicated expert it holds and sends that sum to every other holder of the
-expert, in one batched point-to-point call; ranks without a copy of any replicated expert
+expert that needs the total (MoELayer: those keeping it in a slot), in one batched
+point-to-point call; ranks without a copy of any replicated expert
 only take part in the call (NCCL needs every rank of the group in it). Every holder adds
 the copies in EP-rank order, so all replicas get the same bits. What the cost model's
 ``replica_grad_reduce`` "holders" prices (docs/cost-model.md, "Executor profiles").
@@ -38,16 +39,34 @@ def exchange_plan(holders, rank):
     """For ``holders`` ({expert: its holder ranks}, experts with several copies): the
     replicated experts this rank holds (``shared``, in id order: the rows of its own sums),
     per peer rank the rows it shares with that peer (``peers``, in peer order), and whether
-    any replicated expert spans ranks (``spans``, the same answer on every rank)."""
+    any replicated expert spans ranks (``spans``, the same answer on every rank). Every
+    holder sends to and receives from every other (exchange_plan_to with every holder a
+    receiver)."""
+    shared, sends, _, spans = exchange_plan_to(holders, holders, rank)
+    return shared, sends, spans
+
+
+def exchange_plan_to(holders, receivers, rank):
+    """exchange_plan where only some holders need the sum: ``receivers`` {expert: the
+    holder ranks that need it} (MoELayer: those keeping the expert in a slot; a rank
+    whose copies are all extra replicas drops them after the step). Every holder sends
+    its rows to each receiver of the expert; a receiver receives from every other holder.
+    Returns (shared, sends {peer: rows sent to it}, recvs {peer: rows received from it},
+    spans), peers in rank order."""
     spans = any(len(r) > 1 for r in holders.values())
     shared = [e for e in sorted(holders) if rank in holders[e]]
     index = {e: i for i, e in enumerate(shared)}
-    peers = {}
+    sends, recvs = {}, {}
     for e in shared:
-        for q in holders[e]:
+        to = receivers.get(e, ())
+        for q in to:
             if q != rank:
-                peers.setdefault(q, []).append(index[e])
-    return shared, dict(sorted(peers.items())), spans
+                sends.setdefault(q, []).append(index[e])
+        if rank in to:
+            for q in holders[e]:
+                if q != rank:
+                    recvs.setdefault(q, []).append(index[e])
+    return shared, dict(sorted(sends.items())), dict(sorted(recvs.items())), spans
 
 
 def peer_rows(peers, shared, device):
@@ -68,42 +87,65 @@ def peer_rows(peers, shared, device):
 
 
 class Sums:
-    """An exchange of own sums in flight (start_sums): ``sent`` bytes this rank sends (it
-    receives as many); finish_sums waits for it."""
+    """An exchange of own sums in flight (start_sums): ``sent`` and ``received`` bytes of
+    this rank; finish_sums waits for it."""
 
-    def __init__(self, works, layers, rank, size, sent):
-        self.works, self.layers, self.rank, self.size, self.sent = works, layers, rank, size, sent
+    def __init__(self, works, layers, rank, size, sent, received):
+        self.works, self.layers, self.rank, self.size = works, layers, rank, size
+        self.sent, self.received = sent, received
+
+
+def _take(piece, rows):
+    """The rows of ``piece`` a peer gets: the piece itself, a slice of it (views) or the
+    indexed rows."""
+    return piece if rows is None else piece[rows]
+
+
+def _count(piece, rows):
+    if rows is None:
+        return piece.shape[0]
+    if isinstance(rows, slice):
+        return rows.stop - rows.start
+    return rows.numel()
 
 
 def start_sums(layers, rank, size, group=None, spans=True, pad_like=None):
-    """Start the exchange of each layer's own sums: ``layers`` a list of (own, peers), own
-    this rank's sum of its copies of each expert it shares (exchange_plan's rows): a tensor
-    [shared, n], or a tuple of pieces [shared, n_i] (the parts of an expert's gradient,
-    each its own message: nothing copies them together); peers {rank: int64 index tensor
-    of the rows shared with it, a slice of them, or None for every row (the pieces
-    themselves, or a view of them, are sent: no copy)}. Sends own's rows to each peer and receives theirs, all layers in one
-    batch_isend_irecv over ``group``; ``spans`` (exchange_plan's, any layer's): every rank
-    adds the ring padding so that it takes part, made like ``pad_like`` (a tensor on the
-    group's device). Collective over the group. own must not change until finish_sums."""
+    """Start the exchange of each layer's own sums: ``layers`` a list of (own, peers) or
+    (own, sends, recvs); own this rank's sum of its copies of each expert it shares
+    (exchange_plan's rows): a tensor [shared, n], or a tuple of pieces [shared, n_i] (the
+    parts of an expert's gradient, each its own message: nothing copies them together);
+    peers (both ways), sends (to) and recvs (from) {rank: int64 index tensor of the rows
+    shared with it, a slice of them, or None for every row (the pieces themselves, or a
+    view of them, are sent: no copy)}. Sends own's rows to each peer of sends and
+    receives each peer of recvs' rows, all layers in one batch_isend_irecv over
+    ``group``; ``spans`` (exchange_plan's, any layer's): every rank adds the ring padding
+    so that it takes part, made like ``pad_like`` (a tensor on the group's device).
+    Collective over the group. own must not change until finish_sums."""
 
     def to_global(r):
         return dist.get_global_rank(group, r) if group is not None else r
 
-    ops, pending, sent = [], [], 0
-    for own, peers in layers:
+    ops, pending, sent, received = [], [], 0, 0
+    for entry in layers:
+        own, sends = entry[0], entry[1]
+        recvs = entry[2] if len(entry) > 2 else sends
+        for q, rows in sends.items():
+            for piece in _pieces(own):
+                out = _take(piece, rows)
+                ops.append(dist.P2POp(dist.isend, out, to_global(q), group))
+                sent += out.numel() * out.element_size()
         recv = {}
-        for q, rows in peers.items():
+        for q, rows in recvs.items():
             recv[q] = []
             for piece in _pieces(own):
-                out = piece if rows is None else piece[rows]
-                recv[q].append(torch.empty_like(out))
-                ops += [dist.P2POp(dist.isend, out, to_global(q), group),
-                        dist.P2POp(dist.irecv, recv[q][-1], to_global(q), group)]
-                sent += out.numel() * out.element_size()
-        pending.append((own, peers, recv))
+                buf = piece.new_empty((_count(piece, rows),) + tuple(piece.shape[1:]))
+                recv[q].append(buf)
+                ops.append(dist.P2POp(dist.irecv, buf, to_global(q), group))
+                received += buf.numel() * buf.element_size()
+        pending.append((own, recvs, recv))
     if spans:   # the same on every rank: then every rank takes part
         ops += ring_padding(rank, size, pad_like, to_global, group)
-    return Sums(dist.batch_isend_irecv(ops) if ops else [], pending, rank, size, sent)
+    return Sums(dist.batch_isend_irecv(ops) if ops else [], pending, rank, size, sent, received)
 
 
 def _pieces(own):
@@ -113,8 +155,9 @@ def _pieces(own):
 def finish_sums(sums, want=None, in_place=False):
     """Wait for start_sums' exchange; per layer the total of every holder's copies (shaped
     as its own: a tensor or a tuple of pieces), added in EP-rank order (the same values
-    on every holder). ``want``: per layer, whether its total is needed (False: None in its
-    place, nothing added: a rank whose copies are dropped after the step only sends);
+    on every holder that receives: start_sums' recvs). ``want``: per layer, whether its
+    total is needed (False: None in its place, nothing added: a rank whose copies are
+    dropped after the step only sends, and receives nothing);
     ``in_place``: where own comes first in rank order, the total is added up in own's
     tensors (returned as they are), else it starts from the first holder's rows when they
     are every row (a received buffer), or zeros."""
@@ -122,12 +165,12 @@ def finish_sums(sums, want=None, in_place=False):
         w.wait()
     totals = []
     with torch.no_grad():
-        for i, (own, peers, recv) in enumerate(sums.layers):
+        for i, (own, recvs, recv) in enumerate(sums.layers):
             if want is not None and not want[i]:
                 totals.append(None)
                 continue
             # rank order: every holder adds the same terms in the same order
-            terms = [(None, _pieces(own)) if q == sums.rank else (peers[q], recv[q])
+            terms = [(None, _pieces(own)) if q == sums.rank else (recvs[q], recv[q])
                      for q in range(sums.size) if q == sums.rank or q in recv]
             rows, first = terms[0]
             if rows is None and (first is not _pieces(own) or in_place):

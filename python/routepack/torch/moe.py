@@ -325,7 +325,12 @@ class MoELayer(nn.Module):
         every row has one copy here and those copies are a run of the slots or the extra
         replicas in row order (the own sums are then the gradients as they are, a view),
         "gather" with one copy a row otherwise, "sum" where a row has several."""
-        shared, peers, spans = holders.exchange_plan(placement.replica_holders(self.num_experts), self.ep_rank)
+        every = placement.replica_holders(self.num_experts)
+        # only the holders keeping an expert in a slot need its total: a rank whose copies
+        # are all extra replicas (dropped after the step) sends and receives nothing
+        slot_rank = placement.slot_rank()
+        in_slots = {e: sorted(set(slot_rank[placement.phy2log == e].tolist())) for e in every}
+        shared, sends, recvs, spans = holders.exchange_plan_to(every, in_slots, self.ep_rank)
         index = {e: i for i, e in enumerate(shared)}
         dev = self.w_in.device
         b = int(placement.slot_begin[self.ep_rank])
@@ -353,7 +358,7 @@ class MoELayer(nn.Module):
             slots == list(range(slots[0], slots[0] + len(rows))) else None
         return dict(shared=n, exchange=spans, own=own, slot_run=slot_run,
                     rows=ids(rows), slots=ids(slots), extra_rows=ids(extra_rows),
-                    peers=holders.peer_rows(peers, n, dev))
+                    sends=holders.peer_rows(sends, n, dev), recvs=holders.peer_rows(recvs, n, dev))
 
     def _own_sums(self, plan):
         """This rank's sum of its copies of each shared expert, as two pieces ([shared,
@@ -392,16 +397,17 @@ class MoELayer(nn.Module):
     def _start_grad_exchange(self):
         """Each rank sums its own copies of every replicated expert it holds (slots and
         extra replicas) in the gradient's dtype, and sends that sum to every other holder
-        of the expert (holders.start_sums: per peer the experts it shares with that peer,
-        by id, as two messages, w_in's and w_out's), receiving theirs; nothing goes to
-        ranks without a copy. Every rank calls this (its list may be empty) and takes part
+        of the expert that keeps it in a slot (holders.start_sums: per peer the experts it
+        shares with that peer, by id, as two messages, w_in's and w_out's); a slot holder
+        receives every other holder's; nothing goes to ranks without a slot copy (a rank
+        whose copies are all extra replicas only sends). Every rank calls this (its list may be empty) and takes part
         in the one batch_isend_irecv. Where its copies allow, what is sent is the
         gradients themselves (no sum buffer, no gather copy)."""
         plan = self._gplan
         own = self._own_sums(plan)
-        sums = holders.start_sums([(own, plan["peers"])], self.ep_rank, self.ep_size, self.ep_group,
-                                  plan["exchange"], own[0])
-        self.replica_grad_bytes = {"sent": sums.sent, "received": sums.sent}
+        sums = holders.start_sums([(own, plan["sends"], plan["recvs"])], self.ep_rank, self.ep_size,
+                                  self.ep_group, plan["exchange"], own[0])
+        self.replica_grad_bytes = {"sent": sums.sent, "received": sums.received}
         self._grad_exchange = (sums, own)
 
     def reduce_replica_grads(self):
@@ -412,7 +418,8 @@ class MoELayer(nn.Module):
         waits for it and writes each sum, added in EP-rank order on every holder (the
         same values everywhere), into this rank's slots' gradients (main_grad where the
         trainer keeps one, else .grad); a rank whose copies of an expert are all extra
-        replicas (dropped after the step) only sends. Collective over the EP group (every
+        replicas (dropped after the step) only sends, to the slot holders, and receives
+        nothing for it. Collective over the EP group (every
         rank calls it). Call after the step's last backward, before the data parallel
         reduction reads the expert gradients, and leave the expert gradients alone
         between the end of that backward and this call (the exchange may be sending
