@@ -153,8 +153,11 @@ def render(o, doc):
                                                            pr, mr))
     lines += ["", "Five plans of one skewed batch on two gloo ranks (`examples/torch/bench_moe.py five`: the MoE "
               "layer's forward and backward of every microbatch and the replica-gradient exchange, MEASURED; the "
-              "routepack_torch profile's step, PREDICTED with the CPU profile's expert figures and gloo's measured "
-              "bandwidth; the balancer stand-in predicted under megatron_balancer). Then each plan's collectives "
+              "routepack_torch profile's step, PREDICTED with the CPU profile's expert figures and links (its "
+              "calibration's `links`, gloo between two pinned ranks), twice: the whole step, set against wall "
+              "time, and the same plan re-priced with communication free, set against each rank's thread CPU "
+              "time; the balancer stand-in predicted under megatron_balancer; the orders are of each plan's "
+              "least time, with the test-retest tau of odd against even repetitions). Then each plan's collectives "
               "(every all_to_all_single and batch_isend_irecv its step made) replayed alone and timed (MEASURED) "
               "beside the model's dispatch + combine and replica-gradient + extra-copy terms (PREDICTED). "
               "Load: `%s`." % o["five_uptime"],
