@@ -626,8 +626,9 @@ static rp_status score_joint(const joint *jt, const rp_plan *plan, const rp_plan
  * the joint packing on the balancer's placement, and where the executor charges the
  * balancer's equal-token padding (a profile with balancer_charges) also a packing made
  * for it (jt->vexp_pad: the expert work priced by each group's fullest cell), the one
- * with the lower step + migration over the horizon (the first on a tie). Leaves jt's own
- * packing as it found it. */
+ * with the lower step + migration over the horizon (the first on a tie), and then the
+ * better of that and the same plan on an ownership planned for the balancer's pushes
+ * (joint_vexp_own.c). Leaves jt's own packing as it found it. */
 static rp_status vexp_candidate(joint *jt, const rp_plan *previous_placed, rp_plan **out, rp_error *err)
 {
     rp_plan *own = NULL, *padded = NULL;
@@ -643,6 +644,8 @@ static rp_status vexp_candidate(joint *jt, const rp_plan *previous_placed, rp_pl
     const int32_t M = jt->M;
     int32_t *keep = rp_alloc(ctx, 2 * n * sizeof *keep);
     rp_status st = RP_OK;
+    scored own_s = {0};
+    bool scored_own = false;
     if (!keep) {
         st = rp_fail_nomem(err, "joint: the balancer's packing");
         goto out;
@@ -655,18 +658,34 @@ static rp_status vexp_candidate(joint *jt, const rp_plan *previous_placed, rp_pl
     if (st == RP_OK && (jt->M != M || memcmp(keep, jt->seq_gpu, n * sizeof *keep) != 0 ||
                         memcmp(keep + n, jt->seq_mb, n * sizeof *keep) != 0)) {
         st = joint_vexp_candidate(jt, previous_placed, &padded, err);
-        scored a, b;
-        if (st == RP_OK) st = score_plan(jt, own, previous_placed, &a, err);
+        scored b;
+        if (st == RP_OK) st = score_plan(jt, own, previous_placed, &own_s, err);
         if (st == RP_OK) st = score_plan(jt, padded, previous_placed, &b, err);
-        if (st == RP_OK && b.total < a.total) {
+        scored_own = st == RP_OK;
+        if (st == RP_OK && b.total < own_s.total) {
             rp_plan *t = own;
             own = padded;
             padded = t;
+            own_s = b;
         }
     }
     memcpy(jt->seq_gpu, keep, n * sizeof *keep);
     memcpy(jt->seq_mb, keep + n, n * sizeof *keep);
     jt->M = M;
+    /* the better of those on an ownership planned for the balancer's pushes */
+    rp_plan_free(padded);
+    padded = NULL;
+    if (st == RP_OK) st = joint_vexp_owned(jt, own, previous_placed, &padded, err);
+    if (st == RP_OK && padded) {
+        scored b;
+        if (!scored_own) st = score_plan(jt, own, previous_placed, &own_s, err);
+        if (st == RP_OK) st = score_plan(jt, padded, previous_placed, &b, err);
+        if (st == RP_OK && b.total < own_s.total) {
+            rp_plan *t = own;
+            own = padded;
+            padded = t;
+        }
+    }
 out:
     rp_free(ctx, keep);
     rp_plan_free(padded);

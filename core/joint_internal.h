@@ -290,5 +290,19 @@ void joint_relabel(const joint *jt, joint_layer *lay, const joint_layer *old, in
  * the contiguous placement, slots stabilised against the placement in use; valid for
  * the config and batch. */
 rp_status joint_vexp_candidate(const joint *jt, const rp_plan *previous_placed, rp_plan **out, rp_error *err);
+/* joint_vexp_own.c: `base` (a plan run with the balancer) with each layer's experts evenly
+ * owned where the balancer pushes the fewest virtual experts over the step's (microbatch,
+ * EP group) cells, starting from the placement in use where it is evenly owned (else
+ * base's), a swap kept where its pushes saved pay for its moves over the horizon; *out
+ * NULL where the balancer's group is beyond the search's limit. */
+rp_status joint_vexp_owned(const joint *jt, const rp_plan *base, const rp_plan *previous_placed, rp_plan **out,
+                           rp_error *err);
+/* The most virtual experts any rank of one EP group pushes or receives in one forward of
+ * rp_vexp_plan (steps 1 to 3), from each expert's token-choices in the group nat[E] and
+ * each rank's experts owned[r * (E / ep) + i] (ascending id); scratch from
+ * joint_vexp_pushes_init over joint_vexp_pushes_scratch(ep, E) bytes. */
+int32_t joint_vexp_pushes(int32_t ep, int32_t E, const int64_t *nat, const int32_t *owned, void *scratch);
+size_t joint_vexp_pushes_scratch(int32_t ep, int32_t E);
+void *joint_vexp_pushes_init(void *mem, int32_t ep, int32_t E);
 
 #endif
