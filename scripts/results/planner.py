@@ -137,7 +137,8 @@ def render(work, root):
            "same there: that trainer cannot run the balancer, so there is no candidate); and, where the "
            "balancer can run (one node per EP group), the same trace on Megatron-Core with its balancer "
            "(`megatron_balancer`: every expert once per EP group), where %s runs and `%s` is the shipped "
-           "policy packing for the balancer with the balancer as its candidate. The migration the planner "
+           "policy packing for the balancer with the balancer as its candidate (on an expert ownership planned "
+           "for the balancer's pushes where that pays, docs/routepack-policy.md). The migration the planner "
            "plans with is the one the executor is charged (docs/cost-model.md, \"Migration\")." % (
                commit, datetime.date.today().isoformat(), OWN, BALANCER, ON_BALANCER), ""]
     done = []
