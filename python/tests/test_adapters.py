@@ -708,3 +708,36 @@ def test_example_runs(name):
                        capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().splitlines()[-1].startswith("ok:"), r.stdout
+
+
+def test_megatron_runs_the_balancer_candidates_planned_ownership(cli, tmp_path):
+    """On Megatron's balancer (megatron_balancer), routepack's candidate owns each layer's
+    experts evenly but not contiguously (an ownership planned for the balancer's pushes,
+    core/joint_vexp_own.c); stock Megatron runs it as a relabelling, which
+    megatron.expert_placement gives exactly: nothing dropped, every EP rank's Megatron
+    indices naming the experts the plan put there, replayed ids mapped to them."""
+    cfg = json.loads(open(SMALL_CONFIG).read())
+    cfg.pop("$schema", None)
+    E, ep = cfg["model"]["num_experts"], cfg["topology"]["ep_size"]
+    cfg["topology"]["slots_per_gpu"] = E // ep
+    cfg.setdefault("execution", {})["executor"] = "megatron_balancer"
+    path = tmp_path / "steps.rpt"
+    subprocess.run([cli, "trace", "gen", str(REPO / "examples" / "gen-results-small.json"), "--steps", "2",
+                    "--seed", "23", "--out", str(path)], check=True, capture_output=True)
+    planned = 0
+    with routepack.Scheduler(cfg, policy="routepack", log_level=None) as s:
+        for step in routepack.TraceReader(str(path)):
+            res = s.step(step.seq_lens, step.routing)
+            phy2log = np.asarray(res.phy2log)
+            balanced = json.loads(s.plan_json()).get("per_forward_balancing") == "virtual_experts"
+            planned += int(balanced and (phy2log != np.arange(E)[None, :]).any())
+            pl = megatron.expert_placement(res)
+            assert pl.dropped.replicas == pl.dropped.extra_replicas == pl.dropped.share_sets == 0
+            assert not np.asarray(pl.dropped.moved).any()
+            for layer in range(res.num_layers):
+                for r in range(ep):
+                    assert sorted(pl.local_experts(layer, r)) == sorted(phy2log[layer, r * E // ep:(r + 1) * E // ep])
+                ids = np.asarray(step.routing)[:, layer, :]
+                # a replayed id lands on the slot, so the EP rank, the plan put its expert in
+                assert (phy2log[layer][pl.to_megatron(ids, layer)] == ids).all()
+    assert planned >= 1, "no step ran the balancer on a planned ownership: nothing was checked"
