@@ -46,13 +46,16 @@ static uint32_t count_at(const unsigned char *row, size_t i, int width, bool le)
     }
 }
 
-/* Sum of one row of `n` little-endian counts of `width` bytes, and the largest count so
- * far in *max: one loop per width, with plain loads on a little-endian host, so the
- * compiler vectorizes it (the reader runs it over every count of every rank's part). */
-static int64_t row_sum_max(const unsigned char *row, int32_t n, int width, uint32_t *max)
+/* Sum of one row of `n` little-endian counts of `width` bytes, and the bitwise OR of its
+ * counts so far in *bits (the check needs only the width the largest count takes, and the
+ * OR takes the same: it is 0, below 2^8 or below 2^16 exactly when the largest count is,
+ * and it costs one vector operation where an unsigned maximum costs four with SSE2): one
+ * loop per width, with plain loads on a little-endian host, so the compiler vectorizes it
+ * (the reader runs it over every count of every rank's part). */
+static int64_t row_sum_or(const unsigned char *row, int32_t n, int width, uint32_t *bits)
 {
     uint64_t sum = 0;
-    uint32_t m = *max;
+    uint32_t b = 0;
     if (width == 1) {
         /* 32-bit sums in the vector lanes (n <= STATS_MAX_EXPERTS counts of at most
          * 2^16 - 1 fit), widened once per row */
@@ -60,7 +63,7 @@ static int64_t row_sum_max(const unsigned char *row, int32_t n, int width, uint3
         for (int32_t e = 0; e < n; e++) {
             uint32_t c = row[e];
             s32 += c;
-            m = c > m ? c : m;
+            b |= c;
         }
         sum = s32;
     } else if (host_little_endian() && width == 2) {
@@ -68,24 +71,35 @@ static int64_t row_sum_max(const unsigned char *row, int32_t n, int width, uint3
         for (int32_t e = 0; e < n; e++) {
             uint32_t c = stats_u16_at(row, (size_t)e);
             s32 += c;
-            m = c > m ? c : m;
+            b |= c;
         }
         sum = s32;
     } else if (host_little_endian() && width == 4) {
         for (int32_t e = 0; e < n; e++) {
             uint32_t c = stats_u32_at(row, (size_t)e);
             sum += c;
-            m = c > m ? c : m;
+            b |= c;
         }
     } else {
         for (int32_t e = 0; e < n; e++) {
             uint32_t c = count_at(row, (size_t)e, width, true);
             sum += c;
-            m = c > m ? c : m;
+            b |= c;
         }
     }
-    *max = m;
+    *bits |= b;
     return (int64_t)sum;
+}
+
+/* The largest of `n` little-endian counts of `width` bytes (for a message). */
+static uint32_t block_max(const unsigned char *blk, size_t n, int width)
+{
+    uint32_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t c = count_at(blk, i, width, true);
+        m = c > m ? c : m;
+    }
+    return m;
 }
 
 /* ---- a part: an rp_stats, or checked bytes ------------------------------------------ */
@@ -219,11 +233,11 @@ static rp_status part_of_bytes(const void *bytes, size_t len, const char *who, p
         }
         const uint64_t size = (uint64_t)cells * (uint64_t)w;
         const unsigned char *blk = p->hist + pos;
-        uint32_t max = 0;
+        uint32_t bits = 0;
         int64_t first_sum = 0;
         for (int32_t l = 0; w > 0 && l < p->num_layers; l++) { /* width 0: no counts, nothing to read */
             const unsigned char *row = blk + (size_t)l * (size_t)p->num_experts * (size_t)w;
-            const int64_t sum = row_sum_max(row, p->num_experts, w, &max);
+            const int64_t sum = row_sum_or(row, p->num_experts, w, &bits);
             if (l == 0) first_sum = sum;
             if (sum != first_sum || sum % p->top_k != 0) {
                 rp_fail(err, RP_EFORMAT,
@@ -234,7 +248,8 @@ static rp_status part_of_bytes(const void *bytes, size_t len, const char *who, p
                 return RP_EFORMAT;
             }
         }
-        if (width_needed(max) != w) {
+        if (width_needed(bits) != w) {
+            const uint32_t max = block_max(blk, (size_t)cells, w);
             rp_fail(err, RP_EFORMAT,
                     "%sstatistics: sequence %d is stored %d bytes a count but its largest count %u needs %d", who, s,
                     w, max, width_needed(max));
@@ -388,20 +403,23 @@ static rp_status merge_parts(rp_context *ctx, int32_t num_parts, const part *par
         const size_t size = cells * (size_t)w;
         const unsigned char *from = p->hist + src_off[g];
         unsigned char *to = m->hist + m->offset[g];
-        if (!p->le || native_le || w == 1) memcpy(to, from, size);
+        /* the loads are sums of the counts, as the scan makes them: the 1- and 2-byte
+         * sequences' in 32-bit partial sums (as rp_stats_microbatch_loads sums), which
+         * vectorize where 64-bit sums widened every count; those are copied and summed
+         * in one pass (stats_copy_add_narrow) */
+        const bool as_is = !p->le || native_le || w == 1;
+        if (as_is && w > 0 && w < 4) stats_copy_add_narrow(acc, to, from, w, cells);
+        else if (as_is) memcpy(to, from, size);
         else
             for (size_t c = 0; c < cells; c++) {
                 uint32_t v = count_at(from, c, w, true);
                 if (w == 2) stats_u16_put(to, c, v);
                 else memcpy(to + 4 * c, &v, 4);
             }
-        /* the loads are sums of the counts, as the scan makes them: the 1- and 2-byte
-         * sequences' in 32-bit partial sums (stats_add_narrow, as rp_stats_microbatch_loads
-         * sums), which vectorize where 64-bit sums widened every count */
         if (w == 4)
             for (size_t c = 0; c < cells; c++) m->expert_load[c] += stats_u32_at(to, c);
         else if (w > 0) {
-            stats_add_narrow(acc, to, w, cells);
+            if (!as_is) stats_add_narrow(acc, to, w, cells);
             if (++narrow == STATS_NARROW_MAX) {
                 stats_flush_loads(m->expert_load, acc, cells);
                 narrow = 0;
@@ -565,10 +583,7 @@ rp_status rp_stats_check_batch(const rp_stats *stats, const rp_batch *batch, rp_
      * the reader checks it), so layer 0 tells the length. */
     const int32_t E = stats->num_experts;
     for (int32_t s = 0; s < n; s++) {
-        const int w = stats->width[s];
-        const unsigned char *row = stats->hist + stats->offset[s];
-        int64_t sum = 0;
-        for (int32_t e = 0; e < E; e++) sum += count_at(row, (size_t)e, w, false);
+        const int64_t sum = stats_row_sum(stats->hist + stats->offset[s], E, stats->width[s]);
         const int64_t len = rp_batch_seq_len(batch, s);
         if (sum != len * stats->top_k) {
             rp_fail(err, RP_EINVAL,

@@ -73,12 +73,31 @@ rp_status stats_from_rows(rp_context *ctx, int32_t num_seqs, int32_t num_layers,
  * `seq` must exist. */
 void stats_add_layers(const rp_stats *stats, int32_t seq, int32_t *rows, size_t stride);
 
+/* The sum of one row of `n` native counts of `width` bytes (0, 1, 2 or 4): one loop per
+ * width, which the compiler vectorizes, in 32-bit sums where they cannot wrap (up to
+ * STATS_NARROW_MAX counts below 2^16). */
+static inline int64_t stats_row_sum(const unsigned char *row, int32_t n, int width)
+{
+    uint64_t sum = 0;
+    uint32_t s32 = 0;
+    if (width == 4 || n > 65537)
+        for (int32_t e = 0; e < n; e++)
+            sum += width == 1 ? row[e] : width == 2 ? stats_u16_at(row, (size_t)e) : stats_u32_at(row, (size_t)e);
+    else if (width == 1)
+        for (int32_t e = 0; e < n; e++) s32 += row[e];
+    else if (width == 2)
+        for (int32_t e = 0; e < n; e++) s32 += stats_u16_at(row, (size_t)e);
+    return (int64_t)(sum + s32);
+}
+
 /* 32-bit partial loads of 1- and 2-byte counts (rp_stats_microbatch_loads, the merge):
  * stats_add_narrow adds `cells` counts of `width` 1 or 2 to acc; after STATS_NARROW_MAX
  * such adds (65537 x 65535 = 2^32 - 1: no wrap) stats_flush_loads adds acc to the 64-bit
  * loads and zeroes it. */
 #define STATS_NARROW_MAX 65537
 void stats_add_narrow(uint32_t *acc, const unsigned char *counts, int width, size_t cells);
+/* The same while copying the counts from `from` to `to` (one pass over them). */
+void stats_copy_add_narrow(uint32_t *acc, unsigned char *to, const unsigned char *from, int width, size_t cells);
 void stats_flush_loads(int64_t *loads, uint32_t *acc, size_t cells);
 
 /* A copy of `stats` allocated through ctx (the scheduler keeps the last step's

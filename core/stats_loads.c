@@ -65,6 +65,61 @@ void stats_add_narrow(uint32_t *acc, const unsigned char *counts, int width, siz
     else add_u16(acc, counts, cells);
 }
 
+/* Copy and add in one pass: chunks of LOADS_CHUNK, as above. */
+#define DEFINE_COPY_ADD(NAME, BYTES, AT)                                                                     \
+    static void copy_add_##NAME(uint32_t *restrict acc, unsigned char *restrict to,                          \
+                                const unsigned char *restrict from, size_t cells)                            \
+    {                                                                                                        \
+        const size_t chunks = cells / LOADS_CHUNK;                                                           \
+        for (size_t k = 0; k < chunks; k++) {                                                                \
+            memcpy(to + k * LOADS_CHUNK * BYTES, from + k * LOADS_CHUNK * BYTES, LOADS_CHUNK * BYTES);       \
+            for (size_t j = 0; j < LOADS_CHUNK; j++) acc[k * LOADS_CHUNK + j] += AT(from, k * LOADS_CHUNK + j); \
+        }                                                                                                    \
+        const size_t c0 = chunks * LOADS_CHUNK;                                                              \
+        memcpy(to + c0 * BYTES, from + c0 * BYTES, (cells - c0) * BYTES);                                    \
+        for (size_t c = c0; c < cells; c++) acc[c] += AT(from, c);                                           \
+    }
+static inline uint32_t u8_at(const unsigned char *h, size_t i) { return h[i]; }
+DEFINE_COPY_ADD(u8, 1, u8_at)
+DEFINE_COPY_ADD(u16, 2, stats_u16_at)
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+static void copy_add_u16_nt(uint32_t *restrict acc, unsigned char *restrict to, const unsigned char *restrict from,
+                            size_t cells)
+{
+    const size_t chunks = cells / 16;
+    const __m128i zero = _mm_setzero_si128();
+    for (size_t k = 0; k < chunks; k++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(from + 32 * k));
+        __m128i b = _mm_loadu_si128((const __m128i *)(from + 32 * k + 16));
+        _mm_stream_si128((__m128i *)(to + 32 * k), a);
+        _mm_stream_si128((__m128i *)(to + 32 * k + 16), b);
+        __m128i *q = (__m128i *)(acc + 16 * k);
+        _mm_storeu_si128(q, _mm_add_epi32(_mm_loadu_si128(q), _mm_unpacklo_epi16(a, zero)));
+        _mm_storeu_si128(q + 1, _mm_add_epi32(_mm_loadu_si128(q + 1), _mm_unpackhi_epi16(a, zero)));
+        _mm_storeu_si128(q + 2, _mm_add_epi32(_mm_loadu_si128(q + 2), _mm_unpacklo_epi16(b, zero)));
+        _mm_storeu_si128(q + 3, _mm_add_epi32(_mm_loadu_si128(q + 3), _mm_unpackhi_epi16(b, zero)));
+    }
+    const size_t c0 = chunks * 16;
+    memcpy(to + c0 * 2, from + c0 * 2, (cells - c0) * 2);
+    for (size_t c = c0; c < cells; c++) acc[c] += stats_u16_at(from, c);
+    _mm_sfence(); /* the streamed stores ordered before any later store (another thread may read them) */
+}
+#endif
+
+void stats_copy_add_narrow(uint32_t *acc, unsigned char *to, const unsigned char *from, int width, size_t cells)
+{
+#if defined(__SSE2__)
+    if (width == 2 && (uintptr_t)to % 16 == 0) {
+        copy_add_u16_nt(acc, to, from, cells);
+        return;
+    }
+#endif
+    if (width == 1) copy_add_u8(acc, to, from, cells);
+    else copy_add_u16(acc, to, from, cells);
+}
+
 void stats_flush_loads(int64_t *restrict loads, uint32_t *restrict acc, size_t cells)
 {
     for (size_t c = 0; c < cells; c++) loads[c] += acc[c];

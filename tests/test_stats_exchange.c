@@ -1,7 +1,7 @@
 /* Statistics between ranks (core/stats_exchange.c): the serialised form round-trips
  * bit for bit; random batches split over 2-4 simulated ranks with shuffled global ids
  * merge into exactly rp_stats_compute over the whole batch (from statistics and from
- * bytes); every truncation and every flipped byte is refused; crafted bad payloads
+ * bytes; counts of 2 bytes in rows on 16-byte boundaries or not); every truncation and every flipped byte is refused; crafted bad payloads
  * with a valid checksum are refused with the right error; missing, duplicate and
  * out-of-range ids are named; allocation failures fail cleanly; rp_stats_check_batch. */
 #include "internal.h"
@@ -236,6 +236,64 @@ static void test_merge_many(rp_context *ctx)
     world_free(&w);
 }
 
+/* Sequences of 2 bytes a count with rows of at least 16 counts, whose blocks in the merged
+ * histograms start on 16-byte boundaries (layers x experts even: the merge streams them,
+ * 16 counts at a time) or not (odd), with a short tail: the merge of 3 parts equals the
+ * whole batch's statistics, loads included. */
+static void test_merge_wide_rows(rp_context *ctx)
+{
+    const int32_t shapes[3][2] = {{3, 16}, {2, 13}, {5, 17}}; /* layers, experts */
+    int same = 1;
+    for (int t = 0; t < 3; t++) {
+        world w;
+        world_make(&w, ctx, 30, shapes[t][0], 2, shapes[t][1], 0);
+        /* every sequence long and skewed to expert 0: counts above 255 */
+        w.cu[0] = 0;
+        for (int32_t q = 0; q < w.n; q++) {
+            w.lens[q] = 260 + (int32_t)rnd(200) * (q % 3 != 0);
+            w.cu[q + 1] = w.cu[q] + w.lens[q];
+        }
+        const int64_t rec = (int64_t)w.layers * w.k;
+        free(w.ids);
+        w.ids = calloc((size_t)(w.cu[w.n] * rec) + 1, sizeof *w.ids);
+        for (int64_t i = 0; i < w.cu[w.n] * rec; i++) w.ids[i] = rnd(4) ? 0 : (int32_t)rnd((uint32_t)w.experts);
+        int32_t *zero = calloc((size_t)w.n, sizeof *zero);
+        rp_batch_free(w.batch);
+        rp_batch_new(ctx, w.n, zero, w.lens, NULL, &w.batch, NULL);
+        free(zero);
+        rp_stats *whole = stats_of(ctx, &w);
+        int32_t *perm = malloc(sizeof *perm * (size_t)w.n);
+        for (int32_t q = 0; q < w.n; q++) perm[q] = q;
+        shuffle(perm, w.n);
+        const int32_t cut[4] = {0, 7, 19, w.n};
+        rp_stats *parts[3];
+        const void *bytes[3];
+        size_t lens[3];
+        const int32_t *ids[3];
+        for (int r = 0; r < 3; r++) {
+            ids[r] = perm + cut[r];
+            parts[r] = part_stats(ctx, &w, ids[r], cut[r + 1] - cut[r]);
+            bytes[r] = serialise(parts[r], &lens[r]);
+        }
+        rp_stats *m = NULL;
+        rp_error err;
+        if (rp_stats_merge_serialized(ctx, 3, bytes, lens, ids, w.n, &m, &err) != RP_OK) diag("merge: %s", err.text);
+        int wide = 1;
+        for (int32_t q = 0; m && q < w.n; q++) wide &= m->width[q] == 2;
+        same &= m && wide && stats_same(m, whole);
+        rp_stats_free(m);
+        for (int r = 0; r < 3; r++) {
+            rp_stats_free(parts[r]);
+            free((void *)bytes[r]);
+        }
+        free(perm);
+        rp_stats_free(whole);
+        world_free(&w);
+    }
+    ok(same, "sequences of 2 bytes a count in rows of 13 to 17 counts, on 16-byte boundaries or not: the merge "
+       "equals the whole batch's statistics");
+}
+
 /* Re-sign a payload after editing it (the checksum covers everything after the header). */
 static void resign(unsigned char *b, size_t len)
 {
@@ -344,6 +402,12 @@ static void test_bad_bytes(rp_context *ctx)
     ok(load(ctx, d, wide_len, &err) == RP_EFORMAT && err.sequence == s1, "a count stored wider than it needs is "
        "refused (the form is canonical)");
     like(err.text, "needs 1", "and says which width it needs");
+    /* the check reads the counts' bits, not their maximum: the message still names the largest */
+    uint32_t largest = 0;
+    for (size_t i = 0; i < cells; i++) largest = b[at + i] > largest ? b[at + i] : largest;
+    char want[64];
+    snprintf(want, sizeof want, "largest count %u needs 1", largest);
+    like(err.text, want, "and names the largest count (%u)", largest);
     free(d);
 
     /* num_tokens that does not match the counts */
@@ -717,6 +781,7 @@ int main(void)
     test_round_trip(ctx);
     test_merge_random(ctx);
     test_merge_many(ctx);
+    test_merge_wide_rows(ctx);
     test_bad_bytes(ctx);
     test_merge_errors(ctx);
     test_check_batch(ctx);
