@@ -245,6 +245,15 @@ static inline void count8_i32(const int32_t *p, uint32_t *c)
  * the portable scan). An id >= experts is counted before the check sees it: `counts` has
  * STATS_COUNTS_SPARE entries past its last row, so such an id still lands inside it (the
  * sequence is then reported, and its counts are never used). */
+/* Count one layer's 8 ids, one 64-bit word. */
+static inline void count_word(const uint8_t *p, uint32_t *c)
+{
+    uint64_t w;
+    memcpy(&w, p, 8);
+    c[w & 0xFF]++; c[(w >> 8) & 0xFF]++; c[(w >> 16) & 0xFF]++; c[(w >> 24) & 0xFF]++;
+    c[(w >> 32) & 0xFF]++; c[(w >> 40) & 0xFF]++; c[(w >> 48) & 0xFF]++; c[w >> 56]++;
+}
+
 static bool count_dense_u8_by8(const uint8_t *ids, int64_t tokens, int32_t layers, int32_t k,
                                uint32_t experts, bool check, uint32_t *counts)
 {
@@ -256,15 +265,31 @@ static bool count_dense_u8_by8(const uint8_t *ids, int64_t tokens, int32_t layer
         int64_t n = tokens - t0 < block ? tokens - t0 : block;
         /* the test seam, where another thread could change ids not read yet */
         if (routing_scan_hook) routing_scan_hook();
+        if (words == 1) {
+            /* top-8, the common case: two layers a step, their 16 ids folded into the
+             * maximum with one load (about a tenth faster than a word at a time) */
+            for (int64_t t = 0; t < n; t++) {
+                uint32_t *c = counts;
+                int32_t l = 0;
+                for (; l + 1 < layers; l += 2, c += 2 * (size_t)experts, ids += 16) {
+                    top = _mm_max_epu8(top, _mm_loadu_si128((const __m128i *)ids));
+                    count_word(ids, c);
+                    count_word(ids + 8, c + experts);
+                }
+                if (l < layers) {
+                    top = _mm_max_epu8(top, _mm_loadl_epi64((const __m128i *)ids));
+                    count_word(ids, c);
+                    ids += 8;
+                }
+            }
+            continue;
+        }
         for (int64_t t = 0; t < n; t++) {
             uint32_t *c = counts;
             for (int32_t l = 0; l < layers; l++, c += experts)
                 for (int32_t i = 0; i < words; i++, ids += 8) {
-                    uint64_t w;
-                    memcpy(&w, ids, 8);
-                    top = _mm_max_epu8(top, _mm_cvtsi64_si128((long long)w));
-                    c[w & 0xFF]++; c[(w >> 8) & 0xFF]++; c[(w >> 16) & 0xFF]++; c[(w >> 24) & 0xFF]++;
-                    c[(w >> 32) & 0xFF]++; c[(w >> 40) & 0xFF]++; c[(w >> 48) & 0xFF]++; c[w >> 56]++;
+                    top = _mm_max_epu8(top, _mm_loadl_epi64((const __m128i *)ids));
+                    count_word(ids, c);
                 }
         }
     }
@@ -272,7 +297,7 @@ static bool count_dense_u8_by8(const uint8_t *ids, int64_t tokens, int32_t layer
     uint8_t bytes[16];
     _mm_storeu_si128((__m128i *)bytes, top);
     uint8_t max = 0;
-    for (int i = 0; i < 8; i++) max = bytes[i] > max ? bytes[i] : max;
+    for (int i = 0; i < 16; i++) max = bytes[i] > max ? bytes[i] : max;
     return max < experts;
 }
 #endif
