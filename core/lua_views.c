@@ -326,6 +326,36 @@ static int history_expert_load(lua_State *L)
     return 1;
 }
 
+/* ctx.history.share_sum(): for each (layer, expert), the sum over the entries, most
+ * recent first, of the expert's load over the layer's total load in that entry (an entry
+ * whose layer has none adds nothing): num_layers x num_experts numbers in a view of its
+ * own, index layer x num_experts + expert. The doubles of the Lua loop over the views
+ * (load:sum(), then load[e] / total added entry by entry), bit for bit, without a call
+ * per element. */
+static int history_share_sum(lua_State *L)
+{
+    rp_lua_host *h = rp_lua_host_of(L);
+    uint64_t gen = (uint64_t)lua_tonumber(L, lua_upvalueindex(1));
+    const rp_lua_frame *f = live_frame(L, h, gen, "ctx.history.share_sum");
+    const rp_model *md = rp_config_model(h->cfg);
+    const size_t E = (size_t)md->num_experts, n = (size_t)md->num_layers * E;
+    if (n > INT32_MAX)
+        return rp_lua_error(L, "ctx.history.share_sum: %d layers x %d experts is more numbers than a view holds",
+                            md->num_layers, md->num_experts);
+    rp_lua_charge(L, ((int64_t)f->history->count + 1) * (int64_t)n);
+    double *sum = push_owned_view(L, (int32_t)n, V_F64, "share_sum");
+    for (size_t i = 0; i < n; i++) sum[i] = 0;
+    for (int32_t k = 0; k < f->history->count; k++)
+        for (size_t base = 0; base < n; base += E) {
+            const int64_t *load = f->history->loads[k] + base;
+            double total = 0;
+            for (size_t e = 0; e < E; e++) total += (double)load[e];
+            if (total > 0)
+                for (size_t e = 0; e < E; e++) sum[base + e] += (double)load[e] / total;
+        }
+    return 1;
+}
+
 static const rp_plan *placement_of(lua_State *L, const char *what)
 {
     const rp_lua_frame *f = step_frame(L, what);
@@ -600,6 +630,11 @@ static int obj_index(lua_State *L)
             double i = lua_tonumber(L, 2);
             if (i >= 1 && i <= f->history->count && i == floor(i)) push_obj(L, o->gen, O_HISTORY_ENTRY, (int32_t)i - 1);
             else lua_pushnil(L);
+            return 1;
+        }
+        if (lua_type(L, 2) == LUA_TSTRING && field(lua_tostring(L, 2), "share_sum")) {
+            lua_pushnumber(L, (double)h->generation);
+            lua_pushcclosure(L, history_share_sum, 1);
             return 1;
         }
         lua_pushnil(L);

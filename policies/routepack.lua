@@ -102,27 +102,15 @@ local P = {
 local FALLBACKS = {"token_kk+contiguous", "token_kk+eplb", "verl_kk+eplb", "attn_kk+eplb"}
 
 -- The loads a new placement will meet over the coming steps: the mean of the past
--- steps' loads (ctx.history), each step weighted alike. A placement fitted to this
--- step's own noise gains nothing on them; one that follows a lasting shift does. nil
--- without history (the planner then takes this step's loads).
+-- steps' loads (ctx.history), each step weighted alike (each layer's loads over their
+-- total, summed over the steps: ctx.history.share_sum(), one C call where a Lua loop read
+-- every element through its view). A placement fitted to this step's own noise gains
+-- nothing on them; one that follows a lasting shift does. nil without history (the
+-- planner then takes this step's loads).
 local function expected_loads(ctx)
   local hist = ctx.history
   if not hist or #hist == 0 then return nil end
-  local L, E = ctx.model.num_layers, ctx.model.num_experts
-  local sum = {}
-  for i = 1, L * E do sum[i] = 0 end
-  for k = 1, #hist do
-    local entry = hist[k]
-    for l = 0, L - 1 do
-      local load = entry.expert_load(l)
-      local total = load:sum()
-      if total > 0 then
-        local base = l * E
-        for e = 0, E - 1 do sum[base + e + 1] = sum[base + e + 1] + load[e] / total end
-      end
-    end
-  end
-  return sum
+  return hist.share_sum()
 end
 
 -- ---- persistence from history (docs/routepack-policy.md, "Persistence from history") ----
