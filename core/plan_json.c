@@ -676,7 +676,7 @@ rp_status rp_plan_to_json(const rp_plan *plan, char **text, size_t *len, rp_erro
     put_member(&o, "ep_size", json_integer(rp_plan_ep_size(plan)), false);
     put_member(&o, "num_microbatches", json_integer(rp_plan_num_microbatches(plan)), false);
     put_member(&o, "num_layers", json_integer(rp_plan_num_layers(plan)), false);
-    bool more = has_packing || has_placement || has_extras || has_shares;
+    bool more = has_packing || ordered || has_placement || has_extras || has_shares;
     bool balanced = rp_plan_balancing(plan) != RP_BALANCING_NONE;
     put_member(&o, "num_experts", json_integer(rp_plan_num_experts(plan)), !more && !balanced);
     if (balanced)

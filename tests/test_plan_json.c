@@ -107,6 +107,15 @@ static void test_round_trips(rp_context *ctx, const rp_config *cfg)
     round_trip(ctx, cfg, q, "an empty packing of no sequences");
     rp_plan_free(q);
 
+    /* a microbatch order and nothing after num_experts (nor before it): found by
+     * fuzz_plan, num_experts was written as the last member, without its comma */
+    rp_plan_new(ctx, cfg, 2, &q, NULL);
+    for (int32_t r = 0; r < rp_plan_num_gpus(q); r++) rp_plan_set_microbatch_order(q, r, (int32_t[]){1, 0}, NULL);
+    round_trip(ctx, cfg, q, "a microbatch order alone");
+    rp_plan_set_balancing(q, RP_BALANCING_VIRTUAL_EXPERTS, NULL);
+    round_trip(ctx, cfg, q, "a microbatch order and per-forward balancing alone");
+    rp_plan_free(q);
+
     /* a plan on the bigger example config */
     rp_config *small = load_config(ctx, RP_SOURCE_DIR "/examples/config-small.json");
     rp_plan_new(ctx, small, 4, &q, NULL);
