@@ -6,39 +6,15 @@
  * bound by memory rather than by the multiplier. The results are the scalar XXH64's,
  * bit for bit (test_checksum compares them on every length and alignment). */
 #include "checksum_internal.h"
+#include "xxh64_internal.h"
 
 #include <string.h>
-
-#define P1 0x9E3779B185EBCA87ULL
-#define P2 0xC2B2AE3D27D4EB4FULL
-#define P3 0x165667B19E3779F9ULL
-#define P4 0x85EBCA77C2B2AE63ULL
-
-static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-static inline uint64_t round64(uint64_t acc, uint64_t input)
-{
-    acc += input * P2;
-    acc = rotl(acc, 31);
-    return acc * P1;
-}
 
 /* XXH64's end for a whole block: its four lanes merged, the length, the avalanche
  * (no tail bytes: a block is a whole number of 32-byte stripes). */
 static uint64_t block_final(const uint64_t v[4])
 {
-    uint64_t h = rotl(v[0], 1) + rotl(v[1], 7) + rotl(v[2], 12) + rotl(v[3], 18);
-    for (int i = 0; i < 4; i++) {
-        h ^= round64(0, v[i]);
-        h = h * P1 + P4;
-    }
-    h += RP_CHECKSUM_BLOCK;
-    h ^= h >> 33;
-    h *= P2;
-    h ^= h >> 29;
-    h *= P3;
-    h ^= h >> 32;
-    return h;
+    return xxh64_avalanche(xxh64_lanes(v) + RP_CHECKSUM_BLOCK);
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -49,9 +25,9 @@ static uint64_t block_final(const uint64_t v[4])
  * half, each half the four lanes of that block's XXH64. */
 __attribute__((target("avx512f,avx512dq"))) static void blocks8(const unsigned char *p, uint64_t out[8])
 {
-    const __m512i p1 = _mm512_set1_epi64((long long)P1), p2 = _mm512_set1_epi64((long long)P2);
-    const __m512i init = _mm512_set_epi64((long long)(0 - P1), 0, (long long)P2, (long long)(P1 + P2),
-                                          (long long)(0 - P1), 0, (long long)P2, (long long)(P1 + P2));
+    const __m512i p1 = _mm512_set1_epi64((long long)XXH64_P1), p2 = _mm512_set1_epi64((long long)XXH64_P2);
+    const long long v0 = (long long)(XXH64_P1 + XXH64_P2), v1 = (long long)XXH64_P2, v3 = (long long)(0 - XXH64_P1);
+    const __m512i init = _mm512_set_epi64(v3, 0, v1, v0, v3, 0, v1, v0);
     __m512i acc[4] = {init, init, init, init};
     for (size_t off = 0; off < RP_CHECKSUM_BLOCK; off += 32)
         for (int j = 0; j < 4; j++) {
@@ -77,13 +53,13 @@ static bool have_blocks8(void)
 
 static uint64_t block1(const unsigned char *p)
 {
-    uint64_t a = P1 + P2, b = P2, c = 0, d = 0 - P1, w[4];
+    uint64_t a = XXH64_P1 + XXH64_P2, b = XXH64_P2, c = 0, d = 0 - XXH64_P1, w[4];
     for (size_t off = 0; off < RP_CHECKSUM_BLOCK; off += 32) {
         memcpy(w, p + off, 32); /* little-endian hosts only, as hash.c */
-        a = round64(a, w[0]);
-        b = round64(b, w[1]);
-        c = round64(c, w[2]);
-        d = round64(d, w[3]);
+        a = xxh64_round(a, w[0]);
+        b = xxh64_round(b, w[1]);
+        c = xxh64_round(c, w[2]);
+        d = xxh64_round(d, w[3]);
     }
     const uint64_t v[4] = {a, b, c, d};
     return block_final(v);
