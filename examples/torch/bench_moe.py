@@ -68,7 +68,8 @@ import torch.distributed as dist
 from torch import nn
 
 import routepack
-from routepack import cpu, fidelity, links
+import routepack.links
+from routepack import cpu, fidelity
 from routepack.torch import ExpertPlacement, MoELayer, all_to_all, kernels
 
 
@@ -233,7 +234,7 @@ def cpu_hardware(args, world):
         n += 1
     flops = 2.0 * 512 * d * f * n / (time.thread_time() - t0)
     flops = -slowest([-flops])[0]   # the slowest rank's
-    got = links.measure()   # gloo between the ranks, now (collective)
+    got = routepack.links.measure()   # gloo between the ranks, now (collective)
     hw = {"peak_flops": flops, "gemm_efficiency": [[1, 1.0], [1 << 20, 1.0]], "dense_efficiency": 1.0,
           "hbm_bytes_per_s": 20e9, "nvlink_bytes_per_s": got["bytes_per_s"], "nvlink_latency_us": got["latency_us"]}
     if args.calibration:
