@@ -11,6 +11,7 @@
  * the per-forward balancer". */
 #include "joint_internal.h"
 #include "routepack/stats.h"
+#include "virtual_experts_internal.h"
 
 #include <math.h>
 #include <string.h>
@@ -27,14 +28,6 @@ typedef struct push_scratch {
     int32_t *pin, *pout;          /* [ep] */
 } push_scratch;
 
-static int32_t argmax_low(const int64_t *x, int32_t n)
-{
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
-}
-
 int32_t joint_vexp_pushes(int32_t ep, int32_t E, const int64_t *nat, const int32_t *owned, void *scratch)
 {
     push_scratch *s = scratch;
@@ -48,27 +41,17 @@ int32_t joint_vexp_pushes(int32_t ep, int32_t E, const int64_t *nat, const int32
         s->pin[r] = s->pout[r] = 0;
     }
     for (int32_t r = 0; r < ep; r++) bal[r] -= total / ep + (r < total % ep ? 1 : 0);
-    /* step 1: quotas, the most overloaded rank covering the most underloaded one's whole
-     * deficit (rp_vexp_plan; lowest rank on ties) */
-    memset(quota, 0, (size_t)ep * ep * sizeof *quota);
-    for (int32_t round = 0; round < ep; round++) {
-        int32_t hi = argmax_low(bal, ep), lo = 0;
-        for (int32_t i = 1; i < ep; i++)
-            if (bal[i] < bal[lo]) lo = i;
-        if (bal[hi] <= 0) break;
-        quota[(size_t)hi * ep + lo] = -bal[lo];
-        bal[hi] += bal[lo];
-        bal[lo] = 0;
-    }
+    /* step 1: rp_vexp_plan's quotas, the same code */
+    vexp_quotas(bal, quota, ep);
     /* step 2: each sender's largest open quota takes its expert with the most left; each
      * (expert, receiver) pair is one virtual expert pushed */
     for (int32_t r = 0; r < ep; r++) {
         int64_t *q = quota + (size_t)r * ep;
         for (int32_t i = 0; i < pr; i++) s->left[i] = nat[owned[(size_t)r * pr + i]];
         for (int32_t step = 0; step < ep + pr; step++) {
-            int32_t dst = argmax_low(q, ep);
+            int32_t dst = vexp_argmax_low(q, ep);
             if (q[dst] <= 0) break;
-            int32_t i = argmax_low(s->left, pr);
+            int32_t i = vexp_argmax_low(s->left, pr);
             int64_t moved = q[dst] < s->left[i] ? q[dst] : s->left[i];
             if (moved <= 0) break;
             s->left[i] -= moved;

@@ -3,6 +3,7 @@
  * (docs/baselines.md, "Virtual experts (MoonEP)"), and the limits a trainer must meet. */
 #include "internal.h"
 #include "routepack/virtual_experts.h"
+#include "virtual_experts_internal.h"
 
 #include <stdint.h>
 #include <string.h>
@@ -147,7 +148,7 @@ const int32_t *rp_vexp_pushes_out(const rp_vexp *v) { return v ? v->pushes_out :
 const int32_t *rp_vexp_pushes_in(const rp_vexp *v) { return v ? v->pushes_in : NULL; }
 
 /* Index of the largest value among the first n, the lowest index on ties. */
-static int32_t argmax_low(const int64_t *x, int32_t n)
+int32_t vexp_argmax_low(const int64_t *x, int32_t n)
 {
     int32_t best = 0;
     for (int32_t i = 1; i < n; i++)
@@ -161,6 +162,19 @@ static int32_t argmin_low(const int64_t *x, int32_t n)
     for (int32_t i = 1; i < n; i++)
         if (x[i] < x[best]) best = i;
     return best;
+}
+
+void vexp_quotas(int64_t *bal, int64_t *quota, int32_t ep)
+{
+    memset(quota, 0, (size_t)ep * ep * sizeof *quota);
+    for (int32_t round = 0; round < ep; round++) {
+        int32_t hi = vexp_argmax_low(bal, ep), lo = argmin_low(bal, ep);
+        if (bal[hi] <= 0) break;
+        int64_t moved = -bal[lo];
+        quota[(size_t)hi * ep + lo] = moved;
+        bal[hi] -= moved;
+        bal[lo] = 0;
+    }
 }
 
 /* Check the inputs and fill owner[], owned[] and native totals; nothing of the last plan
@@ -235,16 +249,8 @@ rp_status rp_vexp_plan(rp_vexp *v, const int32_t *counts, const int32_t *owner, 
      * then balanced for good. A sender may overshoot into deficit and receive later, but
      * every receiver has exactly one sender, so E / ep virtual slots always suffice. Each
      * round balances at least one rank for good: at most ep rounds. */
-    int64_t *bal = v->balance, *quota = v->quota;
-    memset(quota, 0, (size_t)ep * ep * sizeof *quota);
-    for (int32_t round = 0; round < ep; round++) {
-        int32_t hi = argmax_low(bal, ep), lo = argmin_low(bal, ep);
-        if (bal[hi] <= 0) break;
-        int64_t moved = -bal[lo];
-        quota[(size_t)hi * ep + lo] = moved;
-        bal[hi] -= moved;
-        bal[lo] = 0;
-    }
+    int64_t *quota = v->quota;
+    vexp_quotas(v->balance, quota, ep);
 
     /* 2. Each sender splits its quotas over its own experts: the largest quota takes the
      * expert with the most routes left (lowest rank, then lowest local expert on ties),
@@ -259,9 +265,9 @@ rp_status rp_vexp_plan(rp_vexp *v, const int32_t *counts, const int32_t *owner, 
         int64_t *q = quota + (size_t)s * ep;
         for (int32_t i = 0; i < pr; i++) v->remaining[i] = v->native_total[mine[i]];
         for (int32_t step = 0; step < ep + pr; step++) {
-            int32_t dst = argmax_low(q, ep);
+            int32_t dst = vexp_argmax_low(q, ep);
             if (q[dst] <= 0) break;
-            int32_t i = argmax_low(v->remaining, pr);
+            int32_t i = vexp_argmax_low(v->remaining, pr);
             int64_t moved = q[dst] < v->remaining[i] ? q[dst] : v->remaining[i];
             if (moved <= 0) break; /* unreachable: a sender never sends more than it owns */
             /* each (expert, receiver) pair once: this step empties the quota or the expert */
