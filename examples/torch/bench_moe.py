@@ -28,18 +28,23 @@ lengths varied, 4 microbatches: chosen from the predictions alone so that the fi
 different plans predicted at least 4.5% apart), each from its policy: contiguous
 (token_kk+contiguous), EPLB (token_kk+eplb), the balancer stand-in (token_kk+contiguous's
 plan with VirtualExpertBalancer's virtual experts every forward, planned before the timed
-step, as Megatron's balancer does on the device), routepack without extra replicas
+step with their placement tables, as Megatron's balancer does on the device),
+routepack without extra replicas
 (max_extra_per_rank 0) and routepack; PREDICTED under execution.executor routepack_torch
 (the balancer's under megatron_balancer: routepack_torch cannot run it) with this CPU's
 figures (--calibration examples/cpu/calibration-cpu.json: its expert curve, backward ratio
 and peak; gloo measured here), twice: the whole step, and the same plan re-priced with
 communication free (`routepack plan eval`; the CLI from ROUTEPACK_CLI or PATH), which is
-what a rank's thread CPU time measures; MEASURED as ``plans`` does; the predicted and
-measured orders (the least of each plan's repetitions) with their Kendall tau and the
-test-retest tau of odd against even repetitions.
+what a rank's compute measures: its thread CPU time outside torch.distributed's calls
+(CommClock: gloo writes sends and packs all_to_alls on the calling thread, which is the
+transfer's cost, not compute); MEASURED as ``plans`` does, plus that compute; the
+predicted and measured orders (the least of each plan's repetitions) of compute and of
+wall time, with their Kendall tau and the test-retest tau of odd against even
+repetitions. Every plan's placement tables are made before its timed step
+(MoELayer.prepare).
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/torch/bench_moe.py five \
-        --calibration examples/cpu/calibration-cpu.json [--reps 9] [--comm]
+        --calibration examples/cpu/calibration-cpu.json [--reps 15] [--comm]
 
 With ``--comm`` every all_to_all_single and batch_isend_irecv one step of each plan made is
 recorded (torch.distributed's functions wrapped for one call) and replayed alone, barriers
@@ -116,16 +121,50 @@ def slowest(values):
     return t.tolist()
 
 
+class CommClock:
+    """While installed, the thread CPU time the calling thread spends inside
+    torch.distributed's collective and point-to-point calls: its share of the transfers
+    (gloo writes a send's bytes, and packs an all_to_all's, on the calling thread), which a
+    rank's thread CPU time holds beside the compute that the model prices with
+    communication free. The layer calls these through the module (dist.NAME at call
+    time), so wrapping the module's functions sees every call."""
+    CALLS = ("all_to_all_single", "batch_isend_irecv", "all_gather", "all_reduce")
+
+    def __enter__(self):
+        self.seconds = 0.0
+        self.real = {name: getattr(dist, name) for name in self.CALLS}
+        for name, fn in self.real.items():
+            setattr(dist, name, self._clocked(fn))
+        return self
+
+    def _clocked(self, fn):
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - t0
+        return call
+
+    def __exit__(self, *exc):
+        for name, fn in self.real.items():
+            setattr(dist, name, fn)
+
+
 def timed(fn):
-    """The slowest rank's wall time, thread CPU time (the rank's own thread: its compute)
-    and process CPU time (every thread of the rank: gloo's, which copy the bytes a
-    transfer moves, included); then this rank's own thread CPU time."""
+    """The slowest rank's wall time, thread CPU time (the rank's own thread: its compute
+    and its share of the transfers) and process CPU time (every thread of the rank: gloo's,
+    which copy the bytes a transfer moves, included); then this rank's own thread CPU time;
+    then the slowest rank's compute: its thread CPU time outside communication calls
+    (CommClock)."""
     dist.barrier()
-    w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-    fn()
-    c1, p1 = time.thread_time(), time.process_time()
+    with CommClock() as comm:
+        w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        fn()
+        c1, p1 = time.thread_time(), time.process_time()
     dist.barrier()
-    return slowest([time.perf_counter() - w0, c1 - c0, p1 - p0]) + [c1 - c0]   # + this rank's thread CPU
+    wall, thread, proc, compute = slowest([time.perf_counter() - w0, c1 - c0, p1 - p0, c1 - c0 - comm.seconds])
+    return [wall, thread, proc, c1 - c0, compute]
 
 
 def summary(xs):
@@ -471,7 +510,8 @@ FIVE = [("contiguous", "token_kk+contiguous", None, False),
 
 def five_orders(plans, free, pred, times):
     """The predicted and measured orders, each measure against the prediction of what it
-    measures: thread CPU against communication free, wall against the whole step; each
+    measures: compute (thread CPU outside communication calls) against communication free,
+    wall against the whole step; each
     plan's time the least of its repetitions (min-of-N: other work on the machine only ever
     adds time). Plans that are the same plan (routepack with no extra replica to give is
     routepack without extras) are one entry, so a tie the model predicts is not scored as
@@ -483,7 +523,7 @@ def five_orders(plans, free, pred, times):
     distinct = list(groups.values())
     names = ["=".join(plans[i][0] for i in g) for g in distinct]
     order = lambda xs: " < ".join(names[i] for i in np.argsort(xs, kind="stable"))
-    for what, col, basis, p in (("thread CPU", 1, "communication free", free), ("wall", 0, "whole step", pred)):
+    for what, col, basis, p in (("compute", 4, "communication free", free), ("wall", 0, "whole step", pred)):
         least = lambda reps: [min(t[col] for i in g for t in times[plans[i][0]][reps]) for g in distinct]
         p, m = [p[g[0]] for g in distinct], least(slice(None))
         print("  %-10s predicted (%s) order: %s" % (what, basis, order(p)))
@@ -517,7 +557,7 @@ def five_plans(args, world, hw, links, lens, routing):
     """Each of FIVE's plans of the batch with its prediction, two ways: the whole step under
     this CPU's links (what wall time measures) and the same plan re-priced with
     communication free (`routepack plan eval` under a copy of the config whose links cost
-    nothing: what a rank's thread CPU time measures, gloo's threads moving the bytes).
+    nothing: what a rank's compute measures, its thread CPU time outside communication).
     Returns [(label, StepResult, predicted s, predicted s communication free, balancer,
     cost report)]."""
     d, f, E, k, M = args.hidden, args.ffn, args.experts, args.top_k, args.microbatches
@@ -567,7 +607,8 @@ def part_five(args, rank, world):
     backward, reduce_replica_grads) timed interleaved; MEASURED medians against the times
     PREDICTED under execution.executor routepack_torch with this CPU's figures (the
     balancer's under megatron_balancer's profile: routepack_torch cannot run it), the
-    whole step for wall time, communication free for thread CPU time."""
+    whole step for wall time, communication free for compute (thread CPU time outside
+    communication calls)."""
     from routepack.torch import VirtualExpertBalancer
     d, f, E, k = args.hidden, args.ffn, args.experts, args.top_k
     kern, why = kernels.choose_expert_kernel("cpu", torch.float32, d, f, True)
@@ -605,7 +646,10 @@ def part_five(args, rank, world):
             # their gradients) stays timed; the stand-in's Python planning (about 1 ms a
             # forward here) is not what the megatron_balancer profile prices
             planned = bal.plan(r)[:2] if bal is not None else None
+            if planned is not None:   # its tables too, as Megatron's are made on the device
+                layer.prepare(planned[0])
             mbs.append((x, r, phys, torch.randn(len(rows), d), planned))
+        layer.prepare(placement)   # every plan's tables made before the step (a plan precedes its step)
         runs.append((label, placement, layer, mbs, bal))
 
     def step(placement, layer, mbs, bal):
@@ -644,12 +688,15 @@ def part_five(args, rank, world):
             links["nvlink_bytes_per_s"] / 1e6, links["nvlink_latency_us"]))
         pred = [p for _, _, p, _ in plans]
         cpu_t = [statistics.median([t[1] for t in times[label]]) for label, *_ in plans]
+        comp_t = [statistics.median([t[4] for t in times[label]]) for label, *_ in plans]
         wall_t = [statistics.median([t[0] for t in times[label]]) for label, *_ in plans]
         proc_t = [statistics.median([t[2] for t in times[label]]) for label, *_ in plans]
-        for (label, res, p, bal), fr, c, w, pc in zip(plans, free, cpu_t, wall_t, proc_t):
-            print("  %-20s PREDICTED %8.2f ms (x%.3f), communication free %8.2f ms (x%.3f)   MEASURED thread CPU "
-                  "%s ms (x%.3f), process CPU %s ms (x%.3f), wall %s ms (x%.3f)  [%d extra replicas, plan %016x]" % (
+        for (label, res, p, bal), fr, cm, c, w, pc in zip(plans, free, comp_t, cpu_t, wall_t, proc_t):
+            print("  %-20s PREDICTED %8.2f ms (x%.3f), communication free %8.2f ms (x%.3f)   MEASURED compute %s ms "
+                  "(x%.3f), thread CPU %s ms (x%.3f), process CPU %s ms (x%.3f), wall %s ms (x%.3f)  "
+                  "[%d extra replicas, plan %016x]" % (
                       label, p * 1e3, p / pred[0], fr * 1e3, fr / free[0],
+                      summary([x[4] * 1e3 for x in times[label]]), cm / comp_t[0],
                       summary([x[1] * 1e3 for x in times[label]]), c / cpu_t[0],
                       summary([x[2] * 1e3 for x in times[label]]), pc / proc_t[0],
                       summary([x[0] * 1e3 for x in times[label]]), w / wall_t[0], len(res.extra_replicas),
@@ -662,7 +709,7 @@ def part_five(args, rank, world):
               "(min-max) and reps routepack ran faster: %s" % (pred[pi] / pred[bi], free[pi] / free[bi], ", ".join(
                   "%s x%s %d/%d" % (name, summary([a[i] / b[i] for a, b in zip(mine, theirs)]),
                                     sum(a[i] < b[i] for a, b in zip(mine, theirs)), len(mine))
-                  for name, i in (("thread CPU", 1), ("process CPU", 2), ("wall", 0)))))
+                  for name, i in (("compute", 4), ("thread CPU", 1), ("process CPU", 2), ("wall", 0)))))
         five_orders(plans, free, pred, times)
     if args.comm:
         comm = [replay_comm(step(placement, layer, mbs, bal), args.reps) for _, placement, layer, mbs, bal in runs]
@@ -738,7 +785,8 @@ def main():
     ap.add_argument("--expert-gemm", choices=["grouped", "loop"], default="loop",
                     help="plans, five: price the experts as one grouped GEMM or per expert (default loop: the CPU's "
                          "torch._grouped_mm runs one matmul per group, as examples/cpu/config-cpu.json says)")
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, help="timed repetitions (default 9; five: 15, at least 2: its test-retest "
+                                             "sets odd against even repetitions)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens a rank")
     ap.add_argument("--hidden", type=int, default=256)
@@ -759,9 +807,12 @@ def main():
     # 3x hotter) EPLB, the balancer and routepack are predicted within 0.3% of each other
     # with communication free, an order no run on this machine can resolve
     five = args.part == "five"
-    for key, plain, fives in (("experts", 16, 8), ("microbatches", 2, 4), ("skew", 3.0, 8.0), ("hot_experts", None, 3)):
+    for key, plain, fives in (("experts", 16, 8), ("microbatches", 2, 4), ("skew", 3.0, 8.0), ("hot_experts", None, 3),
+                              ("reps", 9, 15)):
         if getattr(args, key) is None:
             setattr(args, key, fives if five else plain)
+    if args.reps < (2 if five else 1):
+        ap.error("--reps %d: %s needs at least %d" % (args.reps, args.part, 2 if five else 1))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     # one thread a rank on a core of its own, freed memory kept as a GPU's caching allocator

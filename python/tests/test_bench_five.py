@@ -90,3 +90,29 @@ def test_five_reprice_matches_the_scheduler(five, monkeypatch, tmp_path):
     step = fidelity.plan_eval(path, trace, 0, text)["summary"]["step_s"]
     assert step == pytest.approx(res.step_time_s, rel=1e-9)
     assert step == pytest.approx(dict((p[0], p[2]) for p in five)["routepack"], rel=1e-9)
+
+
+def test_comm_clock_counts_the_calling_threads_time_in_communication(monkeypatch):
+    """five's compute is thread CPU time less what the rank's thread spent inside
+    torch.distributed's calls: CommClock counts exactly the time inside the wrapped calls,
+    whichever module looks them up at call time, and puts the real functions back."""
+    import time
+
+    import torch.distributed as dist
+
+    def busy(seconds):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < seconds:
+            pass
+
+    calls = []
+    for name in bench_moe.CommClock.CALLS:
+        monkeypatch.setattr(dist, name, lambda *a, name=name, **k: (calls.append(name), busy(0.02)))
+    real = {name: getattr(dist, name) for name in bench_moe.CommClock.CALLS}
+    with bench_moe.CommClock() as clock:
+        busy(0.03)                       # compute: not counted
+        dist.all_to_all_single(None, None)
+        dist.batch_isend_irecv([])
+    assert calls == ["all_to_all_single", "batch_isend_irecv"]
+    assert 0.04 <= clock.seconds < 0.07, clock.seconds
+    assert all(getattr(dist, name) is fn for name, fn in real.items())

@@ -140,3 +140,56 @@ def _uneven_rank(rank, world):
 def test_balancer_refuses_replicas():
     out = torch_world.run(_uneven_rank, 2)
     assert all("expert 0 has two replicas" in msg for msg in out)
+
+
+def _prepared_rank(rank, world, seed):
+    """The balancer's per-forward placements planned and prepared before the step (as
+    bench_moe's stand-in does), the step run twice: no table is made inside it, the
+    results equal the dense reference's, and the layer keeps only PREPARED placements."""
+    import routepack.torch.moe as moe
+    from routepack.torch import ExpertPlacement, MoELayer, VirtualExpertBalancer
+    d = _data(world, seed)
+    ref_y, ref_x, _, _ = _reference(d, world)
+    per_rank = E // world
+    base = ExpertPlacement(np.arange(E), np.arange(world + 1) * per_rank, [np.zeros((0, 2), np.int64)])
+    layer = MoELayer(HID, FFN, E, K, per_rank)
+    layer.load_experts(d["w_in"], d["w_out"], base)
+    with torch.no_grad():
+        layer.router.weight.copy_(d["router"])
+    balancer = VirtualExpertBalancer(E, base)
+    planned = [balancer.plan(d["routing"][rank, m])[:2] for m in range(d["M"])]
+    for placement, _ in planned:
+        layer.prepare(placement)
+    made, real = [], moe._PlacementTables
+
+    def counting(*a):
+        made.append(a[0])
+        return real(*a)
+    moe._PlacementTables = counting
+    errs = {}
+    try:
+        for rep in range(2):
+            for m, (placement, physical) in enumerate(planned):
+                x = d["x"][rank, m].clone().requires_grad_()
+                layer.fetch_replicas(placement)
+                y = layer(x, d["routing"][rank, m], physical, microbatch=0)
+                (y * d["cot"][rank, m]).sum().backward()
+                layer.reduce_replica_grads()
+                errs["y%d" % m] = max(errs.get("y%d" % m, 0.0), (y - ref_y[rank, m]).abs().max().item()
+                                      if y.numel() else 0.0)
+        errs["made_in_step"] = len(made)
+        layer.PREPARED = 1                    # a third placement evicts the oldest ones
+        layer.prepare(base)
+        layer.fetch_replicas(planned[0][0], prefetch=False)
+        errs["made_after_eviction"] = len(made)
+    finally:
+        moe._PlacementTables = real
+    return errs
+
+
+def test_prepared_placements_make_no_tables_in_the_step():
+    for rank, errs in enumerate(torch_world.run(_prepared_rank, 4, 1)):
+        assert errs.pop("made_in_step") == 0, "rank %d made placement tables inside the step" % rank
+        assert errs.pop("made_after_eviction") == 2, "rank %d: an evicted placement is made again" % rank
+        for key, v in errs.items():
+            assert v < 1e-5, "rank %d: %s differs from the dense reference by %g" % (rank, key, v)

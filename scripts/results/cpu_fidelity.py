@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--reuse", action="store_true",
                     help="score WORK/cpu-cells.json, cpu-measured1.json and cpu-measured2.json as they are "
                          "(each with its uptime and wall_s) instead of planning and measuring again")
-    ap.add_argument("--five-reps", type=int, default=9, help="repetitions of bench_moe.py five")
+    ap.add_argument("--five-reps", type=int, default=15, help="repetitions of bench_moe.py five")
     args = ap.parse_args()
     from routepack import fidelity
     py = sys.executable
@@ -155,8 +155,9 @@ def render(o, doc):
               "layer's forward and backward of every microbatch and the replica-gradient exchange, MEASURED; the "
               "routepack_torch profile's step, PREDICTED with the CPU profile's expert figures and links (its "
               "calibration's `links`, gloo between two pinned ranks), twice: the whole step, set against wall "
-              "time, and the same plan re-priced with communication free, set against each rank's thread CPU "
-              "time; the balancer stand-in predicted under megatron_balancer; the orders are of each plan's "
+              "time, and the same plan re-priced with communication free, set against each rank's compute (its "
+              "thread CPU time outside torch.distributed's calls); every plan's placement tables made before "
+              "its step; the balancer stand-in predicted under megatron_balancer; the orders are of each plan's "
               "least time, with the test-retest tau of odd against even repetitions). Then each plan's collectives "
               "(every all_to_all_single and batch_isend_irecv its step made) replayed alone and timed (MEASURED) "
               "beside the model's dispatch + combine and replica-gradient + extra-copy terms (PREDICTED). "

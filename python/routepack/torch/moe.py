@@ -13,12 +13,13 @@ _AllToAll, ``_expert_compute`` its GroupedMLP, ``reduce_replica_grads`` the extr
 reduction a replicated expert needs next to the usual expert-data-parallel one.
 
 What a forward costs the host: placement tables live on the device (made once per
-fetch_replicas of a placement), the counts cross to the host once, the expert weights are the slot
+placement, by prepare or at its first fetch_replicas), the counts cross to the host once, the expert weights are the slot
 parameter and the step's extra-replica buffer as they are (two grouped GEMMs, no copy of
 weights per forward, a backward linear in the slots)."""
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import numpy as np
@@ -84,7 +85,7 @@ def to_host(t):
 
 class _PlacementTables:
     """Everything a forward needs from a placement, made once per placement
-    (fetch_replicas with the same ExpertPlacement object again reuses them): per
+    (MoELayer.prepare; the same ExpertPlacement object again reuses them): per
     microbatch the destination key (EP rank x max_local + local expert) of every physical
     id, on the layer's device; the lowest slot of each expert (default routing)."""
 
@@ -132,6 +133,8 @@ class MoELayer(nn.Module):
     backward of the step's last microbatch ends, and reduce_replica_grads() (collective)
     finishes it before the optimizer step (or does it all, if it did not start)."""
 
+    PREPARED = 16   # placements whose tables a layer keeps (prepare): a step's per-forward ones
+
     def __init__(self, hidden_size, ffn_size, num_experts, top_k, num_slots, *, ep_group=None,
                  dtype=torch.float32, device=None, gated=False, expert_kernel=None, dispatch_dedup="gpu",
                  fetch_group=None):
@@ -167,8 +170,10 @@ class MoELayer(nn.Module):
         self.extra_w_out = None
         self._fetch = None   # the prefetch's works still in flight (fetch_replicas)
         self._tables = None
-        self._tables_on = None   # the device _tables and _gplan were made for
         self._gplan = None
+        # placements whose tables are made (prepare): id -> (placement, device, tables,
+        # gradient plan); the placement is kept so that its id stays its own
+        self._prepared = collections.OrderedDict()
         self._backwards = 0
         self._grad_exchange = None
         self.replica_grad_bytes = {"sent": 0, "received": 0}   # the last reduction's
@@ -239,10 +244,7 @@ class MoELayer(nn.Module):
                                                      self.ep_rank, self.ep_size, self.num_slots))
         if self._grad_exchange is not None:
             self.reduce_replica_grads()
-        if placement is not self.placement or self._tables_on != self.w_in.device:   # once per placement
-            self._tables = _PlacementTables(placement, self.w_in.device)
-            self._gplan = self._grad_plan(placement)
-            self._tables_on = self.w_in.device
+        self._tables, self._gplan = self.prepare(placement)
         self.placement = placement
         self._backwards = 0
         pairs = placement.step_extras()
@@ -285,6 +287,26 @@ class MoELayer(nn.Module):
             return
         self.extra_w_in.requires_grad_()
         self.extra_w_out.requires_grad_()
+
+    def prepare(self, placement):
+        """Make what a forward and the replica-gradient exchange need from ``placement``
+        (ExpertPlacement): the destination keys of every physical id per microbatch and the
+        exchange's plan: host work, no communication. fetch_replicas prepares a placement
+        it has not seen; a trainer that knows its placements before the step (a plan is
+        made before the step starts; a per-forward balancer's placements, planned ahead)
+        prepares them first, so the step does none of it. The layer keeps the last
+        PREPARED placements (by object: the same ExpertPlacement object again reuses its
+        tables). Returns (tables, gradient plan)."""
+        key, dev = id(placement), self.w_in.device
+        hit = self._prepared.get(key)
+        if hit is not None and hit[0] is placement and hit[1] == dev:
+            self._prepared.move_to_end(key)
+            return hit[2], hit[3]
+        tables, gplan = _PlacementTables(placement, dev), self._grad_plan(placement)
+        self._prepared[key] = (placement, dev, tables, gplan)
+        while len(self._prepared) > self.PREPARED:
+            self._prepared.popitem(last=False)
+        return tables, gplan
 
     def _wait_fetch(self):
         """Finish the extra replicas' fetch fetch_replicas left in flight (if any)."""
