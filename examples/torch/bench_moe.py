@@ -156,7 +156,7 @@ def timed(fn):
     and its share of the transfers) and process CPU time (every thread of the rank: gloo's,
     which copy the bytes a transfer moves, included); then this rank's own thread CPU time;
     then the slowest rank's compute: its thread CPU time outside communication calls
-    (CommClock)."""
+    (CommClock); then this rank's own compute."""
     dist.barrier()
     with CommClock() as comm:
         w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
@@ -164,7 +164,7 @@ def timed(fn):
         c1, p1 = time.thread_time(), time.process_time()
     dist.barrier()
     wall, thread, proc, compute = slowest([time.perf_counter() - w0, c1 - c0, p1 - p0, c1 - c0 - comm.seconds])
-    return [wall, thread, proc, c1 - c0, compute]
+    return [wall, thread, proc, c1 - c0, compute, c1 - c0 - comm.seconds]
 
 
 def summary(xs):
@@ -508,31 +508,50 @@ FIVE = [("contiguous", "token_kk+contiguous", None, False),
         ("routepack", "routepack", None, False)]
 
 
-def five_orders(plans, free, pred, times):
+def rank_least(plans, times, col):
+    """Per plan, each rank's least ``col`` over all, the even and the odd repetitions,
+    then the slowest rank's of each ([plans, 3]; collective: every rank calls it)."""
+    mine = torch.tensor([[min(t[col] for t in times[p[0]][reps]) for reps in
+                          (slice(None), slice(0, None, 2), slice(1, None, 2))] for p in plans], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.tolist()
+
+
+def five_orders(plans, free, pred, times, compute):
     """The predicted and measured orders, each measure against the prediction of what it
     measures: compute (thread CPU outside communication calls) against communication free,
-    wall against the whole step; each
-    plan's time the least of its repetitions (min-of-N: other work on the machine only ever
-    adds time). Plans that are the same plan (routepack with no extra replica to give is
-    routepack without extras) are one entry, so a tie the model predicts is not scored as
-    an order. Test-retest: the order of the odd repetitions' least times against the even
-    ones', the tau a second run of the bench could reach against the first."""
+    wall against the whole step. Min-of-N (other work on the machine only ever adds time):
+    compute is each rank's least over the repetitions, then the slowest rank's of those
+    (``compute``: rank_least), the estimate of what the model predicts, the slowest rank's
+    noise-free compute; the least over repetitions of the slowest rank per repetition
+    would take, for a plan whose ranks are even, the larger of two noisy figures every
+    repetition, biased up against a plan with one busy rank. Wall is the least over the
+    repetitions of the slowest rank's (barrier to barrier: the step's). Plans that are the
+    same plan (routepack with no extra replica to give is routepack without extras) are one
+    entry, so a tie the model predicts is not scored as an order. Test-retest: the order of
+    the odd repetitions' figures against the even ones', the tau a second run of the bench
+    could reach against the first."""
     groups = {}
     for i, p in enumerate(plans):
         groups.setdefault((p[1].plan_hash, p[3]), []).append(i)   # the balancer runs contiguous's plan
     distinct = list(groups.values())
     names = ["=".join(plans[i][0] for i in g) for g in distinct]
     order = lambda xs: " < ".join(names[i] for i in np.argsort(xs, kind="stable"))
-    for what, col, basis, p in (("compute", 4, "communication free", free), ("wall", 0, "whole step", pred)):
-        least = lambda reps: [min(t[col] for i in g for t in times[plans[i][0]][reps]) for g in distinct]
-        p, m = [p[g[0]] for g in distinct], least(slice(None))
+    reps = {"all": slice(None), "even": slice(0, None, 2), "odd": slice(1, None, 2)}
+    for what, basis, p, least, how in (
+            ("compute", "communication free", free,
+             lambda r: [min(compute[i][list(reps).index(r)] for i in g) for g in distinct],
+             "the slowest rank's least"),
+            ("wall", "whole step", pred,
+             lambda r: [min(t[0] for i in g for t in times[plans[i][0]][reps[r]]) for g in distinct],
+             "the least of the slowest rank's")):
+        p, m = [p[g[0]] for g in distinct], least("all")
         print("  %-10s predicted (%s) order: %s" % (what, basis, order(p)))
-        print("  %-10s measured order (least of each plan's repetitions): %s" % (what, order(m)))
+        print("  %-10s measured order (%s): %s   [%s ms]" % (what, how, order(m), " ".join("%.1f" % (x * 1e3) for x in m)))
         print("  %-10s Kendall tau predicted vs measured: %.2f over %d distinct plans%s; test-retest (odd against "
               "even repetitions) %.2f" % (
                   what, kendall(p, m), len(distinct), "" if len(distinct) == len(plans) else " (" + ", ".join(
-                      n for n in names if "=" in n) + ": one plan)", kendall(least(slice(0, None, 2)),
-                                                                            least(slice(1, None, 2)))))
+                      n for n in names if "=" in n) + ": one plan)", kendall(least("even"), least("odd"))))
 
 
 def kendall(a, b):
@@ -675,6 +694,7 @@ def part_five(args, rank, world):
             t = timed(step(placement, layer, mbs, bal))
             if rep >= args.warmup:
                 times[label].append(t)
+    compute = rank_least(plans, times, 5)
     if rank == 0:
         print("five plans: %d ranks (gloo, one pinned thread each), %d tokens in %d sequences, %d microbatch(es), "
               "d %d, f %d, %d experts, top-%d, experts 0-%d %.0fx hotter, %d spare slot(s) a rank; kernel %s; "
@@ -710,7 +730,7 @@ def part_five(args, rank, world):
                   "%s x%s %d/%d" % (name, summary([a[i] / b[i] for a, b in zip(mine, theirs)]),
                                     sum(a[i] < b[i] for a, b in zip(mine, theirs)), len(mine))
                   for name, i in (("compute", 4), ("thread CPU", 1), ("process CPU", 2), ("wall", 0)))))
-        five_orders(plans, free, pred, times)
+        five_orders(plans, free, pred, times, compute)
     if args.comm:
         comm = [replay_comm(step(placement, layer, mbs, bal), args.reps) for _, placement, layer, mbs, bal in runs]
         if rank == 0:
