@@ -15,6 +15,78 @@ static const rp_tensor *write_slot(exec *x, int64_t k, const rp_migration_write 
     return rp_registry_tensors(x->reg, (*wr)->layer, (*wr)->slot, count);
 }
 
+/* Compare write k's slot checksum `got` with its source's; a mismatch goes into x->mine. */
+static bool check_write(exec *x, int32_t round, int64_t k, uint64_t got)
+{
+    const rp_migration_write *wr = &x->wr[x->w.writes[k]];
+    const rp_migration_transfer *tr = &x->tr[wr->transfer];
+    uint64_t want = x->w.want_sum[wr->transfer];
+    if (got == want) return true;
+    if (tr->src_gpu == x->gpu)
+        note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, x->gpu, "layer %d expert %d: checksum mismatch "
+             "after copying it from slot %d into slot %d (0x%016" PRIx64 " written, 0x%016" PRIx64 " in the "
+             "source slot)", wr->layer, tr->expert, tr->src_slot, wr->slot, got, want);
+    else
+        note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, tr->src_gpu, "layer %d expert %d from rank %d: "
+             "checksum mismatch (0x%016" PRIx64 " received, 0x%016" PRIx64 " sent)", wr->layer, tr->expert,
+             tr->src_gpu - x->base, got, want);
+    return false;
+}
+
+/* The commit of one staged transfer as soon as its bytes are in staging (host memory,
+ * t->wait_each: migrate_run_round calls it as each expert arrives, while later ones are
+ * still on the way). Each further write of the transfer keeps its slot's old bytes in
+ * undo memory, copies the staged expert in and checksums the slot; then the first write
+ * swaps staging with its slot, checksumming each chunk as it is written. Every written
+ * slot is compared with the source's checksum (want_sum) at once. parts_done says what
+ * to undo; returns false with the failure in x->mine. */
+bool migrate_commit_transfer(exec *x, int32_t round, int64_t transfer, double deadline)
+{
+    rank_work *w = &x->w;
+    rp_transport *t = x->t;
+    rp_error e;
+    rp_error_clear(&e);
+    const int64_t k0 = w->round_writes[round], k1 = w->round_writes[round + 1];
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t k = k0; k < k1; k++) {
+            if (x->wr[w->writes[k]].transfer != transfer) continue;
+            const rp_migration_write *wr;
+            unsigned char *staged;
+            int32_t count = 0;
+            const rp_tensor *ts = write_slot(x, k, &wr, &staged, &count);
+            bool swap = w->undo_off[k] < 0;
+            if (swap != (pass == 1)) continue;
+            if (rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_WRITE, NULL) == RP_FAULT_COMMIT_FAIL) {
+                note(&x->mine, RP_ETRANSPORT, round, wr->layer, x->tr[transfer].expert, x->gpu, "layer %d slot "
+                     "%d: writing expert %d into it failed (injected fault)", wr->layer, wr->slot,
+                     x->tr[transfer].expert);
+                return false;
+            }
+            rp_checksum_state cs;
+            rp_checksum_init(&cs);
+            size_t off = 0;
+            for (int32_t j = 0; j < count; j++) {
+                if (swap) {
+                    rp_transport_swap_sum_host(ts[j].data, staged + off, ts[j].bytes, &cs);
+                } else {
+                    rp_status st = t->vt->copy(t, x->undo + w->undo_off[k] + off, ts[j].data, ts[j].bytes, deadline, &e);
+                    if (st == RP_OK) st = t->vt->copy(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
+                    if (st != RP_OK) {
+                        note(&x->mine, st, round, wr->layer, x->tr[transfer].expert, x->gpu, "layer %d slot %d: "
+                             "writing expert %d into it failed: %s", wr->layer, wr->slot, x->tr[transfer].expert,
+                             inner(&e));
+                        return false;
+                    }
+                    rp_checksum_update(&cs, ts[j].data, ts[j].bytes);
+                }
+                w->parts_done[k] = j + 1;
+                off += ts[j].bytes;
+            }
+            if (!check_write(x, round, k, rp_checksum_final(&cs))) return false;
+        }
+    return true;
+}
+
 /* Write a round's staged experts into this rank's slots, so that it can be undone:
  * each further write of a transfer first keeps the slot's old bytes in undo memory and
  * copies the staged expert in; then the first write of each transfer swaps staging
@@ -108,20 +180,8 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
         goto out;
     }
     for (int64_t k = k0, b = 0; k < k1; k++) {
-        const rp_migration_write *wr = &x->wr[w->writes[k]];
-        const rp_migration_transfer *tr = &x->tr[wr->transfer];
         uint64_t got = fused && w->undo_off[k] < 0 ? swapped_sum[k - k0] : sums.sums[b++];
-        uint64_t want = w->want_sum[wr->transfer];
-        if (got == want) continue;
-        if (tr->src_gpu == x->gpu)
-            note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, x->gpu, "layer %d expert %d: checksum mismatch "
-                 "after copying it from slot %d into slot %d (0x%016" PRIx64 " written, 0x%016" PRIx64 " in the "
-                 "source slot)", wr->layer, tr->expert, tr->src_slot, wr->slot, got, want);
-        else
-            note(&x->mine, RP_ECHECKSUM, round, wr->layer, tr->expert, tr->src_gpu, "layer %d expert %d from rank %d: "
-                 "checksum mismatch (0x%016" PRIx64 " received, 0x%016" PRIx64 " sent)", wr->layer, tr->expert,
-                 tr->src_gpu - x->base, got, want);
-        goto out;
+        if (!check_write(x, round, k, got)) goto out;
     }
 out:
     batch_free(x, &sums);

@@ -459,8 +459,13 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
     for (int32_t round = 0; round < R; round++) {
         /* (2)-(3) Move into staging, check checksums. */
         double deadline = rp_now_s() + timeout;
+        for (int64_t k = x.w.round_writes[round]; k < x.w.round_writes[round + 1]; k++) x.w.parts_done[k] = 0;
         migrate_run_round(&x, round, deadline);
         if (t->broken) {
+            /* what it committed as the experts arrived goes back first */
+            rp_error ue;
+            if (x.committed && migrate_undo_round(&x, round, rp_now_s() + timeout, &ue) != RP_OK)
+                note(&x.mine, ue.status, round, -1, -1, -1, "%s", ue.text);
             /* This rank cannot take part in the decision, so no rank can complete it,
              * nor the commit exchange that keeps a round; the others time out. */
             st = rp_fail(err, x.mine.status != RP_OK ? (rp_status)x.mine.status : RP_ETRANSPORT,
@@ -473,9 +478,10 @@ rp_status rp_migration_execute(const rp_migration_plan *mp, rp_registry *reg, rp
         }
         /* (4) Write and check: a rank whose round went well so far writes the round
          * into its slots so that it can be undone, checking each slot against its
-         * source checksum (the destination's one pass over the bytes). */
-        for (int64_t k = x.w.round_writes[round]; k < x.w.round_writes[round + 1]; k++) x.w.parts_done[k] = 0;
-        if (x.mine.status == RP_OK) migrate_commit_round(&x, round, rp_now_s() + timeout);
+         * source checksum (the destination's one pass over the bytes); where the
+         * transport waits for single messages, run_round did this as each expert
+         * arrived. */
+        if (x.mine.status == RP_OK && !x.committed) migrate_commit_round(&x, round, rp_now_s() + timeout);
         /* (5) Decide: one exchange. Keep the round only if every rank wrote and checked
          * it; else every rank restores what it wrote. A rank that cannot learn the
          * answer restores its slots too: a round stays only where every rank confirmed

@@ -64,6 +64,7 @@ typedef struct exec {
     bool own_staging;
     unsigned char *undo;       /* transport memory, w.undo_bytes */
     bool buffers_in_use;       /* the transport may still write staging or headers */
+    bool committed;            /* this round's writes were done as its experts arrived */
     uint64_t version;          /* the weights' version, agreed by every rank */
     exec_record mine;
 } exec;
@@ -166,7 +167,10 @@ void migrate_run_round(exec *x, int32_t round, double deadline);
 /* Write the round's slots so that it can be undone, and check them against their
  * sources (migrate_commit.c); failures go into x->mine. */
 void migrate_commit_round(exec *x, int32_t round, double deadline);
-/* Put back what migrate_commit_round wrote. */
+/* The commit of one staged transfer, as it arrives (t->wait_each); false: failed, in
+ * x->mine. */
+bool migrate_commit_transfer(exec *x, int32_t round, int64_t transfer, double deadline);
+/* Put back what migrate_commit_round (or migrate_commit_transfer) wrote. */
 rp_status migrate_undo_round(exec *x, int32_t round, double deadline, rp_error *err);
 /* The round stays: its slots take their experts' identity; the result counts it. */
 void migrate_keep_round(exec *x, int32_t round, rp_migration_result *res);

@@ -173,7 +173,124 @@ static bool check_header(exec *x, int32_t round, int32_t p, const uint64_t *h, i
     return true;
 }
 
-/* Move one round into staging and check its headers; failures go into x->mine. */
+/* Fault injection (tests): staged bytes change after they arrived, before the commit.
+ * The transfer it hits: the round's first copy inside this GPU, else its first receive. */
+static int64_t staged_fault_target(exec *x, int32_t round)
+{
+    const rank_work *w = &x->w;
+    const int64_t num_local = w->round_local[round + 1] - w->round_local[round];
+    const int64_t num_recv = w->round_recv[round + 1] - w->round_recv[round];
+    if (rp_transport_fault_at(x->t, RP_FAULT_SITE_STAGED, NULL) != RP_FAULT_CORRUPT_STAGING || num_local + num_recv == 0)
+        return -1;
+    return num_local > 0 ? w->local[w->round_local[round]] : w->recv[w->round_recv[round]];
+}
+
+static void corrupt_staged(exec *x, int64_t i, double deadline)
+{
+    rp_transport *t = x->t;
+    rp_error e;
+    unsigned char *byte = x->staging + x->w.stage_off[i] + x->tr[i].bytes / 2, v = 0;
+    if (t->vt->to_host(t, &v, byte, 1, deadline, &e) == RP_OK) {
+        v ^= 0xff;
+        t->vt->from_host(t, byte, &v, 1, deadline, &e);
+    }
+}
+
+/* Wait for this round's sends that read `layer`'s slot `slot`, before it is written. */
+static rp_status wait_sends_from(exec *x, const round_ops *ro, int32_t layer, int32_t slot, double deadline,
+                                 int32_t *failed, rp_error *e)
+{
+    for (int32_t j = 0; j < ro->n; j++) {
+        if (!ro->ops[j].send || ro->op_transfer[j] < 0) continue;
+        const rp_migration_transfer *tr = &x->tr[ro->op_transfer[j]];
+        if (tr->layer != layer || tr->src_slot != slot) continue;
+        rp_status st = x->t->vt->wait_op(x->t, j, deadline, failed, e);
+        if (st != RP_OK) return st;
+    }
+    return RP_OK;
+}
+
+/* The commit as the round's experts arrive (t->wait_each: host memory, single ops
+ * waited on): each header as it arrives, checked; then each received transfer as its
+ * messages complete, written into its slots and checked there (migrate_commit_transfer)
+ * while later ones are still on the way, once the sends that read those slots are done;
+ * then the copies inside this GPU. A header or a slot that fails its check stops the
+ * commits (noted in x->mine), and the caller still waits for the whole batch, so that
+ * no peer waits for a rank that left. Returns false when a wait failed (noted). */
+static bool commit_as_arrived(exec *x, round_ops *ro, int32_t round, double deadline, const int64_t *recv_count,
+                              const int64_t *recv_hoff, const int64_t *recv_first, const int64_t *send_first)
+{
+    rank_work *w = &x->w;
+    rp_transport *t = x->t;
+    rp_error e;
+    rp_error_clear(&e);
+    int32_t failed = -1;
+    for (int32_t j = 0; j < ro->n; j++) { /* the headers */
+        if (ro->ops[j].send || ro->op_transfer[j] >= 0) continue;
+        int32_t p = ro->ops[j].peer;
+        if (t->vt->wait_op(t, j, deadline, &failed, &e) != RP_OK) {
+            note_op(x, ro, round, failed, e.status, &e, recv_first, send_first);
+            return false;
+        }
+        uint64_t *h = ro->recv_hdr + recv_hoff[p];
+        if (t->vt->to_host(t, h, ro->ops[j].buf, ro->ops[j].bytes, deadline, &e) != RP_OK) {
+            note(&x->mine, e.status, round, -1, -1, -1, "round %d: reading the header from rank %d: %s", round, p,
+                 inner(&e));
+            return true;
+        }
+        if (!check_header(x, round, p, h, recv_count[p], recv_first[p])) return true;
+    }
+    int64_t *cursor = rp_calloc(x->ctx, (size_t)t->size, sizeof(int64_t));
+    if (!cursor) {
+        note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's header cursors", round);
+        return true;
+    }
+    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
+        int32_t p = x->tr[w->recv[k]].src_gpu - x->base;
+        w->want_sum[w->recv[k]] = ro->recv_hdr[recv_hoff[p] + HEADER_WORDS + HEADER_COPY * cursor[p]++ + 2];
+    }
+    rp_free(x->ctx, cursor);
+    const int64_t corrupt = staged_fault_target(x, round);
+    /* Each received transfer once its last message is in, in the order they were posted. */
+    for (int32_t j = 0; j < ro->n; j++) {
+        int64_t i = ro->op_transfer[j];
+        if (ro->ops[j].send || i < 0) continue;
+        if (t->vt->wait_op(t, j, deadline, &failed, &e) != RP_OK) {
+            note_op(x, ro, round, failed, e.status, &e, recv_first, send_first);
+            return false;
+        }
+        if (j + 1 < ro->n && ro->op_transfer[j + 1] == i && !ro->ops[j + 1].send) continue; /* more of it */
+        if (x->mine.status != RP_OK) continue; /* a failed check stops the commits; the batch still drains */
+        for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
+            const rp_migration_write *wr = &x->wr[w->writes[k]];
+            if (wr->transfer != i) continue;
+            if (wait_sends_from(x, ro, wr->layer, wr->slot, deadline, &failed, &e) != RP_OK) {
+                note_op(x, ro, round, failed, e.status, &e, recv_first, send_first);
+                return false;
+            }
+        }
+        if (i == corrupt) corrupt_staged(x, i, deadline);
+        migrate_commit_transfer(x, round, i, deadline);
+    }
+    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1] && x->mine.status == RP_OK; k++) {
+        int64_t i = w->local[k];
+        for (int64_t q = w->round_writes[round]; q < w->round_writes[round + 1]; q++) {
+            const rp_migration_write *wr = &x->wr[w->writes[q]];
+            if (wr->transfer != i) continue;
+            if (wait_sends_from(x, ro, wr->layer, wr->slot, deadline, &failed, &e) != RP_OK) {
+                note_op(x, ro, round, failed, e.status, &e, recv_first, send_first);
+                return false;
+            }
+        }
+        if (i == corrupt) corrupt_staged(x, i, deadline);
+        migrate_commit_transfer(x, round, i, deadline);
+    }
+    return true;
+}
+
+/* Move one round into staging and check its headers; failures go into x->mine. Where
+ * the transport waits for single ops (t->wait_each) it also commits the round, each
+ * expert as it arrives (x->committed). */
 void migrate_run_round(exec *x, int32_t round, double deadline)
 {
     const rank_work *w = &x->w;
@@ -183,6 +300,7 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
     sum_batch src_sums = {0};
     rp_error e;
     rp_error_clear(&e);
+    x->committed = false;
     int64_t *send_count = rp_calloc(x->ctx, (size_t)P, sizeof(int64_t));
     int64_t *recv_count = rp_calloc(x->ctx, (size_t)P, sizeof(int64_t));
     int64_t *send_first = rp_alloc(x->ctx, (size_t)P * sizeof(int64_t));
@@ -236,7 +354,6 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
      * (what the commit compares the slots it writes with). */
     const int64_t num_send = w->round_send[round + 1] - w->round_send[round];
     const int64_t num_local = w->round_local[round + 1] - w->round_local[round];
-    const int64_t num_recv = w->round_recv[round + 1] - w->round_recv[round];
     {
         int64_t parts = 0;
         int32_t count = 0;
@@ -351,12 +468,17 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
             goto finish;
         }
     }
+    if (started && t->wait_each) {
+        x->committed = true;
+        if (!commit_as_arrived(x, &ro, round, deadline, recv_count, recv_hoff, recv_first, send_first)) goto finish;
+    }
     if (started) {
         rp_status st = t->vt->wait(t, deadline, &failed, &e);
         if (st != RP_OK) {
             note_op(x, &ro, round, failed, st, &e, recv_first, send_first);
             goto finish;
         }
+        if (x->committed) goto finish;
     }
     /* Check every header; each received expert's source checksum is what the commit
      * compares its slot with. */
@@ -375,14 +497,9 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
         int32_t p = x->tr[w->recv[k]].src_gpu - x->base;
         w->want_sum[w->recv[k]] = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + HEADER_COPY * msg_index[p]++ + 2];
     }
-    /* Fault injection (tests): staged bytes change after they arrived, before the commit. */
-    if (rp_transport_fault_at(t, RP_FAULT_SITE_STAGED, NULL) == RP_FAULT_CORRUPT_STAGING && num_local + num_recv > 0) {
-        int64_t i = num_local > 0 ? w->local[w->round_local[round]] : w->recv[w->round_recv[round]];
-        unsigned char *byte = x->staging + w->stage_off[i] + x->tr[i].bytes / 2, v = 0;
-        if (t->vt->to_host(t, &v, byte, 1, deadline, &e) == RP_OK) {
-            v ^= 0xff;
-            t->vt->from_host(t, byte, &v, 1, deadline, &e);
-        }
+    {
+        int64_t i = staged_fault_target(x, round);
+        if (i >= 0) corrupt_staged(x, i, deadline);
     }
 finish:
     if (started && !t->vt->finish(t)) x->buffers_in_use = true;

@@ -65,6 +65,12 @@ typedef struct rp_transport_vtable {
     rp_status (*from_host)(rp_transport *t, void *dst, const void *host, size_t bytes,
                            double deadline, rp_error *err);
     void (*destroy)(rp_transport *t);
+    /* Optional (NULL: none; the executor uses it only where t->wait_each): wait until op
+     * `op` of the batch in flight completed, until `deadline`, making progress on the
+     * others as wait does (a receive that only moves inside a wait moves here too), so
+     * that the executor can commit each expert as it arrives while later ones are still
+     * on the way. Failures as wait's; the batch stays in flight until finish. */
+    rp_status (*wait_op)(rp_transport *t, int32_t op, double deadline, int32_t *failed, rp_error *err);
 } rp_transport_vtable;
 
 struct rp_transport {
@@ -89,6 +95,9 @@ struct rp_transport {
                                 * with memcpy and rp_checksum_expert (host memory without memory
                                 * callbacks): the commit then swaps and checks in one pass
                                 * (rp_transport_swap_sum_host) */
+    bool wait_each;            /* host_direct and vt->wait_op waits for single ops: the
+                                * executor commits each received expert as it arrives
+                                * (migrate_round.c); else after the whole batch */
 };
 
 /* Every rank waits until all have arrived (an allgather of one byte), until `deadline`. */

@@ -98,6 +98,24 @@ static rp_status cb_wait(rp_transport *t, double deadline, int32_t *failed, rp_e
     return RP_OK;
 }
 
+static rp_status cb_wait_op(rp_transport *t, int32_t op, double deadline, int32_t *failed, rp_error *err)
+{
+    callback_transport *ct = (callback_transport *)t;
+    *failed = -1;
+    if (!ct->in_flight) return RP_OK;
+    if (!ct->cb.wait_one) return cb_wait(t, deadline, failed, err);
+    char why[RP_ERROR_TEXT];
+    why[0] = '\0';
+    int32_t bad = -1;
+    int32_t st = ct->cb.wait_one(ct->ud, op, remaining_s(deadline), &bad, why, sizeof why);
+    why[sizeof why - 1] = '\0';
+    if (st != RP_OK) {
+        *failed = bad;
+        return callback_fail(err, st, why, "wait_one");
+    }
+    return RP_OK;
+}
+
 static bool cb_finish(rp_transport *t)
 {
     callback_transport *ct = (callback_transport *)t;
@@ -282,7 +300,7 @@ static void cb_destroy(rp_transport *t)
 
 static const rp_transport_vtable callback_vtable = {
     "callback", cb_start, cb_wait, cb_finish, cb_allgather, cb_alloc, cb_free,
-    cb_copy, cb_checksum, cb_swap, cb_to_host, cb_from_host, cb_destroy,
+    cb_copy, cb_checksum, cb_swap, cb_to_host, cb_from_host, cb_destroy, cb_wait_op,
 };
 
 rp_status rp_transport_callback_new(rp_context *ctx, const rp_transport_callbacks *cb, void *ud, int32_t rank,
@@ -320,6 +338,7 @@ rp_status rp_transport_callback_new(rp_context *ctx, const rp_transport_callback
     ct->ud = ud;
     /* its memory is reached through the callbacks, or the callbacks give the checksums */
     if (has_memory || cb->checksum) ct->base.host_direct = false;
+    ct->base.wait_each = ct->base.host_direct && cb->wait_one != NULL;
     ct->base.device_checksum = memory == RP_MEMORY_CUDA; /* tried at the first checksum */
     *out = &ct->base;
     return RP_OK;

@@ -255,11 +255,14 @@ static int try_receive(local_transport *lt, local_op *lo, rp_error *err)
     return rc;
 }
 
-static rp_status local_wait(rp_transport *t, double deadline, int32_t *failed, rp_error *err)
+/* Make progress on every op of the batch (receives copy what has arrived) until op
+ * `target` is done (-1: every op), or `deadline`. */
+static rp_status local_wait_until(rp_transport *t, int32_t target, double deadline, int32_t *failed, rp_error *err)
 {
     local_transport *lt = (local_transport *)t;
     rp_local_hub *h = lt->hub;
     *failed = -1;
+    if (target >= lt->n) return rp_fail(err, RP_EINVAL, "transport: op %d of a batch of %d", target, lt->n);
     for (;;) {
         pthread_mutex_lock(&h->mu);
         uint64_t seen = h->version;
@@ -281,7 +284,8 @@ static rp_status local_wait(rp_transport *t, double deadline, int32_t *failed, r
             }
             if (!lo->done && pending < 0) pending = i;
         }
-        if (pending < 0) return RP_OK;
+        if (target >= 0 ? lt->ops[target].done : pending < 0) return RP_OK;
+        if (target >= 0) pending = target;
         double now = rp_now_s();
         if (now >= deadline) {
             const local_op *lo = &lt->ops[pending];
@@ -297,6 +301,16 @@ static rp_status local_wait(rp_transport *t, double deadline, int32_t *failed, r
         hub_wait(h, seen, deadline < now + 0.05 ? deadline : now + 0.05);
         pthread_mutex_unlock(&h->mu);
     }
+}
+
+static rp_status local_wait(rp_transport *t, double deadline, int32_t *failed, rp_error *err)
+{
+    return local_wait_until(t, -1, deadline, failed, err);
+}
+
+static rp_status local_wait_op(rp_transport *t, int32_t op, double deadline, int32_t *failed, rp_error *err)
+{
+    return local_wait_until(t, op < 0 ? 0 : op, deadline, failed, err);
 }
 
 static bool local_finish(rp_transport *t)
@@ -426,6 +440,7 @@ static void local_destroy(rp_transport *t)
 static const rp_transport_vtable local_vtable = {
     "local", local_start, local_wait, local_finish, local_allgather, local_alloc, local_free,
     local_copy, rp_transport_checksum_host, rp_transport_swap_host, local_copy, local_copy, local_destroy,
+    local_wait_op,
 };
 
 rp_status rp_transport_local_new(rp_local_hub *h, int32_t rank, rp_transport **out, rp_error *err)
@@ -453,6 +468,7 @@ rp_status rp_transport_local_new(rp_local_hub *h, int32_t rank, rp_transport **o
         return st;
     }
     lt->hub = h;
+    lt->base.wait_each = true;
     *out = &lt->base;
     return RP_OK;
 }

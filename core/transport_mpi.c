@@ -329,6 +329,7 @@ static void mpi_destroy(rp_transport *t)
 static const rp_transport_vtable mpi_vtable = {
     "mpi", mpi_start, mpi_wait, mpi_finish, mpi_allgather, mpi_alloc, mpi_free,
     mpi_copy, rp_transport_checksum_host, rp_transport_swap_host, mpi_copy, mpi_copy, mpi_destroy,
+    NULL, /* no single-op waits: the commit follows the whole batch */
 };
 
 rp_status rp_transport_mpi_new(rp_context *ctx, MPI_Comm comm, rp_transport **out, rp_error *err)

@@ -420,6 +420,7 @@ static void nccl_destroy(rp_transport *t)
 static const rp_transport_vtable nccl_vtable = {
     "nccl", nccl_start, nccl_wait, nccl_finish, nccl_allgather, nccl_alloc, nccl_free,
     nccl_copy, nccl_checksum, nccl_swap, nccl_to_host, nccl_from_host, nccl_destroy,
+    NULL, /* one stream for the batch: the commit follows the whole batch, on the device */
 };
 
 rp_status rp_transport_nccl_new(rp_context *ctx, ncclComm_t comm, cudaStream_t stream, rp_transport **out,

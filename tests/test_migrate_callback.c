@@ -26,6 +26,9 @@ typedef struct cb_rank {
     int64_t checksum_calls;    /* the checksum callback's calls */
     int32_t checksum_wrong_at; /* its call that returns a wrong first checksum; -1: none */
     bool checksum_fail;        /* it fails */
+    const w_gpu *gpu;          /* set: count its slots changed when the batch's wait starts */
+    const rp_plan *plan;
+    int32_t changed_at_wait;   /* slots not as before then (-1: not counted) */
 } cb_rank;
 
 static int32_t cb_start(void *ud, const rp_transport_message *msgs, int32_t n, int32_t *failed, char *why,
@@ -61,12 +64,27 @@ static int32_t cb_start(void *ud, const rp_transport_message *msgs, int32_t n, i
 static int32_t cb_wait(void *ud, double timeout_s, int32_t *failed, char *why, size_t why_bytes)
 {
     cb_rank *r = ud;
+    if (r->gpu && r->changed_at_wait < 0) r->changed_at_wait = w_gpu_bad_slots(r->gpu, r->plan, 0);
     if (r->waited_fail) {
         snprintf(why, why_bytes, "rank %d: injected timeout", r->inner->rank);
         return RP_ETIMEOUT;
     }
     rp_error e;
     rp_status st = r->inner->vt->wait(r->inner, rp_now_s() + timeout_s, failed, &e);
+    if (st != RP_OK) snprintf(why, why_bytes, "%s", e.text);
+    return st;
+}
+
+/* One message (the executor commits each expert as it arrives): the local transport's. */
+static int32_t cb_wait_one(void *ud, int32_t index, double timeout_s, int32_t *failed, char *why, size_t why_bytes)
+{
+    cb_rank *r = ud;
+    if (r->waited_fail) {
+        snprintf(why, why_bytes, "rank %d: injected timeout", r->inner->rank);
+        return RP_ETIMEOUT;
+    }
+    rp_error e;
+    rp_status st = r->inner->vt->wait_op(r->inner, index, rp_now_s() + timeout_s, failed, &e);
     if (st != RP_OK) snprintf(why, why_bytes, "%s", e.text);
     return st;
 }
@@ -135,10 +153,10 @@ static int32_t cb_checksum(void *ud, const void *const *part_ptr, const size_t *
     return RP_OK;
 }
 
-static const rp_transport_callbacks host_callbacks = {cb_start, cb_wait, cb_finish, cb_allgather,
-                                                      NULL,     NULL,    NULL,      0, NULL, NULL};
-static const rp_transport_callbacks memory_callbacks = {cb_start,  cb_wait, cb_finish, cb_allgather,
-                                                        cb_alloc,  cb_free, cb_copy,   0, NULL, NULL};
+static const rp_transport_callbacks host_callbacks = {cb_start, cb_wait, cb_finish, cb_allgather, NULL,
+                                                      NULL,     NULL,    0,         NULL,         NULL, cb_wait_one};
+static const rp_transport_callbacks memory_callbacks = {cb_start,  cb_wait, cb_finish, cb_allgather, cb_alloc,
+                                                        cb_free,   cb_copy, 0,         NULL,         NULL, NULL};
 
 typedef struct rank_run {
     const rp_migration_plan *mp;
@@ -487,6 +505,72 @@ static void test_corruption(rp_context *ctx)
     scene_free(&s);
 }
 
+/* The commit as the experts arrive (wait_one): a receiver has written its first experts
+ * into their slots before it waits for the whole batch; a sender's last message arrives
+ * corrupt, so its check fails after others were committed, and every rank ends with
+ * every byte as before. */
+static void test_late_failure(rp_context *ctx)
+{
+    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
+    int32_t cur[2 * 12], tgt[2 * 12];
+    for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
+    w_rotate(cur, tgt, L, ep, slots);
+    scene s;
+    if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, false, RP_MEMORY_HOST) != 0) {
+        ok(0, "late-failure scene setup");
+        scene_free(&s);
+        return;
+    }
+    const int sender = w_sender(s.mp, 1);
+    int64_t messages = 0, last = -1;
+    for (int64_t i = 0; i < rp_migration_plan_num_transfers(s.mp); i++) {
+        rp_migration_transfer t;
+        rp_migration_plan_transfer(s.mp, i, &t, NULL);
+        if (t.src_gpu == sender && t.dst_gpu != sender) messages += s.lay.count[t.layer];
+    }
+    int tensor = -1;
+    last = w_fault_message(s.mp, &s.lay, sender, messages - 1, &tensor);
+    rp_migration_transfer lt = {0};
+    rp_migration_plan_transfer(s.mp, last, &lt, NULL);
+    const int receiver = lt.dst_gpu;
+    int64_t to_receiver = 0;
+    for (int64_t i = 0; i < rp_migration_plan_num_transfers(s.mp); i++) {
+        rp_migration_transfer t;
+        rp_migration_plan_transfer(s.mp, i, &t, NULL);
+        to_receiver += t.src_gpu != receiver && t.dst_gpu == receiver;
+    }
+    ok(rp_migration_plan_num_rounds(s.mp) == 1 && to_receiver >= 2,
+       "late failure: one round, rank %d receives %lld experts, the last message of rank %d among them", receiver,
+       (long long)to_receiver, sender);
+    ok(s.t[receiver]->wait_each, "late failure: a callback transport with wait_one waits for single messages");
+    for (int g = 0; g < NR; g++) {
+        s.cb[g].gpu = &s.gpu[g];
+        s.cb[g].plan = s.tgt;
+        s.cb[g].changed_at_wait = -1;
+    }
+    rp_transport_set_fault(s.cb[sender].inner, &(rp_fault){RP_FAULT_CORRUPT, messages - 1, 0, false});
+    scene_run(&s, 5.0);
+    ok(s.cb[receiver].changed_at_wait > 0,
+       "late failure: rank %d had written %d slots before it waited for the whole batch", receiver,
+       s.cb[receiver].changed_at_wait);
+    ok(same_outcome(&s, RP_ECHECKSUM), "late failure: every rank fails with a checksum mismatch");
+    uint64_t sent, received;
+    w_expert_checksums(&s.gpu[0], lt.layer, lt.expert, tensor, &sent, &received);
+    ok(w_error_has_checksums(s.runs[0].err.text, received, sent),
+       "late failure: the error names the last expert's checksums as sent and as received");
+    like(s.runs[0].err.text, "rolled back on every rank", "late failure: the error says every rank rolled back");
+    ok(intact(&s), "late failure: every weight byte on every rank is as before");
+    bool unknown = true;
+    for (int g = 0; g < NR; g++) unknown &= s.runs[g].res.rounds_committed == 0 && s.runs[g].res.slots_written == 0;
+    ok(unknown, "late failure: no rank counts a committed round or a written slot");
+    /* The same migration again, without the fault: it completes. */
+    for (int g = 0; g < NR; g++) s.cb[g].gpu = NULL;
+    rp_transport_set_fault(s.cb[sender].inner, &(rp_fault){RP_FAULT_NONE, 0, 0, false});
+    scene_run(&s, 5.0);
+    ok(all_ok(&s) && bad_slots(&s, 3) == 0, "late failure: the retry moves every expert");
+    scene_free(&s);
+}
+
 /* A checksum callback: every checksum of the executor goes through it (host memory and
  * memory callbacks alike), a migration completes; a wrong checksum from it on one rank
  * fails the round on every rank with a mismatch and every byte intact; a failing one
@@ -552,6 +636,7 @@ int main(void)
     test_memory_callbacks(ctx);
     test_failures(ctx);
     test_corruption(ctx);
+    test_late_failure(ctx);
     test_checksum_callback(ctx);
     rp_context_free(ctx);
     return tap_done();

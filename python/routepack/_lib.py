@@ -198,6 +198,7 @@ class rp_transport_message(Structure):
 START_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, POINTER(rp_transport_message), c_int32,
                             POINTER(c_int32), c_void_p, c_size_t)
 WAIT_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_double, POINTER(c_int32), c_void_p, c_size_t)
+WAIT_ONE_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_int32, c_double, POINTER(c_int32), c_void_p, c_size_t)
 FINISH_FN = ctypes.CFUNCTYPE(c_int32, c_void_p)
 ALLGATHER_FN = ctypes.CFUNCTYPE(c_int32, c_void_p, c_void_p, c_void_p, c_size_t, c_double,
                                 c_void_p, c_size_t)
@@ -213,7 +214,7 @@ class rp_transport_callbacks(Structure):
     _fields_ = [("start", START_FN), ("wait", WAIT_FN), ("finish", FINISH_FN),
                 ("allgather", ALLGATHER_FN), ("alloc", ALLOC_FN), ("free", FREE_FN),
                 ("copy", COPY_FN), ("max_message_bytes", c_size_t), ("stream", c_void_p),
-                ("checksum", CHECKSUM_FN)]
+                ("checksum", CHECKSUM_FN), ("wait_one", WAIT_ONE_FN)]
 
 
 class rp_migration_exec_options(Structure):

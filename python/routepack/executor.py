@@ -29,7 +29,7 @@ COPY_KINDS = ("device", "to_host", "from_host")   # rp_copy_kind
 # The C structs and callback types live in _lib with every other declaration; the names
 # stay importable from here.
 from ._lib import (ALLGATHER_FN, ALLOC_FN, CHECKSUM_FN, COPY_FN, FINISH_FN, FREE_FN,  # noqa: E402,F401
-                   START_FN, WAIT_FN, rp_migration_exec_options, rp_migration_options,
+                   START_FN, WAIT_FN, WAIT_ONE_FN, rp_migration_exec_options, rp_migration_options,
                    rp_migration_result, rp_slot_identity, rp_tensor, rp_transport_callbacks,
                    rp_transport_message)
 
@@ -210,6 +210,10 @@ class CallbackTransport:
     - ``start(messages)``: start every Message of a batch without waiting;
     - ``wait(timeout_s)``: until every one completed (raise TransportFailure with
       errors.ETIMEOUT when one is still pending at the deadline);
+    - optionally ``wait_one(index, timeout_s)``: until message ``index`` of the batch
+      completed (its bytes in place), raising as ``wait`` does; with it, in host memory
+      without ``checksum_experts``, the executor commits each received expert as it
+      arrives while later ones are still on the way (``wait`` still follows);
     - ``finish()``: forget the batch (completed or abandoned); return False only when a
       receive may still write an executor buffer after it returns;
     - ``allgather(data: bytes, timeout_s) -> bytes``: every rank's equal-sized bytes,
@@ -250,6 +254,12 @@ class CallbackTransport:
             fn = CHECKSUM_FN(self._checksum)
             self._fns.append(fn)
             cb.checksum = fn
+        # Single-message waits, where the messenger offers them: the executor then commits
+        # each expert as it arrives (host memory)
+        if getattr(messenger, "wait_one", None) is not None:
+            fn = WAIT_ONE_FN(self._wait_one)
+            self._fns.append(fn)
+            cb.wait_one = fn
         self._cb = cb
         handle = c_void_p()
         err = _lib.new_error()
@@ -293,6 +303,13 @@ class CallbackTransport:
     def _wait(self, _ud, timeout_s, failed, why, why_bytes):
         try:
             self.messenger.wait(float(timeout_s))
+            return errors.OK
+        except BaseException as e:  # noqa: BLE001
+            return self._fail(e, why, why_bytes, failed)
+
+    def _wait_one(self, _ud, index, timeout_s, failed, why, why_bytes):
+        try:
+            self.messenger.wait_one(int(index), float(timeout_s))
             return errors.OK
         except BaseException as e:  # noqa: BLE001
             return self._fail(e, why, why_bytes, failed)

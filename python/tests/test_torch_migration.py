@@ -182,7 +182,7 @@ def _torch_checksum_rank(rank, world, corrupt_step):
         def wait(self, timeout_s):
             super().wait(timeout_s)
             if self.armed:
-                for m, _work, _buf, _direct in self._batch:
+                for m, _work, _buf, _direct, _done in self._batch:
                     if not m.send and m.payload:
                         b = bytes_at(m.address, m.nbytes, self.device)
                         b[m.nbytes // 2] ^= 0xFF
@@ -230,6 +230,71 @@ def test_migration_with_torch_op_checksums_on_cpu():
     assert reports[0][1] == ("failed", True), reports[0]
     assert reports[0][2][0] == "ok", reports[0]
     assert all(o[1] >= 2 for o in out), [o[1] for o in out]   # source, written slots: per round
+
+
+def _late_corrupt_rank(rank, world, corrupt_step):
+    import routepack
+    from routepack.executor import MigrationFailed
+    from routepack.torch import MigrationExecutor, TorchMessenger, init_optimizer_state, slot_tensors
+    from routepack.torch.messenger import bytes_at
+
+    class LateCorrupt(TorchMessenger):
+        """Counts single-message waits; in step `corrupt_step` flips a byte of the last
+        expert message of the batch once it arrived, when the executor has already
+        committed the ones before it."""
+        armed, single, written_before = False, 0, 0
+
+        def wait_one(self, index, timeout_s):
+            super().wait_one(index, timeout_s)
+            self.single += 1
+            last = max((i for i, e in enumerate(self._batch) if not e[0].send and e[0].payload), default=-1)
+            if self.armed and index == last:
+                self.armed = False
+                self.written_before = sum(not _holds(tensors, phy2log, rank, [l]) for l in range(L))
+                m = self._batch[index][0]
+                b = bytes_at(m.address, m.nbytes, self.device)
+                b[m.nbytes // 2] ^= 0xFF
+
+    params, opt = _layer_tensors()
+    init_optimizer_state(opt)
+    tensors = [slot_tensors(ps, opt) for ps in params]
+    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
+    phy2log = sched.initial_placement()
+    _fill(tensors, phy2log, rank)
+    ex = MigrationExecutor(sched, timeout_s=5.0)
+    ex.messenger.__class__ = LateCorrupt
+    for l in range(L):
+        ex.register(l, tensors[l])
+    ex.staging_budget_bytes = 0
+    ex.sync()
+    report = []
+    for step in range(3):
+        res = sched.step(*_step_inputs(step))
+        ex.messenger.armed = step == corrupt_step
+        try:
+            r = ex.execute(res)
+            assert _holds(tensors, res.phy2log, rank, range(L))
+            report.append(("ok", r.num_rounds if r else 0))
+            phy2log = res.phy2log
+        except MigrationFailed as e:
+            assert _holds(tensors, phy2log, rank, range(L))   # every byte as before
+            report.append(("failed", "checksum mismatch" in str(e)))
+    return report, ex.messenger.single, ex.messenger.written_before
+
+
+def test_each_expert_commits_as_it_arrives_and_a_late_failure_rolls_back():
+    """Host memory over gloo: the executor waits for each message (TorchMessenger.wait_one)
+    and commits each expert as it arrives; a byte flipped in the last expert message of a
+    rank's batch, after the experts before it were written into their slots, fails the
+    round on every rank with every weight as before, and the next step moves again."""
+    out = torch_world.run(_late_corrupt_rank, 4, 1)
+    reports = [o[0] for o in out]
+    assert all(r == reports[0] for r in reports), reports
+    assert reports[0][0][0] == "ok" and reports[0][0][1] > 0, reports[0]
+    assert reports[0][1] == ("failed", True), reports[0]
+    assert reports[0][2][0] == "ok", reports[0]
+    assert all(o[1] > 0 for o in out), [o[1] for o in out]   # single-message waits
+    assert any(o[2] > 0 for o in out), [o[2] for o in out]   # a layer written before the last arrived
 
 
 def test_torch_checksum_equals_the_c_checksum():

@@ -331,6 +331,14 @@ typedef struct rp_transport_callbacks {
     int32_t (*checksum)(void *ud, const void *const *part_ptr, const size_t *part_bytes,
                         const int32_t *part_begin, int32_t n, uint64_t *sums, double timeout_s,
                         char *why, size_t why_bytes);
+    /* Optional (NULL: none): wait until message `index` of the batch completed (a
+     * receive's bytes are in its buffer), at most `timeout_s` seconds, with the same
+     * statuses as wait. With it, and host memory without memory callbacks or checksum
+     * callback, the executor commits each received expert as it arrives, while later
+     * messages are still on the way; wait is still called for the whole batch after.
+     * Appended after `checksum`. */
+    int32_t (*wait_one)(void *ud, int32_t index, double timeout_s, int32_t *failed, char *why,
+                        size_t why_bytes);
 } rp_transport_callbacks;
 
 /* A transport whose messages, exchanges and (optionally) memory go through `cb` (the

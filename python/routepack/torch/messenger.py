@@ -150,7 +150,7 @@ class TorchMessenger:
                 buf = direct if direct is not None else self._receive_buffer(m.nbytes)
                 op = dist.P2POp(dist.irecv, buf, self._peer(m.peer), self.group)
             ops.append(op)
-            batch.append([m, None, buf, direct is not None if not m.send else False])
+            batch.append([m, None, buf, direct is not None if not m.send else False, False])
         self._batch = batch
         if ops:
             works = dist.batch_isend_irecv(ops)
@@ -161,22 +161,34 @@ class TorchMessenger:
                 for entry in batch:
                     entry[1] = works[-1] if works else None
 
+    def _wait_entry(self, i, deadline):
+        entry = self._batch[i]
+        m, work, buf, direct, done = entry
+        if work is None or done:
+            return
+        # Work.wait with a timeout: gloo's send/recv handles only complete inside wait
+        # (is_completed stays False until then), so they cannot be polled.
+        _wait_work(work, deadline, i, ("rank %d did not take the message before the deadline" if m.send
+                                       else "nothing arrived from rank %d before the deadline") % m.peer)
+        if not m.send and not direct:
+            # queued on the current stream: whatever reads staging next (a copy,
+            # a checksum) is ordered after it, so no synchronisation per message
+            bytes_at(m.address, m.nbytes, self.device).copy_(buf, non_blocking=True)
+        entry[4] = True
+
     def wait(self, timeout_s):
         deadline = time.monotonic() + timeout_s
-        for i, (m, work, buf, direct) in enumerate(self._batch):
-            if work is None:
-                continue
-            # Work.wait with a timeout: gloo's send/recv handles only complete inside wait
-            # (is_completed stays False until then), so they cannot be polled.
-            _wait_work(work, deadline, i, ("rank %d did not take the message before the deadline" if m.send
-                                           else "nothing arrived from rank %d before the deadline") % m.peer)
-            if not m.send and not direct:
-                # queued on the current stream: whatever reads staging next (a copy,
-                # a checksum) is ordered after it, so no synchronisation per message
-                bytes_at(m.address, m.nbytes, self.device).copy_(buf, non_blocking=True)
+        for i in range(len(self._batch)):
+            self._wait_entry(i, deadline)
+
+    def wait_one(self, index, timeout_s):
+        """Until message ``index`` of the batch completed: on gloo its own handle (the
+        executor commits each expert of host memory as it arrives); on a backend that
+        gives one handle for the batch (NCCL) that handle, which completes them all."""
+        self._wait_entry(index, time.monotonic() + timeout_s)
 
     def finish(self):
-        for m, work, buf, direct in self._batch:
+        for m, work, buf, direct, _done in self._batch:
             if work is not None and not work.is_completed():
                 self._orphans.append((work, buf))
             elif not m.send and not direct:
