@@ -64,16 +64,17 @@ def main():
         res = sched.step(lens[mine], torch.as_tensor(ids[rows], dtype=torch.int32), mine, step=step)
         if res.migration is None:
             continue
-        # the same transfers as a plain batch_isend_irecv of the same byte counts: sends
-        # from the slot tensors, receives into buffers allocated (and touched) beforehand
+        # the same transfers as a plain batch_isend_irecv of the same bytes: each send from
+        # its transfer's source slot (the memory the executor reads), receives into
+        # buffers allocated (and touched) beforehand
         ops = []
-        flat = [w.view(-1).view(torch.uint8) for w in weights]
         for tr in res.migration.transfers:
             if tr["src_gpu"] == tr["dst_gpu"]:
                 continue
             n = int(tr["bytes"])
             if tr["src_gpu"] == rank:
-                ops.append(dist.P2POp(dist.isend, flat[int(tr["layer"])][:n], int(tr["dst_gpu"])))
+                src = weights[int(tr["layer"])][int(tr["src_slot"])].view(torch.uint8)
+                ops.append(dist.P2POp(dist.isend, src[:n], int(tr["dst_gpu"])))
             elif tr["dst_gpu"] == rank:
                 ops.append(dist.P2POp(dist.irecv, torch.zeros(n, dtype=torch.uint8), int(tr["src_gpu"])))
 
