@@ -13,7 +13,6 @@ replaces the message group on every rank after a failed call instead."""
 from __future__ import annotations
 
 import ctypes
-import threading
 import time
 from datetime import timedelta
 
@@ -59,15 +58,6 @@ def _wait_work(work, deadline, index, timeout_text):
         raise TransportFailure("%s: %s" % (type(e).__name__, e), errors.ETRANSPORT, index) from e
 
 
-class _Pending:
-    """A send the sending thread has not posted yet: its work once posted, or the error."""
-
-    def __init__(self):
-        self.posted = threading.Event()
-        self.work = None
-        self.error = None
-
-
 class TorchMessenger:
     """The executor's messages over ``group`` (a torch.distributed process group; None:
     the world): point-to-point batches with batch_isend_irecv, exchanges with all_gather
@@ -80,13 +70,9 @@ class TorchMessenger:
     ``device`` (routepack.torch.checksum; no host copy, one read of the results per
     batch). None (default): for CUDA only, where the C checksum kernel cannot run; True:
     also for host memory (the C checksum is faster there: tests use it to run the device
-    path on CPU); False: never. ``send_thread`` (None or True: on CPU; False: off): on
-    CPU (gloo, where posting a send writes its bytes) a batch's sends are posted by a
-    thread of their own and its receives here, each with isend / irecv, so that the
-    executor commits experts as they arrive; never on CUDA (NCCL needs one coalesced
-    batch_isend_irecv)."""
+    path on CPU); False: never."""
 
-    def __init__(self, group=None, device=None, control_group=None, torch_checksum=None, send_thread=None):
+    def __init__(self, group=None, device=None, control_group=None, torch_checksum=None):
         self.group = group
         self.control_group = group if control_group is None else control_group
         self.rank = dist.get_rank(group)
@@ -107,9 +93,6 @@ class TorchMessenger:
         use = self.device.type == "cuda" if torch_checksum is None else bool(torch_checksum)
         self.checksum_experts = self._checksum_experts if use else None
         self.checksum_calls = 0   # batches checksummed through torch ops
-        # sends posted by a thread of their own (_start_split): gloo (CPU) by default
-        self.send_thread = self.device.type == "cpu" and send_thread is not False
-        self._sender = None
 
     def _checksum_experts(self, experts, timeout_s):
         """rp_checksum_expert of each expert ([(address, nbytes), ...] parts in this
@@ -156,21 +139,21 @@ class TorchMessenger:
                 # which the trainer keeps alive and the executor does not write while
                 # this batch is in flight (a failed round writes nothing).
                 buf = bytes_at(m.address, m.nbytes, self.device)
+                op = dist.P2POp(dist.isend, buf, self._peer(m.peer), self.group)
             elif m.send:
                 # A header lives in the executor's memory, which an abandoned send may
                 # still read after the executor returns: a copy.
                 buf = bytes_at(m.address, m.nbytes, self.device).clone()
+                op = dist.P2POp(dist.isend, buf, self._peer(m.peer), self.group)
             else:
                 direct = self._direct_view(m.address, m.nbytes) if m.payload else None
                 buf = direct if direct is not None else self._receive_buffer(m.nbytes)
-            ops.append((m.send, buf, self._peer(m.peer)))
+                op = dist.P2POp(dist.irecv, buf, self._peer(m.peer), self.group)
+            ops.append(op)
             batch.append([m, None, buf, direct is not None if not m.send else False, False])
         self._batch = batch
-        if ops and self.send_thread:
-            self._start_split(ops, batch)
-        elif ops:
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, buf, peer, self.group)
-                                            for send, buf, peer in ops])
+        if ops:
+            works = dist.batch_isend_irecv(ops)
             if len(works) == len(batch):
                 for entry, w in zip(batch, works):
                     entry[1] = w
@@ -178,46 +161,11 @@ class TorchMessenger:
                 for entry in batch:
                     entry[1] = works[-1] if works else None
 
-    def _start_split(self, ops, batch):
-        """gloo: the receives posted here, the sends by a thread of their own, in order.
-        gloo writes a send's bytes on the thread that posts it, as far as the socket takes
-        them, under the connection's lock that its receiving thread also takes: posted
-        here, the sends hold this thread until most of the batch has moved, and the
-        executor could commit nothing while its experts arrive."""
-        sends = []
-        for i, ((send, buf, peer), entry) in enumerate(zip(ops, batch)):
-            if send:
-                entry[1] = _Pending()
-                sends.append((i, buf, peer))
-            else:
-                entry[1] = dist.irecv(buf, peer, group=self.group)
-        if not sends:
-            return
-
-        def post():
-            for i, buf, peer in sends:
-                pending = batch[i][1]
-                try:
-                    pending.work = dist.isend(buf, peer, group=self.group)
-                except BaseException as e:  # noqa: BLE001 (raised where the send is waited on)
-                    pending.error = e
-                pending.posted.set()
-        self._sender = threading.Thread(target=post, name="routepack-sends", daemon=True)
-        self._sender.start()
-
     def _wait_entry(self, i, deadline):
         entry = self._batch[i]
         m, work, buf, direct, done = entry
         if work is None or done:
             return
-        if isinstance(work, _Pending):
-            if not work.posted.wait(max(deadline - time.monotonic(), 0.0)):
-                raise TransportFailure("the send to rank %d was not posted before the deadline" % m.peer,
-                                       errors.ETIMEOUT, i)
-            if work.error is not None:
-                raise TransportFailure("%s: %s" % (type(work.error).__name__, work.error), errors.ETRANSPORT,
-                                       i) from work.error
-            work = entry[1] = work.work
         # Work.wait with a timeout: gloo's send/recv handles only complete inside wait
         # (is_completed stays False until then), so they cannot be polled.
         _wait_work(work, deadline, i, ("rank %d did not take the message before the deadline" if m.send
@@ -240,12 +188,6 @@ class TorchMessenger:
         self._wait_entry(index, time.monotonic() + timeout_s)
 
     def finish(self):
-        if self._sender is not None:
-            self._sender.join()   # posting returns (gloo's isend does not wait for the peer)
-            self._sender = None
-            for entry in self._batch:
-                if isinstance(entry[1], _Pending):
-                    entry[1] = entry[1].work
         for m, work, buf, direct, _done in self._batch:
             if work is not None and not work.is_completed():
                 self._orphans.append((work, buf))
