@@ -266,6 +266,7 @@ rp_status rp_cost_new(rp_context *ctx, const rp_config *cfg, const rp_batch *bat
     c->grouped = x->expert_gemm == RP_EXPERT_GEMM_GROUPED;
     c->extras_apart = c->grouped && x->extras_once && !x->extras_stacked;
     c->tile_rows = h->gemm_tile_rows > 0 ? h->gemm_tile_rows : pf && pf->group_align_rows > 0 ? pf->group_align_rows : 1;
+    c->tile_pow2 = (c->tile_rows & (c->tile_rows - 1)) == 0;
     c->tile = c->tile_rows;
     c->geff = h->num_grouped_gemm_efficiency > 0 ? h->grouped_gemm_efficiency : NULL;
     c->num_geff = h->num_grouped_gemm_efficiency;

@@ -14,9 +14,7 @@ double cost_gemm_pad(const rp_cost *c, double n) { return ceil(n / c->tile) * c-
 double cost_wgrad_time(const rp_cost *c, double n)
 {
     if (!(n > 0)) return 0.0;
-    const double p = cost_gemm_pad(c, n);
-    const double t = p * c->expert_token_s / cost_curve_at(c->weff, c->num_weff, p);
-    return t > c->wgrad_floor_s ? t : c->wgrad_floor_s;
+    return cost_wgrad_padded(c, cost_gemm_pad(c, n));
 }
 
 void cost_expert_add(const rp_cost *c, double n, double *x, double *rows, double *groups)
@@ -26,8 +24,9 @@ void cost_expert_add(const rp_cost *c, double n, double *x, double *rows, double
         return;
     }
     if (!(n > 0)) return;
-    *x += cost_wgrad_time(c, n);
-    *rows += cost_gemm_pad(c, n);
+    const double p = cost_gemm_pad(c, n); /* padded once for both */
+    *x += cost_wgrad_padded(c, p);
+    *rows += p;
     *groups += 1.0;
 }
 

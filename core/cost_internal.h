@@ -164,6 +164,7 @@ struct rp_cost {
     bool extras_apart;         /* grouped, and a GPU's extra replicas run as a grouped GEMM of their
                                   own (routepack.torch's buffers beside its slots) */
     int32_t tile_rows;         /* hardware.gemm_tile_rows, else the executor's alignment */
+    bool tile_pow2;            /* tile_rows is a power of two: padding is a mask, not a division */
     double tile;               /* the same, as a double */
     const rp_eff_point *geff;  /* forward by a GPU's total padded rows; NULL: eff at the mean */
     int32_t num_geff;
@@ -306,6 +307,27 @@ static inline double cost_slot_time_int(const rp_cost *c, int64_t n)
 double cost_gemm_pad(const rp_cost *c, double n);
 /* One expert's weight-gradient GEMMs at n rows (padded), at least the write of dW. */
 double cost_wgrad_time(const rp_cost *c, double n);
+/* The same from rows already padded (p = cost_gemm_pad of some n > 0): the same bits,
+ * without the second padding, and with the curve's search skipped beyond its last point
+ * (where cost_curve_at returns that point's efficiency), as the evaluator meets most
+ * experts' rows at the reference scale. */
+static inline double cost_wgrad_padded(const rp_cost *c, double p)
+{
+    const rp_eff_point *w = c->weff;
+    const int32_t k = c->num_weff;
+    const double eff = p > w[0].tokens && p >= w[k - 1].tokens ? w[k - 1].efficiency : cost_curve_at(w, k, p);
+    const double t = p * c->expert_token_s / eff;
+    return t > c->wgrad_floor_s ? t : c->wgrad_floor_s;
+}
+/* An integer count n > 0 padded up to the tile: cost_gemm_pad's value (an integer below
+ * 2^31 over a tile of at most 2^16 rows divides to a double strictly between two integers
+ * unless exact, so the ceiling is the integer one), by a mask where the tile is a power
+ * of two (the executors' alignments) instead of a 64-bit division. */
+static inline int64_t cost_pad_rows(const rp_cost *c, int64_t n)
+{
+    const int64_t t = c->tile_rows;
+    return c->tile_pow2 ? (n + t - 1) & -t : (n + t - 1) / t * t;
+}
 /* One expert's n rows into its GPU's accumulators: the per-expert time (loop form), or
  * its weight-gradient time, padded rows and one group (grouped form). */
 void cost_expert_add(const rp_cost *c, double n, double *x, double *rows, double *groups);
@@ -318,8 +340,9 @@ static inline void cost_expert_add_int(const rp_cost *c, int64_t n, double *x, d
         return;
     }
     if (n <= 0) return;
-    *x += n < c->slot_table_n ? c->slot_table[c->slot_table_n + n] : cost_wgrad_time(c, (double)n);
-    *rows += (double)((n + c->tile_rows - 1) / c->tile_rows * c->tile_rows);
+    const int64_t p = cost_pad_rows(c, n);
+    *x += n < c->slot_table_n ? c->slot_table[c->slot_table_n + n] : cost_wgrad_padded(c, (double)p);
+    *rows += (double)p;
     *groups += 1.0;
 }
 /* The GPU's expert time (forward-equivalent seconds at speed 1) from its accumulators. */

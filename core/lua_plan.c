@@ -545,17 +545,21 @@ static void read_packing(lua_State *L, int pk, const char *what, int32_t G, int3
     int64_t total = 0;
     for (int32_t g = 0; g < G; g++) {
         lua_rawgeti(L, pk, g + 1);
-        snprintf(path, sizeof path, "%s.packing[%d]", what, g + 1);
-        want_table(L, -1, path, "the microbatches of one rank");
-        size_t m = lua_objlen(L, -1);
-        if (m != (size_t)M)
+        /* the paths are written only for an error: a plan read names no path otherwise */
+        size_t m = lua_type(L, -1) == LUA_TTABLE ? lua_objlen(L, -1) : 0;
+        if (lua_type(L, -1) != LUA_TTABLE || m != (size_t)M) {
+            snprintf(path, sizeof path, "%s.packing[%d]", what, g + 1);
+            want_table(L, -1, path, "the microbatches of one rank");
             rp_lua_error(L, "%s has %zu microbatches, but %s %d (every rank runs the same number)", path, m,
                          M_given >= 1 ? "num_microbatches is" : "rank 0 has", M);
+        }
         int rank_idx = lua_gettop(L);
         for (int32_t mb = 0; mb < M; mb++) {
             lua_rawgeti(L, rank_idx, mb + 1);
-            snprintf(path, sizeof path, "%s.packing[%d][%d]", what, g + 1, mb + 1);
-            want_table(L, -1, path, "a list of sequence ids");
+            if (lua_type(L, -1) != LUA_TTABLE) {
+                snprintf(path, sizeof path, "%s.packing[%d][%d]", what, g + 1, mb + 1);
+                want_table(L, -1, path, "a list of sequence ids");
+            }
             size_t len = lua_objlen(L, -1);
             if ((int64_t)len > (int64_t)n - total)
                 rp_lua_error(L, "%s.packing lists more than %d sequence ids, but the batch has %d sequences (each "
@@ -606,29 +610,40 @@ static int32_t *read_placement(lua_State *L, int pl, const char *what, const rp_
     for (size_t i = 0; i < (size_t)Ly * S; i++) phy[i] = -1;
     for (int32_t l = 0; l < Ly; l++) {
         lua_rawgeti(L, pl, l + 1);
-        snprintf(path, sizeof path, "%s.placement[%d]", what, l + 1);
-        want_table(L, -1, path, "one list per EP rank");
-        size_t ranks = lua_objlen(L, -1);
-        if (ranks != (size_t)ep)
+        /* the paths are written only for an error: a plan read names no path otherwise */
+        size_t ranks = lua_type(L, -1) == LUA_TTABLE ? lua_objlen(L, -1) : 0;
+        if (lua_type(L, -1) != LUA_TTABLE || ranks != (size_t)ep) {
+            snprintf(path, sizeof path, "%s.placement[%d]", what, l + 1);
+            want_table(L, -1, path, "one list per EP rank");
             rp_lua_error(L, "%s has %zu EP ranks, but ep_size is %d", path, ranks, ep);
+        }
         int layer_idx = lua_gettop(L);
         for (int32_t j = 0; j < ep; j++) {
             lua_rawgeti(L, layer_idx, j + 1);
-            snprintf(path, sizeof path, "%s.placement[%d][%d]", what, l + 1, j + 1);
-            want_table(L, -1, path, "the experts in the rank's slots");
+#define RANK_PATH() snprintf(path, sizeof path, "%s.placement[%d][%d]", what, l + 1, j + 1)
+            if (lua_type(L, -1) != LUA_TTABLE) {
+                RANK_PATH();
+                want_table(L, -1, path, "the experts in the rank's slots");
+            }
             size_t len = lua_objlen(L, -1);
             int32_t slots = slot_begin[j + 1] - slot_begin[j];
-            if (len > (size_t)slots)
+            if (len > (size_t)slots) {
+                RANK_PATH();
                 rp_lua_error(L, "%s has %zu experts, but EP rank %d has %d slots", path, len, j, slots);
+            }
             for (size_t k = 0; k < len; k++) {
                 lua_rawgeti(L, -1, (int)k + 1);
                 double v = lua_tonumber(L, -1);
-                if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v))
+                if (lua_type(L, -1) != LUA_TNUMBER || v != floor(v)) {
+                    RANK_PATH();
                     rp_lua_error(L, "%s[%zu] must be an expert id (or -1 for an empty slot), got %s", path, k + 1,
                                  lua_type(L, -1) == LUA_TNUMBER ? lua_tostring(L, -1) : luaL_typename(L, -1));
-                if (v < -1 || v >= E)
+                }
+                if (v < -1 || v >= E) {
+                    RANK_PATH();
                     rp_lua_error(L, "%s[%zu]: expert id %.17g out of range (%d experts; -1 marks an empty slot)", path,
                                  k + 1, v, E);
+                }
                 phy[(size_t)l * S + slot_begin[j] + k] = (int32_t)v;
                 lua_pop(L, 1);
             }
@@ -638,6 +653,7 @@ static int32_t *read_placement(lua_State *L, int pl, const char *what, const rp_
     }
     return phy;
 }
+#undef RANK_PATH
 
 typedef struct lever_key {
     int32_t mb, layer, expert, ep_rank;

@@ -231,6 +231,23 @@ static void test_hostile(void)
             "plan.placement[2][1][1]: expert id 64 out of range (64 experts; -1 marks an empty slot)");
     hostile("too few ranks", "local p = ctx.plan:packing() p[8] = nil return {packing = p}",
             "plan.packing has 7 ranks, but the config has 8 GPUs");
+    /* each path below is written only when its error is raised (lua_plan.c) */
+    hostile("a rank not a table", "local p = ctx.plan:packing() p[2] = 7 return {packing = p}",
+            "plan.packing[2] must be a table (the microbatches of one rank), got number");
+    hostile("a rank's microbatches", "local p = ctx.plan:packing() p[3][#p[3] + 1] = {} return {packing = p}",
+            "plan.packing[3] has 2 microbatches, but rank 0 has 1 (every rank runs the same number)");
+    hostile("a microbatch not a table", "local p = ctx.plan:packing() p[4][1] = true return {packing = p}",
+            "plan.packing[4][1] must be a table (a list of sequence ids), got boolean");
+    hostile("a layer not a table", "local pl = ctx.plan:placement() pl[3] = 'x' return {placement = pl}",
+            "plan.placement[3] must be a table (one list per EP rank), got string");
+    hostile("a layer's EP ranks", "local pl = ctx.plan:placement() pl[2][#pl[2]] = nil return {placement = pl}",
+            "plan.placement[2] has 7 EP ranks, but ep_size is 8");
+    hostile("an EP rank not a table", "local pl = ctx.plan:placement() pl[1][2] = 5 return {placement = pl}",
+            "plan.placement[1][2] must be a table (the experts in the rank's slots), got number");
+    hostile("an EP rank's slots", "local pl = ctx.plan:placement() for i = 1, 40 do pl[2][3][i] = -1 end "
+            "return {placement = pl}", "plan.placement[2][3] has 40 experts, but EP rank 2 has");
+    hostile("an expert id", "local pl = ctx.plan:placement() pl[1][4][2] = 'e' return {placement = pl}",
+            "plan.placement[1][4][2] must be an expert id (or -1 for an empty slot), got string");
     hostile("unknown key", "return {packin = {}}", "plan: unknown key 'packin' (did you mean 'packing'?)");
     /* a swap of neighbours is one edit, as for config keys: two swaps still suggest */
     hostile("unknown key, two letters swapped twice", "return {apckign = {}}",
