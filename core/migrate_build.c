@@ -40,6 +40,23 @@ static int32_t find_slot(const int32_t *row, const int32_t *sb, int32_t r, int32
     return -1;
 }
 
+/* The first local slot of every expert on every EP rank in one layer's row (`first`,
+ * [ep x E], -1: none): find_slot's answers for the layer at one read each. */
+static void index_row(const int32_t *row, const int32_t *sb, int32_t ep, int32_t E, int32_t *first)
+{
+    for (size_t i = 0; i < (size_t)ep * E; i++) first[i] = -1;
+    for (int32_t r = 0; r < ep; r++)
+        for (int32_t s = sb[r + 1] - 1; s >= sb[r]; s--)
+            if (row[s] >= 0 && row[s] < E) first[(size_t)r * E + row[s]] = s - sb[r];
+}
+
+/* find_slot(row, sb, r, expert) for expert >= 0, from row's index */
+static int32_t slot_of(const int32_t *first, int32_t E, const int32_t *row, const int32_t *sb, int32_t r,
+                       int32_t expert)
+{
+    return expert < E ? first[(size_t)r * E + expert] : find_slot(row, sb, r, expert);
+}
+
 /* Whether EP rank `r` is given `expert` by an earlier slot than local slot `k` in the
  * target, so that slot's copy serves this one too. */
 static bool earlier_need(const int32_t *cur, const int32_t *tgt, const int32_t *sb, int32_t r, int32_t k,
@@ -75,7 +92,8 @@ rp_status migrate_build_new(rp_context *ctx, const rp_config *cfg, const int32_t
     const rp_topology *topo = rp_config_topology(cfg);
     const rp_model *model = rp_config_model(cfg);
     const rp_hardware *hw = rp_config_hardware(cfg);
-    const int32_t G = topo->num_gpus, ep = topo->ep_size, Q = topo->num_ep_groups, L = model->num_layers;
+    const int32_t G = topo->num_gpus, ep = topo->ep_size, Q = topo->num_ep_groups, L = model->num_layers,
+                  E = model->num_experts;
     const int32_t gpn = topo->gpus_per_node;
     /* G is one stage's DP ranks; GP the pipeline's, stage s holding [s * G, (s + 1) * G) */
     const int32_t PP = topo->pipeline_parallel_size > 1 ? topo->pipeline_parallel_size : 1, GP = G * PP;
@@ -118,7 +136,9 @@ rp_status migrate_build_new(rp_context *ctx, const rp_config *cfg, const int32_t
     int64_t *rrecv = rp_calloc(ctx, (size_t)GP * R * RP_NUM_LINKS, sizeof(int64_t));
     int64_t *rhbm = rp_calloc(ctx, (size_t)GP * R, sizeof(int64_t));
     int64_t *rstage = rp_calloc(ctx, (size_t)GP, sizeof(int64_t));
-    if (!need || !round_need || !stage_rounds || !load || !rsent || !rrecv || !rhbm || !rstage) {
+    /* the current and the target row's slot index of the layer at hand (index_row) */
+    int32_t *cur_first = rp_alloc(ctx, 2 * (size_t)ep * E * sizeof(int32_t)), *tgt_first = cur_first + (size_t)ep * E;
+    if (!need || !round_need || !stage_rounds || !load || !rsent || !rrecv || !rhbm || !rstage || !cur_first) {
         st = rp_fail_nomem(err, "a migration plan");
         goto fail;
     }
@@ -200,6 +220,7 @@ rp_status migrate_build_new(rp_context *ctx, const rp_config *cfg, const int32_t
             if (mp->layer_round[l] != round) continue;
             const int32_t *cur = current[l], *tgt = target[l];
             const int64_t bytes = mp->expert_bytes[l];
+            index_row(cur, sb, ep, E, cur_first);
             const int32_t base = mp->layer_stage[l] * G; /* the stage's first GPU */
             for (int32_t q = 0; q < Q; q++)
                 for (int32_t r = 0; r < ep; r++) {
@@ -215,7 +236,7 @@ rp_status migrate_build_new(rp_context *ctx, const rp_config *cfg, const int32_t
                             if (b.transfers[i].expert == e) item = i;
                         if (item < 0) {
                             rp_migration_transfer t = {round, l, e, g, -1, g, RP_LINK_LOCAL, bytes};
-                            int32_t own = find_slot(cur, sb, r, e), src_rank = r;
+                            int32_t own = slot_of(cur_first, E, cur, sb, r, e), src_rank = r;
                             if (own >= 0) {
                                 t.src_slot = own;
                             } else {
@@ -225,7 +246,7 @@ rp_status migrate_build_new(rp_context *ctx, const rp_config *cfg, const int32_t
                                 rp_link best_link = RP_LINK_NET;
                                 for (int32_t j = 0; j < ep; j++) {
                                     if (j == r) continue;
-                                    int32_t s = find_slot(cur, sb, j, e);
+                                    int32_t s = slot_of(cur_first, E, cur, sb, j, e);
                                     if (s < 0) continue;
                                     int32_t h = base + q * ep + j;
                                     /* a stage is whole nodes or an equal part of one: nodes
@@ -309,10 +330,14 @@ rp_status migrate_build_new(rp_context *ctx, const rp_config *cfg, const int32_t
     for (int32_t l = 0; l < L; l++) {
         const int32_t *cur = current[l], *tgt = target[l];
         if (!tgt) continue;
+        index_row(cur, sb, ep, E, cur_first);
+        index_row(tgt, sb, ep, E, tgt_first);
         for (int32_t r = 0; r < ep; r++)
             for (int32_t s = sb[r]; s < sb[r + 1]; s++) {
                 int32_t e = tgt[s];
-                if (e < 0 || find_slot(cur, sb, r, e) >= 0 || find_slot(tgt, sb, r, e) != s - sb[r]) continue;
+                if (e < 0 || slot_of(cur_first, E, cur, sb, r, e) >= 0 ||
+                    slot_of(tgt_first, E, tgt, sb, r, e) != s - sb[r])
+                    continue;
                 int64_t all_groups;
                 if (rp_mul_overflow(Q, mp->expert_bytes[l], &all_groups)) overflow = true;
                 else add(&sum->min_bytes, all_groups, &overflow);
@@ -342,6 +367,7 @@ fail:
     rp_free(ctx, rrecv);
     rp_free(ctx, rhbm);
     rp_free(ctx, rstage);
+    rp_free(ctx, cur_first);
     return st;
 }
 

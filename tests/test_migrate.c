@@ -184,6 +184,19 @@ static void test_source_preference(rp_context *ctx)
         rp_plan_free(c);
     }
     {
+        /* GPU1 holds expert 2 in both its slots; GPU0 needs it: sent from the first */
+        int32_t cur[8] = {0, 1, 2, 2, 3, 4, 5, 3};
+        int32_t tgt[8] = {2, 1, 2, 2, 3, 4, 5, 3};
+        rp_plan *a = make_plan(ctx, cfg, cur), *b = make_plan(ctx, cfg, tgt);
+        is_int(rp_migration_plan_new(ctx, cfg, a, b, NULL, &mp, &err), RP_OK, "a sender's two slots: planned");
+        rp_migration_plan_transfer(mp, 0, &t, NULL);
+        ok(rp_migration_plan_num_transfers(mp) == 1 && t.src_gpu == 1 && t.src_slot == 0 && t.dst_gpu == 0,
+           "a sender holding the expert twice sends from its first slot holding it");
+        rp_migration_plan_free(mp);
+        rp_plan_free(a);
+        rp_plan_free(b);
+    }
+    {
         /* GPU2 and GPU3 (node 1) both hold 4 and 5; GPU0 needs 4, GPU1 needs 5. */
         int32_t cur[8] = {0, 1, 2, 3, 4, 5, 4, 5};
         int32_t tgt[8] = {4, 1, 5, 3, 4, 5, 4, 5};
