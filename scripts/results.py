@@ -4,7 +4,9 @@ scripts/results.sh leaves in its work folder (simulate --json files, bench markd
 Usage: scripts/results.py WORK ROOT [--long N] [--reference] [--bench SCALE]
        scripts/results.py WORK ROOT --splice NAME
 --splice puts WORK/section-NAME.md alone into the existing docs/results.md where a full
-render would put it (replacing that section if it is there), leaving the rest as it is.
+render would put it (replacing that section if it is there), leaving the rest as it is;
+--splice overhead does the same with the section rendered from WORK/bench-overhead.out
+("Planning overhead per rank") and README's sentence on it.
 
 Everything printed is computed from those files; the prose that does not depend on
 numbers lives in scripts/results/notes.md. To add a section: append a function to
@@ -254,6 +256,8 @@ def section_overhead(runs, args):
         return None
     o = json.load(open(path))
     pct = lambda ms: 100.0 * ms / o["predicted_step_ms"]
+    load_path = os.path.join(args.work, "bench-overhead.load")
+    load = open(load_path).read().strip() if os.path.exists(load_path) else None
     rows = [
         ("statistics of the rank's %d sequences (one thread)" % o["rank_seqs"], o["stats_ms"]),
         ("exchange: %s bytes a part, %.1f MB gathered, modelled as a ring over the config's network"
@@ -277,6 +281,9 @@ def section_overhead(runs, args):
            "balancer's candidate, alternated with it in each repetition). CPU time of the",
            "thread, the least of the repetitions, on the shared 2-core development machine (its load moves",
            "these figures by tens of percent from run to run).", "",
+           "Rendered at commit %s (%s)%s." % (git_commit(args.root) or "?", datetime.date.today().isoformat(),
+                                              "; load average (1, 5, 15 min) before / after: " + load if load else ""),
+           "",
            "| part | ms | % of the predicted step |", "| --- | --- | --- |"]
     for name, ms in rows:
         out.append("| %s | %.1f | %.2f%% |" % (name, ms, pct(ms)))
@@ -412,11 +419,51 @@ def readme_planner(args):
         f.write(src)
 
 
+def git_commit(root):
+    """ROOT's commit, short, or "" outside a git work tree."""
+    return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+OVERHEAD_SENTENCE = re.compile(r"Planning overhead per rank at the reference scale \(.*?\(-?[0-9.]+%\)\. ")
+
+
+def readme_overhead_splice(args):
+    """README's sentence on the planning overhead (readme_overhead) replaced in its Results
+    block, or added before the block's closing words where it has none."""
+    readme = os.path.join(args.root, "README.md")
+    sentence = readme_overhead(args)
+    if not sentence or not os.path.exists(readme):
+        return
+    src = open(readme).read()
+    begin, end = "<!-- results: begin (scripts/results.sh) -->", "<!-- results: end -->"
+    if begin not in src or end not in src:
+        return
+    head, rest = src.split(begin, 1)
+    block, tail = rest.split(end, 1)
+    if OVERHEAD_SENTENCE.search(block):
+        block = OVERHEAD_SENTENCE.sub(lambda m: sentence, block, count=1)
+    elif "`docs/results.md` has every figure" in block:
+        block = block.replace("`docs/results.md` has every figure", sentence + "`docs/results.md` has every figure", 1)
+    else:
+        block = block.rstrip("\n") + " " + sentence.rstrip() + "\n"
+    with open(readme, "w") as f:
+        f.write(head + begin + block + end + tail)
+
+
 def splice_section(args):
-    """--splice NAME: WORK/section-NAME.md into ROOT/docs/results.md (see splice)."""
-    name = "section-%s.md" % args.splice
-    with open(os.path.join(args.work, name)) as f:
-        section = f.read()
+    """--splice NAME: WORK/section-NAME.md into ROOT/docs/results.md (see splice); NAME
+    overhead: the section rendered from WORK/bench-overhead.out, which a full render puts
+    before every WORK/section-*.md."""
+    if args.splice == "overhead":
+        name = ""  # every extra section sorts after it
+        section = section_overhead(None, args)
+        if section is None:
+            sys.exit("results: no %s to splice" % os.path.join(args.work, "bench-overhead.out"))
+    else:
+        name = "section-%s.md" % args.splice
+        with open(os.path.join(args.work, name)) as f:
+            section = f.read()
     later = [open(os.path.join(args.work, f)).read().split("\n", 1)[0]
              for f in sorted(os.listdir(args.work)) if f.startswith("section-") and f.endswith(".md") and f > name]
     prev = section_previous(None, args)
@@ -436,7 +483,9 @@ def splice_section(args):
         readme_layouts(args)
     if args.splice == "vs-balancer":
         readme_planner(args)
-    print("results: spliced %s into docs/results.md" % name, file=sys.stderr)
+    if args.splice == "overhead":
+        readme_overhead_splice(args)
+    print("results: spliced %s into docs/results.md" % (name or "the overhead section"), file=sys.stderr)
 
 
 def readme_summary(runs, args):
@@ -495,8 +544,7 @@ def main():
             except (KeyError, ValueError):
                 continue
             runs[r.name] = r
-    commit = subprocess.run(["git", "-C", args.root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit(args.root)
     head = ["# Results: the joint policy against what trainers run", "",
             "Generated by `scripts/results.sh` (commit %s, %s; a section that names its own commit was"
             % (commit or "?", datetime.date.today().isoformat()),
@@ -506,7 +554,8 @@ def main():
             "GPU ran these steps.", "",
             "## How to reproduce", "", "```", "scripts/results.sh            # about 40 minutes at load 10 on 2 cores (2026-12-06)",
             "scripts/results.sh --quick    # 8-step traces instead of 24",
-            "scripts/results.sh --layouts  # only \"Parallel layouts\", spliced into this file", "```", ""]
+            "scripts/results.sh --layouts  # only \"Parallel layouts\", spliced into this file",
+            "scripts/results.sh --overhead # only \"Planning overhead per rank\" (and README's sentence on it)", "```", ""]
     body = [s(runs, args) for s in SECTIONS]
     text = "\n".join(head) + "\n" + "\n\n".join(b for b in body if b) + "\n"
     with open(os.path.join(args.root, "docs", "results.md"), "w") as f:
