@@ -210,6 +210,29 @@ static rp_status wait_sends_from(exec *x, const round_ops *ro, int32_t layer, in
     return RP_OK;
 }
 
+/* Commit transfer i (migrate_commit_transfer) once the sends of this round that read
+ * any slot it writes are done; the staged-corruption fault hits it first where it is the
+ * target. Returns false when a wait failed (noted). */
+static bool commit_when_sources_sent(exec *x, round_ops *ro, int32_t round, int64_t i, int64_t corrupt,
+                                     double deadline, const int64_t *recv_first, const int64_t *send_first)
+{
+    const rank_work *w = &x->w;
+    rp_error e;
+    rp_error_clear(&e);
+    int32_t failed = -1;
+    for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
+        const rp_migration_write *wr = &x->wr[w->writes[k]];
+        if (wr->transfer != i) continue;
+        if (wait_sends_from(x, ro, wr->layer, wr->slot, deadline, &failed, &e) != RP_OK) {
+            note_op(x, ro, round, failed, e.status, &e, recv_first, send_first);
+            return false;
+        }
+    }
+    if (i == corrupt) corrupt_staged(x, i, deadline);
+    migrate_commit_transfer(x, round, i, deadline);
+    return true;
+}
+
 /* The commit as the round's experts arrive (t->wait_each: host memory, single ops
  * waited on): each header as it arrives, checked; then each received transfer as its
  * messages complete, written into its slots and checked there (migrate_commit_transfer)
@@ -261,30 +284,11 @@ static bool commit_as_arrived(exec *x, round_ops *ro, int32_t round, double dead
         }
         if (j + 1 < ro->n && ro->op_transfer[j + 1] == i && !ro->ops[j + 1].send) continue; /* more of it */
         if (x->mine.status != RP_OK) continue; /* a failed check stops the commits; the batch still drains */
-        for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
-            const rp_migration_write *wr = &x->wr[w->writes[k]];
-            if (wr->transfer != i) continue;
-            if (wait_sends_from(x, ro, wr->layer, wr->slot, deadline, &failed, &e) != RP_OK) {
-                note_op(x, ro, round, failed, e.status, &e, recv_first, send_first);
-                return false;
-            }
-        }
-        if (i == corrupt) corrupt_staged(x, i, deadline);
-        migrate_commit_transfer(x, round, i, deadline);
+        if (!commit_when_sources_sent(x, ro, round, i, corrupt, deadline, recv_first, send_first)) return false;
     }
-    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1] && x->mine.status == RP_OK; k++) {
-        int64_t i = w->local[k];
-        for (int64_t q = w->round_writes[round]; q < w->round_writes[round + 1]; q++) {
-            const rp_migration_write *wr = &x->wr[w->writes[q]];
-            if (wr->transfer != i) continue;
-            if (wait_sends_from(x, ro, wr->layer, wr->slot, deadline, &failed, &e) != RP_OK) {
-                note_op(x, ro, round, failed, e.status, &e, recv_first, send_first);
-                return false;
-            }
-        }
-        if (i == corrupt) corrupt_staged(x, i, deadline);
-        migrate_commit_transfer(x, round, i, deadline);
-    }
+    for (int64_t k = w->round_local[round]; k < w->round_local[round + 1] && x->mine.status == RP_OK; k++)
+        if (!commit_when_sources_sent(x, ro, round, w->local[k], corrupt, deadline, recv_first, send_first))
+            return false;
     return true;
 }
 
