@@ -81,19 +81,24 @@ def _reference(d, world):
     return ys, xs, w_in.grad, w_out.grad
 
 
-def _balanced_rank(rank, world, seed):
-    import torch.distributed as dist
+def _balanced_layer(d, world):
+    """What a RoutePack plan with per_forward_balancing holds (every expert once,
+    contiguous), a layer loaded with it and the balancer over it."""
     from routepack.torch import ExpertPlacement, MoELayer, VirtualExpertBalancer
-    d = _data(world, seed)
-    ref_y, ref_x, ref_gin, ref_gout = _reference(d, world)
-    per_rank = E // world
-    # what a RoutePack plan with per_forward_balancing holds: every expert once, contiguous
-    base = ExpertPlacement(np.arange(E), np.arange(world + 1) * per_rank, [np.zeros((0, 2), np.int64)])
-    layer = MoELayer(HID, FFN, E, K, per_rank)
+    base = ExpertPlacement(np.arange(E), np.arange(world + 1) * (E // world), [np.zeros((0, 2), np.int64)])
+    layer = MoELayer(HID, FFN, E, K, E // world)
     layer.load_experts(d["w_in"], d["w_out"], base)
     with torch.no_grad():
         layer.router.weight.copy_(d["router"])
-    balancer = VirtualExpertBalancer(E, base)
+    return base, layer, VirtualExpertBalancer(E, base)
+
+
+def _balanced_rank(rank, world, seed):
+    import torch.distributed as dist
+    d = _data(world, seed)
+    ref_y, ref_x, ref_gin, ref_gout = _reference(d, world)
+    per_rank = E // world
+    _, layer, balancer = _balanced_layer(d, world)
     errs = {"virtual": 0, "load": 0}
     for m in range(d["M"]):
         x = d["x"][rank, m].clone().requires_grad_()
@@ -147,16 +152,9 @@ def _prepared_rank(rank, world, seed):
     bench_moe's stand-in does), the step run twice: no table is made inside it, the
     results equal the dense reference's, and the layer keeps only PREPARED placements."""
     import routepack.torch.moe as moe
-    from routepack.torch import ExpertPlacement, MoELayer, VirtualExpertBalancer
     d = _data(world, seed)
     ref_y, ref_x, _, _ = _reference(d, world)
-    per_rank = E // world
-    base = ExpertPlacement(np.arange(E), np.arange(world + 1) * per_rank, [np.zeros((0, 2), np.int64)])
-    layer = MoELayer(HID, FFN, E, K, per_rank)
-    layer.load_experts(d["w_in"], d["w_out"], base)
-    with torch.no_grad():
-        layer.router.weight.copy_(d["router"])
-    balancer = VirtualExpertBalancer(E, base)
+    base, layer, balancer = _balanced_layer(d, world)
     planned = [balancer.plan(d["routing"][rank, m])[:2] for m in range(d["M"])]
     for placement, _ in planned:
         layer.prepare(placement)
