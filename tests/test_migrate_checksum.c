@@ -8,6 +8,7 @@
 #include "tap.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 static uint64_t rng = 0x9e3779b97f4a7c15ULL;
 static uint32_t rnd(uint32_t n)
@@ -94,9 +95,39 @@ static void test_host_callback(void)
     rp_context_free(ctx);
 }
 
+/* The commit's swap with its check (rp_transport_swap_sum_host): each side ends with
+ * the other's bytes, and the checksum is the slot's new bytes', for every alignment of
+ * either side (the streaming stores take 16-byte aligned staging) and lengths around
+ * the 64-byte lines and 32 KiB chunks it works in. */
+static void test_swap_sum(void)
+{
+    const size_t sizes[] = {0, 1, 15, 16, 63, 64, 65, 4096, 32767, 32768, 32769, 100003};
+    bool swapped = true, summed = true;
+    for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++)
+        for (size_t oa = 0; oa < 16; oa += 5)
+            for (size_t ob = 0; ob < 16; ob += 3) {
+                size_t n = sizes[si];
+                unsigned char *a0 = random_bytes(n + 32), *b0 = random_bytes(n + 32);
+                unsigned char *a = random_bytes(n + 32), *b = random_bytes(n + 32);
+                memcpy(a, a0, n + 32);
+                memcpy(b, b0, n + 32);
+                rp_checksum_state st;
+                rp_checksum_init(&st);
+                rp_transport_swap_sum_host(a + oa, b + ob, n, &st);
+                swapped = swapped && memcmp(a + oa, b0 + ob, n) == 0 && memcmp(b + ob, a0 + oa, n) == 0 &&
+                          memcmp(a, a0, oa) == 0 && memcmp(a + oa + n, a0 + oa + n, 32 - oa) == 0 &&
+                          memcmp(b, b0, ob) == 0 && memcmp(b + ob + n, b0 + ob + n, 32 - ob) == 0;
+                summed = summed && rp_checksum_final(&st) == rp_checksum_bytes(b0 + ob, n);
+                free(a0), free(b0), free(a), free(b);
+            }
+    ok(swapped, "swap with check: both sides swapped, nothing around them touched, at every alignment");
+    ok(summed, "swap with check: the checksum of what the slot now holds");
+}
+
 int main(void)
 {
     test_stream();
     test_host_callback();
+    test_swap_sum();
     return tap_done();
 }

@@ -153,10 +153,18 @@ class TorchMessenger:
             batch.append([m, None, buf, direct is not None if not m.send else False, False])
         self._batch = batch
         if ops:
-            works = dist.batch_isend_irecv(ops)
+            # Sends are posted before receives (the batch keeps the executor's order for
+            # its waits). On gloo, a send posted after the peer's receive is written on
+            # the posting thread, under the connection's lock, while gloo's loop thread
+            # spins on that lock with the peer's data pending: on a shared core it takes
+            # the writer's time. A send posted first usually waits for the peer's
+            # receive, and gloo's loop thread writes it. Coalesced backends (NCCL) take
+            # the batch as one.
+            order = [i for i, m in enumerate(messages) if m.send] + [i for i, m in enumerate(messages) if not m.send]
+            works = dist.batch_isend_irecv([ops[i] for i in order])
             if len(works) == len(batch):
-                for entry, w in zip(batch, works):
-                    entry[1] = w
+                for i, w in zip(order, works):
+                    batch[i][1] = w
             else:   # a coalesced backend (NCCL): one handle completes the whole batch
                 for entry in batch:
                     entry[1] = works[-1] if works else None
