@@ -11,7 +11,11 @@ the steps; the figures are measured, never asserted. Each rank is pinned to core
 rank % cores. On a loaded machine the wall time
 mostly measures the scheduler: each path's CPU time is printed too (the busiest rank's
 process CPU time, every thread of it: gloo's threads do the socket copies), and the
-ratio of those."""
+ratio of those. ``--phases``: each rank's medians of where the executor's wall time went
+(its messenger's calls timed: the exchanges between ranks, posting the batch, the
+transfer with the commit of each expert as it arrives, and the rest: source checksums,
+headers, Python). scripts/bench-migrate-link.sh runs it over a loopback capped at a
+link's rate."""
 
 import argparse
 import os
@@ -27,10 +31,37 @@ from routepack.torch import DistributedScheduler, MigrationExecutor, slot_tensor
 LAYERS, EXPERTS, TOP_K = 2, 16, 2
 
 
+def time_phases(messenger):
+    """Time `messenger`'s start, wait and allgather calls (wrapped on the instance); returns
+    the log the wrappers append (name, began, ended) to."""
+    log = []
+    for name in ("start", "wait", "allgather"):
+        def timed(*args, _fn=getattr(messenger, name), _name=name):
+            began = time.perf_counter()
+            try:
+                return _fn(*args)
+            finally:
+                log.append((_name, began, time.perf_counter()))
+        setattr(messenger, name, timed)
+    return log
+
+
+def phases(log, total):
+    """(exchanges, posting, transfer and commit, the rest) of one executor call, seconds:
+    each batch's transfer runs from the end of its start to the end of its wait."""
+    exchanges = sum(e - b for n, b, e in log if n == "allgather")
+    posting = sum(e - b for n, b, e in log if n == "start")
+    started = [e for n, b, e in log if n == "start"]
+    waited = [e for n, b, e in log if n == "wait"]
+    transfer = sum(w - s for s, w in zip(started, waited))
+    return exchanges, posting, transfer, total - exchanges - posting - transfer
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--expert-mib", type=float, default=4.0, help="MiB of one expert's weights")
-    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--phases", action="store_true", help="also where the executor's wall time went, per rank")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -49,6 +80,8 @@ def main():
     for l in range(LAYERS):
         ex.register(l, slot_tensors([weights[l]]))
     ex.sync()
+    log = time_phases(ex.messenger) if args.phases else None
+    spent = []   # per step: phases of this rank's executor call
     figures = []
     for step in range(args.steps):
         rng = np.random.default_rng(step)
@@ -90,9 +123,13 @@ def main():
         for name, fn in ((("executor", executor), ("plain", plain)) if step % 2 == 0
                          else (("plain", plain), ("executor", executor))):
             dist.barrier()
+            if log is not None:
+                log.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             out = fn()
             c1 = time.process_time()
+            if log is not None and name == "executor":
+                spent.append(phases(log, time.perf_counter() - t0))
             dist.barrier()
             t[name] = time.perf_counter() - t0
             cpu[name] = c1 - c0
@@ -120,6 +157,14 @@ def main():
               "ratio %.2f (%.2f-%.2f); by CPU time: executor %.0f MiB/s (%.0f-%.0f), batch_isend_irecv "
               "%.0f MiB/s (%.0f-%.0f), ratio %.2f (%.2f-%.2f)"
               % ((len(figures),) + med(0) + med(1) + med(2) + med(3) + med(4) + med(5)))
+    if spent:
+        cols = [statistics.median(c) * 1e3 for c in zip(*spent)]
+        every = [None] * world
+        dist.all_gather_object(every, cols)
+        if rank == 0:
+            for r, c in enumerate(every):
+                print("rank %d executor, median ms a step: exchanges %.2f, posting %.2f, transfer and commit "
+                      "%.2f, the rest (source checksums, headers, Python) %.2f" % (r, *c))
     sched.close()
     dist.destroy_process_group()
 
