@@ -33,80 +33,87 @@ static bool check_write(exec *x, int32_t round, int64_t k, uint64_t got)
     return false;
 }
 
-/* The commit of one staged transfer as soon as its bytes are in staging (host memory,
- * t->wait_each: migrate_run_round calls it as each expert arrives, while later ones are
- * still on the way). Each further write of the transfer keeps its slot's old bytes in
- * undo memory, copies the staged expert in and checksums the slot; then the first write
- * swaps staging with its slot, checksumming each chunk as it is written. Every written
- * slot is compared with the source's checksum (want_sum) at once. parts_done says what
- * to undo; returns false with the failure in x->mine. */
-bool migrate_commit_transfer(exec *x, int32_t round, int64_t transfer, double deadline)
+/* Write k: its slot's tensors take the staged expert, part by part. The first write of
+ * a transfer swaps staging with its slot (staging then holds the old bytes); a further
+ * one keeps the slot's old bytes in undo memory and copies the staged expert in. With
+ * `cs` (host memory, t->host_direct), the bytes the slot now holds are fed to it as they
+ * are written, a swap's chunk by chunk while in cache. parts_done says what to undo;
+ * returns false with the failure in x->mine. */
+static bool write_one(exec *x, int32_t round, int64_t k, rp_checksum_state *cs, double deadline)
 {
     rank_work *w = &x->w;
     rp_transport *t = x->t;
+    const rp_migration_write *wr;
+    unsigned char *staged;
+    int32_t count = 0;
+    const rp_tensor *ts = write_slot(x, k, &wr, &staged, &count);
+    const int32_t expert = x->tr[wr->transfer].expert;
+    if (rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_WRITE, NULL) == RP_FAULT_COMMIT_FAIL) {
+        note(&x->mine, RP_ETRANSPORT, round, wr->layer, expert, x->gpu, "layer %d slot %d: writing expert %d into "
+             "it failed (injected fault)", wr->layer, wr->slot, expert);
+        return false;
+    }
     rp_error e;
     rp_error_clear(&e);
-    const int64_t k0 = w->round_writes[round], k1 = w->round_writes[round + 1];
+    size_t off = 0;
+    for (int32_t j = 0; j < count; j++) {
+        rp_status st = RP_OK;
+        if (w->undo_off[k] < 0 && cs) {
+            rp_transport_swap_sum_host(ts[j].data, staged + off, ts[j].bytes, cs);
+        } else if (w->undo_off[k] < 0) {
+            st = t->vt->swap(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
+        } else {
+            st = t->vt->copy(t, x->undo + w->undo_off[k] + off, ts[j].data, ts[j].bytes, deadline, &e);
+            if (st == RP_OK) st = t->vt->copy(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
+            if (st == RP_OK && cs) rp_checksum_update(cs, ts[j].data, ts[j].bytes);
+        }
+        if (st != RP_OK) {
+            note(&x->mine, st, round, wr->layer, expert, x->gpu, "layer %d slot %d: writing expert %d into it "
+                 "failed: %s", wr->layer, wr->slot, expert, inner(&e));
+            return false;
+        }
+        w->parts_done[k] = j + 1;
+        off += ts[j].bytes;
+    }
+    return true;
+}
+
+/* The commit of one staged transfer as soon as its bytes are in staging (host memory,
+ * t->wait_each: migrate_run_round calls it as each expert arrives, while later ones are
+ * still on the way): its further writes first, then its first write (write_one), each
+ * slot checksummed as it is written and compared with the source's checksum (want_sum)
+ * at once. parts_done says what to undo; returns false with the failure in x->mine. */
+bool migrate_commit_transfer(exec *x, int32_t round, int64_t transfer, double deadline)
+{
+    const rank_work *w = &x->w;
     for (int pass = 0; pass < 2; pass++)
-        for (int64_t k = k0; k < k1; k++) {
-            if (x->wr[w->writes[k]].transfer != transfer) continue;
-            const rp_migration_write *wr;
-            unsigned char *staged;
-            int32_t count = 0;
-            const rp_tensor *ts = write_slot(x, k, &wr, &staged, &count);
-            bool swap = w->undo_off[k] < 0;
-            if (swap != (pass == 1)) continue;
-            if (rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_WRITE, NULL) == RP_FAULT_COMMIT_FAIL) {
-                note(&x->mine, RP_ETRANSPORT, round, wr->layer, x->tr[transfer].expert, x->gpu, "layer %d slot "
-                     "%d: writing expert %d into it failed (injected fault)", wr->layer, wr->slot,
-                     x->tr[transfer].expert);
-                return false;
-            }
+        for (int64_t k = w->round_writes[round]; k < w->round_writes[round + 1]; k++) {
+            if (x->wr[w->writes[k]].transfer != transfer || (w->undo_off[k] < 0) != (pass == 1)) continue;
             rp_checksum_state cs;
             rp_checksum_init(&cs);
-            size_t off = 0;
-            for (int32_t j = 0; j < count; j++) {
-                if (swap) {
-                    rp_transport_swap_sum_host(ts[j].data, staged + off, ts[j].bytes, &cs);
-                } else {
-                    rp_status st = t->vt->copy(t, x->undo + w->undo_off[k] + off, ts[j].data, ts[j].bytes, deadline, &e);
-                    if (st == RP_OK) st = t->vt->copy(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
-                    if (st != RP_OK) {
-                        note(&x->mine, st, round, wr->layer, x->tr[transfer].expert, x->gpu, "layer %d slot %d: "
-                             "writing expert %d into it failed: %s", wr->layer, wr->slot, x->tr[transfer].expert,
-                             inner(&e));
-                        return false;
-                    }
-                    rp_checksum_update(&cs, ts[j].data, ts[j].bytes);
-                }
-                w->parts_done[k] = j + 1;
-                off += ts[j].bytes;
-            }
-            if (!check_write(x, round, k, rp_checksum_final(&cs))) return false;
+            if (!write_one(x, round, k, &cs, deadline) || !check_write(x, round, k, rp_checksum_final(&cs)))
+                return false;
         }
     return true;
 }
 
-/* Write a round's staged experts into this rank's slots, so that it can be undone:
- * each further write of a transfer first keeps the slot's old bytes in undo memory and
- * copies the staged expert in; then the first write of each transfer swaps staging
- * with its slot (staging then holds the old bytes). Then every written slot is
- * checksummed against its source (the header's checksum, or the source slot's for a
- * copy inside this GPU): in host memory (t->host_direct) a swapped slot is checksummed
- * during its swap, chunk by chunk as each is written, one pass over its bytes; the
- * other writes (and every write in memory the transport reaches through callbacks) in
- * one batch afterwards. This is the destination's only check of the bytes: a message
- * damaged on the way, staging changed before the commit, or a write gone wrong. Failures
- * go into x->mine; parts_done says what to undo. */
+/* Write a round's staged experts into this rank's slots, so that it can be undone: the
+ * further writes of each transfer first, then the first writes (write_one). Then every
+ * written slot is checksummed against its source (the header's checksum, or the source
+ * slot's for a copy inside this GPU): in host memory (t->host_direct) a swapped slot is
+ * checksummed during its swap, one pass over its bytes; the other writes (and every
+ * write in memory the transport reaches through callbacks) in one batch afterwards.
+ * This is the destination's only check of the bytes: a message damaged on the way,
+ * staging changed before the commit, or a write gone wrong. Failures go into x->mine;
+ * parts_done says what to undo. */
 void migrate_commit_round(exec *x, int32_t round, double deadline)
 {
     rank_work *w = &x->w;
-    rp_transport *t = x->t;
     rp_error e;
     rp_error_clear(&e);
     sum_batch sums = {0};
     const int64_t k0 = w->round_writes[round], k1 = w->round_writes[round + 1];
-    const bool fused = t->host_direct;
+    const bool fused = x->t->host_direct;
     /* [k1 - k0] the checksum of a slot swapped with its fused check (fused only) */
     uint64_t *swapped_sum = fused ? rp_alloc(x->ctx, (size_t)(k1 - k0 + 1) * sizeof *swapped_sum) : NULL;
     if (fused && !swapped_sum) {
@@ -116,48 +123,15 @@ void migrate_commit_round(exec *x, int32_t round, double deadline)
     for (int64_t k = k0; k < k1; k++) w->parts_done[k] = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int64_t k = k0; k < k1; k++) {
-            const rp_migration_write *wr;
-            unsigned char *staged;
-            int32_t count = 0;
-            const rp_tensor *ts = write_slot(x, k, &wr, &staged, &count);
             bool swap = w->undo_off[k] < 0;
             if (swap != (pass == 1)) continue;
-            if (rp_transport_fault_at(t, RP_FAULT_SITE_COMMIT_WRITE, NULL) == RP_FAULT_COMMIT_FAIL) {
-                note(&x->mine, RP_ETRANSPORT, round, wr->layer, x->tr[wr->transfer].expert, x->gpu, "layer %d slot "
-                     "%d: writing expert %d into it failed (injected fault)", wr->layer, wr->slot,
-                     x->tr[wr->transfer].expert);
-                goto out;
-            }
             if (swap && fused) {
                 rp_checksum_state cs;
                 rp_checksum_init(&cs);
-                size_t off = 0;
-                for (int32_t j = 0; j < count; j++) {
-                    rp_transport_swap_sum_host(ts[j].data, staged + off, ts[j].bytes, &cs);
-                    w->parts_done[k] = j + 1;
-                    off += ts[j].bytes;
-                }
+                if (!write_one(x, round, k, &cs, deadline)) goto out;
                 swapped_sum[k - k0] = rp_checksum_final(&cs);
-                continue;
-            }
-            size_t off = 0;
-            for (int32_t j = 0; j < count; j++) {
-                rp_status st = RP_OK;
-                if (swap) {
-                    st = t->vt->swap(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
-                } else {
-                    unsigned char *keep = x->undo + w->undo_off[k] + off;
-                    st = t->vt->copy(t, keep, ts[j].data, ts[j].bytes, deadline, &e);
-                    if (st == RP_OK) st = t->vt->copy(t, ts[j].data, staged + off, ts[j].bytes, deadline, &e);
-                }
-                if (st != RP_OK) {
-                    note(&x->mine, st, round, wr->layer, x->tr[wr->transfer].expert, x->gpu, "layer %d slot %d: "
-                         "writing expert %d into it failed: %s", wr->layer, wr->slot, x->tr[wr->transfer].expert,
-                         inner(&e));
-                    goto out;
-                }
-                w->parts_done[k] = j + 1;
-                off += ts[j].bytes;
+            } else if (!write_one(x, round, k, NULL, deadline)) {
+                goto out;
             }
         }
     /* The destination now holds what its source sent: checked in the slots themselves. */
