@@ -67,6 +67,50 @@ def _holds(tensors_by_layer, phy2log, rank, layers):
     return True
 
 
+def _executor(rank, messenger_class=None, **options):
+    """Weights and Adam state of every layer filled for the scheduler's initial placement,
+    the scheduler, and a MigrationExecutor (`options`) with every layer registered, its
+    messenger made a `messenger_class` where given, the whole staging in one round:
+    (tensors, scheduler, executor, initial placement)."""
+    import routepack
+    from routepack.torch import MigrationExecutor, init_optimizer_state, slot_tensors
+    params, opt = _layer_tensors()
+    init_optimizer_state(opt)
+    tensors = [slot_tensors(ps, opt) for ps in params]
+    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
+    phy2log = sched.initial_placement()
+    _fill(tensors, phy2log, rank)
+    ex = MigrationExecutor(sched, **options)
+    if messenger_class is not None:
+        ex.messenger.__class__ = messenger_class
+    for l in range(L):
+        ex.register(l, tensors[l])
+    ex.staging_budget_bytes = 0
+    ex.sync()
+    return tensors, sched, ex, phy2log
+
+
+def _steps_with_a_fault(rank, tensors, sched, ex, phy2log, fault_step, steps=3):
+    """Each step's migration, the messenger armed in `fault_step` (and told the placement
+    the weights hold before each step, `before`): per step ("ok", rounds) with every
+    expert where the step placed it, or ("failed", whether a checksum mismatch failed it)
+    with every byte as before."""
+    from routepack.executor import MigrationFailed
+    report = []
+    for step in range(steps):
+        res = sched.step(*_step_inputs(step))
+        ex.messenger.armed, ex.messenger.before = step == fault_step, phy2log
+        try:
+            r = ex.execute(res)
+            assert _holds(tensors, res.phy2log, rank, range(L))
+            report.append(("ok", r.num_rounds if r else 0))
+            phy2log = res.phy2log
+        except MigrationFailed as e:
+            assert _holds(tensors, phy2log, rank, range(L))   # every byte as before
+            report.append(("failed", "checksum mismatch" in str(e)))
+    return report
+
+
 def _migrate_rank(rank, world, budget_layers, fail_step, fail_batch):
     import routepack
     from routepack.executor import MigrationFailed
@@ -169,9 +213,7 @@ def test_every_rank_joins_the_message_group_first():
 
 
 def _torch_checksum_rank(rank, world, corrupt_step):
-    import routepack
-    from routepack.executor import MigrationFailed
-    from routepack.torch import MigrationExecutor, TorchMessenger, init_optimizer_state, slot_tensors
+    from routepack.torch import TorchMessenger
     from routepack.torch.messenger import bytes_at
 
     class Corrupting(TorchMessenger):
@@ -189,30 +231,8 @@ def _torch_checksum_rank(rank, world, corrupt_step):
                         self.armed = False
                         break
 
-    params, opt = _layer_tensors()
-    init_optimizer_state(opt)
-    tensors = [slot_tensors(ps, opt) for ps in params]
-    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
-    phy2log = sched.initial_placement()
-    _fill(tensors, phy2log, rank)
-    ex = MigrationExecutor(sched, timeout_s=5.0, torch_checksum=True)
-    ex.messenger.__class__ = Corrupting
-    for l in range(L):
-        ex.register(l, tensors[l])
-    ex.staging_budget_bytes = 0
-    ex.sync()
-    report = []
-    for step in range(3):
-        res = sched.step(*_step_inputs(step))
-        ex.messenger.armed = step == corrupt_step
-        try:
-            r = ex.execute(res)
-            assert _holds(tensors, res.phy2log, rank, range(L))
-            report.append(("ok", r.num_rounds if r else 0))
-            phy2log = res.phy2log
-        except MigrationFailed as e:
-            assert _holds(tensors, phy2log, rank, range(L))   # every byte as before
-            report.append(("failed", "checksum mismatch" in str(e)))
+    tensors, sched, ex, phy2log = _executor(rank, Corrupting, timeout_s=5.0, torch_checksum=True)
+    report = _steps_with_a_fault(rank, tensors, sched, ex, phy2log, corrupt_step)
     calls = ex.messenger.checksum_calls
     sched.close()
     return report, calls
@@ -233,18 +253,8 @@ def test_migration_with_torch_op_checksums_on_cpu():
 
 
 def _post_order_rank(rank, world):
-    import routepack
     import torch.distributed as dist
-    from routepack.torch import MigrationExecutor, init_optimizer_state, slot_tensors
-    params, opt = _layer_tensors()
-    init_optimizer_state(opt)
-    tensors = [slot_tensors(ps, opt) for ps in params]
-    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
-    _fill(tensors, sched.initial_placement(), rank)
-    ex = MigrationExecutor(sched, timeout_s=5.0)
-    for l in range(L):
-        ex.register(l, tensors[l])
-    ex.sync()
+    tensors, sched, ex, _ = _executor(rank, timeout_s=5.0)
     batches, real = [], dist.batch_isend_irecv
 
     def recording(ops):
@@ -258,6 +268,7 @@ def _post_order_rank(rank, world):
             assert _holds(tensors, res.phy2log, rank, range(L))
     finally:
         dist.batch_isend_irecv = real
+    sched.close()
     return batches
 
 
@@ -275,15 +286,13 @@ def test_sends_are_posted_before_receives():
 
 
 def _late_corrupt_rank(rank, world, corrupt_step):
-    import routepack
-    from routepack.executor import MigrationFailed
-    from routepack.torch import MigrationExecutor, TorchMessenger, init_optimizer_state, slot_tensors
+    from routepack.torch import TorchMessenger
     from routepack.torch.messenger import bytes_at
 
     class LateCorrupt(TorchMessenger):
         """Counts single-message waits; in step `corrupt_step` flips a byte of the last
         expert message of the batch once it arrived, when the executor has already
-        committed the ones before it."""
+        committed the ones before it (counted: layers no longer as `before`)."""
         armed, single, written_before = False, 0, 0
 
         def wait_one(self, index, timeout_s):
@@ -292,35 +301,14 @@ def _late_corrupt_rank(rank, world, corrupt_step):
             last = max((i for i, e in enumerate(self._batch) if not e[0].send and e[0].payload), default=-1)
             if self.armed and index == last:
                 self.armed = False
-                self.written_before = sum(not _holds(tensors, phy2log, rank, [l]) for l in range(L))
+                self.written_before = sum(not _holds(tensors, self.before, rank, [l]) for l in range(L))
                 m = self._batch[index][0]
                 b = bytes_at(m.address, m.nbytes, self.device)
                 b[m.nbytes // 2] ^= 0xFF
 
-    params, opt = _layer_tensors()
-    init_optimizer_state(opt)
-    tensors = [slot_tensors(ps, opt) for ps in params]
-    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
-    phy2log = sched.initial_placement()
-    _fill(tensors, phy2log, rank)
-    ex = MigrationExecutor(sched, timeout_s=5.0)
-    ex.messenger.__class__ = LateCorrupt
-    for l in range(L):
-        ex.register(l, tensors[l])
-    ex.staging_budget_bytes = 0
-    ex.sync()
-    report = []
-    for step in range(3):
-        res = sched.step(*_step_inputs(step))
-        ex.messenger.armed = step == corrupt_step
-        try:
-            r = ex.execute(res)
-            assert _holds(tensors, res.phy2log, rank, range(L))
-            report.append(("ok", r.num_rounds if r else 0))
-            phy2log = res.phy2log
-        except MigrationFailed as e:
-            assert _holds(tensors, phy2log, rank, range(L))   # every byte as before
-            report.append(("failed", "checksum mismatch" in str(e)))
+    tensors, sched, ex, phy2log = _executor(rank, LateCorrupt, timeout_s=5.0)
+    report = _steps_with_a_fault(rank, tensors, sched, ex, phy2log, corrupt_step)
+    sched.close()
     return report, ex.messenger.single, ex.messenger.written_before
 
 
@@ -379,16 +367,7 @@ def _step_result_rank(rank, world):
     import warnings
 
     import routepack
-    from routepack.torch import MigrationExecutor, init_optimizer_state, slot_tensors
-    params, opt = _layer_tensors()
-    init_optimizer_state(opt)
-    tensors = [slot_tensors(ps, opt) for ps in params]
-    sched = routepack.Scheduler(CONFIG, policy="token_kk+eplb")
-    _fill(tensors, sched.initial_placement(), rank)
-    ex = MigrationExecutor(sched, timeout_s=5.0)
-    for l in range(L):
-        ex.register(l, tensors[l])
-    ex.sync()
+    tensors, sched, ex, _ = _executor(rank, timeout_s=5.0)
     out = {}
     r0 = sched.step(*_step_inputs(0))
     ex.execute(r0)
