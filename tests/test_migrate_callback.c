@@ -424,25 +424,32 @@ static void test_memory_callbacks(rp_context *ctx)
     scene_free(&s);
 }
 
+/* The scene of the tests below: 2 layers of 10 experts on 4 ranks (2 nodes of 2) of 3
+ * slots each, every layer random and moved along by one rank, in `memory`; false, with
+ * a failed check naming `what`, when it cannot be made. */
+static bool rotated_scene(scene *s, rp_context *ctx, rp_memory memory, const char *what)
+{
+    enum { L = 2, EP = 4, SLOTS = 3, E = 10, S = EP * SLOTS };
+    int32_t cur[L * S], tgt[L * S];
+    for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
+    w_rotate(cur, tgt, L, EP, SLOTS);
+    if (scene_init(s, ctx, 2, 2, EP, SLOTS, L, E, cur, tgt, false, memory) == 0) return true;
+    ok(0, "%s scene setup", what);
+    scene_free(s);
+    return false;
+}
+
 /* A callback fails on one rank: every rank fails alike, every byte is intact, the reason
  * the callback gave is in the error, and a retry without the fault completes. */
 static void test_failures(rp_context *ctx)
 {
-    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
     const char *kinds[] = {"start", "wait", "allgather"};
     rp_status want[] = {RP_ETRANSPORT, RP_ETIMEOUT, RP_ETRANSPORT};
     const char *text[] = {"injected send failure", "injected timeout", "injected exchange failure"};
     for (int k = 0; k < 3; k++)
         for (int rank = 0; rank < NR; rank += 3) {
-            int32_t cur[2 * 12], tgt[2 * 12];
-            for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
-            w_rotate(cur, tgt, L, ep, slots);
             scene s;
-            if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, false, RP_MEMORY_HOST) != 0) {
-                ok(0, "failure scene setup");
-                scene_free(&s);
-                continue;
-            }
+            if (!rotated_scene(&s, ctx, RP_MEMORY_HOST, "failure")) continue;
             if (k == 0) s.cb[rank].fail_start_at = 0;
             if (k == 1) s.cb[rank].fail_wait_at = 0;
             if (k == 2) s.cb[rank].fail_allgather = true;
@@ -479,16 +486,8 @@ static void test_failures(rp_context *ctx)
  * computes around the callbacks catch it, named as rp_checksum_expert of both sides. */
 static void test_corruption(rp_context *ctx)
 {
-    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
-    int32_t cur[2 * 12], tgt[2 * 12];
-    for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
-    w_rotate(cur, tgt, L, ep, slots);
     scene s;
-    if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, false, RP_MEMORY_HOST) != 0) {
-        ok(0, "corruption scene setup");
-        scene_free(&s);
-        return;
-    }
+    if (!rotated_scene(&s, ctx, RP_MEMORY_HOST, "corruption")) return;
     const int rank = 1;
     int tensor = -1;
     rp_migration_transfer t = {0};
@@ -511,16 +510,8 @@ static void test_corruption(rp_context *ctx)
  * every byte as before. */
 static void test_late_failure(rp_context *ctx)
 {
-    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
-    int32_t cur[2 * 12], tgt[2 * 12];
-    for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
-    w_rotate(cur, tgt, L, ep, slots);
     scene s;
-    if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, false, RP_MEMORY_HOST) != 0) {
-        ok(0, "late-failure scene setup");
-        scene_free(&s);
-        return;
-    }
+    if (!rotated_scene(&s, ctx, RP_MEMORY_HOST, "late-failure")) return;
     const int sender = w_sender(s.mp, 1);
     int64_t messages = 0, last = -1;
     for (int64_t i = 0; i < rp_migration_plan_num_transfers(s.mp); i++) {
@@ -577,20 +568,12 @@ static void test_late_failure(rp_context *ctx)
  * rolls back with its reason. */
 static void test_checksum_callback(rp_context *ctx)
 {
-    const int L = 2, ep = 4, slots = 3, E = 10, S = ep * slots;
     for (int memory = 0; memory < 2; memory++)
         for (int mode = 0; mode < 3; mode++) {
-            int32_t cur[2 * 12], tgt[2 * 12];
-            for (int l = 0; l < L; l++) w_random_layer(cur + l * S, S, E);
-            w_rotate(cur, tgt, L, ep, slots);
             scene s;
             rp_memory mem = memory ? RP_MEMORY_CUDA : RP_MEMORY_HOST;
             const char *what = memory ? "memory callbacks" : "host memory";
-            if (scene_init(&s, ctx, 2, 2, ep, slots, L, E, cur, tgt, false, mem) != 0) {
-                ok(0, "checksum scene setup");
-                scene_free(&s);
-                continue;
-            }
+            if (!rotated_scene(&s, ctx, mem, "checksum")) continue;
             /* the same transports again, with the checksum callback */
             for (int g = 0; g < NR; g++) {
                 rp_transport_free(s.t[g]);
