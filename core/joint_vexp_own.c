@@ -43,19 +43,14 @@ int32_t joint_vexp_pushes(int32_t ep, int32_t E, const int64_t *nat, const int32
     for (int32_t r = 0; r < ep; r++) bal[r] -= total / ep + (r < total % ep ? 1 : 0);
     /* step 1: rp_vexp_plan's quotas, the same code */
     vexp_quotas(bal, quota, ep);
-    /* step 2: each sender's largest open quota takes its expert with the most left; each
-     * (expert, receiver) pair is one virtual expert pushed */
+    /* step 2: rp_vexp_plan's split, the same code; each move is one (expert, receiver)
+     * pair, one virtual expert pushed */
     for (int32_t r = 0; r < ep; r++) {
         int64_t *q = quota + (size_t)r * ep;
         for (int32_t i = 0; i < pr; i++) s->left[i] = nat[owned[(size_t)r * pr + i]];
         for (int32_t step = 0; step < ep + pr; step++) {
-            int32_t dst = vexp_argmax_low(q, ep);
-            if (q[dst] <= 0) break;
-            int32_t i = vexp_argmax_low(s->left, pr);
-            int64_t moved = q[dst] < s->left[i] ? q[dst] : s->left[i];
-            if (moved <= 0) break;
-            s->left[i] -= moved;
-            q[dst] -= moved;
+            int32_t dst, i;
+            if (vexp_split_move(q, s->left, ep, pr, &dst, &i) == 0) break;
             s->pout[r]++;
             s->pin[dst]++;
         }

@@ -252,9 +252,10 @@ rp_status rp_vexp_plan(rp_vexp *v, const int32_t *counts, const int32_t *owner, 
     int64_t *quota = v->quota;
     vexp_quotas(v->balance, quota, ep);
 
-    /* 2. Each sender splits its quotas over its own experts: the largest quota takes the
-     * expert with the most routes left (lowest rank, then lowest local expert on ties),
-     * min(quota, left) at a time; each step empties a quota or an expert. */
+    /* 2. Each sender splits its quotas over its own experts (vexp_split_move): the
+     * largest quota takes the expert with the most routes left (lowest rank, then lowest
+     * local expert on ties), min(quota, left) at a time; each move empties a quota or an
+     * expert. */
     int64_t *alloc = v->n_allocation;
     int32_t num_pairs = 0;
     memset(alloc, 0, (size_t)E * ep * sizeof *alloc);
@@ -265,19 +266,15 @@ rp_status rp_vexp_plan(rp_vexp *v, const int32_t *counts, const int32_t *owner, 
         int64_t *q = quota + (size_t)s * ep;
         for (int32_t i = 0; i < pr; i++) v->remaining[i] = v->native_total[mine[i]];
         for (int32_t step = 0; step < ep + pr; step++) {
-            int32_t dst = vexp_argmax_low(q, ep);
-            if (q[dst] <= 0) break;
-            int32_t i = vexp_argmax_low(v->remaining, pr);
-            int64_t moved = q[dst] < v->remaining[i] ? q[dst] : v->remaining[i];
-            if (moved <= 0) break; /* unreachable: a sender never sends more than it owns */
-            /* each (expert, receiver) pair once: this step empties the quota or the expert */
+            int32_t dst, i;
+            int64_t moved = vexp_split_move(q, v->remaining, ep, pr, &dst, &i);
+            if (moved == 0) break;
+            /* each (expert, receiver) pair once: the move emptied the quota or the expert */
             v->pair_expert[num_pairs] = mine[i];
             v->pair_rank[num_pairs++] = dst;
             v->split[mine[i]] = 1;
             alloc[(size_t)mine[i] * ep + dst] += moved;
             alloc[(size_t)mine[i] * ep + s] -= moved;
-            v->remaining[i] -= moved;
-            q[dst] -= moved;
         }
     }
 
