@@ -1,5 +1,6 @@
 /* The MPI transport: host buffers, MPI_Isend/MPI_Irecv polled with MPI_Test until a
- * deadline, MPI_Iallgather for the exchanges, on a private duplicate of the trainer's
+ * deadline (the whole batch, or one op of it: the executor commits each expert as it
+ * arrives), MPI_Iallgather for the exchanges, on a private duplicate of the trainer's
  * communicator. Built when CMake finds MPI. */
 #include "transport.h"
 
@@ -160,10 +161,13 @@ static rp_status mpi_start(rp_transport *t, const rp_transport_op *ops, int32_t 
     return RP_OK;
 }
 
-static rp_status mpi_wait(rp_transport *t, double deadline, int32_t *failed, rp_error *err)
+/* Test every op of the batch (and post the held-back sends whose time has come) until op
+ * `target` is done (-1: every op), or `deadline`. */
+static rp_status mpi_wait_until(rp_transport *t, int32_t target, double deadline, int32_t *failed, rp_error *err)
 {
     mpi_transport *mt = (mpi_transport *)t;
     *failed = -1;
+    if (target >= mt->n) return rp_fail(err, RP_EINVAL, "transport: op %d of a batch of %d", target, mt->n);
     for (;;) {
         int32_t pending = -1;
         bool progressed = false;
@@ -204,7 +208,8 @@ static rp_status mpi_wait(rp_transport *t, double deadline, int32_t *failed, rp_
             }
             if (!mo->done && pending < 0) pending = i;
         }
-        if (pending < 0) return RP_OK;
+        if (target >= 0 ? mt->ops[target].done : pending < 0) return RP_OK;
+        if (target >= 0) pending = target;
         if (rp_now_s() >= deadline) {
             *failed = pending;
             return rp_fail(err, RP_ETIMEOUT, mt->ops[pending].op.send
@@ -215,6 +220,16 @@ static rp_status mpi_wait(rp_transport *t, double deadline, int32_t *failed, rp_
         post_late(mt);
         if (!progressed) sched_yield(); /* ranks may share cores (mpirun --oversubscribe) */
     }
+}
+
+static rp_status mpi_wait(rp_transport *t, double deadline, int32_t *failed, rp_error *err)
+{
+    return mpi_wait_until(t, -1, deadline, failed, err);
+}
+
+static rp_status mpi_wait_op(rp_transport *t, int32_t op, double deadline, int32_t *failed, rp_error *err)
+{
+    return mpi_wait_until(t, op < 0 ? 0 : op, deadline, failed, err);
 }
 
 /* Keep memory MPI may still read until the transport is freed (if even the list cannot
@@ -329,7 +344,7 @@ static void mpi_destroy(rp_transport *t)
 static const rp_transport_vtable mpi_vtable = {
     "mpi", mpi_start, mpi_wait, mpi_finish, mpi_allgather, mpi_alloc, mpi_free,
     mpi_copy, rp_transport_checksum_host, rp_transport_swap_host, mpi_copy, mpi_copy, mpi_destroy,
-    NULL, /* no single-op waits: the commit follows the whole batch */
+    mpi_wait_op,
 };
 
 rp_status rp_transport_mpi_new(rp_context *ctx, MPI_Comm comm, rp_transport **out, rp_error *err)
@@ -365,6 +380,7 @@ rp_status rp_transport_mpi_new(rp_context *ctx, MPI_Comm comm, rp_transport **ou
         rp_free(ctx, mt);
         return st;
     }
+    mt->base.wait_each = true; /* host memory, single ops waited on: each expert is committed as it arrives */
     *out = &mt->base;
     return RP_OK;
 }

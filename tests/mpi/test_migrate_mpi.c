@@ -163,6 +163,46 @@ static void test_faults(rp_context *ctx, rp_transport *t)
         }
 }
 
+/* One op of a batch waited on alone (what lets the executor commit each expert as it
+ * arrives): every rank sends two messages to the next rank, the second held back 2 s
+ * (fault); waiting for the first receive returns while the second cannot have arrived,
+ * a wait for the second before then times out naming it, and the batch then completes
+ * with both in place. */
+static void test_wait_op(rp_transport *t)
+{
+    check(t->wait_each && t->vt->wait_op != NULL, "mpi: the executor commits each expert as it arrives (wait_each)");
+    if (!t->vt->wait_op) return;
+    const int32_t next = (my_rank + 1) % num_ranks, prev = (my_rank + num_ranks - 1) % num_ranks;
+    unsigned char out[2][64], in[2][64];
+    for (int m = 0; m < 2; m++) {
+        memset(out[m], 16 * my_rank + m + 1, sizeof out[m]);
+        memset(in[m], 0, sizeof in[m]);
+    }
+    rp_transport_op ops[4] = {
+        {prev, 7, false, true, in[0], sizeof in[0]}, {prev, 8, false, true, in[1], sizeof in[1]},
+        {next, 7, true, true, out[0], sizeof out[0]}, {next, 8, true, true, out[1], sizeof out[1]},
+    };
+    rp_fault hold = {RP_FAULT_DELAY, 1, 2.0, false};
+    rp_transport_set_fault(t, &hold);
+    int32_t failed = -1;
+    rp_error err;
+    rp_status st = t->vt->start(t, ops, 4, &failed, &err);
+    check(st == RP_OK, "mpi wait_op: the batch starts");
+    st = t->vt->wait_op(t, 0, rp_now_s() + 1.0, &failed, &err);
+    check(st == RP_OK && in[0][0] == 16 * prev + 1 && in[0][63] == 16 * prev + 1,
+          "mpi wait_op: the first message is in place while the second is held back");
+    st = t->vt->wait_op(t, 1, rp_now_s() + 0.2, &failed, &err);
+    check(st == RP_ETIMEOUT && failed == 1 && strstr(err.text, "nothing arrived from rank") != NULL,
+          "mpi wait_op: a wait for the held-back one times out naming it");
+    st = t->vt->wait_op(t, 4, rp_now_s() + 1.0, &failed, &err);
+    check(st == RP_EINVAL, "mpi wait_op: an op outside the batch is refused");
+    st = t->vt->wait(t, rp_now_s() + 10.0, &failed, &err);
+    check(st == RP_OK && in[1][0] == 16 * prev + 2 && in[1][63] == 16 * prev + 2,
+          "mpi wait_op: then the batch completes, both messages in place");
+    check(t->vt->finish(t), "mpi wait_op: nothing left in flight");
+    rp_transport_set_fault(t, NULL);
+}
+
 /* The faults the in-process tests cover in depth (tests/test_migrate_faults.c), once
  * each over MPI: the same status on every rank, every byte intact, the transport
  * usable, a retry that completes. */
@@ -263,6 +303,7 @@ int main(int argc, char **argv)
           strcmp(rp_transport_name(t), "mpi") == 0 && rp_transport_built("mpi"),
           "mpi transport over MPI_COMM_WORLD");
     if (st == RP_OK) {
+        test_wait_op(t);
         test_property(ctx, t);
         test_faults(ctx, t);
         test_more_faults(ctx, t);
