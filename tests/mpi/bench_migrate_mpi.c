@@ -191,8 +191,9 @@ int main(int argc, char **argv)
                per_rank / best_ex, best_sr / best_ex);
         printf("  RoutePack executor            %7.2f GB/s per rank   executor / Sendrecv  %.2f  (staging allocated per "
                "call)\n", per_rank / best_own, best_sr / best_own);
-        printf("  (the executor also hashes every byte at its source, staged and in its slot, stages it, and\n"
-               "   swaps it into the slots after every rank agreed, so that the commit can be undone)\n");
+        printf("  (the executor also hashes every byte at its source, stages it, swaps it into its slot as it\n"
+               "   arrives, hashing it there, and keeps the round only if every rank checked its slots; else\n"
+               "   every rank swaps them back)\n");
         printf("  staging per rank              %7.1f MB\n", max_staging / 1e6);
         if (failures) printf("  %d runs failed\n", failures);
     }
