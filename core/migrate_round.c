@@ -233,15 +233,30 @@ static bool commit_when_sources_sent(exec *x, round_ops *ro, int32_t round, int6
     return true;
 }
 
+/* Each received transfer's source checksum (want_sum), from its peer's header in
+ * ro->recv_hdr, whose copies come in the order this rank posted their receives; cursor
+ * [P] is scratch. */
+static void read_want_sums(exec *x, const round_ops *ro, int32_t round, const int64_t *recv_hoff, int64_t *cursor)
+{
+    const rank_work *w = &x->w;
+    memset(cursor, 0, (size_t)x->t->size * sizeof *cursor);
+    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
+        int32_t p = x->tr[w->recv[k]].src_gpu - x->base;
+        w->want_sum[w->recv[k]] = ro->recv_hdr[recv_hoff[p] + HEADER_WORDS + HEADER_COPY * cursor[p]++ + 2];
+    }
+}
+
 /* The commit as the round's experts arrive (t->wait_each: host memory, single ops
  * waited on): each header as it arrives, checked; then each received transfer as its
  * messages complete, written into its slots and checked there (migrate_commit_transfer)
  * while later ones are still on the way, once the sends that read those slots are done;
  * then the copies inside this GPU. A header or a slot that fails its check stops the
  * commits (noted in x->mine), and the caller still waits for the whole batch, so that
- * no peer waits for a rank that left. Returns false when a wait failed (noted). */
+ * no peer waits for a rank that left. cursor [P] is scratch. Returns false when a wait
+ * failed (noted). */
 static bool commit_as_arrived(exec *x, round_ops *ro, int32_t round, double deadline, const int64_t *recv_count,
-                              const int64_t *recv_hoff, const int64_t *recv_first, const int64_t *send_first)
+                              const int64_t *recv_hoff, const int64_t *recv_first, const int64_t *send_first,
+                              int64_t *cursor)
 {
     rank_work *w = &x->w;
     rp_transport *t = x->t;
@@ -263,16 +278,7 @@ static bool commit_as_arrived(exec *x, round_ops *ro, int32_t round, double dead
         }
         if (!check_header(x, round, p, h, recv_count[p], recv_first[p])) return true;
     }
-    int64_t *cursor = rp_calloc(x->ctx, (size_t)t->size, sizeof(int64_t));
-    if (!cursor) {
-        note(&x->mine, RP_ENOMEM, round, -1, -1, -1, "no memory for round %d's header cursors", round);
-        return true;
-    }
-    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
-        int32_t p = x->tr[w->recv[k]].src_gpu - x->base;
-        w->want_sum[w->recv[k]] = ro->recv_hdr[recv_hoff[p] + HEADER_WORDS + HEADER_COPY * cursor[p]++ + 2];
-    }
-    rp_free(x->ctx, cursor);
+    read_want_sums(x, ro, round, recv_hoff, cursor);
     const int64_t corrupt = staged_fault_target(x, round);
     /* Each received transfer once its last message is in, in the order they were posted. */
     for (int32_t j = 0; j < ro->n; j++) {
@@ -474,7 +480,8 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
     }
     if (started && t->wait_each) {
         x->committed = true;
-        if (!commit_as_arrived(x, &ro, round, deadline, recv_count, recv_hoff, recv_first, send_first)) goto finish;
+        if (!commit_as_arrived(x, &ro, round, deadline, recv_count, recv_hoff, recv_first, send_first, msg_index))
+            goto finish;
     }
     if (started) {
         rp_status st = t->vt->wait(t, deadline, &failed, &e);
@@ -496,11 +503,7 @@ void migrate_run_round(exec *x, int32_t round, double deadline)
         if (!recv_count[p]) continue;
         if (!check_header(x, round, p, ro.recv_hdr + recv_hoff[p], recv_count[p], recv_first[p])) goto finish;
     }
-    memset(msg_index, 0, (size_t)P * sizeof(int64_t));
-    for (int64_t k = w->round_recv[round]; k < w->round_recv[round + 1]; k++) {
-        int32_t p = x->tr[w->recv[k]].src_gpu - x->base;
-        w->want_sum[w->recv[k]] = ro.recv_hdr[recv_hoff[p] + HEADER_WORDS + HEADER_COPY * msg_index[p]++ + 2];
-    }
+    read_want_sums(x, &ro, round, recv_hoff, msg_index);
     {
         int64_t i = staged_fault_target(x, round);
         if (i >= 0) corrupt_staged(x, i, deadline);
