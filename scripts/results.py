@@ -359,6 +359,7 @@ def splice(doc, section, later_headings, previous_heading):
     return doc.rstrip("\n") + "\n\n" + section + "\n"
 
 
+RESULTS_BEGIN, RESULTS_END = "<!-- results: begin (scripts/results.sh) -->", "<!-- results: end -->"
 LAYOUTS_BEGIN, LAYOUTS_END = "<!-- layouts: begin (scripts/results.sh --layouts) -->", "<!-- layouts: end -->"
 
 
@@ -379,8 +380,8 @@ def readme_layouts(args):
              "against the best baseline on step + migration: " + line + ".\n" + LAYOUTS_END)
     if LAYOUTS_BEGIN in src:
         src = re.sub(re.escape(LAYOUTS_BEGIN) + ".*?" + re.escape(LAYOUTS_END), lambda m: block, src, flags=re.S)
-    elif "<!-- results: end -->" in src:
-        src = src.replace("<!-- results: end -->", "<!-- results: end -->\n\n" + block, 1)
+    elif RESULTS_END in src:
+        src = src.replace(RESULTS_END, RESULTS_END + "\n\n" + block, 1)
     else:
         return
     with open(readme, "w") as f:
@@ -409,7 +410,7 @@ def readme_planner(args):
     if PLANNER_BEGIN in src:
         src = re.sub(re.escape(PLANNER_BEGIN) + ".*?" + re.escape(PLANNER_END), lambda m: block, src, flags=re.S)
     else:
-        for anchor in (LAYOUTS_END, "<!-- results: end -->"):
+        for anchor in (LAYOUTS_END, RESULTS_END):
             if anchor in src:
                 src = src.replace(anchor, anchor + "\n\n" + block, 1)
                 break
@@ -436,11 +437,10 @@ def readme_overhead_splice(args):
     if not sentence or not os.path.exists(readme):
         return
     src = open(readme).read()
-    begin, end = "<!-- results: begin (scripts/results.sh) -->", "<!-- results: end -->"
-    if begin not in src or end not in src:
+    if RESULTS_BEGIN not in src or RESULTS_END not in src:
         return
-    head, rest = src.split(begin, 1)
-    block, tail = rest.split(end, 1)
+    head, rest = src.split(RESULTS_BEGIN, 1)
+    block, tail = rest.split(RESULTS_END, 1)
     if OVERHEAD_SENTENCE.search(block):
         block = OVERHEAD_SENTENCE.sub(lambda m: sentence, block, count=1)
     elif "`docs/results.md` has every figure" in block:
@@ -448,7 +448,7 @@ def readme_overhead_splice(args):
     else:
         block = block.rstrip("\n") + " " + sentence.rstrip() + "\n"
     with open(readme, "w") as f:
-        f.write(head + begin + block + end + tail)
+        f.write(head + RESULTS_BEGIN + block + RESULTS_END + tail)
 
 
 def splice_section(args):
@@ -562,10 +562,9 @@ def main():
         f.write(text)
     readme = os.path.join(args.root, "README.md")
     src = open(readme).read()
-    begin, end = "<!-- results: begin (scripts/results.sh) -->", "<!-- results: end -->"
-    block = begin + "\n" + readme_summary(runs, args) + "\n" + end
-    if begin in src:
-        src = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda m: block, src, flags=re.S)
+    block = RESULTS_BEGIN + "\n" + readme_summary(runs, args) + "\n" + RESULTS_END
+    if RESULTS_BEGIN in src:
+        src = re.sub(re.escape(RESULTS_BEGIN) + ".*?" + re.escape(RESULTS_END), lambda m: block, src, flags=re.S)
     else:
         src = re.sub(r"(## Results\n\n)(.*?)(\n## )", lambda m: m.group(1) + block + "\n" + m.group(3), src,
                      count=1, flags=re.S)
