@@ -61,32 +61,33 @@ static int32_t cb_start(void *ud, const rp_transport_message *msgs, int32_t n, i
     return st;
 }
 
-static int32_t cb_wait(void *ud, double timeout_s, int32_t *failed, char *why, size_t why_bytes)
+/* The inner transport's wait for the whole batch (index -1) or one message of it, or the
+ * injected timeout. */
+static int32_t inner_wait(cb_rank *r, int32_t index, double timeout_s, int32_t *failed, char *why, size_t why_bytes)
 {
-    cb_rank *r = ud;
-    if (r->gpu && r->changed_at_wait < 0) r->changed_at_wait = w_gpu_bad_slots(r->gpu, r->plan, 0);
     if (r->waited_fail) {
         snprintf(why, why_bytes, "rank %d: injected timeout", r->inner->rank);
         return RP_ETIMEOUT;
     }
     rp_error e;
-    rp_status st = r->inner->vt->wait(r->inner, rp_now_s() + timeout_s, failed, &e);
+    double deadline = rp_now_s() + timeout_s;
+    rp_status st = index < 0 ? r->inner->vt->wait(r->inner, deadline, failed, &e)
+                             : r->inner->vt->wait_op(r->inner, index, deadline, failed, &e);
     if (st != RP_OK) snprintf(why, why_bytes, "%s", e.text);
     return st;
+}
+
+static int32_t cb_wait(void *ud, double timeout_s, int32_t *failed, char *why, size_t why_bytes)
+{
+    cb_rank *r = ud;
+    if (r->gpu && r->changed_at_wait < 0) r->changed_at_wait = w_gpu_bad_slots(r->gpu, r->plan, 0);
+    return inner_wait(r, -1, timeout_s, failed, why, why_bytes);
 }
 
 /* One message (the executor commits each expert as it arrives): the local transport's. */
 static int32_t cb_wait_one(void *ud, int32_t index, double timeout_s, int32_t *failed, char *why, size_t why_bytes)
 {
-    cb_rank *r = ud;
-    if (r->waited_fail) {
-        snprintf(why, why_bytes, "rank %d: injected timeout", r->inner->rank);
-        return RP_ETIMEOUT;
-    }
-    rp_error e;
-    rp_status st = r->inner->vt->wait_op(r->inner, index, rp_now_s() + timeout_s, failed, &e);
-    if (st != RP_OK) snprintf(why, why_bytes, "%s", e.text);
-    return st;
+    return inner_wait(ud, index, timeout_s, failed, why, why_bytes);
 }
 
 static int32_t cb_finish(void *ud)
